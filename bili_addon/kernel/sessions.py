@@ -1,0 +1,176 @@
+"""Which conversation a request belongs to.
+
+The session id is the agent's own conversation id, taken verbatim.  Requests that carry none are
+matched by a progressive hash of their normalised history (``PrefixAffinity``), so a replay after a
+restart re-attaches and two conversations that share only a preamble never share state.
+Environment (system prompt, tools, model) is never part of identity.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Mapping
+
+import blake3
+import msgspec
+
+# conversation headers, first non-empty wins
+SESSION_HEADERS = (
+    "x-acp-session",
+    "x-claude-code-session-id",
+    "x-session-affinity",
+    "x-session-id",
+    "x-opencode-session",
+    "session-id",
+    "session_id",
+)
+
+# prompt_cache_key values that are content hashes, not conversation ids (hermes: pck_ + sha256)
+_CONTENT_KEYED_CACHE_KEY_PREFIXES = ("pck_",)
+
+MIN_CANONICAL_BYTES = 24
+
+
+def _header(headers: Mapping[str, str], name: str) -> str:
+    v = headers.get(name)
+    return v.strip() if isinstance(v, str) else ""
+
+
+def codex_thread(headers: Mapping[str, str]) -> str | None:
+    """Codex internal threads (subagents, reviews, ...) get their own state, keyed by thread id."""
+    meta = _header(headers, "x-codex-turn-metadata")
+    thread = _header(headers, "thread-id")
+    if not meta or not thread:
+        return None
+    try:
+        data = json.loads(meta)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    source, tid = data.get("thread_source"), data.get("thread_id")
+    if not isinstance(source, str) or source == "user" or tid != thread:
+        return None
+    return thread
+
+
+def session_from_request(headers: Mapping[str, str], top: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(session_id, source)`` from the agent's own ids, or None for an anonymous request.
+
+    ``top`` is the decoded top-level body (only small scalar fields are read).
+    """
+    thread = codex_thread(headers)
+    if thread:
+        return thread, "codex-thread"
+    for name in SESSION_HEADERS:
+        v = _header(headers, name)
+        if v:
+            return v, f"header:{name}"
+    sid = top.get("session_id")
+    if isinstance(sid, str) and sid.strip():
+        return sid.strip(), "body:session_id"
+    meta = top.get("metadata")
+    if isinstance(meta, dict):
+        if isinstance(meta.get("session_id"), str) and meta["session_id"].strip():
+            return meta["session_id"].strip(), "body:metadata.session_id"
+        uid = meta.get("user_id")
+        if isinstance(uid, str) and uid.startswith("{"):
+            try:
+                inner = json.loads(uid)
+            except ValueError:
+                inner = None
+            if isinstance(inner, dict) and isinstance(inner.get("session_id"), str) and inner["session_id"]:
+                return inner["session_id"], "body:metadata.user_id"
+    pck = top.get("prompt_cache_key")
+    if isinstance(pck, str) and pck.strip() and not pck.startswith(_CONTENT_KEYED_CACHE_KEY_PREFIXES):
+        return pck.strip(), "body:prompt_cache_key"
+    return None
+
+
+def agent_of(headers: Mapping[str, str]) -> str:
+    """A best-effort label for stats and logs; never used for identity."""
+    ua = _header(headers, "user-agent").lower()
+    if "claude-cli" in ua or "claude-code" in ua:
+        return "claude-code"
+    if "codex" in ua or _header(headers, "originator").startswith("codex"):
+        return "codex"
+    if ua.startswith("opencode") or _header(headers, "originator") == "opencode":
+        return "opencode"
+    if ua.startswith("omp/"):
+        return "omp"
+    if "/python" in ua:
+        return "python-sdk"
+    if "/js" in ua:
+        return "js-sdk"
+    return ua.split("/", 1)[0] if ua else "unknown"
+
+
+# -- anonymous prefix affinity -----------------------------------------------------------------
+
+_canon_enc = msgspec.json.Encoder(order="sorted")
+_TEXT_PART_TYPES = {"text", "input_text", "output_text"}
+
+
+def _normalise(v: Any) -> Any:
+    if isinstance(v, dict):
+        out = {k: _normalise(x) for k, x in v.items() if k != "cache_control"}
+        if out.get("type") in _TEXT_PART_TYPES:
+            out["type"] = "text"
+        c = out.get("content")
+        if isinstance(c, str):
+            out["content"] = [{"type": "text", "text": c}]
+        return out
+    if isinstance(v, list):
+        return [_normalise(x) for x in v]
+    return v
+
+
+def canonical_item(obj: Any) -> bytes:
+    """Transport hints removed (``cache_control``), string content == one text part, keys sorted."""
+    return _canon_enc.encode(_normalise(obj))
+
+
+def chain(canon_items: Iterable[bytes]) -> list[str]:
+    """Progressive hashes: ``h_i = H(h_{i-1} || 0 || canon_i)``; hex digests, one per item."""
+    out: list[str] = []
+    prev = b""
+    for c in canon_items:
+        prev = blake3.blake3(prev + b"\x00" + c).digest()
+        out.append(prev.hex())
+    return out
+
+
+def new_anonymous_id(tail: str, depth: int) -> str:
+    return "pfa-" + blake3.blake3(f"{tail}\x00{depth}".encode()).hexdigest()[:16]
+
+
+class PrefixAffinity:
+    """Anonymous conversations by the hash chain of their history.
+
+    Each session remembers the tail hash of its latest request.  A request belongs to the session
+    whose remembered tail equals the request's own chain hash at that depth (the deepest wins).
+    A request that extends nothing known starts a session whose id is derived from its own chain,
+    so an identical replay after a restart lands in the same place.
+    """
+
+    def __init__(self, rows: Iterable[tuple[str, int, str]] = ()):
+        self.by_tail: dict[str, tuple[str, int]] = {}
+        self.by_session: dict[str, str] = {}
+        for sid, depth, tail in rows:
+            self.note(sid, depth, tail)
+
+    def match(self, hashes: list[str]) -> str | None:
+        for depth in range(len(hashes), 0, -1):
+            hit = self.by_tail.get(hashes[depth - 1])
+            if hit is not None and hit[1] == depth:
+                return hit[0]
+        return None
+
+    def note(self, session_id: str, depth: int, tail: str) -> None:
+        old = self.by_session.get(session_id)
+        if old is not None and old != tail:
+            cur = self.by_tail.get(old)
+            if cur is not None and cur[0] == session_id:
+                del self.by_tail[old]
+        self.by_session[session_id] = tail
+        self.by_tail[tail] = (session_id, depth)

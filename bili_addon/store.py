@@ -1,0 +1,171 @@
+"""The embedded store: SQLite in WAL mode under ``bili_data_dir``.
+
+Everything a session needs to survive a restart lives here: the ledger (``(session_id, msg_id,
+content_hash) -> ref``), the session rows, and the anonymous-conversation prefix chains.  A turn
+is written in one transaction, before its bytes are forwarded, so ``kill -9`` can lose at most a
+turn that was never sent with its refs.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions(
+    id TEXT PRIMARY KEY,
+    agent TEXT NOT NULL DEFAULT '',
+    lane TEXT NOT NULL DEFAULT '',
+    created REAL NOT NULL,
+    last_seen REAL NOT NULL,
+    requests INTEGER NOT NULL DEFAULT 0,
+    messages INTEGER NOT NULL DEFAULT 0,
+    next_ref INTEGER NOT NULL DEFAULT 1
+);
+CREATE TABLE IF NOT EXISTS ledger(
+    session_id TEXT NOT NULL,
+    msg_id TEXT NOT NULL,
+    content_hash TEXT NOT NULL,
+    ref TEXT NOT NULL,
+    role TEXT NOT NULL,
+    ctype TEXT NOT NULL,
+    tokens INTEGER NOT NULL,
+    first_seen REAL NOT NULL,
+    PRIMARY KEY(session_id, msg_id, content_hash)
+) WITHOUT ROWID;
+CREATE UNIQUE INDEX IF NOT EXISTS ledger_ref ON ledger(session_id, ref);
+CREATE TABLE IF NOT EXISTS affinity(
+    session_id TEXT PRIMARY KEY,
+    depth INTEGER NOT NULL,
+    tail TEXT NOT NULL,
+    last_seen REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS affinity_tail ON affinity(tail);
+"""
+
+
+class StoreError(RuntimeError):
+    """The store cannot be opened or written; the addon passes requests through."""
+
+
+@dataclass(slots=True)
+class LedgerRow:
+    msg_id: str
+    content_hash: str
+    ref: str
+    role: str
+    ctype: str
+    tokens: int
+
+
+@dataclass(slots=True)
+class SessionRow:
+    id: str
+    agent: str
+    lane: str
+    created: float
+    last_seen: float
+    requests: int
+    messages: int
+    next_ref: int
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "bili-addon"
+
+
+class Store:
+    def __init__(self, data_dir: str | os.PathLike[str]):
+        self.path = Path(data_dir) / "bili.sqlite3"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.execute("PRAGMA busy_timeout=5000")
+            self.db.executescript(_SCHEMA)
+            self.db.execute(
+                "INSERT OR IGNORE INTO meta(key, value) VALUES('schema_version', ?)", (str(SCHEMA_VERSION),)
+            )
+        except (sqlite3.Error, OSError) as e:
+            raise StoreError(f"cannot open the store at {self.path}: {e}") from e
+
+    def close(self) -> None:
+        try:
+            self.db.close()
+        except sqlite3.Error:
+            pass
+
+    # -- reads ---------------------------------------------------------------------------------
+    def session(self, session_id: str) -> SessionRow | None:
+        row = self.db.execute(
+            "SELECT id, agent, lane, created, last_seen, requests, messages, next_ref FROM sessions WHERE id=?",
+            (session_id,),
+        ).fetchone()
+        return SessionRow(*row) if row else None
+
+    def sessions(self) -> list[SessionRow]:
+        rows = self.db.execute(
+            "SELECT id, agent, lane, created, last_seen, requests, messages, next_ref FROM sessions "
+            "ORDER BY last_seen DESC"
+        ).fetchall()
+        return [SessionRow(*r) for r in rows]
+
+    def ledger(self, session_id: str) -> list[LedgerRow]:
+        rows = self.db.execute(
+            "SELECT msg_id, content_hash, ref, role, ctype, tokens FROM ledger WHERE session_id=?",
+            (session_id,),
+        ).fetchall()
+        return [LedgerRow(*r) for r in rows]
+
+    def ref_count(self, session_id: str) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM ledger WHERE session_id=?", (session_id,)).fetchone()[0]
+
+    def affinity(self) -> list[tuple[str, int, str]]:
+        return self.db.execute("SELECT session_id, depth, tail FROM affinity").fetchall()
+
+    # -- the one write of a turn ---------------------------------------------------------------
+    def commit_turn(
+        self,
+        row: SessionRow,
+        new_refs: list[LedgerRow],
+        chain: tuple[int, str] | None = None,
+    ) -> None:
+        """Write a turn atomically: new ledger rows, the session's counters, its prefix chain."""
+        now = time.time()
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.execute(
+                    "INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref) "
+                    "VALUES(?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, "
+                    "lane=excluded.lane, last_seen=excluded.last_seen, requests=excluded.requests, "
+                    "messages=excluded.messages, next_ref=excluded.next_ref",
+                    (row.id, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref),
+                )
+                if new_refs:
+                    self.db.executemany(
+                        "INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen) "
+                        "VALUES(?,?,?,?,?,?,?,?)",
+                        [(row.id, r.msg_id, r.content_hash, r.ref, r.role, r.ctype, r.tokens, now) for r in new_refs],
+                    )
+                if chain is not None:
+                    self.db.execute(
+                        "INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(?,?,?,?) "
+                        "ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail, "
+                        "last_seen=excluded.last_seen",
+                        (row.id, chain[0], chain[1], now),
+                    )
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot write the store at {self.path}: {e}") from e

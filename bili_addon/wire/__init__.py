@@ -1,0 +1,61 @@
+"""Wire codecs, one module per provider lane.
+
+Every lane maps one item of its conversation array to a list of :class:`~bili_addon.wire.base.Core`
+parts and says which leading items are system content.  The bytes are never rebuilt from cores:
+the pipeline patches prose in place (see :mod:`bili_addon.wire.base`), so everything a lane does
+not understand survives byte for byte.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from bili_addon.wire.anthropic import AnthropicLane
+from bili_addon.wire.base import Core
+
+
+class Lane(Protocol):
+    name: str
+    conv_key: str
+
+    def is_system_item(self, obj: Any) -> bool: ...
+
+    def item_cores(self, obj: Any) -> list[Core]: ...
+
+
+LANES: dict[str, Lane] = {"anthropic": AnthropicLane()}
+
+
+def _register_optional() -> None:
+    # the other lanes live in their own modules; imported here so ``LANES`` is the one registry
+    from bili_addon.wire import chat, gemini, responses
+
+    LANES["chat"] = chat.ChatLane()
+    LANES["responses"] = responses.ResponsesLane()
+    LANES["gemini"] = gemini.GeminiLane()
+
+
+def detect_lane(method: str, path: str) -> Lane | None:
+    """Which model lane a request belongs to, from its method and path (query ignored)."""
+    if method != "POST":
+        return None
+    p = path.split("?", 1)[0].rstrip("/")
+    if p.endswith("/messages") and not p.endswith("/count_tokens"):
+        return LANES.get("anthropic")
+    if p.endswith("/chat/completions"):
+        return LANES.get("chat")
+    if p.endswith("/responses"):
+        return LANES.get("responses")
+    if ":generateContent" in p or ":streamGenerateContent" in p:
+        return LANES.get("gemini")
+    return None
+
+
+def is_responses_websocket(path: str) -> bool:
+    return path.split("?", 1)[0].rstrip("/").endswith("/responses")
+
+
+try:
+    _register_optional()
+except ImportError:  # a lane module not present yet: that lane passes through
+    pass

@@ -1,0 +1,97 @@
+"""Anthropic Messages (``/v1/messages``): ``messages[]`` items with string or block-array content."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bili_addon.wire.base import (
+    IMAGE,
+    OTHER,
+    REASONING,
+    TEXT,
+    TOOL_CALL,
+    TOOL_RESULT,
+    Core,
+    compact_json,
+)
+from bili_addon.wire.media import payload_of_source
+
+
+class AnthropicLane:
+    name = "anthropic"
+    conv_key = "messages"
+
+    @staticmethod
+    def is_system_item(obj: Any) -> bool:
+        # Anthropic keeps its system prompt in the top-level ``system``; ``role: "system"`` entries
+        # inside ``messages[]`` (Claude Code's mid-conversation system) are conversation content.
+        return False
+
+    @staticmethod
+    def item_cores(obj: Any) -> list[Core]:
+        if not isinstance(obj, dict):
+            return [Core("user", OTHER, compact_json(obj))]
+        role = obj.get("role") if isinstance(obj.get("role"), str) else "user"
+        content = obj.get("content")
+        if isinstance(content, str):
+            return [Core(role, TEXT, content, path=("content",))]
+        if not isinstance(content, list):
+            return [Core(role, OTHER, compact_json(content))]
+        out: list[Core] = []
+        for j, block in enumerate(content):
+            out.append(_block_core(role, j, block))
+        return out
+
+
+def _block_core(role: str, j: int, block: Any) -> Core:
+    if not isinstance(block, dict):
+        return Core(role, OTHER, compact_json(block))
+    kind = block.get("type")
+    if kind == "text" and isinstance(block.get("text"), str):
+        return Core(role, TEXT, block["text"], path=("content", j, "text"))
+    if kind in ("tool_use", "server_tool_use", "mcp_tool_use"):
+        args = block.get("input")
+        return Core(
+            "assistant",
+            TOOL_CALL,
+            compact_json({} if args is None else args),
+            tool_name=str(block.get("name") or ""),
+            tool_call_id=str(block.get("id") or ""),
+        )
+    if kind == "tool_result" or (isinstance(kind, str) and kind.endswith("_tool_result")):
+        text, media = _result_text(block.get("content"))
+        return Core(
+            "tool",
+            TOOL_RESULT,
+            text,
+            tool_call_id=str(block.get("tool_use_id") or ""),
+            media=media,
+        )
+    if kind == "thinking":
+        return Core("assistant", REASONING, str(block.get("thinking") or ""))
+    if kind == "redacted_thinking":
+        return Core("assistant", REASONING, str(block.get("data") or ""))
+    if kind == "image":
+        return Core(role, IMAGE, "[image]", media=payload_of_source(block.get("source")))
+    return Core(role, OTHER, compact_json(block))
+
+
+def _result_text(content: Any) -> tuple[str, str]:
+    """Text of a tool result (parts joined by newlines) and the payload slot of any images in it."""
+    if content is None:
+        return "", ""
+    if isinstance(content, str):
+        return content, ""
+    if not isinstance(content, list):
+        return compact_json(content), ""
+    texts: list[str] = []
+    media: list[str] = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "text":
+            texts.append(str(part.get("text") or ""))
+        elif isinstance(part, dict) and part.get("type") == "image":
+            texts.append("[image]")
+            media.append(payload_of_source(part.get("source")))
+        else:
+            texts.append(compact_json(part))
+    return "\n".join(texts), ",".join(media)

@@ -1,0 +1,128 @@
+"""The lane-neutral core message and the byte-exact patching machinery every codec shares.
+
+A request body is held as an ordered ``dict[str, msgspec.Raw]``: keys we never touch keep their
+original bytes.  The conversation array (``messages`` / ``input`` / ``contents``) is held as a
+``list[msgspec.Raw]`` of *items*; an item we do not patch is re-emitted byte for byte.  A patch is a
+path inside one item (``("content", 2, "text")``) and a new JSON value; only the objects on that
+path are re-encoded, siblings keep their raw bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import msgspec
+
+# contentType literals of the core model
+TEXT = "text"
+TOOL_CALL = "tool-call"
+TOOL_RESULT = "tool-result"
+REASONING = "reasoning"
+IMAGE = "image"
+OTHER = "other"  # a part we carry opaquely (documents, server tool blocks, ...)
+
+_dec_raw_obj = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_dec_raw_list = msgspec.json.Decoder(list[msgspec.Raw])
+_dec_any = msgspec.json.Decoder()
+_enc = msgspec.json.Encoder()
+
+Path = tuple  # tuple[str | int, ...]
+
+
+class Core(msgspec.Struct, gc=False):
+    """One content part of one wire item, in the lane-neutral shape the kernel works on."""
+
+    role: str  # user | assistant | system | tool
+    ctype: str  # TEXT | TOOL_CALL | TOOL_RESULT | REASONING | IMAGE | OTHER
+    text: str
+    tool_name: str = ""
+    tool_call_id: str = ""
+    media: str = ""  # payload slot for media cores (hash of data, or the URL)
+    item: int = 0  # index of the wire item this part lives in
+    path: Path = ()  # where ``text`` lives inside the item, when it is patchable prose
+    last_item: bool = False  # the part belongs to the final item of the conversation
+
+
+class CodecError(ValueError):
+    """The body does not have the shape of its lane; the request passes through untouched."""
+
+
+def decode_obj(raw: bytes | msgspec.Raw) -> dict[str, msgspec.Raw]:
+    try:
+        return _dec_raw_obj.decode(raw)
+    except msgspec.ValidationError as e:
+        raise CodecError(f"expected a JSON object: {e}") from None
+
+
+def decode_list(raw: bytes | msgspec.Raw) -> list[msgspec.Raw]:
+    try:
+        return _dec_raw_list.decode(raw)
+    except msgspec.ValidationError as e:
+        raise CodecError(f"expected a JSON array: {e}") from None
+
+
+def decode_any(raw: bytes | msgspec.Raw) -> Any:
+    return _dec_any.decode(raw)
+
+
+def encode(value: Any) -> bytes:
+    return _enc.encode(value)
+
+
+def compact_json(value: Any) -> str:
+    """Compact JSON text of a parsed value (key order kept), as tool-call argument text."""
+    return _enc.encode(value).decode()
+
+
+def patch(raw: bytes | msgspec.Raw, path: Path, value: Any) -> bytes:
+    """Return ``raw`` with the JSON value at ``path`` replaced; everything off the path stays byte-exact."""
+    if not path:
+        return _enc.encode(value)
+    head, rest = path[0], path[1:]
+    if isinstance(head, int):
+        arr = decode_list(raw)
+        arr[head] = msgspec.Raw(patch(arr[head], rest, value))
+        return _enc.encode(arr)
+    obj = decode_obj(raw)
+    obj[head] = msgspec.Raw(patch(obj[head], rest, value)) if rest else msgspec.Raw(_enc.encode(value))
+    return _enc.encode(obj)
+
+
+def patch_many(raw: bytes, edits: Iterable[tuple[Path, Any]]) -> bytes:
+    for path, value in edits:
+        raw = patch(raw, path, value)
+    return raw
+
+
+class Body:
+    """A request body split into untouched top-level raw values and the conversation item array."""
+
+    __slots__ = ("top", "key", "items")
+
+    def __init__(self, raw: bytes, key: str):
+        try:
+            self.top = _dec_raw_obj.decode(raw)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise CodecError(f"body is not a JSON object: {e}") from None
+        self.key = key
+        conv = self.top.get(key)
+        if conv is None:
+            self.items: list[msgspec.Raw] = []
+        else:
+            first = bytes(conv)[:1]
+            if first != b"[":
+                raise CodecError(f"{key} is not an array")
+            self.items = decode_list(conv)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        raw = self.top.get(key)
+        return default if raw is None else _dec_any.decode(raw)
+
+    def set(self, key: str, value: Any) -> None:
+        self.top[key] = msgspec.Raw(_enc.encode(value))
+
+    def encode(self, items: list[bytes] | None) -> bytes:
+        """Re-emit the body; ``items`` replaces the conversation array when given."""
+        if items is not None:
+            self.top[self.key] = msgspec.Raw(b"[" + b",".join(items) + b"]")
+        return _enc.encode(self.top)
