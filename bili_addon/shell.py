@@ -1,9 +1,11 @@
-"""The mitmproxy addon: options, hooks, fail-open.  The work happens in :mod:`bili_addon.kernel`."""
+"""The mitmproxy addon: options, hooks, fail-open.  The work happens in :mod:`bili_addon.kernel`
+(requests) and :mod:`bili_addon.stream` (responses)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import msgspec
 from mitmproxy import ctx, http
@@ -11,11 +13,22 @@ from mitmproxy import ctx, http
 from bili_addon import admin
 from bili_addon.kernel.turn import Engine, TurnResult
 from bili_addon.store import Store, StoreError, default_data_dir
-from bili_addon.wire import LANES, Lane, detect_lane, is_responses_websocket
+from bili_addon.stream import Decoder, ResponseRewriter
+from bili_addon.wire import LANES, Lane, detect_lane, hygiene, is_responses_websocket
 
 log = logging.getLogger("bili")
 
 MODES = ("fold", "observe", "passthrough")
+WS_REFUSAL = b'{"error":"bili: WebSocket upgrades on /responses are refused in fold mode; use HTTP POST"}'
+
+
+@dataclass
+class FlowState:
+    """What the request side learned about a flow, for its response."""
+
+    lane: str
+    session: str
+    rewriter: ResponseRewriter
 
 
 class Bili:
@@ -23,6 +36,7 @@ class Bili:
         self.engine: Engine | None = None
         self.store_ok = False
         self.mode = "fold"
+        self.refuse_ws = True
         self._data_dir = ""
 
     # -- options -------------------------------------------------------------------------------
@@ -34,10 +48,17 @@ class Bili:
             "passthrough: byte-exact forwarding, nothing recorded.",
             choices=MODES,
         )
+        loader.add_option(
+            "bili_refuse_websocket", bool, True,
+            "In fold mode, answer WebSocket upgrades on /responses with HTTP 426 so the agent "
+            "falls back to HTTP with its full history (codex).",
+        )
 
     def configure(self, updated: set[str]) -> None:
         if "bili_mode" in updated:
             self.mode = ctx.options.bili_mode
+        if "bili_refuse_websocket" in updated:
+            self.refuse_ws = ctx.options.bili_refuse_websocket
         if "bili_data_dir" in updated or self.engine is None and not self._data_dir:
             self._open_store(ctx.options.bili_data_dir or str(default_data_dir()))
 
@@ -56,50 +77,51 @@ class Bili:
         if self.engine is not None:
             self.engine.store.close()
 
-    # -- hooks ---------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return self.mode != "passthrough" and self.engine is not None
+
+    # -- requests ------------------------------------------------------------------------------
     def request(self, flow: http.HTTPFlow) -> None:
         if admin.is_admin(flow):
             admin.handle(flow, self)
             return
-        if self.mode == "passthrough" or self.engine is None:
+        if not self.active:
             return
-        lane = detect_lane(flow.request.method, flow.request.path)
+        req = flow.request
+        if (
+            self.mode == "fold" and self.refuse_ws and req.method == "GET"
+            and req.headers.get("upgrade", "").lower() == "websocket" and is_responses_websocket(req.path)
+        ):
+            flow.response = http.Response.make(426, WS_REFUSAL, {"content-type": "application/json"})
+            log.info("[bili] refused a WebSocket upgrade on %s (426): the agent falls back to HTTP", req.path)
+            return
+        lane = detect_lane(req.method, req.path)
         if lane is None:
             return
-        self._rewrite_request(flow, lane)
-
-    def websocket_message(self, flow: http.HTTPFlow) -> None:
-        if self.mode == "passthrough" or self.engine is None or flow.websocket is None:
-            return
-        msg = flow.websocket.messages[-1]
-        if not msg.from_client or not msg.is_text or not is_responses_websocket(flow.request.path):
-            return
-        raw = msg.content
-        if b'"response.create"' not in raw:
-            return
-        out = self._process(raw, LANES["responses"], flow.request.headers, where="ws")
-        if out is not None:
-            msg.content = out
-
-    # -- the body ------------------------------------------------------------------------------
-    def _rewrite_request(self, flow: http.HTTPFlow, lane: Lane) -> None:
         try:
-            raw = flow.request.get_content(strict=True)
+            raw = req.get_content(strict=True)
         except ValueError as e:
-            log.warning("[bili] %s: cannot decode request body (%s); forwarding unchanged", flow.request.path, e)
+            log.warning("[bili] %s: cannot decode request body (%s); forwarding unchanged", req.path, e)
             return
         if not raw:
             return
-        out = self._process(raw, lane, flow.request.headers, where="http")
-        if out is not None:
-            flow.request.content = out  # re-encoded with the request's own content-encoding
+        res = self._process(raw, lane, req.headers, where="http", origin=req.pretty_host)
+        if res is None or not res.session:
+            return
+        if res.body is not None:
+            req.content = res.body  # re-encoded with the request's own content-encoding
+        rewrite = self.mode == "fold"
+        if rewrite:
+            # a compressed stream cannot be filtered event by event
+            req.headers["accept-encoding"] = "identity"
+        flow.metadata["bili"] = FlowState(lane.name, res.session, ResponseRewriter(lane.name, rewrite))
 
-    def _process(self, raw: bytes, lane: Lane, headers, where: str) -> bytes | None:
+    def _process(self, raw: bytes, lane: Lane, headers, where: str, origin: str = "") -> TurnResult | None:
         assert self.engine is not None
         t0 = time.perf_counter()
-        res: TurnResult | None = None
         try:
-            res = self.engine.process(raw, lane, headers, render=self.mode == "fold")
+            res = self.engine.process(raw, lane, headers, render=self.mode == "fold", origin=origin)
         except (msgspec.DecodeError, ValueError) as e:
             log.info("[bili] %s %s: body not understood (%s); forwarding unchanged", lane.name, where, e)
             return None
@@ -110,29 +132,147 @@ class Bili:
             log.exception("[bili] internal error on %s %s: %s; forwarding unchanged", lane.name, where, e)
             return None
         ms = (time.perf_counter() - t0) * 1000
-        out = res.body
         if not res.session:
-            log.info("[bili] lane=%s %s msgs=%d: %s; forwarding unchanged", lane.name, where, res.messages, res.note)
-            return None
+            log.info("[bili] lane=%s %s msgs=%d: %s; forwarding unchanged", lane.name, where, res.messages, res.source)
+            return res
+        for note in res.notes:
+            log.warning("[bili] session=%s: %s", res.session, note)
+        out = len(res.body) if res.body is not None else len(raw)
         log.info(
             "[bili] session=%s lane=%s msgs=%d refs new=%d known=%d tagged=%d bytes in=%d out=%d addon=%.1fms",
-            res.session, lane.name, res.messages, res.refs_new, res.refs_known, res.tagged,
-            len(raw), len(out) if out is not None else len(raw), ms,
+            res.session, lane.name, res.messages, res.refs_new, res.refs_known, res.tagged, len(raw), out, ms,
         )
-        return out
+        return res
+
+    # -- responses -----------------------------------------------------------------------------
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        st: FlowState | None = flow.metadata.get("bili")
+        resp = flow.response
+        if st is None or resp is None or not 200 <= resp.status_code < 300:
+            return
+        if "text/event-stream" not in resp.headers.get("content-type", ""):
+            return  # a JSON body is handled whole in ``response``
+        decoder = None
+        enc = resp.headers.get("content-encoding", "").strip().lower()
+        if enc and enc != "identity":
+            try:
+                decoder = Decoder(enc)
+            except ValueError:
+                log.warning("[bili] session=%s: stream encoded as %r; passing it untouched", st.session, enc)
+                return
+        if st.rewriter.rewrite or decoder is not None:
+            resp.headers.pop("content-length", None)
+            if decoder is not None:
+                resp.headers.pop("content-encoding", None)
+        resp.stream = st.rewriter.stream(decoder)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        st: FlowState | None = flow.metadata.get("bili")
+        resp = flow.response
+        if st is None or resp is None or self.engine is None:
+            return
+        try:
+            if resp.status_code >= 400:
+                self._learn_from_error(st, resp)
+            elif not resp.stream and "json" in resp.headers.get("content-type", ""):
+                content = resp.get_content(strict=False)
+                if content:
+                    out = st.rewriter.json_body(content)
+                    if out is not None:
+                        resp.content = out
+            self._account(st)
+        except Exception as e:
+            log.exception("[bili] session=%s: response handling failed (%s); answer left as is", st.session, e)
+
+    def _learn_from_error(self, st: FlowState, resp: http.Response) -> None:
+        assert self.engine is not None
+        text = (resp.get_content(strict=False) or b"")[:65536].decode("utf-8", "replace")
+        if resp.status_code == 400 and hygiene.is_strict_hint(text):
+            if self.engine.set_flag(st.session, "strict_reasoning", True):
+                log.warning(
+                    "[bili] session=%s: upstream requires reasoning to be passed back; repairing from the next turn",
+                    st.session,
+                )
+
+    def _account(self, st: FlowState) -> None:
+        assert self.engine is not None
+        rw = st.rewriter
+        if rw.stripped:
+            log.info("[bili] session=%s: stripped %d tag echo(es) from the model's prose", st.session, rw.stripped)
+        u = rw.usage
+        if not u.seen:
+            return
+        self.engine.store.record_usage(st.session, st.lane, (u.input, u.cache_read, u.cache_write, u.output))
+        share = f"{100 * u.cache_share:.0f}%" if u.cache_share is not None else "n/a"
+        log.info(
+            "[bili] session=%s usage input=%d cache_read=%d cache_write=%d output=%d cache-read share=%s",
+            st.session, u.input, u.cache_read, u.cache_write, u.output, share,
+        )
+
+    # -- WebSocket (Responses) -----------------------------------------------------------------
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        if not self.active or flow.websocket is None or not is_responses_websocket(flow.request.path):
+            return
+        msg = flow.websocket.messages[-1]
+        if not msg.is_text:
+            return
+        if msg.from_client:
+            if b'"response.create"' not in msg.content:
+                return
+            res = self._process(msg.content, LANES["responses"], flow.request.headers, where="ws",
+                                origin=flow.request.pretty_host)
+            if res is None or not res.session:
+                return
+            if res.body is not None:
+                msg.content = res.body
+            st = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold"))
+            flow.metadata["bili"] = st
+            return
+        st = flow.metadata.get("bili")
+        if st is None:
+            return
+        try:
+            frames = st.rewriter.ws_frame(msg.content)
+            if frames is not None:
+                self._send_ws(flow, msg, frames)
+            if b'"response.completed"' in msg.content or b'"response.done"' in msg.content:
+                self._account(st)
+        except Exception as e:
+            log.exception("[bili] session=%s: WebSocket frame handling failed (%s); frame left as is", st.session, e)
+
+    @staticmethod
+    def _send_ws(flow: http.HTTPFlow, msg, frames: list[bytes]) -> None:
+        """Replace one server frame by ``frames`` (zero, one or several), in order."""
+        if len(frames) == 1:
+            msg.content = frames[0]
+            return
+        msg.drop()
+        for frame in frames:
+            ctx.master.commands.call("inject.websocket", flow, True, frame, True)
 
     # -- admin ---------------------------------------------------------------------------------
     def stats(self) -> dict:
         if self.engine is None:
             return {"sessions": [], "store": False}
         store = self.engine.store
-        return {
-            "sessions": [
-                {
-                    "id": r.id, "agent": r.agent, "lane": r.lane, "requests": r.requests,
-                    "messages": r.messages, "refs": store.ref_count(r.id), "last_seen": r.last_seen,
-                }
-                for r in store.sessions()
-            ],
-            "store": True,
-        }
+        sessions = []
+        for r in store.sessions():
+            u = store.usage(r.id)
+            flags = msgspec.json.decode(r.flags or "{}")
+            entry = {
+                "id": r.id, "agent": r.agent, "lane": r.lane, "requests": r.requests,
+                "messages": r.messages, "refs": store.ref_count(r.id), "last_seen": r.last_seen,
+                "usage": {
+                    "turns": u.turns, "input_tokens": u.input_tokens, "cache_read": u.cache_read,
+                    "cache_write": u.cache_write, "output_tokens": u.output_tokens,
+                    "cache_read_share": round(u.cache_read / u.input_tokens, 4) if u.input_tokens else None,
+                    "last_turn_cache_read_share": (
+                        round(u.last[1] / u.last[0], 4) if u.last and u.last[0] else None
+                    ),
+                },
+                "flags": flags,
+            }
+            if flags.get("delta_history"):
+                entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"
+            sessions.append(entry)
+        return {"sessions": sessions, "store": True}

@@ -26,7 +26,13 @@ CREATE TABLE IF NOT EXISTS sessions(
     last_seen REAL NOT NULL,
     requests INTEGER NOT NULL DEFAULT 0,
     messages INTEGER NOT NULL DEFAULT 0,
-    next_ref INTEGER NOT NULL DEFAULT 1
+    next_ref INTEGER NOT NULL DEFAULT 1,
+    flags TEXT NOT NULL DEFAULT '{}',
+    input_tokens INTEGER NOT NULL DEFAULT 0,
+    cache_read INTEGER NOT NULL DEFAULT 0,
+    cache_write INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0,
+    turns INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS ledger(
     session_id TEXT NOT NULL,
@@ -47,6 +53,17 @@ CREATE TABLE IF NOT EXISTS affinity(
     last_seen REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS affinity_tail ON affinity(tail);
+CREATE TABLE IF NOT EXISTS turns(
+    session_id TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    ts REAL NOT NULL,
+    lane TEXT NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    cache_read INTEGER NOT NULL,
+    cache_write INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    PRIMARY KEY(session_id, n)
+) WITHOUT ROWID;
 """
 
 
@@ -74,6 +91,17 @@ class SessionRow:
     requests: int
     messages: int
     next_ref: int
+    flags: str = "{}"  # JSON object of learned per-session facts (strict reasoning echo, ...)
+
+
+@dataclass(slots=True)
+class UsageTotals:
+    turns: int
+    input_tokens: int
+    cache_read: int
+    cache_write: int
+    output_tokens: int
+    last: tuple[int, int, int, int] | None  # the newest turn: input, cache read, cache write, output
 
 
 def default_data_dir() -> Path:
@@ -106,14 +134,14 @@ class Store:
     # -- reads ---------------------------------------------------------------------------------
     def session(self, session_id: str) -> SessionRow | None:
         row = self.db.execute(
-            "SELECT id, agent, lane, created, last_seen, requests, messages, next_ref FROM sessions WHERE id=?",
+            "SELECT id, agent, lane, created, last_seen, requests, messages, next_ref, flags FROM sessions WHERE id=?",
             (session_id,),
         ).fetchone()
         return SessionRow(*row) if row else None
 
     def sessions(self) -> list[SessionRow]:
         rows = self.db.execute(
-            "SELECT id, agent, lane, created, last_seen, requests, messages, next_ref FROM sessions "
+            "SELECT id, agent, lane, created, last_seen, requests, messages, next_ref, flags FROM sessions "
             "ORDER BY last_seen DESC"
         ).fetchall()
         return [SessionRow(*r) for r in rows]
@@ -127,6 +155,18 @@ class Store:
 
     def ref_count(self, session_id: str) -> int:
         return self.db.execute("SELECT COUNT(*) FROM ledger WHERE session_id=?", (session_id,)).fetchone()[0]
+
+    def usage(self, session_id: str) -> UsageTotals:
+        row = self.db.execute(
+            "SELECT turns, input_tokens, cache_read, cache_write, output_tokens FROM sessions WHERE id=?",
+            (session_id,),
+        ).fetchone() or (0, 0, 0, 0, 0)
+        last = self.db.execute(
+            "SELECT input_tokens, cache_read, cache_write, output_tokens FROM turns WHERE session_id=? "
+            "ORDER BY n DESC LIMIT 1",
+            (session_id,),
+        ).fetchone()
+        return UsageTotals(*row, last=tuple(last) if last else None)
 
     def affinity(self) -> list[tuple[str, int, str]]:
         return self.db.execute("SELECT session_id, depth, tail FROM affinity").fetchall()
@@ -144,11 +184,12 @@ class Store:
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 self.db.execute(
-                    "INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref) "
-                    "VALUES(?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, "
+                    "INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags) "
+                    "VALUES(?,?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, "
                     "lane=excluded.lane, last_seen=excluded.last_seen, requests=excluded.requests, "
-                    "messages=excluded.messages, next_ref=excluded.next_ref",
-                    (row.id, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref),
+                    "messages=excluded.messages, next_ref=excluded.next_ref, flags=excluded.flags",
+                    (row.id, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref,
+                     row.flags),
                 )
                 if new_refs:
                     self.db.executemany(
@@ -162,6 +203,40 @@ class Store:
                         "ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail, "
                         "last_seen=excluded.last_seen",
                         (row.id, chain[0], chain[1], now),
+                    )
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+
+    def set_flags(self, row: SessionRow) -> None:
+        try:
+            self.db.execute(
+                "INSERT INTO sessions(id, agent, lane, created, last_seen, flags) VALUES(?,?,?,?,?,?) "
+                "ON CONFLICT(id) DO UPDATE SET flags=excluded.flags",
+                (row.id, row.agent, row.lane, row.created, row.last_seen, row.flags),
+            )
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+
+    def record_usage(self, session_id: str, lane: str, usage: tuple[int, int, int, int]) -> None:
+        """One upstream answer's usage: input (all prompt tokens), cache read, cache write, output."""
+        inp, read, write, out = usage
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                cur = self.db.execute(
+                    "UPDATE sessions SET turns=turns+1, input_tokens=input_tokens+?, cache_read=cache_read+?, "
+                    "cache_write=cache_write+?, output_tokens=output_tokens+? WHERE id=? RETURNING turns",
+                    (inp, read, write, out, session_id),
+                ).fetchone()
+                if cur is not None:
+                    self.db.execute(
+                        "INSERT OR REPLACE INTO turns(session_id, n, ts, lane, input_tokens, cache_read, cache_write, "
+                        "output_tokens) VALUES(?,?,?,?,?,?,?,?)",
+                        (session_id, cur[0], time.time(), lane, inp, read, write, out),
                     )
                 self.db.execute("COMMIT")
             except BaseException:

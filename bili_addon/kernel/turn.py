@@ -1,4 +1,4 @@
-"""One request body through the kernel: identity, ledger, tags.
+"""One request body through the kernel: identity, ledger, tags, hygiene.
 
 ``Engine.process`` takes the decoded body bytes of a model request and returns the bytes to send
 upstream (or None when they are unchanged).  It never mutates the caller's input; the store write
@@ -7,7 +7,9 @@ of a turn happens before any rendered ref leaves, so a ref the model sees is alw
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -27,28 +29,39 @@ from bili_addon.kernel.sessions import (
     session_from_request,
 )
 from bili_addon.store import LedgerRow, SessionRow, Store
-from bili_addon.wire import Lane
+from bili_addon.stream.echo import strip_echoes
+from bili_addon.wire import Lane, hygiene
 from bili_addon.wire.base import TEXT, Body, Core, decode_any, patch_many
 
 log = logging.getLogger("bili")
 
 PROSE_ROLES = ("user", "assistant")
-_SMALL_TOP_KEYS = ("session_id", "metadata", "prompt_cache_key")
+_SMALL_TOP_KEYS = ("session_id", "metadata", "prompt_cache_key", "model", "previous_response_id")
+# the one-line visibility markers the addon may add to a response; stripped when replayed
+MARKER_LINE = re.compile(r"^\[bili\] [^\n]*(?:\n|$)")
+
+
+def clean_replayed_prose(text: str) -> str:
+    """What the host replays of the model's prose, minus our markers and the model's tag echoes."""
+    while MARKER_LINE.match(text):
+        text = MARKER_LINE.sub("", text, count=1)
+    return strip_echoes(text)
 
 
 class Part(msgspec.Struct, gc=False):
-    """A core with its identity digest computed once per distinct item bytes."""
+    """A core (prose already cleaned) with its identity digest, computed once per distinct item bytes."""
 
     core: Core
     base: str  # h_ + 16 hex
     chash: str  # full sha256 hex of the seed
+    dirty: bool  # the wire text differs from core.text (cleaned at ingress)
 
 
 class ItemInfo(msgspec.Struct, gc=False):
     is_system: bool
     parts: list[Part]
-    canon: bytes | None = None  # lazily computed canonical form (anonymous sessions only)
-    obj: Any = None
+    obj: Any
+    canon: bytes | None = None  # canonical form, computed for anonymous sessions only
 
 
 class ItemCache:
@@ -68,9 +81,14 @@ class ItemCache:
         obj = decode_any(raw)
         parts = []
         for core in lane.item_cores(obj):
+            dirty = False
+            if core.role == "assistant" and core.ctype == TEXT:
+                clean = clean_replayed_prose(core.text)
+                if clean != core.text:
+                    core, dirty = msgspec.structs.replace(core, text=clean), True
             base, chash = digest(core)
-            parts.append(Part(core, base, chash))
-        info = ItemInfo(lane.is_system_item(obj), parts, obj=obj)
+            parts.append(Part(core, base, chash, dirty))
+        info = ItemInfo(lane.is_system_item(obj), parts, obj)
         self.items[key] = info
         self.size += len(raw)
         while self.size > self.max_bytes and self.items:
@@ -89,8 +107,9 @@ class Entry:
 class Session:
     row: SessionRow
     refs: dict[tuple[str, str], Entry] = field(default_factory=dict)
+    owners: dict[str, str] = field(default_factory=dict)  # ref -> content hash
     render_cache: dict[bytes, tuple[tuple, bytes]] = field(default_factory=dict)
-    known_refs: dict[str, tuple[str, str]] = field(default_factory=dict)  # ref -> (msg_id, chash)
+    flags: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,7 +121,15 @@ class TurnResult:
     refs_new: int = 0
     refs_known: int = 0
     tagged: int = 0
-    note: str = ""
+    source: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Resolved:
+    core: Core
+    entry: Entry
+    dirty: bool
 
 
 class Engine:
@@ -116,155 +143,193 @@ class Engine:
         self.affinity = PrefixAffinity(store.affinity())
 
     # -- sessions ------------------------------------------------------------------------------
-    def _session(self, sid: str, agent: str, lane: str) -> Session:
+    def session(self, sid: str, agent: str = "", lane: str = "") -> Session:
         s = self.sessions.get(sid)
-        if s is None:
-            row = self.store.session(sid)
-            if row is None:
-                now = time.time()
-                row = SessionRow(sid, agent, lane, now, now, 0, 0, 1)
-            s = Session(row)
-            for r in self.store.ledger(sid):
-                s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
-                s.known_refs[r.ref] = (r.msg_id, r.content_hash)
-            self.sessions[sid] = s
-            while len(self.sessions) > self.max_sessions:
-                self.sessions.popitem(last=False)
-        else:
+        if s is not None:
             self.sessions.move_to_end(sid)
+            return s
+        row = self.store.session(sid)
+        if row is None:
+            now = time.time()
+            row = SessionRow(sid, agent, lane, now, now, 0, 0, 1)
+        s = Session(row, flags=json.loads(row.flags or "{}"))
+        for r in self.store.ledger(sid):
+            s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
+            s.owners[r.ref] = r.content_hash
+        self.sessions[sid] = s
+        while len(self.sessions) > self.max_sessions:
+            self.sessions.popitem(last=False)
         return s
 
-    # -- the turn ------------------------------------------------------------------------------
-    def process(self, raw: bytes, lane: Lane, headers: Mapping[str, str], *, render: bool) -> TurnResult:
-        body = Body(raw, lane.conv_key)
-        top_small = {k: body.get(k) for k in _SMALL_TOP_KEYS if k in body.top}
-        infos = [self.items.get(lane, bytes(it)) for it in body.items]
+    def set_flag(self, sid: str, key: str, value: Any) -> bool:
+        """Persist a learned per-session fact; True when it changed."""
+        s = self.session(sid)
+        if s.flags.get(key) == value:
+            return False
+        s.flags[key] = value
+        s.row.flags = json.dumps(s.flags, sort_keys=True)
+        self.store.set_flags(s.row)
+        return True
 
-        # the leading system run is environment, not conversation
-        start = 0
+    def _identify(self, headers: Mapping[str, str], top: dict, infos: list[ItemInfo], start: int):
+        ident = session_from_request(headers, top)
+        if ident is not None:
+            return ident[0], ident[1], None
+        canon = []
+        for info in infos[start:]:
+            if info.canon is None:
+                info.canon = canonical_item(info.obj)
+            canon.append(info.canon)
+        has_user = any(p.core.role == "user" for info in infos[start:] for p in info.parts)
+        if not has_user or sum(len(c) for c in canon) < MIN_CANONICAL_BYTES:
+            return None, "no conversation identity", None
+        hashes = chain(canon)
+        sid = self.affinity.match(hashes) or new_anonymous_id(hashes[-1], len(hashes))
+        return sid, "prefix", (len(hashes), hashes[-1])
+
+    # -- the turn ------------------------------------------------------------------------------
+    def process(
+        self, raw: bytes, lane: Lane, headers: Mapping[str, str], *, render: bool, origin: str = ""
+    ) -> TurnResult:
+        body = Body(raw, lane.conv_key)
+        top = {k: body.get(k) for k in _SMALL_TOP_KEYS if k in body.top}
+        infos = [self.items.get(lane, bytes(it)) for it in body.items]
+        start = 0  # the leading system run is environment, not conversation
         while start < len(infos) and infos[start].is_system:
             start += 1
 
-        chain_hashes: list[str] | None = None
-        ident = session_from_request(headers, top_small)
-        if ident is not None:
-            sid, source = ident
-        else:
-            canon = []
-            for info in infos[start:]:
-                if info.canon is None:
-                    info.canon = canonical_item(info.obj)
-                canon.append(info.canon)
-            has_user = any(p.core.role == "user" for info in infos[start:] for p in info.parts)
-            if not has_user or sum(len(c) for c in canon) < MIN_CANONICAL_BYTES:
-                return TurnResult(None, lane=lane.name, messages=len(infos), note="no conversation identity")
-            chain_hashes = chain(canon)
-            sid = self.affinity.match(chain_hashes) or new_anonymous_id(chain_hashes[-1], len(chain_hashes))
-            source = "prefix"
+        sid, source, tail = self._identify(headers, top, infos, start)
+        if sid is None:
+            return TurnResult(None, lane=lane.name, messages=len(infos), source=source)
+        agent = agent_of(headers)
+        s = self.session(sid, agent, lane.name)
+        result = TurnResult(None, session=sid, lane=lane.name, messages=len(infos) - start, source=source)
 
-        s = self._session(sid, agent_of(headers), lane.name)
-        counter = InstanceCounter()
-        new_rows: list[LedgerRow] = []
-        next_ref = s.row.next_ref
-        known = 0
-        # per item: the (core, entry, clean text) of each part, for rendering
-        resolved: list[list[tuple[Core, Entry, str]]] = []
-        for info in infos[start:]:
-            out = []
-            for part in info.parts:
-                core, base, chash, clean = part.core, part.base, part.chash, part.core.text
-                if core.ctype == TEXT and clean.startswith("<acp "):
-                    core, base, chash, clean = self._strip_own_tag(s, part)
-                msg_id = counter(base)
-                entry = s.refs.get((msg_id, chash))
-                if entry is None:
-                    entry = Entry(tags.ref_of(next_ref), count_tokens(clean))
-                    next_ref += 1
-                    new_rows.append(LedgerRow(msg_id, chash, entry.ref, core.role, core.ctype, entry.tokens))
-                    s.refs[(msg_id, chash)] = entry
-                    s.known_refs[entry.ref] = (msg_id, chash)
-                else:
-                    known += 1
-                out.append((core, entry, clean))
-            resolved.append(out)
-
-        row = s.row
-        row.agent, row.lane = agent_of(headers), lane.name
-        row.requests += 1
-        row.messages = len(infos) - start
-        row.next_ref = next_ref
-        tail = (len(chain_hashes), chain_hashes[-1]) if chain_hashes else None
-        try:
-            self.store.commit_turn(row, new_rows, tail)
-        except Exception:
-            # nothing of this turn may be shown: forget the refs it minted
-            for r in new_rows:
-                s.refs.pop((r.msg_id, r.content_hash), None)
-                s.known_refs.pop(r.ref, None)
-            row.requests -= 1
-            row.next_ref -= len(new_rows)
-            self.sessions.pop(sid, None)
-            raise
+        resolved, new_rows = self._resolve(s, infos[start:])
+        result.refs_new, result.refs_known = len(new_rows), sum(map(len, resolved)) - len(new_rows)
+        self._commit(s, agent, lane.name, len(infos) - start, new_rows, tail)
         if tail:
             self.affinity.note(sid, *tail)
-
-        result = TurnResult(
-            None, session=sid, lane=lane.name, messages=len(infos) - start,
-            refs_new=len(new_rows), refs_known=known, note=source,
-        )
+        if isinstance(top.get("previous_response_id"), str) and top["previous_response_id"]:
+            if self.set_flag(sid, "delta_history", True):
+                result.notes.append(
+                    "the agent sends only new items plus previous_response_id: the proxy cannot see "
+                    "this session's history, so nothing of it will ever be folded"
+                )
         if not render:
             return result
 
-        items_out: list[bytes] = [bytes(it) for it in body.items]
+        items_out = [bytes(it) for it in body.items]
+        changed = self._render(s, items_out, infos, start, resolved, result)
+        changed |= self._hygiene(s, lane.name, items_out, infos, top, origin, result)
+        if changed:
+            result.body = body.encode(items_out)
+        return result
+
+    def _resolve(self, s: Session, infos: list[ItemInfo]) -> tuple[list[list[_Resolved]], list[LedgerRow]]:
+        """Attach a ref to every part: known by ``(msg_id, content_hash)``, else the next free one."""
+        counter = InstanceCounter()
+        new_rows: list[LedgerRow] = []
+        next_ref = s.row.next_ref
+        resolved: list[list[_Resolved]] = []
+        for info in infos:
+            out = []
+            for part in info.parts:
+                core, base, chash, dirty = part.core, part.base, part.chash, part.dirty
+                if core.ctype == TEXT and core.role != "assistant" and core.text.startswith("<acp "):
+                    core, base, chash, dirty = self._strip_own_tag(s, part)
+                msg_id = counter(base)
+                entry = s.refs.get((msg_id, chash))
+                if entry is None:
+                    entry = Entry(tags.ref_of(next_ref), count_tokens(core.text))
+                    next_ref += 1
+                    new_rows.append(LedgerRow(msg_id, chash, entry.ref, core.role, core.ctype, entry.tokens))
+                out.append(_Resolved(core, entry, dirty))
+            resolved.append(out)
+        return resolved, new_rows
+
+    def _commit(self, s: Session, agent: str, lane: str, messages: int, new_rows: list[LedgerRow], tail) -> None:
+        row = s.row
+        staged = SessionRow(
+            row.id, agent, lane, row.created, row.last_seen, row.requests + 1, messages,
+            row.next_ref + len(new_rows), row.flags,
+        )
+        self.store.commit_turn(staged, new_rows, tail)  # raises: nothing of this turn is kept
+        s.row = staged
+        for r in new_rows:
+            s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
+            s.owners[r.ref] = r.content_hash
+
+    def _strip_own_tag(self, s: Session, part: Part) -> tuple[Core, str, str, bool]:
+        """Remove the message's own stale tag (idempotent); a foreign tag is content and stays."""
+        split = tags.split_own_tag(part.core.text)
+        if split is not None:
+            ref, rest = split
+            stripped = msgspec.structs.replace(part.core, text=rest)
+            base, chash = digest(stripped)
+            if s.owners.get(ref) == chash:
+                return stripped, base, chash, True
+        return part.core, part.base, part.chash, part.dirty
+
+    def _render(self, s: Session, items_out: list[bytes], infos: list[ItemInfo], start: int,
+                resolved: list[list[_Resolved]], result: TurnResult) -> bool:
         changed = False
         cache: dict[bytes, tuple[tuple, bytes]] = {}
         last = len(infos) - 1
         for k, parts in enumerate(resolved):
             i = start + k
             edits = []
-            for core, entry, clean in parts:
-                if _taggable(core, clean, prefill=(i == last and core.role == "assistant")):
-                    edits.append((core.path, tags.render(entry.ref, entry.tokens, core.ctype, clean)))
-                elif clean != core.text and core.path:
-                    edits.append((core.path, clean))
+            for r in parts:
+                core = r.core
+                prefill = i == last and core.role == "assistant"
+                if _taggable(core, prefill=prefill):
+                    edits.append((core.path, tags.render(r.entry.ref, r.entry.tokens, core.ctype, core.text)))
+                elif r.dirty and core.path:
+                    edits.append((core.path, core.text))
             if not edits:
                 continue
             src = items_out[i]
             sig = tuple(edits)
             hit = s.render_cache.get(src)
-            if hit is not None and hit[0] == sig:
-                out = hit[1]
-            else:
-                out = patch_many(src, edits)
+            out = hit[1] if hit is not None and hit[0] == sig else patch_many(src, edits)
             cache[src] = (sig, out)
             result.tagged += sum(1 for _p, text in edits if text.startswith("<acp "))
             if out != src:
                 items_out[i] = out
                 changed = True
         s.render_cache = cache
-        if changed:
-            result.body = body.encode(items_out)
-        return result
+        return changed
 
-    def _strip_own_tag(self, s: Session, part: Part) -> tuple[Core, str, str, str]:
-        """Remove the message's own stale tag (idempotent); a foreign tag is content and stays."""
-        split = tags.split_own_tag(part.core.text)
-        if split is None:
-            return part.core, part.base, part.chash, part.core.text
-        ref, rest = split
-        stripped = msgspec.structs.replace(part.core, text=rest)
-        base, chash = digest(stripped)
-        owner = s.known_refs.get(ref)
-        if owner is not None and owner[1] == chash:
-            return stripped, base, chash, rest
-        return part.core, part.base, part.chash, part.core.text
+    def _hygiene(self, s: Session, lane: str, items_out: list[bytes], infos: list[ItemInfo],
+                 top: dict, origin: str, result: TurnResult) -> bool:
+        changed = False
+        for i, info in enumerate(infos):
+            edits = hygiene.proxy_id_edits(lane, info.obj)
+            if edits:
+                items_out[i] = patch_many(items_out[i], edits)
+                changed = True
+        model = top.get("model") if isinstance(top.get("model"), str) else ""
+        if not (s.flags.get("strict_reasoning") or hygiene.strict_by_name(origin, model)):
+            return changed
+        if lane == "chat":
+            for i, info in enumerate(infos):
+                edits = hygiene.strict_chat_edits(info.obj)
+                if edits:
+                    items_out[i] = patch_many(items_out[i], edits)
+                    changed = True
+        elif lane == "responses":
+            inserts = hygiene.strict_responses_inserts([info.obj for info in infos])
+            for i in reversed(inserts):
+                items_out.insert(i, hygiene.EMPTY_REASONING)
+            changed |= bool(inserts)
+        return changed
 
 
-def _taggable(core: Core, clean: str, *, prefill: bool) -> bool:
+def _taggable(core: Core, *, prefill: bool) -> bool:
     return (
         core.ctype == TEXT
         and core.role in PROSE_ROLES
         and bool(core.path)
         and not prefill
-        and bool(clean.strip())
+        and bool(core.text.strip())
     )

@@ -29,6 +29,14 @@ _enc = msgspec.json.Encoder()
 Path = tuple  # tuple[str | int, ...]
 
 
+class _Delete:
+    def __repr__(self) -> str:
+        return "DELETE"
+
+
+DELETE = _Delete()  # a patch value: remove the key at the end of the path
+
+
 class Core(msgspec.Struct, gc=False):
     """One content part of one wire item, in the lane-neutral shape the kernel works on."""
 
@@ -84,7 +92,12 @@ def patch(raw: bytes | msgspec.Raw, path: Path, value: Any) -> bytes:
         arr[head] = msgspec.Raw(patch(arr[head], rest, value))
         return _enc.encode(arr)
     obj = decode_obj(raw)
-    obj[head] = msgspec.Raw(patch(obj[head], rest, value)) if rest else msgspec.Raw(_enc.encode(value))
+    if rest:
+        obj[head] = msgspec.Raw(patch(obj[head], rest, value))
+    elif value is DELETE:
+        obj.pop(head, None)
+    else:
+        obj[head] = msgspec.Raw(_enc.encode(value))
     return _enc.encode(obj)
 
 

@@ -1,0 +1,103 @@
+"""The response path: SSE reassembly, the tag-echo filter, per-lane event rewriting, usage."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from bili_addon.stream.lanes import KEEP, RESPONSES, LaneResponse, Usage
+from bili_addon.stream.sse import Decoder, SSEEvent, SSEStream
+
+log = logging.getLogger("bili")
+
+__all__ = ["ResponseRewriter", "Usage", "Decoder", "SSEStream"]
+
+_dec = msgspec.json.Decoder()
+_enc = msgspec.json.Encoder()
+
+
+class ResponseRewriter:
+    """Per response: turns SSE events, WebSocket frames or a JSON body into their cleaned form.
+
+    With ``rewrite=False`` (observe mode) it only reads usage; every byte passes unchanged.
+    """
+
+    def __init__(self, lane: str, rewrite: bool = True):
+        self.lane: LaneResponse = RESPONSES[lane]()
+        self.rewrite = rewrite
+        self._events: dict[int, SSEEvent] = {}
+
+    @property
+    def usage(self) -> Usage:
+        return self.lane.usage
+
+    @property
+    def stripped(self) -> int:
+        return self.lane.stripped
+
+    # -- SSE -----------------------------------------------------------------------------------
+    def sse_event(self, raw: bytes) -> list[bytes]:
+        ev = SSEEvent(raw)
+        data = ev.data
+        if data is None:
+            return [raw]
+        if data.strip() == b"[DONE]":
+            return [*self._serialize(self.lane.close_all()), raw] if self.rewrite else [raw]
+        try:
+            obj = _dec.decode(data)
+        except msgspec.DecodeError:
+            return [raw]
+        if not isinstance(obj, dict):
+            return [raw]
+        outs = self.lane.event(obj)
+        if not self.rewrite:
+            return [raw]
+        self._events[id(obj)] = ev
+        result = []
+        for o in outs:
+            if o is KEEP:
+                result.append(raw)
+            else:
+                result.extend(self._serialize([o]))
+        return result
+
+    def sse_finish(self) -> list[bytes]:
+        """The stream ended: release anything still held (a stream cut mid-block)."""
+        outs = self.lane.close_all()
+        return self._serialize(outs) if self.rewrite else []
+
+    def _serialize(self, outs: list) -> list[bytes]:
+        result = []
+        for o in outs:
+            ev = self._events.pop(id(o), None)
+            data = _enc.encode(o)
+            result.append(ev.with_data(data) if ev is not None else b"data: " + data + b"\n\n")
+        return result
+
+    def stream(self, decoder: Decoder | None = None) -> SSEStream:
+        return SSEStream(self.sse_event, self.sse_finish, decoder)
+
+    # -- WebSocket frames (one event each) -------------------------------------------------------
+    def ws_frame(self, raw: bytes) -> list[bytes] | None:
+        """The frames to send instead of ``raw`` (None: send it unchanged)."""
+        try:
+            obj = _dec.decode(raw)
+        except msgspec.DecodeError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        outs = self.lane.event(obj)
+        if not self.rewrite or outs == [KEEP]:
+            return None
+        return [raw if o is KEEP else _enc.encode(o) for o in outs]
+
+    # -- a whole JSON body -----------------------------------------------------------------------
+    def json_body(self, content: bytes) -> bytes | None:
+        try:
+            obj: Any = _dec.decode(content)
+        except msgspec.DecodeError:
+            return None
+        changed = self.lane.body(obj)
+        return _enc.encode(obj) if changed and self.rewrite else None

@@ -1,0 +1,171 @@
+"""The tag-echo filter: models imitate the ``<acp ...>mNNNNN</acp>`` tags they are shown.
+
+Applied to model **prose** only (text deltas and their aggregates); tool-call arguments are never
+passed through here.  ``strip_echoes`` cleans a whole text; ``EchoFilter`` cleans a text that
+arrives in pieces, holding back a short suffix that could still become a tag and releasing
+everything when the block ends, so prose is never lost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+# Tag names: a, c, p in any order, optionally with one inserted letter from {a, c, p, i}
+# (typos like ``acip``), plus drift names seen in the wild.
+_names: set[str] = set()
+for perm in itertools.permutations("acp"):
+    base = "".join(perm)
+    _names.add(base)
+    for pos in range(4):
+        for extra in "acpi":
+            _names.add(base[:pos] + extra + base[pos:])
+_names |= {"accessp", "acacp", "acb"}
+NAMES = frozenset(_names)
+_NAME_PREFIXES = frozenset(n[:k] for n in NAMES for k in range(1, len(n) + 1))
+
+_N = "(?:" + "|".join(sorted(NAMES, key=len, reverse=True)) + ")"
+_REFS = r"m\d{4,}(?:\s*[–—,\-]?\s*m\d{4,})*"
+_AFTER_NAME = r"(?=[\s>/=])"
+_ATTRS = r"(?:\s[^<>]*)?"
+
+# one alternation, tried left to right at each position; ``nl`` eats the blank lines a removed
+# tag drags along when the tag stood at the start of a line
+_ECHO = re.compile(
+    "(?:"
+    + rf"<{_N}{_AFTER_NAME}{_ATTRS}>\s*(?:{_REFS})?\s*</[^<>\n]{{1,32}}>"  # paired, refs-only or empty body
+    + rf"|(?P<open><{_N}{_AFTER_NAME}{_ATTRS}>)(?P<prose>[^<]*?)</{_N}\s*>"  # paired around prose: keep it
+    + rf"|(?<![\w>]){_REFS}\s*</{_N}[^<>]{{0,32}}>"  # orphan refs before a close
+    + rf"|<{_N}{_AFTER_NAME}[^<>]*/>"  # self-closing
+    + rf"|<{_N}=[^<>]*>"  # mangled open
+    + rf"|<{_N}{_AFTER_NAME}{_ATTRS}>[ \t]*(?:{_REFS})?"  # lone open (with a ref run right after it)
+    + rf"|</{_N}(?:[\s>][^<>]{{0,31}})?>"  # lone close
+    + r")(?P<nl>[ \t]*\n+)?",
+    re.IGNORECASE,
+)
+_QUICK = re.compile(rf"</?{_N}|{_REFS}\s*</", re.IGNORECASE)
+
+OPEN_CAP = 4096  # a definite opening tag is held this long at most
+BODY_CAP = 80  # text after a complete opening tag is held this long waiting for its close
+HOLD_LIMIT = 128  # an ambiguous tail (``<ac``, ``m001``) is held this long at most
+
+
+def _one_pass(text: str, before: str) -> str:
+    """One left-to-right substitution; ``before`` is the raw text preceding ``text`` (context for
+    look-behinds and for "at the start of a line")."""
+    whole = before + text
+    out: list[str] = []
+    last = len(before)
+    for m in _ECHO.finditer(whole, len(before)):
+        out.append(whole[last : m.start()])
+        prose = m.group("prose")
+        if prose is not None:
+            out.append(prose + (m.group("nl") or ""))
+        elif not (m.start() == 0 or whole[m.start() - 1] == "\n"):
+            out.append(m.group("nl") or "")
+        last = m.end()
+    out.append(whole[last:])
+    return "".join(out)
+
+
+def strip_echoes(text: str, *, before: str = "", final: bool = True) -> str:
+    """Remove tag echoes (and the blank lines they bring) from prose.
+
+    ``before``: the raw character preceding ``text`` in its stream ("" at the start);
+    ``final``: nothing follows, so an opening cut off at the very end (a stream that stopped
+    mid-tag) is dropped too.
+    """
+    if not _QUICK.search(text):
+        return text
+    if final:
+        m = _TRUNCATED_TAIL.search(text)
+        if m:
+            text = text[: m.start()]
+    prev = None
+    while prev != text:  # removing one echo can expose another (nested imitations)
+        prev = text
+        text = _one_pass(text, before)
+    return text
+
+
+_TRAILING_REFS = re.compile(r"(?<![\w>])m\d*(?:\s*[–—,\-]?\s*m?\d*)*\s*$")
+
+
+def _hold_from(buf: str, before: str) -> int:
+    """Index from which ``buf`` must be held back because it may still become an echo."""
+    cut = len(buf)
+    i = buf.find("<")
+    while i != -1:
+        if _undecided_tag_at(buf, i):
+            cut = i
+            break
+        i = buf.find("<", i + 1)
+    # a ref run right before the cut could be an orphan ref waiting for its close
+    m = _TRAILING_REFS.search(before + buf, len(before), len(before) + cut)
+    if m and len(before) + cut - m.start() <= HOLD_LIMIT:
+        cut = m.start() - len(before)
+    return cut
+
+
+def _only_space(t: str) -> bool:
+    return len(t) <= HOLD_LIMIT and not t.strip(" \t\r\n")
+
+
+def _undecided_tag_at(buf: str, i: int) -> bool:
+    """Whether the text from ``buf[i] == "<"`` may still grow into (or extend) an echo."""
+    s = buf[i + 1 :]
+    closing = s.startswith("/")
+    if closing:
+        s = s[1:]
+    j = 0
+    while j < len(s) and s[j].isalpha():
+        j += 1
+    name, rest = s[:j].lower(), s[j:]
+    if not rest:  # ``<``, ``</a``, ``<acp`` at the very end
+        return (not name or name in _NAME_PREFIXES) and len(buf) - i <= HOLD_LIMIT
+    if name not in NAMES or rest[0] not in " \t\r\n>/=":
+        return False
+    gt = rest.find(">")
+    if gt == -1:
+        return len(buf) - i <= OPEN_CAP
+    after = rest[gt + 1 :]
+    if closing or rest[gt - 1 : gt] == "/" or rest[0] == "=":
+        return _only_space(after)  # complete, but the blank lines it drags may still arrive
+    close = re.search(r"</[^<>\n]{1,32}>", after)
+    if close:
+        return _only_space(after[close.end() :])
+    if after.endswith("<") or re.search(r"</[^<>\n]{0,32}$", after):
+        return True  # its close is arriving
+    return len(after) < BODY_CAP
+
+
+class EchoFilter:
+    """Streams prose through :func:`strip_echoes`, holding only what may still become an echo."""
+
+    __slots__ = ("buf", "stripped", "before")
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.stripped = 0
+        self.before = ""  # the last raw character released
+
+    def feed(self, piece: str) -> str:
+        self.buf += piece
+        return self._emit(_hold_from(self.buf, self.before), final=False)
+
+    def flush(self) -> str:
+        """End of the block: release everything; an opening cut off mid-tag is dropped."""
+        return self._emit(len(self.buf), final=True)
+
+    def _emit(self, cut: int, final: bool) -> str:
+        ready, self.buf = self.buf[:cut], self.buf[cut:]
+        if not ready:
+            return ""
+        clean = strip_echoes(ready, before=self.before, final=final)
+        self.before = ready[-1]
+        if clean != ready:
+            self.stripped += 1
+        return clean
+
+
+_TRUNCATED_TAIL = re.compile(rf"(?:</?{_N}[\s=][^<>]*|</{_N}|m\d{{4,}}</\w*)$", re.IGNORECASE)

@@ -1,0 +1,400 @@
+"""The way back, per lane: echo-filtered prose, untouched tool calls, usage.
+
+One ``*Response`` object lives for one upstream response.  ``event(obj)`` takes one decoded event
+(an SSE ``data`` payload or a WebSocket frame) and returns the events to send instead.  Prose goes
+through an :class:`EchoFilter` per block; when a filter holds text back, the event that produced
+it is held too (one event of latency at most) so the released text can still be merged into it
+when the block ends: no event is ever invented or dropped, and every aggregate (``*.done``,
+``response.completed``) equals the concatenation of the deltas the client actually received.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bili_addon.stream.echo import EchoFilter, strip_echoes
+
+Event = dict[str, Any]
+KEEP = object()  # "send the original bytes of this event"
+
+
+class Slot:
+    """Where one event keeps its prose: a container and a key."""
+
+    __slots__ = ("container", "key")
+
+    def __init__(self, container: dict, key: str):
+        self.container, self.key = container, key
+
+    def get(self) -> str:
+        return self.container[self.key]
+
+    def set(self, text: str) -> None:
+        self.container[self.key] = text
+
+
+@dataclass
+class Usage:
+    input: int = 0  # all prompt tokens, cached or not
+    cache_read: int = 0
+    cache_write: int = 0
+    output: int = 0
+    seen: bool = False
+
+    @property
+    def cache_share(self) -> float | None:
+        return self.cache_read / self.input if self.input else None
+
+
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+class _Block:
+    """Echo filter state of one prose block, plus the event it may be holding."""
+
+    __slots__ = ("filter", "held", "text_of", "emitted")
+
+    def __init__(self) -> None:
+        self.filter = EchoFilter()
+        self.held: Event | None = None
+        self.text_of: Slot | None = None  # where the held event keeps its prose
+        self.emitted = ""
+
+
+class LaneResponse:
+    lane = ""
+
+    def __init__(self) -> None:
+        self.blocks: dict[Any, _Block] = {}
+        self.usage = Usage()
+        self.stripped = 0
+
+    # the generic hold-and-merge machinery ------------------------------------------------------
+    def _prose(self, key: Any, ev: Event, slot: Slot) -> list:
+        """Feed one prose delta; returns the events to send now (a previously held one first)."""
+        b = self.blocks.setdefault(key, _Block())
+        text = slot.get()
+        out_text = b.filter.feed(text)
+        out: list = []
+        if b.held is not None:
+            out.append(b.held)
+            b.held = None
+        b.emitted += out_text
+        if out_text != text:
+            slot.set(out_text)
+        if b.filter.buf:
+            b.held, b.text_of = ev, slot
+        else:
+            out.append(ev if out_text != text else KEEP)
+        return out
+
+    def _close(self, key: Any) -> list:
+        """End of a block: merge what the filter still holds into the held event and send it."""
+        b = self.blocks.get(key)
+        if b is None:
+            return []
+        rest = b.filter.flush()
+        self.stripped += b.filter.stripped
+        b.filter.stripped = 0
+        out: list = []
+        if b.held is not None:
+            if rest:
+                assert b.text_of is not None
+                b.text_of.set(b.text_of.get() + rest)
+                b.emitted += rest
+            out.append(b.held)
+            b.held = None
+        return out
+
+    def _close_around(self, keys: list, ev: Event, out: list) -> list:
+        """Close blocks at a finishing event: older held events go first, this one last."""
+        closes = [e for k in keys for e in self._close(k)]
+        return [e for e in closes if e is not ev] + out + [e for e in closes if e is ev]
+
+    def close_all(self) -> list:
+        out: list = []
+        for key in list(self.blocks):
+            out.extend(self._close(key))
+        return out
+
+    def event(self, ev: Event) -> list:
+        raise NotImplementedError
+
+    def body(self, obj: Any) -> bool:
+        """Clean a non-streamed JSON response in place; True when something changed."""
+        raise NotImplementedError
+
+
+def _clean(container: dict, key: str) -> bool:
+    v = container.get(key)
+    if isinstance(v, str):
+        c = strip_echoes(v)
+        if c != v:
+            container[key] = c
+            return True
+    return False
+
+
+# -- Anthropic Messages ------------------------------------------------------------------------
+
+
+class AnthropicResponse(LaneResponse):
+    lane = "anthropic"
+
+    def _usage(self, u: Any) -> None:
+        if not isinstance(u, dict):
+            return
+        self.usage.seen = True
+        if "input_tokens" in u or "cache_read_input_tokens" in u:
+            fresh = _int(u.get("input_tokens"))
+            read = _int(u.get("cache_read_input_tokens"))
+            write = _int(u.get("cache_creation_input_tokens"))
+            if fresh or read or write:
+                self.usage.input = fresh + read + write
+                self.usage.cache_read, self.usage.cache_write = read, write
+        if "output_tokens" in u:
+            self.usage.output = _int(u.get("output_tokens"))
+
+    def event(self, ev: Event) -> list:
+        kind = ev.get("type")
+        if kind == "content_block_delta":
+            d = ev.get("delta")
+            if isinstance(d, dict) and d.get("type") == "text_delta" and isinstance(d.get("text"), str):
+                return self._prose(ev.get("index"), ev, Slot(d, "text"))
+            return [KEEP]
+        if kind == "content_block_stop":
+            return [*self._close(ev.get("index")), KEEP]
+        if kind == "message_start":
+            msg = ev.get("message")
+            if isinstance(msg, dict):
+                self._usage(msg.get("usage"))
+        elif kind == "message_delta":
+            self._usage(ev.get("usage"))
+        elif kind == "content_block_start":
+            cb = ev.get("content_block")
+            if isinstance(cb, dict) and cb.get("type") == "text" and cb.get("text"):
+                if _clean(cb, "text"):
+                    return [ev]
+        elif kind == "message_stop":
+            return [*self.close_all(), KEEP]
+        return [KEEP]
+
+    def body(self, obj: Any) -> bool:
+        if not isinstance(obj, dict):
+            return False
+        self._usage(obj.get("usage"))
+        changed = False
+        for block in obj.get("content") or []:
+            if isinstance(block, dict) and block.get("type") == "text":
+                changed |= _clean(block, "text")
+        return changed
+
+
+# -- OpenAI Chat Completions -------------------------------------------------------------------
+
+
+class ChatResponse(LaneResponse):
+    lane = "chat"
+
+    def _usage(self, u: Any) -> None:
+        if not isinstance(u, dict):
+            return
+        self.usage.seen = True
+        self.usage.input = _int(u.get("prompt_tokens"))
+        det = u.get("prompt_tokens_details")
+        self.usage.cache_read = _int(det.get("cached_tokens")) if isinstance(det, dict) else 0
+        self.usage.output = _int(u.get("completion_tokens"))
+
+    def event(self, ev: Event) -> list:
+        self._usage(ev.get("usage"))
+        choices = ev.get("choices")
+        if not isinstance(choices, list):
+            return [KEEP]
+        out: list = []
+        finishing: list = []
+        text_choices = []
+        for ci, ch in enumerate(choices):
+            if not isinstance(ch, dict):
+                continue
+            d = ch.get("delta")
+            if isinstance(d, dict) and isinstance(d.get("content"), str) and d["content"]:
+                text_choices.append(ci)
+            if ch.get("finish_reason"):
+                finishing.append(ch.get("index", ci))
+        if len(text_choices) == 1:
+            ci = text_choices[0]
+            out = self._prose(choices[ci].get("index", ci), ev, Slot(choices[ci]["delta"], "content"))
+        elif text_choices:  # several choices in one chunk (n > 1): filter each, no holding
+            changed = False
+            for ci in text_choices:
+                d = choices[ci]["delta"]
+                b = self.blocks.setdefault(choices[ci].get("index", ci), _Block())
+                t = b.filter.feed(d["content"]) + b.filter.flush()
+                changed |= t != d["content"]
+                d["content"] = t
+            out = [ev if changed else KEEP]
+        else:
+            out = [KEEP]
+        return self._close_around(finishing, ev, out) if finishing else out
+
+    def body(self, obj: Any) -> bool:
+        if not isinstance(obj, dict):
+            return False
+        self._usage(obj.get("usage"))
+        changed = False
+        for ch in obj.get("choices") or []:
+            msg = ch.get("message") if isinstance(ch, dict) else None
+            if isinstance(msg, dict):
+                changed |= _clean(msg, "content")
+        return changed
+
+
+# -- OpenAI Responses --------------------------------------------------------------------------
+
+
+class ResponsesResponse(LaneResponse):
+    lane = "responses"
+
+    def _usage(self, u: Any) -> None:
+        if not isinstance(u, dict):
+            return
+        self.usage.seen = True
+        self.usage.input = _int(u.get("input_tokens"))
+        det = u.get("input_tokens_details")
+        self.usage.cache_read = _int(det.get("cached_tokens")) if isinstance(det, dict) else 0
+        self.usage.output = _int(u.get("output_tokens"))
+
+    @staticmethod
+    def _key(ev: Event) -> tuple:
+        return (ev.get("item_id") or ev.get("output_index"), ev.get("content_index", 0))
+
+    def _final_text(self, key: tuple, text: str) -> str:
+        b = self.blocks.get(key)
+        return b.emitted if b is not None else strip_echoes(text)
+
+    def _fix_item(self, item: Any) -> bool:
+        if not isinstance(item, dict) or item.get("type") != "message":
+            return False
+        changed = False
+        for k, part in enumerate(item.get("content") or []):
+            if isinstance(part, dict) and part.get("type") == "output_text" and isinstance(part.get("text"), str):
+                t = self._final_text((item.get("id"), k), part["text"])
+                if t != part["text"]:
+                    part["text"] = t
+                    changed = True
+        return changed
+
+    def event(self, ev: Event) -> list:
+        kind = ev.get("type")
+        if kind == "response.output_text.delta" and isinstance(ev.get("delta"), str):
+            return self._prose(self._key(ev), ev, Slot(ev, "delta"))
+        if kind == "response.output_text.done" and isinstance(ev.get("text"), str):
+            key = self._key(ev)
+            out = self._close(key)
+            t = self._final_text(key, ev["text"])
+            if t != ev["text"]:
+                ev["text"] = t
+                return [*out, ev]
+            return [*out, KEEP]
+        if kind == "response.content_part.done":
+            part = ev.get("part")
+            if isinstance(part, dict) and part.get("type") == "output_text" and isinstance(part.get("text"), str):
+                key = self._key(ev)
+                out = self._close(key)
+                t = self._final_text(key, part["text"])
+                if t != part["text"]:
+                    part["text"] = t
+                    return [*out, ev]
+                return [*out, KEEP]
+        if kind == "response.output_item.done":
+            return [ev] if self._fix_item(ev.get("item")) else [KEEP]
+        if kind in ("response.completed", "response.incomplete", "response.done"):
+            out = self.close_all()
+            resp = ev.get("response")
+            changed = False
+            if isinstance(resp, dict):
+                self._usage(resp.get("usage"))
+                for item in resp.get("output") or []:
+                    changed |= self._fix_item(item)
+            return [*out, ev if changed else KEEP]
+        return [KEEP]
+
+    def body(self, obj: Any) -> bool:
+        if not isinstance(obj, dict):
+            return False
+        self._usage(obj.get("usage"))
+        changed = False
+        for item in obj.get("output") or []:
+            changed |= self._fix_item(item)
+        return changed
+
+
+# -- Gemini ------------------------------------------------------------------------------------
+
+
+class GeminiResponse(LaneResponse):
+    lane = "gemini"
+
+    def _usage(self, u: Any) -> None:
+        if not isinstance(u, dict):
+            return
+        self.usage.seen = True
+        self.usage.input = _int(u.get("promptTokenCount"))
+        self.usage.cache_read = _int(u.get("cachedContentTokenCount"))
+        self.usage.output = _int(u.get("candidatesTokenCount"))
+
+    def event(self, ev: Event) -> list:
+        self._usage(ev.get("usageMetadata"))
+        cands = ev.get("candidates")
+        if not isinstance(cands, list):
+            return [KEEP]
+        spots = []
+        finishing = []
+        for ci, c in enumerate(cands):
+            content = c.get("content") if isinstance(c, dict) else None
+            parts = content.get("parts") if isinstance(content, dict) else None
+            for pi, p in enumerate(parts or []):
+                if isinstance(p, dict) and isinstance(p.get("text"), str) and not p.get("thought"):
+                    spots.append((ci, pi))
+            if isinstance(c, dict) and c.get("finishReason"):
+                finishing.append(c.get("index", ci))
+        if len(spots) == 1:
+            ci, pi = spots[0]
+            part = cands[ci]["content"]["parts"][pi]
+            out = self._prose(cands[ci].get("index", ci), ev, Slot(part, "text"))
+        elif spots:
+            changed = False
+            for ci, pi in spots:
+                p = cands[ci]["content"]["parts"][pi]
+                b = self.blocks.setdefault(cands[ci].get("index", ci), _Block())
+                t = b.filter.feed(p["text"]) + b.filter.flush()
+                changed |= t != p["text"]
+                p["text"] = t
+            out = [ev if changed else KEEP]
+        else:
+            out = [KEEP]
+        return self._close_around(finishing, ev, out) if finishing else out
+
+    def body(self, obj: Any) -> bool:
+        if isinstance(obj, list):  # a non-SSE streamGenerateContent answer is a JSON array
+            return any([self.body(x) for x in obj])
+        if not isinstance(obj, dict):
+            return False
+        self._usage(obj.get("usageMetadata"))
+        changed = False
+        for c in obj.get("candidates") or []:
+            content = c.get("content") if isinstance(c, dict) else None
+            for p in (content.get("parts") if isinstance(content, dict) else None) or []:
+                if isinstance(p, dict) and not p.get("thought"):
+                    changed |= _clean(p, "text")
+        return changed
+
+
+RESPONSES: dict[str, type[LaneResponse]] = {
+    "anthropic": AnthropicResponse,
+    "chat": ChatResponse,
+    "responses": ResponsesResponse,
+    "gemini": GeminiResponse,
+}

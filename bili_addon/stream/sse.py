@@ -1,0 +1,138 @@
+"""Server-sent events over mitmproxy's streaming callable.
+
+mitmproxy hands ``flow.response.stream`` raw network chunks, not events: an event may be split
+anywhere and several may share a chunk.  ``SSEStream`` reassembles events for any chunking and
+framing (``\\n``, ``\\r\\n``, ``\\r``), passes each to a transform, and never returns ``b""``
+before the end (that would terminate an HTTP/1.1 chunked body).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from typing import Callable, Iterable
+
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r|\r\n\n|\n\r\n")
+_LINE = re.compile(rb"\r\n|\n|\r")
+
+Transform = Callable[[bytes], Iterable[bytes]]
+
+
+class SSEEvent:
+    """One event: its field lines, its ``data`` payload, and the line ending it arrived with."""
+
+    __slots__ = ("lines", "eol", "name")
+
+    def __init__(self, raw: bytes):
+        m = _LINE.search(raw)
+        self.eol = m.group(0) if m else b"\n"
+        self.lines = [ln for ln in _LINE.split(raw) if ln]
+        self.name = ""
+        for ln in self.lines:
+            if ln.startswith(b"event:"):
+                self.name = ln[6:].strip().decode("utf-8", "replace")
+
+    @property
+    def data(self) -> bytes | None:
+        parts = [ln[5:].removeprefix(b" ") for ln in self.lines if ln.startswith(b"data:")]
+        return b"\n".join(parts) if parts else None
+
+    def with_data(self, data: bytes) -> bytes:
+        out, done = [], False
+        for ln in self.lines:
+            if ln.startswith(b"data:"):
+                if not done:
+                    out.append(b"data: " + data)
+                    done = True
+            else:
+                out.append(ln)
+        if not done:
+            out.append(b"data: " + data)
+        return self.eol.join(out) + self.eol + self.eol
+
+
+class SSEStream:
+    """The callable for ``flow.response.stream``: chunks in, whole (transformed) events out."""
+
+    def __init__(self, transform: Transform, finish: Callable[[], Iterable[bytes]] | None = None,
+                 decoder: "Decoder | None" = None):
+        self.buf = b""
+        self.transform = transform
+        self.finish = finish
+        self.decoder = decoder
+
+    def __call__(self, chunk: bytes) -> list[bytes]:
+        final = chunk == b""
+        if self.decoder is not None:
+            chunk = self.decoder.flush() if final else self.decoder.feed(chunk)
+        self.buf += chunk
+        out: list[bytes] = []
+        pos = 0
+        for m in _EVENT_END.finditer(self.buf):
+            if m.start() < pos:
+                continue
+            out.extend(self.transform(self.buf[pos : m.end()]))
+            pos = m.end()
+        self.buf = self.buf[pos:]
+        if final:
+            if self.buf:
+                out.extend(self.transform(self.buf))
+                self.buf = b""
+            if self.finish is not None:
+                out.extend(self.finish())
+        return [b for b in out if b]
+
+
+class Decoder:
+    """Incremental content-decoding of a compressed stream (gzip, deflate, br, zstd)."""
+
+    def __init__(self, encoding: str):
+        enc = encoding.strip().lower()
+        if enc in ("gzip", "x-gzip"):
+            self._d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif enc == "deflate":
+            self._d = _Deflate()
+        elif enc == "br":
+            import brotli  # mitmproxy depends on it
+
+            self._d = brotli.Decompressor()
+        elif enc == "zstd":
+            try:
+                from compression import zstd  # Python 3.14
+            except ImportError:
+                from backports import zstd  # mitmproxy depends on it
+            self._d = zstd.ZstdDecompressor()
+        else:
+            raise ValueError(f"unsupported content-encoding {encoding!r}")
+        self.encoding = enc
+
+    def feed(self, chunk: bytes) -> bytes:
+        d = self._d
+        if hasattr(d, "decompress"):
+            return d.decompress(chunk)
+        return d.process(chunk)  # brotli.Decompressor
+
+    def flush(self) -> bytes:
+        d = self._d
+        return d.flush() if hasattr(d, "flush") else b""
+
+
+class _Deflate:
+    """``deflate`` is zlib-wrapped per the RFC but raw in practice; accept both."""
+
+    def __init__(self) -> None:
+        self._d: zlib._Decompress | None = None
+        self._pending = b""
+
+    def decompress(self, chunk: bytes) -> bytes:
+        if self._d is None:
+            self._pending += chunk
+            if len(self._pending) < 2:
+                return b""
+            wrapped = (self._pending[0] & 0x0F) == 8 and int.from_bytes(self._pending[:2], "big") % 31 == 0
+            self._d = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
+            chunk, self._pending = self._pending, b""
+        return self._d.decompress(chunk)
+
+    def flush(self) -> bytes:
+        return self._d.flush() if self._d is not None else b""

@@ -1,0 +1,165 @@
+"""Request-side hygiene: replayed echoes and markers, proxy ids, strict reasoning echo."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mitmproxy import http
+from mitmproxy.test import taddons, tflow, tutils
+
+from bili_addon.kernel.turn import Engine
+from bili_addon.shell import Bili
+from bili_addon.store import Store
+from bili_addon.wire import LANES
+
+H = {"x-acp-session": "hyg"}
+
+
+@pytest.fixture
+def engine(tmp_path):
+    e = Engine(Store(tmp_path))
+    yield e
+    e.store.close()
+
+
+def chat_body(*messages, model="gpt-x"):
+    return json.dumps({"model": model, "messages": list(messages)}).encode()
+
+
+CALL = {"role": "assistant", "content": None,
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "sh", "arguments": '{"c": "ls"}'}}]}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "a.py"}
+
+
+def test_replayed_echo_never_reaches_the_model_and_keeps_identity(engine):
+    clean = chat_body({"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"},
+                      {"role": "user", "content": "next"})
+    echoed = chat_body({"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": '<acp tokens="2" type="text">m00001</acp>\n\n\nHello!'},
+                       {"role": "user", "content": "next"})
+    a = engine.process(clean, LANES["chat"], H, render=True)
+    b = engine.process(echoed, LANES["chat"], H, render=True)
+    assert b.body == a.body  # the echo is gone and the message kept its ref
+    assert b.refs_new == 0
+
+
+def test_replayed_marker_lines_are_stripped(engine):
+    body = chat_body({"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": "[bili] compressed m00002–m00009 → b1, ~3K tokens saved\nDone."},
+                     {"role": "user", "content": "ok"})
+    out = json.loads(engine.process(body, LANES["chat"], H, render=True).body)
+    assert out["messages"][1]["content"].endswith("</acp>\nDone.")
+    assert "[bili]" not in out["messages"][1]["content"]
+
+
+def test_proxy_ids_are_removed_and_provider_ids_kept(engine):
+    items = [
+        {"type": "message", "role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_abc", "summary": [], "encrypted_content": "enc"},
+        {"type": "message", "id": "msg-proxy-1733-0", "role": "assistant",
+         "content": [{"type": "output_text", "text": "[bili] compressed m00001–m00002 → b1"}]},
+        {"type": "message", "id": "msg_real", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "sh", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "x"},
+        {"type": "message", "role": "user", "content": "go"},
+    ]
+    raw = json.dumps({"model": "m", "input": items}).encode()
+    out = json.loads(engine.process(raw, LANES["responses"], H, render=True).body)["input"]
+    assert "id" not in out[2]
+    assert [out[1]["id"], out[3]["id"], out[4]["id"]] == ["rs_abc", "msg_real", "fc_1"]
+    assert out[1]["encrypted_content"] == "enc"
+    # observe mode still forwards everything unchanged
+    assert engine.process(raw, LANES["responses"], H, render=False).body is None
+
+
+def test_non_strict_sessions_get_no_reasoning_repair(engine):
+    body = chat_body({"role": "user", "content": "hi"}, CALL, RESULT)
+    out = json.loads(engine.process(body, LANES["chat"], H, render=True).body)
+    assert "reasoning_content" not in out["messages"][1]
+
+
+@pytest.mark.parametrize("learned,model", [(True, "gpt-x"), (False, "deepseek-chat")])
+def test_strict_chat_sessions_get_empty_reasoning_content(engine, learned, model):
+    if learned:
+        engine.session("hyg")
+        engine.set_flag("hyg", "strict_reasoning", True)
+    body = chat_body({"role": "user", "content": "hi"}, CALL, RESULT,
+                     {"role": "assistant", "content": "done", "reasoning_content": "thought"}, model=model)
+    out = json.loads(engine.process(body, LANES["chat"], H, render=True).body)["messages"]
+    assert out[1]["reasoning_content"] == ""
+    assert out[3]["reasoning_content"] == "thought"  # never dropped or replaced
+    assert out[1]["tool_calls"] == CALL["tool_calls"]
+
+
+def test_strict_flag_survives_a_restart(tmp_path):
+    e = Engine(Store(tmp_path))
+    e.session("hyg")
+    e.set_flag("hyg", "strict_reasoning", True)
+    e.store.close()
+    e2 = Engine(Store(tmp_path))
+    assert e2.session("hyg").flags == {"strict_reasoning": True}
+
+
+def test_strict_responses_runs_get_a_reasoning_item(engine):
+    engine.session("hyg")
+    engine.set_flag("hyg", "strict_reasoning", True)
+    items = [
+        {"type": "message", "role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "e"},
+        {"type": "function_call", "call_id": "c1", "name": "sh", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "x"},
+        {"type": "message", "role": "user", "content": "again"},
+        {"type": "function_call", "call_id": "c2", "name": "sh", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c2", "output": "y"},
+    ]
+    out = json.loads(engine.process(json.dumps({"model": "m", "input": items}).encode(),
+                                    LANES["responses"], H, render=True).body)["input"]
+    assert [i.get("type") for i in out] == [
+        "message", "reasoning", "function_call", "function_call_output", "message",
+        "reasoning", "function_call", "function_call_output",
+    ]
+    assert out[5] == {"type": "reasoning", "summary": [{"type": "summary_text", "text": ""}]}
+
+
+def flow_for(body: bytes, path="/v1/chat/completions"):
+    req = tutils.treq(method=b"POST", path=path.encode(), host="relay.example", port=443, scheme=b"https",
+                      headers=http.Headers(host="relay.example", content_type="application/json", x_acp_session="s"),
+                      content=body)
+    f = tflow.tflow(req=req)
+    f.client_conn.peername = ("127.0.0.1", 1)
+    return f
+
+
+def test_a_400_naming_reasoning_content_teaches_the_session(tmp_path):
+    addon = Bili()
+    body = chat_body({"role": "user", "content": "hi"}, CALL, RESULT)
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, bili_data_dir=str(tmp_path))
+        f = flow_for(body)
+        addon.request(f)
+        assert "reasoning_content" not in json.loads(f.request.content)["messages"][1]
+        f.response = http.Response.make(
+            400, b'{"error":{"message":"The reasoning_content in the thinking mode must be passed back"}}',
+            {"content-type": "application/json"},
+        )
+        addon.response(f)
+        g = flow_for(body)
+        addon.request(g)
+        assert json.loads(g.request.content)["messages"][1]["reasoning_content"] == ""
+        assert addon.stats()["sessions"][0]["flags"] == {"strict_reasoning": True}
+    addon.done()
+
+
+@pytest.mark.parametrize("mode,refused", [("fold", True), ("observe", False)])
+def test_websocket_upgrade_on_responses_is_refused_in_fold_mode(tmp_path, mode, refused):
+    addon = Bili()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, bili_data_dir=str(tmp_path), bili_mode=mode)
+        req = tutils.treq(method=b"GET", path=b"/v1/responses", host="api.openai.com", port=443, scheme=b"https",
+                          headers=http.Headers(host="api.openai.com", upgrade="websocket", connection="Upgrade"),
+                          content=b"")
+        f = tflow.tflow(req=req)
+        addon.request(f)
+        assert (f.response is not None and f.response.status_code == 426) == refused
+    addon.done()

@@ -1,0 +1,180 @@
+"""The mitmproxy addon shell, driven with mitmproxy's own test helpers (no sockets)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+
+import pytest
+from mitmproxy import http
+from mitmproxy.test import taddons, tflow, tutils
+from mitmproxy.websocket import WebSocketMessage
+from wsproto.frame_protocol import Opcode
+
+from bili_addon.shell import Bili
+
+ANTH_BODY = json.dumps(
+    {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hello there"}]}
+).encode()
+
+
+def model_flow(content: bytes, path: str = "/v1/messages", headers: dict | None = None, peer="127.0.0.1"):
+    h = http.Headers(host="api.anthropic.com", content_type="application/json", **(headers or {}))
+    req = tutils.treq(method=b"POST", path=path.encode(), host="api.anthropic.com", port=443, scheme=b"https",
+                      headers=h, content=content)
+    f = tflow.tflow(req=req)
+    f.client_conn.peername = (peer, 50000)
+    return f
+
+
+@pytest.fixture
+def bili(tmp_path):
+    addon = Bili()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, bili_data_dir=str(tmp_path / "data"))
+        addon.tctx = tctx
+        yield addon
+    addon.done()
+
+
+def session_headers(sid="s1"):
+    return {"x_acp_session": sid}
+
+
+def test_fold_mode_tags_the_prose(bili):
+    f = model_flow(ANTH_BODY, headers=session_headers())
+    bili.request(f)
+    sent = json.loads(f.request.content)
+    assert sent["messages"][0]["content"] == '<acp tokens="3" type="text">m00001</acp>\nhello there'
+
+
+def test_observe_records_and_forwards_unchanged(bili):
+    bili.tctx.configure(bili, bili_mode="observe")
+    f = model_flow(ANTH_BODY, headers=session_headers())
+    bili.request(f)
+    assert f.request.raw_content == ANTH_BODY
+    stats = bili.stats()["sessions"]
+    assert [(s["id"], s["refs"], s["requests"]) for s in stats] == [("s1", 1, 1)]
+
+
+def test_passthrough_records_nothing(bili):
+    bili.tctx.configure(bili, bili_mode="passthrough")
+    f = model_flow(ANTH_BODY, headers=session_headers())
+    bili.request(f)
+    assert f.request.raw_content == ANTH_BODY
+    assert bili.stats()["sessions"] == []
+
+
+@pytest.mark.parametrize(
+    "path,content",
+    [
+        ("/v1/messages", b'{"model": "m", "messages": [ {"role": "user", "content": "x"'),  # truncated JSON
+        ("/v1/messages", b'["not", "an", "object"]'),
+        ("/v1/messages", b'{"messages": "not a list"}'),
+        ("/v1/messages/count_tokens", ANTH_BODY),
+        ("/api/event_logging/batch", ANTH_BODY),
+    ],
+)
+def test_unparseable_or_non_model_bodies_pass_untouched(bili, path, content):
+    f = model_flow(content, path=path, headers=session_headers())
+    bili.request(f)
+    assert f.request.raw_content == content
+
+
+def test_internal_error_fails_open_and_says_why(bili, monkeypatch, caplog):
+    def boom(*a, **k):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(bili.engine, "process", boom)
+    f = model_flow(ANTH_BODY, headers=session_headers())
+    with caplog.at_level(logging.ERROR, logger="bili"):
+        bili.request(f)
+    assert f.request.raw_content == ANTH_BODY
+    assert "kaboom" in caplog.text and "forwarding unchanged" in caplog.text
+
+
+def test_gzip_body_is_decoded_tagged_and_re_encoded(bili):
+    f = model_flow(gzip.compress(ANTH_BODY), headers={**session_headers(), "content_encoding": "gzip"})
+    bili.request(f)
+    assert f.request.headers["content-encoding"] == "gzip"
+    sent = json.loads(gzip.decompress(f.request.raw_content))
+    assert sent["messages"][0]["content"].startswith('<acp tokens="3" type="text">m00001</acp>\n')
+
+
+def test_undecodable_encoding_passes_untouched(bili):
+    junk = b"\x1f\x8bnot really gzip"
+    f = model_flow(junk, headers={**session_headers(), "content_encoding": "gzip"})
+    bili.request(f)
+    assert f.request.raw_content == junk and f.request.headers["content-encoding"] == "gzip"
+
+
+def test_store_that_cannot_open_logs_once_and_passes_through(tmp_path, caplog):
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("x")
+    addon = Bili()
+    with taddons.context(addon) as tctx, caplog.at_level(logging.ERROR, logger="bili"):
+        tctx.configure(addon, bili_data_dir=str(blocker))
+        f = model_flow(ANTH_BODY, headers=session_headers())
+        addon.request(f)
+        assert f.request.raw_content == ANTH_BODY
+        assert caplog.text.count("cannot open the store") == 1
+        h = model_flow(b"", path="/__bili/health")
+        h.request.method = "GET"
+        addon.request(h)
+        assert json.loads(h.response.content)["store"] is False
+
+
+def test_admin_health_and_stats(bili):
+    bili.request(model_flow(ANTH_BODY, headers=session_headers("sess-a")))
+    h = model_flow(b"", path="/__bili/health")
+    h.request.method = "GET"
+    bili.request(h)
+    assert h.response.status_code == 200
+    health = json.loads(h.response.content)
+    assert health["ok"] is True and health["version"]
+    s = model_flow(b"", path="/__bili/stats")
+    s.request.method = "GET"
+    bili.request(s)
+    [entry] = json.loads(s.response.content)["sessions"]
+    assert entry["id"] == "sess-a" and entry["lane"] == "anthropic" and entry["refs"] == 1
+    assert entry["messages"] == 1 and entry["requests"] == 1
+    n = model_flow(b"", path="/__bili/nope")
+    n.request.method = "GET"
+    bili.request(n)
+    assert n.response.status_code == 404
+
+
+@pytest.mark.parametrize("peer", ["10.1.2.3", "192.168.0.7", "2001:db8::1"])
+def test_admin_refuses_non_loopback_clients(bili, peer):
+    f = model_flow(b"", path="/__bili/stats", peer=peer)
+    f.request.method = "GET"
+    bili.request(f)
+    assert f.response.status_code == 403
+
+
+def test_admin_accepts_ipv6_and_mapped_loopback(bili):
+    for peer in ("::1", "::ffff:127.0.0.1"):
+        f = model_flow(b"", path="/__bili/health", peer=peer)
+        f.request.method = "GET"
+        bili.request(f)
+        assert f.response.status_code == 200
+
+
+def test_responses_websocket_frame_is_tagged(bili):
+    f = tflow.twebsocketflow()
+    f.request.path = "/v1/responses"
+    f.request.headers["session_id"] = "ws-1"
+    frame = json.dumps(
+        {"type": "response.create", "model": "m",
+         "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi ws"}]}]}
+    ).encode()
+    f.websocket.messages.append(WebSocketMessage(Opcode.TEXT, True, frame))
+    bili.websocket_message(f)
+    sent = json.loads(f.websocket.messages[-1].content)
+    assert sent["type"] == "response.create"
+    assert sent["input"][0]["content"][0]["text"].startswith('<acp tokens="2" type="text">m00001</acp>\n')
+    server = WebSocketMessage(Opcode.TEXT, False, b'{"type":"response.created"}')
+    f.websocket.messages.append(server)
+    bili.websocket_message(f)
+    assert f.websocket.messages[-1].content == b'{"type":"response.created"}'

@@ -1,0 +1,316 @@
+"""The response path: SSE reassembly, the tag-echo filter, per-lane rewriting, usage."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bili_addon.stream import Decoder, ResponseRewriter
+from bili_addon.stream.echo import EchoFilter, strip_echoes
+from bili_addon.stream.sse import SSEStream
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ECHO_SHAPES = [
+    '<acp tokens="12" type="text">m00012</acp>\n',
+    '<acp tokens="1.2K" type="tool:bash">m00003</acp>',
+    "<acip>m00007</acip>\n\n\n\n",
+    "<ACP tokens='3'>m00001 – m00009</ACP>",
+    "m00004</acp>",
+    "<acp/>",
+    '<pca tokens="1">m00002</pca>\n',
+]
+TAGLIKE = re.compile(r"<\s*/?\s*(acp|acip|pca)\b|</acp>", re.IGNORECASE)
+
+
+def chunked(data: bytes, rng: random.Random, most: int = 23) -> list[bytes]:
+    out, i = [], 0
+    while i < len(data):
+        k = rng.randint(1, most)
+        out.append(data[i : i + k])
+        i += k
+    return out
+
+
+def run_stream(stream: SSEStream, chunks: list[bytes]) -> bytes:
+    out: list[bytes] = []
+    for c in chunks:
+        got = stream(c)
+        assert isinstance(got, list) and all(got), "never b'' mid-stream"
+        out.extend(got)
+    out.extend(stream(b""))
+    return b"".join(out)
+
+
+# -- the splitter ------------------------------------------------------------------------------
+
+@SETTINGS
+@given(
+    events=st.lists(st.text(alphabet=st.characters(blacklist_characters="\r\n"), max_size=40), min_size=1,
+                    max_size=12),
+    eol=st.sampled_from(["\n", "\r\n"]),
+    seed=st.integers(0, 10_000),
+)
+def test_splitter_rebuilds_every_event_for_any_chunking(events, eol, seed):
+    raw = "".join(f"event: e{i}{eol}data: {json.dumps(t)}{eol}{eol}" for i, t in enumerate(events)).encode()
+    seen: list[bytes] = []
+
+    def ident(ev: bytes):
+        seen.append(ev)
+        return [ev]
+
+    assert run_stream(SSEStream(ident), chunked(raw, random.Random(seed), 9)) == raw
+    assert len(seen) == len(events)
+
+
+def test_splitter_flushes_an_unterminated_last_event():
+    s = SSEStream(lambda ev: [ev.upper()])
+    assert s(b"data: a\n\ndata: b") == [b"DATA: A\n\n"]
+    assert s(b"") == [b"DATA: B"]
+
+
+def test_compressed_stream_is_decoded_incrementally():
+    raw = b"".join(b'data: {"n": %d}\n\n' % i for i in range(50))
+    comp = gzip.compress(raw)
+    st_ = SSEStream(lambda ev: [ev], decoder=Decoder("gzip"))
+    assert run_stream(st_, chunked(comp, random.Random(1), 7)) == raw
+
+
+# -- the echo filter ---------------------------------------------------------------------------
+
+@SETTINGS
+@given(
+    words=st.lists(st.sampled_from(["alpha", "beta gamma", "x < y", "<div>", "acpi.h", "I'm", "m", "\n", " "]
+                                   + ECHO_SHAPES), max_size=14),
+    seed=st.integers(0, 10_000),
+)
+def test_streamed_filter_equals_whole_text_filter(words, seed):
+    text = "".join(words)
+    want = strip_echoes(text)
+    f = EchoFilter()
+    rng = random.Random(seed)
+    out, i = "", 0
+    while i < len(text):
+        k = rng.randint(1, 9)
+        out += f.feed(text[i : i + k])
+        i += k
+    out += f.flush()
+    assert out == want
+    assert not TAGLIKE.search(want)
+
+
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ('<acp tokens="12" type="text">m00012</acp>\nHello', "Hello"),
+        ('Intro\n\n<acp tokens="1" type="text">m00001</acp>\n\n\n\n\nBody', "Intro\n\nBody"),
+        ("<acip>m00001</acip>\nTypo'd tag", "Typo'd tag"),
+        ("<acp>prose inside stays</acp>", "prose inside stays"),
+        ("see m00012</acp> here", "see  here"),
+        ("a < b, <div>x</div>, acpi.h, <caption>, item m", "a < b, <div>x</div>, acpi.h, <caption>, item m"),
+        ("[m00003] look-alike text is content", "[m00003] look-alike text is content"),
+    ],
+)
+def test_strip_echoes_cases(text, want):
+    assert strip_echoes(text) == want
+
+
+def test_amplified_echo_collapses():
+    text = "".join(f'<acp tokens="1" type="text">m{i:05d}</acp>\n\n\n' for i in range(77)) + "Answer."
+    assert strip_echoes(text) == "Answer."
+
+
+# -- per-lane streams --------------------------------------------------------------------------
+
+def sse(events: list[tuple[str | None, dict | str]]) -> bytes:
+    out = []
+    for name, data in events:
+        payload = data if isinstance(data, str) else json.dumps(data)
+        out.append((f"event: {name}\n" if name else "") + f"data: {payload}\n\n")
+    return "".join(out).encode()
+
+
+def events_of(raw: bytes) -> list[dict]:
+    out = []
+    for block in raw.split(b"\n\n"):
+        for line in block.split(b"\n"):
+            if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+                out.append(json.loads(line[6:]))
+    return out
+
+
+PIECES = ["Here ", "<acp tok", 'ens="3" type="text">m000', "12</acp>\n", "is the ", "answer <ac", "ip>m00002</acip>", "."]
+ARGS = '{"cmd": "echo \'<acp tokens=\\"1\\">m00001</acp>\'"}'
+
+
+def anthropic_stream() -> bytes:
+    ev = [("message_start", {"type": "message_start", "message": {
+        "id": "msg_1", "type": "message", "role": "assistant", "content": [], "model": "m",
+        "usage": {"input_tokens": 100, "cache_read_input_tokens": 900, "cache_creation_input_tokens": 0,
+                  "output_tokens": 1}}}),
+          ("content_block_start", {"type": "content_block_start", "index": 0,
+                                   "content_block": {"type": "text", "text": ""}})]
+    ev += [("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                    "delta": {"type": "text_delta", "text": p}}) for p in PIECES]
+    ev += [("content_block_stop", {"type": "content_block_stop", "index": 0}),
+           ("content_block_start", {"type": "content_block_start", "index": 1, "content_block": {
+               "type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {}}}),
+           ("content_block_delta", {"type": "content_block_delta", "index": 1,
+                                    "delta": {"type": "input_json_delta", "partial_json": ARGS[:20]}}),
+           ("content_block_delta", {"type": "content_block_delta", "index": 1,
+                                    "delta": {"type": "input_json_delta", "partial_json": ARGS[20:]}}),
+           ("content_block_stop", {"type": "content_block_stop", "index": 1}),
+           ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use"},
+                              "usage": {"output_tokens": 42}}),
+           ("message_stop", {"type": "message_stop"})]
+    return sse(ev)
+
+
+def chat_stream() -> bytes:
+    base = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    ev = [(None, {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})]
+    ev += [(None, {**base, "choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]})
+           for p in PIECES]
+    ev += [(None, {**base, "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "bash", "arguments": ARGS}}]}}]}),
+           (None, {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
+           (None, {**base, "choices": [], "usage": {"prompt_tokens": 1000, "completion_tokens": 5,
+                                                    "prompt_tokens_details": {"cached_tokens": 800}}}),
+           (None, "[DONE]")]
+    return sse(ev)
+
+
+def responses_stream() -> bytes:
+    full = "".join(PIECES)
+    item = {"type": "message", "id": "msg_9", "role": "assistant", "status": "completed",
+            "content": [{"type": "output_text", "text": full, "annotations": []}]}
+    call = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "bash", "arguments": ARGS}
+    ev = [("response.created", {"type": "response.created", "sequence_number": 0, "response": {"id": "r1"}})]
+    ev += [("response.output_text.delta", {"type": "response.output_text.delta", "sequence_number": i + 1,
+                                           "item_id": "msg_9", "output_index": 0, "content_index": 0, "delta": p})
+           for i, p in enumerate(PIECES)]
+    n = len(PIECES) + 1
+    ev += [("response.output_text.done", {"type": "response.output_text.done", "sequence_number": n,
+                                          "item_id": "msg_9", "output_index": 0, "content_index": 0, "text": full}),
+           ("response.content_part.done", {"type": "response.content_part.done", "sequence_number": n + 1,
+                                           "item_id": "msg_9", "output_index": 0, "content_index": 0,
+                                           "part": {"type": "output_text", "text": full}}),
+           ("response.output_item.done", {"type": "response.output_item.done", "sequence_number": n + 2,
+                                          "output_index": 0, "item": item}),
+           ("response.function_call_arguments.delta", {"type": "response.function_call_arguments.delta",
+                                                       "sequence_number": n + 3, "item_id": "fc_1",
+                                                       "output_index": 1, "delta": ARGS}),
+           ("response.output_item.done", {"type": "response.output_item.done", "sequence_number": n + 4,
+                                          "output_index": 1, "item": call}),
+           ("response.completed", {"type": "response.completed", "sequence_number": n + 5, "response": {
+               "id": "r1", "status": "completed", "output": [item, call],
+               "usage": {"input_tokens": 2000, "input_tokens_details": {"cached_tokens": 1500},
+                         "output_tokens": 9}}})]
+    return sse(ev)
+
+
+def gemini_stream() -> bytes:
+    ev = [(None, {"candidates": [{"content": {"role": "model", "parts": [{"text": p}]}, "index": 0}]})
+          for p in PIECES[:-1]]
+    ev += [(None, {"candidates": [{"content": {"role": "model", "parts": [{"text": PIECES[-1]}]},
+                                   "finishReason": "STOP", "index": 0}],
+                   "usageMetadata": {"promptTokenCount": 500, "cachedContentTokenCount": 100,
+                                     "candidatesTokenCount": 7}})]
+    return sse(ev)
+
+
+CLEAN = "Here \nis the answer ."  # an inline echo keeps the line break after it
+
+
+def prose_of(lane: str, events: list[dict]) -> str:
+    if lane == "anthropic":
+        return "".join(e["delta"]["text"] for e in events
+                       if e.get("type") == "content_block_delta" and e["delta"]["type"] == "text_delta")
+    if lane == "chat":
+        return "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+    if lane == "responses":
+        return "".join(e["delta"] for e in events if e.get("type") == "response.output_text.delta")
+    return "".join(p.get("text", "") for e in events for c in e["candidates"] for p in c["content"]["parts"])
+
+
+@pytest.mark.parametrize(
+    "lane,make,usage",
+    [
+        ("anthropic", anthropic_stream, (1000, 900, 0, 42)),
+        ("chat", chat_stream, (1000, 800, 0, 5)),
+        ("responses", responses_stream, (2000, 1500, 0, 9)),
+        ("gemini", gemini_stream, (500, 100, 0, 7)),
+    ],
+)
+@pytest.mark.parametrize("seed", range(12))
+def test_lane_streams_clean_prose_only(lane, make, usage, seed):
+    raw = make()
+    rw = ResponseRewriter(lane)
+    out = run_stream(rw.stream(), chunked(raw, random.Random(seed), 31))
+    before, after = events_of(raw), events_of(out)
+    assert len(after) == len(before), "no event invented or dropped"
+    assert prose_of(lane, after) == CLEAN
+    # tool-call arguments are byte-identical, wherever they travel
+    assert out.count(json.dumps(ARGS)[1:-1].encode()) == raw.count(json.dumps(ARGS)[1:-1].encode())
+    if lane == "anthropic":
+        args = "".join(e["delta"]["partial_json"] for e in after if e.get("type") == "content_block_delta"
+                       and e["delta"]["type"] == "input_json_delta")
+        assert args == ARGS
+    if lane == "responses":
+        done = [e for e in after if e["type"] == "response.output_text.done"][0]["text"]
+        part = [e for e in after if e["type"] == "response.content_part.done"][0]["part"]["text"]
+        item = [e for e in after if e["type"] == "response.output_item.done"][0]["item"]["content"][0]["text"]
+        completed = [e for e in after if e["type"] == "response.completed"][0]["response"]
+        assert done == part == item == completed["output"][0]["content"][0]["text"] == CLEAN
+        assert completed["output"][1]["arguments"] == ARGS
+        assert [e["sequence_number"] for e in after] == [e["sequence_number"] for e in before]
+    u = rw.usage
+    assert (u.input, u.cache_read, u.cache_write, u.output) == usage
+
+
+def test_clean_stream_passes_byte_identical():
+    raw = sse([(None, {"choices": [{"index": 0, "delta": {"content": "plain text"}}]}), (None, "[DONE]")])
+    assert run_stream(ResponseRewriter("chat").stream(), chunked(raw, random.Random(3))) == raw
+
+
+def test_observe_reads_usage_but_never_changes_bytes():
+    raw = anthropic_stream()
+    rw = ResponseRewriter("anthropic", rewrite=False)
+    assert run_stream(rw.stream(), chunked(raw, random.Random(5))) == raw
+    assert rw.usage.output == 42
+
+
+def test_a_stream_cut_mid_tag_still_releases_the_held_event():
+    raw = sse([(None, {"choices": [{"index": 0, "delta": {"content": "Done. <ac"}}]})])
+    out = events_of(run_stream(ResponseRewriter("chat").stream(), [raw]))
+    assert out[0]["choices"][0]["delta"]["content"] == "Done. <ac"
+
+
+@pytest.mark.parametrize(
+    "lane,body,get",
+    [
+        ("anthropic", {"content": [{"type": "text", "text": '<acp tokens="1" type="text">m00001</acp>\nHi'},
+                                   {"type": "tool_use", "id": "t", "name": "x", "input": {"a": "<acp>m00001</acp>"}}]},
+         lambda b: (b["content"][0]["text"], b["content"][1]["input"]["a"])),
+        ("chat", {"choices": [{"index": 0, "message": {
+            "role": "assistant", "content": "<acp>m00001</acp>\nHi",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "x", "arguments": "<acp>m00001</acp>"}}]}}]},
+         lambda b: (b["choices"][0]["message"]["content"], b["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])),
+        ("responses", {"output": [
+            {"type": "message", "id": "m", "role": "assistant", "content": [{"type": "output_text", "text": "<acp>m00001</acp>\nHi"}]},
+            {"type": "function_call", "call_id": "c", "name": "x", "arguments": "<acp>m00001</acp>"}]},
+         lambda b: (b["output"][0]["content"][0]["text"], b["output"][1]["arguments"])),
+        ("gemini", {"candidates": [{"content": {"parts": [{"text": "<acp>m00001</acp>\nHi"},
+                                                          {"functionCall": {"name": "x", "args": {"a": "<acp>m00001</acp>"}}}]}}]},
+         lambda b: (b["candidates"][0]["content"]["parts"][0]["text"], b["candidates"][0]["content"]["parts"][1]["functionCall"]["args"]["a"])),
+    ],
+)
+def test_json_bodies_clean_prose_and_keep_tool_calls(lane, body, get):
+    out = ResponseRewriter(lane).json_body(json.dumps(body).encode())
+    assert out is not None
+    assert get(json.loads(out)) == ("Hi", "<acp>m00001</acp>")
