@@ -1,0 +1,278 @@
+"""``bili``: the command line.
+
+    bili run [options] [-- extra mitmdump args]   start the proxy (mitmdump with the addon)
+    bili ca [--confdir DIR] [--json]              create the CA if needed and print its paths
+    bili --version
+
+Each subcommand is one :class:`Command` in :data:`COMMANDS`: a help line, a function that adds its
+arguments to its subparser, and a handler returning the exit code.  New subcommands register there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from bili_addon import __version__
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8787
+# must match bili_addon.shell.MODES (not imported here: the shell pulls in all of mitmproxy)
+BILI_MODES = ("fold", "observe", "passthrough")
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    passthrough: bool = False  # takes extra arguments after ``--`` (as ``args.extra``)
+    description: str = ""
+
+
+def _err(msg: str) -> None:
+    print(f"bili: error: {msg}", file=sys.stderr)
+
+
+# -- bili ca ---------------------------------------------------------------------------------------
+def _ca_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--confdir", metavar="DIR", help="where the CA lives (default: the checkout's certs/, "
+                   "else $XDG_DATA_HOME/bili-addon/certs)")
+    p.add_argument("--json", action="store_true", help="print the paths as JSON")
+
+
+def _ca(args: argparse.Namespace) -> int:
+    from bili_addon.certs import CertError, ensure_ca
+
+    try:
+        ca = ensure_ca(args.confdir)
+    except CertError as e:
+        _err(str(e))
+        return 1
+    if args.json:
+        print(json.dumps({
+            "confdir": str(ca.confdir), "cert": str(ca.cert), "key": str(ca.key),
+            "combined": str(ca.combined), "roots_source": ca.roots_source,
+            "private": [str(p) for p in ca.secured],
+        }, indent=2))
+        return 0
+    roots = ca.roots_source or "none found: the bundle holds only our CA"
+    print(f"confdir          {ca.confdir}")
+    print(f"CA certificate   {ca.cert}")
+    print("                 -> NODE_EXTRA_CA_CERTS (Node/Bun agents), or trust it system-wide")
+    print(f"combined bundle  {ca.combined}")
+    print(f"                 -> SSL_CERT_FILE / REQUESTS_CA_BUNDLE (codex, Python); system roots from {roots}")
+    print(f"CA private key   {ca.key} (mode 0600, never share it)")
+    return 0
+
+
+# -- bili run --------------------------------------------------------------------------------------
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen-host", default=DEFAULT_HOST, metavar="HOST",
+                   help=f"address to bind (default: {DEFAULT_HOST})")
+    p.add_argument("--listen-port", type=int, default=DEFAULT_PORT, metavar="PORT",
+                   help=f"port to bind (default: {DEFAULT_PORT})")
+    p.add_argument("--mode", action="append", metavar="MODE",
+                   help="mitmproxy mode: regular (forward proxy, the default), reverse:URL (e.g. "
+                        "reverse:https://api.anthropic.com), upstream:URL, socks5, ...; repeatable")
+    p.add_argument("--data-dir", metavar="DIR",
+                   help="where the store lives (bili_data_dir; default: $XDG_DATA_HOME/bili-addon)")
+    p.add_argument("--confdir", metavar="DIR",
+                   help="mitmproxy confdir holding the CA (default: the checkout's certs/, "
+                        "else $XDG_DATA_HOME/bili-addon/certs)")
+    p.add_argument("--bili-mode", choices=BILI_MODES, default="fold",
+                   help="fold: ledger plus ref tags rendered into the request; observe: ledger and "
+                        "stats, bodies forwarded unchanged; passthrough: byte-exact, nothing recorded "
+                        "(default: fold)")
+    p.add_argument("--quiet", action="store_true", help="do not print the set-up instructions")
+
+
+def _display_host(host: str) -> str:
+    """The address a local client should dial for a listener bound to ``host``."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        host = "::1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _base_url_var(upstream_host: str) -> tuple[str, str]:
+    """``(variable, path suffix)`` an agent reads its base URL from, for a known upstream."""
+    h = upstream_host.lower()
+    if h == "api.anthropic.com":
+        return "ANTHROPIC_BASE_URL", ""
+    if h == "api.openai.com":
+        return "OPENAI_BASE_URL", "/v1"
+    return "", ""
+
+
+def _instructions(modes: list, host: str, port: int, ca, bili_mode: str) -> list[str]:
+    lines = [f"bili {__version__}: bili_mode={bili_mode}, CA in {ca.confdir}"]
+    for m in modes:
+        h = _display_host(m.listen_host(host))
+        p = m.listen_port(port)
+        addr = f"{h}:{p}"
+        if m.type_name in ("regular", "upstream"):
+            lines += [
+                "",
+                f"Forward proxy on {addr}. Point an agent at it with:",
+                f"  export HTTPS_PROXY=http://{addr}",
+                f"  export NODE_EXTRA_CA_CERTS={ca.cert}   # Node/Bun agents: Claude Code, pi, omp, opencode",
+                f"  export SSL_CERT_FILE={ca.combined}   # codex and Python agents",
+                f"  export REQUESTS_CA_BUNDLE={ca.combined}",
+                f"Health: curl -x http://{addr} http://bili.proxy/__bili/health",
+            ]
+        elif m.type_name == "reverse":
+            var, suffix = _base_url_var(m.address[0])
+            upstream = m.data
+            lines += ["", f"Reverse proxy on {addr} -> {upstream}. Give the agent this base URL instead of {upstream}:"]
+            if var:
+                lines.append(f"  export {var}=http://{addr}{suffix}")
+            else:
+                lines.append(f"  http://{addr}")
+            lines.append(f"Health: curl http://{addr}/__bili/health")
+        else:
+            lines += ["", f"{m.type_name} mode on {addr} (see mitmproxy's docs on pointing clients at it);"
+                          f" trust the CA {ca.cert}"]
+    return lines
+
+
+def _system_roots_for_upstream(source: str | None) -> str | None:
+    if not source:
+        return None
+    try:
+        import certifi
+
+        if Path(source).resolve() == Path(certifi.where()).resolve():
+            return None  # mitmproxy's default already
+    except ImportError:
+        pass
+    return source
+
+
+def _run(args: argparse.Namespace) -> int:
+    from mitmproxy.proxy.mode_specs import ProxyMode
+
+    from bili_addon.certs import CertError, ensure_ca
+
+    specs = args.mode or ["regular"]
+    try:
+        modes = [ProxyMode.parse(s) for s in specs]
+    except ValueError as e:
+        _err(f"invalid --mode: {e}")
+        return 2
+    try:
+        ca = ensure_ca(args.confdir)
+    except CertError as e:
+        _err(str(e))
+        return 1
+
+    bindir = Path(sys.executable).parent
+    mitmdump = bindir / "mitmdump"
+    if not (mitmdump.is_file() and os.access(mitmdump, os.X_OK)):
+        found = shutil.which("mitmdump")
+        if found is None:
+            _err(f"mitmdump not found next to {sys.executable} nor on PATH; is mitmproxy installed?")
+            return 1
+        mitmdump = Path(found)
+
+    addon = Path(__file__).resolve().parent / "addon.py"
+    cmd = [str(mitmdump), "-s", str(addon),
+           "--listen-host", args.listen_host, "--listen-port", str(args.listen_port)]
+    for s in specs:
+        cmd += ["--mode", s]
+    cmd += ["--set", f"confdir={ca.confdir}"]
+    if args.data_dir:
+        cmd += ["--set", f"bili_data_dir={Path(args.data_dir).expanduser().resolve()}"]
+    cmd += ["--set", f"bili_mode={args.bili_mode}"]
+    upstream_ca = _system_roots_for_upstream(ca.roots_source)
+    if upstream_ca:
+        # mitmproxy verifies upstream servers against certifi only; trust what this machine trusts
+        # (a corporate or sandbox TLS inspector's CA lives in the system store, not in certifi)
+        cmd += ["--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}"]
+    if any(m.type_name == "reverse" for m in modes):
+        # mitmproxy's default ("eager") dials the upstream as soon as a client connects and drops
+        # the client if that fails; lazy lets /__bili/ answer even while the upstream is down
+        cmd += ["--set", "connection_strategy=lazy"]
+    cmd += args.extra  # last, so they override ours
+
+    if not args.quiet:
+        print("\n".join(_instructions(modes, args.listen_host, args.listen_port, ca, args.bili_mode)))
+        print("", flush=True)
+    sys.stderr.flush()
+    try:
+        os.execvp(cmd[0], cmd)
+    except OSError as e:
+        _err(f"cannot start {cmd[0]}: {e}")
+        return 1
+    return 0  # not reached
+
+
+COMMANDS: dict[str, Command] = {
+    "run": Command(
+        help="start the proxy (mitmdump with the bili addon)",
+        description="Start the proxy: makes sure the CA exists, prints how to point an agent at it, "
+                    "then runs mitmdump with the bili addon. Arguments after -- go to mitmdump as-is.",
+        configure=_run_args, run=_run, passthrough=True,
+    ),
+    "ca": Command(
+        help="create the proxy's CA if needed and print where it is",
+        description="Create the mitmproxy CA if it does not exist yet, restrict its key files to 0600, "
+                    "rewrite the combined bundle (system roots + our CA) and print the paths.",
+        configure=_ca_args, run=_ca,
+    ),
+}
+
+
+def _version() -> str:
+    try:
+        from mitmproxy.version import VERSION as mitm
+    except ImportError:
+        mitm = "not installed"
+    return f"bili {__version__} (mitmproxy {mitm}, Python {sys.version.split()[0]})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bili",
+        description="bili-addon: a mitmproxy addon that keeps a persistent ledger of every agent "
+                    "conversation passing through it.",
+        epilog="Run 'bili COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, c in COMMANDS.items():
+        usage_extra = " [-- MITMDUMP_ARGS ...]" if c.passthrough else ""
+        sp = sub.add_parser(name, help=c.help, description=c.description or c.help)
+        c.configure(sp)
+        if usage_extra:
+            sp.usage = sp.format_usage().removeprefix("usage: ").rstrip() + usage_extra
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    cmd = COMMANDS[args.command]
+    if extra and not cmd.passthrough:
+        parser.error(f"'{args.command}' takes no arguments after --")
+    args.extra = extra
+    return cmd.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
