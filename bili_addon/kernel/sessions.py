@@ -113,7 +113,9 @@ _TEXT_PART_TYPES = {"text", "input_text", "output_text"}
 
 def _normalise(v: Any) -> Any:
     if isinstance(v, dict):
-        out = {k: _normalise(x) for k, x in v.items() if k != "cache_control"}
+        # a tool result's ``name`` is dropped by some hosts on re-send (hermes); the call id pairs it
+        drop = ("cache_control", "name") if v.get("role") == "tool" else ("cache_control",)
+        out = {k: _normalise(x) for k, x in v.items() if k not in drop}
         if out.get("type") in _TEXT_PART_TYPES:
             out["type"] = "text"
         c = out.get("content")
@@ -126,7 +128,8 @@ def _normalise(v: Any) -> Any:
 
 
 def canonical_item(obj: Any) -> bytes:
-    """Transport hints removed (``cache_control``), string content == one text part, keys sorted."""
+    """Transport hints removed (``cache_control``, a tool result's ``name``), string content == one
+    text part, keys sorted."""
     return _canon_enc.encode(_normalise(obj))
 
 

@@ -42,7 +42,8 @@ MARKER_LINE = re.compile(r"^\[bili\] [^\n]*(?:\n|$)")
 
 
 def clean_replayed_prose(text: str) -> str:
-    """What the host replays of the model's prose, minus our markers and the model's tag echoes."""
+    """What the host replays of the model's prose, minus our markers and the model's tag echoes
+    (with the blank lines they drag along)."""
     while MARKER_LINE.match(text):
         text = MARKER_LINE.sub("", text, count=1)
     return strip_echoes(text)

@@ -75,15 +75,13 @@ def strip_echoes(text: str, *, before: str = "", final: bool = True) -> str:
     ``final``: nothing follows, so an opening cut off at the very end (a stream that stopped
     mid-tag) is dropped too.
     """
-    if not _QUICK.search(text):
-        return text
-    if final:
-        m = _TRUNCATED_TAIL.search(text)
-        if m:
-            text = text[: m.start()]
     prev = None
-    while prev != text:  # removing one echo can expose another (nested imitations)
+    while prev != text and _QUICK.search(text):  # removing one echo can expose another
         prev = text
+        if final:
+            m = _TRUNCATED_TAIL.search(text)
+            if m:
+                text = text[: m.start()]
         text = _one_pass(text, before)
     return text
 

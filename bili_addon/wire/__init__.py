@@ -12,6 +12,9 @@ from typing import Any, Protocol
 
 from bili_addon.wire.anthropic import AnthropicLane
 from bili_addon.wire.base import Core
+from bili_addon.wire.chat import ChatLane
+from bili_addon.wire.gemini import GeminiLane
+from bili_addon.wire.responses import ResponsesLane
 
 
 class Lane(Protocol):
@@ -23,16 +26,9 @@ class Lane(Protocol):
     def item_cores(self, obj: Any) -> list[Core]: ...
 
 
-LANES: dict[str, Lane] = {"anthropic": AnthropicLane()}
-
-
-def _register_optional() -> None:
-    # the other lanes live in their own modules; imported here so ``LANES`` is the one registry
-    from bili_addon.wire import chat, gemini, responses
-
-    LANES["chat"] = chat.ChatLane()
-    LANES["responses"] = responses.ResponsesLane()
-    LANES["gemini"] = gemini.GeminiLane()
+LANES: dict[str, Lane] = {
+    lane.name: lane for lane in (AnthropicLane(), ChatLane(), ResponsesLane(), GeminiLane())
+}
 
 
 def detect_lane(method: str, path: str) -> Lane | None:
@@ -53,9 +49,3 @@ def detect_lane(method: str, path: str) -> Lane | None:
 
 def is_responses_websocket(path: str) -> bool:
     return path.split("?", 1)[0].rstrip("/").endswith("/responses")
-
-
-try:
-    _register_optional()
-except ImportError:  # a lane module not present yet: that lane passes through
-    pass

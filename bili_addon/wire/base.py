@@ -110,7 +110,7 @@ def patch_many(raw: bytes, edits: Iterable[tuple[Path, Any]]) -> bytes:
 class Body:
     """A request body split into untouched top-level raw values and the conversation item array."""
 
-    __slots__ = ("top", "key", "items")
+    __slots__ = ("top", "key", "items", "array")
 
     def __init__(self, raw: bytes, key: str):
         try:
@@ -119,13 +119,9 @@ class Body:
             raise CodecError(f"body is not a JSON object: {e}") from None
         self.key = key
         conv = self.top.get(key)
-        if conv is None:
-            self.items: list[msgspec.Raw] = []
-        else:
-            first = bytes(conv)[:1]
-            if first != b"[":
-                raise CodecError(f"{key} is not an array")
-            self.items = decode_list(conv)
+        # a conversation that is not an array (Responses' plain-string ``input``) has no items
+        self.array = conv is not None and bytes(conv)[:1] == b"["
+        self.items: list[msgspec.Raw] = decode_list(conv) if self.array else []
 
     def get(self, key: str, default: Any = None) -> Any:
         raw = self.top.get(key)
@@ -136,6 +132,6 @@ class Body:
 
     def encode(self, items: list[bytes] | None) -> bytes:
         """Re-emit the body; ``items`` replaces the conversation array when given."""
-        if items is not None:
+        if items is not None and self.array:
             self.top[self.key] = msgspec.Raw(b"[" + b",".join(items) + b"]")
         return _enc.encode(self.top)

@@ -1,0 +1,149 @@
+"""OpenAI Chat Completions (``/chat/completions``): ``messages[]`` items with string or part-array content."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bili_addon.wire.base import (
+    IMAGE,
+    OTHER,
+    REASONING,
+    TEXT,
+    TOOL_CALL,
+    TOOL_RESULT,
+    Core,
+    compact_json,
+)
+from bili_addon.wire.media import payload_of_url
+
+_SYSTEM_ROLES = ("system", "developer")
+
+
+class ChatLane:
+    name = "chat"
+    conv_key = "messages"
+
+    @staticmethod
+    def is_system_item(obj: Any) -> bool:
+        return isinstance(obj, dict) and obj.get("role") in _SYSTEM_ROLES
+
+    @staticmethod
+    def item_cores(obj: Any) -> list[Core]:
+        if not isinstance(obj, dict):
+            return [Core("user", OTHER, compact_json(obj))]
+        role = obj.get("role")
+        if role == "user":
+            return _content_cores("user", obj.get("content"))
+        if role in _SYSTEM_ROLES:
+            return _content_cores("system", obj.get("content"))
+        if role == "assistant":
+            return _assistant_cores(obj)
+        if role == "tool":
+            return [Core("tool", TOOL_RESULT, _result_text(obj.get("content")), tool_call_id=_str(obj.get("tool_call_id")))]
+        if role == "function":  # legacy function-calling result
+            return [Core("tool", TOOL_RESULT, _result_text(obj.get("content")), tool_name=_str(obj.get("name")))]
+        return [Core("user", OTHER, compact_json(obj))]
+
+
+def _str(v: Any) -> str:
+    return v if isinstance(v, str) else ""
+
+
+def _content_cores(role: str, content: Any) -> list[Core]:
+    """Cores of a ``content`` value: a string is one text core, an array one core per part."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [Core(role, TEXT, content, path=("content",))]
+    if not isinstance(content, list):
+        return [Core(role, OTHER, compact_json(content))]
+    return [_part_core(role, j, part) for j, part in enumerate(content)]
+
+
+def _part_core(role: str, j: int, part: Any) -> Core:
+    if not isinstance(part, dict):
+        return Core(role, OTHER, compact_json(part))
+    kind = part.get("type")
+    if kind == "text" and isinstance(part.get("text"), str):
+        return Core(role, TEXT, part["text"], path=("content", j, "text"))
+    if kind == "image_url":
+        return Core(role, IMAGE, "[image]", media=_image_slot(part.get("image_url")))
+    if kind == "refusal" and isinstance(part.get("refusal"), str):
+        return Core(role, TEXT, part["refusal"])  # the model's own refusal: identity only, never tagged
+    return Core(role, OTHER, compact_json(part))
+
+
+def _image_slot(image_url: Any) -> str:
+    # ``{"url": ..., "detail": ...}``; some clients send the URL string directly
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    return payload_of_url(url) if isinstance(url, str) else ""
+
+
+def _assistant_cores(obj: dict) -> list[Core]:
+    out: list[Core] = []
+    reasoning = obj.get("reasoning_content")
+    if not isinstance(reasoning, str):
+        reasoning = obj.get("reasoning")  # OpenRouter-style plain string
+    if isinstance(reasoning, str) and reasoning:
+        out.append(Core("assistant", REASONING, reasoning))
+
+    calls = obj.get("tool_calls")
+    legacy = obj.get("function_call")
+    content = obj.get("content")
+    # ``""`` and ``null`` both mean "no text" beside a tool call; clients differ in which they send
+    if not (content == "" and (calls or legacy or out)):
+        out.extend(_content_cores("assistant", content))
+    refusal = obj.get("refusal")
+    if isinstance(refusal, str) and refusal:
+        out.append(Core("assistant", TEXT, refusal))
+
+    if isinstance(calls, list):
+        out.extend(_call_core(c) for c in calls)
+    elif calls is not None:
+        out.append(Core("assistant", OTHER, compact_json(calls)))
+    if isinstance(legacy, dict):
+        out.append(_function_core(legacy, ""))
+    elif legacy is not None:
+        out.append(Core("assistant", OTHER, compact_json(legacy)))
+    return out
+
+
+def _call_core(call: Any) -> Core:
+    if not isinstance(call, dict):
+        return Core("assistant", OTHER, compact_json(call))
+    call_id = _str(call.get("id"))
+    fn = call.get("function")
+    if isinstance(fn, dict):
+        return _function_core(fn, call_id)
+    custom = call.get("custom")  # custom (free-form) tools: {"name", "input"}
+    if isinstance(custom, dict):
+        return Core("assistant", TOOL_CALL, _arg_text(custom.get("input")), tool_name=_str(custom.get("name")), tool_call_id=call_id)
+    return Core("assistant", OTHER, compact_json(call))
+
+
+def _function_core(fn: dict, call_id: str) -> Core:
+    return Core("assistant", TOOL_CALL, _arg_text(fn.get("arguments")), tool_name=_str(fn.get("name")), tool_call_id=call_id)
+
+
+def _arg_text(args: Any) -> str:
+    """Arguments exactly as sent when they are a string (the usual case), else their compact JSON."""
+    if isinstance(args, str):
+        return args
+    return "" if args is None else compact_json(args)
+
+
+def _result_text(content: Any) -> str:
+    """A tool message's output: a string as is, text parts joined by newlines, anything else as JSON."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return compact_json(content)
+    texts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            texts.append(compact_json(part))
+    return "\n".join(texts)

@@ -1,0 +1,91 @@
+"""Google Gemini (``:generateContent`` / ``:streamGenerateContent``): ``contents[]`` items of ``parts``.
+
+The system prompt lives in the top-level ``systemInstruction``, so no item is system content.
+Part keys are read in both spellings the REST API accepts (``functionCall`` / ``function_call``).
+A part's ``thoughtSignature`` is never part of a core; patching touches only ``text``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bili_addon.wire.base import (
+    IMAGE,
+    OTHER,
+    REASONING,
+    TEXT,
+    TOOL_CALL,
+    TOOL_RESULT,
+    Core,
+    compact_json,
+)
+from bili_addon.wire.media import payload_of_data
+
+_ROLES = {"user": "user", "model": "assistant", "assistant": "assistant", "system": "system"}
+
+
+class GeminiLane:
+    name = "gemini"
+    conv_key = "contents"
+
+    @staticmethod
+    def is_system_item(obj: Any) -> bool:
+        return False
+
+    @staticmethod
+    def item_cores(obj: Any) -> list[Core]:
+        if not isinstance(obj, dict):
+            return [Core("user", OTHER, compact_json(obj))]
+        # a missing role is the user (single-turn requests); the legacy "function" role carries results
+        role = _ROLES.get(obj.get("role"), "user")  # type: ignore[arg-type]
+        parts = obj.get("parts")
+        if not isinstance(parts, list):
+            return [Core(role, OTHER, compact_json(parts))]
+        return [_part_core(role, j, part) for j, part in enumerate(parts)]
+
+
+def _get(part: dict, camel: str, snake: str) -> Any:
+    v = part.get(camel)
+    return part.get(snake) if v is None else v
+
+
+def _str(v: Any) -> str:
+    return v if isinstance(v, str) else ""
+
+
+def _part_core(role: str, j: int, part: Any) -> Core:
+    if not isinstance(part, dict):
+        return Core(role, OTHER, compact_json(part))
+    text = part.get("text")
+    if isinstance(text, str):
+        if part.get("thought") is True:
+            return Core("assistant", REASONING, text)
+        return Core(role, TEXT, text, path=("parts", j, "text"))
+    call = _get(part, "functionCall", "function_call")
+    if isinstance(call, dict):
+        args = call.get("args")
+        return Core(
+            "assistant",
+            TOOL_CALL,
+            compact_json({} if args is None else args),
+            tool_name=_str(call.get("name")),
+            tool_call_id=_str(call.get("id")),
+        )
+    resp = _get(part, "functionResponse", "function_response")
+    if isinstance(resp, dict):
+        return Core(
+            "tool",
+            TOOL_RESULT,
+            compact_json(resp.get("response")),
+            tool_name=_str(resp.get("name")),
+            tool_call_id=_str(resp.get("id")),
+        )
+    inline = _get(part, "inlineData", "inline_data")
+    if isinstance(inline, dict):
+        data = inline.get("data")
+        return Core(role, IMAGE, "[image]", media=payload_of_data(data) if isinstance(data, str) else "")
+    file = _get(part, "fileData", "file_data")
+    if isinstance(file, dict):
+        uri = _get(file, "fileUri", "file_uri")
+        return Core(role, IMAGE, "[image]", media="url:" + uri if isinstance(uri, str) else "")
+    return Core(role, OTHER, compact_json(part))

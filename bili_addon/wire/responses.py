@@ -1,0 +1,180 @@
+"""OpenAI Responses (``/responses``, also the Codex WebSocket ``response.create``): typed ``input[]`` items.
+
+Provider item ids (``msg_``, ``rs_``, ``fc_`` ...) are never part of a core: clients drop or
+regenerate them (``store: false``), and the same message must keep its identity.  Tool calls are
+keyed by ``call_id``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bili_addon.wire.base import (
+    IMAGE,
+    OTHER,
+    REASONING,
+    TEXT,
+    TOOL_CALL,
+    TOOL_RESULT,
+    Core,
+    compact_json,
+)
+from bili_addon.wire.media import payload_of_url
+
+_SYSTEM_ROLES = ("system", "developer")
+_MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+# free-form tool calls: which field holds the call's payload
+_CALL_PAYLOAD = ("arguments", "input", "action", "operation")
+
+
+class ResponsesLane:
+    name = "responses"
+    conv_key = "input"
+
+    @staticmethod
+    def is_system_item(obj: Any) -> bool:
+        return _is_message(obj) and obj.get("role") in _SYSTEM_ROLES
+
+    @staticmethod
+    def item_cores(obj: Any) -> list[Core]:
+        if not isinstance(obj, dict):
+            return [Core("user", OTHER, compact_json(obj))]
+        kind = obj.get("type")
+        if _is_message(obj):
+            role = _MESSAGE_ROLES.get(obj.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                return [Core("user", OTHER, _json_without_id(obj))]
+            return _content_cores(role, obj.get("content"))
+        if kind == "reasoning":
+            return [Core("assistant", REASONING, _reasoning_text(obj))]
+        if kind == "function_call":
+            return [_call(obj, _str(obj.get("name")), obj.get("arguments"))]
+        if kind == "custom_tool_call":
+            return [_call(obj, _str(obj.get("name")), obj.get("input"))]
+        if kind == "item_reference":
+            return [Core("user", OTHER, compact_json(obj))]  # the id is all there is
+        if isinstance(kind, str) and isinstance(obj.get("call_id"), str):
+            if kind.endswith("_output") and "output" in obj:
+                text, media = _output_text(obj["output"])
+                return [Core("tool", TOOL_RESULT, text, tool_call_id=obj["call_id"], media=media)]
+            if kind.endswith("_call"):
+                for key in _CALL_PAYLOAD:
+                    if key in obj:
+                        # local_shell_call -> "local_shell", computer_call -> "computer", ...
+                        return [_call(obj, _str(obj.get("name")) or kind[: -len("_call")], obj[key])]
+        return [Core(_opaque_role(kind), OTHER, _json_without_id(obj))]
+
+
+def _opaque_role(kind: Any) -> str:
+    """Who produced an item we carry opaquely: ``*_call`` the model, ``*_output`` a tool."""
+    if isinstance(kind, str):
+        if kind.endswith("_call"):
+            return "assistant"
+        if kind.endswith("_output"):
+            return "tool"
+    return "user"
+
+
+def _str(v: Any) -> str:
+    return v if isinstance(v, str) else ""
+
+
+def _is_message(obj: Any) -> bool:
+    if not isinstance(obj, dict):
+        return False
+    kind = obj.get("type")
+    return kind == "message" or (kind is None and "role" in obj and "content" in obj)
+
+
+def _json_without_id(obj: dict) -> str:
+    """Compact JSON of an opaque item minus its provider id (which clients may drop or regenerate)."""
+    return compact_json({k: v for k, v in obj.items() if k != "id"})
+
+
+def _content_cores(role: str, content: Any) -> list[Core]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [Core(role, TEXT, content, path=("content",))]
+    if not isinstance(content, list):
+        return [Core(role, OTHER, compact_json(content))]
+    return [_part_core(role, j, part) for j, part in enumerate(content)]
+
+
+def _part_core(role: str, j: int, part: Any) -> Core:
+    if not isinstance(part, dict):
+        return Core(role, OTHER, compact_json(part))
+    kind = part.get("type")
+    if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+        return Core(role, TEXT, part["text"], path=("content", j, "text"))
+    if kind == "input_image":
+        return Core(role, IMAGE, "[image]", media=_image_slot(part))
+    if kind == "refusal" and isinstance(part.get("refusal"), str):
+        return Core(role, TEXT, part["refusal"])  # identity only, never tagged
+    return Core(role, OTHER, compact_json(part))
+
+
+def _image_slot(part: dict) -> str:
+    url = part.get("image_url")
+    if isinstance(url, dict):  # tolerate the Chat-style {"url": ...}
+        url = url.get("url")
+    if isinstance(url, str) and url:
+        return payload_of_url(url)
+    file_id = part.get("file_id")
+    if isinstance(file_id, str) and file_id:
+        return "file:" + file_id
+    return ""
+
+
+def _call(obj: dict, name: str, payload: Any) -> Core:
+    if isinstance(payload, str):
+        text = payload  # arguments exactly as sent
+    else:
+        text = "" if payload is None else compact_json(payload)
+    return Core("assistant", TOOL_CALL, text, tool_name=name, tool_call_id=_str(obj.get("call_id")))
+
+
+def _output_text(output: Any) -> tuple[str, str]:
+    """Text of a tool output (parts joined by newlines) and the payload slots of any images in it."""
+    if output is None:
+        return "", ""
+    if isinstance(output, str):
+        return output, ""
+    parts = output if isinstance(output, list) else [output]
+    if not isinstance(output, list) and not _is_image_part(output):
+        return compact_json(output), ""
+    texts: list[str] = []
+    media: list[str] = []
+    for part in parts:
+        if isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif _is_image_part(part):
+            texts.append("[image]")
+            media.append(_image_slot(part))
+        else:
+            texts.append(compact_json(part))
+    return "\n".join(texts), ",".join(media)
+
+
+def _is_image_part(part: Any) -> bool:
+    # computer_call_output carries a single {"type": "computer_screenshot", "image_url": ...}
+    return isinstance(part, dict) and part.get("type") in ("input_image", "computer_screenshot")
+
+
+def _reasoning_text(obj: dict) -> str:
+    """The reasoning's own text, else its summaries, else its id, else the whole item."""
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = obj.get(key)
+        if isinstance(parts, list):
+            texts = [
+                p["text"]
+                for p in parts
+                if isinstance(p, dict) and p.get("type") == part_type and isinstance(p.get("text"), str)
+            ]
+            if texts:
+                return "\n".join(texts)
+    rid = obj.get("id")
+    if isinstance(rid, str) and rid:
+        return rid
+    return compact_json(obj)
