@@ -11,7 +11,9 @@ import msgspec
 from mitmproxy import ctx, http
 
 from bili_addon import admin
+from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine, TurnResult
+from bili_addon.kernel.windows import is_overflow, learned_window
 from bili_addon.store import Store, StoreError, default_data_dir
 from bili_addon.stream import Decoder, ResponseRewriter
 from bili_addon.wire import LANES, Lane, detect_lane, hygiene, is_responses_websocket
@@ -49,6 +51,19 @@ class Bili:
             choices=MODES,
         )
         loader.add_option(
+            "bili_marker", bool, True,
+            "Put a one-line [bili] marker in the visible answer when the addon ran a proxy tool for it.",
+        )
+        loader.add_option(
+            "bili_min_compress_chars", int, FoldConfig.min_compress_chars,
+            "A compress whose ranges hold fewer characters than this is refused (block-bounded ones excepted).",
+        )
+        loader.add_option(
+            "bili_context_window", int, 0,
+            "The context window in tokens for every model (0: from the built-in table, or learned from "
+            "the provider's overflow errors).",
+        )
+        loader.add_option(
             "bili_refuse_websocket", bool, True,
             "In fold mode, answer WebSocket upgrades on /responses with HTTP 426 so the agent "
             "falls back to HTTP with its full history (codex).",
@@ -61,6 +76,9 @@ class Bili:
             self.refuse_ws = ctx.options.bili_refuse_websocket
         if "bili_data_dir" in updated or self.engine is None and not self._data_dir:
             self._open_store(ctx.options.bili_data_dir or str(default_data_dir()))
+        if self.engine is not None:
+            self.engine.fold_cfg.min_compress_chars = ctx.options.bili_min_compress_chars
+            self.engine.window = ctx.options.bili_context_window
 
     def _open_store(self, data_dir: str) -> None:
         if self.engine is not None:
@@ -115,7 +133,8 @@ class Bili:
         if rewrite:
             # a compressed stream cannot be filtered event by event
             req.headers["accept-encoding"] = "identity"
-        flow.metadata["bili"] = FlowState(lane.name, res.session, ResponseRewriter(lane.name, rewrite))
+        marker = res.marker if ctx.options.bili_marker else ""
+        flow.metadata["bili"] = FlowState(lane.name, res.session, ResponseRewriter(lane.name, rewrite, marker))
 
     def _process(self, raw: bytes, lane: Lane, headers, where: str, origin: str = "") -> TurnResult | None:
         assert self.engine is not None
@@ -138,9 +157,16 @@ class Bili:
         for note in res.notes:
             log.warning("[bili] session=%s: %s", res.session, note)
         out = len(res.body) if res.body is not None else len(raw)
+        s = self.engine.sessions.get(res.session)
+        folded = ""
+        if s is not None and s.blocks:
+            folded = (f" blocks={sum(b.active for b in s.blocks)} folded={res.folded_items} "
+                      f"sent ~{s.sent_tokens} tokens instead of ~{s.unfolded_tokens}")
+        ran = f" ran={','.join(res.executed)}" if res.executed else ""
         log.info(
-            "[bili] session=%s lane=%s msgs=%d refs new=%d known=%d tagged=%d bytes in=%d out=%d addon=%.1fms",
-            res.session, lane.name, res.messages, res.refs_new, res.refs_known, res.tagged, len(raw), out, ms,
+            "[bili] session=%s lane=%s msgs=%d refs new=%d known=%d tagged=%d%s%s bytes in=%d out=%d addon=%.1fms",
+            res.session, lane.name, res.messages, res.refs_new, res.refs_known, res.tagged, folded, ran,
+            len(raw), out, ms,
         )
         return res
 
@@ -187,6 +213,15 @@ class Bili:
     def _learn_from_error(self, st: FlowState, resp: http.Response) -> None:
         assert self.engine is not None
         text = (resp.get_content(strict=False) or b"")[:65536].decode("utf-8", "replace")
+        if is_overflow(resp.status_code, text):
+            s = self.engine.session(st.session)
+            window = learned_window(resp.status_code, text)
+            if window and s.model:
+                learned = dict(s.flags.get("learned_windows", {}))
+                learned[s.model] = window
+                self.engine.set_flag(st.session, "learned_windows", learned)
+            log.warning("[bili] session=%s: the provider says the context is too long (window %s for %s)",
+                        st.session, window or "unknown", s.model or "this model")
         if resp.status_code == 400 and hygiene.is_strict_hint(text):
             if self.engine.set_flag(st.session, "strict_reasoning", True):
                 log.warning(
@@ -197,6 +232,10 @@ class Bili:
     def _account(self, st: FlowState) -> None:
         assert self.engine is not None
         rw = st.rewriter
+        if rw.calls and rw.rewrite:
+            self.engine.record_calls(st.session, rw.calls)
+            log.info("[bili] session=%s: the model called %s; it runs when the agent's next request carries it",
+                     st.session, ", ".join(name for _k, name, _a in rw.calls))
         if rw.stripped:
             log.info("[bili] session=%s: stripped %d tag echo(es) from the model's prose", st.session, rw.stripped)
         u = rw.usage
@@ -271,6 +310,15 @@ class Bili:
                     ),
                 },
                 "flags": flags,
+            }
+            live = self.engine.sessions.get(r.id)
+            blocks = live.blocks if live is not None else []
+            entry["fold"] = {
+                "blocks": sum(b.active for b in blocks),
+                "blocks_total": len(blocks),
+                "tokens_folded": sum(b.folded_tokens for b in blocks if b.active),
+                "sent_tokens": live.sent_tokens if live is not None else None,
+                "unfolded_tokens": live.unfolded_tokens if live is not None else None,
             }
             if flags.get("delta_history"):
                 entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"

@@ -64,6 +64,34 @@ CREATE TABLE IF NOT EXISTS turns(
     output_tokens INTEGER NOT NULL,
     PRIMARY KEY(session_id, n)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS blocks(
+    session_id TEXT NOT NULL,
+    block_id TEXT NOT NULL,
+    body TEXT NOT NULL,
+    active INTEGER NOT NULL,
+    PRIMARY KEY(session_id, block_id)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS originals(
+    session_id TEXT NOT NULL,
+    ref TEXT NOT NULL,
+    role TEXT NOT NULL,
+    ctype TEXT NOT NULL,
+    tool_name TEXT NOT NULL,
+    tool_call_id TEXT NOT NULL,
+    text TEXT NOT NULL,
+    tokens INTEGER NOT NULL,
+    PRIMARY KEY(session_id, ref)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS calls(
+    session_id TEXT NOT NULL,
+    call_key TEXT NOT NULL,
+    name TEXT NOT NULL,
+    args TEXT NOT NULL,
+    result TEXT,
+    created REAL NOT NULL,
+    executed REAL,
+    PRIMARY KEY(session_id, call_key)
+) WITHOUT ROWID;
 """
 
 
@@ -238,6 +266,71 @@ class Store:
                         "output_tokens) VALUES(?,?,?,?,?,?,?,?)",
                         (session_id, cur[0], time.time(), lane, inp, read, write, out),
                     )
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+
+    # -- folding -------------------------------------------------------------------------------
+    def blocks(self, session_id: str) -> list[str]:
+        """The blocks of a session as JSON documents, oldest first."""
+        rows = self.db.execute("SELECT body FROM blocks WHERE session_id=?", (session_id,)).fetchall()
+        return [r[0] for r in rows]
+
+    def originals(self, session_id: str, refs: list[str] | None = None) -> list[tuple]:
+        """``(ref, role, ctype, tool_name, tool_call_id, text, tokens)`` of folded messages."""
+        q = "SELECT ref, role, ctype, tool_name, tool_call_id, text, tokens FROM originals WHERE session_id=?"
+        rows = self.db.execute(q, (session_id,)).fetchall()
+        if refs is None:
+            return sorted(rows)
+        want = set(refs)
+        return sorted(r for r in rows if r[0] in want)
+
+    def calls(self, session_id: str) -> list[tuple[str, str, str, str | None]]:
+        """``(call_key, name, args, result)``; result None while the call waits for its execution."""
+        return self.db.execute(
+            "SELECT call_key, name, args, result FROM calls WHERE session_id=? ORDER BY created", (session_id,)
+        ).fetchall()
+
+    def record_calls(self, session_id: str, calls: list[tuple[str, str, str]]) -> None:
+        """Proxy tool calls the model made; a call id already known is never recorded twice."""
+        now = time.time()
+        try:
+            self.db.executemany(
+                "INSERT OR IGNORE INTO calls(session_id, call_key, name, args, created) VALUES(?,?,?,?,?)",
+                [(session_id, k, n, a, now) for k, n, a in calls],
+            )
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+
+    def commit_fold(
+        self,
+        session_id: str,
+        blocks: list[tuple[str, str, bool]],
+        originals: list[tuple[str, str, str, str, str, str, int]],
+        results: list[tuple[str, str]],
+    ) -> None:
+        """One transaction: changed blocks ``(id, json, active)``, newly folded originals, and the
+        results of the calls executed for this turn (so a retry never executes them again)."""
+        now = time.time()
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.executemany(
+                    "INSERT OR REPLACE INTO blocks(session_id, block_id, body, active) VALUES(?,?,?,?)",
+                    [(session_id, bid, body, int(active)) for bid, body, active in blocks],
+                )
+                self.db.executemany(
+                    "INSERT OR IGNORE INTO originals(session_id, ref, role, ctype, tool_name, tool_call_id, text, "
+                    "tokens) VALUES(?,?,?,?,?,?,?,?)",
+                    [(session_id, *o) for o in originals],
+                )
+                self.db.executemany(
+                    "UPDATE calls SET result=?, executed=? WHERE session_id=? AND call_key=? AND result IS NULL",
+                    [(res, now, session_id, key) for key, res in results],
+                )
                 self.db.execute("COMMIT")
             except BaseException:
                 self.db.execute("ROLLBACK")

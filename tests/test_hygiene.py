@@ -18,7 +18,7 @@ H = {"x-acp-session": "hyg"}
 
 @pytest.fixture
 def engine(tmp_path):
-    e = Engine(Store(tmp_path))
+    e = Engine(Store(tmp_path), inject=False)
     yield e
     e.store.close()
 
@@ -93,11 +93,11 @@ def test_strict_chat_sessions_get_empty_reasoning_content(engine, learned, model
 
 
 def test_strict_flag_survives_a_restart(tmp_path):
-    e = Engine(Store(tmp_path))
+    e = Engine(Store(tmp_path), inject=False)
     e.session("hyg")
     e.set_flag("hyg", "strict_reasoning", True)
     e.store.close()
-    e2 = Engine(Store(tmp_path))
+    e2 = Engine(Store(tmp_path), inject=False)
     assert e2.session("hyg").flags == {"strict_reasoning": True}
 
 

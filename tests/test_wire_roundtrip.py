@@ -31,7 +31,7 @@ CAPTURE_FILES = wc.capture_files()
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    eng = Engine(Store(tmp_path_factory.mktemp("bili-gen")))
+    eng = Engine(Store(tmp_path_factory.mktemp("bili-gen")), inject=False)
     yield eng
     eng.store.close()
 
@@ -56,9 +56,9 @@ def test_capture_roundtrip(path, tmp_path):
     bodies = wc.captured_bodies(path)
     if not bodies:
         pytest.skip("no model requests in this capture")
-    plain = Engine(Store(tmp_path / "plain"))
-    real = Engine(Store(tmp_path / "real"))
-    forced = Engine(Store(tmp_path / "forced"))
+    plain = Engine(Store(tmp_path / "plain"), inject=False)
+    real = Engine(Store(tmp_path / "real"), inject=False)
+    forced = Engine(Store(tmp_path / "forced"), inject=False)
     try:
         for cap in bodies:
             lane, raw = cap.lane, cap.raw

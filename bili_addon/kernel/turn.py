@@ -17,8 +17,11 @@ from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import tags
+from bili_addon.kernel import fold, surfaces, tags
+from bili_addon.kernel.fold import Block, FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import InstanceCounter, count_tokens, digest
+from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
+from bili_addon.kernel.windows import context_window
 from bili_addon.kernel.sessions import (
     MIN_CANONICAL_BYTES,
     PrefixAffinity,
@@ -31,7 +34,7 @@ from bili_addon.kernel.sessions import (
 from bili_addon.store import LedgerRow, SessionRow, Store
 from bili_addon.stream.echo import strip_echoes
 from bili_addon.wire import Lane, hygiene
-from bili_addon.wire.base import TEXT, Body, Core, decode_any, patch_many
+from bili_addon.wire.base import TEXT, TOOL_CALL, TOOL_RESULT, Body, Core, decode_any, patch_many
 
 log = logging.getLogger("bili")
 
@@ -105,12 +108,26 @@ class Entry:
 
 
 @dataclass
+class Call:
+    """A proxy tool call the model made; ``result`` stays None until it is executed, exactly once."""
+
+    name: str
+    args: str
+    result: str | None = None
+
+
+@dataclass
 class Session:
     row: SessionRow
     refs: dict[tuple[str, str], Entry] = field(default_factory=dict)
     owners: dict[str, str] = field(default_factory=dict)  # ref -> content hash
     render_cache: dict[bytes, tuple[tuple, bytes]] = field(default_factory=dict)
     flags: dict[str, Any] = field(default_factory=dict)
+    blocks: list[Block] = field(default_factory=list)
+    calls: dict[str, Call] = field(default_factory=dict)
+    model: str = ""
+    sent_tokens: int = 0  # the last request, as sent
+    unfolded_tokens: int = 0  # the last request, had nothing been folded
 
 
 @dataclass
@@ -124,6 +141,9 @@ class TurnResult:
     tagged: int = 0
     source: str = ""
     notes: list[str] = field(default_factory=list)
+    executed: list[str] = field(default_factory=list)  # proxy tools run for this request
+    marker: str = ""  # the visibility line for this request's answer
+    folded_items: int = 0
 
 
 @dataclass
@@ -136,12 +156,16 @@ class _Resolved:
 class Engine:
     """The kernel side of the addon: sessions, ledger and tags over a :class:`Store`."""
 
-    def __init__(self, store: Store, max_sessions: int = 256):
+    def __init__(self, store: Store, max_sessions: int = 256, fold_cfg: FoldConfig | None = None,
+                 inject: bool = True, window: int = 0):
         self.store = store
         self.items = ItemCache()
         self.sessions: OrderedDict[str, Session] = OrderedDict()
         self.max_sessions = max_sessions
         self.affinity = PrefixAffinity(store.affinity())
+        self.fold_cfg = fold_cfg or FoldConfig()
+        self.inject = inject
+        self.window = window  # 0: from the model table
 
     # -- sessions ------------------------------------------------------------------------------
     def session(self, sid: str, agent: str = "", lane: str = "") -> Session:
@@ -157,6 +181,9 @@ class Engine:
         for r in self.store.ledger(sid):
             s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
             s.owners[r.ref] = r.content_hash
+        s.blocks = [Block(**json.loads(doc)) for doc in self.store.blocks(sid)]
+        s.blocks.sort(key=lambda b: b.number)
+        s.calls = {k: Call(n, a, r) for k, n, a, r in self.store.calls(sid)}
         self.sessions[sid] = s
         while len(self.sessions) > self.max_sessions:
             self.sessions.popitem(last=False)
@@ -204,6 +231,8 @@ class Engine:
             return TurnResult(None, lane=lane.name, messages=len(infos), source=source)
         agent = agent_of(headers)
         s = self.session(sid, agent, lane.name)
+        if isinstance(top.get("model"), str):
+            s.model = top["model"]
         result = TurnResult(None, session=sid, lane=lane.name, messages=len(infos) - start, source=source)
 
         resolved, new_rows = self._resolve(s, infos[start:])
@@ -220,12 +249,136 @@ class Engine:
         if not render:
             return result
 
+        view = _view(resolved, start)
+        if s.calls:
+            self._run_calls(s, view, result)
         items_out = [bytes(it) for it in body.items]
         changed = self._render(s, items_out, infos, start, resolved, result)
+        changed |= self._substitute_calls(s, lane, items_out, infos, view)
         changed |= self._hygiene(s, lane.name, items_out, infos, top, origin, result)
+        changed |= self._fold(s, lane, items_out, start, view, result)
+        if self.inject:
+            names = lane.tool_names(body) or []
+            native = any("bili" in n and n.endswith("compress") for n in names)
+            if native and self.set_flag(sid, "native_tools", True):
+                result.notes.append("the agent has bili's tools natively (MCP): wire injection is off for it")
+            changed |= lane.inject(body, items_out, start, [] if native else list(TOOLS), SYSTEM_PROMPT)
         if changed:
             result.body = body.encode(items_out)
         return result
+
+    # -- proxy tools ---------------------------------------------------------------------------
+    def record_calls(self, sid: str, calls: list[tuple[str, str, str]]) -> None:
+        """Proxy tool calls seen in an answer; each runs once, when the next request carries it."""
+        s = self.session(sid)
+        fresh = [c for c in calls if c[0] not in s.calls]
+        if fresh:
+            self.store.record_calls(sid, fresh)
+            for key, name, args in fresh:
+                s.calls[key] = Call(name, args)
+
+    def run_tool(self, s: Session, name: str, args: Any, view: View | None, call_id: str = "") -> str:
+        """Execute one proxy tool against the conversation as this request shows it."""
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                return f"{name}: the arguments are not valid JSON."
+        view = view or View([])
+        sid = s.row.id
+        if name == "compress":
+            out = fold.compress(args, view, s.blocks, self.fold_cfg, call_id)
+            if out.blocks:
+                s.blocks.extend(out.blocks)
+                changed = out.blocks + out.deactivated
+                self.store.commit_fold(
+                    sid,
+                    [(b.id, json.dumps(b.__dict__), b.active) for b in changed],
+                    [(p.ref, p.role, p.ctype, p.tool_name, p.tool_call_id, p.text, p.tokens) for p in out.originals],
+                    [],
+                )
+            return out.text
+        originals = lambda refs: self.store.originals(sid, refs)  # noqa: E731
+        if name == "decompress":
+            return surfaces.decompress(args, s.blocks, originals)
+        if name == "search_context":
+            return surfaces.search_context(args, s.blocks, originals)
+        if name == "acp_status":
+            usage = self.store.usage(sid).last
+            window = self.window_for(s)
+            return surfaces.status(view, s.blocks, self.fold_cfg, (usage[0], window) if usage else None)
+        return f"Unknown bili tool {name!r}."
+
+    def window_for(self, s: Session) -> int:
+        learned = s.flags.get("learned_windows", {}).get(s.model)
+        return int(learned) if learned else (self.window or context_window(s.model))
+
+    def _run_calls(self, s: Session, view: View, result: TurnResult) -> None:
+        done: list[tuple[str, str]] = []
+        for it in view.items:
+            for p in it.parts:
+                if p.ctype != TOOL_CALL:
+                    continue
+                key = p.tool_call_id or f"name:{p.tool_name}"
+                call = s.calls.get(key)
+                if call is None or call.result is not None:
+                    continue
+                before = {b.id for b in s.blocks}
+                call.result = self.run_tool(s, call.name, call.args, view, key)
+                done.append((key, call.result))
+                result.executed.append(call.name)
+                made = [b for b in s.blocks if b.id not in before]
+                if made:
+                    saved = sum(b.folded_tokens - b.summary_tokens for b in made)
+                    spans = ", ".join(f"{b.covered[0]}–{b.covered[-1]} → {b.id}" for b in made)
+                    result.marker = f"[bili] compressed {spans}, ~{tags.format_tokens(max(0, saved))} tokens saved"
+        if done:
+            self.store.commit_fold(s.row.id, [], [], done)
+
+    def _substitute_calls(self, s: Session, lane: Lane, items_out: list[bytes], infos: list[ItemInfo],
+                          view: View) -> bool:
+        """Executed calls: the call as the model made it, the real result in place of the agent's error."""
+        changed = False
+        for it in view.items:
+            for p in it.parts:
+                key = p.tool_call_id or (f"name:{p.tool_name}" if p.tool_name else "")
+                call = s.calls.get(key)
+                if call is None or call.result is None:
+                    continue
+                obj = infos[it.index].obj
+                if p.ctype == TOOL_CALL:
+                    edits = lane.call_edits(obj, key, call.name, call.args)
+                elif p.ctype == TOOL_RESULT:
+                    edits = lane.result_edits(obj, key, call.result)
+                else:
+                    continue
+                if edits:
+                    items_out[it.index] = patch_many(items_out[it.index], edits)
+                    changed = True
+        return changed
+
+    def _fold(self, s: Session, lane: Lane, items_out: list[bytes], start: int, view: View,
+              result: TurnResult) -> bool:
+        """Covered items leave the wire; each active block's summary stands where its range began."""
+        unfolded = sum(it.tokens for it in view.items)
+        s.unfolded_tokens = s.sent_tokens = unfolded
+        if not any(b.active for b in s.blocks):
+            return False
+        plan = fold.plan(view, s.blocks)
+        if not plan.drop and not plan.inserts:
+            return False
+        out: list[bytes] = items_out[:start]
+        for k, it in enumerate(view.items):
+            for b in plan.inserts.get(k, ()):
+                out.append(lane.summary_item(b.text()))
+            if k not in plan.drop:
+                out.append(items_out[it.index])
+        out.extend(items_out[start + len(view.items):])
+        items_out[:] = out
+        result.folded_items = len(plan.drop)
+        s.sent_tokens = (unfolded - sum(view.items[k].tokens for k in plan.drop)
+                         + sum(count_tokens(b.text()) for b in plan.rendered))
+        return True
 
     def _resolve(self, s: Session, infos: list[ItemInfo]) -> tuple[list[list[_Resolved]], list[LedgerRow]]:
         """Attach a ref to every part: known by ``(msg_id, content_hash)``, else the next free one."""
@@ -324,6 +477,17 @@ class Engine:
                 items_out.insert(i, hygiene.EMPTY_REASONING)
             changed |= bool(inserts)
         return changed
+
+
+def _view(resolved: list[list[_Resolved]], start: int) -> View:
+    return View([
+        ViewItem(start + k, [
+            PartView(r.entry.ref, r.core.role, r.core.ctype, r.core.tool_name, r.core.tool_call_id, r.core.text,
+                     r.entry.tokens)
+            for r in parts
+        ])
+        for k, parts in enumerate(resolved)
+    ])
 
 
 def _taggable(core: Core, *, prefill: bool) -> bool:

@@ -24,8 +24,8 @@ class ResponseRewriter:
     With ``rewrite=False`` (observe mode) it only reads usage; every byte passes unchanged.
     """
 
-    def __init__(self, lane: str, rewrite: bool = True):
-        self.lane: LaneResponse = RESPONSES[lane]()
+    def __init__(self, lane: str, rewrite: bool = True, marker: str = ""):
+        self.lane: LaneResponse = RESPONSES[lane](marker if rewrite else "")
         self.rewrite = rewrite
         self._events: dict[int, SSEEvent] = {}
 
@@ -36,6 +36,11 @@ class ResponseRewriter:
     @property
     def stripped(self) -> int:
         return self.lane.stripped
+
+    @property
+    def calls(self) -> list[tuple[str, str, str]]:
+        """Proxy tool calls the model made in this answer: (call key, name, arguments)."""
+        return self.lane.calls
 
     # -- SSE -----------------------------------------------------------------------------------
     def sse_event(self, raw: bytes) -> list[bytes]:

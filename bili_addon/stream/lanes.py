@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from bili_addon.kernel.prompts import TOOL_NAMES
 from bili_addon.stream.echo import EchoFilter, strip_echoes
+from bili_addon.wire.base import compact_json
 
 Event = dict[str, Any]
 KEEP = object()  # "send the original bytes of this event"
@@ -66,28 +68,40 @@ class _Block:
 class LaneResponse:
     lane = ""
 
-    def __init__(self) -> None:
+    def __init__(self, marker: str = "") -> None:
         self.blocks: dict[Any, _Block] = {}
         self.usage = Usage()
         self.stripped = 0
+        self.marker = marker  # a visibility line put before the first prose of the answer
+        self.calls: list[tuple[str, str, str]] = []  # proxy tool calls: (call key, name, arguments)
+        self._partial: dict[Any, list[str]] = {}
+
+    def _call(self, key: str, name: Any, args: Any) -> None:
+        if isinstance(name, str) and name in TOOL_NAMES and key:
+            if not isinstance(args, str):
+                args = compact_json({} if args is None else args)
+            self.calls.append((key, name, args))
 
     # the generic hold-and-merge machinery ------------------------------------------------------
     def _prose(self, key: Any, ev: Event, slot: Slot) -> list:
         """Feed one prose delta; returns the events to send now (a previously held one first)."""
         b = self.blocks.setdefault(key, _Block())
-        text = slot.get()
+        original = slot.get()
+        text = original
+        if self.marker:
+            text, self.marker = self.marker + "\n" + text, ""
         out_text = b.filter.feed(text)
         out: list = []
         if b.held is not None:
             out.append(b.held)
             b.held = None
         b.emitted += out_text
-        if out_text != text:
+        if out_text != original:
             slot.set(out_text)
         if b.filter.buf:
             b.held, b.text_of = ev, slot
         else:
-            out.append(ev if out_text != text else KEEP)
+            out.append(ev if out_text != original else KEEP)
         return out
 
     def _close(self, key: Any) -> list:
@@ -113,10 +127,26 @@ class LaneResponse:
         closes = [e for k in keys for e in self._close(k)]
         return [e for e in closes if e is not ev] + out + [e for e in closes if e is ev]
 
+    def _clean(self, container: dict, key: str) -> bool:
+        """Clean one whole prose value (a non-streamed answer); the marker goes before the first."""
+        v = container.get(key)
+        if not isinstance(v, str):
+            return False
+        c = strip_echoes(v)
+        if self.marker:
+            c, self.marker = self.marker + "\n" + c, ""
+        if c != v:
+            container[key] = c
+            return True
+        return False
+
     def close_all(self) -> list:
         out: list = []
         for key in list(self.blocks):
             out.extend(self._close(key))
+        for call_id, name, args in self._partial.values():
+            self._call(call_id, name, args or "{}")
+        self._partial.clear()
         return out
 
     def event(self, ev: Event) -> list:
@@ -127,14 +157,6 @@ class LaneResponse:
         raise NotImplementedError
 
 
-def _clean(container: dict, key: str) -> bool:
-    v = container.get(key)
-    if isinstance(v, str):
-        c = strip_echoes(v)
-        if c != v:
-            container[key] = c
-            return True
-    return False
 
 
 # -- Anthropic Messages ------------------------------------------------------------------------
@@ -163,8 +185,13 @@ class AnthropicResponse(LaneResponse):
             d = ev.get("delta")
             if isinstance(d, dict) and d.get("type") == "text_delta" and isinstance(d.get("text"), str):
                 return self._prose(ev.get("index"), ev, Slot(d, "text"))
+            if isinstance(d, dict) and d.get("type") == "input_json_delta" and ev.get("index") in self._partial:
+                self._partial[ev.get("index")][2] += str(d.get("partial_json") or "")
             return [KEEP]
         if kind == "content_block_stop":
+            done = self._partial.pop(ev.get("index"), None)
+            if done is not None:
+                self._call(done[0], done[1], done[2] or "{}")
             return [*self._close(ev.get("index")), KEEP]
         if kind == "message_start":
             msg = ev.get("message")
@@ -174,8 +201,13 @@ class AnthropicResponse(LaneResponse):
             self._usage(ev.get("usage"))
         elif kind == "content_block_start":
             cb = ev.get("content_block")
+            if isinstance(cb, dict) and cb.get("type") == "tool_use":
+                start = cb.get("input")
+                self._partial[ev.get("index")] = [
+                    str(cb.get("id") or ""), cb.get("name"), compact_json(start) if start else "",
+                ]
             if isinstance(cb, dict) and cb.get("type") == "text" and cb.get("text"):
-                if _clean(cb, "text"):
+                if self._clean(cb, "text"):
                     return [ev]
         elif kind == "message_stop":
             return [*self.close_all(), KEEP]
@@ -188,7 +220,9 @@ class AnthropicResponse(LaneResponse):
         changed = False
         for block in obj.get("content") or []:
             if isinstance(block, dict) and block.get("type") == "text":
-                changed |= _clean(block, "text")
+                changed |= self._clean(block, "text")
+            elif isinstance(block, dict) and block.get("type") == "tool_use":
+                self._call(str(block.get("id") or ""), block.get("name"), block.get("input"))
         return changed
 
 
@@ -219,6 +253,13 @@ class ChatResponse(LaneResponse):
             if not isinstance(ch, dict):
                 continue
             d = ch.get("delta")
+            for tc in (d.get("tool_calls") if isinstance(d, dict) else None) or []:
+                if isinstance(tc, dict):
+                    entry = self._partial.setdefault((ci, tc.get("index", 0)), ["", "", ""])
+                    fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+                    entry[0] = tc.get("id") or entry[0]
+                    entry[1] = fn.get("name") or entry[1]
+                    entry[2] += str(fn.get("arguments") or "")
             if isinstance(d, dict) and isinstance(d.get("content"), str) and d["content"]:
                 text_choices.append(ci)
             if ch.get("finish_reason"):
@@ -247,7 +288,11 @@ class ChatResponse(LaneResponse):
         for ch in obj.get("choices") or []:
             msg = ch.get("message") if isinstance(ch, dict) else None
             if isinstance(msg, dict):
-                changed |= _clean(msg, "content")
+                changed |= self._clean(msg, "content")
+                for tc in msg.get("tool_calls") or []:
+                    fn = tc.get("function") if isinstance(tc, dict) else None
+                    if isinstance(fn, dict):
+                        self._call(str(tc.get("id") or ""), fn.get("name"), fn.get("arguments"))
         return changed
 
 
@@ -273,6 +318,10 @@ class ResponsesResponse(LaneResponse):
     def _final_text(self, key: tuple, text: str) -> str:
         b = self.blocks.get(key)
         return b.emitted if b is not None else strip_echoes(text)
+
+    def _note_call(self, item: Any) -> None:
+        if isinstance(item, dict) and item.get("type") == "function_call":
+            self._call(str(item.get("call_id") or ""), item.get("name"), item.get("arguments"))
 
     def _fix_item(self, item: Any) -> bool:
         if not isinstance(item, dict) or item.get("type") != "message":
@@ -309,6 +358,7 @@ class ResponsesResponse(LaneResponse):
                     return [*out, ev]
                 return [*out, KEEP]
         if kind == "response.output_item.done":
+            self._note_call(ev.get("item"))
             return [ev] if self._fix_item(ev.get("item")) else [KEEP]
         if kind in ("response.completed", "response.incomplete", "response.done"):
             out = self.close_all()
@@ -327,6 +377,7 @@ class ResponsesResponse(LaneResponse):
         self._usage(obj.get("usage"))
         changed = False
         for item in obj.get("output") or []:
+            self._note_call(item)
             changed |= self._fix_item(item)
         return changed
 
@@ -358,6 +409,7 @@ class GeminiResponse(LaneResponse):
             for pi, p in enumerate(parts or []):
                 if isinstance(p, dict) and isinstance(p.get("text"), str) and not p.get("thought"):
                     spots.append((ci, pi))
+                self._note_call(p)
             if isinstance(c, dict) and c.get("finishReason"):
                 finishing.append(c.get("index", ci))
         if len(spots) == 1:
@@ -387,9 +439,17 @@ class GeminiResponse(LaneResponse):
         for c in obj.get("candidates") or []:
             content = c.get("content") if isinstance(c, dict) else None
             for p in (content.get("parts") if isinstance(content, dict) else None) or []:
+                self._note_call(p)
                 if isinstance(p, dict) and not p.get("thought"):
-                    changed |= _clean(p, "text")
+                    changed |= self._clean(p, "text")
         return changed
+
+    def _note_call(self, part: Any) -> None:
+        fc = part.get("functionCall") if isinstance(part, dict) else None
+        if isinstance(fc, dict):
+            cid = fc.get("id")
+            key = cid if isinstance(cid, str) and cid else "name:" + str(fc.get("name") or "")
+            self._call(key, fc.get("name"), fc.get("args"))
 
 
 RESPONSES: dict[str, type[LaneResponse]] = {

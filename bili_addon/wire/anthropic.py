@@ -5,14 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 from bili_addon.wire.base import (
+    DELETE,
     IMAGE,
     OTHER,
     REASONING,
     TEXT,
     TOOL_CALL,
     TOOL_RESULT,
+    Body,
     Core,
+    append_to_text_value,
+    append_tools,
     compact_json,
+    decode_any,
+    encode,
+    tool_names,
 )
 from bili_addon.wire.media import payload_of_source
 
@@ -41,6 +48,71 @@ class AnthropicLane:
         for j, block in enumerate(content):
             out.append(_block_core(role, j, block))
         return out
+
+    # -- folding and proxy tools ---------------------------------------------------------------
+    @staticmethod
+    def summary_item(text: str) -> bytes:
+        return encode({"role": "user", "content": [{"type": "text", "text": text}]})
+
+    @staticmethod
+    def tool_names(body: Body) -> list[str] | None:
+        return tool_names(body.top.get("tools"), lambda t: t.get("name") if isinstance(t, dict) else None)
+
+    @staticmethod
+    def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str) -> bool:
+        names = AnthropicLane.tool_names(body)
+        if not names:
+            return False
+        shaped = [{"_name": t["name"], "name": t["name"], "description": t["description"],
+                   "input_schema": t["parameters"]} for t in tools]
+        changed = append_tools(body, "tools", names, shaped) if tools else False
+        system = body.top.get("system")
+        if system is None:
+            body.set("system", prompt)
+            return True
+        new = append_to_text_value(system, prompt, {"type": "text", "text": prompt})
+        if new is not None:
+            body.top["system"] = new
+            changed = True
+        return changed
+
+    @staticmethod
+    def result_edits(obj: Any, call_id: str, text: str) -> list:
+        edits: list = []
+        for j, block in enumerate(_blocks(obj)):
+            if block.get("type") == "tool_result" and block.get("tool_use_id") == call_id:
+                if block.get("content") != text:
+                    edits.append((("content", j, "content"), text))
+                if "is_error" in block:
+                    edits.append((("content", j, "is_error"), DELETE))
+        return edits
+
+    @staticmethod
+    def call_edits(obj: Any, call_id: str, name: str, args: str) -> list:
+        """Restore a call the agent altered (renamed, re-serialised) to the model's own form."""
+        args = _parse_args(args)
+        edits: list = []
+        for j, block in enumerate(_blocks(obj)):
+            if block.get("type") == "tool_use" and block.get("id") == call_id:
+                if block.get("name") != name:
+                    edits.append((("content", j, "name"), name))
+                if block.get("input") != args:
+                    edits.append((("content", j, "input"), args))
+        return edits
+
+
+def _parse_args(args: str) -> Any:
+    try:
+        return decode_any(args)
+    except ValueError:
+        return {}
+
+
+def _blocks(obj: Any) -> list[dict]:
+    content = obj.get("content") if isinstance(obj, dict) else None
+    if not isinstance(content, list):
+        return []
+    return [b if isinstance(b, dict) else {} for b in content]
 
 
 def _block_core(role: str, j: int, block: Any) -> Core:

@@ -135,3 +135,43 @@ class Body:
         if items is not None and self.array:
             self.top[self.key] = msgspec.Raw(b"[" + b",".join(items) + b"]")
         return _enc.encode(self.top)
+
+
+# -- what the fold and the proxy tools need from every lane ------------------------------------
+
+PROMPT_SEPARATOR = "\n\n---\n\n"
+
+
+def tool_names(raw_tools: msgspec.Raw | None, name_of) -> list[str] | None:
+    """Names of the request's tools (None when it declares none: side requests get no injection)."""
+    if raw_tools is None or bytes(raw_tools)[:1] != b"[":
+        return None
+    names = []
+    for t in decode_list(raw_tools):
+        n = name_of(decode_any(t))
+        if isinstance(n, str):
+            names.append(n)
+    return names
+
+
+def append_tools(body: Body, key: str, existing: list[str], new: list[dict]) -> bool:
+    """Append the tools whose names are absent, after the agent's own (byte-exact) ones."""
+    missing = [t for t in new if t["_name"] not in existing]
+    if not missing:
+        return False
+    items = decode_list(body.top[key])
+    items.extend(msgspec.Raw(encode({k: v for k, v in t.items() if k != "_name"})) for t in missing)
+    body.top[key] = msgspec.Raw(encode(items))
+    return True
+
+
+def append_to_text_value(raw: msgspec.Raw, prompt: str, part: dict) -> msgspec.Raw | None:
+    """A system value that is a string gets the prompt appended; an array gets one more part."""
+    first = bytes(raw)[:1]
+    if first == b'"':
+        return msgspec.Raw(encode(decode_any(raw) + PROMPT_SEPARATOR + prompt))
+    if first == b"[":
+        items = decode_list(raw)
+        items.append(msgspec.Raw(encode(part)))
+        return msgspec.Raw(encode(items))
+    return None

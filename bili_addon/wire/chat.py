@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from bili_addon.wire.base import (
     IMAGE,
     OTHER,
@@ -11,8 +13,15 @@ from bili_addon.wire.base import (
     TEXT,
     TOOL_CALL,
     TOOL_RESULT,
+    Body,
     Core,
+    append_to_text_value,
+    append_tools,
     compact_json,
+    decode_any,
+    encode,
+    patch,
+    tool_names,
 )
 from bili_addon.wire.media import payload_of_url
 
@@ -43,6 +52,56 @@ class ChatLane:
         if role == "function":  # legacy function-calling result
             return [Core("tool", TOOL_RESULT, _result_text(obj.get("content")), tool_name=_str(obj.get("name")))]
         return [Core("user", OTHER, compact_json(obj))]
+
+    # -- folding and proxy tools ---------------------------------------------------------------
+    @staticmethod
+    def summary_item(text: str) -> bytes:
+        return encode({"role": "user", "content": text})
+
+    @staticmethod
+    def tool_names(body: Body) -> list[str] | None:
+        def name_of(t: Any) -> Any:
+            fn = t.get("function") if isinstance(t, dict) else None
+            return fn.get("name") if isinstance(fn, dict) else None
+
+        return tool_names(body.top.get("tools"), name_of)
+
+    @staticmethod
+    def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str) -> bool:
+        names = ChatLane.tool_names(body)
+        if not names:
+            return False
+        shaped = [{"_name": t["name"], "type": "function", "function": {
+            "name": t["name"], "description": t["description"], "parameters": t["parameters"]}} for t in tools]
+        changed = append_tools(body, "tools", names, shaped) if tools else False
+        if start > 0:  # the agent's leading system message gets the prompt at its end
+            i = start - 1
+            content = decode_any(items[i]).get("content")
+            new = append_to_text_value(msgspec.Raw(encode(content)), prompt, {"type": "text", "text": prompt})
+            if new is not None:
+                items[i] = patch(items[i], ("content",), decode_any(new))
+                return True
+        items.insert(start, encode({"role": "system", "content": prompt}))
+        return True
+
+    @staticmethod
+    def result_edits(obj: Any, call_id: str, text: str) -> list:
+        if isinstance(obj, dict) and obj.get("role") == "tool" and obj.get("tool_call_id") == call_id:
+            return [] if obj.get("content") == text else [(("content",), text)]
+        return []
+
+    @staticmethod
+    def call_edits(obj: Any, call_id: str, name: str, args: Any) -> list:
+        calls = obj.get("tool_calls") if isinstance(obj, dict) else None
+        edits: list = []
+        for k, call in enumerate(calls if isinstance(calls, list) else []):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and call.get("id") == call_id:
+                if fn.get("name") != name:
+                    edits.append((("tool_calls", k, "function", "name"), name))
+                if fn.get("arguments") != args:
+                    edits.append((("tool_calls", k, "function", "arguments"), args))
+        return edits
 
 
 def _str(v: Any) -> str:

@@ -16,8 +16,12 @@ from bili_addon.wire.base import (
     TEXT,
     TOOL_CALL,
     TOOL_RESULT,
+    Body,
     Core,
+    append_tools,
     compact_json,
+    decode_any,
+    encode,
 )
 from bili_addon.wire.media import payload_of_data
 
@@ -42,6 +46,74 @@ class GeminiLane:
         if not isinstance(parts, list):
             return [Core(role, OTHER, compact_json(parts))]
         return [_part_core(role, j, part) for j, part in enumerate(parts)]
+
+    # -- folding and proxy tools ---------------------------------------------------------------
+    @staticmethod
+    def summary_item(text: str) -> bytes:
+        return encode({"role": "user", "parts": [{"text": text}]})
+
+    @staticmethod
+    def tool_names(body: Body) -> list[str] | None:
+        raw = body.top.get("tools")
+        if raw is None or bytes(raw)[:1] != b"[":
+            return None
+        names: list[str] = []
+        for t in decode_any(raw) or []:
+            decls = (t.get("functionDeclarations") or t.get("function_declarations") or []) if isinstance(t, dict) else []
+            names.extend(d.get("name") for d in decls if isinstance(d, dict) and isinstance(d.get("name"), str))
+        return names
+
+    @staticmethod
+    def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str) -> bool:
+        names = GeminiLane.tool_names(body)
+        if not names:
+            return False
+        decls = [{"name": t["name"], "description": t["description"], "parameters": t["parameters"]}
+                 for t in tools if t["name"] not in names]
+        if decls:
+            append_tools(body, "tools", [], [{"_name": "", "functionDeclarations": decls}])
+        system = body.get("systemInstruction")
+        if not isinstance(system, dict):
+            system = {"parts": []}
+        parts = system.get("parts") if isinstance(system.get("parts"), list) else []
+        system["parts"] = [*parts, {"text": prompt}]
+        body.set("systemInstruction", system)
+        return True
+
+    @staticmethod
+    def result_edits(obj: Any, call_id: str, text: str) -> list:
+        edits: list = []
+        for j, part in enumerate(_parts(obj)):
+            fr = part.get("functionResponse")
+            if isinstance(fr, dict) and _call_key(fr) == call_id:
+                want = {"content": text}
+                if fr.get("response") != want:
+                    edits.append((("parts", j, "functionResponse", "response"), want))
+        return edits
+
+    @staticmethod
+    def call_edits(obj: Any, call_id: str, name: str, args: str) -> list:
+        try:
+            parsed = decode_any(args)
+        except ValueError:
+            parsed = {}
+        edits: list = []
+        for j, part in enumerate(_parts(obj)):
+            fc = part.get("functionCall")
+            if isinstance(fc, dict) and _call_key(fc) == call_id and fc.get("args") != parsed:
+                edits.append((("parts", j, "functionCall", "args"), parsed))
+        return edits
+
+
+def _parts(obj: Any) -> list[dict]:
+    parts = obj.get("parts") if isinstance(obj, dict) else None
+    return [p if isinstance(p, dict) else {} for p in parts] if isinstance(parts, list) else []
+
+
+def _call_key(call: dict) -> str:
+    """Gemini calls may carry no id; then the function name pairs a call with its response."""
+    cid = call.get("id")
+    return cid if isinstance(cid, str) and cid else "name:" + str(call.get("name") or "")
 
 
 def _get(part: dict, camel: str, snake: str) -> Any:

@@ -16,9 +16,14 @@ from bili_addon.wire.base import (
     TEXT,
     TOOL_CALL,
     TOOL_RESULT,
+    Body,
     Core,
+    append_tools,
     compact_json,
+    encode,
+    tool_names,
 )
+from bili_addon.wire.base import PROMPT_SEPARATOR
 from bili_addon.wire.media import payload_of_url
 
 _SYSTEM_ROLES = ("system", "developer")
@@ -64,6 +69,54 @@ class ResponsesLane:
                         # local_shell_call -> "local_shell", computer_call -> "computer", ...
                         return [_call(obj, _str(obj.get("name")) or kind[: -len("_call")], obj[key])]
         return [Core(_opaque_role(kind), OTHER, _json_without_id(obj))]
+
+    # -- folding and proxy tools ---------------------------------------------------------------
+    @staticmethod
+    def summary_item(text: str) -> bytes:
+        return encode({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+
+    @staticmethod
+    def tool_names(body: Body) -> list[str] | None:
+        return tool_names(body.top.get("tools"), lambda t: t.get("name") if isinstance(t, dict) else None)
+
+    @staticmethod
+    def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str) -> bool:
+        names = ResponsesLane.tool_names(body)
+        if not names:
+            return False
+        shaped = [{"_name": t["name"], "type": "function", "name": t["name"], "description": t["description"],
+                   "parameters": t["parameters"]} for t in tools]
+        changed = append_tools(body, "tools", names, shaped) if tools else False
+        instructions = body.get("instructions")
+        if isinstance(instructions, str):
+            body.set("instructions", instructions + PROMPT_SEPARATOR + prompt)
+            return True
+        if body.array:  # after the agent's own leading developer/system items
+            items.insert(start, encode({"type": "message", "role": "developer",
+                                        "content": [{"type": "input_text", "text": prompt}]}))
+            return True
+        return changed
+
+    @staticmethod
+    def result_edits(obj: Any, call_id: str, text: str) -> list:
+        if (
+            isinstance(obj, dict)
+            and obj.get("type") in ("function_call_output", "custom_tool_call_output")
+            and obj.get("call_id") == call_id
+        ):
+            return [] if obj.get("output") == text else [(("output",), text)]
+        return []
+
+    @staticmethod
+    def call_edits(obj: Any, call_id: str, name: str, args: str) -> list:
+        if not (isinstance(obj, dict) and obj.get("type") == "function_call" and obj.get("call_id") == call_id):
+            return []
+        edits: list = []
+        if obj.get("name") != name:
+            edits.append((("name",), name))
+        if obj.get("arguments") != args:
+            edits.append((("arguments",), args))
+        return edits
 
 
 def _opaque_role(kind: Any) -> str:

@@ -1,0 +1,393 @@
+"""Folding: blocks that stand in for consumed ranges, written by the model itself.
+
+The unit of folding is the wire *item* (a message / input item / content): a block covers the
+refs of every part of the items in its range, and an item leaves the wire only when all its refs
+are covered and nothing it pairs with stays behind.  Block summaries are rendered as one user
+item at the position of the first item they replace, so everything before it keeps its bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from bili_addon.kernel.identity import count_tokens
+from bili_addon.kernel.prompts import summary_header
+from bili_addon.kernel.tags import format_tokens, index_of
+from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, TOOL_RESULT
+
+_BLOCK_RE = re.compile(r"^b(\d{1,9})$")
+
+
+@dataclass
+class FoldConfig:
+    min_compress_chars: int = 5000  # a batch folding less than this is refused
+    min_summary_chars: int = 50
+    max_summary_chars: int = 20000
+    recent_items: int = 5  # the newest items (and the newest user turn) are never folded
+    pair_scan: int = 20
+
+
+@dataclass
+class Block:
+    id: str
+    tier: int
+    summary: str
+    topic: str
+    covered: list[str]  # refs this block hides, in conversation order
+    direct: list[str]  # refs it folded itself (not through a consumed block)
+    consumed: list[str]  # block ids it absorbed
+    start_ref: str
+    end_ref: str
+    call_id: str = ""
+    folded_tokens: int = 0
+    active: bool = True
+    created: float = field(default_factory=time.time)
+
+    @property
+    def number(self) -> int:
+        return int(self.id[1:])
+
+    def text(self) -> str:
+        first, last = (self.covered[0], self.covered[-1]) if self.covered else (self.start_ref, self.end_ref)
+        return summary_header(self.id, first, last, self.topic) + "\n" + self.summary.strip()
+
+    @property
+    def summary_tokens(self) -> int:
+        return count_tokens(self.summary)
+
+
+@dataclass
+class PartView:
+    ref: str
+    role: str
+    ctype: str
+    tool_name: str
+    tool_call_id: str
+    text: str
+    tokens: int
+
+
+@dataclass
+class ViewItem:
+    """One conversation item as the kernel sees it: its parts' refs and pairing keys."""
+
+    index: int  # position in the request's conversation array
+    parts: list[PartView]
+
+    @property
+    def refs(self) -> list[str]:
+        return [p.ref for p in self.parts]
+
+    @property
+    def calls(self) -> set[str]:
+        return {p.tool_call_id for p in self.parts if p.ctype == TOOL_CALL and p.tool_call_id}
+
+    @property
+    def results(self) -> set[str]:
+        return {p.tool_call_id for p in self.parts if p.ctype == TOOL_RESULT and p.tool_call_id}
+
+    @property
+    def user_turn(self) -> bool:
+        return any(p.role == "user" and p.ctype == TEXT for p in self.parts)
+
+    @property
+    def reasoning_only(self) -> bool:
+        return bool(self.parts) and all(p.ctype == REASONING for p in self.parts)
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.tokens for p in self.parts)
+
+
+class View:
+    def __init__(self, items: list[ViewItem]):
+        self.items = items
+        self.pos: dict[str, int] = {}
+        for k, it in enumerate(items):
+            for r in it.refs:
+                self.pos.setdefault(r, k)
+
+    def first_user(self) -> int | None:
+        return next((k for k, it in enumerate(self.items) if it.user_turn), None)
+
+    def last_user(self) -> int | None:
+        return next((k for k in range(len(self.items) - 1, -1, -1) if self.items[k].user_turn), None)
+
+    def protected(self, cfg: FoldConfig) -> set[int]:
+        """Positions never folded: the first user turn, the recent zone and the newest user turn."""
+        n = len(self.items)
+        keep = set(range(max(0, n - cfg.recent_items), n))
+        for k in (self.first_user(), self.last_user()):
+            if k is not None:
+                keep.add(k)
+        return keep
+
+
+def coverage(blocks: Iterable[Block]) -> dict[str, Block]:
+    out: dict[str, Block] = {}
+    for b in blocks:
+        if b.active:
+            for r in b.covered:
+                out.setdefault(r, b)
+    return out
+
+
+# -- rendering ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    drop: set[int]  # view positions that leave the wire
+    inserts: dict[int, list[Block]]  # view position -> blocks whose summary goes before it
+    rendered: list[Block]
+
+
+def plan(view: View, blocks: list[Block]) -> Plan:
+    cov = coverage(blocks)
+    items = view.items
+    drop = {k for k, it in enumerate(items) if it.parts and all(r in cov for r in it.refs)}
+    first = view.first_user()
+    if first is not None:
+        drop.discard(first)
+    # never leave a tool call without its result (or the reverse), nor reasoning without its turn
+    changed = True
+    while changed:
+        changed = False
+        kept_calls = set().union(*(items[k].calls for k in range(len(items)) if k not in drop))
+        kept_results = set().union(*(items[k].results for k in range(len(items)) if k not in drop))
+        for k in sorted(drop):
+            if items[k].calls & kept_results or items[k].results & kept_calls:
+                drop.discard(k)
+                changed = True
+        for k, it in enumerate(items):
+            if not it.reasoning_only:
+                continue
+            # a reasoning run shares the fate of the turn it precedes
+            j = k
+            while j < len(items) and items[j].reasoning_only:
+                j += 1
+            group = range(k, min(j + 1, len(items)))
+            if any(x in drop for x in group) and any(x not in drop for x in group):
+                drop.difference_update(group)
+                changed = True
+    inserts: dict[int, list[Block]] = {}
+    rendered: list[Block] = []
+    last_user = view.last_user()
+    for b in sorted((b for b in blocks if b.active), key=lambda b: b.number):
+        mine = set(b.covered)
+        where = [k for k in drop if mine & set(items[k].refs)]
+        if where:
+            inserts.setdefault(min(where), []).append(b)
+            rendered.append(b)
+        elif not any(r in view.pos for r in b.covered) and last_user is not None:
+            # its originals are gone from the wire: the summary still stands for them, but never
+            # after the newest question
+            inserts.setdefault(last_user, []).append(b)
+            rendered.append(b)
+    return Plan(drop, inserts, rendered)
+
+
+# -- compress ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Range:
+    start: str
+    end: str
+    summary: str
+    topic: str = ""
+
+
+def parse_ranges(args: Any) -> list[Range]:
+    """Lenient: ``content`` as a list (or JSON string) of ranges, or one flat range."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return []
+    if not isinstance(args, dict):
+        return []
+    content = args.get("content")
+    if isinstance(content, str):
+        try:
+            content = json.loads(content)
+        except ValueError:
+            content = None
+    entries = content if isinstance(content, list) else [args]
+    out = []
+    for e in entries:
+        if not isinstance(e, dict):
+            continue
+        start = e.get("startId") or e.get("startRef") or e.get("messageId")
+        end = e.get("endId") or e.get("endRef") or e.get("messageId")
+        summary = e.get("summary")
+        if isinstance(start, str) and isinstance(end, str) and isinstance(summary, str):
+            topic = e.get("topic") if isinstance(e.get("topic"), str) else args.get("topic")
+            out.append(Range(start.strip(), end.strip(), summary, topic if isinstance(topic, str) else ""))
+    return out
+
+
+class CompressError(ValueError):
+    pass
+
+
+@dataclass
+class CompressOutcome:
+    text: str
+    blocks: list[Block]  # new blocks
+    deactivated: list[Block]  # blocks consumed by the new ones
+    originals: list[PartView]  # parts newly folded, to keep for decompress and search
+
+
+def _norm_ref(s: str) -> str | None:
+    i = index_of(s)
+    return f"m{i:05d}" if i is not None else None
+
+
+def _block_id(s: str) -> str | None:
+    m = _BLOCK_RE.match(s.strip().lower())
+    return f"b{int(m.group(1))}" if m and int(m.group(1)) >= 1 else None
+
+
+def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_id: str = "") -> CompressOutcome:
+    ranges = parse_ranges(args)
+    if not ranges:
+        return CompressOutcome(
+            'Nothing compressed: expected {"content": [{"startId": "m00012", "endId": "m00040", "summary": "..."}]}.',
+            [], [], [],
+        )
+    by_id = {b.id: b for b in blocks}
+    protected = view.protected(cfg)
+    lines: list[str] = []
+    made: list[Block] = []
+    gone: list[Block] = []
+    originals: list[PartView] = []
+    taken: set[int] = set()
+    next_no = max((b.number for b in blocks), default=0) + 1
+    for r in ranges:
+        label = f"{r.start}–{r.end}"
+        try:
+            s, e, block_bounded = _resolve(r, view, by_id)
+            s, e = _pair_closure(view, s, e, cfg.pair_scan)
+            positions = [k for k in range(s, e + 1) if k not in protected]
+            skipped = (e - s + 1) - len(positions)
+            if set(positions) & taken:
+                raise CompressError("overlaps an earlier range of this call; keep ranges disjoint")
+            if not positions:
+                raise CompressError("it lies entirely in the protected zone (the first request, the newest "
+                                    f"{cfg.recent_items} messages and the newest user turn); choose older messages")
+            live = [b for b in blocks if b.active and b not in gone]
+            cov = coverage(live)
+            refs = [ref for k in positions for ref in view.items[k].refs]
+            nested = [b for b in live if set(b.covered) & set(refs)]
+            if block_bounded and nested:
+                target = min(b.tier for b in nested)
+                tier = min(3, target + 1)
+                absorbed = [b for b in nested if b.tier == target]
+            else:
+                tier = 1
+                absorbed = [b for b in nested if b.tier == 1]
+            parts = [p for k in positions for p in view.items[k].parts]
+            direct = [p for p in parts if p.ref not in cov]
+            if not direct and not absorbed:
+                raise CompressError("everything in it is already folded")
+            if not direct and not block_bounded:
+                ids = ", ".join(b.id for b in absorbed)
+                raise CompressError(f"it holds nothing new: it is all inside {ids}; to distil those, use the "
+                                    f"block ids as startId/endId")
+            chars = sum(len(p.text) for p in direct)
+            if not block_bounded and chars < cfg.min_compress_chars:
+                raise CompressError(f"too small to be worth a fold ({chars} characters, minimum "
+                                    f"{cfg.min_compress_chars}); include more consumed messages")
+            summary = r.summary.strip()
+            if not summary:
+                raise CompressError("the summary is empty")
+            if len(summary) < cfg.min_summary_chars:
+                raise CompressError(f"the summary is too short ({len(summary)} characters, minimum "
+                                    f"{cfg.min_summary_chars}); it must stand in for the range on its own")
+            if len(summary) > cfg.max_summary_chars:
+                raise CompressError(f"the summary is too long ({len(summary)} characters, maximum "
+                                    f"{cfg.max_summary_chars}); keep paths, decisions, errors and values, drop noise")
+            order = {ref: i for i, ref in enumerate(view.pos)}
+            covered = sorted(
+                {p.ref for p in direct} | {ref for b in absorbed for ref in b.covered},
+                key=lambda ref: (order.get(ref, 1 << 30), ref),
+            )
+            folded = sum(p.tokens for p in direct) + sum(b.summary_tokens for b in absorbed)
+            block = Block(
+                id=f"b{next_no}", tier=tier, summary=r.summary, topic=r.topic, covered=covered,
+                direct=[p.ref for p in direct], consumed=[b.id for b in absorbed],
+                start_ref=r.start, end_ref=r.end, call_id=call_id, folded_tokens=folded,
+            )
+            next_no += 1
+            for b in absorbed:
+                b.active = False
+                gone.append(b)
+            made.append(block)
+            originals.extend(direct)
+            taken.update(range(s, e + 1))
+            span = f"{covered[0]}–{covered[-1]}"
+            note = f" ({skipped} protected message(s) left out)" if skipped else ""
+            absorbed_note = f", absorbing {', '.join(b.id for b in absorbed)}" if absorbed else ""
+            lines.append(
+                f"Compressed {span} → {block.id} (tier {tier}{absorbed_note}): {len(direct)} message part(s), "
+                f"~{format_tokens(folded)} tokens folded into ~{format_tokens(block.summary_tokens)}{note}."
+            )
+        except CompressError as err:
+            lines.append(f"Range {label} not compressed: {err}.")
+    if made:
+        ids = ", ".join(b.id for b in made)
+        lines.append(f"The summaries now stand in place of the originals; decompress {ids} shows what they replaced.")
+    return CompressOutcome("\n".join(lines), made, gone, originals)
+
+
+def _resolve(r: Range, view: View, by_id: dict[str, Block]) -> tuple[int, int, bool]:
+    ends = []
+    block_bounded = False
+    for label, raw in (("startId", r.start), ("endId", r.end)):
+        ref, bid = _norm_ref(raw), _block_id(raw)
+        if ref is not None:
+            if ref not in view.pos:
+                raise CompressError(f'{label}="{raw}" is not in the visible conversation; use refs shown in the '
+                                    f"tags, or run acp_status")
+            ends.append((view.pos[ref], view.pos[ref]))
+        elif bid is not None:
+            b = by_id.get(bid)
+            if b is None:
+                raise CompressError(f'{label}="{raw}" is not a block of this conversation')
+            where = [view.pos[x] for x in b.covered if x in view.pos]
+            if not b.active or not where:
+                raise CompressError(f'{label}="{raw}" is not visible any more (consumed by a later block or '
+                                    f"gone from the conversation)")
+            ends.append((min(where), max(where)))
+            block_bounded = True
+        else:
+            raise CompressError(f'{label}="{raw}" is neither a ref (mNNNNN) nor a block id (bN)')
+    s = min(ends[0][0], ends[1][0])
+    e = max(ends[0][1], ends[1][1])
+    return s, e, block_bounded
+
+
+def _pair_closure(view: View, s: int, e: int, scan: int) -> tuple[int, int]:
+    """Widen [s, e] so no tool call leaves its result behind, and reasoning stays with its turn."""
+    items = view.items
+    for _ in range(3):
+        before = (s, e)
+        ids = set().union(*(items[k].calls | items[k].results for k in range(s, e + 1)))
+        for k in range(e + 1, min(len(items), e + 1 + scan)):
+            if (items[k].calls | items[k].results) & ids:
+                e = k
+        for k in range(s - 1, max(-1, s - 1 - scan), -1):
+            if (items[k].calls | items[k].results) & ids:
+                s = k
+        while s > 0 and items[s - 1].reasoning_only:
+            s -= 1
+        while e + 1 < len(items) and items[e].reasoning_only:
+            e += 1
+        if (s, e) == before:
+            break
+    return s, e

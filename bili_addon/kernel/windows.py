@@ -1,0 +1,63 @@
+"""Context windows: a built-in table by model name, and what providers' overflow errors teach."""
+
+from __future__ import annotations
+
+import re
+
+DEFAULT_WINDOW = 200_000
+
+# (pattern on the lower-cased model id, window); first match wins
+_TABLE: tuple[tuple[str, int], ...] = (
+    (r"\[1m\]|-1m\b", 1_000_000),
+    (r"^claude|^anthropic/claude", 200_000),
+    (r"gpt-5|codex", 400_000),
+    (r"gpt-4\.1|gpt-4-1", 1_047_576),
+    (r"^o[134]\b|^o[134]-", 200_000),
+    (r"gpt-4o|gpt-4-turbo", 128_000),
+    (r"gemini-(1\.5|2|3)", 1_048_576),
+    (r"deepseek", 128_000),
+    (r"qwen", 131_072),
+    (r"glm", 128_000),
+    (r"kimi|moonshot", 256_000),
+    (r"grok", 256_000),
+)
+
+_OVERFLOW = re.compile(
+    r"context_length_exceeded|context length exceeded|maximum context length|max context length|"
+    r"maximum context size|exceeds the context window|exceeded model token limit|prompt is too long|"
+    r"prompt_too_long|prompt_is_too_long|request_too_large|token limit exceeded",
+    re.IGNORECASE,
+)
+_LIMIT = (
+    re.compile(r">\s*([\d,]{4,})\s+maximum", re.IGNORECASE),
+    re.compile(r"maximum context length (?:is|of)\s+([\d,]{4,})", re.IGNORECASE),
+    re.compile(r"maximum context size (?:is|of)\s+([\d,]{4,})", re.IGNORECASE),
+    re.compile(r"(?:max|maximum) (?:context )?length (?:is )?([\d,]{4,})", re.IGNORECASE),
+    re.compile(r"limit of ([\d,]{4,}) token", re.IGNORECASE),
+    re.compile(r"([\d,]{4,}) maximum", re.IGNORECASE),
+)
+
+
+def context_window(model: str) -> int:
+    m = (model or "").lower()
+    for pattern, window in _TABLE:
+        if re.search(pattern, m):
+            return window
+    return DEFAULT_WINDOW
+
+
+def learned_window(status: int, body: str) -> int | None:
+    """The window a "context too long" error states (400/413 only), else None."""
+    if status not in (400, 413) or not _OVERFLOW.search(body):
+        return None
+    for rx in _LIMIT:
+        m = rx.search(body)
+        if m:
+            n = int(m.group(1).replace(",", ""))
+            if n >= 1000:
+                return n
+    return None
+
+
+def is_overflow(status: int, body: str) -> bool:
+    return status in (400, 413) and bool(_OVERFLOW.search(body))

@@ -1,0 +1,234 @@
+"""Folding through the kernel: a compress call made by the model, executed on the next request."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from bili_addon.kernel.fold import FoldConfig
+from bili_addon.kernel.turn import Engine
+from bili_addon.store import Store
+from bili_addon.stream import ResponseRewriter
+from bili_addon.wire import LANES
+
+ANTH = LANES["anthropic"]
+H = {"x-acp-session": "fold-1"}
+TAG = re.compile(r'<acp tokens="[^"]+" type="text">(m\d{5})</acp>\n')
+TOOLS = [{"name": "Bash", "description": "run", "input_schema": {"type": "object"}}]
+
+
+def filler(tag: str, n: int = 1200) -> str:
+    return f"{tag}: " + " ".join(f"{tag}-row-{i}" for i in range(n // 10))
+
+
+def conversation(turns: int) -> list[dict]:
+    msgs: list[dict] = [{"role": "user", "content": "Please audit the repository."}]
+    for t in range(turns):
+        msgs.append({"role": "assistant", "content": [
+            {"type": "text", "text": f"Step {t}: reading module {t}."},
+            {"type": "tool_use", "id": f"toolu_{t}", "name": "Bash", "input": {"cmd": f"cat mod{t}.py"}},
+        ]})
+        msgs.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"toolu_{t}", "content": filler(f"file-{t}")},
+        ]})
+    return msgs
+
+
+def body(msgs: list[dict]) -> bytes:
+    return json.dumps({"model": "claude-x", "max_tokens": 100, "system": "You are an agent.",
+                       "tools": TOOLS, "messages": msgs}).encode()
+
+
+def refs_in(payload: dict) -> dict[str, str]:
+    """ref -> the text it tags, from a tagged upstream body."""
+    out = {}
+    for m in payload["messages"]:
+        content = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+        for block in content:
+            if block.get("type") == "text":
+                t = TAG.match(block["text"])
+                if t:
+                    out[t.group(1)] = block["text"][t.end():]
+    return out
+
+
+def assert_valid_anthropic(payload: dict) -> None:
+    msgs = payload["messages"]
+    assert msgs[0]["role"] == "user"
+    for i, m in enumerate(msgs):
+        blocks = m["content"] if isinstance(m["content"], list) else []
+        uses = {b["id"] for b in blocks if b.get("type") == "tool_use"}
+        if uses:
+            nxt = msgs[i + 1]["content"] if i + 1 < len(msgs) else []
+            got = {b["tool_use_id"] for b in nxt if isinstance(b, dict) and b.get("type") == "tool_result"}
+            assert uses <= got, f"tool_use without result at message {i}"
+        results = {b["tool_use_id"] for b in blocks if b.get("type") == "tool_result"}
+        if results:
+            prev = msgs[i - 1]["content"] if i else []
+            got = {b["id"] for b in prev if isinstance(b, dict) and b.get("type") == "tool_use"}
+            assert results <= got, f"tool_result without its call at message {i}"
+
+
+def model_calls(tool: str, args: dict, call_id: str) -> dict:
+    """The model's (non-streamed) answer calling a proxy tool."""
+    return {"id": "msg_x", "type": "message", "role": "assistant", "model": "claude-x",
+            "content": [{"type": "tool_use", "id": call_id, "name": tool, "input": args}],
+            "stop_reason": "tool_use", "usage": {"input_tokens": 10, "output_tokens": 5}}
+
+
+def agent_answers_unknown(msgs: list[dict], tool: str, args: dict, call_id: str) -> list[dict]:
+    """What Claude Code sends next: the call as stored, and its unknown-tool error."""
+    return msgs + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": tool, "input": args}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "is_error": True,
+                                      "content": f"<tool_use_error>Error: No such tool available: {tool}</tool_use_error>"}]},
+    ]
+
+
+@pytest.fixture
+def engine(tmp_path):
+    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    yield e
+    e.store.close()
+
+
+def roundtrip_call(engine, sid, tool, args, call_id):
+    rw = ResponseRewriter("anthropic")
+    rw.json_body(json.dumps(model_calls(tool, args, call_id)).encode())
+    engine.record_calls(sid, rw.calls)
+
+
+def test_tools_and_prompt_are_injected_after_the_agents_own(engine):
+    out = json.loads(engine.process(body(conversation(1)), ANTH, H, render=True).body)
+    assert [t["name"] for t in out["tools"]] == ["Bash", "compress", "decompress", "search_context", "acp_status"]
+    assert out["system"].startswith("You are an agent.\n\n---\n\n# Context folding")
+    again = engine.process(body(conversation(1)), ANTH, H, render=True).body
+    assert json.loads(again)["tools"] == out["tools"]
+
+
+def test_side_requests_without_tools_get_no_injection(engine):
+    raw = json.dumps({"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "title please"}]})
+    out = json.loads(engine.process(raw.encode(), ANTH, H, render=True).body)
+    assert "tools" not in out and "system" not in out
+
+
+def test_compress_folds_the_range_on_the_next_request(engine):
+    msgs = conversation(8)
+    first = json.loads(engine.process(body(msgs), ANTH, H, render=True).body)
+    refs = refs_in(first)
+    start = next(r for r, t in refs.items() if t.startswith("Step 1:"))
+    end = next(r for r, t in refs.items() if t.startswith("Step 4:"))
+    args = {"content": [{"startId": start, "endId": end, "topic": "modules 1-4",
+                         "summary": "Read modules 1 to 4: nothing unusual; mod3.py defines load_config()."}]}
+    roundtrip_call(engine, "fold-1", "compress", args, "toolu_c1")
+
+    nxt = agent_answers_unknown(msgs, "compress", args, "toolu_c1")
+    res = engine.process(body(nxt), ANTH, H, render=True)
+    out = json.loads(res.body)
+    text = json.dumps(out)
+    assert res.executed == ["compress"]
+    assert "[Compressed conversation section b1" in text and "load_config()" in text
+    for t in range(1, 5):
+        assert f"file-{t}-row-" not in text, f"module {t} should be folded"
+    for t in (0, 5, 6, 7):
+        assert f"file-{t}-row-" in text
+    # the agent's unknown-tool error was replaced by the real result
+    last = out["messages"][-1]["content"][0]
+    assert last["content"].startswith("Compressed m") and "→ b1" in last["content"]
+    assert "is_error" not in last
+    assert_valid_anthropic(out)
+    assert res.marker.startswith("[bili] compressed ") and "→ b1" in res.marker
+
+    # the same request again (a retry): nothing runs twice, the bytes are identical
+    again = engine.process(body(nxt), ANTH, H, render=True)
+    assert again.executed == [] and again.body == res.body
+
+
+def test_fold_prefix_is_byte_stable_and_survives_a_restart(tmp_path):
+    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    msgs = conversation(8)
+    refs = refs_in(json.loads(e.process(body(msgs), ANTH, H, render=True).body))
+    start = next(r for r, t in refs.items() if t.startswith("Step 0:"))
+    end = next(r for r, t in refs.items() if t.startswith("Step 3:"))
+    args = {"content": [{"startId": start, "endId": end, "summary": "Modules 0-3 read; all of them are fine, nothing to change there."}]}
+    roundtrip_call(e, "fold-1", "compress", args, "toolu_c1")
+    nxt = agent_answers_unknown(msgs, "compress", args, "toolu_c1")
+    n1 = e.process(body(nxt), ANTH, H, render=True).body
+    later = nxt + [{"role": "assistant", "content": "Audit continues."}, {"role": "user", "content": "go on"}]
+    n2 = e.process(body(later), ANTH, H, render=True).body
+    # turn N+1 extends turn N byte for byte up to the end of turn N's conversation
+    assert n2.startswith(n1[: n1.index(b'"messages":') + len(b'"messages":')])
+    head = n1[: n1.rindex(b"]}")]
+    assert n2.startswith(head)
+    e.store.close()
+    e2 = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    assert e2.process(body(later), ANTH, H, render=True).body == n2
+
+
+def test_decompress_returns_the_originals(engine):
+    msgs = conversation(6)
+    refs = refs_in(json.loads(engine.process(body(msgs), ANTH, H, render=True).body))
+    start = next(r for r, t in refs.items() if t.startswith("Step 0:"))
+    end = next(r for r, t in refs.items() if t.startswith("Step 2:"))
+    args = {"content": [{"startId": start, "endId": end, "summary": "Modules 0-2 were read and found fine; mod1.py holds the parser."}]}
+    roundtrip_call(engine, "fold-1", "compress", args, "c1")
+    msgs = agent_answers_unknown(msgs, "compress", args, "c1")
+    engine.process(body(msgs), ANTH, H, render=True)
+    roundtrip_call(engine, "fold-1", "decompress", {"blockId": "b1"}, "c2")
+    msgs = agent_answers_unknown(msgs, "decompress", {"blockId": "b1"}, "c2")
+    out = json.loads(engine.process(body(msgs), ANTH, H, render=True).body)
+    result = out["messages"][-1]["content"][0]["content"]
+    assert result.startswith("b1 (tier 1) replaced original messages")
+    assert "file-1-row-3" in result and "cat mod2.py" in result
+    roundtrip_call(engine, "fold-1", "search_context", {"query": "file-2-row-7"}, "c3")
+    msgs = agent_answers_unknown(msgs, "search_context", {"query": "file-2-row-7"}, "c3")
+    out = json.loads(engine.process(body(msgs), ANTH, H, render=True).body)
+    assert "(inside b1)" in out["messages"][-1]["content"][0]["content"]
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        ({"content": [{"startId": "m09999", "endId": "m00002", "summary": "x" * 60}]}, "not in the visible"),
+        ({"content": [{"startId": "m00002", "endId": "m00003", "summary": "x" * 60}]}, "too small"),
+        ({"content": [{"startId": "m00002", "endId": "m00020", "summary": "short"}]}, "too short"),
+        ({"content": [{"startId": "q1", "endId": "m00003", "summary": "x" * 60}]}, "neither a ref"),
+        ({"nothing": True}, "Nothing compressed"),
+    ],
+)
+def test_refused_compress_explains_why_and_folds_nothing(engine, args, needle):
+    msgs = conversation(8)
+    engine.process(body(msgs), ANTH, H, render=True)
+    roundtrip_call(engine, "fold-1", "compress", args, "bad")
+    out = json.loads(engine.process(body(agent_answers_unknown(msgs, "compress", args, "bad")), ANTH, H,
+                                    render=True).body)
+    assert needle in out["messages"][-1]["content"][0]["content"]
+    assert "[Compressed conversation section" not in json.dumps(out["messages"])
+
+
+def test_a_call_the_addon_never_saw_is_left_alone(engine):
+    msgs = agent_answers_unknown(conversation(3), "compress", {"content": []}, "toolu_unknown")
+    out = json.loads(engine.process(body(msgs), ANTH, H, render=True).body)
+    assert out["messages"][-1]["content"][0]["is_error"] is True
+
+
+def test_renamed_and_rewritten_calls_are_restored(engine):
+    """opencode re-sends the call as its own ``invalid`` tool; the model's call comes back."""
+    msgs = conversation(6)
+    refs = refs_in(json.loads(engine.process(body(msgs), ANTH, H, render=True).body))
+    start = next(r for r, t in refs.items() if t.startswith("Step 0:"))
+    end = next(r for r, t in refs.items() if t.startswith("Step 2:"))
+    args = {"content": [{"startId": start, "endId": end, "summary": "Modules 0-2 were read and found fine; mod1.py holds the parser."}]}
+    roundtrip_call(engine, "fold-1", "compress", args, "toolu_oc")
+    stored = msgs + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_oc", "name": "invalid",
+                                           "input": {"tool": "compress", "error": "unavailable tool"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_oc",
+                                      "content": "The arguments provided to the tool are invalid"}]},
+    ]
+    out = json.loads(engine.process(body(stored), ANTH, H, render=True).body)
+    call = out["messages"][-2]["content"][0]
+    assert call["name"] == "compress" and call["input"] == args
+    assert out["messages"][-1]["content"][0]["content"].startswith("Compressed ")
