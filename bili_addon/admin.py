@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from mitmproxy import http
 
 from bili_addon import __version__
+from bili_addon.kernel.prompts import TOOLS
+from bili_addon.store import StoreError
 
 if TYPE_CHECKING:
     from bili_addon.shell import Bili
 
+log = logging.getLogger("bili")
+
 PREFIX = "/__bili/"
+TOOL_ENDPOINT = PREFIX + "plugin/tool"
+MANIFEST_ENDPOINT = PREFIX + "plugin/manifest"
+MAX_BODY = 1 << 20  # a tool call's JSON body; a compress with long summaries stays far below
+PLUGIN_TOOLS = tuple(t["name"] for t in TOOLS)
 
 
 def is_admin(flow: http.HTTPFlow) -> bool:
@@ -39,14 +48,85 @@ def _json(status: int, payload: object) -> http.Response:
     )
 
 
+def _fail(status: int, error: str) -> http.Response:
+    return _json(status, {"ok": False, "error": error})
+
+
 def handle(flow: http.HTTPFlow, bili: Bili) -> None:
     if not _loopback(flow):
-        flow.response = _json(403, {"error": "bili admin endpoints are loopback-only"})
+        flow.response = _fail(403, "bili admin endpoints are loopback-only")
         return
     path = flow.request.path.split("?", 1)[0]
-    if path == PREFIX + "health" and flow.request.method in ("GET", "HEAD"):
+    method = flow.request.method
+    if path == PREFIX + "health" and method in ("GET", "HEAD"):
         flow.response = _json(200, {"ok": True, "version": __version__, "mode": bili.mode, "store": bili.store_ok})
-    elif path == PREFIX + "stats" and flow.request.method == "GET":
+    elif path == PREFIX + "stats" and method == "GET":
         flow.response = _json(200, bili.stats())
+    elif path == MANIFEST_ENDPOINT and method in ("GET", "HEAD"):
+        flow.response = _json(200, {"ok": True, "tools": list(TOOLS), "toolEndpoint": TOOL_ENDPOINT})
+    elif path == TOOL_ENDPOINT and method == "POST":
+        flow.response = plugin_tool(flow.request, bili)
     else:
-        flow.response = _json(404, {"error": f"no such bili endpoint: {flow.request.method} {path}"})
+        flow.response = _fail(404, f"no such bili endpoint: {method} {path}")
+
+
+# -- POST /__bili/plugin/tool ------------------------------------------------------------------------
+def _parse_call(req: http.Request) -> tuple[str | None, str, dict[str, Any]] | http.Response:
+    """``(conversation id or None, tool, args)`` from the body, or the error response."""
+    declared = req.headers.get("content-length", "")
+    if (declared.isdigit() and int(declared) > MAX_BODY) or len(req.raw_content or b"") > MAX_BODY:
+        return _fail(413, f"request body over {MAX_BODY} bytes")
+    try:
+        raw = req.get_content(strict=True) or b""
+    except ValueError as e:
+        return _fail(400, f"cannot decode the request body: {e}")
+    if len(raw) > MAX_BODY:
+        return _fail(413, f"request body over {MAX_BODY} bytes")
+    try:
+        doc = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        return _fail(400, f"the body is not valid JSON: {e}")
+    if not isinstance(doc, dict):
+        return _fail(400, "the body must be a JSON object: {\"conversationId\", \"tool\", \"args\"}")
+    tool = doc.get("tool")
+    if not isinstance(tool, str) or not tool:
+        return _fail(400, "missing \"tool\" (one of " + ", ".join(PLUGIN_TOOLS) + ")")
+    if tool not in PLUGIN_TOOLS:
+        return _fail(400, f"unknown tool {tool!r} (one of " + ", ".join(PLUGIN_TOOLS) + ")")
+    sid = doc.get("conversationId")
+    if sid is not None and not isinstance(sid, str):
+        return _fail(400, "\"conversationId\" must be a string or null")
+    args = doc.get("args")
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return _fail(400, "\"args\" must be a JSON object")
+    return sid or None, tool, args
+
+
+def plugin_tool(req: http.Request, bili: Bili) -> http.Response:
+    """Run one bili tool called natively (an MCP server, a plugin) instead of on the wire."""
+    call = _parse_call(req)
+    if isinstance(call, http.Response):
+        return call
+    sid, tool, args = call
+    engine = bili.engine
+    if engine is None:
+        return _fail(503, "the bili store is not available; see the proxy's log")
+    try:
+        resolved, result = engine.plugin_tool(sid, tool, args)
+    except LookupError as e:
+        return _fail(404, str(e.args[0]) if e.args else "unknown conversation")
+    except StoreError as e:
+        log.error("[bili] plugin tool %s: %s", tool, e)
+        return _fail(503, f"the bili store failed: {e}")
+    except Exception as e:
+        log.exception("[bili] plugin tool %s on %s failed: %s", tool, sid or "the latest conversation", e)
+        return _fail(500, f"internal error running {tool}: {type(e).__name__}: {e}")
+    try:
+        if engine.set_flag(resolved, "native_tools", True):
+            log.info("[bili] session=%s: the agent calls bili's tools natively (plugin endpoint)", resolved)
+    except StoreError as e:  # the tool ran; the flag is informational
+        log.warning("[bili] session=%s: cannot record the native_tools flag: %s", resolved, e)
+    log.info("[bili] session=%s: plugin tool %s ran", resolved, tool)
+    return _json(200, {"ok": True, "tool": tool, "conversationId": resolved, "result": result})

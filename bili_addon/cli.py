@@ -2,6 +2,7 @@
 
     bili run [options] [-- extra mitmdump args]   start the proxy (mitmdump with the addon)
     bili ca [--confdir DIR] [--json]              create the CA if needed and print its paths
+    bili mcp [--proxy URL] [--conversation ID]    bili's tools as a stdio MCP server
     bili --version
 
 Each subcommand is one :class:`Command` in :data:`COMMANDS`: a help line, a function that adds its
@@ -214,6 +215,19 @@ def _run(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+# -- bili mcp --------------------------------------------------------------------------------------
+def _mcp_args(p: argparse.ArgumentParser) -> None:
+    from bili_addon import mcp
+
+    mcp.configure(p)
+
+
+def _mcp(args: argparse.Namespace) -> int:
+    from bili_addon import mcp
+
+    return mcp.run(args)
+
+
 COMMANDS: dict[str, Command] = {
     "run": Command(
         help="start the proxy (mitmdump with the bili addon)",
@@ -226,6 +240,13 @@ COMMANDS: dict[str, Command] = {
         description="Create the mitmproxy CA if it does not exist yet, restrict its key files to 0600, "
                     "rewrite the combined bundle (system roots + our CA) and print the paths.",
         configure=_ca_args, run=_ca,
+    ),
+    "mcp": Command(
+        help="serve bili's tools to an agent as a stdio MCP server",
+        description="Serve compress, decompress, search_context and acp_status as native tools over "
+                    "MCP's stdio transport; each call runs in the running proxy (POST "
+                    "/__bili/plugin/tool). Start it from the agent's MCP configuration.",
+        configure=_mcp_args, run=_mcp,
     ),
 }
 

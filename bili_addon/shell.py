@@ -271,23 +271,13 @@ class Bili:
         if st is None:
             return
         try:
-            frames = st.rewriter.ws_frame(msg.content)
-            if frames is not None:
-                self._send_ws(flow, msg, frames)
+            frame = st.rewriter.ws_frame(msg.content)
+            if frame is not None:
+                msg.content = frame
             if b'"response.completed"' in msg.content or b'"response.done"' in msg.content:
                 self._account(st)
         except Exception as e:
             log.exception("[bili] session=%s: WebSocket frame handling failed (%s); frame left as is", st.session, e)
-
-    @staticmethod
-    def _send_ws(flow: http.HTTPFlow, msg, frames: list[bytes]) -> None:
-        """Replace one server frame by ``frames`` (zero, one or several), in order."""
-        if len(frames) == 1:
-            msg.content = frames[0]
-            return
-        msg.drop()
-        for frame in frames:
-            ctx.master.commands.call("inject.websocket", flow, True, frame, True)
 
     # -- admin ---------------------------------------------------------------------------------
     def stats(self) -> dict:

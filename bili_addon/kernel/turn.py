@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import fold, surfaces, tags
+from bili_addon.kernel import fold, nudge, surfaces, tags
 from bili_addon.kernel.fold import Block, FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import InstanceCounter, count_tokens, digest
 from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
@@ -126,6 +126,7 @@ class Session:
     blocks: list[Block] = field(default_factory=list)
     calls: dict[str, Call] = field(default_factory=dict)
     model: str = ""
+    last_view: View | None = None  # the conversation as the last request showed it
     sent_tokens: int = 0  # the last request, as sent
     unfolded_tokens: int = 0  # the last request, had nothing been folded
 
@@ -164,6 +165,7 @@ class Engine:
         self.max_sessions = max_sessions
         self.affinity = PrefixAffinity(store.affinity())
         self.fold_cfg = fold_cfg or FoldConfig()
+        self.nudge_cfg = nudge.NudgeConfig()
         self.inject = inject
         self.window = window  # 0: from the model table
 
@@ -250,13 +252,16 @@ class Engine:
             return result
 
         view = _view(resolved, start)
+        s.last_view = view
         if s.calls:
             self._run_calls(s, view, result)
+        if self.inject:
+            self._pressure(s, view, resolved)
         items_out = [bytes(it) for it in body.items]
         changed = self._render(s, items_out, infos, start, resolved, result)
         changed |= self._substitute_calls(s, lane, items_out, infos, view)
         changed |= self._hygiene(s, lane.name, items_out, infos, top, origin, result)
-        changed |= self._fold(s, lane, items_out, start, view, result)
+        changed |= self._assemble(s, lane, items_out, start, view, result)
         if self.inject:
             names = lane.tool_names(body) or []
             native = any("bili" in n and n.endswith("compress") for n in names)
@@ -309,6 +314,22 @@ class Engine:
             return surfaces.status(view, s.blocks, self.fold_cfg, (usage[0], window) if usage else None)
         return f"Unknown bili tool {name!r}."
 
+    def plugin_tool(self, sid: str | None, tool: str, args: Any) -> tuple[str, str]:
+        """A tool called natively (MCP) rather than on the wire: ``(session id, result)``.
+
+        Without a session id the most recently active session is used.  Ranges resolve against the
+        conversation as its last request showed it; a fold shows from the next request on.
+        """
+        if not sid:
+            rows = self.store.sessions()
+            if not rows:
+                raise LookupError("no conversation has gone through the proxy yet")
+            sid = rows[0].id
+        elif self.store.session(sid) is None and sid not in self.sessions:
+            raise LookupError(f"unknown conversation {sid!r}")
+        s = self.session(sid)
+        return sid, self.run_tool(s, tool, args, s.last_view)
+
     def window_for(self, s: Session) -> int:
         learned = s.flags.get("learned_windows", {}).get(s.model)
         return int(learned) if learned else (self.window or context_window(s.model))
@@ -339,10 +360,17 @@ class Engine:
                           view: View) -> bool:
         """Executed calls: the call as the model made it, the real result in place of the agent's error."""
         changed = False
+        cut = s.flags.get("truncated", {})
         for it in view.items:
             for p in it.parts:
                 key = p.tool_call_id or (f"name:{p.tool_name}" if p.tool_name else "")
                 call = s.calls.get(key)
+                if call is None and p.ref in cut and p.ctype == TOOL_RESULT and key:
+                    edits = lane.result_edits(infos[it.index].obj, key, cut[p.ref])
+                    if edits:
+                        items_out[it.index] = patch_many(items_out[it.index], edits)
+                        changed = True
+                    continue
                 if call is None or call.result is None:
                     continue
                 obj = infos[it.index].obj
@@ -357,15 +385,39 @@ class Engine:
                     changed = True
         return changed
 
-    def _fold(self, s: Session, lane: Lane, items_out: list[bytes], start: int, view: View,
-              result: TurnResult) -> bool:
-        """Covered items leave the wire; each active block's summary stands where its range began."""
+    def _pressure(self, s: Session, view: View, resolved: list[list[_Resolved]]) -> None:
+        """Nudge and emergency truncation, decided from the usage the last answer reported."""
+        last = self.store.usage(s.row.id).last
+        if not last or not view.items:
+            return
+        used, window = last[0], self.window_for(s)
+        nudges = dict(s.flags.get("nudges", {}))
+        newest = resolved[-1]
+        if newest and not any(r.entry.ref in nudges for r in newest):
+            text = nudge.decide(view, s.blocks, self.fold_cfg, self.nudge_cfg, used, window,
+                                int(s.flags.get("last_nudge_at", 0)))
+            if text:
+                prose = [r for r in newest if r.core.role == "user" and r.core.ctype == TEXT and r.core.path
+                         and r.core.text.strip()]
+                ref = (prose[-1] if prose else newest[-1]).entry.ref
+                nudges[ref] = {"text": text, "how": "suffix" if prose else "item"}
+                self.set_flag(s.row.id, "nudges", nudges)
+                self.set_flag(s.row.id, "last_nudge_at", used)
+        cut = nudge.truncations(view, s.blocks, self.fold_cfg, self.nudge_cfg, used, window)
+        known = s.flags.get("truncated", {})
+        if any(ref not in known for ref in cut):
+            self.set_flag(s.row.id, "truncated", {**cut, **known})
+
+    def _assemble(self, s: Session, lane: Lane, items_out: list[bytes], start: int, view: View,
+                  result: TurnResult) -> bool:
+        """Covered items leave the wire; each active block's summary stands where its range began;
+        a reminder that needs an item of its own follows the item it was given after."""
         unfolded = sum(it.tokens for it in view.items)
         s.unfolded_tokens = s.sent_tokens = unfolded
-        if not any(b.active for b in s.blocks):
-            return False
-        plan = fold.plan(view, s.blocks)
-        if not plan.drop and not plan.inserts:
+        plan = fold.plan(view, s.blocks) if any(b.active for b in s.blocks) else fold.Plan(set(), {}, [])
+        after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
+        nudge_at = {k for k, it in enumerate(view.items) if after and set(it.refs) & after.keys()}
+        if not plan.drop and not plan.inserts and not nudge_at:
             return False
         out: list[bytes] = items_out[:start]
         for k, it in enumerate(view.items):
@@ -373,6 +425,8 @@ class Engine:
                 out.append(lane.summary_item(b.text()))
             if k not in plan.drop:
                 out.append(items_out[it.index])
+            if k in nudge_at:
+                out.extend(lane.summary_item(after[r]) for r in it.refs if r in after)
         out.extend(items_out[start + len(view.items):])
         items_out[:] = out
         result.folded_items = len(plan.drop)
@@ -430,14 +484,17 @@ class Engine:
         changed = False
         cache: dict[bytes, tuple[tuple, bytes]] = {}
         last = len(infos) - 1
+        nudges = {ref: n for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "suffix"}
         for k, parts in enumerate(resolved):
             i = start + k
             edits = []
             for r in parts:
                 core = r.core
                 prefill = i == last and core.role == "assistant"
+                suffix = nudges.get(r.entry.ref, {}).get("text") if nudges else None
                 if _taggable(core, prefill=prefill):
-                    edits.append((core.path, tags.render(r.entry.ref, r.entry.tokens, core.ctype, core.text)))
+                    text = tags.render(r.entry.ref, r.entry.tokens, core.ctype, core.text)
+                    edits.append((core.path, text + "\n\n" + suffix if suffix else text))
                 elif r.dirty and core.path:
                     edits.append((core.path, core.text))
             if not edits:

@@ -85,18 +85,24 @@ class ResponseRewriter:
         return SSEStream(self.sse_event, self.sse_finish, decoder)
 
     # -- WebSocket frames (one event each) -------------------------------------------------------
-    def ws_frame(self, raw: bytes) -> list[bytes] | None:
-        """The frames to send instead of ``raw`` (None: send it unchanged)."""
+    def ws_frame(self, raw: bytes) -> bytes | None:
+        """The frame to send instead of ``raw`` (None: send it unchanged).
+
+        A WebSocket frame cannot be held back or split, so events pass one for one: the filter
+        carries a possible tag start to the next frame instead of holding the frame.
+        """
         try:
             obj = _dec.decode(raw)
         except msgspec.DecodeError:
             return None
         if not isinstance(obj, dict):
             return None
+        self.lane.hold_events = False
         outs = self.lane.event(obj)
         if not self.rewrite or outs == [KEEP]:
             return None
-        return [raw if o is KEEP else _enc.encode(o) for o in outs]
+        assert len(outs) == 1, "without holding, one event in is one event out"
+        return raw if outs[0] is KEEP else _enc.encode(outs[0])
 
     # -- a whole JSON body -----------------------------------------------------------------------
     def json_body(self, content: bytes) -> bytes | None:

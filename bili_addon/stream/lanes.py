@@ -75,6 +75,10 @@ class LaneResponse:
         self.marker = marker  # a visibility line put before the first prose of the answer
         self.calls: list[tuple[str, str, str]] = []  # proxy tool calls: (call key, name, arguments)
         self._partial: dict[Any, list[str]] = {}
+        # False where an event cannot be held back (WebSocket frames pass one at a time): each event
+        # then carries what the filter releases, and the block's end returns the rest (``self.rest``)
+        self.hold_events = True
+        self.rest = ""
 
     def _call(self, key: str, name: Any, args: Any) -> None:
         if isinstance(name, str) and name in TOOL_NAMES and key:
@@ -98,7 +102,7 @@ class LaneResponse:
         b.emitted += out_text
         if out_text != original:
             slot.set(out_text)
-        if b.filter.buf:
+        if b.filter.buf and self.hold_events:
             b.held, b.text_of = ev, slot
         else:
             out.append(ev if out_text != original else KEEP)
@@ -120,6 +124,9 @@ class LaneResponse:
                 b.emitted += rest
             out.append(b.held)
             b.held = None
+        elif rest:
+            b.emitted += rest
+            self.rest = rest
         return out
 
     def _close_around(self, keys: list, ev: Event, out: list) -> list:
@@ -341,7 +348,14 @@ class ResponsesResponse(LaneResponse):
             return self._prose(self._key(ev), ev, Slot(ev, "delta"))
         if kind == "response.output_text.done" and isinstance(ev.get("text"), str):
             key = self._key(ev)
+            self.rest = ""
             out = self._close(key)
+            if self.rest:
+                # nowhere to merge the held tail: this event becomes the last delta (its aggregates
+                # follow in content_part.done / output_item.done / response.completed)
+                delta = {k: v for k, v in ev.items() if k != "text"}
+                delta["type"], delta["delta"], self.rest = "response.output_text.delta", self.rest, ""
+                return [*out, delta]
             t = self._final_text(key, ev["text"])
             if t != ev["text"]:
                 ev["text"] = t
@@ -430,8 +444,15 @@ class GeminiResponse(LaneResponse):
         return self._close_around(finishing, ev, out) if finishing else out
 
     def body(self, obj: Any) -> bool:
-        if isinstance(obj, list):  # a non-SSE streamGenerateContent answer is a JSON array
-            return any([self.body(x) for x in obj])
+        if isinstance(obj, list):
+            # a streamGenerateContent answer without alt=sse is one JSON array of chunks: filter it
+            # as the stream it is, so an echo split across chunks goes as a whole
+            before = [compact_json(x) for x in obj]
+            for chunk in obj:
+                if isinstance(chunk, dict):
+                    self.event(chunk)
+            self.close_all()
+            return before != [compact_json(x) for x in obj]
         if not isinstance(obj, dict):
             return False
         self._usage(obj.get("usageMetadata"))

@@ -1,0 +1,907 @@
+"""A fake model provider for the end-to-end tests, listening on 127.0.0.1 only.
+
+One ``ThreadingHTTPServer`` serves the provider HTTP APIs (Anthropic Messages, OpenAI Chat
+Completions and Responses, Gemini ``generateContent``); a WebSocket upgrade arriving on the same
+port is handed to a ``websockets`` sync server (Responses over WebSocket), which also listens on
+its own second port.  Every request and every WebSocket frame from a client is recorded with its
+raw bytes, its decoded bytes and its headers, so a test can assert on exactly what the proxy sent.
+
+It is picky the way the real APIs are: bodies must be JSON, conversation roles must alternate,
+tool results must answer a tool call the model made.  A violation is answered with a 400 error in
+the provider's own error shape, which the official SDKs raise as ``BadRequestError``.
+
+The model always says :data:`REPLY_TEXT` unless the request (or the WebSocket handshake) carries
+``x-fake-reply`` (percent-encoded text, streamed in 7-character pieces) and/or ``x-fake-tool``
+(percent-encoded ``name:{json arguments}``, one tool call after the prose).  JSON answers are
+gzip-compressed when the client accepts gzip, as the real APIs do.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import socket
+import threading
+import time
+import urllib.parse
+import zlib
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Iterable
+
+import brotli
+import zstandard
+from websockets.sync.server import ServerConnection
+from websockets.sync.server import serve as ws_serve
+
+REPLY_TEXT = "Hello from the fake upstream."
+REPLY_CHUNKS = ("Hello", " from the", " fake upstream.")
+
+
+# -- what was received ---------------------------------------------------------------------------
+
+
+@dataclass
+class Recorded:
+    seq: int
+    transport: str  # "http" or "ws"
+    method: str  # "WS" for a WebSocket frame
+    path: str  # with the query string
+    headers: list[tuple[str, str]]
+    raw: bytes  # the body as it arrived (still content-encoded)
+    body: bytes  # the body after content-encoding was undone
+    content_encoding: str
+    json: Any = None  # the parsed body, None when it is not JSON
+    status: int = 0
+    response: bytes = b""  # the entity body as sent (or the WS frames, newline-joined)
+    response_encoding: str = ""  # its content-encoding, when the fake compressed it
+    error: str = ""  # why the request was refused, if it was
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        name = name.lower()
+        for k, v in self.headers:
+            if k.lower() == name:
+                return v
+        return default
+
+    @property
+    def route(self) -> str:
+        return self.path.split("?", 1)[0]
+
+
+class BadRequest(Exception):
+    pass
+
+
+# -- content-encoding ------------------------------------------------------------------------------
+
+
+def _zstd_decode(data: bytes) -> bytes:
+    with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as reader:
+        return reader.read()
+
+
+def decode_body(raw: bytes, encoding: str) -> bytes:
+    """Undo a request's content-encoding (the header may list several, applied in order)."""
+    codings = [c.strip().lower() for c in encoding.split(",") if c.strip()]
+    data = raw
+    for coding in reversed(codings):
+        if coding == "identity":
+            continue
+        try:
+            if coding in ("gzip", "x-gzip"):
+                data = gzip.decompress(data)
+            elif coding == "deflate":
+                data = zlib.decompress(data)
+            elif coding == "br":
+                data = brotli.decompress(data)
+            elif coding == "zstd":
+                data = _zstd_decode(data)
+            else:
+                raise BadRequest(f"unsupported content-encoding {coding!r}")
+        except BadRequest:
+            raise
+        except Exception as e:  # corrupt stream
+            raise BadRequest(f"cannot decode {coding} body: {e}") from None
+    return data
+
+
+# -- request validation (what the real APIs would refuse) -----------------------------------------
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise BadRequest(msg)
+
+
+def check_anthropic(body: Any) -> None:
+    _need(isinstance(body, dict), "body must be a JSON object")
+    _need(isinstance(body.get("model"), str) and body["model"], "model: field required")
+    _need(isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 0, "max_tokens: field required")
+    system = body.get("system")
+    if system is not None:
+        _need(
+            isinstance(system, str)
+            or isinstance(system, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in system),
+            "system: must be a string or a list of text blocks",
+        )
+    msgs = body.get("messages")
+    _need(isinstance(msgs, list) and msgs, "messages: at least one message is required")
+    prev_role: str | None = None
+    open_tool_uses: set[str] = set()
+    for i, m in enumerate(msgs):
+        _need(isinstance(m, dict), f"messages.{i}: must be an object")
+        role = m.get("role")
+        _need(role in ("user", "assistant", "system"), f"messages.{i}.role: unexpected role {role!r}")
+        content = m.get("content")
+        _need(isinstance(content, (str, list)), f"messages.{i}.content: must be a string or a list")
+        if role == "system":
+            continue
+        if prev_role is None:
+            _need(role == "user", "messages.0: the first message must use the user role")
+        _need(role != prev_role, f"messages.{i}: roles must alternate between user and assistant")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        answered: set[str] = set()
+        tool_uses: set[str] = set()
+        for j, b in enumerate(blocks):
+            where = f"messages.{i}.content.{j}"
+            _need(isinstance(b, dict) and isinstance(b.get("type"), str), f"{where}: block must have a type")
+            kind = b["type"]
+            if kind == "text":
+                _need(isinstance(b.get("text"), str), f"{where}.text: must be a string")
+                if isinstance(content, list):
+                    _need(b["text"] != "", f"{where}: text content blocks must be non-empty")
+            elif kind == "tool_use":
+                _need(role == "assistant", f"{where}: tool_use blocks belong to assistant messages")
+                _need(isinstance(b.get("id"), str) and b["id"], f"{where}.id: field required")
+                _need(isinstance(b.get("name"), str) and b["name"], f"{where}.name: field required")
+                _need(isinstance(b.get("input"), dict), f"{where}.input: must be an object")
+                tool_uses.add(b["id"])
+            elif kind == "tool_result":
+                _need(role == "user", f"{where}: tool_result blocks belong to user messages")
+                tid = b.get("tool_use_id")
+                _need(
+                    tid in open_tool_uses,
+                    f"{where}: unexpected `tool_use_id` found in `tool_result` blocks: {tid}. Each `tool_result` "
+                    "block must have a corresponding `tool_use` block in the previous message.",
+                )
+                answered.add(tid)
+        if open_tool_uses:
+            missing = open_tool_uses - answered
+            _need(
+                not missing,
+                f"messages.{i}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+                f"{', '.join(sorted(missing))}",
+            )
+        open_tool_uses = tool_uses if role == "assistant" else set()
+        prev_role = role
+
+
+def check_chat(body: Any) -> None:
+    _need(isinstance(body, dict), "body must be a JSON object")
+    _need(isinstance(body.get("model"), str) and body["model"], "you must provide a model parameter")
+    msgs = body.get("messages")
+    _need(isinstance(msgs, list) and msgs, "messages: must be a non-empty array")
+    open_calls: set[str] = set()
+    for i, m in enumerate(msgs):
+        _need(isinstance(m, dict), f"messages[{i}]: must be an object")
+        role = m.get("role")
+        _need(role in ("system", "developer", "user", "assistant", "tool"), f"messages[{i}].role: invalid {role!r}")
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            _need(
+                tid in open_calls,
+                f"messages[{i}]: messages with role 'tool' must be a response to a preceeding message with "
+                f"'tool_calls' (unknown tool_call_id {tid!r})",
+            )
+            open_calls.discard(tid)
+            _need(isinstance(m.get("content"), (str, list)), f"messages[{i}].content: required")
+            continue
+        _need(
+            not open_calls,
+            "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+            f"'tool_call_id'. The following tool_call_ids did not have response messages: {', '.join(sorted(open_calls))}",
+        )
+        content = m.get("content")
+        calls = m.get("tool_calls")
+        if role == "assistant" and calls:
+            _need(isinstance(calls, list), f"messages[{i}].tool_calls: must be an array")
+            for k, c in enumerate(calls):
+                where = f"messages[{i}].tool_calls[{k}]"
+                _need(isinstance(c, dict) and isinstance(c.get("id"), str), f"{where}.id: required")
+                _need(c.get("type") == "function", f"{where}.type: must be 'function'")
+                fn = c.get("function")
+                _need(isinstance(fn, dict) and isinstance(fn.get("name"), str), f"{where}.function.name: required")
+                _need(isinstance(fn.get("arguments"), str), f"{where}.function.arguments: must be a string")
+                open_calls.add(c["id"])
+            _need(content is None or isinstance(content, (str, list)), f"messages[{i}].content: invalid")
+        else:
+            _need(isinstance(content, (str, list)), f"messages[{i}].content: required")
+        if isinstance(content, list):
+            for k, p in enumerate(content):
+                _need(isinstance(p, dict) and isinstance(p.get("type"), str), f"messages[{i}].content[{k}]: type required")
+                if p["type"] == "text":
+                    _need(isinstance(p.get("text"), str), f"messages[{i}].content[{k}].text: required")
+
+
+def check_responses(body: Any) -> None:
+    _need(isinstance(body, dict), "body must be a JSON object")
+    _need(isinstance(body.get("model"), str) and body["model"], "model: required")
+    inp = body.get("input")
+    if isinstance(inp, str):
+        return
+    _need(isinstance(inp, list), "input: must be a string or an array")
+    calls: set[str] = set()
+    for i, item in enumerate(inp):
+        _need(isinstance(item, dict), f"input[{i}]: must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            _need(item.get("role") in ("user", "assistant", "system", "developer"), f"input[{i}].role: invalid")
+            content = item.get("content")
+            _need(isinstance(content, (str, list)), f"input[{i}].content: required")
+            if isinstance(content, list):
+                for k, p in enumerate(content):
+                    _need(isinstance(p, dict) and isinstance(p.get("type"), str), f"input[{i}].content[{k}]: type")
+                    if p["type"] in ("input_text", "output_text"):
+                        _need(isinstance(p.get("text"), str), f"input[{i}].content[{k}].text: required")
+        elif kind == "function_call":
+            _need(isinstance(item.get("call_id"), str), f"input[{i}].call_id: required")
+            _need(isinstance(item.get("name"), str), f"input[{i}].name: required")
+            _need(isinstance(item.get("arguments"), str), f"input[{i}].arguments: must be a string")
+            calls.add(item["call_id"])
+        elif kind == "function_call_output":
+            cid = item.get("call_id")
+            _need(
+                cid in calls or bool(body.get("previous_response_id")),
+                f"No tool call found for function call output with call_id {cid}.",
+            )
+
+
+def check_gemini(body: Any) -> None:
+    _need(isinstance(body, dict), "body must be a JSON object")
+    contents = body.get("contents")
+    _need(isinstance(contents, list) and contents, "contents is not specified")
+    called: set[str] = set()
+    for i, c in enumerate(contents):
+        _need(isinstance(c, dict), f"contents[{i}]: must be an object")
+        _need(c.get("role", "user") in ("user", "model"), f"contents[{i}].role: Please use a valid role: user, model.")
+        parts = c.get("parts")
+        _need(isinstance(parts, list) and parts, f"contents[{i}].parts: must not be empty")
+        for k, p in enumerate(parts):
+            _need(isinstance(p, dict) and p, f"contents[{i}].parts[{k}]: must be a non-empty object")
+            if "text" in p:
+                _need(isinstance(p["text"], str), f"contents[{i}].parts[{k}].text: must be a string")
+            if "functionCall" in p:
+                called.add(str(p["functionCall"].get("name")))
+            if "functionResponse" in p:
+                name = str(p["functionResponse"].get("name"))
+                _need(name in called, f"contents[{i}].parts[{k}]: functionResponse {name!r} without a functionCall")
+
+
+# -- provider-shaped answers ----------------------------------------------------------------------
+
+
+def _j(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What the fake model says: prose (streamed in ``chunks``) and optionally one tool call whose
+    JSON arguments are streamed in ``tool_chunks``."""
+
+    text: str = REPLY_TEXT
+    chunks: tuple[str, ...] = REPLY_CHUNKS
+    tool_name: str = ""
+    tool_args: str = ""  # JSON text of the arguments
+
+    @property
+    def tool_chunks(self) -> list[str]:
+        return [self.tool_args[i : i + 9] for i in range(0, len(self.tool_args), 9)] or [""]
+
+    @classmethod
+    def from_headers(cls, headers: Any) -> "Reply":
+        """``x-fake-reply`` (percent-encoded text) and ``x-fake-tool`` (percent-encoded
+        ``name:{json args}``) let a test choose what the model answers."""
+        text, chunks = REPLY_TEXT, REPLY_CHUNKS
+        if headers.get("x-fake-reply") is not None:
+            text = urllib.parse.unquote(headers["x-fake-reply"])
+            chunks = tuple(text[i : i + 7] for i in range(0, len(text), 7)) or ("",)
+        name = args = ""
+        if headers.get("x-fake-tool"):
+            name, _, args = urllib.parse.unquote(headers["x-fake-tool"]).partition(":")
+        return cls(text, chunks, name, args)
+
+
+DEFAULT_REPLY = Reply()
+
+
+def anthropic_message(seq: int, model: str, reply: Reply = DEFAULT_REPLY, *, streaming_start: bool = False) -> dict:
+    content: list[dict] = [{"type": "text", "text": reply.text}]
+    if reply.tool_name:
+        content.append(
+            {"type": "tool_use", "id": f"toolu_fake{seq:06d}", "name": reply.tool_name, "input": json.loads(reply.tool_args)}
+        )
+    return {
+        "id": f"msg_fake{seq:06d}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [] if streaming_start else content,
+        "stop_reason": None if streaming_start else ("tool_use" if reply.tool_name else "end_turn"),
+        "stop_sequence": None,
+        "usage": {"input_tokens": 12, "output_tokens": 1 if streaming_start else 7},
+    }
+
+
+def anthropic_sse(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> list[bytes]:
+    events: list[tuple[str, dict]] = [
+        ("message_start", {"type": "message_start", "message": anthropic_message(seq, model, reply, streaming_start=True)}),
+        ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        ("ping", {"type": "ping"}),
+    ]
+    for chunk in reply.chunks:
+        events.append(
+            ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": chunk}})
+        )
+    events.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
+    if reply.tool_name:
+        events.append((
+            "content_block_start",
+            {"type": "content_block_start", "index": 1, "content_block": {
+                "type": "tool_use", "id": f"toolu_fake{seq:06d}", "name": reply.tool_name, "input": {}}},
+        ))
+        for part in reply.tool_chunks:
+            events.append((
+                "content_block_delta",
+                {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": part}},
+            ))
+        events.append(("content_block_stop", {"type": "content_block_stop", "index": 1}))
+    events += [
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "tool_use" if reply.tool_name else "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": 7},
+            },
+        ),
+        ("message_stop", {"type": "message_stop"}),
+    ]
+    return [f"event: {name}\ndata: {_j(data)}\n\n".encode() for name, data in events]
+
+
+def _chat_tool_call(seq: int, reply: Reply, arguments: str) -> dict:
+    return {"id": f"call_fake{seq:06d}", "type": "function", "function": {"name": reply.tool_name, "arguments": arguments}}
+
+
+def chat_completion(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text, "refusal": None}
+    if reply.tool_name:
+        message["tool_calls"] = [_chat_tool_call(seq, reply, reply.tool_args)]
+    return {
+        "id": f"chatcmpl-fake{seq:06d}",
+        "object": "chat.completion",
+        "created": 1_700_000_000 + seq,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": "tool_calls" if reply.tool_name else "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19},
+        "system_fingerprint": "fp_fake",
+    }
+
+
+def chat_sse(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> list[bytes]:
+    def chunk(delta: dict, finish: str | None) -> dict:
+        return {
+            "id": f"chatcmpl-fake{seq:06d}",
+            "object": "chat.completion.chunk",
+            "created": 1_700_000_000 + seq,
+            "model": model,
+            "system_fingerprint": "fp_fake",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+
+    chunks = [chunk({"role": "assistant", "content": ""}, None)]
+    chunks += [chunk({"content": c}, None) for c in reply.chunks]
+    if reply.tool_name:
+        for i, part in enumerate(reply.tool_chunks):
+            call = _chat_tool_call(seq, reply, part) if i == 0 else {"function": {"arguments": part}}
+            chunks.append(chunk({"tool_calls": [{"index": 0, **call}]}, None))
+    chunks.append(chunk({}, "tool_calls" if reply.tool_name else "stop"))
+    return [f"data: {_j(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
+
+
+def responses_output(seq: int, reply: Reply) -> list[dict]:
+    out: list[dict] = [{
+        "type": "message",
+        "id": f"msg_fake{seq:06d}",
+        "status": "completed",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": reply.text, "annotations": [], "logprobs": []}],
+    }]
+    if reply.tool_name:
+        out.append({
+            "type": "function_call",
+            "id": f"fc_fake{seq:06d}",
+            "call_id": f"call_fake{seq:06d}",
+            "name": reply.tool_name,
+            "arguments": reply.tool_args,
+            "status": "completed",
+        })
+    return out
+
+
+def responses_object(seq: int, model: str, reply: Reply = DEFAULT_REPLY, *, done: bool = True) -> dict:
+    return {
+        "id": f"resp_fake{seq:06d}",
+        "object": "response",
+        "created_at": 1_700_000_000 + seq,
+        "status": "completed" if done else "in_progress",
+        "error": None,
+        "incomplete_details": None,
+        "instructions": None,
+        "max_output_tokens": None,
+        "model": model,
+        "output": responses_output(seq, reply) if done else [],
+        "parallel_tool_calls": True,
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "store": False,
+        "temperature": 1.0,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "auto",
+        "tools": [],
+        "top_p": 1.0,
+        "truncation": "disabled",
+        "usage": (
+            {
+                "input_tokens": 12,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": 7,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": 19,
+            }
+            if done
+            else None
+        ),
+        "metadata": {},
+    }
+
+
+def responses_events(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> list[dict]:
+    item_id = f"msg_fake{seq:06d}"
+    final = responses_output(seq, reply)
+    in_progress_item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
+    events: list[dict] = [
+        {"type": "response.created", "response": responses_object(seq, model, reply, done=False)},
+        {"type": "response.in_progress", "response": responses_object(seq, model, reply, done=False)},
+        {"type": "response.output_item.added", "output_index": 0, "item": in_progress_item},
+        {
+            "type": "response.content_part.added",
+            "item_id": item_id,
+            "output_index": 0,
+            "content_index": 0,
+            "part": {"type": "output_text", "text": "", "annotations": []},
+        },
+    ]
+    for c in reply.chunks:
+        events.append(
+            {
+                "type": "response.output_text.delta",
+                "item_id": item_id,
+                "output_index": 0,
+                "content_index": 0,
+                "delta": c,
+                "logprobs": [],
+            }
+        )
+    events += [
+        {
+            "type": "response.output_text.done",
+            "item_id": item_id,
+            "output_index": 0,
+            "content_index": 0,
+            "text": reply.text,
+            "logprobs": [],
+        },
+        {
+            "type": "response.content_part.done",
+            "item_id": item_id,
+            "output_index": 0,
+            "content_index": 0,
+            "part": {"type": "output_text", "text": reply.text, "annotations": []},
+        },
+        {"type": "response.output_item.done", "output_index": 0, "item": final[0]},
+    ]
+    if reply.tool_name:
+        call = final[1]
+        events.append({"type": "response.output_item.added", "output_index": 1, "item": dict(call, arguments="", status="in_progress")})
+        for part in reply.tool_chunks:
+            events.append({"type": "response.function_call_arguments.delta", "item_id": call["id"], "output_index": 1, "delta": part})
+        events.append({"type": "response.function_call_arguments.done", "item_id": call["id"], "output_index": 1,
+                       "arguments": reply.tool_args})
+        events.append({"type": "response.output_item.done", "output_index": 1, "item": call})
+    events.append({"type": "response.completed", "response": responses_object(seq, model, reply)})
+    for n, e in enumerate(events):
+        e["sequence_number"] = n
+    return events
+
+
+def responses_sse(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> list[bytes]:
+    return [f"event: {e['type']}\ndata: {_j(e)}\n\n".encode() for e in responses_events(seq, model, reply)]
+
+
+def gemini_chunk(text: str, model: str, finish: bool, tool: tuple[str, str] | None = None) -> dict:
+    parts: list[dict] = [{"text": text}]
+    if tool:
+        parts.append({"functionCall": {"name": tool[0], "args": json.loads(tool[1])}})
+    cand: dict[str, Any] = {"content": {"role": "model", "parts": parts}, "index": 0}
+    if finish:
+        cand["finishReason"] = "STOP"
+    return {
+        "candidates": [cand],
+        "usageMetadata": {"promptTokenCount": 12, "candidatesTokenCount": 7, "totalTokenCount": 19},
+        "modelVersion": model,
+    }
+
+
+# -- the HTTP side --------------------------------------------------------------------------------
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: "_HTTPServer"
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("transfer-encoding", "").lower() == "chunked":
+            out = bytearray()
+            while True:
+                size = int(self.rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return bytes(out)
+                out += self.rfile.read(size)
+                self.rfile.readline()
+        length = int(self.headers.get("content-length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def do_GET(self) -> None:
+        self._dispatch()
+
+    def do_POST(self) -> None:
+        self._dispatch()
+
+    def do_PUT(self) -> None:
+        self._dispatch()
+
+    def do_DELETE(self) -> None:
+        self._dispatch()
+
+    def do_HEAD(self) -> None:
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        fake = self.server.fake
+        raw = self._read_body()
+        encoding = self.headers.get("content-encoding", "")
+        rec = fake._new_record(
+            "http", self.command, self.path, list(self.headers.items()), raw, encoding
+        )
+        try:
+            status, ctype, chunks = self._answer(rec)
+        except BadRequest as e:
+            rec.error = str(e)
+            status, ctype, chunks = 400, "application/json", [_j(self._error_shape(rec, str(e))).encode()]
+        encoding = ""
+        if ctype == "application/json" and _accepts_gzip(self.headers.get("accept-encoding", "")):
+            # like the real APIs: a JSON answer is compressed when the client allows it
+            chunks, encoding = [gzip.compress(b"".join(chunks), mtime=0)], "gzip"
+        rec.status = status
+        rec.response = b"".join(chunks)
+        rec.response_encoding = encoding
+        fake._commit(rec)
+        self._send(status, ctype, chunks, encoding)
+
+    def _error_shape(self, rec: Recorded, msg: str) -> dict:
+        p = rec.route
+        if p.endswith("/messages") or "/messages/" in p:
+            return {"type": "error", "error": {"type": "invalid_request_error", "message": msg}}
+        if ":generateContent" in p or ":streamGenerateContent" in p:
+            return {"error": {"code": 400, "message": msg, "status": "INVALID_ARGUMENT"}}
+        return {"error": {"message": msg, "type": "invalid_request_error", "param": None, "code": None}}
+
+    def _send(self, status: int, ctype: str, chunks: list[bytes], encoding: str = "") -> None:
+        streaming = ctype == "text/event-stream"
+        self.send_response(status)
+        self.send_header("content-type", ctype)
+        self.send_header("x-fake-upstream", "1")
+        if encoding:
+            self.send_header("content-encoding", encoding)
+        if streaming:
+            self.send_header("cache-control", "no-cache")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            for c in chunks:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(c), c))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            body = b"".join(chunks)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+        self.wfile.flush()
+
+    def _answer(self, rec: Recorded) -> tuple[int, str, list[bytes]]:
+        p = rec.route
+        query = rec.path.split("?", 1)[1] if "?" in rec.path else ""
+        reply = Reply.from_headers(self.headers)
+        if rec.method == "GET" and p.endswith("/models"):
+            listing = {
+                "object": "list",
+                "data": [{"id": "fake-model", "object": "model", "created": 0, "owned_by": "fake"}],
+                "has_more": False,
+                "first_id": "fake-model",
+                "last_id": "fake-model",
+            }
+            return 200, "application/json", [_j(listing).encode()]
+        if rec.method != "POST":
+            return 200, "application/json", [_j({"echo": {"method": rec.method, "path": rec.path}}).encode()]
+        if p.endswith("/messages/count_tokens"):
+            body = self._json(rec)
+            _need(isinstance(body, dict) and isinstance(body.get("messages"), list), "messages: field required")
+            return 200, "application/json", [_j({"input_tokens": 42}).encode()]
+        if p.endswith("/v1/messages"):
+            body = self._json(rec)
+            check_anthropic(body)
+            if body.get("stream"):
+                return 200, "text/event-stream", anthropic_sse(rec.seq, body["model"], reply)
+            return 200, "application/json", [_j(anthropic_message(rec.seq, body["model"], reply)).encode()]
+        if p.endswith("/chat/completions"):
+            body = self._json(rec)
+            check_chat(body)
+            if body.get("stream"):
+                return 200, "text/event-stream", chat_sse(rec.seq, body["model"], reply)
+            return 200, "application/json", [_j(chat_completion(rec.seq, body["model"], reply)).encode()]
+        if p.endswith("/responses"):
+            body = self._json(rec)
+            check_responses(body)
+            if body.get("stream"):
+                return 200, "text/event-stream", responses_sse(rec.seq, body["model"], reply)
+            return 200, "application/json", [_j(responses_object(rec.seq, body["model"], reply)).encode()]
+        if ":generateContent" in p or ":streamGenerateContent" in p:
+            body = self._json(rec)
+            check_gemini(body)
+            model = p.rsplit("/", 1)[-1].split(":", 1)[0]
+            tool = (reply.tool_name, reply.tool_args) if reply.tool_name else None
+            if ":generateContent" in p:
+                return 200, "application/json", [_j(gemini_chunk(reply.text, model, True, tool)).encode()]
+            last = len(reply.chunks) - 1
+            pieces = [gemini_chunk(c, model, i == last, tool if i == last else None) for i, c in enumerate(reply.chunks)]
+            if "alt=sse" in query:
+                return 200, "text/event-stream", [f"data: {_j(x)}\r\n\r\n".encode() for x in pieces]
+            return 200, "application/json", [("[" + ",\r\n".join(_j(x) for x in pieces) + "]").encode()]
+        # anything else: an echo, so non-model traffic can be checked too
+        return 200, "application/json", [_j({"echo": {"method": rec.method, "path": rec.path, "bytes": len(rec.body)}}).encode()]
+
+    @staticmethod
+    def _json(rec: Recorded) -> Any:
+        if rec.error:
+            raise BadRequest(rec.error)
+        if rec.json is None:
+            raise BadRequest("There was an error parsing the body: the request body is not valid JSON")
+        return rec.json
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    fake: "FakeUpstream"
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        # a WebSocket upgrade on this port goes to the websockets server, everything else is HTTP
+        if _is_websocket_upgrade(request):
+            self.fake._ws_server.handler(request, client_address)
+            return
+        super().process_request_thread(request, client_address)
+
+
+def _accepts_gzip(accept: str) -> bool:
+    for item in accept.lower().split(","):
+        name, _, params = item.strip().partition(";")
+        if name.strip() in ("gzip", "*") and params.replace(" ", "") not in ("q=0", "q=0.0"):
+            return True
+    return False
+
+
+def _is_websocket_upgrade(sock: socket.socket) -> bool:
+    """Peek (without consuming) at the request head of a fresh connection."""
+    deadline = time.monotonic() + 5
+    seen = b""
+    sock.settimeout(5)
+    try:
+        while b"\r\n\r\n" not in seen and len(seen) < 65536 and time.monotonic() < deadline:
+            data = sock.recv(65536, socket.MSG_PEEK)
+            if not data:
+                return False
+            if len(data) == len(seen):
+                time.sleep(0.005)
+            seen = data
+    except OSError:
+        return False
+    finally:
+        sock.settimeout(None)
+    head = seen.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
+    for line in head.split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        if name.strip() == "upgrade" and "websocket" in value:
+            return True
+    return False
+
+
+# -- the server -------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeUpstream:
+    host: str = "127.0.0.1"
+    _records: list[Recorded] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _seq: int = 0
+
+    def start(self) -> "FakeUpstream":
+        if self.host not in ("127.0.0.1", "localhost"):
+            raise ValueError("the fake upstream listens on loopback only")
+        self._ws_server = ws_serve(self._ws_session, "127.0.0.1", 0, compression=None)
+        self._httpd = _HTTPServer(("127.0.0.1", 0), _Handler)
+        self._httpd.fake = self
+        self._threads = [
+            threading.Thread(target=self._httpd.serve_forever, name="fake-http", daemon=True),
+            threading.Thread(target=self._ws_server.serve_forever, name="fake-ws", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._ws_server.shutdown()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def __enter__(self) -> "FakeUpstream":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        return self._httpd.server_address[1]
+
+    @property
+    def ws_port(self) -> int:
+        return self._ws_server.socket.getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # -- records -------------------------------------------------------------------------------
+    def _new_record(
+        self, transport: str, method: str, path: str, headers: list[tuple[str, str]], raw: bytes, encoding: str
+    ) -> Recorded:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        rec = Recorded(seq, transport, method, path, headers, raw, raw, encoding)
+        try:
+            rec.body = decode_body(raw, encoding) if encoding else raw
+        except BadRequest as e:
+            rec.error = str(e)
+            return rec
+        if rec.body:
+            try:
+                rec.json = json.loads(rec.body)
+            except ValueError:
+                rec.json = None
+        return rec
+
+    def _commit(self, rec: Recorded) -> None:
+        with self._lock:
+            self._records.append(rec)
+
+    @property
+    def requests(self) -> list[Recorded]:
+        with self._lock:
+            return list(self._records)
+
+    def find(self, pred: Callable[[Recorded], bool]) -> list[Recorded]:
+        return [r for r in self.requests if pred(r)]
+
+    def last(self, pred: Callable[[Recorded], bool] = lambda r: True) -> Recorded:
+        hits = self.find(pred)
+        if not hits:
+            raise LookupError("the fake upstream received no matching request")
+        return hits[-1]
+
+    def wait_for(self, pred: Callable[[Recorded], bool], timeout: float = 10.0) -> Recorded:
+        deadline = time.monotonic() + timeout
+        while True:
+            hits = self.find(pred)
+            if hits:
+                return hits[-1]
+            if time.monotonic() > deadline:
+                raise TimeoutError("the fake upstream received no matching request in time")
+            time.sleep(0.02)
+
+    # -- the WebSocket side (Responses over WebSocket) -----------------------------------------
+    def _ws_session(self, conn: ServerConnection) -> None:
+        req = conn.request
+        path = req.path if req is not None else "/"
+        headers = list(req.headers.raw_items()) if req is not None else []
+        for frame in conn:
+            if isinstance(frame, str):
+                raw = frame.encode()
+            else:
+                raw = bytes(frame)
+            rec = self._new_record("ws", "WS", path, headers, raw, "")
+            out = list(self._ws_answer(rec, Reply.from_headers(req.headers) if req is not None else DEFAULT_REPLY))
+            rec.status = 200 if not rec.error else 400
+            rec.response = b"\n".join(x.encode() for x in out)
+            self._commit(rec)
+            _send_burst(conn, out)
+
+    def _ws_answer(self, rec: Recorded, reply: Reply) -> Iterable[str]:
+        body = rec.json
+        try:
+            _need(path_is_responses(rec.route), f"no WebSocket API at {rec.route}")
+            _need(isinstance(body, dict), "frame is not a JSON object")
+            _need(body.get("type") == "response.create", f"unsupported event type {body.get('type')!r}")
+            check_responses(body)
+        except BadRequest as e:
+            rec.error = str(e)
+            yield _j({"type": "error", "status": 400, "error": {"type": "invalid_request_error", "message": str(e)}})
+            return
+        for e in responses_events(rec.seq, body["model"], reply):
+            yield _j(e)
+
+
+def _send_burst(conn: ServerConnection, frames: list[str]) -> None:
+    """Send one answer's frames in a single write, as a busy server's socket buffer would deliver
+    them, so the proxy reads several frames at once (the demanding case for frame rewriting)."""
+    send_context = getattr(conn, "send_context", None)
+    if send_context is None:  # another websockets version: frame by frame
+        for x in frames:
+            conn.send(x)
+        return
+    with send_context():
+        for x in frames:
+            conn.protocol.send_text(x.encode())
+
+
+def path_is_responses(path: str) -> bool:
+    return path.rstrip("/").endswith("/responses")
+
+
+if __name__ == "__main__":  # a manual look: python tests/e2e/fake_upstream.py
+    with FakeUpstream() as fake:
+        print(f"fake upstream at {fake.url} (ws also on {fake.ws_port}); Ctrl-C to stop")
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
