@@ -146,10 +146,11 @@ class Plan:
     rendered: list[Block]
 
 
-def plan(view: View, blocks: list[Block]) -> Plan:
+def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset()) -> Plan:
+    """``hidden``: refs that leave the wire without a summary (consumed compress calls)."""
     cov = coverage(blocks)
     items = view.items
-    drop = {k for k, it in enumerate(items) if it.parts and all(r in cov for r in it.refs)}
+    drop = {k for k, it in enumerate(items) if it.parts and all(r in cov or r in hidden for r in it.refs)}
     first = view.first_user()
     if first is not None:
         drop.discard(first)
@@ -372,11 +373,19 @@ def _resolve(r: Range, view: View, by_id: dict[str, Block]) -> tuple[int, int, b
     return s, e, block_bounded
 
 
+def _tool_work(item: ViewItem) -> bool:
+    return bool(item.parts) and all(p.ctype in (TOOL_CALL, TOOL_RESULT) for p in item.parts)
+
+
 def _pair_closure(view: View, s: int, e: int, scan: int) -> tuple[int, int]:
-    """Widen [s, e] so no tool call leaves its result behind, and reasoning stays with its turn."""
+    """Widen [s, e] so no tool call leaves its result behind, reasoning stays with its turn, and
+    a range ending on a step's prose takes that step's tool work along (lanes where calls are
+    items of their own, like Responses, would otherwise cut a step in two)."""
     items = view.items
     for _ in range(3):
         before = (s, e)
+        while e + 1 < len(items) and _tool_work(items[e + 1]):
+            e += 1
         ids = set().union(*(items[k].calls | items[k].results for k in range(s, e + 1)))
         for k in range(e + 1, min(len(items), e + 1 + scan)):
             if (items[k].calls | items[k].results) & ids:

@@ -408,13 +408,34 @@ class Engine:
         if any(ref not in known for ref in cut):
             self.set_flag(s.row.id, "truncated", {**cut, **known})
 
+    @staticmethod
+    def _spent_calls(s: Session, view: View, keep_failed: int = 2) -> set[str]:
+        """Refs of compress calls (and their results) that no longer say anything: their blocks
+        were all distilled into later ones, or they failed and newer failures exist."""
+        failed, spent = [], []
+        for key, call in s.calls.items():
+            if call.name != "compress" or call.result is None:
+                continue
+            made = [b for b in s.blocks if b.call_id == key]
+            if not made:
+                failed.append(key)
+            elif not any(b.active for b in made):
+                spent.append(key)
+        spent += failed[: max(0, len(failed) - keep_failed)]
+        if not spent:
+            return set()
+        keys = set(spent)
+        return {p.ref for it in view.items for p in it.parts if (p.tool_call_id or "") in keys}
+
     def _assemble(self, s: Session, lane: Lane, items_out: list[bytes], start: int, view: View,
                   result: TurnResult) -> bool:
         """Covered items leave the wire; each active block's summary stands where its range began;
         a reminder that needs an item of its own follows the item it was given after."""
         unfolded = sum(it.tokens for it in view.items)
         s.unfolded_tokens = s.sent_tokens = unfolded
-        plan = fold.plan(view, s.blocks) if any(b.active for b in s.blocks) else fold.Plan(set(), {}, [])
+        hidden = self._spent_calls(s, view)
+        plan = (fold.plan(view, s.blocks, hidden) if hidden or any(b.active for b in s.blocks)
+                else fold.Plan(set(), {}, []))
         after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
         nudge_at = {k for k, it in enumerate(view.items) if after and set(it.refs) & after.keys()}
         if not plan.drop and not plan.inserts and not nudge_at:

@@ -1,0 +1,284 @@
+"""Folding on every lane, tiers, spent compress calls, nudges and emergency truncation."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from bili_addon.kernel.fold import FoldConfig
+from bili_addon.kernel.turn import Engine
+from bili_addon.store import Store
+from bili_addon.wire import LANES
+
+TAG = re.compile(r'^<acp tokens="[^"]+" type="text">(m\d{5})</acp>\n(.*)', re.DOTALL)
+H = {"x-acp-session": "lanes"}
+ROW = " ".join(f"row-{i}" for i in range(200))
+
+
+def summary(n: int) -> str:
+    return f"Summary {n}: modules were read, nothing to change, the parser lives in src/parse.py."
+
+
+class Chat:
+    lane = LANES["chat"]
+
+    def __init__(self):
+        self.msgs = [{"role": "system", "content": "agent"}, {"role": "user", "content": "audit please"}]
+
+    def step(self, t):
+        self.msgs += [
+            {"role": "assistant", "content": f"Step {t}.", "tool_calls": [
+                {"id": f"c{t}", "type": "function", "function": {"name": "sh", "arguments": f'{{"t":{t}}}'}}]},
+            {"role": "tool", "tool_call_id": f"c{t}", "content": f"file-{t} {ROW}"},
+        ]
+
+    def proxy_call(self, cid, name, args):
+        self.msgs += [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]},
+            {"role": "tool", "tool_call_id": cid, "content": f"Tool {name} not found"},
+        ]
+
+    def body(self):
+        return json.dumps({"model": "gpt-x", "messages": self.msgs,
+                           "tools": [{"type": "function", "function": {"name": "sh", "parameters": {}}}]}).encode()
+
+    @staticmethod
+    def check(out):
+        msgs = out["messages"]
+        assert msgs[0]["role"] == "system" and msgs[0]["content"].startswith("agent\n\n---\n\n# Context folding")
+        open_calls = set()
+        for m in msgs:
+            if m["role"] == "tool":
+                assert m["tool_call_id"] in open_calls
+                open_calls.discard(m["tool_call_id"])
+            else:
+                assert not open_calls, "a tool call without its result"
+            for c in m.get("tool_calls") or []:
+                open_calls.add(c["id"])
+        return msgs[-1]["content"]
+
+
+class Responses:
+    lane = LANES["responses"]
+
+    def __init__(self):
+        self.items = [{"type": "message", "role": "developer", "content": "agent"},
+                      {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "audit"}]}]
+
+    def step(self, t):
+        self.items += [
+            {"type": "reasoning", "id": f"rs_{t}", "summary": [], "encrypted_content": f"enc{t}"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"Step {t}."}]},
+            {"type": "function_call", "id": f"fc_{t}", "call_id": f"c{t}", "name": "sh", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": f"c{t}", "output": f"file-{t} {ROW}"},
+        ]
+
+    def proxy_call(self, cid, name, args):
+        self.items += [
+            {"type": "function_call", "call_id": cid, "name": name, "arguments": json.dumps(args)},
+            {"type": "function_call_output", "call_id": cid, "output": f"unsupported call: {name}"},
+        ]
+
+    def body(self):
+        return json.dumps({"model": "gpt-5", "input": self.items,
+                           "tools": [{"type": "function", "name": "sh", "parameters": {}}]}).encode()
+
+    @staticmethod
+    def check(out):
+        items = out["input"]
+        calls = {i["call_id"] for i in items if i.get("type") == "function_call"}
+        outs = {i["call_id"] for i in items if i.get("type") == "function_call_output"}
+        assert calls == outs
+        for k, i in enumerate(items):
+            if i.get("type") == "reasoning":
+                assert items[k + 1].get("type") != "message" or items[k + 1]["role"] == "assistant"
+        return items[-1]["output"]
+
+
+class Gemini:
+    lane = LANES["gemini"]
+
+    def __init__(self):
+        self.contents = [{"role": "user", "parts": [{"text": "audit"}]}]
+
+    def step(self, t):
+        self.contents += [
+            {"role": "model", "parts": [{"text": f"Step {t}."}, {"functionCall": {"id": f"c{t}", "name": "sh", "args": {}}}]},
+            {"role": "user", "parts": [{"functionResponse": {"id": f"c{t}", "name": "sh",
+                                                             "response": {"out": f"file-{t} {ROW}"}}}]},
+        ]
+
+    def proxy_call(self, cid, name, args):
+        self.contents += [
+            {"role": "model", "parts": [{"functionCall": {"id": cid, "name": name, "args": args}}]},
+            {"role": "user", "parts": [{"functionResponse": {"id": cid, "name": name, "response": {"error": "unknown"}}}]},
+        ]
+
+    def body(self):
+        return json.dumps({"contents": self.contents, "systemInstruction": {"parts": [{"text": "agent"}]},
+                           "tools": [{"functionDeclarations": [{"name": "sh"}]}]}).encode()
+
+    @staticmethod
+    def check(out):
+        names = [d["name"] for t in out["tools"] for d in t["functionDeclarations"]]
+        assert names == ["sh", "compress", "decompress", "search_context", "acp_status"]
+        ids_call = {p["functionCall"]["id"] for c in out["contents"] for p in c["parts"] if "functionCall" in p}
+        ids_resp = {p["functionResponse"]["id"] for c in out["contents"] for p in c["parts"] if "functionResponse" in p}
+        assert ids_call == ids_resp
+        return out["contents"][-1]["parts"][0]["functionResponse"]["response"]["content"]
+
+
+@pytest.fixture
+def engine(tmp_path):
+    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    yield e
+    e.store.close()
+
+
+def strings(v):
+    if isinstance(v, str):
+        yield v
+    elif isinstance(v, dict):
+        for x in v.values():
+            yield from strings(x)
+    elif isinstance(v, list):
+        for x in v:
+            yield from strings(x)
+
+
+def refs_of(out: bytes) -> dict[str, str]:
+    """The first words of each tagged prose text -> its ref."""
+    return {m.group(2)[:7]: m.group(1) for s in strings(json.loads(out)) if (m := TAG.match(s))}
+
+
+@pytest.mark.parametrize("conv_cls", [Chat, Responses, Gemini])
+def test_compress_round_on_every_lane(engine, conv_cls):
+    conv = conv_cls()
+    for t in range(8):
+        conv.step(t)
+    refs = refs_of(engine.process(conv.body(), conv.lane, H, render=True).body)
+    args = {"content": [{"startId": refs["Step 1."], "endId": refs["Step 4."], "summary": summary(1)}]}
+    cid = "call_fold"
+    key = cid
+    engine.record_calls("lanes", [(key, "compress", json.dumps(args))])
+    conv.proxy_call(cid, "compress", args)
+    res = engine.process(conv.body(), conv.lane, H, render=True)
+    text = res.body.decode()
+    assert res.executed == ["compress"]
+    assert "[Compressed conversation section b1" in text
+    for t in range(1, 5):
+        assert f"file-{t} row" not in text
+    for t in (0, 5, 6, 7):
+        assert f"file-{t} row" in text
+    result = conv.check(json.loads(res.body))
+    assert result.startswith("Compressed m") and "→ b1" in result
+    assert engine.process(conv.body(), conv.lane, H, render=True).body == res.body
+
+
+def test_blocks_distil_into_a_higher_tier_and_spent_calls_leave(engine):
+    conv = Chat()
+    for t in range(12):
+        conv.step(t)
+    refs = refs_of(engine.process(conv.body(), conv.lane, H, render=True).body)
+    first = {"content": [{"startId": refs["Step 0."], "endId": refs["Step 2."], "summary": summary(1)},
+                         {"startId": refs["Step 3."], "endId": refs["Step 5."], "summary": summary(2)}]}
+    engine.record_calls("lanes", [("k1", "compress", json.dumps(first))])
+    conv.proxy_call("k1", "compress", first)
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    text = json.dumps(out)
+    assert "section b1" in text and "section b2" in text
+    distil = {"content": [{"startId": "b1", "endId": "b2", "summary": summary(3), "topic": "modules 0-5"}]}
+    engine.record_calls("lanes", [("k2", "compress", json.dumps(distil))])
+    conv.proxy_call("k2", "compress", distil)
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    text = json.dumps(out["messages"])
+    assert "section b3" in text and "modules 0-5" in text
+    assert "section b1" not in text and "section b2" not in text
+    assert "(tier 2, absorbing b1, b2)" in out["messages"][-1]["content"]
+    # the first compress call made b1 and b2, both now distilled: its call and result are gone
+    assert not any(c["id"] == "k1" for m in out["messages"] for c in (m.get("tool_calls") or []))
+    Chat.check(out)
+    engine.record_calls("lanes", [("k3", "decompress", json.dumps({"blockId": "b3"}))])
+    conv.proxy_call("k3", "decompress", {"blockId": "b3"})
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    one_up = out["messages"][-1]["content"]
+    assert one_up.startswith("b3 (tier 2) replaced the 2 block(s) it distilled")
+    assert "section b1" in one_up and "file-0 row" not in one_up
+    engine.record_calls("lanes", [("k4", "decompress", json.dumps({"blockId": "b3", "full": True}))])
+    conv.proxy_call("k4", "decompress", {"blockId": "b3", "full": True})
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    assert "file-0 row-0 row-1" in out["messages"][-1]["content"]
+
+
+def test_acp_status_reports_blocks_and_ranges(engine):
+    conv = Chat()
+    for t in range(10):
+        conv.step(t)
+    engine.process(conv.body(), conv.lane, H, render=True)
+    engine.record_calls("lanes", [("s1", "acp_status", "{}")])
+    conv.proxy_call("s1", "acp_status", {})
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    status = out["messages"][-1]["content"]
+    assert status.startswith("Context: ~") and "Blocks: 0 active of 0." in status
+    assert re.search(r"Compressible ranges \(oldest first\):\n  m\d{5}–m\d{5}  \d+ messages", status)
+
+
+def usage(engine, sid, tokens):
+    engine.store.record_usage(sid, "chat", (tokens, 0, 0, 10))
+
+
+def test_nudge_lands_on_the_newest_user_turn_and_stays(engine):
+    engine.window = 100_000
+    conv = Chat()
+    for t in range(10):
+        conv.step(t)
+    conv.msgs.append({"role": "user", "content": "what next?"})
+    engine.process(conv.body(), conv.lane, H, render=True)
+    usage(engine, "lanes", 30_000)  # below the threshold: no reminder
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    assert "[bili]" not in out["messages"][-1]["content"]
+    usage(engine, "lanes", 60_000)
+    first = engine.process(conv.body(), conv.lane, H, render=True).body
+    last = json.loads(first)["messages"][-1]["content"]
+    assert "what next?\n\n[bili] The context is filling up" in last and "Compressible" not in last
+    assert re.search(r"\n  m\d{5}–m\d{5}  \d+ messages  ~", last)
+    # later turns keep the same bytes for that message, and nothing else gets a reminder
+    conv.msgs += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "continue"}]
+    usage(engine, "lanes", 61_000)
+    later = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)["messages"]
+    assert later[-3]["content"] == last
+    assert "[bili]" not in later[-1]["content"]
+
+
+def test_nudge_after_a_tool_result_is_its_own_user_item(engine):
+    engine.window = 100_000
+    conv = Chat()
+    for t in range(10):
+        conv.step(t)
+    engine.process(conv.body(), conv.lane, H, render=True)
+    usage(engine, "lanes", 90_000)  # pressure
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    assert out["messages"][-1]["role"] == "user"
+    assert out["messages"][-1]["content"].startswith("[bili] The context is nearly full")
+    assert out["messages"][-2]["role"] == "tool"
+
+
+def test_emergency_truncation_cuts_old_outputs_and_keeps_them_cut(engine):
+    engine.window = 100_000
+    conv = Chat()
+    for t in range(10):
+        conv.step(t)
+        conv.msgs[-1]["content"] = f"file-{t} " + "x" * 12_000 + " END"
+    engine.process(conv.body(), conv.lane, H, render=True)
+    usage(engine, "lanes", 97_000)
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    tools = [m["content"] for m in out["messages"] if m["role"] == "tool"]
+    cut = [c for c in tools if "were cut by bili" in c]
+    assert cut and all(c.startswith("file-") and c.endswith(" END") for c in cut)
+    assert "were cut by bili" not in tools[-1]  # the newest output is in the protected zone
+    usage(engine, "lanes", 40_000)  # context shrank: what was cut stays cut, byte for byte
+    again = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    assert [m["content"] for m in again["messages"] if m["role"] == "tool"] == tools
