@@ -143,8 +143,9 @@ def chain(canon_items: Iterable[bytes]) -> list[str]:
     return out
 
 
-def new_anonymous_id(tail: str, depth: int) -> str:
-    return "pfa-" + blake3.blake3(f"{tail}\x00{depth}".encode()).hexdigest()[:16]
+def new_anonymous_id(tail: str, depth: int, fork: int = 0) -> str:
+    seed = f"{tail}\x00{depth}" + (f"\x00{fork}" if fork else "")
+    return "pfa-" + blake3.blake3(seed.encode()).hexdigest()[:16]
 
 
 class PrefixAffinity:
@@ -168,6 +169,24 @@ class PrefixAffinity:
             if hit is not None and hit[1] == depth:
                 return hit[0]
         return None
+
+    def resolve(self, hashes: list[str]) -> str:
+        """The session a history belongs to, or the id of the new one it starts.
+
+        A new id is derived from the history itself, so an identical replay lands in the same
+        place; when that id already belongs to a conversation that has moved on (another
+        conversation opened with the very same words), the new one takes the next free fork id.
+        """
+        hit = self.match(hashes)
+        if hit is not None:
+            return hit
+        tail, depth = hashes[-1], len(hashes)
+        fork = 0
+        while True:
+            sid = new_anonymous_id(tail, depth, fork)
+            if self.by_session.get(sid) in (None, tail):
+                return sid
+            fork += 1
 
     def note(self, session_id: str, depth: int, tail: str) -> None:
         old = self.by_session.get(session_id)

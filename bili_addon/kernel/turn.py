@@ -28,7 +28,6 @@ from bili_addon.kernel.sessions import (
     agent_of,
     canonical_item,
     chain,
-    new_anonymous_id,
     session_from_request,
 )
 from bili_addon.store import LedgerRow, SessionRow, Store
@@ -214,7 +213,7 @@ class Engine:
         if not has_user or sum(len(c) for c in canon) < MIN_CANONICAL_BYTES:
             return None, "no conversation identity", None
         hashes = chain(canon)
-        sid = self.affinity.match(hashes) or new_anonymous_id(hashes[-1], len(hashes))
+        sid = self.affinity.resolve(hashes)
         return sid, "prefix", (len(hashes), hashes[-1])
 
     # -- the turn ------------------------------------------------------------------------------
