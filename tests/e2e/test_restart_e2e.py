@@ -94,3 +94,27 @@ def test_anonymous_conversations_keep_their_session_across_a_restart(fake, proxy
     stats = {s["id"]: s for s in proxy.stats()["sessions"]}
     assert (stats[sa]["requests"], stats[sa]["messages"], stats[sa]["lane"]) == (3, 5, "chat")
     assert (stats[sb]["requests"], stats[sb]["messages"]) == (1, 1)
+
+
+def test_refs_survive_kill_9(fake, proxy, sid):
+    """A committed turn is on disk before its bytes leave: ``kill -9`` loses nothing of it."""
+    hdr = {"x-claude-code-session-id": sid}
+    client, tee = anthropic_client(proxy.url)
+    history = [{"role": "user", "content": "Before the crash: list the lanes."}]
+    client.messages.create(model="claude-fake-1", max_tokens=32, messages=history, extra_headers=hdr)
+    before = fake.last(lambda r: r.header("x-claude-code-session-id") == sid)
+    client.close()
+
+    proxy.proc.kill()  # SIGKILL: no shutdown hook runs
+    proxy.proc.wait(timeout=10)
+    proxy.proc = None
+    proxy.start()
+
+    client, tee = anthropic_client(proxy.url)
+    history += [{"role": "assistant", "content": REPLY_TEXT}, {"role": "user", "content": "After the crash."}]
+    client.messages.create(model="claude-fake-1", max_tokens=32, messages=history, extra_headers=hdr)
+    after = fake.last(lambda r: r.header("x-claude-code-session-id") == sid)
+    client.close()
+    tags = assert_only_tags_added(after.json, tee.last.request_json)
+    assert [t.ref for t in tags] == ["m00001", "m00002", "m00003"]
+    assert after.json["messages"][0] == before.json["messages"][0]
