@@ -103,12 +103,13 @@ class Server:
         mid = msg.get("id")
         if method is None and has_id and ("result" in msg or "error" in msg):
             return None  # a reply to a request of ours; we send none
+        echo = mid if _valid_id(mid) else None
         if not isinstance(method, str):
-            return _error(mid if _valid_id(mid) else None, INVALID_REQUEST, "Invalid Request: no method")
+            return _error(echo, INVALID_REQUEST, "Invalid Request: no method")
         if not has_id:  # a notification (initialized, cancelled, ...): never answered
             return None
         if msg.get("jsonrpc") != "2.0":
-            return _error(mid if _valid_id(mid) else None, INVALID_REQUEST, 'Invalid Request: jsonrpc must be "2.0"')
+            return _error(echo, INVALID_REQUEST, 'Invalid Request: jsonrpc must be "2.0"')
         if not _valid_id(mid):
             return _error(None, INVALID_REQUEST, "Invalid Request: id must be a string or a number")
         params = msg.get("params")
@@ -139,9 +140,9 @@ class Server:
     def initialize(self, params: dict[str, Any]) -> dict[str, Any]:
         asked = params.get("protocolVersion")
         version = asked if asked in PROTOCOL_VERSIONS else LATEST_PROTOCOL
-        client = params.get("clientInfo") if isinstance(params.get("clientInfo"), dict) else {}
-        log.info("bili mcp: %s %s connected (protocol %s), proxy %s", client.get("name", "a client"),
-                 client.get("version", ""), version, self.proxy)
+        info = params.get("clientInfo") if isinstance(params.get("clientInfo"), dict) else {}
+        client = " ".join(str(info[k]) for k in ("name", "version") if info.get(k)) or "a client"
+        log.info("bili mcp: %s connected (protocol %s), proxy %s", client, version, self.proxy)
         return {
             "protocolVersion": version,
             "capabilities": {"tools": {}},

@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""Per-request overhead of the addon's kernel against the floor of a plain JSON decode + encode.
+
+For synthetic Anthropic-style conversations (user prose, assistant prose + tool_use, tool results
+of 200 B - 4 KB, a system prompt, 20 tools) of 100, 1,000 and 10,000 messages, and one Chat
+Completions conversation of 1,000 messages, this prints side by side:
+
+* the floor: ``msgspec.json.decode`` + ``msgspec.json.encode`` of the same body,
+* the first turn: ``Engine.process(..., render=True)`` on a fresh Engine and store,
+* a follow-up turn: the same Engine, the history processed before, one new message appended.
+
+Times are CPU time (``time.process_time``), median over repeated runs.  The follow-up check also
+counts how many message parts were content-hashed (``identity.digest``) during the timed call:
+with an unchanged history only the new message should be.
+
+    python scripts/bench_overhead.py            # the full run (~1 minute)
+    python scripts/bench_overhead.py --quick    # smaller sizes, fewer repeats
+    python scripts/bench_overhead.py --profile  # also cProfile the largest follow-up turn
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bili_addon.kernel import turn as turn_mod  # noqa: E402
+from bili_addon.kernel.fold import FoldConfig  # noqa: E402
+from bili_addon.kernel.turn import Engine  # noqa: E402
+from bili_addon.store import Store  # noqa: E402
+from bili_addon.wire import LANES  # noqa: E402
+
+HEADERS = {"x-acp-session": "bench-overhead"}
+TARGET_RATIO = 3.0
+
+# -- synthetic conversations ---------------------------------------------------------------------
+
+_WORDS = (
+    "the a to of and in is for that this with on it we be as file function test error value config "
+    "module import return class self path line call result check update fix build run pass fail "
+    "parser request response cache session store token message index handler server client async "
+    "should will need let me now look at see because then first next also only when where which"
+).split()
+_CODE = [
+    "def {w}_{n}(self, {w2}: str) -> int:",
+    "    return self.{w}.get({w2!r}, {n})",
+    "    if not {w}:",
+    "        raise ValueError(f\"bad {w2}: {{{w}}}\")",
+    "import {w}.{w2}",
+    "class {W}{W2}({W}Base):",
+    "    {w} = {w2}_{n}({w}, timeout={n})",
+    "# {w} {w2} {w}",
+    "for {w} in {w2}s:",
+    "        log.debug(\"{w} %s\", {w2})",
+    "src/{w}/{w2}.py:{n}:    {w} = {w2}({n})",
+    "PASSED tests/test_{w}.py::test_{w2}_{n}",
+    "FAILED tests/test_{w}.py::test_{w2} - AssertionError: {n} != {n2}",
+]
+TOOL_NAMES = ["Bash", "Read", "Edit", "Write", "Grep", "Glob", "LS", "Task", "TodoWrite", "WebFetch",
+              "WebSearch", "NotebookEdit", "MultiEdit", "ExitPlanMode", "BashOutput", "KillShell",
+              "SlashCommand", "ListMcp", "ReadMcp", "Skill"]
+
+
+class Gen:
+    def __init__(self, seed: int):
+        self.r = random.Random(seed)
+        self.lines = [self._code_line() for _ in range(4000)]
+
+    def _code_line(self) -> str:
+        r = self.r
+        w, w2 = r.choice(_WORDS), r.choice(_WORDS)
+        return r.choice(_CODE).format(w=w, w2=w2, W=w.capitalize(), W2=w2.capitalize(),
+                                      n=r.randint(0, 999), n2=r.randint(0, 999))
+
+    def prose(self, lo: int, hi: int) -> str:
+        r = self.r
+        n = r.randint(lo, hi)
+        words = [r.choice(_WORDS) for _ in range(max(3, n // 6))]
+        s = " ".join(words)
+        return s[:1].upper() + s[1:] + "."
+
+    def output(self, lo: int, hi: int) -> str:
+        r = self.r
+        target = r.randint(lo, hi)
+        out, size = [], 0
+        while size < target:
+            line = self.lines[r.randrange(len(self.lines))]
+            out.append(line)
+            size += len(line) + 1
+        return "\n".join(out)
+
+
+def system_prompt(g: Gen) -> str:
+    return "You are a coding agent working in a repository.\n" + "\n".join(g.prose(80, 200) for _ in range(60))
+
+
+def tools_anthropic(g: Gen) -> list[dict]:
+    return [{"name": n, "description": g.prose(200, 600),
+             "input_schema": {"type": "object", "properties": {"arg": {"type": "string", "description": g.prose(30, 80)}},
+                              "required": ["arg"]}} for n in TOOL_NAMES]
+
+
+def tools_chat(g: Gen) -> list[dict]:
+    return [{"type": "function", "function": {"name": n, "description": g.prose(200, 600), "parameters": {
+        "type": "object", "properties": {"arg": {"type": "string", "description": g.prose(30, 80)}}, "required": ["arg"]}}}
+        for n in TOOL_NAMES]
+
+
+def anthropic_messages(g: Gen, n: int) -> list[dict]:
+    """``n`` messages: a user prompt, then tool loops (assistant prose + tool_use, user tool_result),
+    now and then a new user prompt."""
+    msgs: list[dict] = [{"role": "user", "content": g.prose(100, 600)}]
+    k = 0
+    while len(msgs) < n:
+        if len(msgs) % 2 == 0:  # assistant turn
+            k += 1
+            msgs.append({"role": "assistant", "content": [
+                {"type": "text", "text": g.prose(40, 400)},
+                {"type": "tool_use", "id": f"toolu_{k:06d}", "name": g.r.choice(TOOL_NAMES[:6]),
+                 "input": {"arg": g.prose(10, 60)}},
+            ]})
+        else:  # user turn: the tool result, sometimes with a new prompt beside it
+            content: list[dict] = [{"type": "tool_result", "tool_use_id": f"toolu_{k:06d}",
+                                    "content": g.output(200, 4000)}]
+            if g.r.random() < 0.08:
+                content.append({"type": "text", "text": g.prose(40, 400)})
+            msgs.append({"role": "user", "content": content})
+    return msgs[:n]
+
+
+def chat_messages(g: Gen, n: int) -> list[dict]:
+    msgs: list[dict] = [{"role": "user", "content": g.prose(100, 600)}]
+    k = 0
+    while len(msgs) < n:
+        if msgs[-1]["role"] != "assistant":
+            k += 1
+            msgs.append({"role": "assistant", "content": g.prose(40, 400), "tool_calls": [
+                {"id": f"call_{k:06d}", "type": "function",
+                 "function": {"name": g.r.choice(TOOL_NAMES[:6]), "arguments": json.dumps({"arg": g.prose(10, 60)})}}]})
+        else:
+            msgs.append({"role": "tool", "tool_call_id": f"call_{k:06d}", "content": g.output(200, 4000)})
+            if g.r.random() < 0.08 and len(msgs) < n:
+                msgs.append({"role": "user", "content": g.prose(40, 400)})
+    return msgs[:n]
+
+
+class Case:
+    def __init__(self, lane: str, n: int, seed: int = 7):
+        g = Gen(seed + n)
+        self.lane_name = lane
+        self.lane = LANES[lane]
+        self.n = n
+        if lane == "anthropic":
+            self.top = {"model": "claude-sonnet-4-5", "max_tokens": 32000, "system": system_prompt(g),
+                        "tools": tools_anthropic(g)}
+            self.msgs = anthropic_messages(g, n)
+            self.new = lambda i: {"role": "user", "content": f"Follow-up {i}: " + g.prose(60, 300)}
+        else:
+            self.top = {"model": "gpt-4.1", "max_tokens": 32000, "tools": tools_chat(g)}
+            self.msgs = [{"role": "system", "content": system_prompt(g)}] + chat_messages(g, n)
+            self.new = lambda i: {"role": "user", "content": f"Follow-up {i}: " + g.prose(60, 300)}
+
+    def body(self, msgs: list[dict]) -> bytes:
+        return msgspec.json.encode({**self.top, "messages": msgs})
+
+
+# -- measurement ---------------------------------------------------------------------------------
+
+
+def cpu(fn: Callable[[], object]) -> float:
+    """CPU seconds of one call; the collector runs before it, and stays on during it (its work on
+    the call's allocations is part of the call's cost)."""
+    gc.collect()
+    t = time.process_time()
+    fn()
+    return time.process_time() - t
+
+
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1000
+
+
+def floor_of(raw: bytes, reps: int) -> float:
+    return median_ms([cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw))) for _ in range(reps)])
+
+
+class DigestCounter:
+    """Counts the content hashes the kernel computes (``identity.digest`` as imported by turn)."""
+
+    def __init__(self):
+        self.n = 0
+        self.orig = turn_mod.digest
+
+    def __enter__(self):
+        def counted(core):
+            self.n += 1
+            return self.orig(core)
+
+        turn_mod.digest = counted
+        return self
+
+    def __exit__(self, *exc):
+        turn_mod.digest = self.orig
+
+
+def first_turn(case: Case, raw: bytes, reps: int) -> tuple[float, bytes]:
+    samples, out = [], b""
+    for _ in range(reps):
+        with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
+            eng = Engine(Store(d), fold_cfg=FoldConfig())
+            res = None
+
+            def run():
+                nonlocal res
+                res = eng.process(raw, case.lane, HEADERS, render=True)
+
+            samples.append(cpu(run))
+            out = res.body or raw
+            eng.store.close()
+    return median_ms(samples), out
+
+
+def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, float, int, int, str]:
+    """Median ms of a follow-up turn, its floor, digests computed per turn (max), new parts per turn,
+    and a profile report when asked."""
+    with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
+        eng = Engine(Store(d), fold_cfg=FoldConfig())
+        msgs = list(case.msgs)
+        eng.process(case.body(msgs), case.lane, HEADERS, render=True)  # the history, processed before
+        samples, floors, digests = [], [], []
+        for i in range(reps):
+            msgs.append(case.new(i))
+            raw = case.body(msgs)
+            floors.append(cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw))))
+            with DigestCounter() as dc:
+                samples.append(cpu(lambda: eng.process(raw, case.lane, HEADERS, render=True)))
+            digests.append(dc.n)
+        prof = cProfile.Profile() if profile else None
+        if prof is not None:  # separate, untimed follow-up turns under the profiler
+            for i in range(reps, reps + 5):
+                msgs.append(case.new(i))
+                raw = case.body(msgs)
+                gc.collect()
+                prof.enable()
+                eng.process(raw, case.lane, HEADERS, render=True)
+                prof.disable()
+        eng.store.close()
+    report = ""
+    if prof is not None:
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(22)
+        buf.write("\n--- by cumulative time ---\n")
+        st.sort_stats("cumulative").print_stats(28)
+        report = buf.getvalue()
+    return median_ms(samples), median_ms(floors), max(digests), 1, report
+
+
+def fmt_size(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.0f} KB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
+    ap.add_argument("--profile", action="store_true", help="cProfile the follow-up turn of the largest case")
+    args = ap.parse_args()
+
+    if args.quick:
+        plan = [("anthropic", 100, 5, 9), ("anthropic", 1000, 3, 7), ("chat", 1000, 3, 7)]
+    else:
+        plan = [("anthropic", 100, 9, 21), ("anthropic", 1000, 7, 15), ("anthropic", 10000, 3, 7),
+                ("chat", 1000, 7, 15)]
+    print(f"bili-addon kernel overhead: Engine.process(render=True) vs msgspec decode+encode "
+          f"(CPU time, median); python {sys.version.split()[0]}, msgspec {msgspec.__version__}")
+    print()
+    head = (f"{'lane':<10}{'msgs':>7}{'body':>10}{'floor ms':>10}{'first ms':>10}{'x floor':>9}"
+            f"{'follow ms':>11}{'x floor':>9}{'hashed':>8}")
+    print(head)
+    print("-" * len(head))
+    rows = []
+    t0 = time.perf_counter()
+    for lane, n, first_reps, follow_reps in plan:
+        case = Case(lane, n)
+        raw = case.body(case.msgs)
+        floor = floor_of(raw, max(5, follow_reps))
+        first, _ = first_turn(case, raw, first_reps)
+        profile = args.profile and (lane, n) == max(((lane_, n_) for lane_, n_, *_ in plan if lane_ == "anthropic"),
+                                                    key=lambda x: x[1])
+        fol, fol_floor, hashed, new_parts, report = follow_up(case, follow_reps, profile=profile)
+        r1, r2 = first / floor, fol / fol_floor
+        rows.append((lane, n, r1, r2, hashed, new_parts))
+        print(f"{lane:<10}{n:>7,}{fmt_size(len(raw)):>10}{floor:>10.2f}{first:>10.2f}{r1:>8.1f}x"
+              f"{fol:>11.2f}{r2:>8.1f}x{hashed:>8}", flush=True)
+        if report:
+            print("\n" + report)
+    print()
+    print("floor: msgspec.json.decode + msgspec.json.encode of the body; first: fresh Engine and store;")
+    print("follow: same Engine, one new message appended (its own floor, the body one message longer);")
+    print("hashed: message parts content-hashed (identity.digest) during one follow-up turn (max over runs).")
+    print()
+    print("targets")
+    for lane, n, r1, r2, hashed, new_parts in rows:
+        ok1, ok2, ok3 = r1 <= TARGET_RATIO, r2 <= TARGET_RATIO, hashed <= new_parts
+        print(f"  {lane:<10}{n:>7,} msgs: first turn <= {TARGET_RATIO:.0f}x floor: {'met' if ok1 else 'MISSED'} "
+              f"({r1:.1f}x); follow-up <= {TARGET_RATIO:.0f}x floor: {'met' if ok2 else 'MISSED'} ({r2:.1f}x); "
+              f"follow-up re-hashes no unchanged history: {'met' if ok3 else 'MISSED'} "
+              f"({hashed} hashed for {new_parts} new part)")
+    print(f"\ntotal runtime {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
