@@ -82,6 +82,10 @@ CREATE TABLE IF NOT EXISTS originals(
     tokens INTEGER NOT NULL,
     PRIMARY KEY(session_id, ref)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS copies(
+    session_id TEXT PRIMARY KEY,
+    doc TEXT NOT NULL
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS calls(
     session_id TEXT NOT NULL,
     call_key TEXT NOT NULL,
@@ -335,5 +339,16 @@ class Store:
             except BaseException:
                 self.db.execute("ROLLBACK")
                 raise
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+
+    def copy(self, session_id: str) -> str | None:
+        """The canonical copy of a session's last steady pass (fold coverage under churn)."""
+        row = self.db.execute("SELECT doc FROM copies WHERE session_id=?", (session_id,)).fetchone()
+        return row[0] if row else None
+
+    def save_copy(self, session_id: str, doc: str) -> None:
+        try:
+            self.db.execute("INSERT OR REPLACE INTO copies(session_id, doc) VALUES(?,?)", (session_id, doc))
         except sqlite3.Error as e:
             raise StoreError(f"cannot write the store at {self.path}: {e}") from e

@@ -46,6 +46,11 @@ class Block:
     folded_tokens: int = 0
     active: bool = True
     created: float = field(default_factory=time.time)
+    claimed: list[str] = field(default_factory=list)  # refs re-anchored onto its range after churn
+
+    @property
+    def coverage(self) -> list[str]:
+        return self.covered + self.claimed if self.claimed else self.covered
 
     @property
     def number(self) -> int:
@@ -131,7 +136,7 @@ def coverage(blocks: Iterable[Block]) -> dict[str, Block]:
     out: dict[str, Block] = {}
     for b in blocks:
         if b.active:
-            for r in b.covered:
+            for r in b.coverage:
                 out.setdefault(r, b)
     return out
 
@@ -146,8 +151,9 @@ class Plan:
     rendered: list[Block]
 
 
-def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset()) -> Plan:
-    """``hidden``: refs that leave the wire without a summary (consumed compress calls)."""
+def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snoozed: set[str] = frozenset()) -> Plan:
+    """``hidden``: refs that leave the wire without a summary (consumed compress calls);
+    ``snoozed``: blocks whose whole range the host truncated away (not rendered, kept)."""
     cov = coverage(blocks)
     items = view.items
     drop = {k for k, it in enumerate(items) if it.parts and all(r in cov or r in hidden for r in it.refs)}
@@ -179,12 +185,14 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset()) -> Pla
     rendered: list[Block] = []
     last_user = view.last_user()
     for b in sorted((b for b in blocks if b.active), key=lambda b: b.number):
-        mine = set(b.covered)
+        if b.id in snoozed:
+            continue
+        mine = set(b.coverage)
         where = [k for k in drop if mine & set(items[k].refs)]
         if where:
             inserts.setdefault(min(where), []).append(b)
             rendered.append(b)
-        elif not any(r in view.pos for r in b.covered) and last_user is not None:
+        elif not any(r in view.pos for r in b.coverage) and last_user is not None:
             # its originals are gone from the wire: the summary still stands for them, but never
             # after the newest question
             inserts.setdefault(last_user, []).append(b)
@@ -284,7 +292,7 @@ def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_i
             live = [b for b in blocks if b.active and b not in gone]
             cov = coverage(live)
             refs = [ref for k in positions for ref in view.items[k].refs]
-            nested = [b for b in live if set(b.covered) & set(refs)]
+            nested = [b for b in live if set(b.coverage) & set(refs)]
             if block_bounded and nested:
                 target = min(b.tier for b in nested)
                 tier = min(3, target + 1)
@@ -315,7 +323,7 @@ def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_i
                                     f"{cfg.max_summary_chars}); keep paths, decisions, errors and values, drop noise")
             order = {ref: i for i, ref in enumerate(view.pos)}
             covered = sorted(
-                {p.ref for p in direct} | {ref for b in absorbed for ref in b.covered},
+                {p.ref for p in direct} | {ref for b in absorbed for ref in b.coverage},
                 key=lambda ref: (order.get(ref, 1 << 30), ref),
             )
             folded = sum(p.tokens for p in direct) + sum(b.summary_tokens for b in absorbed)
@@ -360,7 +368,7 @@ def _resolve(r: Range, view: View, by_id: dict[str, Block]) -> tuple[int, int, b
             b = by_id.get(bid)
             if b is None:
                 raise CompressError(f'{label}="{raw}" is not a block of this conversation')
-            where = [view.pos[x] for x in b.covered if x in view.pos]
+            where = [view.pos[x] for x in b.coverage if x in view.pos]
             if not b.active or not where:
                 raise CompressError(f'{label}="{raw}" is not visible any more (consumed by a later block or '
                                     f"gone from the conversation)")

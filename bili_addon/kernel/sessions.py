@@ -133,10 +133,10 @@ def canonical_item(obj: Any) -> bytes:
     return _canon_enc.encode(_normalise(obj))
 
 
-def chain(canon_items: Iterable[bytes]) -> list[str]:
-    """Progressive hashes: ``h_i = H(h_{i-1} || 0 || canon_i)``; hex digests, one per item."""
+def chain(canon_items: Iterable[bytes], prev: bytes = b"") -> list[str]:
+    """Progressive hashes: ``h_i = H(h_{i-1} || 0 || canon_i)``; hex digests, one per item
+    (``prev``: the digest the chain continues from)."""
     out: list[str] = []
-    prev = b""
     for c in canon_items:
         prev = blake3.blake3(prev + b"\x00" + c).digest()
         out.append(prev.hex())

@@ -1,27 +1,29 @@
-"""One request body through the kernel: identity, ledger, tags, hygiene.
+"""One request body through the kernel: identity, ledger, tags, folds, hygiene.
 
 ``Engine.process`` takes the decoded body bytes of a model request and returns the bytes to send
 upstream (or None when they are unchanged).  It never mutates the caller's input; the store write
 of a turn happens before any rendered ref leaves, so a ref the model sees is always persisted.
+
+Agents re-send the whole conversation every turn.  The previous pass of each session is kept (a
+:class:`~bili_addon.kernel.state.Memo`), and the items a request shares with it byte for byte are
+not parsed, hashed, resolved or rendered again: a turn costs its new suffix plus a memcmp.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
-import re
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections import Counter, OrderedDict
 from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import fold, nudge, surfaces, tags
+from bili_addon.kernel import fold, nudge, reconcile, tags
 from bili_addon.kernel.fold import Block, FoldConfig, PartView, View, ViewItem
-from bili_addon.kernel.identity import InstanceCounter, count_tokens, digest
+from bili_addon.kernel.identity import count_tokens, digest
 from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
-from bili_addon.kernel.windows import context_window
 from bili_addon.kernel.sessions import (
     MIN_CANONICAL_BYTES,
     PrefixAffinity,
@@ -30,137 +32,42 @@ from bili_addon.kernel.sessions import (
     chain,
     session_from_request,
 )
+from bili_addon.kernel.state import (
+    Call,
+    Entry,
+    ItemCache,
+    ItemInfo,
+    Memo,
+    Part,
+    Resolved,
+    Session,
+    TurnResult,
+    clean_replayed_prose,
+)
+from bili_addon.kernel.tools import ProxyTools
+from bili_addon.kernel.windows import context_window
 from bili_addon.store import LedgerRow, SessionRow, Store
-from bili_addon.stream.echo import strip_echoes
 from bili_addon.wire import Lane, hygiene
-from bili_addon.wire.base import TEXT, TOOL_CALL, TOOL_RESULT, Body, Core, decode_any, patch_many
+from bili_addon.wire.base import TEXT, Body, Core, patch_many
 
 log = logging.getLogger("bili")
 
 PROSE_ROLES = ("user", "assistant")
 _SMALL_TOP_KEYS = ("session_id", "metadata", "prompt_cache_key", "model", "previous_response_id")
-# the one-line visibility markers the addon may add to a response; stripped when replayed
-MARKER_LINE = re.compile(r"^\[bili\] [^\n]*(?:\n|$)")
+MAX_MEMOS = 32
+
+__all__ = ["Engine", "TurnResult", "clean_replayed_prose"]
 
 
-def clean_replayed_prose(text: str) -> str:
-    """What the host replays of the model's prose, minus our markers and the model's tag echoes
-    (with the blank lines they drag along)."""
-    while MARKER_LINE.match(text):
-        text = MARKER_LINE.sub("", text, count=1)
-    return strip_echoes(text)
-
-
-class Part(msgspec.Struct, gc=False):
-    """A core (prose already cleaned) with its identity digest, computed once per distinct item bytes."""
-
-    core: Core
-    base: str  # h_ + 16 hex
-    chash: str  # full sha256 hex of the seed
-    dirty: bool  # the wire text differs from core.text (cleaned at ingress)
-
-
-class ItemInfo(msgspec.Struct, gc=False):
-    is_system: bool
-    parts: list[Part]
-    obj: Any
-    canon: bytes | None = None  # canonical form, computed for anonymous sessions only
-
-
-class ItemCache:
-    """Parsed items by their exact bytes: a follow-up turn never re-parses or re-hashes old history."""
-
-    def __init__(self, max_bytes: int = 256 << 20):
-        self.max_bytes = max_bytes
-        self.size = 0
-        self.items: OrderedDict[tuple[str, bytes], ItemInfo] = OrderedDict()
-
-    def get(self, lane: Lane, raw: bytes) -> ItemInfo:
-        key = (lane.name, raw)
-        info = self.items.get(key)
-        if info is not None:
-            self.items.move_to_end(key)
-            return info
-        obj = decode_any(raw)
-        parts = []
-        for core in lane.item_cores(obj):
-            dirty = False
-            if core.role == "assistant" and core.ctype == TEXT:
-                clean = clean_replayed_prose(core.text)
-                if clean != core.text:
-                    core, dirty = msgspec.structs.replace(core, text=clean), True
-            base, chash = digest(core)
-            parts.append(Part(core, base, chash, dirty))
-        info = ItemInfo(lane.is_system_item(obj), parts, obj)
-        self.items[key] = info
-        self.size += len(raw)
-        while self.size > self.max_bytes and self.items:
-            (_, old), _info = self.items.popitem(last=False)
-            self.size -= len(old)
-        return info
-
-
-@dataclass
-class Entry:
-    ref: str
-    tokens: int
-
-
-@dataclass
-class Call:
-    """A proxy tool call the model made; ``result`` stays None until it is executed, exactly once."""
-
-    name: str
-    args: str
-    result: str | None = None
-
-
-@dataclass
-class Session:
-    row: SessionRow
-    refs: dict[tuple[str, str], Entry] = field(default_factory=dict)
-    owners: dict[str, str] = field(default_factory=dict)  # ref -> content hash
-    render_cache: dict[bytes, tuple[tuple, bytes]] = field(default_factory=dict)
-    flags: dict[str, Any] = field(default_factory=dict)
-    blocks: list[Block] = field(default_factory=list)
-    calls: dict[str, Call] = field(default_factory=dict)
-    model: str = ""
-    last_view: View | None = None  # the conversation as the last request showed it
-    sent_tokens: int = 0  # the last request, as sent
-    unfolded_tokens: int = 0  # the last request, had nothing been folded
-
-
-@dataclass
-class TurnResult:
-    body: bytes | None
-    session: str = ""
-    lane: str = ""
-    messages: int = 0
-    refs_new: int = 0
-    refs_known: int = 0
-    tagged: int = 0
-    source: str = ""
-    notes: list[str] = field(default_factory=list)
-    executed: list[str] = field(default_factory=list)  # proxy tools run for this request
-    marker: str = ""  # the visibility line for this request's answer
-    folded_items: int = 0
-
-
-@dataclass
-class _Resolved:
-    core: Core
-    entry: Entry
-    dirty: bool
-
-
-class Engine:
-    """The kernel side of the addon: sessions, ledger and tags over a :class:`Store`."""
+class Engine(ProxyTools):
+    """The kernel side of the addon: sessions, ledger, tags and folds over a :class:`Store`."""
 
     def __init__(self, store: Store, max_sessions: int = 256, fold_cfg: FoldConfig | None = None,
                  inject: bool = True, window: int = 0):
         self.store = store
         self.items = ItemCache()
         self.sessions: OrderedDict[str, Session] = OrderedDict()
+        self.memos: OrderedDict[str, Memo] = OrderedDict()
         self.max_sessions = max_sessions
         self.affinity = PrefixAffinity(store.affinity())
         self.fold_cfg = fold_cfg or FoldConfig()
@@ -182,13 +89,16 @@ class Engine:
         for r in self.store.ledger(sid):
             s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
             s.owners[r.ref] = r.content_hash
-        s.blocks = [Block(**json.loads(doc)) for doc in self.store.blocks(sid)]
-        s.blocks.sort(key=lambda b: b.number)
+        s.blocks = sorted((Block(**json.loads(doc)) for doc in self.store.blocks(sid)), key=lambda b: b.number)
         s.calls = {k: Call(n, a, r) for k, n, a, r in self.store.calls(sid)}
+        s.copy = reconcile.Copy.from_json(self.store.copy(sid))
         self.sessions[sid] = s
         while len(self.sessions) > self.max_sessions:
-            self.sessions.popitem(last=False)
+            old, _ = self.sessions.popitem(last=False)
+            self.memos.pop(old, None)
         return s
+
+    _RENDER_FLAGS = ("truncated", "strict_reasoning")
 
     def set_flag(self, sid: str, key: str, value: Any) -> bool:
         """Persist a learned per-session fact; True when it changed."""
@@ -198,46 +108,73 @@ class Engine:
         s.flags[key] = value
         s.row.flags = json.dumps(s.flags, sort_keys=True)
         self.store.set_flags(s.row)
+        if key in self._RENDER_FLAGS:
+            s.version += 1  # old items render differently now
         return True
 
-    def _identify(self, headers: Mapping[str, str], top: dict, infos: list[ItemInfo], start: int):
-        ident = session_from_request(headers, top)
-        if ident is not None:
-            return ident[0], ident[1], None
-        canon = []
-        for info in infos[start:]:
-            if info.canon is None:
-                info.canon = canonical_item(info.obj)
-            canon.append(info.canon)
-        has_user = any(p.core.role == "user" for info in infos[start:] for p in info.parts)
-        if not has_user or sum(len(c) for c in canon) < MIN_CANONICAL_BYTES:
-            return None, "no conversation identity", None
-        hashes = chain(canon)
-        sid = self.affinity.resolve(hashes)
-        return sid, "prefix", (len(hashes), hashes[-1])
+    def save_blocks(self, s: Session, blocks: list[Block], originals=()) -> None:
+        self.store.commit_fold(
+            s.row.id,
+            [(b.id, json.dumps(b.__dict__), b.active) for b in blocks],
+            [(p.ref, p.role, p.ctype, p.tool_name, p.tool_call_id, p.text, p.tokens) for p in originals],
+            [],
+        )
+
+    def window_for(self, s: Session) -> int:
+        learned = s.flags.get("learned_windows", {}).get(s.model)
+        return int(learned) if learned else (self.window or context_window(s.model))
 
     # -- the turn ------------------------------------------------------------------------------
     def process(
         self, raw: bytes, lane: Lane, headers: Mapping[str, str], *, render: bool, origin: str = ""
     ) -> TurnResult:
+        # a turn allocates many small objects and frees them all; the cyclic collector would only
+        # walk the (acyclic) conversation again and again
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._process(raw, lane, headers, render=render, origin=origin)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _process(self, raw: bytes, lane: Lane, headers: Mapping[str, str], *, render: bool,
+                 origin: str) -> TurnResult:
         body = Body(raw, lane.conv_key)
         top = {k: body.get(k) for k in _SMALL_TOP_KEYS if k in body.top}
-        infos = [self.items.get(lane, bytes(it)) for it in body.items]
-        start = 0  # the leading system run is environment, not conversation
-        while start < len(infos) and infos[start].is_system:
-            start += 1
+        raws = body.items
+        ident = session_from_request(headers, top)
+        memo = self._memo_for(ident[0] if ident else None, lane, raws)
+        k = _common_prefix(memo.raws, raws) if memo is not None else 0
+        if memo is not None:
+            k = min(k, len(memo.raws) - 1)  # the previous last item may have been an untagged prefill
+            if k <= memo.start:
+                k = 0
+        infos = (memo.infos[:k] if k else []) + [self.items.get(lane, bytes(r)) for r in raws[k:]]
+        start = memo.start if k else _system_run(infos)
 
-        sid, source, tail = self._identify(headers, top, infos, start)
-        if sid is None:
-            return TurnResult(None, lane=lane.name, messages=len(infos), source=source)
+        if ident is not None:
+            sid, source, tail, hashes = ident[0], ident[1], None, None
+        else:
+            hashes = self._chain(infos, start, memo, k)
+            if hashes is None:
+                return TurnResult(None, lane=lane.name, messages=len(infos), source="no conversation identity")
+            sid, source = self.affinity.resolve(hashes), "prefix"
+            tail = (len(hashes), hashes[-1])
         agent = agent_of(headers)
         s = self.session(sid, agent, lane.name)
         if isinstance(top.get("model"), str):
             s.model = top["model"]
+        # conversation items whose session work (refs, view, rendering) is reused as it is
+        q = k - start if memo is not None and k and memo.sid == sid and memo.version == s.version else 0
         result = TurnResult(None, session=sid, lane=lane.name, messages=len(infos) - start, source=source)
 
-        resolved, new_rows = self._resolve(s, infos[start:])
-        result.refs_new, result.refs_known = len(new_rows), sum(map(len, resolved)) - len(new_rows)
+        cov = fold.coverage(s.blocks) if s.blocks else {}
+        counter = _prefix_counter(memo, q)
+        resolved_tail, new_rows = self._resolve(s, infos[start + q:], counter, cov)
+        resolved = (memo.resolved[:q] if q else []) + resolved_tail
+        result.refs_new = len(new_rows)
+        result.refs_known = sum(len(p) for p in resolved) - len(new_rows)
         self._commit(s, agent, lane.name, len(infos) - start, new_rows, tail)
         if tail:
             self.affinity.note(sid, *tail)
@@ -247,20 +184,41 @@ class Engine:
                     "the agent sends only new items plus previous_response_id: the proxy cannot see "
                     "this session's history, so nothing of it will ever be folded"
                 )
-        if not render:
+
+        view_items = (memo.view_items[:q] if q else []) + _view_items(resolved_tail, start + q)
+        view = View(view_items)
+        s.last_view = view
+        snoozed = self._reconcile(s, view, resolved, result) if s.blocks else set()
+        if s.copy.latched or not render:
+            # observe mode, or a total collapse: nothing verifies the folds against this history,
+            # so it passes through as it came until the agent sends a history that aligns again
+            self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter, None)
             return result
 
-        view = _view(resolved, start)
-        s.last_view = view
+        version = s.version
         if s.calls:
-            self._run_calls(s, view, result)
+            self._run_calls(s, view, q, result)
         if self.inject:
             self._pressure(s, view, resolved)
-        items_out = [bytes(it) for it in body.items]
-        changed = self._render(s, items_out, infos, start, resolved, result)
-        changed |= self._substitute_calls(s, lane, items_out, infos, view)
-        changed |= self._hygiene(s, lane.name, items_out, infos, top, origin, result)
-        changed |= self._assemble(s, lane, items_out, start, view, result)
+        if s.version != version:
+            q = 0  # this turn changed how old items render (a truncation, a learned flag)
+        result.reused = q
+        if q:
+            rendered = memo.rendered[: start + q]
+            changed_cum = memo.changed_cum[: start + q + 1]
+            tagged_cum = memo.tagged_cum[: start + q + 1]
+        else:
+            rendered = [bytes(r) for r in raws[:start]]
+            changed_cum, tagged_cum = [0] * (start + 1), [0] * (start + 1)
+        self._render(s, lane, raws, infos, start, q, resolved, rendered, changed_cum, tagged_cum, top, origin)
+        result.tagged = tagged_cum[-1]
+        self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter,
+                       (rendered, changed_cum, tagged_cum))
+
+        items_out = list(rendered)
+        changed = changed_cum[-1] > 0
+        pre = self._strict_inserts(s, lane.name, infos, top, origin)
+        changed |= self._assemble(s, lane, items_out, start, view, result, snoozed, pre)
         if self.inject:
             names = lane.tool_names(body) or []
             native = any("bili" in n and n.endswith("compress") for n in names)
@@ -271,125 +229,215 @@ class Engine:
             result.body = body.encode(items_out)
         return result
 
-    # -- proxy tools ---------------------------------------------------------------------------
-    def record_calls(self, sid: str, calls: list[tuple[str, str, str]]) -> None:
-        """Proxy tool calls seen in an answer; each runs once, when the next request carries it."""
-        s = self.session(sid)
-        fresh = [c for c in calls if c[0] not in s.calls]
-        if fresh:
-            self.store.record_calls(sid, fresh)
-            for key, name, args in fresh:
-                s.calls[key] = Call(name, args)
+    # -- identity ------------------------------------------------------------------------------
+    def _memo_for(self, sid: str | None, lane: Lane, raws: list) -> Memo | None:
+        if sid is not None:
+            memo = self.memos.get(sid)
+            return memo if memo is not None and memo.lane == lane.name else None
+        # anonymous: the session is not known yet; the memo sharing the longest head is the candidate
+        best, best_k = None, 0
+        for memo in reversed(self.memos.values()):
+            if memo.lane != lane.name or memo.chain is None or not memo.raws or not raws:
+                continue
+            if memo.raws[0] != raws[0]:
+                continue
+            k = _common_prefix(memo.raws, raws)
+            if k > best_k:
+                best, best_k = memo, k
+        return best
 
-    def run_tool(self, s: Session, name: str, args: Any, view: View | None, call_id: str = "") -> str:
-        """Execute one proxy tool against the conversation as this request shows it."""
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                return f"{name}: the arguments are not valid JSON."
-        view = view or View([])
-        sid = s.row.id
-        if name == "compress":
-            out = fold.compress(args, view, s.blocks, self.fold_cfg, call_id)
-            if out.blocks:
-                s.blocks.extend(out.blocks)
-                changed = out.blocks + out.deactivated
-                self.store.commit_fold(
-                    sid,
-                    [(b.id, json.dumps(b.__dict__), b.active) for b in changed],
-                    [(p.ref, p.role, p.ctype, p.tool_name, p.tool_call_id, p.text, p.tokens) for p in out.originals],
-                    [],
-                )
-            return out.text
-        originals = lambda refs: self.store.originals(sid, refs)  # noqa: E731
-        if name == "decompress":
-            return surfaces.decompress(args, s.blocks, originals)
-        if name == "search_context":
-            return surfaces.search_context(args, s.blocks, originals)
-        if name == "acp_status":
-            usage = self.store.usage(sid).last
-            window = self.window_for(s)
-            return surfaces.status(view, s.blocks, self.fold_cfg, (usage[0], window) if usage else None)
-        return f"Unknown bili tool {name!r}."
+    def _chain(self, infos: list[ItemInfo], start: int, memo: Memo | None, k: int) -> list[str] | None:
+        """The prefix-hash chain of an anonymous history (None: no usable signal)."""
+        conv = infos[start:]
+        if not any(p.core.role == "user" for info in conv for p in info.parts):
+            return None
+        reuse = k - start if memo is not None and memo.chain is not None and k > start else 0
+        canon = []
+        for info in conv[reuse:]:
+            if info.canon is None:
+                info.canon = canonical_item(info.obj)
+            canon.append(info.canon)
+        if not reuse and sum(len(c) for c in canon) < MIN_CANONICAL_BYTES:
+            return None
+        head = memo.chain[:reuse] if reuse else []
+        return head + chain(canon, prev=bytes.fromhex(head[-1]) if head else b"")
 
-    def plugin_tool(self, sid: str | None, tool: str, args: Any) -> tuple[str, str]:
-        """A tool called natively (MCP) rather than on the wire: ``(session id, result)``.
+    # -- ledger --------------------------------------------------------------------------------
+    def _resolve(self, s: Session, infos: list[ItemInfo], counter: Counter,
+                 cov: dict) -> tuple[list[list[Resolved]], list[LedgerRow]]:
+        """Attach a ref to every part: known by ``(msg_id, content_hash)``, else the next free one.
 
-        Without a session id the most recently active session is used.  Ranges resolve against the
-        conversation as its last request showed it; a fold shows from the next request on.
+        A part whose id is covered by a fold but was not in the previous pass is a new instance of
+        the same words (the user said it again), not the folded original: it gets a fresh suffix.
         """
-        if not sid:
-            rows = self.store.sessions()
-            if not rows:
-                raise LookupError("no conversation has gone through the proxy yet")
-            sid = rows[0].id
-        elif self.store.session(sid) is None and sid not in self.sessions:
-            raise LookupError(f"unknown conversation {sid!r}")
-        s = self.session(sid)
-        return sid, self.run_tool(s, tool, args, s.last_view)
+        new_rows: list[LedgerRow] = []
+        next_ref = s.row.next_ref
+        prev_ids = set(s.copy.ids) if cov and s.copy.ids else None
+        out_all: list[list[Resolved]] = []
+        for info in infos:
+            out = []
+            for part in info.parts:
+                core, base, chash, dirty = part.core, part.base, part.chash, part.dirty
+                if core.ctype == TEXT and core.role != "assistant" and core.text.startswith("<acp "):
+                    core, base, chash, dirty = self._strip_own_tag(s, part)
+                n = counter[base]
+                counter[base] = n + 1
+                incs = 1
+                msg_id = base if n == 0 else f"{base}_{n}"
+                entry = s.refs.get((msg_id, chash))
+                if entry is not None and prev_ids is not None and entry.ref in cov and msg_id not in prev_ids:
+                    while True:  # a new instance: the next suffix that is neither live nor folded
+                        n = counter[base]
+                        counter[base] = n + 1
+                        incs += 1
+                        msg_id = f"{base}_{n}"
+                        entry = s.refs.get((msg_id, chash))
+                        if entry is None or (entry.ref not in cov and msg_id not in prev_ids):
+                            break
+                if entry is None:
+                    entry = Entry(tags.ref_of(next_ref), count_tokens(core.text))
+                    next_ref += 1
+                    new_rows.append(LedgerRow(msg_id, chash, entry.ref, core.role, core.ctype, entry.tokens))
+                    s.refs[(msg_id, chash)] = entry  # staged: forgotten again if the commit fails
+                out.append(Resolved(core, entry, dirty, msg_id, base, incs))
+            out_all.append(out)
+        return out_all, new_rows
 
-    def window_for(self, s: Session) -> int:
-        learned = s.flags.get("learned_windows", {}).get(s.model)
-        return int(learned) if learned else (self.window or context_window(s.model))
+    def _commit(self, s: Session, agent: str, lane: str, messages: int, new_rows: list[LedgerRow], tail) -> None:
+        row = s.row
+        staged = SessionRow(
+            row.id, agent, lane, row.created, row.last_seen, row.requests + 1, messages,
+            row.next_ref + len(new_rows), row.flags,
+        )
+        try:
+            self.store.commit_turn(staged, new_rows, tail)
+        except Exception:
+            for r in new_rows:  # nothing of this turn is kept
+                s.refs.pop((r.msg_id, r.content_hash), None)
+            self.memos.pop(row.id, None)
+            raise
+        s.row = staged
+        for r in new_rows:
+            s.owners[r.ref] = r.content_hash
 
-    def _run_calls(self, s: Session, view: View, result: TurnResult) -> None:
-        done: list[tuple[str, str]] = []
-        for it in view.items:
-            for p in it.parts:
-                if p.ctype != TOOL_CALL:
-                    continue
-                key = p.tool_call_id or f"name:{p.tool_name}"
-                call = s.calls.get(key)
-                if call is None or call.result is not None:
-                    continue
-                before = {b.id for b in s.blocks}
-                call.result = self.run_tool(s, call.name, call.args, view, key)
-                done.append((key, call.result))
-                result.executed.append(call.name)
-                made = [b for b in s.blocks if b.id not in before]
-                if made:
-                    saved = sum(b.folded_tokens - b.summary_tokens for b in made)
-                    spans = ", ".join(f"{b.covered[0]}–{b.covered[-1]} → {b.id}" for b in made)
-                    result.marker = f"[bili] compressed {spans}, ~{tags.format_tokens(max(0, saved))} tokens saved"
-        if done:
-            self.store.commit_fold(s.row.id, [], [], done)
+    def _strip_own_tag(self, s: Session, part: Part) -> tuple[Core, str, str, bool]:
+        """Remove the message's own stale tag (idempotent); a foreign tag is content and stays."""
+        split = tags.split_own_tag(part.core.text)
+        if split is not None:
+            ref, rest = split
+            stripped = msgspec.structs.replace(part.core, text=rest)
+            base, chash = digest(stripped)
+            if s.owners.get(ref) == chash:
+                return stripped, base, chash, True
+        return part.core, part.base, part.chash, part.dirty
 
-    def _substitute_calls(self, s: Session, lane: Lane, items_out: list[bytes], infos: list[ItemInfo],
-                          view: View) -> bool:
-        """Executed calls: the call as the model made it, the real result in place of the agent's error."""
-        changed = False
-        cut = s.flags.get("truncated", {})
-        for it in view.items:
-            for p in it.parts:
-                key = p.tool_call_id or (f"name:{p.tool_name}" if p.tool_name else "")
-                call = s.calls.get(key)
-                if call is None and p.ref in cut and p.ctype == TOOL_RESULT and key:
-                    edits = lane.result_edits(infos[it.index].obj, key, cut[p.ref])
-                    if edits:
-                        items_out[it.index] = patch_many(items_out[it.index], edits)
-                        changed = True
-                    continue
-                if call is None or call.result is None:
-                    continue
-                obj = infos[it.index].obj
-                if p.ctype == TOOL_CALL:
-                    edits = lane.call_edits(obj, key, call.name, call.args)
-                elif p.ctype == TOOL_RESULT:
-                    edits = lane.result_edits(obj, key, call.result)
-                else:
-                    continue
-                if edits:
-                    items_out[it.index] = patch_many(items_out[it.index], edits)
-                    changed = True
-        return changed
+    # -- fold coverage under churn ---------------------------------------------------------------
+    def _reconcile(self, s: Session, view: View, resolved: list[list[Resolved]], result: TurnResult) -> set[str]:
+        """Re-anchor covered refs that went missing; returns the blocks to snooze."""
+        if len(view.items) < reconcile.SIDE_REQUEST_MAX_ITEMS:
+            return set()  # side requests never move the copy
+        sid = s.row.id
+        out = reconcile.reconcile(view, s.blocks, s.copy, lambda refs: self.store.originals(sid, refs))
+        if out.claims:
+            by_block: dict[str, list[str]] = {}
+            owner = fold.coverage(s.blocks)
+            for old, new in out.claims.items():
+                b = owner[old]
+                if new not in b.coverage:
+                    b.claimed.append(new)
+                    by_block.setdefault(b.id, []).append(new)
+            self.save_blocks(s, [b for b in s.blocks if b.id in by_block])
+        was_latched = s.copy.latched
+        reconcile.verdict(out, view, s.blocks, s.copy, lambda refs: self.store.originals(sid, refs))
+        if out.drifted:
+            how = ", ".join(f"{n} by {k}" for k, n in out.by.items()) or "none"
+            msg = (f"[bili] session={sid} fold coverage: {out.missing} covered part(s) missing; re-anchored "
+                   f"{len(out.claims)} ({how}); {len(out.unmatched)} re-enter unfolded")
+            if out.suspects:
+                msg += f"; {out.suspects} suspected host-rewritten tool-call id(s), not claimed"
+            log.warning("%s; verdict: %s", msg, out.verdict or "none")
+            self._count_drift(s, out)
+        if out.verdict == "collapse" and not was_latched:
+            log.error("[bili] session=%s: the re-sent history no longer matches any fold (%d covered parts "
+                      "missing, none verifiable); folding is paused and requests pass through unchanged "
+                      "until the history aligns again", sid, out.missing)
+        if out.verdict == "recovered":
+            log.warning("[bili] session=%s: the history aligns with the folds again; folding resumes", sid)
+        result.drift = out.verdict
+        if not s.copy.latched and (not out.unmatched or out.verdict == "truncated"):
+            # a steady (or verified) pass becomes the canonical copy
+            parts = [p for it in view.items for p in it.parts]
+            s.copy.refs = [p.ref for p in parts]
+            s.copy.fps = [reconcile.fingerprint(p) for p in parts]
+        s.copy.ids = [r.msg_id for parts in resolved for r in parts]  # echo vs new instance, next pass
+        self.store.save_copy(sid, s.copy.to_json())
+        return out.snoozed
 
-    def _pressure(self, s: Session, view: View, resolved: list[list[_Resolved]]) -> None:
+    def _count_drift(self, s: Session, out) -> None:
+        counts = dict(s.flags.get("drift", {}))
+        counts["passes"] = counts.get("passes", 0) + 1
+        counts["claims"] = counts.get("claims", 0) + len(out.claims)
+        for how, n in out.by.items():
+            counts[f"by {how}"] = counts.get(f"by {how}", 0) + n
+        counts["unmatched"] = counts.get("unmatched", 0) + len(out.unmatched)
+        counts["suspects"] = counts.get("suspects", 0) + out.suspects
+        if out.verdict:
+            counts[out.verdict] = counts.get(out.verdict, 0) + 1
+        self.set_flag(s.row.id, "drift", counts)
+
+    # -- rendering -----------------------------------------------------------------------------
+    def _render(self, s: Session, lane: Lane, raws: list, infos: list[ItemInfo], start: int, q: int,
+                resolved: list[list[Resolved]], rendered: list[bytes], changed_cum: list[int],
+                tagged_cum: list[int], top: dict, origin: str) -> None:
+        """Per-item transforms of the items from ``start + q`` on: tags (with any reminder they
+        carry), restored proxy calls and their real results, truncations, id hygiene."""
+        last = len(infos) - 1
+        nudges = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "suffix"}
+        model = top.get("model") if isinstance(top.get("model"), str) else ""
+        strict_chat = lane.name == "chat" and (s.flags.get("strict_reasoning") or hygiene.strict_by_name(origin, model))
+        for k in range(q, len(resolved)):
+            i = start + k
+            src = bytes(raws[i])
+            edits = []
+            tagged = 0
+            for r in resolved[k]:
+                core = r.core
+                if _taggable(core, prefill=i == last and core.role == "assistant"):
+                    text = tags.render(r.entry.ref, r.entry.tokens, core.ctype, core.text)
+                    suffix = nudges.get(r.entry.ref)
+                    edits.append((core.path, text + "\n\n" + suffix if suffix else text))
+                    tagged += 1
+                elif r.dirty and core.path:
+                    edits.append((core.path, core.text))
+            info = infos[i]
+            if s.calls or s.flags.get("truncated"):
+                edits += self._call_edits(s, lane, info, resolved[k])
+            if lane.name == "responses" and b'"msg-proxy-' in src:
+                edits += hygiene.proxy_id_edits("responses", info.obj)
+            if strict_chat and b'"tool_calls"' in src:
+                edits += hygiene.strict_chat_edits(info.obj)
+            out = patch_many(src, edits) if edits else src
+            rendered.append(out)
+            changed_cum.append(changed_cum[-1] + (out != src))
+            tagged_cum.append(tagged_cum[-1] + tagged)
+
+    def _strict_inserts(self, s: Session, lane: str, infos: list[ItemInfo], top: dict, origin: str) -> dict:
+        if lane != "responses":
+            return {}
+        model = top.get("model") if isinstance(top.get("model"), str) else ""
+        if not (s.flags.get("strict_reasoning") or hygiene.strict_by_name(origin, model)):
+            return {}
+        at = hygiene.strict_responses_inserts([info.obj for info in infos])
+        return {i: [hygiene.EMPTY_REASONING] for i in at}
+
+    def _pressure(self, s: Session, view: View, resolved: list[list[Resolved]]) -> None:
         """Nudge and emergency truncation, decided from the usage the last answer reported."""
         last = self.store.usage(s.row.id).last
         if not last or not view.items:
             return
         used, window = last[0], self.window_for(s)
+        if used < min(self.nudge_cfg.threshold, self.nudge_cfg.truncate_at) * window:
+            return
         nudges = dict(s.flags.get("nudges", {}))
         newest = resolved[-1]
         if newest and not any(r.entry.ref in nudges for r in newest):
@@ -407,40 +455,22 @@ class Engine:
         if any(ref not in known for ref in cut):
             self.set_flag(s.row.id, "truncated", {**cut, **known})
 
-    @staticmethod
-    def _spent_calls(s: Session, view: View, keep_failed: int = 2) -> set[str]:
-        """Refs of compress calls (and their results) that no longer say anything: their blocks
-        were all distilled into later ones, or they failed and newer failures exist."""
-        failed, spent = [], []
-        for key, call in s.calls.items():
-            if call.name != "compress" or call.result is None:
-                continue
-            made = [b for b in s.blocks if b.call_id == key]
-            if not made:
-                failed.append(key)
-            elif not any(b.active for b in made):
-                spent.append(key)
-        spent += failed[: max(0, len(failed) - keep_failed)]
-        if not spent:
-            return set()
-        keys = set(spent)
-        return {p.ref for it in view.items for p in it.parts if (p.tool_call_id or "") in keys}
-
     def _assemble(self, s: Session, lane: Lane, items_out: list[bytes], start: int, view: View,
-                  result: TurnResult) -> bool:
+                  result: TurnResult, snoozed: set[str], pre: dict) -> bool:
         """Covered items leave the wire; each active block's summary stands where its range began;
         a reminder that needs an item of its own follows the item it was given after."""
-        unfolded = sum(it.tokens for it in view.items)
+        unfolded = sum(it.tokens for it in view.items) if s.blocks else 0
         s.unfolded_tokens = s.sent_tokens = unfolded
-        hidden = self._spent_calls(s, view)
-        plan = (fold.plan(view, s.blocks, hidden) if hidden or any(b.active for b in s.blocks)
-                else fold.Plan(set(), {}, []))
+        hidden = self.spent_calls(s, view) if s.calls else set()
+        active = any(b.active for b in s.blocks)
+        plan = fold.plan(view, s.blocks, hidden, snoozed) if hidden or active else fold.Plan(set(), {}, [])
         after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
         nudge_at = {k for k, it in enumerate(view.items) if after and set(it.refs) & after.keys()}
-        if not plan.drop and not plan.inserts and not nudge_at:
+        if not plan.drop and not plan.inserts and not nudge_at and not pre:
             return False
         out: list[bytes] = items_out[:start]
         for k, it in enumerate(view.items):
+            out.extend(pre.get(it.index, ()))
             for b in plan.inserts.get(k, ()):
                 out.append(lane.summary_item(b.text()))
             if k not in plan.drop:
@@ -454,117 +484,57 @@ class Engine:
                          + sum(count_tokens(b.text()) for b in plan.rendered))
         return True
 
-    def _resolve(self, s: Session, infos: list[ItemInfo]) -> tuple[list[list[_Resolved]], list[LedgerRow]]:
-        """Attach a ref to every part: known by ``(msg_id, content_hash)``, else the next free one."""
-        counter = InstanceCounter()
-        new_rows: list[LedgerRow] = []
-        next_ref = s.row.next_ref
-        resolved: list[list[_Resolved]] = []
-        for info in infos:
-            out = []
-            for part in info.parts:
-                core, base, chash, dirty = part.core, part.base, part.chash, part.dirty
-                if core.ctype == TEXT and core.role != "assistant" and core.text.startswith("<acp "):
-                    core, base, chash, dirty = self._strip_own_tag(s, part)
-                msg_id = counter(base)
-                entry = s.refs.get((msg_id, chash))
-                if entry is None:
-                    entry = Entry(tags.ref_of(next_ref), count_tokens(core.text))
-                    next_ref += 1
-                    new_rows.append(LedgerRow(msg_id, chash, entry.ref, core.role, core.ctype, entry.tokens))
-                out.append(_Resolved(core, entry, dirty))
-            resolved.append(out)
-        return resolved, new_rows
-
-    def _commit(self, s: Session, agent: str, lane: str, messages: int, new_rows: list[LedgerRow], tail) -> None:
-        row = s.row
-        staged = SessionRow(
-            row.id, agent, lane, row.created, row.last_seen, row.requests + 1, messages,
-            row.next_ref + len(new_rows), row.flags,
-        )
-        self.store.commit_turn(staged, new_rows, tail)  # raises: nothing of this turn is kept
-        s.row = staged
-        for r in new_rows:
-            s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
-            s.owners[r.ref] = r.content_hash
-
-    def _strip_own_tag(self, s: Session, part: Part) -> tuple[Core, str, str, bool]:
-        """Remove the message's own stale tag (idempotent); a foreign tag is content and stays."""
-        split = tags.split_own_tag(part.core.text)
-        if split is not None:
-            ref, rest = split
-            stripped = msgspec.structs.replace(part.core, text=rest)
-            base, chash = digest(stripped)
-            if s.owners.get(ref) == chash:
-                return stripped, base, chash, True
-        return part.core, part.base, part.chash, part.dirty
-
-    def _render(self, s: Session, items_out: list[bytes], infos: list[ItemInfo], start: int,
-                resolved: list[list[_Resolved]], result: TurnResult) -> bool:
-        changed = False
-        cache: dict[bytes, tuple[tuple, bytes]] = {}
-        last = len(infos) - 1
-        nudges = {ref: n for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "suffix"}
-        for k, parts in enumerate(resolved):
-            i = start + k
-            edits = []
-            for r in parts:
-                core = r.core
-                prefill = i == last and core.role == "assistant"
-                suffix = nudges.get(r.entry.ref, {}).get("text") if nudges else None
-                if _taggable(core, prefill=prefill):
-                    text = tags.render(r.entry.ref, r.entry.tokens, core.ctype, core.text)
-                    edits.append((core.path, text + "\n\n" + suffix if suffix else text))
-                elif r.dirty and core.path:
-                    edits.append((core.path, core.text))
-            if not edits:
-                continue
-            src = items_out[i]
-            sig = tuple(edits)
-            hit = s.render_cache.get(src)
-            out = hit[1] if hit is not None and hit[0] == sig else patch_many(src, edits)
-            cache[src] = (sig, out)
-            result.tagged += sum(1 for _p, text in edits if text.startswith("<acp "))
-            if out != src:
-                items_out[i] = out
-                changed = True
-        s.render_cache = cache
-        return changed
-
-    def _hygiene(self, s: Session, lane: str, items_out: list[bytes], infos: list[ItemInfo],
-                 top: dict, origin: str, result: TurnResult) -> bool:
-        changed = False
-        for i, info in enumerate(infos):
-            edits = hygiene.proxy_id_edits(lane, info.obj)
-            if edits:
-                items_out[i] = patch_many(items_out[i], edits)
-                changed = True
-        model = top.get("model") if isinstance(top.get("model"), str) else ""
-        if not (s.flags.get("strict_reasoning") or hygiene.strict_by_name(origin, model)):
-            return changed
-        if lane == "chat":
-            for i, info in enumerate(infos):
-                edits = hygiene.strict_chat_edits(info.obj)
-                if edits:
-                    items_out[i] = patch_many(items_out[i], edits)
-                    changed = True
-        elif lane == "responses":
-            inserts = hygiene.strict_responses_inserts([info.obj for info in infos])
-            for i in reversed(inserts):
-                items_out.insert(i, hygiene.EMPTY_REASONING)
-            changed |= bool(inserts)
-        return changed
+    def _remember(self, lane: Lane, sid: str, s: Session, raws, infos, start, hashes, resolved, view_items,
+                  counter: Counter, rendered) -> None:
+        if rendered is None:
+            # only identity work was done: nothing rendered to reuse (version -1 never matches)
+            rendered_items, changed_cum, tagged_cum, version = [], [0], [0], -1
+        else:
+            (rendered_items, changed_cum, tagged_cum), version = rendered, s.version
+        self.memos[sid] = Memo(lane.name, sid, version, raws, infos, start, hashes, resolved, view_items,
+                               rendered_items, changed_cum, tagged_cum, counter)
+        self.memos.move_to_end(sid)
+        while len(self.memos) > MAX_MEMOS:
+            self.memos.popitem(last=False)
 
 
-def _view(resolved: list[list[_Resolved]], start: int) -> View:
-    return View([
-        ViewItem(start + k, [
+# -- helpers -----------------------------------------------------------------------------------
+
+def _system_run(infos: list[ItemInfo]) -> int:
+    start = 0  # the leading system run is environment, not conversation
+    while start < len(infos) and infos[start].is_system:
+        start += 1
+    return start
+
+
+def _common_prefix(a: list, b: list) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _prefix_counter(memo: Memo | None, q: int) -> Counter:
+    """Instance counts of base ids over the first ``q`` conversation items of the previous pass."""
+    if memo is None or q == 0:
+        return Counter()
+    counts = Counter(memo.bases)
+    for parts in memo.resolved[q:]:
+        for r in parts:
+            counts[r.base] -= r.incs
+    return counts
+
+
+def _view_items(resolved: list[list[Resolved]], first_index: int) -> list[ViewItem]:
+    return [
+        ViewItem(first_index + k, [
             PartView(r.entry.ref, r.core.role, r.core.ctype, r.core.tool_name, r.core.tool_call_id, r.core.text,
                      r.entry.tokens)
             for r in parts
         ])
         for k, parts in enumerate(resolved)
-    ])
+    ]
 
 
 def _taggable(core: Core, *, prefill: bool) -> bool:

@@ -1,0 +1,313 @@
+"""Fold coverage under churn: which inbound parts are the ones the blocks already cover?
+
+Hosts re-serialise their history (ids re-minted, JSON re-encoded, images placeholdered, the oldest
+messages dropped), so content-hash refs change and a fold's coverage silently stops matching.  This
+layer keeps a canonical copy of the last pass (per position: a fingerprint of
+``role|toolName|canonical text``) and re-anchors a missing covered ref onto its new counterpart
+only where that is verified: by position against the stored copy, by a unique tool-call id, or by
+a unique normalised identity.  What cannot be verified re-enters the wire; a guess never claims.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import unicodedata
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from bili_addon.kernel.fold import Block, PartView, View
+from bili_addon.wire.base import IMAGE, REASONING, TEXT
+
+SIDE_REQUEST_MAX_ITEMS = 10  # smaller requests (titles, probes) never move the copy
+SHAPE_MASS_MIN = 8  # a drift this large gets the shape tier and a verdict
+COLLAPSE_MIN = 10
+
+
+# -- fingerprints ------------------------------------------------------------------------------
+
+def normalize_text(t: str) -> str:
+    t = unicodedata.normalize("NFC", t or "").replace("\r\n", "\n").replace("\r", "\n")
+    t = re.sub(r"[^\S\n]+", " ", t)
+    t = re.sub(r" *\n *", "\n", t)
+    t = re.sub(r"\n{2,}", "\n", t)
+    return t.strip()
+
+
+def canonical_text(text: str) -> str:
+    """JSON-shaped text key-sorted and compacted; prose normalised."""
+    s = text.lstrip()
+    if s[:1] in ("{", "["):
+        try:
+            return json.dumps(json.loads(s), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        except (ValueError, RecursionError):
+            pass
+    return normalize_text(text)
+
+
+def _h(*parts: str) -> str:
+    return hashlib.sha256("\x00".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def fingerprint(p: PartView) -> str:
+    """Positional fingerprint: tool-call ids and the content-type literal excluded (they re-encode
+    across codecs); reasoning on its role alone (providers re-mint what stands for it)."""
+    if p.ctype == REASONING:
+        return _h(p.role, "reasoning")
+    if p.ctype == IMAGE:
+        return _h(p.role, "image", p.text)
+    return _h(p.role, p.tool_name, canonical_text(p.text))
+
+
+def norm_identity(p: PartView, with_call_id: bool = True) -> str:
+    return _h(p.role, p.ctype, p.tool_name, p.tool_call_id if with_call_id else "", normalize_text(p.text))
+
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def words(text: str) -> Counter:
+    return Counter(w.lower() for w in _WORD.findall(text))
+
+
+def simhash(text: str) -> int:
+    v = [0] * 64
+    for w, n in words(text).items():
+        h = int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "big")
+        for i in range(64):
+            v[i] += n if h >> i & 1 else -n
+    return sum(1 << i for i in range(64) if v[i] > 0)
+
+
+# -- the stored copy ---------------------------------------------------------------------------
+
+@dataclass
+class Copy:
+    """The canonical copy of a pass: part refs and their fingerprints, in conversation order."""
+
+    refs: list[str] = field(default_factory=list)
+    fps: list[str] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)  # the pass's ledger ids (echo vs new instance)
+    witness: list[str] = field(default_factory=list)  # frozen old-order tail of a drift episode
+    latched: bool = False  # total collapse: folding paused until the history aligns again
+    streak: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, doc: str | None) -> "Copy":
+        if not doc:
+            return cls()
+        try:
+            return cls(**json.loads(doc))
+        except (TypeError, ValueError):
+            return cls()
+
+
+@dataclass
+class Outcome:
+    claims: dict[str, str] = field(default_factory=dict)  # old covered ref -> new ref
+    by: Counter = field(default_factory=Counter)  # how each claim was made
+    missing: int = 0
+    unmatched: list[str] = field(default_factory=list)
+    suspects: int = 0
+    verdict: str = ""  # "", "transformed", "truncated", "drift", "collapse", "recovered"
+    snoozed: set[str] = field(default_factory=set)  # blocks whose range the host truncated away
+
+    @property
+    def drifted(self) -> bool:
+        return self.missing > 0
+
+
+def covered_map(blocks: list[Block]) -> dict[str, Block]:
+    out: dict[str, Block] = {}
+    for b in blocks:
+        if b.active:
+            for r in b.coverage:
+                out.setdefault(r, b)
+    return out
+
+
+def reconcile(view: View, blocks: list[Block], copy: Copy, originals) -> Outcome:
+    """Plan claims for covered refs that went missing. ``originals(refs)`` gives the stored
+    originals of folded parts: ``(ref, role, ctype, tool_name, tool_call_id, text, tokens)``."""
+    parts: list[PartView] = [p for it in view.items for p in it.parts]
+    new_refs = [p.ref for p in parts]
+    present = set(new_refs)
+    cov = covered_map(blocks)
+    missing = [r for r in cov if r not in present]
+    out = Outcome(missing=len(missing))
+    if not missing:
+        return out
+    missing_set = set(missing)
+    claimed_new: set[str] = set()
+
+    def claim(old: str, new: str, how: str) -> None:
+        out.claims[old] = new
+        claimed_new.add(new)
+        out.by[how] += 1
+
+    def free(new: str) -> bool:
+        return new not in cov and new not in claimed_new
+
+    new_fps = [fingerprint(p) for p in parts]
+    old_refs, old_fps = copy.refs, copy.fps
+    if old_refs and len(old_refs) == len(old_fps):
+        prefix = 0
+        while prefix < min(len(old_refs), len(new_refs)) and old_refs[prefix] == new_refs[prefix]:
+            prefix += 1
+        # pass 0, head first: aligned positions whose fingerprints match, until the first mismatch
+        i = prefix
+        while i < min(len(old_refs), len(new_refs)) and old_fps[i] == new_fps[i]:
+            o, n = old_refs[i], new_refs[i]
+            if o in missing_set and o != n and free(n):
+                claim(o, n, "position")
+            i += 1
+        # ... and tail first
+        j = 1
+        while j <= min(len(old_refs), len(new_refs)) - prefix and old_fps[-j] == new_fps[-j]:
+            o, n = old_refs[-j], new_refs[-j]
+            if o in missing_set and o not in out.claims and o != n and free(n):
+                claim(o, n, "position")
+            j += 1
+
+    rest = [r for r in missing if r not in out.claims]
+    anchors = {row[0]: row for row in originals(rest)} if rest else {}
+    candidates = [p for p in parts if free(p.ref)]
+
+    # pass 1: a tool-call id names exactly one inbound part of the same role
+    by_call: dict[tuple[str, str], list[PartView]] = defaultdict(list)
+    for p in candidates:
+        if p.tool_call_id:
+            by_call[(p.role, p.tool_call_id)].append(p)
+    for r in rest:
+        a = anchors.get(r)
+        if a is None or not a[4]:
+            continue
+        usable = [p for p in by_call.get((a[1], a[4]), []) if free(p.ref)]
+        if len(usable) == 1 and fingerprint(usable[0]) == fingerprint(_anchor_part(a)):
+            claim(r, usable[0].ref, "call id")
+
+    # pass 2: the normalised identity, k-th to k-th, with a length guard
+    by_norm: dict[str, list[PartView]] = defaultdict(list)
+    for p in candidates:
+        by_norm[norm_identity(p)].append(p)
+    taken: Counter = Counter()
+    for r in rest:
+        a = anchors.get(r)
+        if a is None or r in out.claims:
+            continue
+        key = norm_identity(_anchor_part(a))
+        group = [p for p in by_norm.get(key, []) if free(p.ref)]
+        if group and abs(len(group[0].text) - len(a[5])) <= max(256, len(a[5]) // 4):
+            claim(r, group[0].ref, "normalised")
+            taken[key] += 1
+
+    unmatched = [r for r in missing if r not in out.claims]
+    # a covered call whose twin came back under another call id: named, never claimed (#2396)
+    no_id = defaultdict(set)
+    for p in candidates:
+        if p.tool_call_id and free(p.ref):
+            no_id[norm_identity(p, with_call_id=False)].add(p.tool_call_id)
+    for r in unmatched:
+        a = anchors.get(r)
+        if a is not None and a[4]:
+            twins = no_id.get(norm_identity(_anchor_part(a), with_call_id=False), set())
+            if twins - {a[4]}:
+                out.suspects += 1
+
+    if len(unmatched) >= SHAPE_MASS_MIN or (unmatched and len(unmatched) == len(cov)):
+        _shape_tier(unmatched, anchors, parts, free, claim, out, view)
+        unmatched = [r for r in missing if r not in out.claims]
+    out.unmatched = unmatched
+    return out
+
+
+def _anchor_part(a: tuple) -> PartView:
+    ref, role, ctype, tool_name, call_id, text, tokens = a
+    return PartView(ref, role, ctype, tool_name, call_id, text, tokens)
+
+
+def _shape_tier(unmatched, anchors, parts, free, claim, out: Outcome, view: View) -> None:
+    """A mass of covered refs went missing at once: pair residual prose in order under strict
+    word-bag equality (plus simhash, role and length), and images k-th to k-th between verified
+    flanks.  A systematic mutation (a suffix stamped on every message) changes the word bag, so it
+    is never claimed."""
+    pos = {p.ref: k for k, p in enumerate(parts)}
+    cursor = 0
+    for r in unmatched:
+        a = anchors.get(r)
+        if a is None or a[2] not in (TEXT,) or not a[5].strip():
+            continue
+        want, sh = words(a[5]), simhash(a[5])
+        for k in range(cursor, len(parts)):
+            p = parts[k]
+            if not free(p.ref) or p.role != a[1] or p.ctype != TEXT:
+                continue
+            if abs(len(p.text) - len(a[5])) > max(64, len(a[5]) // 8):
+                continue
+            if words(p.text) == want and bin(simhash(p.text) ^ sh).count("1") <= 8:
+                claim(r, p.ref, "shape")
+                cursor = k + 1
+                break
+    # textless parts (images) between claimed flanks, when the counts agree exactly
+    claimed_pos = sorted(pos[n] for n in out.claims.values() if n in pos)
+    images_old = [r for r in unmatched if r not in out.claims and anchors.get(r) and anchors[r][2] == IMAGE]
+    if images_old and len(claimed_pos) >= 2:
+        lo, hi = claimed_pos[0], claimed_pos[-1]
+        images_new = [p.ref for p in parts[lo:hi] if p.ctype == IMAGE and free(p.ref)]
+        if len(images_new) == len(images_old):
+            for o, n in zip(images_old, images_new):
+                claim(o, n, "image flank")
+
+
+def verdict(out: Outcome, view: View, blocks: list[Block], copy: Copy, originals) -> None:
+    """Classify what no channel verified: explained by transformation, benign truncation of the
+    oldest slice (its blocks snooze), or drift; total collapse latches a pause."""
+    if not out.missing:
+        if copy.latched:
+            out.verdict = "recovered"
+        copy.latched, copy.streak, copy.witness = False, 0, []
+        return
+    if not out.unmatched:
+        out.verdict = "transformed" if out.by else ""
+        copy.streak = 0
+        return
+    new_fps = [fingerprint(p) for it in view.items for p in it.parts]
+    texts = {p.text for it in view.items for p in it.parts}
+    residual = {r: row for r, *row in ((row[0], row) for row in originals(out.unmatched))}
+    near_dups = any(row[5] in texts for row in residual.values())
+    head_aligned = _heads_inbound(copy.fps if not copy.witness else copy.witness, new_fps)
+    cov = covered_map(blocks)
+    if not near_dups and head_aligned:
+        out.verdict = "truncated"
+        for r in out.unmatched:
+            b = cov.get(r)
+            if b is not None and not any(x in view.pos for x in b.coverage):
+                out.snoozed.add(b.id)
+        copy.streak = 0
+        return
+    copy.streak += 1
+    if not copy.witness:
+        copy.witness = copy.fps[-64:]
+    total = not out.claims and (len(out.unmatched) >= COLLAPSE_MIN or len(out.unmatched) == len(cov))
+    if total:
+        out.verdict = "collapse"
+        copy.latched = True
+    else:
+        out.verdict = "drift"
+
+
+def _heads_inbound(old_fps: list[str], new_fps: list[str], need: int = 8) -> bool:
+    """The inbound history starts with a stretch of the old order (the oldest slice was dropped)."""
+    if not old_fps or not new_fps:
+        return False
+    n = min(need, len(new_fps))
+    head = new_fps[:n]
+    for j in range(1, len(old_fps) - n + 1):
+        if old_fps[j : j + n] == head:
+            return True
+    return False

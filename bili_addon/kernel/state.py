@@ -1,0 +1,173 @@
+"""The kernel's records: parsed items (shared by content), sessions, and one turn's outcome."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from bili_addon.kernel.fold import Block, View, ViewItem
+from bili_addon.kernel.identity import digest
+from bili_addon.kernel.reconcile import Copy, fingerprint
+from bili_addon.store import SessionRow
+from bili_addon.stream.echo import strip_echoes
+from bili_addon.wire import Lane
+from bili_addon.wire.base import TEXT, Core, decode_any
+
+# the one-line visibility markers the addon may add to a response; stripped when replayed
+MARKER_LINE = re.compile(r"^\[bili\] [^\n]*(?:\n|$)")
+
+
+def clean_replayed_prose(text: str) -> str:
+    """What the host replays of the model's prose, minus our markers and the model's tag echoes
+    (with the blank lines they drag along)."""
+    while MARKER_LINE.match(text):
+        text = MARKER_LINE.sub("", text, count=1)
+    return strip_echoes(text)
+
+
+class Part(msgspec.Struct, gc=False):
+    """A core (prose already cleaned) with its identity digest, computed once per distinct item bytes."""
+
+    core: Core
+    base: str  # h_ + 16 hex
+    chash: str  # full sha256 hex of the seed
+    dirty: bool  # the wire text differs from core.text (cleaned at ingress)
+
+
+class ItemInfo(msgspec.Struct, gc=False):
+    raw: bytes
+    is_system: bool
+    parts: list[Part]
+    canon: bytes | None = None  # canonical form, computed for anonymous sessions only
+
+    @property
+    def obj(self) -> Any:
+        """The decoded item (decoded again on demand: only rare paths need it)."""
+        return decode_any(self.raw)
+
+
+class ItemCache:
+    """Parsed items by their exact bytes: a follow-up turn never re-parses or re-hashes old history."""
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self.size = 0
+        self.items: OrderedDict[tuple[str, bytes], ItemInfo] = OrderedDict()
+
+    def get(self, lane: Lane, raw: bytes) -> ItemInfo:
+        key = (lane.name, raw)
+        info = self.items.get(key)
+        if info is not None:
+            self.items.move_to_end(key)
+            return info
+        obj = decode_any(raw)
+        parts = []
+        for core in lane.item_cores(obj):
+            dirty = False
+            if core.role == "assistant" and core.ctype == TEXT:
+                clean = clean_replayed_prose(core.text)
+                if clean != core.text:
+                    core, dirty = msgspec.structs.replace(core, text=clean), True
+            base, chash = digest(core)
+            parts.append(Part(core, base, chash, dirty))
+        info = ItemInfo(raw, lane.is_system_item(obj), parts)
+        self.items[key] = info
+        self.size += len(raw)
+        while self.size > self.max_bytes and self.items:
+            (_, old), _info = self.items.popitem(last=False)
+            self.size -= len(old)
+        return info
+
+
+@dataclass
+class Entry:
+    ref: str
+    tokens: int
+
+
+@dataclass
+class Call:
+    """A proxy tool call the model made; ``result`` stays None until it is executed, exactly once."""
+
+    name: str
+    args: str
+    result: str | None = None
+
+
+@dataclass
+class Resolved:
+    core: Core
+    entry: Entry
+    dirty: bool
+    msg_id: str
+    base: str
+    incs: int = 1  # instance numbers this part used up (more than one when it was renumbered)
+
+
+@dataclass
+class Memo:
+    """What the previous pass of a session computed, so an appended turn costs only its suffix.
+
+    ``rendered`` holds every item after its per-item transforms (tags, restored calls, real tool
+    results, id hygiene); it is valid while the session's ``version`` is unchanged.
+    """
+
+    lane: str
+    sid: str
+    version: int
+    raws: list[msgspec.Raw]
+    infos: list[ItemInfo]
+    start: int
+    chain: list[str] | None
+    resolved: list[list[Resolved]]
+    view_items: list[ViewItem]
+    rendered: list[bytes]
+    changed_cum: list[int]  # changed_cum[i]: rendered items among the first i that differ from the wire
+    tagged_cum: list[int]
+    bases: Counter  # instance counts of every base id in the pass
+
+
+@dataclass
+class Session:
+    row: SessionRow
+    refs: dict[tuple[str, str], Entry] = field(default_factory=dict)
+    owners: dict[str, str] = field(default_factory=dict)  # ref -> content hash
+    flags: dict[str, Any] = field(default_factory=dict)
+    blocks: list[Block] = field(default_factory=list)
+    calls: dict[str, Call] = field(default_factory=dict)
+    copy: Copy = field(default_factory=Copy)  # the canonical copy of the last steady pass
+    model: str = ""
+    version: int = 0  # bumped whenever something changes how old items render
+    last_view: View | None = None  # the conversation as the last request showed it
+    sent_tokens: int = 0  # the last request, as sent
+    unfolded_tokens: int = 0  # the last request, had nothing been folded
+
+
+@dataclass
+class TurnResult:
+    body: bytes | None
+    session: str = ""
+    lane: str = ""
+    messages: int = 0
+    refs_new: int = 0
+    refs_known: int = 0
+    tagged: int = 0
+    source: str = ""
+    notes: list[str] = field(default_factory=list)
+    executed: list[str] = field(default_factory=list)  # proxy tools run for this request
+    marker: str = ""  # the visibility line for this request's answer
+    folded_items: int = 0
+    reused: int = 0  # items whose work came from the previous pass
+    drift: str = ""  # the fold-coverage verdict, when covered refs went missing
+    status: int = 0  # non-zero: answer the client with this status instead of forwarding
+    error: str = ""
+
+
+__all__ = [
+    "Call", "Entry", "ItemCache", "ItemInfo", "MARKER_LINE", "Memo", "Part", "Resolved", "Session",
+    "TurnResult", "clean_replayed_prose", "fingerprint",
+]

@@ -1,0 +1,147 @@
+"""The proxy tools: recorded from the model's answer, executed once on the next request, their real
+result put in place of the agent's "unknown tool" error on this and every later turn."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from bili_addon.kernel import fold, surfaces, tags
+from bili_addon.kernel.fold import View
+from bili_addon.kernel.state import Call, ItemInfo, Session, TurnResult
+from bili_addon.wire import Lane
+from bili_addon.wire.base import TOOL_CALL, TOOL_RESULT, patch_many
+
+if TYPE_CHECKING:
+    from bili_addon.kernel.turn import Engine
+
+
+def call_key(tool_call_id: str, tool_name: str) -> str:
+    """Calls are keyed by their id; Gemini calls may have none, then the function name pairs them."""
+    return tool_call_id or (f"name:{tool_name}" if tool_name else "")
+
+
+class ProxyTools:
+    """Mixed into :class:`~bili_addon.kernel.turn.Engine`."""
+
+    def record_calls(self: "Engine", sid: str, calls: list[tuple[str, str, str]]) -> None:
+        """Proxy tool calls seen in an answer; each runs once, when the next request carries it."""
+        s = self.session(sid)
+        fresh = [c for c in calls if c[0] not in s.calls]
+        if fresh:
+            self.store.record_calls(sid, fresh)
+            for key, name, args in fresh:
+                s.calls[key] = Call(name, args)
+
+    def run_tool(self: "Engine", s: Session, name: str, args: Any, view: View | None, call_id: str = "") -> str:
+        """Execute one proxy tool against the conversation as this request shows it."""
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                return f"{name}: the arguments are not valid JSON."
+        view = view or View([])
+        sid = s.row.id
+        if name == "compress":
+            out = fold.compress(args, view, s.blocks, self.fold_cfg, call_id)
+            if out.blocks:
+                s.blocks.extend(out.blocks)
+                self.save_blocks(s, out.blocks + out.deactivated, out.originals)
+            return out.text
+        originals = lambda refs: self.store.originals(sid, refs)  # noqa: E731
+        if name == "decompress":
+            return surfaces.decompress(args, s.blocks, originals)
+        if name == "search_context":
+            return surfaces.search_context(args, s.blocks, originals)
+        if name == "acp_status":
+            usage = self.store.usage(sid).last
+            window = self.window_for(s)
+            return surfaces.status(view, s.blocks, self.fold_cfg, (usage[0], window) if usage else None)
+        return f"Unknown bili tool {name!r}."
+
+    def plugin_tool(self: "Engine", sid: str | None, tool: str, args: Any) -> tuple[str, str]:
+        """A tool called natively (MCP) rather than on the wire: ``(session id, result)``.
+
+        Without a session id the most recently active session is used.  Ranges resolve against the
+        conversation as its last request showed it; a fold shows from the next request on.
+        """
+        if not sid:
+            rows = self.store.sessions()
+            if not rows:
+                raise LookupError("no conversation has gone through the proxy yet")
+            sid = rows[0].id
+        elif self.store.session(sid) is None and sid not in self.sessions:
+            raise LookupError(f"unknown conversation {sid!r}")
+        s = self.session(sid)
+        return sid, self.run_tool(s, tool, args, s.last_view)
+
+    def _run_calls(self: "Engine", s: Session, view: View, first: int, result: TurnResult) -> None:
+        """Execute the recorded calls this request carries (from view item ``first`` on)."""
+        done: list[tuple[str, str]] = []
+        for it in view.items[first:]:
+            for p in it.parts:
+                if p.ctype != TOOL_CALL:
+                    continue
+                key = call_key(p.tool_call_id, p.tool_name)
+                call = s.calls.get(key)
+                if call is None or call.result is not None:
+                    continue
+                before = {b.id for b in s.blocks}
+                call.result = self.run_tool(s, call.name, call.args, view, key)
+                done.append((key, call.result))
+                result.executed.append(call.name)
+                made = [b for b in s.blocks if b.id not in before]
+                if made:
+                    saved = sum(b.folded_tokens - b.summary_tokens for b in made)
+                    spans = ", ".join(f"{b.covered[0]}–{b.covered[-1]} → {b.id}" for b in made)
+                    result.marker = f"[bili] compressed {spans}, ~{tags.format_tokens(max(0, saved))} tokens saved"
+        if done:
+            self.store.commit_fold(s.row.id, [], [], done)
+
+    @staticmethod
+    def _call_edits(s: Session, lane: Lane, info: ItemInfo, refs_parts) -> list:
+        """Edits for one item: executed calls as the model made them, real results for the agent's
+        errors, emergency-truncated tool outputs."""
+        cut = s.flags.get("truncated", {})
+        edits: list = []
+        obj = None
+        for p in refs_parts:
+            key = call_key(p.core.tool_call_id, p.core.tool_name)
+            if not key or p.core.ctype not in (TOOL_CALL, TOOL_RESULT):
+                continue
+            call = s.calls.get(key)
+            if call is None:
+                if p.core.ctype == TOOL_RESULT and p.entry.ref in cut:
+                    obj = obj if obj is not None else info.obj
+                    edits += lane.result_edits(obj, key, cut[p.entry.ref])
+                continue
+            if call.result is None:
+                continue
+            obj = obj if obj is not None else info.obj
+            if p.core.ctype == TOOL_CALL:
+                edits += lane.call_edits(obj, key, call.name, call.args)
+            else:
+                edits += lane.result_edits(obj, key, call.result)
+        return edits
+
+    @staticmethod
+    def spent_calls(s: Session, view: View, keep_failed: int = 2) -> set[str]:
+        """Refs of compress calls (and their results) that no longer say anything: their blocks
+        were all distilled into later ones, or they failed and newer failures exist."""
+        failed, spent = [], []
+        for key, call in s.calls.items():
+            if call.name != "compress" or call.result is None:
+                continue
+            made = [b for b in s.blocks if b.call_id == key]
+            if not made:
+                failed.append(key)
+            elif not any(b.active for b in made):
+                spent.append(key)
+        spent += failed[: max(0, len(failed) - keep_failed)]
+        if not spent:
+            return set()
+        keys = set(spent)
+        return {p.ref for it in view.items for p in it.parts if (p.tool_call_id or "") in keys}
+
+
+__all__ = ["ProxyTools", "call_key", "patch_many"]
