@@ -45,7 +45,6 @@ CREATE TABLE IF NOT EXISTS ledger(
     first_seen REAL NOT NULL,
     PRIMARY KEY(session_id, msg_id, content_hash)
 ) WITHOUT ROWID;
-CREATE UNIQUE INDEX IF NOT EXISTS ledger_ref ON ledger(session_id, ref);
 CREATE TABLE IF NOT EXISTS affinity(
     session_id TEXT PRIMARY KEY,
     depth INTEGER NOT NULL,

@@ -38,6 +38,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bili_addon.kernel import state as state_mod  # noqa: E402
 from bili_addon.kernel import turn as turn_mod  # noqa: E402
 from bili_addon.kernel.fold import FoldConfig  # noqa: E402
 from bili_addon.kernel.turn import Engine  # noqa: E402
@@ -199,22 +200,27 @@ def floor_of(raw: bytes, reps: int) -> float:
 
 
 class DigestCounter:
-    """Counts the content hashes the kernel computes (``identity.digest`` as imported by turn)."""
+    """Counts the content hashes the kernel computes (``identity.digest`` wherever the kernel
+    imported it: item parsing in ``state``, tag stripping in ``turn``)."""
+
+    MODULES = (state_mod, turn_mod)
 
     def __init__(self):
         self.n = 0
-        self.orig = turn_mod.digest
+        self.orig = state_mod.digest
 
     def __enter__(self):
         def counted(core):
             self.n += 1
             return self.orig(core)
 
-        turn_mod.digest = counted
+        for m in self.MODULES:
+            m.digest = counted
         return self
 
     def __exit__(self, *exc):
-        turn_mod.digest = self.orig
+        for m in self.MODULES:
+            m.digest = self.orig
 
 
 def first_turn(case: Case, raw: bytes, reps: int) -> tuple[float, bytes]:

@@ -65,7 +65,7 @@ class Block:
         return count_tokens(self.summary)
 
 
-@dataclass
+@dataclass(slots=True)
 class PartView:
     ref: str
     role: str
@@ -76,7 +76,7 @@ class PartView:
     tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class ViewItem:
     """One conversation item as the kernel sees it: its parts' refs and pairing keys."""
 

@@ -53,5 +53,7 @@ def count_tokens(text: str) -> int:
     """A cheap, deterministic token estimate: CJK characters count one each, the rest ~4 chars."""
     if not text:
         return 0
+    if text.isascii():  # the common case: no CJK, and UTF-16 length == len
+        return -(-len(text) // 4)
     cjk = len(_CJK.findall(text))
     return cjk + math.ceil((js_len(text) - cjk) / 4)

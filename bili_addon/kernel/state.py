@@ -83,7 +83,7 @@ class ItemCache:
         return info
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     ref: str
     tokens: int
@@ -98,7 +98,7 @@ class Call:
     result: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Resolved:
     core: Core
     entry: Entry

@@ -75,6 +75,8 @@ def strip_echoes(text: str, *, before: str = "", final: bool = True) -> str:
     ``final``: nothing follows, so an opening cut off at the very end (a stream that stopped
     mid-tag) is dropped too.
     """
+    if "<" not in text:  # every echo shape has an angle bracket
+        return text
     prev = None
     while prev != text and _QUICK.search(text):  # removing one echo can expose another
         prev = text

@@ -1,0 +1,722 @@
+"""``bili <agent> [options] [-- agent args]``: run an agent through the proxy, and ``bili doctor``.
+
+The launcher makes sure the CA exists, re-uses a bili proxy already answering on the port or starts
+one (``mitmdump`` with the addon, in its own session, intercepting only model API hosts), runs the
+agent as its child with ``HTTPS_PROXY`` and the CA variable it understands, forwards signals to it,
+and exits with the agent's exit code.  A proxy started by a launcher is stopped when the last
+launcher using it exits (bookkeeping in ``<state dir>/proxy-<port>.*``); a proxy you started
+yourself with ``bili run`` is never stopped.
+
+The agent's configuration is read (for custom base URLs), never written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import http.client
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Mapping
+
+from bili_addon import __version__
+from bili_addon.agents import AGENTS, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex, intercept_plan
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8787
+BILI_MODES = ("fold", "observe", "passthrough")
+FIRST_PARTY = ("fold", "observe")
+START_TIMEOUT = 30.0
+STOP_TIMEOUT = 5.0
+ADDON = Path(__file__).resolve().parent / "addon.py"
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def _say(msg: str, quiet: bool = False) -> None:
+    if not quiet:
+        print(f"bili: {msg}", file=sys.stderr, flush=True)
+
+
+# -- the mitmdump command (shared with ``bili run``) --------------------------------------------------
+def find_mitmdump() -> Path | None:
+    here = Path(sys.executable).parent / "mitmdump"
+    if here.is_file() and os.access(here, os.X_OK):
+        return here
+    found = shutil.which("mitmdump")
+    return Path(found) if found else None
+
+
+def system_roots_for_upstream(source: str | None) -> str | None:
+    """The system roots for ``ssl_verify_upstream_trusted_ca``, unless they are certifi's already."""
+    if not source:
+        return None
+    try:
+        import certifi
+
+        if Path(source).resolve() == Path(certifi.where()).resolve():
+            return None
+    except ImportError:
+        pass
+    return source
+
+
+def mitmdump_command(
+    mitmdump: Path | str,
+    *,
+    listen_host: str,
+    listen_port: int,
+    modes: list[str],
+    confdir: Path,
+    data_dir: str | None,
+    bili_mode: str,
+    upstream_ca: str | None,
+    lazy: bool,
+    allow_hosts: str | None = None,
+    first_party: str | None = None,
+    scripts: list[str] = (),  # type: ignore[assignment]
+    sets: list[str] = (),  # type: ignore[assignment]
+    extra: list[str] = (),  # type: ignore[assignment]
+) -> list[str]:
+    cmd = [str(mitmdump), "-s", str(ADDON), "--listen-host", listen_host, "--listen-port", str(listen_port)]
+    for m in modes:
+        cmd += ["--mode", m]
+    cmd += ["--set", f"confdir={confdir}"]
+    if data_dir:
+        cmd += ["--set", f"bili_data_dir={Path(data_dir).expanduser().resolve()}"]
+    cmd += ["--set", f"bili_mode={bili_mode}"]
+    if first_party:
+        cmd += ["--set", f"bili_first_party={first_party}"]
+    if upstream_ca:
+        # mitmproxy verifies upstream servers against certifi only; trust what this machine trusts
+        # (a corporate or sandbox TLS inspector's CA lives in the system store, not in certifi)
+        cmd += ["--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}"]
+    if lazy:
+        # mitmproxy's default ("eager") dials the upstream as soon as a client connects and drops
+        # the client if that fails; lazy lets /__bili/ answer even while the upstream is down
+        cmd += ["--set", "connection_strategy=lazy"]
+    if allow_hosts:
+        # TLS is intercepted for these hosts only; every other CONNECT is tunnelled untouched
+        cmd += ["--set", f"allow_hosts={allow_hosts}"]
+    for s in scripts:
+        cmd += ["-s", str(Path(s).expanduser().resolve())]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd + list(extra)
+
+
+# -- probing a port ------------------------------------------------------------------------------------
+@dataclass
+class Probe:
+    kind: str  # "bili", "other" (something else listens), "free"
+    health: dict = field(default_factory=dict)
+    detail: str = ""
+
+
+def probe(port: int, host: str = DEFAULT_HOST, timeout: float = 2.0) -> Probe:
+    """Is a bili proxy answering ``/__bili/health`` on ``host:port``?  Asked in origin form (what
+    a forward proxy in mitmproxy answers itself) and, failing that, in proxy form."""
+    detail = ""
+    for target in ("/__bili/health", f"http://{host}:{port}/__bili/health"):
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        try:
+            conn.request("GET", target, headers={"accept": "application/json", "connection": "close"})
+            resp = conn.getresponse()
+            body = resp.read(65536)
+        except ConnectionRefusedError:
+            return Probe("free")
+        except (OSError, http.client.HTTPException) as e:
+            detail = f"{type(e).__name__}: {e}"
+            continue
+        finally:
+            conn.close()
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            doc = None
+        if resp.status == 200 and isinstance(doc, dict) and doc.get("ok") is True and "version" in doc:
+            return Probe("bili", doc)
+        detail = f"HTTP {resp.status}: {body[:120]!r}"
+    return Probe("other", detail=detail)
+
+
+# -- the shared proxy, with a lease per launcher ---------------------------------------------------------
+def state_dir(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    run = env.get("XDG_RUNTIME_DIR")
+    if run and os.path.isdir(run) and os.access(run, os.W_OK):
+        return Path(run) / "bili-addon"
+    base = env.get("XDG_DATA_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "bili-addon" / "run"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not reaped by its parent) is not alive
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return True
+
+
+def _is_mitmdump(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"mitmdump" in f.read()
+    except FileNotFoundError:
+        return not os.path.isdir("/proc") and _alive(pid)  # no procfs (macOS): trust the pid
+    except OSError:
+        return False
+
+
+class SharedProxy:
+    """Attach to the bili proxy on a port (re-use or start it); detach stops it when this was the
+    last launcher using a proxy some launcher started."""
+
+    def __init__(self, port: int, command: list[str], *, host: str = DEFAULT_HOST, env: Mapping[str, str] | None = None,
+                 quiet: bool = False, state: Path | None = None):
+        self.port, self.host, self.command, self.quiet = port, host, command, quiet
+        self.env = dict(os.environ if env is None else env)
+        self.dir = state or state_dir(self.env)
+        self.lock_path = self.dir / f"proxy-{port}.lock"
+        self.owner_path = self.dir / f"proxy-{port}.json"
+        self.users_dir = self.dir / f"proxy-{port}.users"
+        self.log_path = self.dir / f"proxy-{port}.log"
+        self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None  # the proxy's pid, when a launcher started it
+        self.started = False
+        self.reused = False
+        self.health: dict = {}
+        self.stopped: int | None = None  # pid this detach stopped
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(self.lock_path, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _owner(self) -> int | None:
+        try:
+            pid = int(json.loads(self.owner_path.read_text())["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if _alive(pid) and _is_mitmdump(pid):
+            return pid
+        self.owner_path.unlink(missing_ok=True)  # stale: that proxy is gone
+        return None
+
+    def _users(self) -> list[int]:
+        out = []
+        try:
+            entries = list(self.users_dir.iterdir())
+        except FileNotFoundError:
+            return out
+        for p in entries:
+            try:
+                pid = int(p.name)
+            except ValueError:
+                continue
+            if pid != os.getpid() and _alive(pid):
+                out.append(pid)
+            elif pid != os.getpid():
+                p.unlink(missing_ok=True)
+        return out
+
+    def attach(self) -> "SharedProxy":
+        with self._locked():
+            found = probe(self.port, self.host)
+            if found.kind == "bili":
+                self.reused, self.health, self.pid = True, found.health, self._owner()
+            elif found.kind == "other":
+                raise LaunchError(f"{self.host}:{self.port} is in use by something that is not a bili proxy "
+                                  f"({found.detail}); choose another port with --port")
+            else:
+                self._start()
+            self.users_dir.mkdir(parents=True, exist_ok=True)
+            (self.users_dir / str(os.getpid())).touch()
+        return self
+
+    def _start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: {' '.join(self.command)}\n".encode())
+        log.flush()
+        env = {k: v for k, v in self.env.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
+        try:
+            self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
+        except OSError as e:
+            raise LaunchError(f"cannot start {self.command[0]}: {e}") from e
+        finally:
+            log.close()
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            found = probe(self.port, self.host, timeout=1.0)
+            if found.kind == "bili":
+                if self.proc.poll() is None:
+                    self.pid, self.started, self.health = self.proc.pid, True, found.health
+                    self.owner_path.write_text(json.dumps({"pid": self.proc.pid, "port": self.port,
+                                                           "launcher": os.getpid(), "started": time.time()}))
+                    return
+                # ours died (lost the race for the port) and another launcher's proxy answers
+                self.proc, self.reused, self.health, self.pid = None, True, found.health, self._owner()
+                return
+            if self.proc.poll() is not None:
+                code, self.proc = self.proc.returncode, None
+                raise LaunchError(f"the proxy exited during start-up (code {code}); its log {self.log_path} ends:\n"
+                                  + _tail(self.log_path))
+            if time.monotonic() > deadline:
+                self._kill(self.proc.pid, self.proc)
+                self.proc = None
+                raise LaunchError(f"the proxy did not answer /__bili/health within {START_TIMEOUT:.0f} s; "
+                                  f"log: {self.log_path}\n" + _tail(self.log_path))
+            time.sleep(0.1)
+
+    def detach(self) -> None:
+        with self._locked():
+            (self.users_dir / str(os.getpid())).unlink(missing_ok=True)
+            if self._users():
+                return  # another launcher still runs an agent through it
+            pid = self.proc.pid if self.proc is not None and self.proc.poll() is None else self._owner()
+            if pid is None:
+                return  # not started by a launcher (bili run): never ours to stop
+            self._kill(pid, self.proc if self.proc is not None and self.proc.pid == pid else None)
+            self.owner_path.unlink(missing_ok=True)
+            self.stopped = pid
+            self.proc = None
+
+    @staticmethod
+    def _kill(pid: int, proc: subprocess.Popen | None) -> None:
+        """SIGTERM to the proxy's process group, SIGKILL after STOP_TIMEOUT."""
+        for sig, wait in ((signal.SIGTERM, STOP_TIMEOUT), (signal.SIGKILL, STOP_TIMEOUT)):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                if proc is not None:
+                    if proc.poll() is not None:
+                        return
+                elif not _alive(pid):
+                    return
+                time.sleep(0.05)
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+# -- the agent's environment -----------------------------------------------------------------------------
+def node_ca_file(ca, env: Mapping[str, str]) -> str:
+    """``NODE_EXTRA_CA_CERTS`` for the agent: our CA, plus the user's own extra CAs when they have some
+    (the variable takes one file), merged into a file in the confdir."""
+    theirs = env.get(NODE_CA, "")
+    ours = Path(ca.cert)
+    if not theirs or Path(theirs).resolve() == ours.resolve():
+        return str(ours)
+    try:
+        extra = Path(theirs).read_bytes()
+    except OSError:
+        return str(ours)
+    import hashlib
+
+    merged = Path(ca.confdir) / f"node-extra-ca-{hashlib.sha256(theirs.encode()).hexdigest()[:12]}.pem"
+    body = extra.rstrip() + b"\n" + ours.read_bytes()
+    if not merged.exists() or merged.read_bytes() != body:
+        tmp = merged.with_suffix(".tmp")
+        tmp.write_bytes(body)
+        os.replace(tmp, merged)
+    return str(merged)
+
+
+def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca) -> dict[str, str]:
+    """The agent's environment: the caller's, plus the proxy and the CA variable it understands."""
+    out = dict(env)
+    out["HTTPS_PROXY"] = out["https_proxy"] = proxy_url
+    for var in agent.proxy_vars:
+        out[var] = proxy_url
+    if agent.ca_var == NODE_CA:
+        out[NODE_CA] = node_ca_file(ca, env)
+    else:
+        out[BUNDLE_CA] = str(ca.combined)
+        out["REQUESTS_CA_BUNDLE"] = str(ca.combined)
+    out["BILI_PROXY"] = proxy_url  # where `bili mcp`, started by the agent, finds this proxy
+    return out
+
+
+def no_proxy_conflicts(env: Mapping[str, str], hosts: list[tuple[str, int]]) -> list[str]:
+    """Model hosts the agent would reach directly because ``NO_PROXY`` names them."""
+    raw = env.get("NO_PROXY") or env.get("no_proxy") or ""
+    entries = [e.strip().lower() for e in raw.split(",") if e.strip()]
+    out = []
+    for host, _port in hosts:
+        for e in entries:
+            e = e.split(":")[0]
+            if e == "*" or host == e.lstrip(".") or host.endswith("." + e.lstrip(".").lstrip("*.")):
+                out.append(host)
+                break
+    return out
+
+
+# -- running the agent ------------------------------------------------------------------------------------
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _terminal_delivers(signum: int) -> bool:
+    """Ctrl-C / Ctrl-\\ on our terminal reach the whole foreground process group, the agent
+    included: forwarding them again would deliver them twice."""
+    if signum not in (signal.SIGINT, signal.SIGQUIT):
+        return False
+    try:
+        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return False
+
+
+def run_child(argv: list[str], env: Mapping[str, str]) -> int:
+    """Run the agent, forwarding SIGINT/SIGTERM/SIGHUP/SIGQUIT; its return code (negative: a signal)."""
+    holder: list[subprocess.Popen] = []
+    pending: list[int] = []
+
+    def forward(signum, _frame):
+        if _terminal_delivers(signum):
+            return
+        if not holder:
+            pending.append(signum)  # arrived while the agent was being started
+            return
+        with contextlib.suppress(ProcessLookupError):
+            holder[0].send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        holder.append(subprocess.Popen(argv, env=dict(env)))
+        for signum in pending:
+            with contextlib.suppress(ProcessLookupError):
+                holder[0].send_signal(signum)
+        return holder[0].wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+def _raise_on_signal(signum, _frame):
+    raise _Interrupted(signum)
+
+
+def _exit_like(rc: int) -> int:
+    """The launcher's exit: the agent's code, or the agent's death by signal re-enacted."""
+    if rc >= 0:
+        return rc
+    sig = -rc
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(OSError, ValueError):
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    return 128 + sig
+
+
+@dataclass
+class Plan:
+    """Everything a launch decides before anything runs (``--dry-run`` prints it)."""
+
+    agent: Agent
+    binary: str | None
+    argv: list[str]
+    hosts: HostPlan
+    allow: str
+    proxy_url: str
+    env: dict[str, str]
+    command: list[str]
+    ca: object
+
+
+def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] | None = None,
+                cwd: Path | None = None) -> Plan:
+    from bili_addon.certs import ensure_ca
+
+    env = dict(os.environ if env is None else env)
+    cwd = cwd or Path.cwd()
+    binary = shutil.which(agent.binary, path=env.get("PATH"))
+    ca = ensure_ca(args.confdir)
+    hosts = intercept_plan(agent, env, cwd, args.intercept_host or [])
+    allow = allow_hosts_regex(hosts.hosts)
+    proxy_url = f"http://{DEFAULT_HOST}:{args.port}"
+    mitmdump = find_mitmdump() or Path("mitmdump")
+    command = mitmdump_command(
+        mitmdump, listen_host=DEFAULT_HOST, listen_port=args.port, modes=["regular"], confdir=ca.confdir,
+        data_dir=args.data_dir, bili_mode=args.bili_mode, upstream_ca=system_roots_for_upstream(ca.roots_source),
+        lazy=False, allow_hosts=allow, first_party=args.first_party, scripts=args.script or [],
+        sets=args.set or [],
+    )
+    return Plan(agent, binary, [binary or agent.binary, *args.extra], hosts, allow, proxy_url,
+                agent_env(agent, env, proxy_url, ca), command, ca)
+
+
+def configure_agent(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=int(os.environ.get("BILI_PORT") or DEFAULT_PORT), metavar="PORT",
+                   help=f"the proxy's port on 127.0.0.1; a bili proxy already there is re-used "
+                        f"(default: $BILI_PORT, else {DEFAULT_PORT})")
+    p.add_argument("--bili-mode", choices=BILI_MODES, default="fold",
+                   help="bili_mode of a proxy this launch starts (default: fold)")
+    p.add_argument("--first-party", choices=FIRST_PARTY, default=None,
+                   help="bili_first_party of a proxy this launch starts: observe leaves Claude Code's "
+                        "first-party api.anthropic.com requests unchanged (default: fold)")
+    p.add_argument("--data-dir", metavar="DIR", help="the store of a proxy this launch starts")
+    p.add_argument("--confdir", metavar="DIR", help="where the CA lives (as for bili run)")
+    p.add_argument("--intercept-host", action="append", metavar="HOST[:PORT]",
+                   help="intercept this host too (repeatable); model hosts and the agent's configured "
+                        "base URLs are intercepted anyway")
+    p.add_argument("-s", "--script", action="append", metavar="FILE",
+                   help="one more mitmproxy addon for a proxy this launch starts (repeatable)")
+    p.add_argument("--set", action="append", metavar="NAME=VALUE",
+                   help="a mitmproxy option for a proxy this launch starts (repeatable)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the hosts, the agent's environment and the proxy command, run nothing")
+    p.add_argument("-q", "--quiet", action="store_true", help="no bili: lines on stderr (errors excepted)")
+
+
+def launch(agent: Agent, args: argparse.Namespace) -> int:
+    try:
+        plan = plan_launch(agent, args)
+    except Exception as e:  # CertError, ValueError
+        _say(f"error: {e}")
+        return 1
+    if args.dry_run:
+        return _print_plan(plan)
+    if plan.binary is None:
+        how = agent.package.split(":", 1)
+        install = (f"npm install -g {how[1]}" if how[0] == "npm" else f"pipx install {how[1]}") if agent.package else ""
+        _say(f"error: {agent.binary} ({agent.title}) is not on PATH" + (f"; install it with: {install}" if install else ""))
+        return 127
+    for note in plan.hosts.notes:
+        _say(f"note: {note}", args.quiet)
+    for host in no_proxy_conflicts(plan.env, plan.hosts.hosts):
+        _say(f"note: NO_PROXY names {host}: the agent reaches it directly, bili sees none of it", args.quiet)
+    old_proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    if old_proxy and old_proxy.rstrip("/") != plan.proxy_url:
+        _say(f"note: HTTPS_PROXY={old_proxy} is replaced by {plan.proxy_url} for {agent.binary}", args.quiet)
+
+    proxy = SharedProxy(args.port, plan.command, quiet=args.quiet)
+    old = {s: signal.signal(s, _raise_on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    rc = 1
+    try:
+        try:
+            proxy.attach()
+        except LaunchError as e:
+            _say(f"error: {e}")
+            return 1
+        if proxy.started:
+            _say(f"started the proxy on {plan.proxy_url} (pid {proxy.pid}, log {proxy.log_path}); "
+                 f"intercepting {len(plan.hosts.hosts)} model hosts", args.quiet)
+        else:
+            _say(f"re-using the bili proxy on {plan.proxy_url} (version {proxy.health.get('version')}, "
+                 f"mode {proxy.health.get('mode')})", args.quiet)
+            if plan.hosts.endpoints:
+                _say("note: a proxy started elsewhere intercepts the hosts it was started with; "
+                     f"{', '.join(sorted({e.host for e in plan.hosts.endpoints}))} may not be among them", args.quiet)
+        try:
+            rc = run_child(plan.argv, plan.env)
+        except OSError as e:
+            _say(f"error: cannot run {plan.argv[0]}: {e}")
+            rc = 126
+    except _Interrupted as e:  # killed while the proxy was starting
+        rc = -e.signum
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        try:
+            proxy.detach()
+        except OSError as e:
+            _say(f"warning: could not stop the proxy: {e}")
+        if proxy.stopped:
+            _say(f"stopped the proxy (pid {proxy.stopped})", args.quiet)
+    return _exit_like(rc)
+
+
+def _print_plan(plan: Plan) -> int:
+    out = sys.stdout
+    print(f"agent      {plan.agent.title} ({plan.agent.name}): {plan.binary or 'not found on PATH'}", file=out)
+    print(f"argv       {' '.join(plan.argv)}", file=out)
+    print(f"proxy      {plan.proxy_url}", file=out)
+    print("intercept  " + ", ".join(h if p == 443 else f"{h}:{p}" for h, p in plan.hosts.hosts), file=out)
+    for ep in plan.hosts.endpoints:
+        print(f"base URL   {ep.url} (from {ep.source})", file=out)
+    for note in plan.hosts.notes:
+        print(f"note       {note}", file=out)
+    changed = {k: v for k, v in plan.env.items() if os.environ.get(k) != v}
+    for k in sorted(changed):
+        print(f"env        {k}={changed[k]}", file=out)
+    print(f"allow      {plan.allow}", file=out)
+    print(f"command    {' '.join(plan.command)}", file=out)
+    return 0
+
+
+# -- bili doctor --------------------------------------------------------------------------------------------
+def configure_doctor(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=int(os.environ.get("BILI_PORT") or DEFAULT_PORT), metavar="PORT")
+    p.add_argument("--confdir", metavar="DIR", help="where the CA lives (default as for bili run)")
+    p.add_argument("--data-dir", metavar="DIR", help="where the store lives (default: $XDG_DATA_HOME/bili-addon)")
+    p.add_argument("--json", action="store_true", help="the checks as JSON")
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    required: bool = True
+
+
+def agent_version(binary: str) -> str:
+    """The installed version, read from the package next to the binary (the agent is not run:
+    some write to their home directory on every start)."""
+    real = Path(binary).resolve()
+    for d in list(real.parents)[:6]:
+        pkg = d / "package.json"
+        if pkg.is_file():
+            try:
+                doc = json.loads(pkg.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(doc, dict) and isinstance(doc.get("version"), str) and doc.get("name"):
+                return doc["version"]
+    try:  # a Python console script: its interpreter's site-packages
+        first = real.read_bytes()[:256].split(b"\n", 1)[0]
+        if first.startswith(b"#!"):
+            py = Path(first[2:].decode().strip().split()[0])
+            for dist in sorted(py.parent.parent.glob(f"lib/python*/site-packages/{real.name.replace('-', '_')}*-*.dist-info")):
+                return dist.name.rsplit("-", 1)[0].split("-", 1)[1]
+            for dist in sorted(py.parent.parent.glob("lib/python*/site-packages/*.dist-info")):
+                if dist.name.split("-", 1)[0].replace("_", "-").startswith(real.name):
+                    return dist.name[: -len(".dist-info")].split("-", 1)[1]
+    except (OSError, UnicodeDecodeError, IndexError):
+        pass
+    return "unknown version"
+
+
+def doctor_checks(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> list[Check]:
+    from bili_addon.certs import CA_CERT, CA_KEY, COMBINED, default_confdir
+    from bili_addon.store import default_data_dir
+
+    env = dict(os.environ if env is None else env)
+    checks: list[Check] = []
+    confdir = Path(args.confdir).expanduser().resolve() if args.confdir else default_confdir()
+    cert, key, combined = confdir / CA_CERT, confdir / CA_KEY, confdir / COMBINED
+    if not cert.is_file() or not key.is_file():
+        checks.append(Check("CA", False, f"no CA in {confdir}; create it with: bili ca"))
+    else:
+        try:
+            from cryptography import x509
+
+            c = x509.load_pem_x509_certificate(cert.read_bytes())
+            expires = c.not_valid_after_utc
+            import datetime
+
+            mode = key.stat().st_mode & 0o777
+            ok = expires > datetime.datetime.now(datetime.timezone.utc) and mode == 0o600
+            why = "" if ok else (" (EXPIRED)" if expires <= datetime.datetime.now(datetime.timezone.utc)
+                                 else f" (key mode {mode:o}, should be 600: run bili ca)")
+            checks.append(Check("CA", ok, f"{cert}, expires {expires:%Y-%m-%d}, key mode {mode:o}{why}"))
+        except Exception as e:
+            checks.append(Check("CA", False, f"{cert} does not load: {e}"))
+        if combined.is_file() and cert.is_file() and cert.read_bytes().strip() in combined.read_bytes():
+            checks.append(Check("CA bundle", True, f"{combined} (system roots + our CA)"))
+        else:
+            checks.append(Check("CA bundle", False, f"{combined} missing or stale; run bili ca"))
+
+    found = probe(args.port)
+    if found.kind == "bili":
+        h = found.health
+        checks.append(Check("port", True, f"127.0.0.1:{args.port}: a bili proxy answers (version {h.get('version')}, "
+                                          f"mode {h.get('mode')}, store {'ok' if h.get('store') else 'UNAVAILABLE'})"))
+    elif found.kind == "free":
+        checks.append(Check("port", True, f"127.0.0.1:{args.port} is free (bili <agent> starts a proxy there)"))
+    else:
+        checks.append(Check("port", False, f"127.0.0.1:{args.port} is used by something else ({found.detail}); "
+                                           f"use --port / BILI_PORT"))
+
+    data = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
+    db = data / "bili.sqlite3"
+    if db.is_file():
+        import sqlite3
+
+        try:
+            conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)
+            try:
+                n = conn.execute("SELECT count(*) FROM sessions").fetchone()[0]
+            finally:
+                conn.close()
+            checks.append(Check("store", True, f"{db}: {n} conversation(s)"))
+        except sqlite3.Error as e:
+            checks.append(Check("store", False, f"{db} does not open: {e}"))
+    else:
+        parent = next((p for p in [data, *data.parents] if p.exists()), None)
+        ok = parent is not None and os.access(parent, os.W_OK | os.X_OK)
+        checks.append(Check("store", ok, f"{db} not created yet ({'its directory is writable' if ok else 'NOT writable'})"))
+
+    mitm = find_mitmdump()
+    checks.append(Check("mitmdump", mitm is not None, str(mitm) if mitm else "not found: is mitmproxy installed?"))
+
+    for a in AGENTS.values():
+        binary = shutil.which(a.binary, path=env.get("PATH"))
+        plan = a.model_hosts(env)
+        custom = [f"{e.url} ({e.source})" for e in plan.endpoints]
+        if binary is None:
+            checks.append(Check(f"agent {a.name}", False, f"{a.title}: not installed ({a.package})", required=False))
+            continue
+        ver = agent_version(binary)
+        line = f"{a.title} {ver} at {binary}"
+        if a.tested_version and ver != a.tested_version:
+            line += f" (tested with {a.tested_version})"
+        if custom:
+            line += "; custom base URLs: " + ", ".join(custom)
+        for n in plan.notes:
+            line += f"; note: {n}"
+        checks.append(Check(f"agent {a.name}", True, line, required=False))
+    return checks
+
+
+def doctor(args: argparse.Namespace) -> int:
+    checks = doctor_checks(args)
+    bad = [c for c in checks if c.required and not c.ok]
+    if args.json:
+        print(json.dumps({"ok": not bad, "version": __version__,
+                          "checks": [c.__dict__ for c in checks]}, indent=2))
+    else:
+        for c in checks:
+            mark = "ok  " if c.ok else ("FAIL" if c.required else "--  ")
+            print(f"{mark} {c.name:<15} {c.detail}")
+        print("\nall required checks passed" if not bad else f"\n{len(bad)} check(s) failed")
+    return 0 if not bad else 1
