@@ -63,7 +63,7 @@ class Engine(ProxyTools):
     """The kernel side of the addon: sessions, ledger, tags and folds over a :class:`Store`."""
 
     def __init__(self, store: Store, max_sessions: int = 256, fold_cfg: FoldConfig | None = None,
-                 inject: bool = True, window: int = 0):
+                 inject: bool = True, window: int = 0, reconcile: bool = True):
         self.store = store
         self.items = ItemCache()
         self.sessions: OrderedDict[str, Session] = OrderedDict()
@@ -74,6 +74,7 @@ class Engine(ProxyTools):
         self.nudge_cfg = nudge.NudgeConfig()
         self.inject = inject
         self.window = window  # 0: from the model table
+        self.reconcile = reconcile  # re-anchor fold coverage under churn (off: a control for tests)
 
     # -- sessions ------------------------------------------------------------------------------
     def session(self, sid: str, agent: str = "", lane: str = "") -> Session:
@@ -188,7 +189,8 @@ class Engine(ProxyTools):
         view_items = (memo.view_items[:q] if q else []) + _view_items(resolved_tail, start + q)
         view = View(view_items)
         s.last_view = view
-        snoozed = self._reconcile(s, view, resolved, result) if s.blocks else set()
+        drift = self._reconcile(s, view, result) if s.blocks and self.reconcile else None
+        snoozed = drift.snoozed if drift is not None else set()
         if s.copy.latched or not render:
             # observe mode, or a total collapse: nothing verifies the folds against this history,
             # so it passes through as it came until the agent sends a history that aligns again
@@ -198,6 +200,8 @@ class Engine(ProxyTools):
         version = s.version
         if s.calls:
             self._run_calls(s, view, q, result)
+        if s.blocks and self.reconcile:
+            self._roll_copy(s, view, resolved, drift)
         if self.inject:
             self._pressure(s, view, resolved)
         if s.version != version:
@@ -332,10 +336,10 @@ class Engine(ProxyTools):
         return part.core, part.base, part.chash, part.dirty
 
     # -- fold coverage under churn ---------------------------------------------------------------
-    def _reconcile(self, s: Session, view: View, resolved: list[list[Resolved]], result: TurnResult) -> set[str]:
-        """Re-anchor covered refs that went missing; returns the blocks to snooze."""
+    def _reconcile(self, s: Session, view: View, result: TurnResult) -> reconcile.Outcome | None:
+        """Re-anchor covered refs that went missing, and classify what cannot be verified."""
         if len(view.items) < reconcile.SIDE_REQUEST_MAX_ITEMS:
-            return set()  # side requests never move the copy
+            return None  # side requests (titles, probes) never touch the copy
         sid = s.row.id
         out = reconcile.reconcile(view, s.blocks, s.copy, lambda refs: self.store.originals(sid, refs))
         if out.claims:
@@ -364,14 +368,29 @@ class Engine(ProxyTools):
         if out.verdict == "recovered":
             log.warning("[bili] session=%s: the history aligns with the folds again; folding resumes", sid)
         result.drift = out.verdict
-        if not s.copy.latched and (not out.unmatched or out.verdict == "truncated"):
-            # a steady (or verified) pass becomes the canonical copy
-            parts = [p for it in view.items for p in it.parts]
-            s.copy.refs = [p.ref for p in parts]
-            s.copy.fps = [reconcile.fingerprint(p) for p in parts]
-        s.copy.ids = [r.msg_id for parts in resolved for r in parts]  # echo vs new instance, next pass
-        self.store.save_copy(sid, s.copy.to_json())
-        return out.snoozed
+        if out.drifted or was_latched:
+            self.store.save_copy(sid, s.copy.to_json())
+        return out
+
+    def _roll_copy(self, s: Session, view: View, resolved: list[list[Resolved]],
+                   drift: reconcile.Outcome | None) -> None:
+        """A steady (or fully verified) pass becomes the canonical copy the next drift is checked
+        against; its ids tell the next pass an echo of folded content from a new instance of it."""
+        if len(view.items) < reconcile.SIDE_REQUEST_MAX_ITEMS or s.copy.latched:
+            return
+        if drift is not None and drift.unmatched and drift.verdict != "truncated":
+            return
+        copy = s.copy
+        refs = [p.ref for it in view.items for p in it.parts]
+        same = 0
+        limit = min(len(refs), len(copy.refs), len(copy.fps))
+        while same < limit and refs[same] == copy.refs[same]:
+            same += 1  # fingerprints are per content, so the shared head keeps its own
+        parts = [p for it in view.items for p in it.parts]
+        copy.fps = copy.fps[:same] + [reconcile.fingerprint(p) for p in parts[same:]]
+        copy.refs = refs
+        copy.ids = [r.msg_id for ps in resolved for r in ps]
+        self.store.save_copy(s.row.id, copy.to_json())
 
     def _count_drift(self, s: Session, out) -> None:
         counts = dict(s.flags.get("drift", {}))
