@@ -183,7 +183,6 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
                 changed = True
     inserts: dict[int, list[Block]] = {}
     rendered: list[Block] = []
-    last_user = view.last_user()
     for b in sorted((b for b in blocks if b.active), key=lambda b: b.number):
         if b.id in snoozed:
             continue
@@ -192,11 +191,9 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
         if where:
             inserts.setdefault(min(where), []).append(b)
             rendered.append(b)
-        elif not any(r in view.pos for r in b.coverage) and last_user is not None:
-            # its originals are gone from the wire: the summary still stands for them, but never
-            # after the newest question
-            inserts.setdefault(last_user, []).append(b)
-            rendered.append(b)
+        # a block none of whose parts is on the wire is not rendered: whether the host dropped
+        # them or this is not the conversation it was made in cannot be told apart from here,
+        # and a summary in the wrong conversation is the one failure that must never happen
     return Plan(drop, inserts, rendered)
 
 

@@ -65,11 +65,9 @@ def norm_identity(p: PartView, with_call_id: bool = True) -> str:
     return _h(p.role, p.ctype, p.tool_name, p.tool_call_id if with_call_id else "", normalize_text(p.text))
 
 
-_WORD = re.compile(r"\w+", re.UNICODE)
-
-
 def words(text: str) -> Counter:
-    return Counter(w.lower() for w in _WORD.findall(text))
+    """The bag of whitespace-separated tokens: layout may change, no character may."""
+    return Counter(text.lower().split())
 
 
 def simhash(text: str) -> int:
@@ -89,8 +87,10 @@ class Copy:
 
     refs: list[str] = field(default_factory=list)
     fps: list[str] = field(default_factory=list)
+    items: list[int] = field(default_factory=list)  # which item each part belonged to
     ids: list[str] = field(default_factory=list)  # the pass's ledger ids (echo vs new instance)
     witness: list[str] = field(default_factory=list)  # frozen old-order tail of a drift episode
+    truncated: list[str] = field(default_factory=list)  # covered refs the host dropped (oldest slice)
     latched: bool = False  # total collapse: folding paused until the history aligns again
     streak: int = 0
 
@@ -131,14 +131,18 @@ def covered_map(blocks: list[Block]) -> dict[str, Block]:
     return out
 
 
-def reconcile(view: View, blocks: list[Block], copy: Copy, originals) -> Outcome:
+def reconcile(view: View, blocks: list[Block], copy: Copy, originals, fresh: set[str] = frozenset()) -> Outcome:
     """Plan claims for covered refs that went missing. ``originals(refs)`` gives the stored
-    originals of folded parts: ``(ref, role, ctype, tool_name, tool_call_id, text, tokens)``."""
+    originals of folded parts: ``(ref, role, ctype, tool_name, tool_call_id, text, tokens)``;
+    ``fresh``: refs of parts that are new instances of folded words (never claimed by content)."""
     parts: list[PartView] = [p for it in view.items for p in it.parts]
     new_refs = [p.ref for p in parts]
     present = set(new_refs)
     cov = covered_map(blocks)
-    missing = [r for r in cov if r not in present]
+    if copy.truncated:  # what the host truncated and now sends again is simply present
+        copy.truncated = [r for r in copy.truncated if r not in present]
+    gone = set(copy.truncated)
+    missing = [r for r in cov if r not in present and r not in gone]
     out = Outcome(missing=len(missing))
     if not missing:
         return out
@@ -151,7 +155,7 @@ def reconcile(view: View, blocks: list[Block], copy: Copy, originals) -> Outcome
         out.by[how] += 1
 
     def free(new: str) -> bool:
-        return new not in cov and new not in claimed_new
+        return new not in cov and new not in claimed_new and new not in fresh
 
     new_fps = [fingerprint(p) for p in parts]
     old_refs, old_fps = copy.refs, copy.fps
@@ -206,7 +210,20 @@ def reconcile(view: View, blocks: list[Block], copy: Copy, originals) -> Outcome
             claim(r, group[0].ref, "normalised")
             taken[key] += 1
 
+    _turn_pass(rest, anchors, candidates, free, claim, copy)
+    _image_variant_pass(rest, anchors, candidates, free, claim)
+
     unmatched = [r for r in missing if r not in out.claims]
+    # parts without text of their own (reasoning, images) whose item was re-anchored went with it:
+    # a model switch merges reasoning into the text and replaces images with placeholders
+    item_of = dict(zip(copy.refs, copy.items)) if len(copy.items) == len(copy.refs) else {}
+    claimed_items = {item_of.get(o) for o in out.claims} - {None}
+    for r in list(unmatched):
+        a = anchors.get(r)
+        if a is not None and a[2] in (REASONING, IMAGE) and item_of.get(r) in claimed_items:
+            out.claims[r] = out.claims[next(o for o in out.claims if item_of.get(o) == item_of.get(r))]
+            out.by["with its item"] += 1
+            unmatched.remove(r)
     # a covered call whose twin came back under another call id: named, never claimed (#2396)
     no_id = defaultdict(set)
     for p in candidates:
@@ -224,6 +241,54 @@ def reconcile(view: View, blocks: list[Block], copy: Copy, originals) -> Outcome
         unmatched = [r for r in missing if r not in out.claims]
     out.unmatched = unmatched
     return out
+
+
+PLACEHOLDER = "\n(image omitted: model does not support images)"
+
+
+def _turn_pass(rest, anchors, candidates, free, claim, copy: Copy) -> None:
+    """Model switch: an assistant turn's reasoning and text merged into one text (with a newline
+    or seamlessly).  Claimed only when exactly one inbound assistant text equals the merge."""
+    if len(copy.items) != len(copy.refs):
+        return
+    item_of = dict(zip(copy.refs, copy.items))
+    by_item: dict[int, list[tuple]] = defaultdict(list)
+    for r in rest:
+        a = anchors.get(r)
+        if a is not None and a[1] == "assistant" and a[2] in (REASONING, TEXT) and r in item_of:
+            by_item[item_of[r]].append(a)
+    texts: dict[str, list[PartView]] = defaultdict(list)
+    for p in candidates:
+        if p.role == "assistant" and p.ctype == TEXT:
+            texts[normalize_text(p.text)].append(p)
+    for group in by_item.values():
+        reasoning = "".join(a[5] for a in group if a[2] == REASONING)
+        text = "".join(a[5] for a in group if a[2] == TEXT)
+        if not reasoning or not text:
+            continue
+        for merged in (reasoning + "\n" + text, reasoning + text, reasoning + "\n\n" + text):
+            hits = [p for p in texts.get(normalize_text(merged), []) if free(p.ref)]
+            if len(hits) == 1:
+                for a in group:
+                    claim(a[0], hits[0].ref, "turn")
+                break
+
+
+def _image_variant_pass(rest, anchors, candidates, free, claim) -> None:
+    """Model switch: a user text whose images were replaced by a placeholder line."""
+    texts: dict[str, list[PartView]] = defaultdict(list)
+    for p in candidates:
+        if p.role == "user" and p.ctype == TEXT:
+            texts[p.text].append(p)
+    for r in rest:
+        a = anchors.get(r)
+        if a is None or a[1] != "user" or a[2] != TEXT:
+            continue
+        for variant in (a[5] + PLACEHOLDER, a[5].removesuffix(PLACEHOLDER)):
+            hits = [p for p in texts.get(variant, []) if free(p.ref)]
+            if len(hits) == 1 and variant != a[5]:
+                claim(r, hits[0].ref, "image placeholder")
+                break
 
 
 def _anchor_part(a: tuple) -> PartView:
@@ -278,12 +343,13 @@ def verdict(out: Outcome, view: View, blocks: list[Block], copy: Copy, originals
         return
     new_fps = [fingerprint(p) for it in view.items for p in it.parts]
     texts = {p.text for it in view.items for p in it.parts}
-    residual = {r: row for r, *row in ((row[0], row) for row in originals(out.unmatched))}
+    residual = {row[0]: row for row in originals(out.unmatched)}
     near_dups = any(row[5] in texts for row in residual.values())
     head_aligned = _heads_inbound(copy.fps if not copy.witness else copy.witness, new_fps)
     cov = covered_map(blocks)
     if not near_dups and head_aligned:
         out.verdict = "truncated"
+        copy.truncated = sorted(set(copy.truncated) | set(out.unmatched))
         for r in out.unmatched:
             b = cov.get(r)
             if b is not None and not any(x in view.pos for x in b.coverage):

@@ -172,7 +172,7 @@ class Engine(ProxyTools):
 
         cov = fold.coverage(s.blocks) if s.blocks else {}
         counter = _prefix_counter(memo, q)
-        resolved_tail, new_rows = self._resolve(s, infos[start + q:], counter, cov)
+        resolved_tail, new_rows = self._resolve(s, infos[start + q:], counter, cov, q)
         resolved = (memo.resolved[:q] if q else []) + resolved_tail
         result.refs_new = len(new_rows)
         result.refs_known = sum(len(p) for p in resolved) - len(new_rows)
@@ -189,7 +189,7 @@ class Engine(ProxyTools):
         view_items = (memo.view_items[:q] if q else []) + _view_items(resolved_tail, start + q)
         view = View(view_items)
         s.last_view = view
-        drift = self._reconcile(s, view, result) if s.blocks and self.reconcile else None
+        drift = self._reconcile(s, view, resolved, result) if s.blocks and self.reconcile else None
         snoozed = drift.snoozed if drift is not None else set()
         if s.copy.latched or not render:
             # observe mode, or a total collapse: nothing verifies the folds against this history,
@@ -268,18 +268,26 @@ class Engine(ProxyTools):
 
     # -- ledger --------------------------------------------------------------------------------
     def _resolve(self, s: Session, infos: list[ItemInfo], counter: Counter,
-                 cov: dict) -> tuple[list[list[Resolved]], list[LedgerRow]]:
+                 cov: dict, reused: int) -> tuple[list[list[Resolved]], list[LedgerRow]]:
         """Attach a ref to every part: known by ``(msg_id, content_hash)``, else the next free one.
 
-        A part whose id is covered by a fold but was not in the previous pass is a new instance of
-        the same words (the user said it again), not the folded original: it gets a fresh suffix.
+        A part appended after everything the previous pass had, whose id is covered by a fold but
+        was not in that pass, is a new instance of the same words (the user said it again), not the
+        folded original: it gets a fresh suffix.  Old content the host sends again further up (a
+        truncation undone) is an echo and stays folded.
         """
         new_rows: list[LedgerRow] = []
         next_ref = s.row.next_ref
         prev_ids = set(s.copy.ids) if cov and s.copy.ids else None
+        appended_from = 0
+        if prev_ids is not None:
+            prev_bases = {i[:18] for i in prev_ids}
+            known = [k for k, info in enumerate(infos) if any(p.base in prev_bases for p in info.parts)]
+            appended_from = known[-1] + 1 if known else (0 if not reused else 0)
         out_all: list[list[Resolved]] = []
-        for info in infos:
+        for k_item, info in enumerate(infos):
             out = []
+            appended = k_item >= appended_from
             for part in info.parts:
                 core, base, chash, dirty = part.core, part.base, part.chash, part.dirty
                 if core.ctype == TEXT and core.role != "assistant" and core.text.startswith("<acp "):
@@ -289,7 +297,8 @@ class Engine(ProxyTools):
                 incs = 1
                 msg_id = base if n == 0 else f"{base}_{n}"
                 entry = s.refs.get((msg_id, chash))
-                if entry is not None and prev_ids is not None and entry.ref in cov and msg_id not in prev_ids:
+                if (entry is not None and prev_ids is not None and appended and entry.ref in cov
+                        and msg_id not in prev_ids):
                     while True:  # a new instance: the next suffix that is neither live nor folded
                         n = counter[base]
                         counter[base] = n + 1
@@ -336,12 +345,14 @@ class Engine(ProxyTools):
         return part.core, part.base, part.chash, part.dirty
 
     # -- fold coverage under churn ---------------------------------------------------------------
-    def _reconcile(self, s: Session, view: View, result: TurnResult) -> reconcile.Outcome | None:
+    def _reconcile(self, s: Session, view: View, resolved: list[list[Resolved]],
+                   result: TurnResult) -> reconcile.Outcome | None:
         """Re-anchor covered refs that went missing, and classify what cannot be verified."""
         if len(view.items) < reconcile.SIDE_REQUEST_MAX_ITEMS:
             return None  # side requests (titles, probes) never touch the copy
         sid = s.row.id
-        out = reconcile.reconcile(view, s.blocks, s.copy, lambda refs: self.store.originals(sid, refs))
+        fresh = {r.entry.ref for ps in resolved for r in ps if r.incs > 1}
+        out = reconcile.reconcile(view, s.blocks, s.copy, lambda refs: self.store.originals(sid, refs), fresh)
         if out.claims:
             by_block: dict[str, list[str]] = {}
             owner = fold.coverage(s.blocks)
@@ -389,6 +400,7 @@ class Engine(ProxyTools):
         parts = [p for it in view.items for p in it.parts]
         copy.fps = copy.fps[:same] + [reconcile.fingerprint(p) for p in parts[same:]]
         copy.refs = refs
+        copy.items = [k for k, it in enumerate(view.items) for _p in it.parts]
         copy.ids = [r.msg_id for ps in resolved for r in ps]
         self.store.save_copy(s.row.id, copy.to_json())
 

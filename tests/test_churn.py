@@ -1,0 +1,212 @@
+"""Identity under churn: folds that survive re-serialisation, and never a wrong join.
+
+The identity-proof matrix on all four lanes (a fold settles; id-scheme and serialisation churn
+keeps coverage on the FIRST post-churn body; a mid-history edit honestly re-enters; with the layer
+off the same churn re-bills), then the doctrine cases.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import churn as C
+from bili_addon.kernel.fold import FoldConfig
+from bili_addon.kernel.turn import Engine
+from bili_addon.store import Store
+from bili_addon.wire import LANES
+
+SID = "churn"
+H = {"x-acp-session": SID}
+SUMMARY = "Identity-proof fold summary covering the early turns: modules were read, values noted."
+LANE_NAMES = ["anthropic", "chat", "responses", "gemini"]
+
+
+def make_engine(tmp_path, **kw) -> Engine:
+    return Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000), **kw)
+
+
+def send(engine, lane, conv) -> bytes:
+    res = engine.process(C.body(lane, conv), LANES[lane], H, render=True)
+    return res.body if res.body is not None else C.body(lane, conv)
+
+
+def fold_early_turns(engine, lane, ts, sc, first=1, last=5):
+    """Turns ``first``..``last`` folded into b1 by a model-made compress; returns the compress pair
+    as the agent stores it, and the largest unfolded body seen."""
+    out = send(engine, lane, C.BUILD[lane](ts, sc))
+    refs = C.refs_by_text(out)
+    args = {"content": [{"startId": refs[f"Turn {first}: please"[:14]], "endId": refs[f"Reply Turn {last}: "[:14]],
+                         "summary": SUMMARY}]}
+    engine.record_calls(SID, [("cfold", "compress", json.dumps(args))])
+    pair = C.proxy_call(lane, "cfold", "compress", args)
+    folded = send(engine, lane, C.BUILD[lane](ts, sc, pair))
+    assert b"[Compressed conversation section b1" in folded, "the fold settled"
+    assert b"file-2-row-" not in folded
+    return pair, len(out)
+
+
+@pytest.mark.parametrize("lane", LANE_NAMES)
+def test_churn_keeps_coverage_and_an_edit_re_enters(tmp_path, lane):
+    engine = make_engine(tmp_path)
+    ts = C.turns(12)
+    pair, unfolded = fold_early_turns(engine, lane, ts, C.Scheme())
+    ts.append(C.Turn(12, "Turn 12: next question.", "Reply Turn 12.", tool=False))
+    steady = send(engine, lane, C.BUILD[lane](ts, C.Scheme(), pair))
+    assert b"file-2-row-" not in steady
+
+    churned = C.Scheme(ids="alt_", spaced=True, strings=True, cache_at=-2)
+    ts.append(C.Turn(13, "Turn 13: after the host re-serialised everything.", "Reply Turn 13.", tool=False))
+    first = send(engine, lane, C.BUILD[lane](ts, churned, pair))
+    assert b"[Compressed conversation section b1" in first
+    assert b"file-2-row-" not in first and b"file-4-row-" not in first
+    assert b"file-6-row-" in first  # outside the fold: still there
+    assert len(first) < unfolded
+
+    ts.append(C.Turn(14, "Turn 14: one more.", "Reply Turn 14.", tool=False))
+    ts[2].user = ts[2].user.replace("Turn 2:", "Turn 2 [IDENTITY-PROOF-EDIT]:")
+    edited = send(engine, lane, C.BUILD[lane](ts, churned, pair))
+    assert b"[Compressed conversation section b1" in edited
+    assert b"IDENTITY-PROOF-EDIT" in edited  # the edited original honestly re-enters
+    assert b"file-4-row-" not in edited
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat"])
+def test_control_without_the_layer_the_churn_re_bills(tmp_path, lane):
+    engine = make_engine(tmp_path, reconcile=False)
+    ts = C.turns(12)
+    pair, _ = fold_early_turns(engine, lane, ts, C.Scheme())
+    ts.append(C.Turn(12, "Turn 12: next question.", "Reply Turn 12.", tool=False))
+    send(engine, lane, C.BUILD[lane](ts, C.Scheme(), pair))
+    ts.append(C.Turn(13, "Turn 13: churned.", "Reply Turn 13.", tool=False))
+    first = send(engine, lane, C.BUILD[lane](ts, C.Scheme(ids="alt_", spaced=True), pair))
+    assert b"file-2-row-" in first
+
+
+def test_cross_wire_swap_keeps_coverage(tmp_path):
+    engine = make_engine(tmp_path)
+    ts = C.turns(12)
+    pair, unfolded = fold_early_turns(engine, "anthropic", ts, C.Scheme())
+    ts.append(C.Turn(12, "Turn 12: next question.", "Reply Turn 12.", tool=False))
+    send(engine, "anthropic", C.BUILD["anthropic"](ts, C.Scheme(), pair))
+    # the same conversation continued on Chat Completions, tool ids re-minted, arguments re-encoded
+    ts.append(C.Turn(13, "Turn 13: on another wire now.", "Reply Turn 13.", tool=False))
+    chat_pair = C.proxy_call("chat", "cfold", "compress", json.loads(
+        json.dumps({"content": [{"startId": "m00001", "endId": "m00002", "summary": SUMMARY}]})))
+    first = send(engine, "chat", C.BUILD["chat"](ts, C.Scheme(ids="alt_", spaced=True), chat_pair))
+    assert b"[Compressed conversation section b1" in first
+    assert b"file-2-row-" not in first and b"file-4-row-" not in first
+    assert b"file-6-row-" in first
+
+
+def test_model_switch_merging_reasoning_and_placeholdering_images(tmp_path):
+    engine = make_engine(tmp_path)
+    ts = C.turns(12, reasoning=True, images=True)
+    pair, unfolded = fold_early_turns(engine, "chat", ts, C.Scheme())
+    ts.append(C.Turn(12, "Turn 12: next question.", "Reply Turn 12.", tool=False))
+    send(engine, "chat", C.BUILD["chat"](ts, C.Scheme(), pair))
+    ts.append(C.Turn(13, "Turn 13: on a model without images or thinking.", "Reply Turn 13.", tool=False))
+    switched = C.Scheme(merge_reasoning=True, placeholder_images=True)
+    first = send(engine, "chat", C.BUILD["chat"](ts, switched, pair))
+    assert b"[Compressed conversation section b1" in first
+    assert b"file-2-row-" not in first
+    assert b"scratch-2-final" not in first  # covered thinking never re-enters
+    assert b"scratch-8-final" in first and b"image omitted" in first
+    assert len(first) < unfolded
+
+
+def test_a_systematic_re_stamp_is_never_claimed(tmp_path):
+    engine = make_engine(tmp_path)
+    ts = C.turns(12)
+    pair, _ = fold_early_turns(engine, "chat", ts, C.Scheme())
+    ts.append(C.Turn(12, "Turn 12: next.", "Reply Turn 12.", tool=False))
+    send(engine, "chat", C.BUILD["chat"](ts, C.Scheme(), pair))
+    stamped = send(engine, "chat", C.BUILD["chat"](ts, C.Scheme(ids="alt_", suffix=" [stamped]"), pair))
+    # every prose text changed: nothing verifies, so the originals re-enter (or the turn passes
+    # through untouched); a summary standing in for different words would be a wrong join
+    text = stamped.decode()
+    assert "Turn 2: please analyze module 2" in text
+    assert engine.sessions[SID].flags.get("drift", {}).get("claims", 0) == 0
+
+
+def test_benign_truncation_snoozes_the_block(tmp_path):
+    engine = make_engine(tmp_path)
+    ts = C.turns(14)
+    pair, _ = fold_early_turns(engine, "chat", ts, C.Scheme(), first=1, last=4)
+    ts.append(C.Turn(14, "Turn 14: next.", "Reply Turn 14.", tool=False))
+    send(engine, "chat", C.BUILD["chat"](ts, C.Scheme(), pair))
+    # the host drops its oldest slice (turns 0-5, the folded range among them)
+    kept = ts[6:] + [C.Turn(15, "Turn 15: after truncation.", "Reply Turn 15.", tool=False)]
+    res = engine.process(C.body("chat", C.BUILD["chat"](kept, C.Scheme(), pair)), LANES["chat"], H, render=True)
+    assert res.drift == "truncated"
+    out = res.body or b""
+    assert b"[Compressed conversation section b1" not in out  # snoozed, not rendered out of place
+    b1 = engine.sessions[SID].blocks[0]
+    assert b1.active  # nothing deleted
+
+
+def test_a_foreign_conversation_under_the_same_id_is_drift_and_gets_no_summary(tmp_path):
+    engine = make_engine(tmp_path)
+    ts = C.turns(12)
+    pair, _ = fold_early_turns(engine, "chat", ts, C.Scheme())
+    ts.append(C.Turn(12, "Turn 12: next.", "Reply Turn 12.", tool=False))
+    send(engine, "chat", C.BUILD["chat"](ts, C.Scheme(), pair))
+    other = [C.Turn(t, f"Other topic {t}: tell me about birds. {C.FILLER}", f"Birds {t}.", tool=t % 3 == 0)
+             for t in range(12)]
+    raw = C.body("chat", C.BUILD["chat"](other, C.Scheme(ids="x_")))
+    res = engine.process(raw, LANES["chat"], H, render=True)
+    assert res.drift in ("drift", "collapse") and res.drift != "truncated"
+    assert b"[Compressed conversation section" not in (res.body or raw)
+
+
+def test_total_collapse_pauses_passes_through_and_recovers(tmp_path):
+    engine = make_engine(tmp_path)
+    ts = C.turns(12)
+    pair, _ = fold_early_turns(engine, "chat", ts, C.Scheme())
+    ts.append(C.Turn(12, "Turn 12: next.", "Reply Turn 12.", tool=False))
+    send(engine, "chat", C.BUILD["chat"](ts, C.Scheme(), pair))
+    stamped = C.body("chat", C.BUILD["chat"](ts, C.Scheme(ids="zz_", suffix=" §"), pair))
+    res = engine.process(stamped, LANES["chat"], H, render=True)
+    assert res.drift == "collapse" and res.body is None  # byte-exact pass-through
+    again = engine.process(stamped, LANES["chat"], H, render=True)
+    assert again.body is None
+    blocks = engine.sessions[SID].blocks
+    assert blocks and blocks[0].active  # nothing was deleted
+    # the agent sends the true history again: folding resumes by itself
+    ts.append(C.Turn(13, "Turn 13: back to normal.", "Reply Turn 13.", tool=False))
+    res = engine.process(C.body("chat", C.BUILD["chat"](ts, C.Scheme(), pair)), LANES["chat"], H, render=True)
+    assert res.drift == "recovered"
+    assert b"[Compressed conversation section b1" in res.body and b"file-2-row-" not in res.body
+
+
+def test_a_re_sent_copy_of_folded_text_is_a_new_instance(tmp_path):
+    engine = make_engine(tmp_path)
+    ts = C.turns(12)
+    pair, _ = fold_early_turns(engine, "chat", ts, C.Scheme())
+    ts.append(C.Turn(12, "Turn 12: next.", "Reply Turn 12.", tool=False))
+    send(engine, "chat", C.BUILD["chat"](ts, C.Scheme(), pair))
+    # the host drops its oldest slice; later the user sends, word for word, a folded message
+    kept = ts[7:]
+    send(engine, "chat", C.BUILD["chat"](kept, C.Scheme(), pair))
+    repeat = C.Turn(13, ts[3].user, "Reply again.", tool=False)
+    appended = C.BUILD["chat"](kept, C.Scheme(), pair) + C.BUILD["chat"]([repeat], C.Scheme())[1:]
+    out = send(engine, "chat", appended)
+    assert ts[3].user[:40].encode() in out  # a new instance: not swallowed by the fold it resembles
+    # while the echo of a folded original that is still there stays folded
+    full = send(engine, "chat", C.BUILD["chat"](ts, C.Scheme(), pair))
+    assert b"file-2-row-" not in full
+
+
+def test_image_identity_is_per_payload(tmp_path):
+    engine = make_engine(tmp_path)
+    ts = C.turns(4, images=True)
+    a = json.loads(send(engine, "chat", C.BUILD["chat"](ts, C.Scheme())))
+    ts_changed = C.turns(4, images=True)
+    conv = C.BUILD["chat"](ts_changed, C.Scheme())
+    users = [m for m in conv if m["role"] == "user"]
+    users[1]["content"][1]["image_url"]["url"] = "data:image/png;base64,QUJD"  # one image replaced
+    res = engine.process(C.body("chat", conv), LANES["chat"], H, render=True)
+    assert res.refs_new == 1  # only that image was re-minted; its siblings kept their refs
+    b = json.loads(res.body)
+    assert a["messages"][1] == b["messages"][1]  # a sibling image's message: the same ref, the same bytes
