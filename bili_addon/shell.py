@@ -11,6 +11,7 @@ import msgspec
 from mitmproxy import ctx, http
 
 from bili_addon import admin
+from bili_addon.kernel import envelope
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine, TurnResult
 from bili_addon.kernel.windows import is_overflow, learned_window
@@ -21,6 +22,27 @@ from bili_addon.wire import LANES, Lane, detect_lane, hygiene, is_responses_webs
 log = logging.getLogger("bili")
 
 MODES = ("fold", "observe", "passthrough")
+FIRST_PARTY = ("fold", "observe")
+FIRST_PARTY_HOST = "api.anthropic.com"
+BILLING_PREFIX = "x-anthropic-billing-header:"
+
+
+class _SystemOnly(msgspec.Struct):
+    system: msgspec.Raw = msgspec.Raw(b"null")
+
+
+def first_party_claude(raw: bytes, host: str) -> bool:
+    """A Claude Code request to its first-party host: ``system[0]`` is the per-request billing block
+    (``x-anthropic-billing-header: ...; cch=...;``), an attestation of the body as the agent sent it."""
+    if host.lower().rstrip(".") != FIRST_PARTY_HOST or b"x-anthropic-billing-header" not in raw:
+        return False
+    try:
+        system = msgspec.json.decode(msgspec.json.decode(raw, type=_SystemOnly).system)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    first = system[0] if isinstance(system, list) and system else None
+    return (isinstance(first, dict) and first.get("type") == "text" and isinstance(first.get("text"), str)
+            and first["text"].startswith(BILLING_PREFIX))
 WS_REFUSAL = b'{"error":"bili: WebSocket upgrades on /responses are refused in fold mode; use HTTP POST"}'
 
 
@@ -39,6 +61,7 @@ class Bili:
         self.store_ok = False
         self.mode = "fold"
         self.refuse_ws = True
+        self.first_party = "fold"
         self._data_dir = ""
 
     # -- options -------------------------------------------------------------------------------
@@ -68,12 +91,21 @@ class Bili:
             "In fold mode, answer WebSocket upgrades on /responses with HTTP 426 so the agent "
             "falls back to HTTP with its full history (codex).",
         )
+        loader.add_option(
+            "bili_first_party", str, "fold",
+            "Claude Code's first-party requests to api.anthropic.com (system[0] is its per-request "
+            "cch= billing block): fold treats them like any other (that block stays first and byte-exact); "
+            "observe records them but forwards their bodies and answers unchanged.",
+            choices=FIRST_PARTY,
+        )
 
     def configure(self, updated: set[str]) -> None:
         if "bili_mode" in updated:
             self.mode = ctx.options.bili_mode
         if "bili_refuse_websocket" in updated:
             self.refuse_ws = ctx.options.bili_refuse_websocket
+        if "bili_first_party" in updated:
+            self.first_party = ctx.options.bili_first_party
         if "bili_data_dir" in updated or self.engine is None and not self._data_dir:
             self._open_store(ctx.options.bili_data_dir or str(default_data_dir()))
         if self.engine is not None:
@@ -124,23 +156,37 @@ class Bili:
             return
         if not raw:
             return
-        res = self._process(raw, lane, req.headers, where="http", origin=req.pretty_host)
+        fold = self.mode == "fold"
+        if fold and self.first_party == "observe" and lane.name == "anthropic" and first_party_claude(raw, req.pretty_host):
+            fold = False  # the user asked to leave first-party Claude Code bodies alone
+        res = self._process(raw, lane, req.headers, where="http", origin=req.pretty_host, render=fold)
+        for name in (envelope.HEADER, envelope.RESYNC_HEADER):
+            req.headers.pop(name, None)  # ours: never forwarded
         if res is None or not res.session:
+            return
+        if res.status:
+            flow.response = http.Response.make(
+                res.status, msgspec.json.encode({"error": {"type": "bili_message_ids", "message": res.error}}),
+                {"content-type": "application/json"},
+            )
+            log.warning("[bili] session=%s: %s (answered %d)", res.session, res.error, res.status)
             return
         if res.body is not None:
             req.content = res.body  # re-encoded with the request's own content-encoding
-        rewrite = self.mode == "fold"
+        rewrite = fold
         if rewrite:
             # a compressed stream cannot be filtered event by event
             req.headers["accept-encoding"] = "identity"
         marker = res.marker if ctx.options.bili_marker else ""
         flow.metadata["bili"] = FlowState(lane.name, res.session, ResponseRewriter(lane.name, rewrite, marker))
 
-    def _process(self, raw: bytes, lane: Lane, headers, where: str, origin: str = "") -> TurnResult | None:
+    def _process(self, raw: bytes, lane: Lane, headers, where: str, origin: str = "",
+                 render: bool | None = None) -> TurnResult | None:
         assert self.engine is not None
         t0 = time.perf_counter()
         try:
-            res = self.engine.process(raw, lane, headers, render=self.mode == "fold", origin=origin)
+            res = self.engine.process(raw, lane, headers, render=self.mode == "fold" if render is None else render,
+                                      origin=origin)
         except (msgspec.DecodeError, ValueError) as e:
             log.info("[bili] %s %s: body not understood (%s); forwarding unchanged", lane.name, where, e)
             return None

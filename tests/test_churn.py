@@ -210,3 +210,75 @@ def test_image_identity_is_per_payload(tmp_path):
     assert res.refs_new == 1  # only that image was re-minted; its siblings kept their refs
     b = json.loads(res.body)
     assert a["messages"][1] == b["messages"][1]  # a sibling image's message: the same ref, the same bytes
+
+
+# -- the msgid envelope ------------------------------------------------------------------------
+
+def test_vouched_ids_win_over_content_churn_and_never_leave(tmp_path):
+    engine = make_engine(tmp_path)
+    ts = C.turns(6)
+    conv = C.BUILD["chat"](ts, C.Scheme())
+    ids = [f"host-{i}" for i in range(len(conv))]
+    raw = json.loads(C.body("chat", conv))
+    raw["biliMsgIds"] = ids
+    first = engine.process(json.dumps(raw).encode(), LANES["chat"], H, render=True)
+    assert b"biliMsgIds" not in first.body
+    refs = C.refs_by_text(first.body)
+    # the host re-encodes everything (new tool ids, re-serialised arguments): the ids still hold
+    churned = json.loads(C.body("chat", C.BUILD["chat"](ts, C.Scheme(ids="alt_", spaced=True))))
+    churned["biliMsgIds"] = ids
+    res = engine.process(json.dumps(churned).encode(), LANES["chat"], H, render=True)
+    assert C.refs_by_text(res.body) == refs
+    assert res.refs_new == 0
+
+
+def test_a_live_id_re_used_for_another_message_is_refused_unless_resync(tmp_path):
+    engine = make_engine(tmp_path)
+    conv = C.BUILD["chat"](C.turns(2), C.Scheme())
+    ids = [f"host-{i}" for i in range(len(conv))]
+    raw = json.loads(C.body("chat", conv))
+    raw["biliMsgIds"] = ids
+    engine.process(json.dumps(raw).encode(), LANES["chat"], H, render=True)
+    swapped = list(ids)
+    swapped[1], swapped[2] = swapped[2], swapped[1]  # a user message's id now names an assistant message
+    raw["biliMsgIds"] = swapped
+    res = engine.process(json.dumps(raw).encode(), LANES["chat"], H, render=True)
+    assert res.status == 400 and "already bound" in res.error
+    raw["biliMsgIds"] = {"ids": swapped, "resync": True}
+    res = engine.process(json.dumps(raw).encode(), LANES["chat"], H, render=True)
+    assert res.status == 0 and res.body is not None and b"biliMsgIds" not in res.body
+
+
+@pytest.mark.parametrize("bad", [["a", "b"], "not-a-list", None])
+def test_an_unusable_set_is_dropped_whole(tmp_path, bad):
+    engine = make_engine(tmp_path)
+    conv = C.BUILD["chat"](C.turns(2), C.Scheme())
+    raw = json.loads(C.body("chat", conv))
+    raw["biliMsgIds"] = bad if bad is not None else ["dup"] * len(conv)
+    res = engine.process(json.dumps(raw).encode(), LANES["chat"], H, render=True)
+    assert res.status == 0 and any("message ids ignored" in n for n in res.notes)
+    assert b"biliMsgIds" not in res.body
+    assert engine.sessions[SID].flags.get("envelope") is None  # nothing claimed
+
+
+def test_the_header_form_is_removed_before_the_request_leaves(tmp_path):
+    from mitmproxy import http
+    from mitmproxy.test import taddons, tflow, tutils
+
+    from bili_addon.shell import Bili
+
+    conv = C.BUILD["chat"](C.turns(2), C.Scheme())
+    addon = Bili()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, bili_data_dir=str(tmp_path))
+        req = tutils.treq(method=b"POST", path=b"/v1/chat/completions", host="api.openai.com", port=443,
+                          scheme=b"https", content=C.body("chat", conv),
+                          headers=http.Headers(host="api.openai.com", content_type="application/json",
+                                               x_acp_session="hdr", x_bili_msg_ids=json.dumps(
+                                                   [f"h{i}" for i in range(len(conv))])))
+        f = tflow.tflow(req=req)
+        addon.request(f)
+        assert "x-bili-msg-ids" not in f.request.headers
+        assert f.response is None
+        assert addon.engine.sessions["hdr"].flags.get("envelope")
+    addon.done()

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import fold, nudge, reconcile, tags
+from bili_addon.kernel import envelope, fold, nudge, reconcile, tags
 from bili_addon.kernel.fold import Block, FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
 from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
@@ -170,13 +170,23 @@ class Engine(ProxyTools):
         q = k - start if memo is not None and k and memo.sid == sid and memo.version == s.version else 0
         result = TurnResult(None, session=sid, lane=lane.name, messages=len(infos) - start, source=source)
 
+        env, pinned, stripped = self._envelope(s, body, headers, infos, start, result)
+        if result.status:
+            return result
+        if env is not None:
+            q = 0  # a vouched set decides every item's ref anew
         cov = fold.coverage(s.blocks) if s.blocks else {}
         counter = _prefix_counter(memo, q)
-        resolved_tail, new_rows = self._resolve(s, infos[start + q:], counter, cov, q)
+        resolved_tail, new_rows = self._resolve(s, infos[start + q:], counter, cov, q, pinned,
+                                                env.ids[start:] if env is not None else None)
         resolved = (memo.resolved[:q] if q else []) + resolved_tail
-        result.refs_new = len(new_rows)
-        result.refs_known = sum(len(p) for p in resolved) - len(new_rows)
+        minted = s.row.next_ref
+        result.refs_known = sum(len(p) for p in resolved)
         self._commit(s, agent, lane.name, len(infos) - start, new_rows, tail)
+        result.refs_new = s.row.next_ref - minted
+        result.refs_known -= result.refs_new
+        if env is not None:
+            self._bind_envelope(s, env, infos, start, resolved, pinned)
         if tail:
             self.affinity.note(sid, *tail)
         if isinstance(top.get("previous_response_id"), str) and top["previous_response_id"]:
@@ -195,6 +205,8 @@ class Engine(ProxyTools):
             # observe mode, or a total collapse: nothing verifies the folds against this history,
             # so it passes through as it came until the agent sends a history that aligns again
             self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter, None)
+            if stripped:  # the envelope is ours: it never reaches the provider
+                result.body = body.encode(None)
             return result
 
         version = s.version
@@ -220,7 +232,7 @@ class Engine(ProxyTools):
                        (rendered, changed_cum, tagged_cum))
 
         items_out = list(rendered)
-        changed = changed_cum[-1] > 0
+        changed = changed_cum[-1] > 0 or stripped
         pre = self._strict_inserts(s, lane.name, infos, top, origin)
         changed |= self._assemble(s, lane, items_out, start, view, result, snoozed, pre)
         if self.inject:
@@ -267,8 +279,9 @@ class Engine(ProxyTools):
         return head + chain(canon, prev=bytes.fromhex(head[-1]) if head else b"")
 
     # -- ledger --------------------------------------------------------------------------------
-    def _resolve(self, s: Session, infos: list[ItemInfo], counter: Counter,
-                 cov: dict, reused: int) -> tuple[list[list[Resolved]], list[LedgerRow]]:
+    def _resolve(self, s: Session, infos: list[ItemInfo], counter: Counter, cov: dict, reused: int,
+                 pinned: dict[int, list[Entry]] | None = None,
+                 vouched: list[str] | None = None) -> tuple[list[list[Resolved]], list[LedgerRow]]:
         """Attach a ref to every part: known by ``(msg_id, content_hash)``, else the next free one.
 
         A part appended after everything the previous pass had, whose id is covered by a fold but
@@ -288,7 +301,8 @@ class Engine(ProxyTools):
         for k_item, info in enumerate(infos):
             out = []
             appended = k_item >= appended_from
-            for part in info.parts:
+            pins = pinned.get(k_item) if pinned else None
+            for j, part in enumerate(info.parts):
                 core, base, chash, dirty = part.core, part.base, part.chash, part.dirty
                 if core.ctype == TEXT and core.role != "assistant" and core.text.startswith("<acp "):
                     core, base, chash, dirty = self._strip_own_tag(s, part)
@@ -307,20 +321,33 @@ class Engine(ProxyTools):
                         entry = s.refs.get((msg_id, chash))
                         if entry is None or (entry.ref not in cov and msg_id not in prev_ids):
                             break
-                if entry is None:
+                if pins is not None:
+                    # the host vouches this message's id: its ref wins over content churn (the
+                    # content key keeps whatever it already named; the vouched key names this ref)
+                    if entry is None:
+                        new_rows.append(LedgerRow(msg_id, chash, pins[j].ref, core.role, core.ctype, pins[j].tokens))
+                        s.refs[(msg_id, chash)] = pins[j]
+                    entry = pins[j]
+                elif entry is None:
                     entry = Entry(tags.ref_of(next_ref), count_tokens(core.text))
                     next_ref += 1
                     new_rows.append(LedgerRow(msg_id, chash, entry.ref, core.role, core.ctype, entry.tokens))
                     s.refs[(msg_id, chash)] = entry  # staged: forgotten again if the commit fails
+                if vouched is not None:
+                    key = (f"{vouched[reused + k_item]}#{j}", chash)
+                    if key not in s.refs:
+                        new_rows.append(LedgerRow(key[0], chash, entry.ref, core.role, core.ctype, entry.tokens))
+                        s.refs[key] = entry
                 out.append(Resolved(core, entry, dirty, msg_id, base, incs))
             out_all.append(out)
         return out_all, new_rows
 
     def _commit(self, s: Session, agent: str, lane: str, messages: int, new_rows: list[LedgerRow], tail) -> None:
         row = s.row
+        minted = {r.ref for r in new_rows if r.ref not in s.owners}
         staged = SessionRow(
             row.id, agent, lane, row.created, row.last_seen, row.requests + 1, messages,
-            row.next_ref + len(new_rows), row.flags,
+            row.next_ref + len(minted), row.flags,
         )
         try:
             self.store.commit_turn(staged, new_rows, tail)
@@ -331,7 +358,50 @@ class Engine(ProxyTools):
             raise
         s.row = staged
         for r in new_rows:
-            s.owners[r.ref] = r.content_hash
+            s.owners.setdefault(r.ref, r.content_hash)
+
+    def _envelope(self, s: Session, body: Body, headers, infos: list[ItemInfo], start: int,
+                  result: TurnResult) -> tuple[envelope.Envelope | None, dict[int, list[Entry]], bool]:
+        """The host-vouched ids of this request, and the refs they pin (by conversation item)."""
+        stripped = envelope.FIELD in body.top
+        field = body.top.pop(envelope.FIELD, None)
+        try:
+            env = envelope.parse(msgspec.json.decode(field) if field is not None else None, headers, len(infos))
+        except envelope.EnvelopeRejected as e:
+            result.notes.append(f"message ids ignored for this turn ({e}); content identity applies")
+            return None, {}, stripped
+        if env is None:
+            return None, {}, stripped
+        bound = s.flags.get("envelope", {})
+        pinned: dict[int, list[Entry]] = {}
+        for i in range(start, len(infos)):
+            stored = bound.get(env.ids[i])
+            if stored is None:
+                continue
+            shape, refs = stored
+            if shape == envelope.shape_of(infos[i].parts) and len(refs) == len(infos[i].parts):
+                pinned[i - start] = [Entry(r, t) for r, t in refs]
+            elif not env.resync:
+                result.status = 400
+                result.error = (f"message id {env.ids[i]!r} is already bound to a different message; "
+                                f"send resync: true to re-claim the whole set")
+                return env, {}, stripped
+        return env, pinned, stripped
+
+    def _bind_envelope(self, s: Session, env: envelope.Envelope, infos: list[ItemInfo], start: int,
+                       resolved: list[list[Resolved]], pinned: dict[int, list[Entry]]) -> None:
+        bound = dict(s.flags.get("envelope", {}))
+        changed = False
+        for k, parts in enumerate(resolved):
+            if k in pinned:
+                continue
+            cid = env.ids[start + k]
+            value = [envelope.shape_of(infos[start + k].parts), [[r.entry.ref, r.entry.tokens] for r in parts]]
+            if bound.get(cid) != value:
+                bound[cid] = value
+                changed = True
+        if changed:
+            self.set_flag(s.row.id, "envelope", bound)
 
     def _strip_own_tag(self, s: Session, part: Part) -> tuple[Core, str, str, bool]:
         """Remove the message's own stale tag (idempotent); a foreign tag is content and stays."""
