@@ -3,6 +3,10 @@
     bili run [options] [-- extra mitmdump args]   start the proxy (mitmdump with the addon)
     bili ca [--confdir DIR] [--json]              create the CA if needed and print its paths
     bili mcp [--proxy URL] [--conversation ID]    bili's tools as a stdio MCP server
+    bili claude|codex|pi|omp|hermes|opencode [options] [-- agent args]
+                                                  run an agent through the proxy (started if needed)
+    bili doctor                                   check the CA, the port, the store and the agents
+    bili replay FLOWS.mitm|DIR ...                what the addon would have sent, per session and turn
     bili --version
 
 Each subcommand is one :class:`Command` in :data:`COMMANDS`: a help line, a function that adds its
@@ -14,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +38,7 @@ class Command:
     run: Callable[[argparse.Namespace], int]
     passthrough: bool = False  # takes extra arguments after ``--`` (as ``args.extra``)
     description: str = ""
+    extra_name: str = "MITMDUMP_ARGS"  # what the arguments after ``--`` are, for the usage line
 
 
 def _err(msg: str) -> None:
@@ -91,6 +95,15 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                    help="fold: ledger plus ref tags rendered into the request; observe: ledger and "
                         "stats, bodies forwarded unchanged; passthrough: byte-exact, nothing recorded "
                         "(default: fold)")
+    p.add_argument("--intercept", choices=("models", "all"), default="models",
+                   help="models: decrypt only model API hosts (the agents' built-in providers and the base "
+                        "URLs in their configuration files, read-only) and tunnel everything else "
+                        "untouched; all: decrypt every HTTPS connection (default: models)")
+    p.add_argument("--intercept-host", action="append", metavar="HOST[:PORT]",
+                   help="with --intercept models, decrypt this host too (repeatable)")
+    p.add_argument("--first-party", choices=("fold", "observe"), default=None,
+                   help="bili_first_party: observe leaves Claude Code's first-party api.anthropic.com "
+                        "requests unchanged (default: fold)")
     p.add_argument("--quiet", action="store_true", help="do not print the set-up instructions")
 
 
@@ -113,8 +126,13 @@ def _base_url_var(upstream_host: str) -> tuple[str, str]:
     return "", ""
 
 
-def _instructions(modes: list, host: str, port: int, ca, bili_mode: str) -> list[str]:
+def _instructions(modes: list, host: str, port: int, ca, bili_mode: str,
+                  intercepted: list[tuple[str, int]] | None = None) -> list[str]:
     lines = [f"bili {__version__}: bili_mode={bili_mode}, CA in {ca.confdir}"]
+    if intercepted is not None:
+        names = ", ".join(h if p == 443 else f"{h}:{p}" for h, p in intercepted)
+        lines.append(f"TLS is decrypted for {len(intercepted)} model hosts only ({names}); every other host "
+                     "is tunnelled untouched (--intercept all decrypts everything)")
     for m in modes:
         h = _display_host(m.listen_host(host))
         p = m.listen_port(port)
@@ -144,23 +162,12 @@ def _instructions(modes: list, host: str, port: int, ca, bili_mode: str) -> list
     return lines
 
 
-def _system_roots_for_upstream(source: str | None) -> str | None:
-    if not source:
-        return None
-    try:
-        import certifi
-
-        if Path(source).resolve() == Path(certifi.where()).resolve():
-            return None  # mitmproxy's default already
-    except ImportError:
-        pass
-    return source
-
-
 def _run(args: argparse.Namespace) -> int:
     from mitmproxy.proxy.mode_specs import ProxyMode
 
+    from bili_addon.agents import allow_hosts_regex, intercept_plan
     from bili_addon.certs import CertError, ensure_ca
+    from bili_addon.launch import find_mitmdump, mitmdump_command, system_roots_for_upstream
 
     specs = args.mode or ["regular"]
     try:
@@ -174,37 +181,32 @@ def _run(args: argparse.Namespace) -> int:
         _err(str(e))
         return 1
 
-    bindir = Path(sys.executable).parent
-    mitmdump = bindir / "mitmdump"
-    if not (mitmdump.is_file() and os.access(mitmdump, os.X_OK)):
-        found = shutil.which("mitmdump")
-        if found is None:
-            _err(f"mitmdump not found next to {sys.executable} nor on PATH; is mitmproxy installed?")
-            return 1
-        mitmdump = Path(found)
+    mitmdump = find_mitmdump()
+    if mitmdump is None:
+        _err(f"mitmdump not found next to {sys.executable} nor on PATH; is mitmproxy installed?")
+        return 1
 
-    addon = Path(__file__).resolve().parent / "addon.py"
-    cmd = [str(mitmdump), "-s", str(addon),
-           "--listen-host", args.listen_host, "--listen-port", str(args.listen_port)]
-    for s in specs:
-        cmd += ["--mode", s]
-    cmd += ["--set", f"confdir={ca.confdir}"]
-    if args.data_dir:
-        cmd += ["--set", f"bili_data_dir={Path(args.data_dir).expanduser().resolve()}"]
-    cmd += ["--set", f"bili_mode={args.bili_mode}"]
-    upstream_ca = _system_roots_for_upstream(ca.roots_source)
-    if upstream_ca:
-        # mitmproxy verifies upstream servers against certifi only; trust what this machine trusts
-        # (a corporate or sandbox TLS inspector's CA lives in the system store, not in certifi)
-        cmd += ["--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}"]
-    if any(m.type_name == "reverse" for m in modes):
-        # mitmproxy's default ("eager") dials the upstream as soon as a client connects and drops
-        # the client if that fails; lazy lets /__bili/ answer even while the upstream is down
-        cmd += ["--set", "connection_strategy=lazy"]
-    cmd += args.extra  # last, so they override ours
+    allow = None
+    intercepted = None
+    if args.intercept == "models" and any(m.type_name != "reverse" for m in modes):
+        plan = intercept_plan(None, os.environ, Path.cwd(), args.intercept_host or [])
+        intercepted = list(plan.hosts)
+        for m in modes:
+            if m.type_name == "reverse":  # a reverse target is intercepted by definition
+                host, port = m.address
+                if (host.lower(), port) not in plan.hosts:
+                    plan.hosts.append((host.lower(), port))
+        allow = allow_hosts_regex(plan.hosts)
+    cmd = mitmdump_command(
+        mitmdump, listen_host=args.listen_host, listen_port=args.listen_port, modes=specs, confdir=ca.confdir,
+        data_dir=args.data_dir, bili_mode=args.bili_mode,
+        upstream_ca=system_roots_for_upstream(ca.roots_source),
+        lazy=any(m.type_name == "reverse" for m in modes), allow_hosts=allow, first_party=args.first_party,
+        extra=args.extra,  # last, so they override ours
+    )
 
     if not args.quiet:
-        print("\n".join(_instructions(modes, args.listen_host, args.listen_port, ca, args.bili_mode)))
+        print("\n".join(_instructions(modes, args.listen_host, args.listen_port, ca, args.bili_mode, intercepted)))
         print("", flush=True)
     sys.stderr.flush()
     try:
@@ -228,6 +230,58 @@ def _mcp(args: argparse.Namespace) -> int:
     return mcp.run(args)
 
 
+# -- bili <agent>, bili doctor, bili replay ------------------------------------------------------
+def _agent_args(p: argparse.ArgumentParser) -> None:
+    from bili_addon import launch
+
+    launch.configure_agent(p)
+
+
+def _agent_runner(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from bili_addon import launch
+        from bili_addon.agents import AGENTS
+
+        return launch.launch(AGENTS[name], args)
+
+    return run
+
+
+def _doctor_args(p: argparse.ArgumentParser) -> None:
+    from bili_addon import launch
+
+    launch.configure_doctor(p)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from bili_addon import launch
+
+    return launch.doctor(args)
+
+
+def _replay_args(p: argparse.ArgumentParser) -> None:
+    from bili_addon import replay
+
+    replay.configure(p)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from bili_addon import replay
+
+    return replay.run(args)
+
+
+# agent subcommand -> (title, how its traffic reaches the proxy); kept here so `bili --help` needs no import
+_AGENT_HELP = {
+    "claude": "Claude Code",
+    "codex": "Codex CLI",
+    "pi": "pi",
+    "omp": "oh-my-pi",
+    "hermes": "Hermes Agent",
+    "opencode": "opencode",
+}
+
+
 COMMANDS: dict[str, Command] = {
     "run": Command(
         help="start the proxy (mitmdump with the bili addon)",
@@ -247,6 +301,33 @@ COMMANDS: dict[str, Command] = {
                     "MCP's stdio transport; each call runs in the running proxy (POST "
                     "/__bili/plugin/tool). Start it from the agent's MCP configuration.",
         configure=_mcp_args, run=_mcp,
+    ),
+    **{
+        name: Command(
+            help=f"run {title} through the proxy (starts one if needed)",
+            description=f"Run {title} as a child process with HTTPS_PROXY and the CA variable it needs. A bili "
+                        f"proxy already answering on the port is re-used; otherwise one is started (decrypting "
+                        f"only model API hosts: the built-in ones and the base URLs in {title}'s own "
+                        f"configuration, which is read, never written) and stopped when the agent exits. "
+                        f"Arguments after -- go to {title} as-is; the exit code is {title}'s.",
+            configure=_agent_args, run=_agent_runner(name), passthrough=True, extra_name="AGENT_ARGS",
+        )
+        for name, title in _AGENT_HELP.items()
+    },
+    "doctor": Command(
+        help="check the CA, the port, the store and which agents are installed",
+        description="Check the CA and its bundle, whether the port is free or held by a bili proxy, the "
+                    "store, mitmdump, and which agents are installed (with the custom base URLs their "
+                    "configuration names). Changes nothing. Exit code 1 when a required check fails.",
+        configure=_doctor_args, run=_doctor,
+    ),
+    "replay": Command(
+        help="run captured flows (mitmproxy files) through the addon offline",
+        description="Read flows saved by mitmproxy (-w FILE) and push every model request through a fresh "
+                    "in-memory addon kernel in fold mode, feeding the recorded answers back so proxy tools "
+                    "run as they would live; print, per session and turn, what would have been sent "
+                    "upstream. A directory is searched for *.mitm files.",
+        configure=_replay_args, run=_replay,
     ),
 }
 
@@ -269,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, c in COMMANDS.items():
-        usage_extra = " [-- MITMDUMP_ARGS ...]" if c.passthrough else ""
+        usage_extra = f" [-- {c.extra_name} ...]" if c.passthrough else ""
         sp = sub.add_parser(name, help=c.help, description=c.description or c.help)
         c.configure(sp)
         if usage_extra:

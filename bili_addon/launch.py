@@ -399,7 +399,7 @@ def _terminal_delivers(signum: int) -> bool:
         return False
 
 
-def run_child(argv: list[str], env: Mapping[str, str]) -> int:
+def run_child(argv: list[str], env: Mapping[str, str], on_start=None) -> int:
     """Run the agent, forwarding SIGINT/SIGTERM/SIGHUP/SIGQUIT; its return code (negative: a signal)."""
     holder: list[subprocess.Popen] = []
     pending: list[int] = []
@@ -416,6 +416,8 @@ def run_child(argv: list[str], env: Mapping[str, str]) -> int:
     old = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
         holder.append(subprocess.Popen(argv, env=dict(env)))
+        if on_start is not None:
+            on_start(holder[0].pid)
         for signum in pending:
             with contextlib.suppress(ProcessLookupError):
                 holder[0].send_signal(signum)
@@ -505,6 +507,7 @@ def configure_agent(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the hosts, the agent's environment and the proxy command, run nothing")
     p.add_argument("-q", "--quiet", action="store_true", help="no bili: lines on stderr (errors excepted)")
+    p.add_argument("-v", "--verbose", action="store_true", help="also say which pid the agent runs as, and how it exited")
 
 
 def launch(agent: Agent, args: argparse.Namespace) -> int:
@@ -547,7 +550,10 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
                 _say("note: a proxy started elsewhere intercepts the hosts it was started with; "
                      f"{', '.join(sorted({e.host for e in plan.hosts.endpoints}))} may not be among them", args.quiet)
         try:
-            rc = run_child(plan.argv, plan.env)
+            rc = run_child(plan.argv, plan.env, on_start=(
+                (lambda pid: _say(f"running {plan.argv[0]} (pid {pid})")) if args.verbose and not args.quiet else None))
+            if args.verbose:
+                _say(f"{agent.binary} exited with {'signal ' + str(-rc) if rc < 0 else 'code ' + str(rc)}", args.quiet)
         except OSError as e:
             _say(f"error: cannot run {plan.argv[0]}: {e}")
             rc = 126

@@ -87,6 +87,16 @@ class Bili:
             "the provider's overflow errors).",
         )
         loader.add_option(
+            "bili_fold_reconcile", bool, True,
+            "Re-anchor fold coverage when the agent re-serialises its history (verified against the "
+            "session's own canonical copy); off only for diagnosis.",
+        )
+        loader.add_option(
+            "bili_snapshot_render", bool, False,
+            "Render the folded prefix from the session's own transcript instead of the agent's re-sent "
+            "bytes (the agent's verbatim tail takes over where its history stops matching).",
+        )
+        loader.add_option(
             "bili_refuse_websocket", bool, True,
             "In fold mode, answer WebSocket upgrades on /responses with HTTP 426 so the agent "
             "falls back to HTTP with its full history (codex).",
@@ -111,6 +121,8 @@ class Bili:
         if self.engine is not None:
             self.engine.fold_cfg.min_compress_chars = ctx.options.bili_min_compress_chars
             self.engine.window = ctx.options.bili_context_window
+            self.engine.reconcile = ctx.options.bili_fold_reconcile
+            self.engine.snapshot = ctx.options.bili_snapshot_render
 
     def _open_store(self, data_dir: str) -> None:
         if self.engine is not None:
@@ -350,6 +362,7 @@ class Bili:
             live = self.engine.sessions.get(r.id)
             blocks = live.blocks if live is not None else []
             entry["fold"] = {
+                "paused": bool(live is not None and live.copy.latched),
                 "blocks": sum(b.active for b in blocks),
                 "blocks_total": len(blocks),
                 "tokens_folded": sum(b.folded_tokens for b in blocks if b.active),

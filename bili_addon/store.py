@@ -8,6 +8,7 @@ turn that was never sent with its refs.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import time
@@ -80,6 +81,14 @@ CREATE TABLE IF NOT EXISTS originals(
     text TEXT NOT NULL,
     tokens INTEGER NOT NULL,
     PRIMARY KEY(session_id, ref)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS transcript(
+    session_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    sig TEXT NOT NULL,
+    refs TEXT NOT NULL,
+    item BLOB NOT NULL,
+    PRIMARY KEY(session_id, seq)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS copies(
     session_id TEXT PRIMARY KEY,
@@ -349,5 +358,29 @@ class Store:
     def save_copy(self, session_id: str, doc: str) -> None:
         try:
             self.db.execute("INSERT OR REPLACE INTO copies(session_id, doc) VALUES(?,?)", (session_id, doc))
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+
+    # -- the session's own transcript (snapshot render) ------------------------------------------
+    def transcript(self, session_id: str) -> list[tuple[str, list[str], bytes]]:
+        rows = self.db.execute(
+            "SELECT sig, refs, item FROM transcript WHERE session_id=? ORDER BY seq", (session_id,)
+        ).fetchall()
+        return [(sig, json.loads(refs), bytes(item)) for sig, refs, item in rows]
+
+    def save_transcript(self, session_id: str, keep: int, rows: list[tuple[str, list[str], bytes]]) -> None:
+        """Rows from ``keep`` on are replaced by ``rows`` (sequence numbers ``keep``...)."""
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.execute("DELETE FROM transcript WHERE session_id=? AND seq>=?", (session_id, keep))
+                self.db.executemany(
+                    "INSERT INTO transcript(session_id, seq, sig, refs, item) VALUES(?,?,?,?,?)",
+                    [(session_id, keep + i, sig, json.dumps(refs), item) for i, (sig, refs, item) in enumerate(rows)],
+                )
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
         except sqlite3.Error as e:
             raise StoreError(f"cannot write the store at {self.path}: {e}") from e

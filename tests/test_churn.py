@@ -282,3 +282,50 @@ def test_the_header_form_is_removed_before_the_request_leaves(tmp_path):
         assert f.response is None
         assert addon.engine.sessions["hdr"].flags.get("envelope")
     addon.done()
+
+
+# -- snapshot render ---------------------------------------------------------------------------
+
+def run_session(engine, lane, churn_at=None):
+    """A fold, steady turns, and (optionally) a churned re-serialisation; the bodies sent."""
+    ts = C.turns(12)
+    bodies = []
+    out = send(engine, lane, C.BUILD[lane](ts, C.Scheme()))
+    bodies.append(out)
+    refs = C.refs_by_text(out)
+    args = {"content": [{"startId": refs["Turn 1: please"], "endId": refs["Reply Turn 5: "], "summary": SUMMARY}]}
+    engine.record_calls(SID, [("cfold", "compress", json.dumps(args))])
+    pair = C.proxy_call(lane, "cfold", "compress", args)
+    for t in range(12, 16):
+        sc = C.Scheme(ids="alt_", spaced=True) if churn_at is not None and t >= churn_at else C.Scheme()
+        bodies.append(send(engine, lane, C.BUILD[lane](ts, sc, pair)))
+        ts.append(C.Turn(t, f"Turn {t}: more.", f"Reply Turn {t}.", tool=False))
+    return bodies
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat"])
+def test_snapshot_render_is_byte_identical_on_an_undisturbed_session(tmp_path, lane):
+    normal = run_session(make_engine(tmp_path / "n"), lane)
+    snap = run_session(make_engine(tmp_path / "s", snapshot=True), lane)
+    assert normal == snap
+    assert b"[Compressed conversation section b1" in snap[-1]
+
+
+def test_snapshot_render_keeps_the_fold_through_churn_from_its_own_transcript(tmp_path):
+    bodies = run_session(make_engine(tmp_path, snapshot=True, reconcile=False), "chat", churn_at=14)
+    first_churned = bodies[3]
+    assert b"[Compressed conversation section b1" in first_churned
+    assert b"file-2-row-" not in first_churned
+    # the prefix went out as the transcript has it: the pre-churn bytes, ids included
+    assert b'"alt_0"' not in first_churned.split(b"[Compressed")[0]
+
+
+def test_snapshot_render_falls_back_when_nothing_links(tmp_path):
+    a, b = make_engine(tmp_path / "a"), make_engine(tmp_path / "b", snapshot=True)
+    for e in (a, b):
+        run_session(e, "chat")
+    other = [C.Turn(t, f"Entirely new {t}. {C.FILLER}", f"New {t}.", tool=False) for t in range(11)]
+    raw = C.body("chat", C.BUILD["chat"](other, C.Scheme()))
+    ra = a.process(raw, LANES["chat"], H, render=True)
+    rb = b.process(raw, LANES["chat"], H, render=True)
+    assert ra.body == rb.body

@@ -82,6 +82,7 @@ class ViewItem:
 
     index: int  # position in the request's conversation array
     parts: list[PartView]
+    sig: str = ""  # canonical signature (snapshot render), computed once per item
 
     @property
     def refs(self) -> list[str]:

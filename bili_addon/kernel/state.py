@@ -140,6 +140,7 @@ class Session:
     blocks: list[Block] = field(default_factory=list)
     calls: dict[str, Call] = field(default_factory=dict)
     copy: Copy = field(default_factory=Copy)  # the canonical copy of the last steady pass
+    transcript: list | None = None  # snapshot render: (signature, refs, bytes) per item, loaded lazily
     model: str = ""
     version: int = 0  # bumped whenever something changes how old items render
     last_view: View | None = None  # the conversation as the last request showed it

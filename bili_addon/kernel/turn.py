@@ -48,7 +48,7 @@ from bili_addon.kernel.tools import ProxyTools
 from bili_addon.kernel.windows import context_window
 from bili_addon.store import LedgerRow, SessionRow, Store
 from bili_addon.wire import Lane, hygiene
-from bili_addon.wire.base import TEXT, Body, Core, patch_many
+from bili_addon.wire.base import TEXT, TOOL_CALL, TOOL_RESULT, Body, Core, patch_many
 
 log = logging.getLogger("bili")
 
@@ -63,7 +63,7 @@ class Engine(ProxyTools):
     """The kernel side of the addon: sessions, ledger, tags and folds over a :class:`Store`."""
 
     def __init__(self, store: Store, max_sessions: int = 256, fold_cfg: FoldConfig | None = None,
-                 inject: bool = True, window: int = 0, reconcile: bool = True):
+                 inject: bool = True, window: int = 0, reconcile: bool = True, snapshot: bool = False):
         self.store = store
         self.items = ItemCache()
         self.sessions: OrderedDict[str, Session] = OrderedDict()
@@ -75,6 +75,7 @@ class Engine(ProxyTools):
         self.inject = inject
         self.window = window  # 0: from the model table
         self.reconcile = reconcile  # re-anchor fold coverage under churn (off: a control for tests)
+        self.snapshot = snapshot  # render the folded prefix from the session's own transcript
 
     # -- sessions ------------------------------------------------------------------------------
     def session(self, sid: str, agent: str = "", lane: str = "") -> Session:
@@ -197,7 +198,8 @@ class Engine(ProxyTools):
                 )
 
         view_items = (memo.view_items[:q] if q else []) + _view_items(resolved_tail, start + q)
-        view = View(view_items)
+        snap = self._snapshot_join(s, view_items) if self.snapshot and s.blocks and render else None
+        view = View(snap[2] if snap else view_items)
         s.last_view = view
         drift = self._reconcile(s, view, resolved, result) if s.blocks and self.reconcile else None
         snoozed = drift.snoozed if drift is not None else set()
@@ -233,6 +235,8 @@ class Engine(ProxyTools):
 
         items_out = list(rendered)
         changed = changed_cum[-1] > 0 or stripped
+        if snap:
+            changed |= self._snapshot_render(s, snap, items_out, start, view)
         pre = self._strict_inserts(s, lane.name, infos, top, origin)
         changed |= self._assemble(s, lane, items_out, start, view, result, snoozed, pre)
         if self.inject:
@@ -522,6 +526,49 @@ class Engine(ProxyTools):
             changed_cum.append(changed_cum[-1] + (out != src))
             tagged_cum.append(tagged_cum[-1] + tagged)
 
+    # -- snapshot render -------------------------------------------------------------------------
+    def _snapshot_join(self, s: Session, items: list[ViewItem]):
+        """Where the agent's verbatim tail takes over from the session's own transcript: items
+        whose canonical signature matches the transcript row at their position take the row's
+        refs (and, when rendered, its bytes).  ``(join, rows, view items)`` or None (any doubt)."""
+        try:
+            if s.transcript is None:
+                s.transcript = self.store.transcript(s.row.id)
+        except Exception as e:  # the store cannot be read: the normal path
+            log.warning("[bili] session=%s: transcript unreadable (%s); normal render", s.row.id, e)
+            return None
+        rows = s.transcript
+        j = 0
+        while j < min(len(rows), len(items)) and rows[j][0] == _sig(items[j]) and len(rows[j][1]) == len(items[j].parts):
+            j += 1
+        while j > 0:  # never split a tool call from its result
+            calls = {p.tool_call_id for it in items[:j] for p in it.parts if p.ctype == TOOL_CALL and p.tool_call_id}
+            if not calls & {p.tool_call_id for it in items[j:] for p in it.parts if p.ctype == TOOL_RESULT}:
+                break
+            j -= 1
+        if j == 0:  # nothing links: this turn renders normally, and its items start the transcript anew
+            return (0, rows, items)
+        joined = [
+            ViewItem(it.index, [PartView(ref, p.role, p.ctype, p.tool_name, p.tool_call_id, p.text, p.tokens)
+                                for ref, p in zip(rows[k][1], it.parts)], it.sig)
+            for k, it in enumerate(items[:j])
+        ]
+        return (j, rows, joined + items[j:])
+
+    def _snapshot_render(self, s: Session, snap, items_out: list[bytes], start: int, view: View) -> bool:
+        """Rows up to the join are sent as the transcript has them; the transcript takes this
+        pass's tail as its new rows."""
+        j, rows, _items = snap
+        changed = False
+        for k in range(j):
+            if items_out[start + k] != rows[k][2]:
+                items_out[start + k] = rows[k][2]
+                changed = True
+        tail = [(_sig(it), [p.ref for p in it.parts], items_out[it.index]) for it in view.items[j:]]
+        self.store.save_transcript(s.row.id, j, tail)
+        s.transcript = rows[:j] + tail
+        return changed
+
     def _strict_inserts(self, s: Session, lane: str, infos: list[ItemInfo], top: dict, origin: str) -> dict:
         if lane != "responses":
             return {}
@@ -600,6 +647,12 @@ class Engine(ProxyTools):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+def _sig(item: ViewItem) -> str:
+    if not item.sig:
+        item.sig = ",".join(reconcile.fingerprint(p) for p in item.parts)
+    return item.sig
+
 
 def _system_run(infos: list[ItemInfo]) -> int:
     start = 0  # the leading system run is environment, not conversation

@@ -1,0 +1,321 @@
+"""``bili replay FLOWS.mitm|DIR ...``: captured flows through the addon's kernel, offline.
+
+Each file gets a fresh kernel (:class:`~bili_addon.kernel.turn.Engine` over a store in a temporary
+directory) in fold mode.  Every model request (and every ``response.create`` frame of a Responses
+WebSocket) goes through it the way the proxy would send it upstream; the recorded answer then goes
+through the response path (:class:`~bili_addon.stream.ResponseRewriter`), so a proxy tool the model
+called runs on the next request exactly as it would live.  The output is one table per file, one
+row per session and turn: what would have been sent upstream.
+
+For bug reports (``mitmdump -w flows.mitm`` while it happens, then ``bili replay flows.mitm``) and
+regression tests (``--json``, ``--bodies DIR`` for the exact upstream bodies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import msgspec
+
+WS_NOTE = "live fold mode refuses this WebSocket (426); the agent then resends over HTTP with full history"
+
+
+@dataclass
+class Turn:
+    file: str
+    flow: int  # position of the flow in the file (1-based)
+    session: str
+    turn: int  # the session's n-th request
+    lane: str
+    via: str  # http or ws
+    host: str
+    messages: int = 0
+    refs_new: int = 0
+    refs_known: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    blocks: int = 0  # active fold blocks after this request
+    folded: int = 0  # conversation items left off the wire
+    executed: list[str] = field(default_factory=list)  # proxy tools run for this request
+    called: list[str] = field(default_factory=list)  # proxy tools the recorded answer called
+    first_party: bool = False  # Claude Code's first-party request (cch= billing block)
+    first_block_kept: bool | None = None  # first-party: system[0] still first and byte-exact upstream
+    changed: bool = False  # the body sent upstream differs from the agent's
+    note: str = ""
+    body: bytes = b""  # what would have been sent upstream (not in --json)
+
+    @property
+    def tokens_in(self) -> int:
+        return self.bytes_in // 4
+
+    @property
+    def tokens_out(self) -> int:
+        return self.bytes_out // 4
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("body")
+        d["tokens_in"], d["tokens_out"] = self.tokens_in, self.tokens_out
+        return d
+
+
+@dataclass
+class FileReport:
+    path: str
+    flows: int = 0
+    turns: list[Turn] = field(default_factory=list)
+    other: int = 0  # flows that are not model requests (left alone live too)
+    unidentified: int = 0  # model requests with no conversation identity (forwarded unchanged)
+    errors: list[str] = field(default_factory=list)
+
+
+def _decode(message) -> bytes:
+    try:
+        return message.get_content(strict=False) or b""
+    except ValueError:
+        return message.raw_content or b""
+
+
+class Replayer:
+    def __init__(self, store_dir: Path, *, first_party: str = "fold", min_compress_chars: int | None = None,
+                 marker: bool = True):
+        from bili_addon.kernel.fold import FoldConfig
+        from bili_addon.kernel.turn import Engine
+        from bili_addon.store import Store
+
+        cfg = FoldConfig()
+        if min_compress_chars is not None:
+            cfg.min_compress_chars = min_compress_chars
+        self.engine = Engine(Store(store_dir), fold_cfg=cfg)
+        self.first_party = first_party
+        self.marker = marker
+        self.turns: dict[str, int] = {}
+
+    def close(self) -> None:
+        self.engine.store.close()
+
+    # -- one request -------------------------------------------------------------------------------
+    def request(self, report: FileReport, index: int, raw: bytes, lane, headers, host: str, via: str):
+        """Process one model request; returns ``(turn, marker, render)``, or None."""
+        from bili_addon.shell import first_party_claude
+
+        fp = lane.name == "anthropic" and first_party_claude(raw, host)
+        render = not (fp and self.first_party == "observe")
+        try:
+            res = self.engine.process(raw, lane, headers, render=render, origin=host)
+        except (msgspec.DecodeError, ValueError) as e:
+            report.errors.append(f"flow {index}: {lane.name} body not understood ({e}); live it is forwarded unchanged")
+            return None
+        if not res.session:
+            report.unidentified += 1
+            return None
+        n = self.turns[res.session] = self.turns.get(res.session, 0) + 1
+        s = self.engine.sessions.get(res.session)
+        body = res.body if res.body is not None else raw
+        turn = Turn(
+            report.path, index, res.session, n, lane.name, via, host, res.messages, res.refs_new, res.refs_known,
+            len(raw), len(body), sum(b.active for b in s.blocks) if s else 0, res.folded_items, list(res.executed),
+            first_party=fp, changed=res.body is not None and res.body != raw, body=body,
+        )
+        if fp:
+            turn.first_block_kept = _system_head(body) == _system_head(raw)
+        if fp and not render:
+            turn.note = "first-party, observe: unchanged"
+        if via == "ws":
+            turn.note = WS_NOTE
+        report.turns.append(turn)
+        return turn, res.marker if render and self.marker else "", render
+
+    # -- its recorded answer -------------------------------------------------------------------------
+    def account(self, turn: Turn, rw) -> None:
+        if rw.calls and rw.rewrite:
+            self.engine.record_calls(turn.session, rw.calls)
+            turn.called += [name for _k, name, _a in rw.calls]
+        u = rw.usage
+        if u.seen:
+            self.engine.store.record_usage(turn.session, turn.lane, (u.input, u.cache_read, u.cache_write, u.output))
+
+    def response(self, turn: Turn, flow, marker: str, rewrite: bool) -> None:
+        from bili_addon.stream import ResponseRewriter
+
+        resp = flow.response
+        if resp is None or not 200 <= resp.status_code < 300:
+            return
+        content = _decode(resp)
+        if not content:
+            return
+        rw = ResponseRewriter(turn.lane, rewrite, marker)
+        if "text/event-stream" in resp.headers.get("content-type", ""):
+            stream = rw.stream(None)
+            stream(content)
+            stream(b"")
+        elif "json" in resp.headers.get("content-type", ""):
+            rw.json_body(content)
+        self.account(turn, rw)
+
+    # -- a file ---------------------------------------------------------------------------------------
+    def run(self, report: FileReport, flows: Iterable) -> None:
+        from mitmproxy import http
+
+        from bili_addon.stream import ResponseRewriter
+        from bili_addon.wire import LANES, detect_lane, is_responses_websocket
+
+        for index, flow in enumerate(flows, 1):
+            report.flows += 1
+            if not isinstance(flow, http.HTTPFlow):
+                report.other += 1
+                continue
+            req = flow.request
+            host = (flow.client_conn.sni or req.pretty_host or "").lower()
+            if req.path.startswith("/__bili/"):
+                report.other += 1
+                continue
+            if flow.websocket is not None and is_responses_websocket(req.path):
+                self._websocket(report, index, flow, host, LANES["responses"], ResponseRewriter)
+                continue
+            lane = detect_lane(req.method, req.path)
+            raw = _decode(req) if lane is not None else b""
+            if lane is None or not raw:
+                report.other += 1
+                continue
+            got = self.request(report, index, raw, lane, req.headers, host, "http")
+            if got is None:
+                continue
+            turn, marker, rewrite = got
+            self.response(turn, flow, marker, rewrite)
+
+    def _websocket(self, report: FileReport, index: int, flow, host: str, lane, rewriter_cls) -> None:
+        turn: Turn | None = None
+        rw = None
+        for msg in flow.websocket.messages:
+            if not msg.is_text:
+                continue
+            if msg.from_client:
+                if b'"response.create"' not in msg.content:
+                    continue
+                got = self.request(report, index, msg.content, lane, flow.request.headers, host, "ws")
+                turn, rw = (got[0], rewriter_cls("responses", True)) if got is not None else (None, None)
+            elif turn is not None and rw is not None:
+                rw.ws_frame(msg.content)
+                if b'"response.completed"' in msg.content or b'"response.done"' in msg.content:
+                    self.account(turn, rw)
+                    rw = None
+
+
+class _System(msgspec.Struct):
+    system: list[msgspec.Raw] = []
+
+
+def _system_head(body: bytes) -> bytes | None:
+    """The exact bytes of ``system[0]`` in an Anthropic body."""
+    try:
+        items = msgspec.json.decode(body, type=_System).system
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return bytes(items[0]) if items else None
+
+
+def find_flow_files(paths: Iterable[str]) -> list[Path]:
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(p.rglob("*.mitm"))
+        else:
+            out.append(p)
+    return out
+
+
+def replay_file(path: Path, *, first_party: str = "fold", min_compress_chars: int | None = None,
+                label: str | None = None) -> FileReport:
+    from mitmproxy import io
+    from mitmproxy.exceptions import FlowReadException
+
+    report = FileReport(label or str(path))
+    with tempfile.TemporaryDirectory(prefix="bili-replay-") as tmp:
+        rep = Replayer(Path(tmp), first_party=first_party, min_compress_chars=min_compress_chars)
+        try:
+            with open(path, "rb") as f:
+                rep.run(report, io.FlowReader(f).stream())
+        except (OSError, FlowReadException) as e:
+            report.errors.append(f"cannot read {path}: {e}")
+        finally:
+            rep.close()
+    return report
+
+
+# -- output ---------------------------------------------------------------------------------------------
+COLUMNS = ("turn", "lane", "via", "msgs", "refs new/known", "bytes in→out", "~tokens in→out", "blocks", "folded",
+           "ran", "note")
+
+
+def table(report: FileReport) -> list[str]:
+    model = len(report.turns) + report.unidentified
+    lines = [f"{report.path}: {report.flows} flows, {model} model requests, {report.other} other flows"]
+    sessions: dict[str, list[Turn]] = {}
+    for t in report.turns:
+        sessions.setdefault(t.session, []).append(t)
+    for sid, turns in sessions.items():
+        hosts = sorted({t.host for t in turns if t.host})
+        lines.append(f"  session {sid}" + (f" ({', '.join(hosts)})" if hosts else ""))
+        rows = [COLUMNS]
+        for t in turns:
+            ran = ",".join(t.executed) or "-"
+            if t.called:
+                ran += f" (answer calls {','.join(t.called)})"
+            note = t.note
+            if t.first_party and not note:
+                note = ("first-party: system[0] kept first, byte-exact" if t.first_block_kept
+                        else "first-party: system[0] CHANGED (a bug: please report)")
+            rows.append((str(t.turn), t.lane, t.via, str(t.messages), f"{t.refs_new}/{t.refs_known}",
+                         f"{t.bytes_in}→{t.bytes_out}", f"{t.tokens_in}→{t.tokens_out}", str(t.blocks),
+                         str(t.folded), ran, note))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS) - 1)]
+        for r in rows:
+            lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + ("  " + r[-1] if r[-1] else ""))
+    if report.unidentified:
+        lines.append(f"  {report.unidentified} model request(s) without a conversation identity (forwarded unchanged)")
+    for e in report.errors:
+        lines.append(f"  error: {e}")
+    return lines
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="+", metavar="FLOWS", help="mitmproxy flow files (mitmdump -w), or directories "
+                                                             "to search for *.mitm")
+    p.add_argument("--first-party", choices=("fold", "observe"), default="fold",
+                   help="as the proxy's bili_first_party option (default: fold)")
+    p.add_argument("--min-compress-chars", type=int, default=None, metavar="N",
+                   help="as the proxy's bili_min_compress_chars option")
+    p.add_argument("--json", action="store_true", help="one JSON document: every file's turns")
+    p.add_argument("--bodies", metavar="DIR", help="write each upstream body to DIR/<file>-<flow>-<turn>.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    files = find_flow_files(args.paths)
+    if not files:
+        print("bili: error: no flow files found", file=sys.stderr)
+        return 1
+    reports = []
+    for path in files:
+        report = replay_file(path, first_party=args.first_party, min_compress_chars=args.min_compress_chars)
+        reports.append(report)
+        if args.bodies:
+            out = Path(args.bodies)
+            out.mkdir(parents=True, exist_ok=True)
+            stem = "_".join(path.parts[-3:]).replace(".mitm", "").replace("/", "_")
+            for t in report.turns:
+                (out / f"{stem}-{t.flow:03d}-{t.session[:12]}-{t.turn}.json").write_bytes(t.body)
+        if not args.json:
+            print("\n".join(table(report)))
+            print(flush=True)
+    if args.json:
+        print(json.dumps([{"path": r.path, "flows": r.flows, "other": r.other, "unidentified": r.unidentified,
+                           "errors": r.errors, "turns": [t.to_json() for t in r.turns]} for r in reports], indent=2))
+    unreadable = [r for r in reports if any(e.startswith("cannot read") for e in r.errors)]
+    return 1 if unreadable else 0
