@@ -444,8 +444,10 @@ def _exit_like(rc: int) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     with contextlib.suppress(OSError, ValueError):
-        signal.signal(sig, signal.SIG_DFL)
+        signal.signal(sig, signal.SIG_DFL)  # (SIGKILL and SIGSTOP have no handler to reset)
+    with contextlib.suppress(OSError, ValueError):
         os.kill(os.getpid(), sig)
+        time.sleep(1)  # a pending signal is delivered right away; this is a safety net
     return 128 + sig
 
 

@@ -10,15 +10,17 @@ from bili_addon.kernel import fold, surfaces, tags
 from bili_addon.kernel.fold import View
 from bili_addon.kernel.state import Call, ItemInfo, Session, TurnResult
 from bili_addon.wire import Lane
-from bili_addon.wire.base import TOOL_CALL, TOOL_RESULT, patch_many
+from bili_addon.wire.base import TOOL_CALL, TOOL_RESULT, idless_call_key, patch_many
 
 if TYPE_CHECKING:
     from bili_addon.kernel.turn import Engine
 
 
-def call_key(tool_call_id: str, tool_name: str) -> str:
-    """Calls are keyed by their id; Gemini calls may have none, then the function name pairs them."""
-    return tool_call_id or (f"name:{tool_name}" if tool_name else "")
+def call_key(tool_call_id: str, tool_name: str, args: str = "") -> str:
+    """Calls are keyed by their id; a call without one (Gemini) by its name and arguments."""
+    if tool_call_id:
+        return tool_call_id
+    return idless_call_key(tool_name, args) if tool_name else ""
 
 
 class ProxyTools:
@@ -82,7 +84,7 @@ class ProxyTools:
             for p in it.parts:
                 if p.ctype != TOOL_CALL:
                     continue
-                key = call_key(p.tool_call_id, p.tool_name)
+                key = call_key(p.tool_call_id, p.tool_name, p.text)
                 call = s.calls.get(key)
                 if call is None or call.result is not None:
                     continue
@@ -99,17 +101,31 @@ class ProxyTools:
             self.store.commit_fold(s.row.id, [], [], done)
 
     @staticmethod
-    def _call_edits(s: Session, lane: Lane, info: ItemInfo, refs_parts) -> list:
+    def _call_edits(s: Session, lane: Lane, info: ItemInfo, refs_parts, idless: dict[str, list[str]]) -> list:
         """Edits for one item: executed calls as the model made them, real results for the agent's
-        errors, emergency-truncated tool outputs."""
+        errors, emergency-truncated tool outputs.  ``idless``: per tool name, the keys of the calls
+        without ids seen so far, which results without a matching id pair with, in order."""
         cut = s.flags.get("truncated", {})
         edits: list = []
         obj = None
         for p in refs_parts:
-            key = call_key(p.core.tool_call_id, p.core.tool_name)
-            if not key or p.core.ctype not in (TOOL_CALL, TOOL_RESULT):
+            if p.core.ctype not in (TOOL_CALL, TOOL_RESULT):
                 continue
-            call = s.calls.get(key)
+            if p.core.ctype == TOOL_CALL:
+                key = call_key(p.core.tool_call_id, p.core.tool_name, p.core.text)
+                if not p.core.tool_call_id and key:
+                    idless.setdefault(p.core.tool_name, []).append(key)
+                target = key
+            else:
+                # a result is edited under its own key; it answers the call with its id, or the
+                # oldest unanswered id-less call of its tool (agents may invent ids for those)
+                key = p.core.tool_call_id or (f"name:{p.core.tool_name}" if p.core.tool_name else "")
+                target = key if key in s.calls else None
+                if target is None and idless.get(p.core.tool_name):
+                    target = idless[p.core.tool_name].pop(0)
+            if not key:
+                continue
+            call = s.calls.get(target) if target else None
             if call is None:
                 if p.core.ctype == TOOL_RESULT and p.entry.ref in cut:
                     obj = obj if obj is not None else info.obj
@@ -141,7 +157,8 @@ class ProxyTools:
         if not spent:
             return set()
         keys = set(spent)
-        return {p.ref for it in view.items for p in it.parts if (p.tool_call_id or "") in keys}
+        return {p.ref for it in view.items for p in it.parts
+                if (call_key(p.tool_call_id, p.tool_name, p.text) if p.ctype == TOOL_CALL else p.tool_call_id) in keys}
 
 
 __all__ = ["ProxyTools", "call_key", "patch_many"]

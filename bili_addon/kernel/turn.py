@@ -44,7 +44,7 @@ from bili_addon.kernel.state import (
     TurnResult,
     clean_replayed_prose,
 )
-from bili_addon.kernel.tools import ProxyTools
+from bili_addon.kernel.tools import ProxyTools, call_key
 from bili_addon.kernel.windows import context_window
 from bili_addon.store import LedgerRow, SessionRow, Store
 from bili_addon.wire import Lane, hygiene
@@ -500,6 +500,16 @@ class Engine(ProxyTools):
         nudges = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "suffix"}
         model = top.get("model") if isinstance(top.get("model"), str) else ""
         strict_chat = lane.name == "chat" and (s.flags.get("strict_reasoning") or hygiene.strict_by_name(origin, model))
+        idless: dict[str, list[str]] = {}
+        if q and lane.name == "gemini":  # id-less calls answered further on: pair from the start
+            for parts in resolved[:q]:
+                for r in parts:
+                    if r.core.ctype == TOOL_CALL and not r.core.tool_call_id and r.core.tool_name:
+                        idless.setdefault(r.core.tool_name, []).append(
+                            call_key("", r.core.tool_name, r.core.text))
+                    elif r.core.ctype == TOOL_RESULT and idless.get(r.core.tool_name):
+                        if not (r.core.tool_call_id and r.core.tool_call_id in s.calls):
+                            idless[r.core.tool_name].pop(0)
         for k in range(q, len(resolved)):
             i = start + k
             src = bytes(raws[i])
@@ -516,7 +526,7 @@ class Engine(ProxyTools):
                     edits.append((core.path, core.text))
             info = infos[i]
             if s.calls or s.flags.get("truncated"):
-                edits += self._call_edits(s, lane, info, resolved[k])
+                edits += self._call_edits(s, lane, info, resolved[k], idless)
             if lane.name == "responses" and b'"msg-proxy-' in src:
                 edits += hygiene.proxy_id_edits("responses", info.obj)
             if strict_chat and b'"tool_calls"' in src:

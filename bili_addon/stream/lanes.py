@@ -15,7 +15,7 @@ from typing import Any
 
 from bili_addon.kernel.prompts import TOOL_NAMES
 from bili_addon.stream.echo import EchoFilter, strip_echoes
-from bili_addon.wire.base import compact_json
+from bili_addon.wire.base import compact_json, idless_call_key
 
 Event = dict[str, Any]
 KEEP = object()  # "send the original bytes of this event"
@@ -393,6 +393,12 @@ class ResponsesResponse(LaneResponse):
         for item in obj.get("output") or []:
             self._note_call(item)
             changed |= self._fix_item(item)
+            if self.marker and isinstance(item, dict) and item.get("type") == "message":
+                for part in item.get("content") or []:
+                    if isinstance(part, dict) and part.get("type") == "output_text" and isinstance(part.get("text"), str):
+                        part["text"], self.marker = self.marker + "\n" + part["text"], ""
+                        changed = True
+                        break
         return changed
 
 
@@ -469,7 +475,7 @@ class GeminiResponse(LaneResponse):
         fc = part.get("functionCall") if isinstance(part, dict) else None
         if isinstance(fc, dict):
             cid = fc.get("id")
-            key = cid if isinstance(cid, str) and cid else "name:" + str(fc.get("name") or "")
+            key = cid if isinstance(cid, str) and cid else idless_call_key(str(fc.get("name") or ""), fc.get("args"))
             self._call(key, fc.get("name"), fc.get("args"))
 
 

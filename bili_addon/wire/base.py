@@ -9,6 +9,7 @@ path are re-encoded, siblings keep their raw bytes.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Iterable
 
 import msgspec
@@ -135,6 +136,18 @@ class Body:
         if items is not None and self.array:
             self.top[self.key] = msgspec.Raw(b"[" + b",".join(items) + b"]")
         return _enc.encode(self.top)
+
+
+def idless_call_key(name: str, args: Any) -> str:
+    """The key of a tool call that carries no id (Gemini): its name and its arguments, canonical,
+    so two calls of the same tool stay apart and a re-serialised call keeps its key."""
+    if isinstance(args, str):
+        try:
+            args = _dec_any.decode(args)
+        except (msgspec.DecodeError, ValueError):
+            pass
+    canon = msgspec.json.Encoder(order="sorted").encode(args)
+    return f"name:{name}:" + hashlib.sha256(canon).hexdigest()[:12]
 
 
 # -- what the fold and the proxy tools need from every lane ------------------------------------

@@ -22,6 +22,7 @@ from bili_addon.wire.base import (
     compact_json,
     decode_any,
     encode,
+    idless_call_key,
 )
 from bili_addon.wire.media import payload_of_data
 
@@ -111,9 +112,14 @@ def _parts(obj: Any) -> list[dict]:
 
 
 def _call_key(call: dict) -> str:
-    """Gemini calls may carry no id; then the function name pairs a call with its response."""
+    """A call or response's own key: its id, or for a call without one its name and arguments
+    (a response without an id is keyed by its name: the kernel pairs it with its call)."""
     cid = call.get("id")
-    return cid if isinstance(cid, str) and cid else "name:" + str(call.get("name") or "")
+    if isinstance(cid, str) and cid:
+        return cid
+    if "args" in call:
+        return idless_call_key(str(call.get("name") or ""), call.get("args"))
+    return "name:" + str(call.get("name") or "")
 
 
 def _get(part: dict, camel: str, snake: str) -> Any:

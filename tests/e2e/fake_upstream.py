@@ -14,6 +14,15 @@ The model always says :data:`REPLY_TEXT` unless the request (or the WebSocket ha
 ``x-fake-reply`` (percent-encoded text, streamed in 7-character pieces) and/or ``x-fake-tool``
 (percent-encoded ``name:{json arguments}``, one tool call after the prose).  JSON answers are
 gzip-compressed when the client accepts gzip, as the real APIs do.
+
+Scripted mode: a test registers a :class:`Script` (``fake.script(key, [say(...), tool(...),
+proxy_call(...)])``) and sends ``x-fake-script: <key>`` (plus ``x-fake-turn: N`` to pick the act);
+the act's arguments may be computed from the request body as received, so a scripted model can
+pick refs from the tags it is shown.  Scripted requests are validated exactly as the real APIs
+validate them (``api_exact``: merged consecutive turns, complete call/result pairing).
+
+Paced streams: ``fake.gate(key)`` and ``x-fake-gate: <key>`` make the fake write each SSE event
+only when the test releases it, so a test can see where a streamed event is held.
 """
 
 from __future__ import annotations
@@ -115,7 +124,11 @@ def _need(cond: bool, msg: str) -> None:
         raise BadRequest(msg)
 
 
-def check_anthropic(body: Any) -> None:
+def check_anthropic(body: Any, *, api_exact: bool = False) -> None:
+    """The Messages API's rules.  By default consecutive turns of one role are refused outright
+    (the old API's rule, and the safe one for Anthropic-compatible backends); with ``api_exact``
+    they are merged into one turn first, as the current API does, and pairing is then checked on
+    the merged turns, including that a turn answering tool calls starts with its tool results."""
     _need(isinstance(body, dict), "body must be a JSON object")
     _need(isinstance(body.get("model"), str) and body["model"], "model: field required")
     _need(isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 0, "max_tokens: field required")
@@ -128,8 +141,8 @@ def check_anthropic(body: Any) -> None:
         )
     msgs = body.get("messages")
     _need(isinstance(msgs, list) and msgs, "messages: at least one message is required")
-    prev_role: str | None = None
-    open_tool_uses: set[str] = set()
+    # each message on its own: role, content, block shapes
+    turns: list[tuple[int, str, list[tuple[str, dict]]]] = []  # (first message index, role, [(where, block)])
     for i, m in enumerate(msgs):
         _need(isinstance(m, dict), f"messages.{i}: must be an object")
         role = m.get("role")
@@ -138,12 +151,8 @@ def check_anthropic(body: Any) -> None:
         _need(isinstance(content, (str, list)), f"messages.{i}.content: must be a string or a list")
         if role == "system":
             continue
-        if prev_role is None:
-            _need(role == "user", "messages.0: the first message must use the user role")
-        _need(role != prev_role, f"messages.{i}: roles must alternate between user and assistant")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        answered: set[str] = set()
-        tool_uses: set[str] = set()
+        located = []
         for j, b in enumerate(blocks):
             where = f"messages.{i}.content.{j}"
             _need(isinstance(b, dict) and isinstance(b.get("type"), str), f"{where}: block must have a type")
@@ -157,16 +166,35 @@ def check_anthropic(body: Any) -> None:
                 _need(isinstance(b.get("id"), str) and b["id"], f"{where}.id: field required")
                 _need(isinstance(b.get("name"), str) and b["name"], f"{where}.name: field required")
                 _need(isinstance(b.get("input"), dict), f"{where}.input: must be an object")
-                tool_uses.add(b["id"])
             elif kind == "tool_result":
                 _need(role == "user", f"{where}: tool_result blocks belong to user messages")
+            located.append((where, b))
+        if not turns:
+            _need(role == "user", "messages.0: the first message must use the user role")
+        elif turns[-1][1] == role:
+            _need(api_exact, f"messages.{i}: roles must alternate between user and assistant")
+            turns[-1][2].extend(located)
+            continue
+        turns.append((i, role, located))
+    # pairing, turn by turn
+    open_tool_uses: set[str] = set()
+    for i, role, located in turns:
+        answered: set[str] = set()
+        seen_other = False
+        for where, b in located:
+            if b["type"] == "tool_result":
                 tid = b.get("tool_use_id")
                 _need(
                     tid in open_tool_uses,
                     f"{where}: unexpected `tool_use_id` found in `tool_result` blocks: {tid}. Each `tool_result` "
                     "block must have a corresponding `tool_use` block in the previous message.",
                 )
+                if api_exact:
+                    _need(not seen_other, f"{where}: `tool_result` blocks must come first in the content, before "
+                                          "any other block of the message answering the tool calls")
                 answered.add(tid)
+            else:
+                seen_other = True
         if open_tool_uses:
             missing = open_tool_uses - answered
             _need(
@@ -174,11 +202,10 @@ def check_anthropic(body: Any) -> None:
                 f"messages.{i}: `tool_use` ids were found without `tool_result` blocks immediately after: "
                 f"{', '.join(sorted(missing))}",
             )
-        open_tool_uses = tool_uses if role == "assistant" else set()
-        prev_role = role
+        open_tool_uses = {b["id"] for _w, b in located if b["type"] == "tool_use"} if role == "assistant" else set()
 
 
-def check_chat(body: Any) -> None:
+def check_chat(body: Any, *, api_exact: bool = False) -> None:
     _need(isinstance(body, dict), "body must be a JSON object")
     _need(isinstance(body.get("model"), str) and body["model"], "you must provide a model parameter")
     msgs = body.get("messages")
@@ -198,11 +225,7 @@ def check_chat(body: Any) -> None:
             open_calls.discard(tid)
             _need(isinstance(m.get("content"), (str, list)), f"messages[{i}].content: required")
             continue
-        _need(
-            not open_calls,
-            "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
-            f"'tool_call_id'. The following tool_call_ids did not have response messages: {', '.join(sorted(open_calls))}",
-        )
+        _need(not open_calls, _chat_unanswered(open_calls))
         content = m.get("content")
         calls = m.get("tool_calls")
         if role == "assistant" and calls:
@@ -223,9 +246,18 @@ def check_chat(body: Any) -> None:
                 _need(isinstance(p, dict) and isinstance(p.get("type"), str), f"messages[{i}].content[{k}]: type required")
                 if p["type"] == "text":
                     _need(isinstance(p.get("text"), str), f"messages[{i}].content[{k}].text: required")
+    if api_exact:
+        _need(not open_calls, _chat_unanswered(open_calls))
 
 
-def check_responses(body: Any) -> None:
+def _chat_unanswered(open_calls: set[str]) -> str:
+    return (
+        "An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+        f"'tool_call_id'. The following tool_call_ids did not have response messages: {', '.join(sorted(open_calls))}"
+    )
+
+
+def check_responses(body: Any, *, api_exact: bool = False) -> None:
     _need(isinstance(body, dict), "body must be a JSON object")
     _need(isinstance(body.get("model"), str) and body["model"], "model: required")
     inp = body.get("input")
@@ -233,6 +265,7 @@ def check_responses(body: Any) -> None:
         return
     _need(isinstance(inp, list), "input: must be a string or an array")
     calls: set[str] = set()
+    outputs: set[str] = set()
     for i, item in enumerate(inp):
         _need(isinstance(item, dict), f"input[{i}]: must be an object")
         kind = item.get("type", "message")
@@ -256,27 +289,59 @@ def check_responses(body: Any) -> None:
                 cid in calls or bool(body.get("previous_response_id")),
                 f"No tool call found for function call output with call_id {cid}.",
             )
+            outputs.add(cid)
+    if api_exact and not body.get("previous_response_id"):
+        missing = sorted(calls - outputs)
+        _need(not missing, f"No tool output found for function call {', '.join(missing)}.")
 
 
-def check_gemini(body: Any) -> None:
+def check_gemini(body: Any, *, api_exact: bool = False) -> None:
+    """``api_exact`` adds the turn rules of the real API: a function response turn comes right
+    after the function call turn it answers, with one response per call; a function call turn
+    comes right after a user turn or a function response turn."""
     _need(isinstance(body, dict), "body must be a JSON object")
     contents = body.get("contents")
     _need(isinstance(contents, list) and contents, "contents is not specified")
     called: set[str] = set()
+    prev: tuple[str, list[str]] | None = None  # (role, function call names) of the previous content
     for i, c in enumerate(contents):
         _need(isinstance(c, dict), f"contents[{i}]: must be an object")
-        _need(c.get("role", "user") in ("user", "model"), f"contents[{i}].role: Please use a valid role: user, model.")
+        role = c.get("role", "user")
+        _need(role in ("user", "model"), f"contents[{i}].role: Please use a valid role: user, model.")
         parts = c.get("parts")
         _need(isinstance(parts, list) and parts, f"contents[{i}].parts: must not be empty")
+        calls: list[str] = []
+        responses: list[str] = []
         for k, p in enumerate(parts):
             _need(isinstance(p, dict) and p, f"contents[{i}].parts[{k}]: must be a non-empty object")
             if "text" in p:
                 _need(isinstance(p["text"], str), f"contents[{i}].parts[{k}].text: must be a string")
             if "functionCall" in p:
                 called.add(str(p["functionCall"].get("name")))
+                calls.append(str(p["functionCall"].get("name")))
             if "functionResponse" in p:
                 name = str(p["functionResponse"].get("name"))
                 _need(name in called, f"contents[{i}].parts[{k}]: functionResponse {name!r} without a functionCall")
+                responses.append(name)
+        if api_exact and responses:
+            _need(
+                prev is not None and prev[0] == "model" and bool(prev[1]),
+                f"contents[{i}]: Please ensure that function response turn comes immediately after a function "
+                "call turn.",
+            )
+            assert prev is not None
+            _need(
+                sorted(responses) == sorted(prev[1]),
+                f"contents[{i}]: Please ensure that the number of function response parts is equal to the number of "
+                "function call parts of the function call turn.",
+            )
+        if api_exact and calls:
+            _need(
+                prev is not None and prev[0] == "user",
+                f"contents[{i}]: Please ensure that function call turn comes immediately after a user turn or after "
+                "a function response turn.",
+            )
+        prev = (role, calls)
 
 
 # -- provider-shaped answers ----------------------------------------------------------------------
@@ -295,6 +360,15 @@ class Reply:
     chunks: tuple[str, ...] = REPLY_CHUNKS
     tool_name: str = ""
     tool_args: str = ""  # JSON text of the arguments
+    call_id: str = ""  # the tool call's id; by default derived from the request's sequence number
+
+    @property
+    def has_text(self) -> bool:
+        """A tool call may come without prose; then the answer has no text part at all."""
+        return bool(self.text) or not self.tool_name
+
+    def tool_id(self, prefix: str, seq: int) -> str:
+        return self.call_id or f"{prefix}{seq:06d}"
 
     @property
     def tool_chunks(self) -> list[str]:
@@ -318,11 +392,12 @@ DEFAULT_REPLY = Reply()
 
 
 def anthropic_message(seq: int, model: str, reply: Reply = DEFAULT_REPLY, *, streaming_start: bool = False) -> dict:
-    content: list[dict] = [{"type": "text", "text": reply.text}]
+    content: list[dict] = [{"type": "text", "text": reply.text}] if reply.has_text else []
     if reply.tool_name:
-        content.append(
-            {"type": "tool_use", "id": f"toolu_fake{seq:06d}", "name": reply.tool_name, "input": json.loads(reply.tool_args)}
-        )
+        content.append({
+            "type": "tool_use", "id": reply.tool_id("toolu_fake", seq), "name": reply.tool_name,
+            "input": json.loads(reply.tool_args),
+        })
     return {
         "id": f"msg_fake{seq:06d}",
         "type": "message",
@@ -338,26 +413,32 @@ def anthropic_message(seq: int, model: str, reply: Reply = DEFAULT_REPLY, *, str
 def anthropic_sse(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> list[bytes]:
     events: list[tuple[str, dict]] = [
         ("message_start", {"type": "message_start", "message": anthropic_message(seq, model, reply, streaming_start=True)}),
-        ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-        ("ping", {"type": "ping"}),
     ]
-    for chunk in reply.chunks:
-        events.append(
-            ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": chunk}})
-        )
-    events.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
+    tool_index = 0
+    if reply.has_text:
+        events += [
+            ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+            ("ping", {"type": "ping"}),
+        ]
+        for chunk in reply.chunks:
+            events.append(
+                ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": chunk}})
+            )
+        events.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
+        tool_index = 1
     if reply.tool_name:
         events.append((
             "content_block_start",
-            {"type": "content_block_start", "index": 1, "content_block": {
-                "type": "tool_use", "id": f"toolu_fake{seq:06d}", "name": reply.tool_name, "input": {}}},
+            {"type": "content_block_start", "index": tool_index, "content_block": {
+                "type": "tool_use", "id": reply.tool_id("toolu_fake", seq), "name": reply.tool_name, "input": {}}},
         ))
         for part in reply.tool_chunks:
             events.append((
                 "content_block_delta",
-                {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": part}},
+                {"type": "content_block_delta", "index": tool_index,
+                 "delta": {"type": "input_json_delta", "partial_json": part}},
             ))
-        events.append(("content_block_stop", {"type": "content_block_stop", "index": 1}))
+        events.append(("content_block_stop", {"type": "content_block_stop", "index": tool_index}))
     events += [
         (
             "message_delta",
@@ -373,11 +454,12 @@ def anthropic_sse(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> list[by
 
 
 def _chat_tool_call(seq: int, reply: Reply, arguments: str) -> dict:
-    return {"id": f"call_fake{seq:06d}", "type": "function", "function": {"name": reply.tool_name, "arguments": arguments}}
+    return {"id": reply.tool_id("call_fake", seq), "type": "function",
+            "function": {"name": reply.tool_name, "arguments": arguments}}
 
 
 def chat_completion(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> dict:
-    message: dict[str, Any] = {"role": "assistant", "content": reply.text, "refusal": None}
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text if reply.has_text else None, "refusal": None}
     if reply.tool_name:
         message["tool_calls"] = [_chat_tool_call(seq, reply, reply.tool_args)]
     return {
@@ -409,8 +491,9 @@ def chat_sse(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> list[bytes]:
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
         }
 
-    chunks = [chunk({"role": "assistant", "content": ""}, None)]
-    chunks += [chunk({"content": c}, None) for c in reply.chunks]
+    chunks = [chunk({"role": "assistant", "content": "" if reply.has_text else None}, None)]
+    if reply.has_text:
+        chunks += [chunk({"content": c}, None) for c in reply.chunks]
     if reply.tool_name:
         for i, part in enumerate(reply.tool_chunks):
             call = _chat_tool_call(seq, reply, part) if i == 0 else {"function": {"arguments": part}}
@@ -420,18 +503,20 @@ def chat_sse(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> list[bytes]:
 
 
 def responses_output(seq: int, reply: Reply) -> list[dict]:
-    out: list[dict] = [{
-        "type": "message",
-        "id": f"msg_fake{seq:06d}",
-        "status": "completed",
-        "role": "assistant",
-        "content": [{"type": "output_text", "text": reply.text, "annotations": [], "logprobs": []}],
-    }]
+    out: list[dict] = []
+    if reply.has_text:
+        out.append({
+            "type": "message",
+            "id": f"msg_fake{seq:06d}",
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": reply.text, "annotations": [], "logprobs": []}],
+        })
     if reply.tool_name:
         out.append({
             "type": "function_call",
             "id": f"fc_fake{seq:06d}",
-            "call_id": f"call_fake{seq:06d}",
+            "call_id": reply.tool_id("call_fake", seq),
             "name": reply.tool_name,
             "arguments": reply.tool_args,
             "status": "completed",
@@ -483,6 +568,27 @@ def responses_events(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> list
     events: list[dict] = [
         {"type": "response.created", "response": responses_object(seq, model, reply, done=False)},
         {"type": "response.in_progress", "response": responses_object(seq, model, reply, done=False)},
+    ]
+    if reply.has_text:
+        events += _responses_text_events(item_id, in_progress_item, final[0], reply)
+    if reply.tool_name:
+        call, at = final[-1], len(final) - 1
+        events.append({"type": "response.output_item.added", "output_index": at,
+                       "item": dict(call, arguments="", status="in_progress")})
+        for part in reply.tool_chunks:
+            events.append({"type": "response.function_call_arguments.delta", "item_id": call["id"],
+                           "output_index": at, "delta": part})
+        events.append({"type": "response.function_call_arguments.done", "item_id": call["id"], "output_index": at,
+                       "arguments": reply.tool_args})
+        events.append({"type": "response.output_item.done", "output_index": at, "item": call})
+    events.append({"type": "response.completed", "response": responses_object(seq, model, reply)})
+    for n, e in enumerate(events):
+        e["sequence_number"] = n
+    return events
+
+
+def _responses_text_events(item_id: str, in_progress_item: dict, final: dict, reply: Reply) -> list[dict]:
+    events: list[dict] = [
         {"type": "response.output_item.added", "output_index": 0, "item": in_progress_item},
         {
             "type": "response.content_part.added",
@@ -519,19 +625,8 @@ def responses_events(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> list
             "content_index": 0,
             "part": {"type": "output_text", "text": reply.text, "annotations": []},
         },
-        {"type": "response.output_item.done", "output_index": 0, "item": final[0]},
+        {"type": "response.output_item.done", "output_index": 0, "item": final},
     ]
-    if reply.tool_name:
-        call = final[1]
-        events.append({"type": "response.output_item.added", "output_index": 1, "item": dict(call, arguments="", status="in_progress")})
-        for part in reply.tool_chunks:
-            events.append({"type": "response.function_call_arguments.delta", "item_id": call["id"], "output_index": 1, "delta": part})
-        events.append({"type": "response.function_call_arguments.done", "item_id": call["id"], "output_index": 1,
-                       "arguments": reply.tool_args})
-        events.append({"type": "response.output_item.done", "output_index": 1, "item": call})
-    events.append({"type": "response.completed", "response": responses_object(seq, model, reply)})
-    for n, e in enumerate(events):
-        e["sequence_number"] = n
     return events
 
 
@@ -539,8 +634,8 @@ def responses_sse(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> list[by
     return [f"event: {e['type']}\ndata: {_j(e)}\n\n".encode() for e in responses_events(seq, model, reply)]
 
 
-def gemini_chunk(text: str, model: str, finish: bool, tool: tuple[str, str] | None = None) -> dict:
-    parts: list[dict] = [{"text": text}]
+def gemini_chunk(text: str | None, model: str, finish: bool, tool: tuple[str, str] | None = None) -> dict:
+    parts: list[dict] = [{"text": text}] if text is not None else []
     if tool:
         parts.append({"functionCall": {"name": tool[0], "args": json.loads(tool[1])}})
     cand: dict[str, Any] = {"content": {"role": "model", "parts": parts}, "index": 0}
@@ -551,6 +646,116 @@ def gemini_chunk(text: str, model: str, finish: bool, tool: tuple[str, str] | No
         "usageMetadata": {"promptTokenCount": 12, "candidatesTokenCount": 7, "totalTokenCount": 19},
         "modelVersion": model,
     }
+
+
+# -- scripted mode: a model that follows a per-conversation script ----------------------------------
+
+SCRIPT_HEADER = "x-fake-script"  # which registered script answers this request
+TURN_HEADER = "x-fake-turn"  # which of its acts (1-based); without it, the next one in order
+GATE_HEADER = "x-fake-gate"  # which registered gate paces this streamed answer
+
+
+@dataclass(frozen=True)
+class Act:
+    """What the scripted model does on one turn: some prose, then at most one tool call.
+
+    ``args`` is the call's arguments, or a callable that gets the request body as the fake
+    received it (tags and all) and returns them, so a script can pick refs from the tags.
+    """
+
+    prose: str = ""
+    tool: str = ""
+    args: Any = None
+
+
+def say(prose: str) -> Act:
+    """The model answers with prose only."""
+    return Act(prose)
+
+
+def tool(name: str, args: Any, prose: str = "") -> Act:
+    """The model calls one of the client's own tools (prose first, when given)."""
+    return Act(prose, name, args)
+
+
+def proxy_call(name: str, args_fn: Any, prose: str = "") -> Act:
+    """The model calls a proxy tool (compress, decompress, ...); ``args_fn(body)`` or a plain value."""
+    return Act(prose, name, args_fn)
+
+
+class Script:
+    """The acts of one scripted conversation, and what the fake answered with them.
+
+    Call ids are derived from the turn number (``toolu_<prefix>NNN`` / ``call_<prefix>NNN``), so the
+    same script run twice produces the same answers byte for byte, and a retried turn gets the
+    same answer as the first try.
+    """
+
+    def __init__(self, acts: Iterable[Act], id_prefix: str = "s"):
+        self.acts = list(acts)
+        self.id_prefix = id_prefix
+        self._next = 1
+        self._lock = threading.Lock()
+        self.answered: list[tuple[int, Reply]] = []  # (turn, what the model said), in order
+
+    def _turn(self, headers: Any) -> int:
+        with self._lock:
+            raw = headers.get(TURN_HEADER)
+            turn = int(raw) if raw else self._next
+            self._next = turn + 1
+            return turn
+
+    def reply(self, headers: Any, body: Any, lane: str) -> Reply:
+        turn = self._turn(headers)
+        if not 1 <= turn <= len(self.acts):
+            raise ScriptError(f"the script has no act for turn {turn} (it has {len(self.acts)})")
+        act = self.acts[turn - 1]
+        name = args = call_id = ""
+        if act.tool:
+            value = act.args(body) if callable(act.args) else act.args
+            args = _j({} if value is None else value)
+            name = act.tool
+            call_id = f"{'toolu' if lane == 'anthropic' else 'call'}_{self.id_prefix}{turn:03d}"
+        chunks = tuple(act.prose[i : i + 7] for i in range(0, len(act.prose), 7)) or ("",)
+        reply = Reply(act.prose, chunks, name, args, call_id)
+        with self._lock:
+            self.answered.append((turn, reply))
+        return reply
+
+
+class ScriptError(Exception):
+    pass
+
+
+class Gate:
+    """Paces one streamed answer: the fake writes event ``i`` only once the test has called
+    :meth:`release` for it (a failure guard aborts the response after ``timeout`` seconds)."""
+
+    def __init__(self, timeout: float = 20.0):
+        self.timeout = timeout
+        self.ready = threading.Event()  # set once the events to send are known
+        self.events: list[bytes] = []
+        self._release: list[threading.Event] = []
+        self.sent: list[threading.Event] = []
+        self.aborted = False
+
+    def prepare(self, events: list[bytes]) -> None:
+        self.events = list(events)
+        self._release = [threading.Event() for _ in events]
+        self.sent = [threading.Event() for _ in events]
+        self.ready.set()
+
+    def release(self, i: int) -> None:
+        self._release[i].set()
+
+    def released(self, i: int) -> bool:
+        return self._release[i].is_set()
+
+    def wait_release(self, i: int) -> bool:
+        ok = self._release[i].wait(self.timeout)
+        if not ok:
+            self.aborted = True
+        return ok
 
 
 # -- the HTTP side --------------------------------------------------------------------------------
@@ -604,6 +809,9 @@ class _Handler(BaseHTTPRequestHandler):
         except BadRequest as e:
             rec.error = str(e)
             status, ctype, chunks = 400, "application/json", [_j(self._error_shape(rec, str(e))).encode()]
+        except Exception as e:  # a broken script: a 500 the test sees, with the reason recorded
+            rec.error = f"fake upstream failure: {type(e).__name__}: {e}"
+            status, ctype, chunks = 500, "application/json", [_j(self._error_shape(rec, rec.error)).encode()]
         encoding = ""
         if ctype == "application/json" and _accepts_gzip(self.headers.get("accept-encoding", "")):
             # like the real APIs: a JSON answer is compressed when the client allows it
@@ -611,8 +819,11 @@ class _Handler(BaseHTTPRequestHandler):
         rec.status = status
         rec.response = b"".join(chunks)
         rec.response_encoding = encoding
+        gate = fake.gate_of(self.headers) if ctype == "text/event-stream" else None
+        if gate is not None:
+            gate.prepare(chunks)
         fake._commit(rec)
-        self._send(status, ctype, chunks, encoding)
+        self._send(status, ctype, chunks, encoding, gate)
 
     def _error_shape(self, rec: Recorded, msg: str) -> dict:
         p = rec.route
@@ -622,7 +833,7 @@ class _Handler(BaseHTTPRequestHandler):
             return {"error": {"code": 400, "message": msg, "status": "INVALID_ARGUMENT"}}
         return {"error": {"message": msg, "type": "invalid_request_error", "param": None, "code": None}}
 
-    def _send(self, status: int, ctype: str, chunks: list[bytes], encoding: str = "") -> None:
+    def _send(self, status: int, ctype: str, chunks: list[bytes], encoding: str = "", gate: Gate | None = None) -> None:
         streaming = ctype == "text/event-stream"
         self.send_response(status)
         self.send_header("content-type", ctype)
@@ -633,9 +844,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("cache-control", "no-cache")
             self.send_header("transfer-encoding", "chunked")
             self.end_headers()
-            for c in chunks:
+            self.wfile.flush()
+            for i, c in enumerate(chunks):
+                if gate is not None and not gate.wait_release(i):
+                    self.close_connection = True  # the test never released it: cut the stream
+                    return
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(c), c))
                 self.wfile.flush()
+                if gate is not None:
+                    gate.sent[i].set()
             self.wfile.write(b"0\r\n\r\n")
         else:
             body = b"".join(chunks)
@@ -648,7 +865,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, rec: Recorded) -> tuple[int, str, list[bytes]]:
         p = rec.route
         query = rec.path.split("?", 1)[1] if "?" in rec.path else ""
-        reply = Reply.from_headers(self.headers)
+        script = self.server.fake.script_of(self.headers)
+        exact = script is not None  # a scripted conversation is checked exactly as the real API would
+
+        def answer(lane: str) -> Reply:
+            """What the model says, once the request passed validation."""
+            if script is None:
+                return Reply.from_headers(self.headers)
+            return script.reply(self.headers, rec.json, lane)
         if rec.method == "GET" and p.endswith("/models"):
             listing = {
                 "object": "list",
@@ -666,31 +890,37 @@ class _Handler(BaseHTTPRequestHandler):
             return 200, "application/json", [_j({"input_tokens": 42}).encode()]
         if p.endswith("/v1/messages"):
             body = self._json(rec)
-            check_anthropic(body)
+            check_anthropic(body, api_exact=exact)
+            reply = answer("anthropic")
             if body.get("stream"):
                 return 200, "text/event-stream", anthropic_sse(rec.seq, body["model"], reply)
             return 200, "application/json", [_j(anthropic_message(rec.seq, body["model"], reply)).encode()]
         if p.endswith("/chat/completions"):
             body = self._json(rec)
-            check_chat(body)
+            check_chat(body, api_exact=exact)
+            reply = answer("chat")
             if body.get("stream"):
                 return 200, "text/event-stream", chat_sse(rec.seq, body["model"], reply)
             return 200, "application/json", [_j(chat_completion(rec.seq, body["model"], reply)).encode()]
         if p.endswith("/responses"):
             body = self._json(rec)
-            check_responses(body)
+            check_responses(body, api_exact=exact)
+            reply = answer("responses")
             if body.get("stream"):
                 return 200, "text/event-stream", responses_sse(rec.seq, body["model"], reply)
             return 200, "application/json", [_j(responses_object(rec.seq, body["model"], reply)).encode()]
         if ":generateContent" in p or ":streamGenerateContent" in p:
             body = self._json(rec)
-            check_gemini(body)
+            check_gemini(body, api_exact=exact)
+            reply = answer("gemini")
             model = p.rsplit("/", 1)[-1].split(":", 1)[0]
             tool = (reply.tool_name, reply.tool_args) if reply.tool_name else None
             if ":generateContent" in p:
-                return 200, "application/json", [_j(gemini_chunk(reply.text, model, True, tool)).encode()]
-            last = len(reply.chunks) - 1
-            pieces = [gemini_chunk(c, model, i == last, tool if i == last else None) for i, c in enumerate(reply.chunks)]
+                text = reply.text if reply.has_text else None
+                return 200, "application/json", [_j(gemini_chunk(text, model, True, tool)).encode()]
+            texts: list[str | None] = list(reply.chunks) if reply.has_text else [None]
+            last = len(texts) - 1
+            pieces = [gemini_chunk(c, model, i == last, tool if i == last else None) for i, c in enumerate(texts)]
             if "alt=sse" in query:
                 return 200, "text/event-stream", [f"data: {_j(x)}\r\n\r\n".encode() for x in pieces]
             return 200, "application/json", [("[" + ",\r\n".join(_j(x) for x in pieces) + "]").encode()]
@@ -760,6 +990,8 @@ class FakeUpstream:
     _records: list[Recorded] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _seq: int = 0
+    _scripts: dict[str, Script] = field(default_factory=dict)
+    _gates: dict[str, Gate] = field(default_factory=dict)
 
     def start(self) -> "FakeUpstream":
         if self.host not in ("127.0.0.1", "localhost"):
@@ -799,6 +1031,38 @@ class FakeUpstream:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    # -- scripts and gates -----------------------------------------------------------------------
+    def script(self, key: str, acts: Iterable[Act], id_prefix: str = "s") -> Script:
+        """Register a scripted model for requests carrying ``x-fake-script: <key>``."""
+        s = Script(acts, id_prefix)
+        with self._lock:
+            self._scripts[key] = s
+        return s
+
+    def script_of(self, headers: Any) -> Script | None:
+        key = headers.get(SCRIPT_HEADER)
+        if not key:
+            return None
+        with self._lock:
+            s = self._scripts.get(key)
+        if s is None:
+            raise ScriptError(f"no script registered as {key!r}")
+        return s
+
+    def gate(self, key: str, timeout: float = 20.0) -> Gate:
+        """Register a gate pacing the streamed answer to the request carrying ``x-fake-gate: <key>``."""
+        g = Gate(timeout)
+        with self._lock:
+            self._gates[key] = g
+        return g
+
+    def gate_of(self, headers: Any) -> Gate | None:
+        key = headers.get(GATE_HEADER)
+        if not key:
+            return None
+        with self._lock:
+            return self._gates.get(key)
 
     # -- records -------------------------------------------------------------------------------
     def _new_record(

@@ -440,3 +440,476 @@ def assert_headers_forwarded(rec: Any, client_headers: dict[str, str], ignore: t
         if k.lower() in ignore:
             continue
         assert rec.header(k) == v, f"header {k}: client sent {v!r}, upstream got {rec.header(k)!r}"
+
+
+# -- byte positions in a JSON body -----------------------------------------------------------------------
+
+_JSON_WS = re.compile(r"[ \t\n\r]*")
+
+
+def top_level_spans(raw: bytes) -> dict[str, tuple[int, int]]:
+    """``{key: (start, end)}``: the byte span of each top-level value of a JSON object body
+    (``raw[start:end]`` is the value's text; for an array ``raw[end - 1:end] == b"]"``)."""
+    s = raw.decode()
+    dec = json.JSONDecoder()
+    i = _JSON_WS.match(s, 0).end()
+    assert s[i] == "{", "not a JSON object"
+    i += 1
+    spans: dict[str, tuple[int, int]] = {}
+    while True:
+        i = _JSON_WS.match(s, i).end()
+        if s[i] == "}":
+            return spans
+        key, i = json.decoder.scanstring(s, i + 1)
+        i = _JSON_WS.match(s, i).end()
+        assert s[i] == ":"
+        i = _JSON_WS.match(s, i + 1).end()
+        _, end = dec.raw_decode(s, i)
+        spans[key] = (len(s[:i].encode()), len(s[:end].encode()))
+        i = _JSON_WS.match(s, end).end()
+        if s[i] == ",":
+            i += 1
+
+
+def common_prefix(a: bytes, b: bytes) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def assert_prefix_stable(prev: bytes, nxt: bytes, conv_key: str) -> None:
+    """``nxt`` repeats ``prev`` byte for byte up to the end of ``prev``'s conversation array (its
+    closing bracket excepted): everything the provider cached for ``prev`` is a prefix of ``nxt``."""
+    start, end = top_level_spans(prev)[conv_key]
+    lcp = common_prefix(prev, nxt)
+    assert lcp >= end - 1, (
+        f"the next body leaves the previous one at byte {lcp}, before the end of its {conv_key} array "
+        f"(byte {end - 1}, the array starts at {start}):\n  prev: {prev[max(0, lcp - 120):lcp + 120]!r}\n"
+        f"  next: {nxt[max(0, lcp - 120):lcp + 120]!r}"
+    )
+
+
+# -- scripted agents: an agent loop against the scripted fake model ------------------------------------
+
+PROXY_TOOLS = ("compress", "decompress", "search_context", "acp_status")
+BASH_SCHEMA = {
+    "type": "object",
+    "properties": {"command": {"type": "string", "description": "The shell command to run."}},
+    "required": ["command"],
+}
+AGENT_SYSTEM = "You are a coding agent. Audit the repository module by module with the Bash tool."
+
+
+@dataclass
+class Call:
+    id: str  # "" where the lane has no call ids (Gemini)
+    name: str
+    args: str  # the arguments as the model sent them (JSON text)
+
+
+@dataclass
+class Answer:
+    text: str  # the prose the client was shown
+    call: Call | None
+    items: list[Any]  # what the agent appends to its history for this answer
+
+
+class Agent:
+    """A client of one lane running an agent loop: it sends its history, stores the answer as the
+    real agents do, runs its own tool (``Bash``) and answers a tool it does not know with that
+    agent's usual error.  Every request carries the script headers of the fake's scripted model."""
+
+    lane = ""
+    conv_key = ""
+    model = ""
+    unknown_error = ""  # the agent's error text for a tool it does not know
+
+    def __init__(self, base_url: str, sid: str, script: str, task: str, *, stream: bool = True):
+        self.base_url, self.sid, self.script, self.stream = base_url, sid, script, stream
+        self.history: list[Any] = self.initial(task)
+        self.sent: dict[int, list[Any]] = {}  # turn -> the history that turn sent
+        self.answers: dict[int, Answer] = {}
+        self.connect()
+
+    # -- per lane ----------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """(Re)create the HTTP clients, e.g. after the proxy restarted."""
+
+    def initial(self, task: str) -> list[Any]:
+        raise NotImplementedError
+
+    def send(self, history: list[Any], headers: dict[str, str]) -> Answer:
+        raise NotImplementedError
+
+    def result_items(self, call: Call, output: str) -> list[Any]:
+        raise NotImplementedError
+
+    def unknown_items(self, call: Call) -> list[Any]:
+        raise NotImplementedError
+
+    def title_request(self, headers: dict[str, str]) -> Any:
+        """A side request without tools (title generation); returns what the client sent."""
+        raise NotImplementedError
+
+    def result_of(self, body: Any, call: Call) -> tuple[Any, str]:
+        """The item of ``body`` holding ``call``'s result, and the result text."""
+        raise NotImplementedError
+
+    def call_args_of(self, body: Any, call: Call) -> str:
+        """The arguments of ``call`` as ``body`` carries them (JSON text)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def tool_names(body: Any) -> list[str]:
+        raise NotImplementedError
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def headers(self, turn: int) -> dict[str, str]:
+        return {"x-fake-script": self.script, "x-fake-turn": str(turn)}
+
+    def step(self, turn: int, run_tool: Any) -> Answer:
+        """One request of the loop: send, store the answer, answer its tool call."""
+        self.sent[turn] = list(self.history)
+        ans = self.send(self.sent[turn], self.headers(turn))
+        self.answers[turn] = ans
+        self.history += ans.items
+        if ans.call is not None:
+            if ans.call.name in PROXY_TOOLS:
+                self.history += self.unknown_items(ans.call)
+            else:
+                self.history += self.result_items(ans.call, run_tool(ans.call, turn))
+        return ans
+
+    def resend(self, turn: int) -> Answer:
+        """The request of ``turn`` again, exactly (a retry); the history is left as it is."""
+        return self.send(self.sent[turn], self.headers(turn))
+
+    def conv(self, body: Any) -> list[Any]:
+        return body[self.conv_key]
+
+
+class AnthropicAgent(Agent):
+    """Like Claude Code: the answer stored as content blocks, tool_result with is_error for an unknown tool."""
+
+    lane, conv_key, model = "anthropic", "messages", "claude-fake-1"
+    unknown_error = "<tool_use_error>Error: No such tool available: {name}</tool_use_error>"
+    tools = [{"name": "Bash", "description": "Run a shell command.", "input_schema": BASH_SCHEMA}]
+
+    def connect(self) -> None:
+        self.client, self.tee = anthropic_client(self.base_url)
+
+    def initial(self, task: str) -> list[Any]:
+        return [{"role": "user", "content": task}]
+
+    def send(self, history: list[Any], headers: dict[str, str]) -> Answer:
+        h = {"x-claude-code-session-id": self.sid, **headers}
+        args = dict(model=self.model, max_tokens=1024, system=AGENT_SYSTEM, tools=self.tools, messages=history,
+                    extra_headers=h)
+        if self.stream:
+            with self.client.messages.stream(**args) as s:
+                msg = s.get_final_message()
+        else:
+            msg = self.client.messages.create(**args)
+        blocks: list[dict] = []
+        call = None
+        for b in msg.content:
+            if b.type == "text":
+                blocks.append({"type": "text", "text": b.text})
+            elif b.type == "tool_use":
+                blocks.append({"type": "tool_use", "id": b.id, "name": b.name, "input": b.input})
+                call = Call(b.id, b.name, json.dumps(b.input))
+        text = "".join(b["text"] for b in blocks if b["type"] == "text")
+        return Answer(text, call, [{"role": "assistant", "content": blocks}])
+
+    def result_items(self, call: Call, output: str) -> list[Any]:
+        return [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": output}]}]
+
+    def unknown_items(self, call: Call) -> list[Any]:
+        return [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "is_error": True,
+                                              "content": self.unknown_error.format(name=call.name)}]}]
+
+    def title_request(self, headers: dict[str, str]) -> Any:
+        self.client.messages.create(
+            model=self.model, max_tokens=32, system="Write a five-word title for this conversation.",
+            messages=[self.history[0]], extra_headers={"x-claude-code-session-id": self.sid, **headers},
+        )
+        return self.tee.last.request_json
+
+    def result_of(self, body: Any, call: Call) -> tuple[Any, str]:
+        for m in body["messages"]:
+            for b in m["content"] if isinstance(m["content"], list) else []:
+                if b.get("type") == "tool_result" and b.get("tool_use_id") == call.id:
+                    c = b["content"]
+                    return b, c if isinstance(c, str) else "".join(x.get("text", "") for x in c)
+        raise LookupError(f"no result of {call.id} in the body")
+
+    def call_args_of(self, body: Any, call: Call) -> str:
+        for m in body["messages"]:
+            for b in m["content"] if isinstance(m["content"], list) else []:
+                if b.get("type") == "tool_use" and b.get("id") == call.id:
+                    return json.dumps(b["input"], separators=(",", ":"))
+        raise LookupError(f"no call {call.id} in the body")
+
+    @staticmethod
+    def tool_names(body: Any) -> list[str]:
+        return [t["name"] for t in body.get("tools", [])]
+
+
+class ChatAgent(Agent):
+    """Like an OpenAI-compatible agent (pi, opencode): ``role: tool`` results.  With ``alter_calls``
+    it stores tool-call arguments re-serialized (as some hosts do), not as the model sent them."""
+
+    lane, conv_key, model = "chat", "messages", "gpt-fake-1"
+    unknown_error = "Tool {name} not found"
+    tools = [{"type": "function", "function": {"name": "Bash", "description": "Run a shell command.",
+                                               "parameters": BASH_SCHEMA}}]
+
+    def __init__(self, *a: Any, alter_calls: bool = False, **kw: Any):
+        self.alter_calls = alter_calls
+        super().__init__(*a, **kw)
+
+    def connect(self) -> None:
+        self.client, self.tee = openai_client(self.base_url + "/v1")
+
+    def initial(self, task: str) -> list[Any]:
+        return [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": task}]
+
+    def send(self, history: list[Any], headers: dict[str, str]) -> Answer:
+        h = {"x-session-id": self.sid, **headers}
+        text, calls = "", {}
+        if self.stream:
+            for chunk in self.client.chat.completions.create(
+                model=self.model, messages=history, tools=self.tools, stream=True, extra_headers=h
+            ):
+                if not chunk.choices:
+                    continue
+                d = chunk.choices[0].delta
+                text += d.content or ""
+                for tc in d.tool_calls or []:
+                    c = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                    c["id"] = tc.id or c["id"]
+                    if tc.function is not None:
+                        c["name"] = tc.function.name or c["name"]
+                        c["arguments"] += tc.function.arguments or ""
+        else:
+            out = self.client.chat.completions.create(model=self.model, messages=history, tools=self.tools,
+                                                      extra_headers=h)
+            m = out.choices[0].message
+            text = m.content or ""
+            for k, tc in enumerate(m.tool_calls or []):
+                calls[k] = {"id": tc.id, "name": tc.function.name, "arguments": tc.function.arguments}
+        item: dict[str, Any] = {"role": "assistant", "content": text or None}
+        call = None
+        if calls:
+            c = calls[min(calls)]
+            call = Call(c["id"], c["name"], c["arguments"])
+            stored = json.dumps(json.loads(c["arguments"]), indent=1) if self.alter_calls else c["arguments"]
+            item["tool_calls"] = [{"id": c["id"], "type": "function",
+                                   "function": {"name": c["name"], "arguments": stored}}]
+        return Answer(text, call, [item])
+
+    def result_items(self, call: Call, output: str) -> list[Any]:
+        return [{"role": "tool", "tool_call_id": call.id, "content": output}]
+
+    def unknown_items(self, call: Call) -> list[Any]:
+        return [{"role": "tool", "tool_call_id": call.id, "content": self.unknown_error.format(name=call.name)}]
+
+    def title_request(self, headers: dict[str, str]) -> Any:
+        self.client.chat.completions.create(
+            model=self.model, extra_headers={"x-session-id": self.sid, **headers},
+            messages=[{"role": "system", "content": "Write a five-word title for this conversation."}, self.history[1]],
+        )
+        return self.tee.last.request_json
+
+    def result_of(self, body: Any, call: Call) -> tuple[Any, str]:
+        for m in body["messages"]:
+            if m.get("role") == "tool" and m.get("tool_call_id") == call.id:
+                return m, m["content"]
+        raise LookupError(f"no result of {call.id} in the body")
+
+    def call_args_of(self, body: Any, call: Call) -> str:
+        for m in body["messages"]:
+            for c in m.get("tool_calls") or []:
+                if c["id"] == call.id:
+                    return c["function"]["arguments"]
+        raise LookupError(f"no call {call.id} in the body")
+
+    @staticmethod
+    def tool_names(body: Any) -> list[str]:
+        return [t["function"]["name"] for t in body.get("tools", [])]
+
+
+class ResponsesAgent(Agent):
+    """Like codex over HTTP: output items stored as input items, ``function_call_output`` results."""
+
+    lane, conv_key, model = "responses", "input", "gpt-fake-1"
+    unknown_error = "unsupported call: {name}"
+    tools = [{"type": "function", "name": "Bash", "description": "Run a shell command.", "parameters": BASH_SCHEMA}]
+
+    def connect(self) -> None:
+        self.client, self.tee = openai_client(self.base_url + "/v1")
+
+    def initial(self, task: str) -> list[Any]:
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": task}]}]
+
+    def send(self, history: list[Any], headers: dict[str, str]) -> Answer:
+        h = {"session_id": self.sid, **headers}
+        args = dict(model=self.model, instructions=AGENT_SYSTEM, input=history, tools=self.tools, extra_headers=h)
+        if self.stream:
+            text, output = "", []
+            for ev in self.client.responses.create(stream=True, **args):
+                if ev.type == "response.output_text.delta":
+                    text += ev.delta
+                elif ev.type == "response.completed":
+                    output = ev.response.output
+        else:
+            resp = self.client.responses.create(**args)
+            text, output = resp.output_text, resp.output
+        items: list[Any] = []
+        call = None
+        if text:
+            items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]})
+        for it in output:
+            if it.type == "function_call":
+                call = Call(it.call_id, it.name, it.arguments)
+                items.append({"type": "function_call", "call_id": it.call_id, "name": it.name,
+                              "arguments": it.arguments})
+        return Answer(text, call, items)
+
+    def result_items(self, call: Call, output: str) -> list[Any]:
+        return [{"type": "function_call_output", "call_id": call.id, "output": output}]
+
+    def unknown_items(self, call: Call) -> list[Any]:
+        return [{"type": "function_call_output", "call_id": call.id,
+                 "output": self.unknown_error.format(name=call.name)}]
+
+    def title_request(self, headers: dict[str, str]) -> Any:
+        self.client.responses.create(
+            model=self.model, instructions="Write a five-word title for this conversation.",
+            input=[self.history[0]], extra_headers={"session_id": self.sid, **headers},
+        )
+        return self.tee.last.request_json
+
+    def result_of(self, body: Any, call: Call) -> tuple[Any, str]:
+        for it in body["input"]:
+            if it.get("type") == "function_call_output" and it.get("call_id") == call.id:
+                return it, it["output"]
+        raise LookupError(f"no result of {call.id} in the body")
+
+    def call_args_of(self, body: Any, call: Call) -> str:
+        for it in body["input"]:
+            if it.get("type") == "function_call" and it.get("call_id") == call.id:
+                return it["arguments"]
+        raise LookupError(f"no call {call.id} in the body")
+
+    @staticmethod
+    def tool_names(body: Any) -> list[str]:
+        return [t["name"] for t in body.get("tools", [])]
+
+
+class GeminiAgent(Agent):
+    """Like gemini-cli over plain HTTP (``generateContent``, or ``streamGenerateContent?alt=sse``
+    when streaming): the model's content stored as it came, and a ``functionResponse`` with an
+    error for a tool it does not know.  Gemini calls carry no ids."""
+
+    lane, conv_key, model = "gemini", "contents", "gemini-fake-1"
+    unknown_error = "unknown tool"
+    tools = [{"functionDeclarations": [{"name": "Bash", "description": "Run a shell command.",
+                                        "parameters": BASH_SCHEMA}]}]
+
+    def __init__(self, *a: Any, cli_ids: bool = False, **kw: Any):
+        """``cli_ids``: exactly as gemini-cli answers: the model's call (stored as it came) has no id,
+        the agent makes one up (``<name>-<ms>-<hex>``) and puts it on its ``functionResponse``, and an
+        unknown tool gets gemini-cli's registry error."""
+        self.cli_ids = cli_ids
+        self._made_up = 0
+        if cli_ids:
+            self.unknown_error = 'Tool "{name}" not found in registry.'
+        super().__init__(*a, **kw)
+
+    def _response(self, call: Call, response: dict) -> list[Any]:
+        fr: dict[str, Any] = {"name": call.name, "response": response}
+        if self.cli_ids:
+            self._made_up += 1
+            fr = {"id": call.id or f"{call.name}-{1733170000000 + self._made_up}-{self._made_up * 7919:x}", **fr}
+        return [{"role": "user", "parts": [{"functionResponse": fr}]}]
+
+    def initial(self, task: str) -> list[Any]:
+        return [{"role": "user", "parts": [{"text": task}]}]
+
+    def _post(self, body: dict, headers: dict[str, str], *, stream: bool = False) -> Reply:
+        method = "streamGenerateContent?alt=sse" if stream else "generateContent"
+        reply = request(
+            f"{self.base_url}/v1beta/models/{self.model}:{method}",
+            json.dumps(body).encode(),
+            headers={"content-type": "application/json", "x-goog-api-key": "fake", "x-session-id": self.sid,
+                     **headers},
+        )
+        assert reply.status == 200, reply.body
+        return reply
+
+    def send(self, history: list[Any], headers: dict[str, str]) -> Answer:
+        body = {"contents": history, "tools": self.tools, "systemInstruction": {"parts": [{"text": AGENT_SYSTEM}]}}
+        reply = self._post(body, headers, stream=self.stream)
+        if self.stream:  # streamGenerateContent?alt=sse: the text parts of the chunks make one part
+            chunks = [json.loads(data) for _e, data in sse_events(reply.body)]
+            got = [p for c in chunks for p in c["candidates"][0]["content"]["parts"]]
+            text = "".join(p["text"] for p in got if "text" in p)
+            parts = ([{"text": text}] if text else []) + [p for p in got if "text" not in p]
+        else:
+            parts = reply.json()["candidates"][0]["content"]["parts"]
+            text = "".join(p["text"] for p in parts if "text" in p)
+        call = None
+        for p in parts:
+            if "functionCall" in p:
+                fc = p["functionCall"]
+                call = Call(fc.get("id", ""), fc["name"], json.dumps(fc.get("args", {})))
+        return Answer(text, call, [{"role": "model", "parts": parts}])
+
+    def result_items(self, call: Call, output: str) -> list[Any]:
+        return self._response(call, {"output": output})
+
+    def unknown_items(self, call: Call) -> list[Any]:
+        return self._response(call, {"error": self.unknown_error.format(name=call.name)})
+
+    def title_request(self, headers: dict[str, str]) -> Any:
+        body = {"contents": [self.history[0]],
+                "systemInstruction": {"parts": [{"text": "Write a five-word title for this conversation."}]}}
+        self._post(body, headers)
+        return body
+
+    def result_of(self, body: Any, call: Call) -> tuple[Any, str]:
+        for c in body["contents"]:
+            for p in c["parts"]:
+                fr = p.get("functionResponse")
+                if fr is not None and fr.get("name") == call.name:
+                    r = fr.get("response")
+                    text = r.get("content") if isinstance(r, dict) else None
+                    return fr, text if isinstance(text, str) else json.dumps(r)
+        raise LookupError(f"no result of {call.name} in the body")
+
+    def call_args_of(self, body: Any, call: Call) -> str:
+        for c in body["contents"]:
+            for p in c["parts"]:
+                fc = p.get("functionCall")
+                if fc is not None and fc.get("name") == call.name:
+                    return json.dumps(fc.get("args", {}), separators=(",", ":"))
+        raise LookupError(f"no call {call.name} in the body")
+
+    @staticmethod
+    def tool_names(body: Any) -> list[str]:
+        return [d["name"] for t in body.get("tools", []) for d in t.get("functionDeclarations", [])]
+
+
+AGENTS: dict[str, type[Agent]] = {
+    "anthropic": AnthropicAgent,
+    "chat": ChatAgent,
+    "responses": ResponsesAgent,
+    "gemini": GeminiAgent,
+}
