@@ -12,6 +12,7 @@ import json
 import os
 import sqlite3
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +151,26 @@ def default_data_dir() -> Path:
 
 
 class Store:
+    @contextmanager
+    def _tx(self):
+        """One atomic write: everything inside commits together or not at all."""
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.db
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+
+    def _write(self, sql: str, args: tuple) -> None:
+        try:
+            self.db.execute(sql, args)
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+
     def __init__(self, data_dir: str | os.PathLike[str]):
         self.path = Path(data_dir) / "bili.sqlite3"
         try:
@@ -220,70 +241,51 @@ class Store:
     ) -> None:
         """Write a turn atomically: new ledger rows, the session's counters, its prefix chain."""
         now = time.time()
-        try:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                self.db.execute(
-                    "INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags) "
-                    "VALUES(?,?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, "
-                    "lane=excluded.lane, last_seen=excluded.last_seen, requests=excluded.requests, "
-                    "messages=excluded.messages, next_ref=excluded.next_ref, flags=excluded.flags",
-                    (row.id, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref,
-                     row.flags),
+        with self._tx():
+            self.db.execute(
+                "INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags) "
+                "VALUES(?,?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, "
+                "lane=excluded.lane, last_seen=excluded.last_seen, requests=excluded.requests, "
+                "messages=excluded.messages, next_ref=excluded.next_ref, flags=excluded.flags",
+                (row.id, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref,
+                 row.flags),
+            )
+            if new_refs:
+                self.db.executemany(
+                    "INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen) "
+                    "VALUES(?,?,?,?,?,?,?,?)",
+                    [(row.id, r.msg_id, r.content_hash, r.ref, r.role, r.ctype, r.tokens, now) for r in new_refs],
                 )
-                if new_refs:
-                    self.db.executemany(
-                        "INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen) "
-                        "VALUES(?,?,?,?,?,?,?,?)",
-                        [(row.id, r.msg_id, r.content_hash, r.ref, r.role, r.ctype, r.tokens, now) for r in new_refs],
-                    )
-                if chain is not None:
-                    self.db.execute(
-                        "INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(?,?,?,?) "
-                        "ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail, "
-                        "last_seen=excluded.last_seen",
-                        (row.id, chain[0], chain[1], now),
-                    )
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as e:
-            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+            if chain is not None:
+                self.db.execute(
+                    "INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(?,?,?,?) "
+                    "ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail, "
+                    "last_seen=excluded.last_seen",
+                    (row.id, chain[0], chain[1], now),
+                )
 
     def set_flags(self, row: SessionRow) -> None:
-        try:
-            self.db.execute(
+        self._write(
                 "INSERT INTO sessions(id, agent, lane, created, last_seen, flags) VALUES(?,?,?,?,?,?) "
                 "ON CONFLICT(id) DO UPDATE SET flags=excluded.flags",
                 (row.id, row.agent, row.lane, row.created, row.last_seen, row.flags),
             )
-        except sqlite3.Error as e:
-            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
 
     def record_usage(self, session_id: str, lane: str, usage: tuple[int, int, int, int]) -> None:
         """One upstream answer's usage: input (all prompt tokens), cache read, cache write, output."""
         inp, read, write, out = usage
-        try:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                cur = self.db.execute(
-                    "UPDATE sessions SET turns=turns+1, input_tokens=input_tokens+?, cache_read=cache_read+?, "
-                    "cache_write=cache_write+?, output_tokens=output_tokens+? WHERE id=? RETURNING turns",
-                    (inp, read, write, out, session_id),
-                ).fetchone()
-                if cur is not None:
-                    self.db.execute(
-                        "INSERT OR REPLACE INTO turns(session_id, n, ts, lane, input_tokens, cache_read, cache_write, "
-                        "output_tokens) VALUES(?,?,?,?,?,?,?,?)",
-                        (session_id, cur[0], time.time(), lane, inp, read, write, out),
-                    )
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as e:
-            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+        with self._tx():
+            cur = self.db.execute(
+                "UPDATE sessions SET turns=turns+1, input_tokens=input_tokens+?, cache_read=cache_read+?, "
+                "cache_write=cache_write+?, output_tokens=output_tokens+? WHERE id=? RETURNING turns",
+                (inp, read, write, out, session_id),
+            ).fetchone()
+            if cur is not None:
+                self.db.execute(
+                    "INSERT OR REPLACE INTO turns(session_id, n, ts, lane, input_tokens, cache_read, cache_write, "
+                    "output_tokens) VALUES(?,?,?,?,?,?,?,?)",
+                    (session_id, cur[0], time.time(), lane, inp, read, write, out),
+                )
 
     # -- folding -------------------------------------------------------------------------------
     def blocks(self, session_id: str) -> list[str]:
@@ -327,28 +329,20 @@ class Store:
         """One transaction: changed blocks ``(id, json, active)``, newly folded originals, and the
         results of the calls executed for this turn (so a retry never executes them again)."""
         now = time.time()
-        try:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                self.db.executemany(
-                    "INSERT OR REPLACE INTO blocks(session_id, block_id, body, active) VALUES(?,?,?,?)",
-                    [(session_id, bid, body, int(active)) for bid, body, active in blocks],
-                )
-                self.db.executemany(
-                    "INSERT OR IGNORE INTO originals(session_id, ref, role, ctype, tool_name, tool_call_id, text, "
-                    "tokens) VALUES(?,?,?,?,?,?,?,?)",
-                    [(session_id, *o) for o in originals],
-                )
-                self.db.executemany(
-                    "UPDATE calls SET result=?, executed=? WHERE session_id=? AND call_key=? AND result IS NULL",
-                    [(res, now, session_id, key) for key, res in results],
-                )
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as e:
-            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+        with self._tx():
+            self.db.executemany(
+                "INSERT OR REPLACE INTO blocks(session_id, block_id, body, active) VALUES(?,?,?,?)",
+                [(session_id, bid, body, int(active)) for bid, body, active in blocks],
+            )
+            self.db.executemany(
+                "INSERT OR IGNORE INTO originals(session_id, ref, role, ctype, tool_name, tool_call_id, text, "
+                "tokens) VALUES(?,?,?,?,?,?,?,?)",
+                [(session_id, *o) for o in originals],
+            )
+            self.db.executemany(
+                "UPDATE calls SET result=?, executed=? WHERE session_id=? AND call_key=? AND result IS NULL",
+                [(res, now, session_id, key) for key, res in results],
+            )
 
     def copy(self, session_id: str) -> str | None:
         """The canonical copy of a session's last steady pass (fold coverage under churn)."""
@@ -356,10 +350,7 @@ class Store:
         return row[0] if row else None
 
     def save_copy(self, session_id: str, doc: str) -> None:
-        try:
-            self.db.execute("INSERT OR REPLACE INTO copies(session_id, doc) VALUES(?,?)", (session_id, doc))
-        except sqlite3.Error as e:
-            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+        self._write("INSERT OR REPLACE INTO copies(session_id, doc) VALUES(?,?)", (session_id, doc))
 
     # -- the session's own transcript (snapshot render) ------------------------------------------
     def transcript(self, session_id: str) -> list[tuple[str, list[str], bytes]]:
@@ -370,17 +361,9 @@ class Store:
 
     def save_transcript(self, session_id: str, keep: int, rows: list[tuple[str, list[str], bytes]]) -> None:
         """Rows from ``keep`` on are replaced by ``rows`` (sequence numbers ``keep``...)."""
-        try:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                self.db.execute("DELETE FROM transcript WHERE session_id=? AND seq>=?", (session_id, keep))
-                self.db.executemany(
-                    "INSERT INTO transcript(session_id, seq, sig, refs, item) VALUES(?,?,?,?,?)",
-                    [(session_id, keep + i, sig, json.dumps(refs), item) for i, (sig, refs, item) in enumerate(rows)],
-                )
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as e:
-            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+        with self._tx():
+            self.db.execute("DELETE FROM transcript WHERE session_id=? AND seq>=?", (session_id, keep))
+            self.db.executemany(
+                "INSERT INTO transcript(session_id, seq, sig, refs, item) VALUES(?,?,?,?,?)",
+                [(session_id, keep + i, sig, json.dumps(refs), item) for i, (sig, refs, item) in enumerate(rows)],
+            )

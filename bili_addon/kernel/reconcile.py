@@ -18,7 +18,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from bili_addon.kernel.fold import Block, PartView, View
+from bili_addon.kernel.fold import Block, PartView, View, coverage
 from bili_addon.wire.base import IMAGE, REASONING, TEXT
 
 SIDE_REQUEST_MAX_ITEMS = 10  # smaller requests (titles, probes) never move the copy
@@ -122,15 +122,6 @@ class Outcome:
         return self.missing > 0
 
 
-def covered_map(blocks: list[Block]) -> dict[str, Block]:
-    out: dict[str, Block] = {}
-    for b in blocks:
-        if b.active:
-            for r in b.coverage:
-                out.setdefault(r, b)
-    return out
-
-
 def reconcile(view: View, blocks: list[Block], copy: Copy, originals, fresh: set[str] = frozenset()) -> Outcome:
     """Plan claims for covered refs that went missing. ``originals(refs)`` gives the stored
     originals of folded parts: ``(ref, role, ctype, tool_name, tool_call_id, text, tokens)``;
@@ -138,7 +129,7 @@ def reconcile(view: View, blocks: list[Block], copy: Copy, originals, fresh: set
     parts: list[PartView] = [p for it in view.items for p in it.parts]
     new_refs = [p.ref for p in parts]
     present = set(new_refs)
-    cov = covered_map(blocks)
+    cov = coverage(blocks)
     if copy.truncated:  # what the host truncated and now sends again is simply present
         copy.truncated = [r for r in copy.truncated if r not in present]
     gone = set(copy.truncated)
@@ -346,7 +337,7 @@ def verdict(out: Outcome, view: View, blocks: list[Block], copy: Copy, originals
     residual = {row[0]: row for row in originals(out.unmatched)}
     near_dups = any(row[5] in texts for row in residual.values())
     head_aligned = _heads_inbound(copy.fps if not copy.witness else copy.witness, new_fps)
-    cov = covered_map(blocks)
+    cov = coverage(blocks)
     if not near_dups and head_aligned:
         out.verdict = "truncated"
         copy.truncated = sorted(set(copy.truncated) | set(out.unmatched))

@@ -48,6 +48,16 @@ class Usage:
     def cache_share(self) -> float | None:
         return self.cache_read / self.input if self.input else None
 
+    def read_openai(self, u: Any, inp: str, details: str, out: str) -> None:
+        """OpenAI's usage shapes: input counts every prompt token, cached ones in the details."""
+        if not isinstance(u, dict):
+            return
+        self.seen = True
+        self.input = _int(u.get(inp))
+        det = u.get(details)
+        self.cache_read = _int(det.get("cached_tokens")) if isinstance(det, dict) else 0
+        self.output = _int(u.get(out))
+
 
 def _int(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) else 0
@@ -240,13 +250,7 @@ class ChatResponse(LaneResponse):
     lane = "chat"
 
     def _usage(self, u: Any) -> None:
-        if not isinstance(u, dict):
-            return
-        self.usage.seen = True
-        self.usage.input = _int(u.get("prompt_tokens"))
-        det = u.get("prompt_tokens_details")
-        self.usage.cache_read = _int(det.get("cached_tokens")) if isinstance(det, dict) else 0
-        self.usage.output = _int(u.get("completion_tokens"))
+        self.usage.read_openai(u, "prompt_tokens", "prompt_tokens_details", "completion_tokens")
 
     def event(self, ev: Event) -> list:
         self._usage(ev.get("usage"))
@@ -310,13 +314,7 @@ class ResponsesResponse(LaneResponse):
     lane = "responses"
 
     def _usage(self, u: Any) -> None:
-        if not isinstance(u, dict):
-            return
-        self.usage.seen = True
-        self.usage.input = _int(u.get("input_tokens"))
-        det = u.get("input_tokens_details")
-        self.usage.cache_read = _int(det.get("cached_tokens")) if isinstance(det, dict) else 0
-        self.usage.output = _int(u.get("output_tokens"))
+        self.usage.read_openai(u, "input_tokens", "input_tokens_details", "output_tokens")
 
     @staticmethod
     def _key(ev: Event) -> tuple:
