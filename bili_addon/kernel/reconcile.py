@@ -16,7 +16,6 @@ import re
 import unicodedata
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any
 
 from bili_addon.kernel.fold import Block, PartView, View, coverage
 from bili_addon.wire.base import IMAGE, REASONING, TEXT

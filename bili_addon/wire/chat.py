@@ -73,7 +73,8 @@ class ChatLane:
             return False
         shaped = [{"_name": t["name"], "type": "function", "function": {
             "name": t["name"], "description": t["description"], "parameters": t["parameters"]}} for t in tools]
-        changed = append_tools(body, "tools", names, shaped) if tools else False
+        if tools:
+            append_tools(body, "tools", names, shaped)
         if start > 0:  # the agent's leading system message gets the prompt at its end
             i = start - 1
             content = decode_any(items[i]).get("content")
