@@ -122,8 +122,8 @@ class Agent:
             if ep.scheme == "https" and ep.host:
                 plan.add(ep.host, ep.port)
             elif ep.scheme == "http" and ep.host:
-                hint = (f"run 'bili run --mode reverse:<real upstream> --listen-port N' and point that base URL "
-                        f"at http://127.0.0.1:N instead" if ep.loopback else
+                hint = ("run 'bili run --mode reverse:<real upstream> --listen-port N' and point that base URL "
+                        "at http://127.0.0.1:N instead" if ep.loopback else
                         "plain-HTTP traffic is not sent through HTTPS_PROXY")
                 plan.notes.append(f"{ep.url} (from {ep.source}) is plain http://, so bili cannot intercept it "
                                   f"through HTTPS_PROXY; {hint}")

@@ -561,6 +561,8 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
             rc = 126
     except _Interrupted as e:  # killed while the proxy was starting
         rc = -e.signum
+    except KeyboardInterrupt:  # Ctrl-C while the proxy was starting
+        rc = -signal.SIGINT
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -624,11 +626,10 @@ def agent_version(binary: str) -> str:
         first = real.read_bytes()[:256].split(b"\n", 1)[0]
         if first.startswith(b"#!"):
             py = Path(first[2:].decode().strip().split()[0])
-            for dist in sorted(py.parent.parent.glob(f"lib/python*/site-packages/{real.name.replace('-', '_')}*-*.dist-info")):
-                return dist.name.rsplit("-", 1)[0].split("-", 1)[1]
             for dist in sorted(py.parent.parent.glob("lib/python*/site-packages/*.dist-info")):
-                if dist.name.split("-", 1)[0].replace("_", "-").startswith(real.name):
-                    return dist.name[: -len(".dist-info")].split("-", 1)[1]
+                name, _, version = dist.name[: -len(".dist-info")].partition("-")
+                if version and name.lower().replace("_", "-").startswith(real.name.lower()):
+                    return version
     except (OSError, UnicodeDecodeError, IndexError):
         pass
     return "unknown version"

@@ -277,7 +277,7 @@ def table(report: FileReport) -> list[str]:
                          str(t.folded), ran, note))
         widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS) - 1)]
         for r in rows:
-            lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + ("  " + r[-1] if r[-1] else ""))
+            lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + ("  " + r[-1] if r[-1] else ""))
     if report.unidentified:
         lines.append(f"  {report.unidentified} model request(s) without a conversation identity (forwarded unchanged)")
     for e in report.errors:

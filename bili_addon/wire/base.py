@@ -162,7 +162,7 @@ def tool_names(raw_tools: msgspec.Raw | None, name_of) -> list[str] | None:
     names = []
     for t in decode_list(raw_tools):
         n = name_of(decode_any(t))
-        if isinstance(n, str):
+        if n is not None:
             names.append(n)
     return names
 

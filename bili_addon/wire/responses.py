@@ -77,7 +77,12 @@ class ResponsesLane:
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
-        return tool_names(body.top.get("tools"), lambda t: t.get("name") if isinstance(t, dict) else None)
+        """Names of the request's tools; a namespace's tools (codex nests MCP servers' tools as
+        ``{"type": "namespace", "name": "mcp__bili", "tools": [...]}``) as ``<namespace>__<tool>``."""
+        names = tool_names(body.top.get("tools"), lambda t: t if isinstance(t, dict) else None)
+        if names is None:
+            return None
+        return [n for t in names for n in _names_in(t)]
 
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str) -> bool:
@@ -117,6 +122,15 @@ class ResponsesLane:
         if obj.get("arguments") != args:
             edits.append((("arguments",), args))
         return edits
+
+
+def _names_in(tool: dict) -> list[str]:
+    name = tool.get("name")
+    if not isinstance(name, str):
+        return []
+    inner = tool.get("tools") if tool.get("type") == "namespace" else None
+    nested = [f"{name}__{t['name']}" for t in inner or [] if isinstance(t, dict) and isinstance(t.get("name"), str)]
+    return [name, *nested]
 
 
 def _opaque_role(kind: Any) -> str:

@@ -1,0 +1,432 @@
+"""A scripted model provider on 127.0.0.1 for the acceptance tests (Anthropic Messages, Chat
+Completions and Responses, streamed or not).
+
+Every conversation follows one script, decided from the request itself (so retries and side
+requests do not derail it): the model
+
+1. runs the agent's shell tool four times (``alpha``, ``beta``, ``gamma``, ``delta`` listings; the
+   newest messages are never folded, so there has to be some history),
+2. calls ``compress`` on the range from its first step's prose to its second's, using the refs the
+   proxy rendered in front of them,
+3. runs the shell tool once more (``epsilon``),
+4. answers with :data:`FINAL`.
+
+Every piece of prose starts with an imitation of a ref tag, which the proxy must strip before the
+agent sees it.  A request without tools (a title or summary side request) gets a short JSON text.
+Every other path answers 404, which the agents tolerate.  All requests are recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+FINAL = "All five listings are done. FINAL-ANSWER-7f3a"
+SIDE_TEXT = '{"title": "Scripted run"}'
+ECHO = '<acp tokens="7" type="text">m00001</acp>\n'  # what a model copying the tags would write
+WORDS = {1: "alpha", 2: "beta", 3: "gamma", 4: "delta", 6: "epsilon"}
+COMPRESS_STAGE = 5
+SUMMARY = ("Steps 1 and 2 listed the alpha and beta rows (80 each, numbered 001-080); nothing in them "
+           "needs follow-up. SUMMARY-MARK-91c2")
+SHELL_NAMES = ("Bash", "bash", "_bash", "exec_command", "terminal", "mcp__terminal", "shell", "mcp__bash")
+TAG_RE = re.compile(r'^<acp tokens="[^"]*" type="text">(m\d{5})</acp>\n')
+CALL_RE = re.compile(r"bili_s(\d)")
+
+
+def command_for(stage: int) -> str:
+    word = WORDS[stage]
+    return f"seq -f '{word}-row-%03g the quick brown fox jumps over the lazy dog' 1 80"
+
+
+def prose_for(stage: int) -> str:
+    return f"Step {stage}: listing the {WORDS.get(stage, 'range')} rows." if stage != COMPRESS_STAGE else \
+        f"Step {stage}: folding the first two listings."
+
+
+@dataclass
+class Action:
+    kind: str  # "tool" or "text"
+    stage: int = 0
+    text: str = ""
+    tool: str = ""
+    args: dict = field(default_factory=dict)
+
+
+@dataclass
+class Seen:
+    seq: int
+    method: str
+    path: str
+    host: str
+    headers: dict[str, str]
+    body: bytes
+    json: Any = None
+    lane: str = ""
+    action: Action | None = None
+    status: int = 0
+
+
+# -- reading a request -----------------------------------------------------------------------------
+def lane_of(method: str, path: str) -> str:
+    p = path.split("?", 1)[0].rstrip("/")
+    if method != "POST":
+        return ""
+    if p.endswith("/messages"):
+        return "anthropic"
+    if p.endswith("/chat/completions"):
+        return "chat"
+    if p.endswith("/responses"):
+        return "responses"
+    return ""
+
+
+def tools_of(lane: str, body: dict) -> dict[str, dict]:
+    """Tool name -> its JSON schema."""
+    out = {}
+    for t in body.get("tools") or []:
+        if not isinstance(t, dict):
+            continue
+        if lane == "anthropic":
+            out[t.get("name", "")] = t.get("input_schema") or {}
+        elif lane == "chat":
+            fn = t.get("function") or {}
+            out[fn.get("name", "")] = fn.get("parameters") or {}
+        else:
+            out[t.get("name", "")] = t.get("parameters") or {}
+    out.pop("", None)
+    return out
+
+
+def results_of(lane: str, body: dict) -> dict[str, str]:
+    """Tool results in the request: call id -> text."""
+    out: dict[str, str] = {}
+    if lane == "anthropic":
+        for m in body.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            for b in content if isinstance(content, list) else []:
+                if isinstance(b, dict) and b.get("type") == "tool_result":
+                    c = b.get("content")
+                    if isinstance(c, list):
+                        c = "\n".join(x.get("text", "") for x in c if isinstance(x, dict))
+                    out[str(b.get("tool_use_id"))] = c if isinstance(c, str) else json.dumps(c)
+    elif lane == "chat":
+        for m in body.get("messages") or []:
+            if isinstance(m, dict) and m.get("role") == "tool":
+                c = m.get("content")
+                if isinstance(c, list):
+                    c = "\n".join(x.get("text", "") for x in c if isinstance(x, dict))
+                out[str(m.get("tool_call_id"))] = c if isinstance(c, str) else json.dumps(c)
+    else:
+        items = body.get("input")
+        for it in items if isinstance(items, list) else []:
+            if isinstance(it, dict) and it.get("type") == "function_call_output":
+                c = it.get("output")
+                out[str(it.get("call_id"))] = c if isinstance(c, str) else json.dumps(c)
+    return out
+
+
+def tagged(obj: Any) -> dict[str, str]:
+    """text after the tag -> ref, for every tagged string in the body."""
+    out: dict[str, str] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, str):
+            m = TAG_RE.match(v)
+            if m:
+                out.setdefault(v[m.end():], m.group(1))
+
+    walk(obj)
+    return out
+
+
+def stage_of(lane: str, body: dict) -> int:
+    done = [int(m.group(1)) for cid in results_of(lane, body) if (m := CALL_RE.search(cid))]
+    return max(done, default=0)
+
+
+def shell_args(schema: dict, command: str) -> dict:
+    props = schema.get("properties") or {}
+    args: dict[str, Any] = {}
+    key = "command" if "command" in props else "cmd" if "cmd" in props else next(iter(props), "command")
+    if (props.get(key) or {}).get("type") == "array":
+        args[key] = ["bash", "-lc", command]
+    else:
+        args[key] = command
+    for name in schema.get("required") or []:
+        if name not in args:
+            args[name] = "list the rows" if (props.get(name) or {}).get("type", "string") == "string" else None
+    return {k: v for k, v in args.items() if v is not None}
+
+
+def decide(lane: str, body: dict) -> Action:
+    tools = tools_of(lane, body)
+    shell = next((n for n in SHELL_NAMES if n in tools), None)
+    if shell is None:
+        return Action("text", text=SIDE_TEXT)
+    stage = stage_of(lane, body) + 1
+    if stage == COMPRESS_STAGE:
+        refs = tagged(body)
+        start = next((r for t, r in refs.items() if t.startswith(prose_for(1))), "m00001")
+        end = next((r for t, r in refs.items() if t.startswith(prose_for(2))), "m00002")
+        # the agent's own copy when bili's tools come through MCP (mcp__bili__compress, bili_compress)
+        name = next((n for n in tools if "bili" in n and n.endswith("compress")), "compress")
+        return Action("tool", stage, prose_for(stage), name,
+                      {"content": [{"startId": start, "endId": end, "topic": "first listings", "summary": SUMMARY}]})
+    if stage in WORDS:
+        return Action("tool", stage, prose_for(stage), shell, shell_args(tools[shell], command_for(stage)))
+    return Action("text", stage, FINAL)
+
+
+# -- writing an answer ------------------------------------------------------------------------------
+def _sse(events: list[tuple[str | None, dict]]) -> bytes:
+    out = []
+    for name, data in events:
+        head = f"event: {name}\n" if name else ""
+        out.append(f"{head}data: {json.dumps(data)}\n\n")
+    return "".join(out).encode()
+
+
+def _pieces(text: str, n: int = 9) -> list[str]:
+    return [text[i:i + n] for i in range(0, len(text), n)] or [""]
+
+
+def call_id(lane: str, stage: int) -> str:
+    return f"toolu_bili_s{stage}" if lane == "anthropic" else f"call_bili_s{stage}"
+
+
+def anthropic_answer(seq: int, model: str, a: Action, stream: bool) -> tuple[str, bytes]:
+    text = ECHO + a.text
+    content: list[dict] = [{"type": "text", "text": text}]
+    if a.kind == "tool":
+        content.append({"type": "tool_use", "id": call_id("anthropic", a.stage), "name": a.tool, "input": a.args})
+    stop = "tool_use" if a.kind == "tool" else "end_turn"
+    usage = {"input_tokens": 100, "output_tokens": 20, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+    msg = {"id": f"msg_scripted{seq:05d}", "type": "message", "role": "assistant", "model": model,
+           "content": content, "stop_reason": stop, "stop_sequence": None, "usage": usage}
+    if not stream:
+        return "application/json", json.dumps(msg).encode()
+    start = dict(msg, content=[], stop_reason=None, usage=dict(usage, output_tokens=1))
+    ev: list[tuple[str | None, dict]] = [("message_start", {"type": "message_start", "message": start})]
+    ev.append(("content_block_start", {"type": "content_block_start", "index": 0,
+                                       "content_block": {"type": "text", "text": ""}}))
+    for p in _pieces(text):
+        ev.append(("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                           "delta": {"type": "text_delta", "text": p}}))
+    ev.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
+    if a.kind == "tool":
+        ev.append(("content_block_start", {"type": "content_block_start", "index": 1, "content_block": {
+            "type": "tool_use", "id": call_id("anthropic", a.stage), "name": a.tool, "input": {}}}))
+        for p in _pieces(json.dumps(a.args), 40):
+            ev.append(("content_block_delta", {"type": "content_block_delta", "index": 1,
+                                               "delta": {"type": "input_json_delta", "partial_json": p}}))
+        ev.append(("content_block_stop", {"type": "content_block_stop", "index": 1}))
+    ev.append(("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+                                 "usage": {"output_tokens": 20}}))
+    ev.append(("message_stop", {"type": "message_stop"}))
+    return "text/event-stream", _sse(ev)
+
+
+def chat_answer(seq: int, model: str, a: Action, stream: bool) -> tuple[str, bytes]:
+    text = ECHO + a.text
+    finish = "tool_calls" if a.kind == "tool" else "stop"
+    call = {"id": call_id("chat", a.stage), "type": "function",
+            "function": {"name": a.tool, "arguments": json.dumps(a.args)}}
+    usage = {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}
+    base = {"id": f"chatcmpl-scripted{seq:05d}", "created": 1_700_000_000 + seq, "model": model}
+    if not stream:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if a.kind == "tool":
+            message["tool_calls"] = [call]
+        return "application/json", json.dumps(dict(base, object="chat.completion", usage=usage, choices=[
+            {"index": 0, "message": message, "finish_reason": finish}])).encode()
+
+    def chunk(delta: dict, fin: str | None = None) -> tuple[None, dict]:
+        return None, dict(base, object="chat.completion.chunk",
+                          choices=[{"index": 0, "delta": delta, "finish_reason": fin}])
+
+    ev = [chunk({"role": "assistant", "content": ""})]
+    ev += [chunk({"content": p}) for p in _pieces(text)]
+    if a.kind == "tool":
+        ev.append(chunk({"tool_calls": [{"index": 0, "id": call["id"], "type": "function",
+                                         "function": {"name": a.tool, "arguments": ""}}]}))
+        ev += [chunk({"tool_calls": [{"index": 0, "function": {"arguments": p}}]}) for p in _pieces(json.dumps(a.args), 40)]
+    ev.append(chunk({}, finish))
+    ev.append((None, dict(base, object="chat.completion.chunk", choices=[], usage=usage)))
+    return "text/event-stream", _sse(ev) + b"data: [DONE]\n\n"
+
+
+def responses_answer(seq: int, model: str, a: Action, stream: bool) -> tuple[str, bytes]:
+    text = ECHO + a.text
+    msg_id, fc_id = f"msg_scripted{seq:05d}", f"fc_scripted{seq:05d}"
+    message = {"type": "message", "id": msg_id, "status": "completed", "role": "assistant",
+               "content": [{"type": "output_text", "text": text, "annotations": []}]}
+    output = [message]
+    if a.kind == "tool":
+        output.append({"type": "function_call", "id": fc_id, "call_id": call_id("responses", a.stage),
+                       "name": a.tool, "arguments": json.dumps(a.args), "status": "completed"})
+    usage = {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 20,
+             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 120}
+
+    def resp(done: bool) -> dict:
+        return {"id": f"resp_scripted{seq:05d}", "object": "response", "created_at": 1_700_000_000 + seq,
+                "status": "completed" if done else "in_progress", "model": model,
+                "output": output if done else [], "usage": usage if done else None, "error": None,
+                "incomplete_details": None, "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+
+    if not stream:
+        return "application/json", json.dumps(resp(True)).encode()
+    ev: list[dict] = [{"type": "response.created", "response": resp(False)},
+                      {"type": "response.in_progress", "response": resp(False)},
+                      {"type": "response.output_item.added", "output_index": 0,
+                       "item": dict(message, status="in_progress", content=[])},
+                      {"type": "response.content_part.added", "item_id": msg_id, "output_index": 0, "content_index": 0,
+                       "part": {"type": "output_text", "text": "", "annotations": []}}]
+    ev += [{"type": "response.output_text.delta", "item_id": msg_id, "output_index": 0, "content_index": 0,
+            "delta": p} for p in _pieces(text)]
+    ev += [{"type": "response.output_text.done", "item_id": msg_id, "output_index": 0, "content_index": 0, "text": text},
+           {"type": "response.content_part.done", "item_id": msg_id, "output_index": 0, "content_index": 0,
+            "part": {"type": "output_text", "text": text, "annotations": []}},
+           {"type": "response.output_item.done", "output_index": 0, "item": message}]
+    if a.kind == "tool":
+        fc = output[1]
+        ev.append({"type": "response.output_item.added", "output_index": 1, "item": dict(fc, arguments="", status="in_progress")})
+        ev += [{"type": "response.function_call_arguments.delta", "item_id": fc_id, "output_index": 1, "delta": p}
+               for p in _pieces(fc["arguments"], 40)]
+        ev.append({"type": "response.function_call_arguments.done", "item_id": fc_id, "output_index": 1,
+                   "arguments": fc["arguments"]})
+        ev.append({"type": "response.output_item.done", "output_index": 1, "item": fc})
+    ev.append({"type": "response.completed", "response": resp(True)})
+    for n, e in enumerate(ev):
+        e["sequence_number"] = n
+    return "text/event-stream", _sse([(e["type"], e) for e in ev])
+
+
+ANSWERS = {"anthropic": anthropic_answer, "chat": chat_answer, "responses": responses_answer}
+
+
+# -- the server --------------------------------------------------------------------------------------
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: "_Server"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._handle()
+
+    def do_POST(self) -> None:
+        self._handle()
+
+    def do_HEAD(self) -> None:
+        self._handle()
+
+    def do_PUT(self) -> None:
+        self._handle()
+
+    def do_DELETE(self) -> None:
+        self._handle()
+
+    def _body(self) -> bytes:
+        if self.headers.get("transfer-encoding", "").lower() == "chunked":
+            data = b""
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    self.rfile.readline()
+                    return data
+                data += self.rfile.read(size)
+                self.rfile.readline()
+        n = int(self.headers.get("content-length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def _handle(self) -> None:
+        model = self.server.model
+        raw = self._body()
+        enc = self.headers.get("content-encoding", "")
+        if raw and enc and enc.lower() != "identity":
+            from mitmproxy.net import encoding
+
+            raw = encoding.decode(raw, enc)
+        rec = model.record(self.command, self.path, self.headers.get("host", ""), dict(self.headers.items()), raw)
+        status, ctype, body = model.answer(rec)
+        rec.status = status
+        self.send_response(status)
+        self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    model: "ScriptedModel"
+
+
+class ScriptedModel:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seen: list[Seen] = []
+        self.server: _Server | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> "ScriptedModel":
+        self.server = _Server(("127.0.0.1", 0), _Handler)
+        self.server.model = self
+        self.thread = threading.Thread(target=self.server.serve_forever, name="scripted-model", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.server_address[1]
+
+    def record(self, method: str, path: str, host: str, headers: dict[str, str], body: bytes) -> Seen:
+        with self.lock:
+            rec = Seen(len(self.seen) + 1, method, path, host, headers, body)
+            self.seen.append(rec)
+        return rec
+
+    def answer(self, rec: Seen) -> tuple[int, str, bytes]:
+        rec.lane = lane_of(rec.method, rec.path)
+        if rec.headers.get("Upgrade", rec.headers.get("upgrade", "")).lower() == "websocket":
+            return 404, "application/json", b'{"error": "no WebSocket here"}'
+        if not rec.lane:
+            if rec.path.split("?")[0].rstrip("/").endswith("/models") and rec.method == "GET":
+                return 200, "application/json", b'{"object": "list", "data": [], "has_more": false}'
+            return 404, "application/json", json.dumps({"error": {"type": "not_found", "message": "scripted model: "
+                                                                  f"no {rec.method} {rec.path}"}}).encode()
+        try:
+            rec.json = json.loads(rec.body)
+        except ValueError:
+            return 400, "application/json", b'{"error": {"type": "invalid_request_error", "message": "not JSON"}}'
+        action = rec.action = decide(rec.lane, rec.json)
+        model = rec.json.get("model") or "scripted"
+        ctype, body = ANSWERS[rec.lane](rec.seq, model, action, bool(rec.json.get("stream")))
+        return 200, ctype, body
+
+    # -- for the assertions ----------------------------------------------------------------------
+    def model_requests(self) -> list[Seen]:
+        return [r for r in self.seen if r.lane and r.action is not None and r.action.stage]
+
+    def by_stage(self, stage: int) -> list[Seen]:
+        """The requests answered at ``stage`` (the request that *carries* the results of stage - 1)."""
+        return [r for r in self.model_requests() if r.action.stage == stage]

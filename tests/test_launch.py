@@ -1,0 +1,797 @@
+"""The launcher (``bili <agent>``), ``bili doctor``, ``bili run`` as a system proxy, and the
+first-party option of the addon.
+
+Unit tests build host lists from sample configuration files in a temporary HOME, check the
+``allow_hosts`` expression and each agent's environment.  The e2e tests run the launcher with fake
+agents (small Python scripts named like the real ones) against real mitmdump processes: exit codes,
+signals, re-use of a running proxy, nothing left behind, configuration files never written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from mitmproxy import http
+from mitmproxy.test import taddons, tflow, tutils
+
+from bili_addon import agents, cli, launch
+from bili_addon.agents import AGENTS, allow_hosts_regex, intercept_plan, strip_jsonc
+from bili_addon.certs import ensure_ca
+from bili_addon.shell import Bili, first_party_claude
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUTE_ADDON = ROOT / "tests" / "e2e" / "route_addon.py"
+BUILTIN = {(h, 443) for h in agents.all_builtin_hosts()}
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+# -- sample configurations ------------------------------------------------------------------------------
+def sample_configs(home: Path, project: Path) -> list[Path]:
+    """One configuration per agent naming custom base URLs, in the places the agents read them."""
+    (project / ".git").mkdir(parents=True, exist_ok=True)
+    return [
+        _write(home / ".claude" / "settings.json",
+               json.dumps({"env": {"ANTHROPIC_BASE_URL": "https://claude-gw.corp.example:8443"}})),
+        _write(project / ".claude" / "settings.local.json",
+               json.dumps({"env": {"ANTHROPIC_BASE_URL": "https://claude-project.corp.example"}})),
+        _write(home / ".codex" / "config.toml",
+               'model = "gpt-5.1-codex"\n[model_providers.corp]\nname = "corp"\nbase_url = "https://codex-gw.corp.example/v1"\n'
+               '[model_providers.local]\nbase_url = "http://127.0.0.1:11434/v1"\n'),
+        _write(home / ".pi" / "agent" / "models.json",
+               json.dumps({"providers": {"corp": {"baseUrl": "https://pi-gw.corp.example/v1", "api": "openai-completions"},
+                                         "anthropic": {"baseUrl": "https://pi-anthropic.corp.example"}}})),
+        _write(home / ".omp" / "agent" / "models.yml",
+               "providers:\n  corp:\n    baseUrl: https://omp-gw.corp.example:9443/v1\n    api: openai-responses\n"),
+        _write(project / "opencode.jsonc",
+               '{\n  // the team gateway\n  "provider": {"anthropic": {"options": {"baseURL": "{env:OC_GATEWAY}/v1",},},},\n'
+               '  /* trailing commas too */\n}\n'),
+        _write(home / ".config" / "opencode" / "opencode.json",
+               json.dumps({"provider": {"corp": {"options": {"baseURL": "https://oc-global.corp.example/v1"}}}})),
+        _write(home / ".hermes" / "config.yaml",
+               "model:\n  provider: custom\n  base_url: https://hermes-model.corp.example/v1\n"
+               "providers:\n  corp:\n    base_url: https://hermes-gw.corp.example/v1\n    api_mode: chat_completions\n"),
+    ]
+
+
+@pytest.fixture
+def home(tmp_path):
+    h, p = tmp_path / "home", tmp_path / "home" / "src" / "proj"
+    p.mkdir(parents=True)
+    files = sample_configs(h, p)
+    env = {"HOME": str(h), "PATH": os.environ.get("PATH", ""), "OC_GATEWAY": "https://oc-gw.corp.example"}
+    return SimpleNamespace(home=h, project=p, files=files, env=env)
+
+
+def hosts_of(name: str, home) -> set[tuple[str, int]]:
+    return set(AGENTS[name].model_hosts(home.env, home.project).hosts)
+
+
+def test_every_agent_has_a_subcommand_and_a_help_line():
+    assert set(cli._AGENT_HELP) == set(AGENTS)
+    for name in AGENTS:
+        assert cli.COMMANDS[name].passthrough and cli.COMMANDS[name].extra_name == "AGENT_ARGS"
+    for name in ("doctor", "replay"):
+        assert name in cli.COMMANDS
+    assert "claude" in cli.build_parser().format_help()
+
+
+def test_claude_base_urls_from_user_and_project_settings(home):
+    got = hosts_of("claude", home)
+    assert ("api.anthropic.com", 443) in got
+    assert {("claude-gw.corp.example", 8443), ("claude-project.corp.example", 443)} <= got
+    env = dict(home.env, ANTHROPIC_BASE_URL="https://from-env.corp.example")
+    assert ("from-env.corp.example", 443) in AGENTS["claude"].model_hosts(env, home.project).hosts
+
+
+def test_codex_providers_and_the_http_loopback_note(home):
+    plan = AGENTS["codex"].model_hosts(home.env, home.project)
+    assert {("api.openai.com", 443), ("chatgpt.com", 443), ("codex-gw.corp.example", 443)} <= set(plan.hosts)
+    assert ("127.0.0.1", 11434) not in plan.hosts
+    assert any("http://127.0.0.1:11434/v1" in n and "reverse" in n for n in plan.notes)
+    env = dict(home.env, CODEX_HOME=str(home.home / "elsewhere"))
+    assert ("codex-gw.corp.example", 443) not in AGENTS["codex"].model_hosts(env, home.project).hosts
+
+
+def test_pi_omp_opencode_hermes_base_urls(home):
+    assert {("pi-gw.corp.example", 443), ("pi-anthropic.corp.example", 443)} <= hosts_of("pi", home)
+    assert ("omp-gw.corp.example", 9443) in hosts_of("omp", home)
+    oc = hosts_of("opencode", home)
+    assert {("oc-gw.corp.example", 443), ("oc-global.corp.example", 443)} <= oc  # {env:...}, JSONC, XDG
+    assert {("hermes-model.corp.example", 443), ("hermes-gw.corp.example", 443)} <= hosts_of("hermes", home)
+    pi_dir = home.home / "pi-elsewhere"
+    _write(pi_dir / "models.json", json.dumps({"providers": {"x": {"baseUrl": "https://pi-dir.corp.example"}}}))
+    env = dict(home.env, PI_CODING_AGENT_DIR=str(pi_dir))
+    assert ("pi-dir.corp.example", 443) in AGENTS["pi"].model_hosts(env, home.project).hosts
+
+
+def test_opencode_finds_project_config_up_to_the_git_root(home):
+    sub = home.project / "pkg" / "deep"
+    sub.mkdir(parents=True)
+    assert ("oc-gw.corp.example", 443) in AGENTS["opencode"].model_hosts(home.env, sub).hosts
+
+
+def test_a_broken_config_is_a_note_not_a_crash(home):
+    _write(home.home / ".pi" / "agent" / "models.json", "{not json")
+    plan = AGENTS["pi"].model_hosts(home.env, home.project)
+    assert any("cannot read" in n for n in plan.notes)
+    assert ("api.anthropic.com", 443) in plan.hosts
+
+
+def test_strip_jsonc_keeps_strings_intact():
+    text = '{"a": "http://x//y /* no */", // c\n "b": [1, 2,], /* d */ "c": "\\"//"}'
+    assert json.loads(strip_jsonc(text)) == {"a": "http://x//y /* no */", "b": [1, 2], "c": '"//'}
+
+
+def test_intercept_plan_for_a_launch_and_for_bili_run(home):
+    plan = intercept_plan(AGENTS["codex"], home.env, home.project, ["extra.corp.example", "other.example:8443"])
+    hosts = plan.hosts
+    assert hosts[:3] == [("api.openai.com", 443), ("chatgpt.com", 443), ("codex-gw.corp.example", 443)]
+    assert BUILTIN <= set(hosts)  # so agents launched later can share the proxy
+    assert ("claude-gw.corp.example", 8443) not in hosts  # another agent's custom host: not this launch's
+    assert {("extra.corp.example", 443), ("other.example", 8443)} <= set(hosts)
+    everyone = set(intercept_plan(None, home.env, home.project).hosts)
+    assert {("claude-gw.corp.example", 8443), ("omp-gw.corp.example", 9443), ("hermes-gw.corp.example", 443)} <= everyone
+
+
+def test_allow_hosts_regex_matches_host_and_port_exactly():
+    rx = re.compile(allow_hosts_regex([("api.anthropic.com", 443), ("gw.corp.example", 8443)]), re.IGNORECASE)
+    for ok in ("api.anthropic.com:443", "API.Anthropic.com:443", "gw.corp.example:8443"):
+        assert rx.search(ok), ok
+    for bad in ("api.anthropic.com.evil.example:443", "xapi.anthropic.com:443", "api.anthropic.com:8443",
+                "gw.corp.example:443", "example.com:443", "apixanthropic.com:443", "160.79.104.10:443"):
+        assert not rx.search(bad), bad
+    with pytest.raises(ValueError):
+        allow_hosts_regex([])
+
+
+@pytest.mark.parametrize("name", sorted(AGENTS))
+def test_agent_environment(name, tmp_path):
+    ca = ensure_ca(tmp_path / "ca")
+    base = {"PATH": "/usr/bin", "HOME": str(tmp_path), "KEEP": "1"}
+    env = launch.agent_env(AGENTS[name], base, "http://127.0.0.1:9999", ca)
+    assert env["HTTPS_PROXY"] == env["https_proxy"] == "http://127.0.0.1:9999"
+    assert env["BILI_PROXY"] == "http://127.0.0.1:9999" and env["KEEP"] == "1"
+    assert "HTTP_PROXY" not in env and "http_proxy" not in env
+    if name in ("claude", "pi", "omp", "opencode"):
+        assert env["NODE_EXTRA_CA_CERTS"] == str(ca.cert)
+        assert "SSL_CERT_FILE" not in env
+    else:
+        assert env["SSL_CERT_FILE"] == env["REQUESTS_CA_BUNDLE"] == str(ca.combined)
+        assert "NODE_EXTRA_CA_CERTS" not in env
+    assert ("PI_PROXY" in env) == (name == "omp")
+    assert base == {"PATH": "/usr/bin", "HOME": str(tmp_path), "KEEP": "1"}  # not mutated
+
+
+def test_users_extra_node_cas_are_kept(tmp_path):
+    ca = ensure_ca(tmp_path / "ca")
+    theirs = _write(tmp_path / "corp.pem", "-----BEGIN CERTIFICATE-----\ncorp\n-----END CERTIFICATE-----\n")
+    env = launch.agent_env(AGENTS["claude"], {"NODE_EXTRA_CA_CERTS": str(theirs)}, "http://127.0.0.1:1", ca)
+    merged = Path(env["NODE_EXTRA_CA_CERTS"])
+    assert merged.parent == ca.confdir and merged != ca.cert
+    assert merged.read_bytes().startswith(theirs.read_bytes().rstrip())
+    assert ca.cert.read_bytes() in merged.read_bytes()
+    assert theirs.read_text().endswith("corp\n-----END CERTIFICATE-----\n")  # theirs untouched
+
+
+def test_no_proxy_naming_a_model_host_is_reported():
+    hosts = [("api.anthropic.com", 443), ("api.openai.com", 443)]
+    assert launch.no_proxy_conflicts({"NO_PROXY": "localhost,.anthropic.com"}, hosts) == ["api.anthropic.com"]
+    assert launch.no_proxy_conflicts({"no_proxy": "*"}, hosts) == ["api.anthropic.com", "api.openai.com"]
+    assert launch.no_proxy_conflicts({"NO_PROXY": "127.0.0.1,localhost"}, hosts) == []
+
+
+def test_dry_run_prints_the_plan(home, tmp_path, capsys):
+    p = cli.build_parser()
+    args = p.parse_args(["codex", "--port", "9911", "--confdir", str(tmp_path / "ca"), "--dry-run",
+                         "--first-party", "observe", "--set", "flow_detail=0", "-s", "extra.py"])
+    args.extra = ["exec", "hi"]
+    old = dict(os.environ)
+    try:
+        os.environ.update(home.env)
+        os.environ["PATH"] = "/nonexistent"
+        cwd = os.getcwd()
+        os.chdir(home.project)
+        try:
+            assert launch.launch(AGENTS["codex"], args) == 0
+        finally:
+            os.chdir(cwd)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    out = capsys.readouterr().out
+    assert "not found on PATH" in out and "argv       codex exec hi" in out
+    assert "codex-gw.corp.example" in out and "base URL   https://codex-gw.corp.example/v1" in out
+    assert "env        SSL_CERT_FILE=" in out and "env        HTTPS_PROXY=http://127.0.0.1:9911" in out
+    assert re.search(r"command    \S*mitmdump .*--set allow_hosts=\^\(\?:api\\\.openai\\\.com:443\|", out)
+    assert "--set bili_first_party=observe" in out and out.rstrip().endswith("--set flow_detail=0")
+    assert f"-s {(home.project / 'extra.py').resolve()}" in out
+
+
+# -- first-party Claude Code ------------------------------------------------------------------------------
+BILLING = "x-anthropic-billing-header: cc_version=2.1.197.fbe; cc_entrypoint=sdk-cli; cch=3f2a1;"
+
+
+def first_party_body(**extra) -> bytes:
+    # key order and spacing as Claude Code sends them; the billing block has no cache_control
+    body = {
+        "model": "claude-opus-4-8",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Run the tests, please."}]}],
+        "system": [{"type": "text", "text": BILLING},
+                   {"type": "text", "text": "You are a Claude agent.", "cache_control": {"type": "ephemeral"}}],
+        "tools": [{"name": "Bash", "description": "run", "input_schema": {"type": "object"}}],
+        "metadata": {"user_id": json.dumps({"session_id": "fp-session-1"})},
+        "max_tokens": 64000, "stream": True,
+    }
+    body.update(extra)
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def anthropic_flow(content: bytes, host: str = "api.anthropic.com"):
+    h = http.Headers(host=host, content_type="application/json", accept_encoding="gzip, br",
+                     x_claude_code_session_id="fp-session-1")
+    req = tutils.treq(method=b"POST", path=b"/v1/messages?beta=true", host=host, port=443, scheme=b"https",
+                      headers=h, content=content)
+    f = tflow.tflow(req=req)
+    f.client_conn.peername = ("127.0.0.1", 50000)
+    return f
+
+
+@pytest.fixture
+def bili(tmp_path):
+    addon = Bili()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, bili_data_dir=str(tmp_path / "data"))
+        addon.tctx = tctx
+        yield addon
+    addon.done()
+
+
+def _raw_system(body: bytes) -> bytes:
+    start = body.index(b'"system":[') + len(b'"system":[')
+    return body[start:]
+
+
+def test_first_party_detection():
+    assert first_party_claude(first_party_body(), "api.anthropic.com")
+    assert first_party_claude(first_party_body(), "API.anthropic.com.")
+    assert not first_party_claude(first_party_body(), "gateway.corp.example")
+    assert not first_party_claude(first_party_body(system="x-anthropic-billing-header: a"), "api.anthropic.com")
+    assert not first_party_claude(first_party_body(system=[{"type": "text", "text": "hi"},
+                                                           {"type": "text", "text": BILLING}]), "api.anthropic.com")
+    assert not first_party_claude(b'{"system": [', "api.anthropic.com")
+
+
+def test_fold_keeps_the_billing_block_first_and_byte_exact(bili):
+    raw = first_party_body()
+    f = anthropic_flow(raw)
+    bili.request(f)
+    sent = f.request.content
+    assert sent != raw  # folded: tags and the prompt went in
+    block = json.dumps({"type": "text", "text": BILLING}, separators=(",", ":")).encode()
+    assert _raw_system(raw).startswith(block) and _raw_system(sent).startswith(block)
+    system = json.loads(sent)["system"]
+    assert system[0] == {"type": "text", "text": BILLING}
+    assert system[1] == json.loads(raw)["system"][1]
+    assert len(system) == 3 and "Context folding" in system[2]["text"]  # our prompt goes last
+    assert f.request.headers["accept-encoding"] == "identity"
+    assert f.metadata["bili"].rewriter.rewrite is True
+
+
+def test_observe_leaves_first_party_bodies_alone(bili):
+    bili.tctx.configure(bili, bili_first_party="observe")
+    raw = first_party_body()
+    f = anthropic_flow(raw)
+    bili.request(f)
+    assert f.request.raw_content == raw
+    assert f.request.headers["accept-encoding"] == "gzip, br"
+    assert f.metadata["bili"].rewriter.rewrite is False  # answers pass unchanged too
+    assert [(s["id"], s["refs"]) for s in bili.stats()["sessions"]] == [("fp-session-1", 1)]  # still recorded
+    # a gateway, or a body without the billing block, is folded as usual
+    other = anthropic_flow(raw, host="gateway.corp.example")
+    bili.request(other)
+    assert other.request.content != raw
+    plain = first_party_body(system=[{"type": "text", "text": "You are a Claude agent."}])
+    f2 = anthropic_flow(plain)
+    bili.request(f2)
+    assert f2.request.content != plain
+
+
+# -- fake agents through the real launcher ----------------------------------------------------------------
+FAKE_AGENT = r'''#!{python}
+import json, os, signal, sys, time, urllib.request
+out = os.environ["FAKE_AGENT_OUT"]
+mode = os.environ.get("FAKE_AGENT_MODE", "exit")
+rec = {{"pid": os.getpid(), "pgid": os.getpgrp(), "argv": sys.argv[1:], "signals": [],
+       "env": {{k: os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE",
+                                              "REQUESTS_CA_BUNDLE", "PI_PROXY", "BILI_PROXY", "HTTP_PROXY")}}}}
+def write():
+    with open(out + ".tmp", "w") as f:
+        json.dump(rec, f)
+    os.replace(out + ".tmp", out)
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({{"http": os.environ["HTTPS_PROXY"]}}))
+try:
+    rec["health"] = json.load(opener.open("http://bili.proxy/__bili/health", timeout=10))
+except Exception as e:
+    rec["health"] = str(e)
+def on(sig, frame):
+    rec["signals"].append(sig)
+    write()
+    sys.exit(40 + sig)
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, on)
+write()
+if mode == "wait":
+    while True:
+        time.sleep(0.05)
+if mode == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(int(os.environ.get("FAKE_AGENT_CODE", "0")))
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(cond, timeout: float = 30, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Lab:
+    """A temporary HOME with fake agents on PATH, and launcher runs in it."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.home = tmp / "home"
+        self.project = self.home / "src" / "proj"
+        self.project.mkdir(parents=True)
+        self.bin = tmp / "bin"
+        self.bin.mkdir()
+        for a in AGENTS.values():
+            p = self.bin / a.binary
+            p.write_text(FAKE_AGENT.format(python=sys.executable))
+            p.chmod(0o755)
+        self.confdir = tmp / "ca"
+        self.procs: list[subprocess.Popen] = []
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items()
+               if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy", "xdg_runtime_dir")
+               and not k.startswith(("BILI_", "XDG_")) and k != "NODE_EXTRA_CA_CERTS"}
+        env.update(HOME=str(self.home), PATH=f"{self.bin}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}"
+                   f"{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1")
+        env.update(extra)
+        return env
+
+    def out(self, tag: str) -> Path:
+        return self.tmp / f"agent-{tag}.json"
+
+    def launch(self, agent: str, port: int, tag: str, mode: str = "exit", code: int = 0, args=(), launcher=(),
+               **env) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "bili_addon.cli", agent, "-v", "--port", str(port), "--confdir",
+               str(self.confdir), "--data-dir", str(self.tmp / "data"), *launcher, "--", *args]
+        p = subprocess.Popen(cmd, cwd=self.project, env=self.env(FAKE_AGENT_OUT=str(self.out(tag)),
+                                                                 FAKE_AGENT_MODE=mode, FAKE_AGENT_CODE=str(code), **env),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True, text=True)
+        self.procs.append(p)
+        return p
+
+    def record(self, tag: str, timeout: float = 30) -> dict:
+        path = self.out(tag)
+        wait_for(path.exists, timeout, f"the fake agent {tag}")
+        return json.loads(path.read_text())
+
+    def owner_pid(self, port: int) -> int | None:
+        p = launch.state_dir(self.env()) / f"proxy-{port}.json"
+        return json.loads(p.read_text())["pid"] if p.exists() else None
+
+    def cleanup(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            for f in launch.state_dir(self.env()).glob("proxy-*.json"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(json.loads(f.read_text())["pid"], signal.SIGKILL)
+
+
+@pytest.fixture
+def lab(tmp_path):
+    lb = Lab(tmp_path)
+    yield lb
+    lb.cleanup()
+
+
+def finish(p: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def started_pid(stderr: str) -> int:
+    m = re.search(r"started the proxy on \S+ \(pid (\d+)", stderr)
+    assert m, stderr
+    return int(m.group(1))
+
+
+@pytest.mark.e2e
+def test_exit_code_environment_and_cleanup(lab):
+    port = free_port()
+    rc, out, err = finish(lab.launch("codex", port, "a", code=7, args=["exec", "--flag", "x y"]))
+    assert rc == 7, err
+    rec = lab.record("a")
+    assert rec["argv"] == ["exec", "--flag", "x y"]
+    assert rec["health"]["ok"] is True  # the proxy answered through HTTPS_PROXY's address
+    env = rec["env"]
+    assert env["HTTPS_PROXY"] == env["https_proxy"] == env["BILI_PROXY"] == f"http://127.0.0.1:{port}"
+    assert env["SSL_CERT_FILE"] == env["REQUESTS_CA_BUNDLE"] == str(lab.confdir.resolve() / "combined-ca.pem")
+    assert env["HTTP_PROXY"] is None
+    proxy = started_pid(err)
+    assert f"running {lab.bin / 'codex'} (pid {rec['pid']})" in err
+    assert "codex exited with code 7" in err and f"stopped the proxy (pid {proxy})" in err
+    assert not alive(proxy) and not alive(rec["pid"])
+    assert lab.owner_pid(port) is None
+    assert launch.probe(port).kind == "free"  # nothing listens there any more
+
+
+@pytest.mark.e2e
+def test_signals_reach_the_agent_and_its_code_comes_back(lab):
+    port = free_port()
+    p = lab.launch("omp", port, "t", mode="wait")
+    rec = lab.record("t")
+    assert rec["env"]["PI_PROXY"] == f"http://127.0.0.1:{port}"
+    assert rec["env"]["NODE_EXTRA_CA_CERTS"] == str(lab.confdir.resolve() / "mitmproxy-ca-cert.pem")
+    proxy = lab.owner_pid(port)
+    assert proxy and alive(proxy)
+    os.kill(p.pid, signal.SIGTERM)  # the launcher only, as a service manager would
+    rc, _, err = finish(p)
+    assert rc == 40 + signal.SIGTERM, err
+    assert json.loads(lab.out("t").read_text())["signals"] == [signal.SIGTERM]
+    assert not alive(proxy) and not alive(rec["pid"])
+
+    p = lab.launch("pi", port, "i", mode="wait")
+    rec = lab.record("i")
+    os.kill(p.pid, signal.SIGINT)  # no terminal: the launcher forwards it
+    rc, _, err = finish(p)
+    assert rc == 40 + signal.SIGINT, err
+    assert not alive(rec["pid"])
+
+
+@pytest.mark.e2e
+def test_an_agent_killed_by_a_signal_kills_the_launcher_the_same_way(lab):
+    port = free_port()
+    rc, _, err = finish(lab.launch("hermes", port, "k", mode="die"))
+    assert rc == -signal.SIGKILL, err
+    assert "stopped the proxy" in err
+    assert not alive(started_pid(err))
+
+
+@pytest.mark.e2e
+def test_launchers_share_a_proxy_and_the_last_one_stops_it(lab):
+    port = free_port()
+    first = lab.launch("claude", port, "first", mode="wait")
+    lab.record("first")
+    proxy = lab.owner_pid(port)
+    assert proxy and alive(proxy)
+
+    rc, _, err = finish(lab.launch("opencode", port, "second", code=3))
+    assert rc == 3, err
+    assert "re-using the bili proxy" in err and "started the proxy" not in err
+    assert alive(proxy), "the second launcher stopped a proxy the first one still uses"
+    assert lab.record("second")["health"]["ok"] is True
+
+    os.kill(first.pid, signal.SIGTERM)
+    rc, _, err = finish(first)
+    assert rc == 40 + signal.SIGTERM
+    assert f"stopped the proxy (pid {proxy})" in err
+    assert not alive(proxy)
+
+
+@pytest.mark.e2e
+def test_a_proxy_started_by_bili_run_is_reused_and_left_running(lab):
+    port = free_port()
+    run = subprocess.Popen([sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir",
+                            str(lab.confdir), "--data-dir", str(lab.tmp / "data"), "--quiet"],
+                           env=lab.env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    lab.procs.append(run)
+    wait_for(lambda: launch.probe(port).kind == "bili", 30, "bili run")
+    rc, _, err = finish(lab.launch("claude", port, "r"))
+    assert rc == 0, err
+    assert "re-using the bili proxy" in err and "stopped the proxy" not in err
+    assert run.poll() is None and launch.probe(port).kind == "bili"
+    assert lab.record("r")["health"]["ok"] is True
+
+
+@pytest.mark.e2e
+def test_a_port_held_by_something_else_is_an_error(lab):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+
+    def answer():
+        with contextlib.suppress(OSError):
+            while True:
+                c, _ = srv.accept()
+                c.recv(4096)
+                c.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\nconnection: close\r\n\r\nno")
+                c.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        rc, _, err = finish(lab.launch("claude", port, "x"))
+    finally:
+        srv.close()
+    assert rc == 1 and "is in use by something that is not a bili proxy" in err
+    assert not lab.out("x").exists()
+
+
+def test_a_missing_agent_is_exit_127(lab, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("HOME", str(lab.home))
+    args = cli.build_parser().parse_args(["claude", "--port", str(free_port()), "--confdir", str(lab.confdir)])
+    args.extra = []
+    assert launch.launch(AGENTS["claude"], args) == 127
+    assert "npm install -g @anthropic-ai/claude-code" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_configuration_files_are_never_written(lab):
+    files = sample_configs(lab.home, lab.project)
+    for f in files:
+        os.utime(f, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    before = {str(f): (f.read_bytes(), f.stat().st_mtime_ns, f.stat().st_mode) for f in files}
+    listing = sorted(str(p) for p in lab.home.rglob("*"))
+    port = free_port()
+    holder = lab.launch("claude", port, "holder", mode="wait", OC_GATEWAY="https://oc-gw.corp.example")
+    lab.record("holder")
+    for name in AGENTS:  # the holder started the proxy, these re-use it
+        rc, _, err = finish(lab.launch(name, port, name, code=0, OC_GATEWAY="https://oc-gw.corp.example"))
+        assert rc == 0, err
+    os.kill(holder.pid, signal.SIGTERM)
+    assert finish(holder)[0] == 40 + signal.SIGTERM
+    rc, _, err = finish(lab.launch("codex", port, "dry", launcher=["--dry-run"]))
+    assert rc == 0, err
+    r = subprocess.run([sys.executable, "-m", "bili_addon.cli", "doctor", "--port", str(port), "--confdir",
+                        str(lab.confdir)], env=lab.env(), cwd=lab.project, capture_output=True, text=True, timeout=60)
+    assert r.returncode in (0, 1), r.stderr
+    after = {str(f): (f.read_bytes(), f.stat().st_mtime_ns, f.stat().st_mode) for f in files}
+    assert after == before
+    # nothing new next to them either (the launcher's own state lives under ~/.local/share/bili-addon)
+    new = [p for p in sorted(str(p) for p in lab.home.rglob("*")) if p not in listing]
+    state = str(lab.home / ".local" / "share" / "bili-addon")
+    assert all(p.startswith(state) or state.startswith(p + "/") for p in new), new
+
+
+# -- bili doctor -------------------------------------------------------------------------------------------
+def test_doctor_reports_ca_port_store_and_agents(lab):
+    pkg = lab.tmp / "node_modules" / "@anthropic-ai" / "claude-code"
+    _write(pkg / "package.json", json.dumps({"name": "@anthropic-ai/claude-code", "version": "2.1.197"}))
+    real = _write(pkg / "bin" / "claude.exe", "#!/bin/sh\nexit 0\n")
+    real.chmod(0o755)
+    (lab.bin / "claude").unlink()
+    (lab.bin / "claude").symlink_to(real)
+    env = lab.env()
+    port = free_port()
+    cmd = [sys.executable, "-m", "bili_addon.cli", "doctor", "--port", str(port), "--confdir", str(lab.confdir),
+           "--data-dir", str(lab.tmp / "data"), "--json"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    doc = json.loads(r.stdout)
+    checks = {c["name"]: c for c in doc["checks"]}
+    assert r.returncode == 1 and doc["ok"] is False and not checks["CA"]["ok"]  # no CA yet
+    assert "bili ca" in checks["CA"]["detail"]
+    ensure_ca(lab.confdir)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    doc = json.loads(r.stdout)
+    checks = {c["name"]: c for c in doc["checks"]}
+    assert r.returncode == 0 and doc["ok"] is True, r.stdout
+    assert checks["CA"]["ok"] and "key mode 600" in checks["CA"]["detail"]
+    assert checks["port"]["ok"] and "is free" in checks["port"]["detail"]
+    assert checks["store"]["ok"] and "not created yet" in checks["store"]["detail"]
+    assert "Claude Code 2.1.197 at" in checks["agent claude"]["detail"]
+    assert all(f"agent {n}" in checks for n in AGENTS)
+    text = subprocess.run(cmd[:-1], env=env, capture_output=True, text=True, timeout=60).stdout
+    assert "all required checks passed" in text and re.search(r"^ok\s+CA\s", text, re.M)
+
+
+# -- bili run as the system proxy ---------------------------------------------------------------------------
+class _Recorder(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    seen: list = []
+
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        type(self).seen.append((self.headers.get("host"), self.path, body))
+        reply = json.dumps({"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+                            "content": [{"type": "text", "text": "hello"}], "stop_reason": "end_turn",
+                            "usage": {"input_tokens": 3, "output_tokens": 1}}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+
+def _tls_server(tmp: Path):
+    """A TLS server on loopback with its own self-signed certificate (a host bili must tunnel)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tunnel-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    (tmp / "tunnel.pem").write_bytes(cert_pem)
+    (tmp / "tunnel.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tmp / "tunnel.pem", tmp / "tunnel.key")
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def serve():
+        with contextlib.suppress(OSError):
+            while True:
+                c, _ = srv.accept()
+                try:
+                    with ctx.wrap_socket(c, server_side=True) as t:
+                        t.recv(4096)
+                        t.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\nconnection: close\r\n\r\ntunnelled")
+                except (OSError, ssl.SSLError):
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, tmp / "tunnel.pem"
+
+
+def _via_proxy(proxy_port: int, host: str, port: int, cafile: Path, path: str = "/", body: bytes | None = None):
+    import http.client
+
+    ctx = ssl.create_default_context(cafile=str(cafile))
+    conn = http.client.HTTPSConnection("127.0.0.1", proxy_port, timeout=20, context=ctx)
+    conn.set_tunnel(host, port)
+    try:
+        conn.request("POST" if body is not None else "GET", path, body=body,
+                     headers={"content-type": "application/json", "x-claude-code-session-id": "sys-proxy-1"})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.e2e
+def test_bili_run_as_a_system_proxy_intercepts_only_model_hosts(lab):
+    _write(lab.home / ".codex" / "config.toml", '[model_providers.corp]\nbase_url = "https://codex-gw.corp.example/v1"\n')
+    _Recorder.seen = []
+    fake = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    tls, tls_cert = _tls_server(lab.tmp)
+    port = free_port()
+    log = lab.tmp / "run.log"
+    with open(log, "w") as out:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir", str(lab.confdir),
+             "--data-dir", str(lab.tmp / "data"), "--", "-s", str(ROUTE_ADDON), "--set",
+             f"test_route=127.0.0.1:{fake.server_address[1]}", "--set", "connection_strategy=lazy"],
+            env=lab.env(), cwd=lab.project, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    lab.procs.append(run)
+    try:
+        wait_for(lambda: launch.probe(port).kind == "bili", 30, "bili run")
+        text = log.read_text()
+        line = next(ln for ln in text.splitlines() if ln.startswith("TLS is decrypted for"))
+        assert "api.anthropic.com" in line and "api.openai.com" in line
+        assert "codex-gw.corp.example" in line  # read from the codex configuration
+        assert "--set allow_hosts=" not in text  # (the instructions are human text, not the command)
+
+        ca = lab.confdir / "mitmproxy-ca-cert.pem"
+        body = json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi there"}]}).encode()
+        status, reply = _via_proxy(port, "api.anthropic.com", 443, ca, "/v1/messages", body)
+        assert status == 200 and json.loads(reply)["content"][0]["text"] == "hello"
+        host, path, upstream = _Recorder.seen[-1]
+        assert host == "api.anthropic.com" and path == "/v1/messages"
+        assert json.loads(upstream)["messages"][0]["content"].startswith("<acp ")  # the addon saw it
+
+        # any other host is tunnelled: the client talks TLS with the server itself, not with bili
+        status, reply = _via_proxy(port, "127.0.0.1", tls.getsockname()[1], tls_cert)
+        assert (status, reply) == (200, b"tunnelled")
+        with pytest.raises(ssl.SSLError):  # and bili's CA is not what that server shows
+            _via_proxy(port, "127.0.0.1", tls.getsockname()[1], ca)
+        assert len(_Recorder.seen) == 1
+    finally:
+        os.killpg(run.pid, signal.SIGTERM)
+        run.wait(15)
+        tls.close()
+        fake.shutdown()
+
+
+def test_bili_run_intercept_options_build_the_allow_list(tmp_path, monkeypatch):
+    seen: list[list[str]] = []
+
+    def fake_exec(file, argv):
+        seen.append(list(argv))
+        raise OSError("not really")
+
+    monkeypatch.setattr(os, "execvp", fake_exec)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    base = ["run", "--quiet", "--confdir", str(tmp_path / "ca")]
+    cli.main(base + ["--intercept-host", "llm.corp.example:8443", "--first-party", "observe"])
+    argv = seen[-1]
+    allow = next(a for a in argv if a.startswith("allow_hosts="))[len("allow_hosts="):]
+    assert re.search(allow, "llm.corp.example:8443") and re.search(allow, "api.anthropic.com:443")
+    assert not re.search(allow, "github.com:443")
+    assert "bili_first_party=observe" in argv
+    cli.main(base + ["--intercept", "all"])
+    assert not any(a.startswith("allow_hosts=") for a in seen[-1])
+    cli.main(base + ["--mode", "reverse:https://api.anthropic.com"])
+    assert not any(a.startswith("allow_hosts=") for a in seen[-1])  # a reverse proxy has one upstream
+    cli.main(base + ["--mode", "regular", "--mode", "reverse:http://127.0.0.1:9@8788"])
+    allow = next(a for a in seen[-1] if a.startswith("allow_hosts="))[len("allow_hosts="):]
+    assert re.search(allow, "127.0.0.1:9") and re.search(allow, "api.openai.com:443")
+
+
+def test_agent_version_from_npm_and_python_packages(tmp_path):
+    pkg = tmp_path / "node_modules" / "@openai" / "codex"
+    _write(pkg / "package.json", json.dumps({"name": "@openai/codex", "version": "0.171.0"}))
+    js = _write(pkg / "bin" / "codex.js", "#!/usr/bin/env node\n")
+    (tmp_path / "codex").symlink_to(js)
+    assert launch.agent_version(str(tmp_path / "codex")) == "0.171.0"
+    venv = tmp_path / "venv"
+    (venv / "lib" / "python3.12" / "site-packages" / "hermes_agent-0.19.0.dist-info").mkdir(parents=True)
+    (venv / "lib" / "python3.12" / "site-packages" / "httpx-0.28.1.dist-info").mkdir()
+    script = _write(venv / "bin" / "hermes", f"#!{venv}/bin/python\nfrom hermes_cli.main import main\n")
+    assert launch.agent_version(str(script)) == "0.19.0"
+    assert launch.agent_version(str(_write(tmp_path / "plain", "#!/bin/sh\n"))) == "unknown version"

@@ -1,0 +1,169 @@
+"""``bili replay``: captured flows through the addon's kernel, offline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mitmproxy import http, io
+from mitmproxy.test import tflow, tutils
+
+from bili_addon import cli, replay
+
+CAPTURES = (Path(__file__).resolve().parents[1] / ".." / "shared" / "captures").resolve()
+needs_captures = pytest.mark.skipif(not CAPTURES.is_dir(), reason=f"no captured flows at {CAPTURES}")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@needs_captures
+def test_replay_over_every_capture_prints_a_table_per_file():
+    r = run_cli(str(CAPTURES))
+    assert r.returncode == 0, r.stderr
+    files = sorted(CAPTURES.rglob("*.mitm"))
+    assert len(files) >= 20
+    for f in files:
+        assert f"{f}: " in r.stdout, f
+    assert r.stdout.count("turn  lane") >= len(files)
+    assert "error:" not in r.stdout
+    header = next(line for line in r.stdout.splitlines() if "turn  lane" in line).split()
+    assert header[:4] == ["turn", "lane", "via", "msgs"] and "~tokens" in header
+
+
+@needs_captures
+def test_replay_json_per_session_and_turn():
+    r = run_cli("--json", str(CAPTURES))
+    assert r.returncode == 0, r.stderr
+    docs = {Path(d["path"]).parent.name: d for d in json.loads(r.stdout)}
+    for name, d in docs.items():
+        assert not d["errors"], (name, d["errors"])
+        assert d["turns"], name
+        for t in d["turns"]:
+            assert t["tokens_in"] == t["bytes_in"] // 4 and t["tokens_out"] == t["bytes_out"] // 4
+    # Claude Code's first-party host: every request carries the billing block, kept first and exact
+    fp = docs["claude_fwd"]["turns"]
+    assert [t["turn"] for t in fp] == [1, 2, 3] and len({t["session"] for t in fp}) == 1
+    assert all(t["first_party"] and t["first_block_kept"] and t["changed"] for t in fp)
+    assert not any(t["first_party"] for t in docs["claude_rev"]["turns"])  # a custom base URL is not first-party
+    # codex's WebSocket frames are replayed, and flagged: live, fold mode refuses the upgrade
+    assert {t["via"] for t in docs["codex_fwd"]["turns"]} == {"ws"}
+    assert {t["via"] for t in docs["codex_fwd_blk"]["turns"]} == {"http"}
+    # the unknown-tool runs: the recorded answer calls compress, the next request runs it
+    for name in ("omp_unk", "hermes_unk"):
+        turns = docs[name]["turns"]
+        assert any("compress" in t["called"] for t in turns), name
+        assert any(t["executed"] == ["compress"] for t in turns), name
+    # turn N+1 of a session knows the refs of turn N
+    t1, t2 = docs["codex_rev"]["turns"]
+    assert t1["refs_new"] > 0 and t2["refs_known"] >= t1["refs_new"] and t2["turn"] == 2
+
+
+@needs_captures
+def test_replayed_bodies_show_the_real_tool_result(tmp_path):
+    path = CAPTURES / "omp" / "omp_unk" / "flows.mitm"
+    rep = replay.replay_file(path)
+    ran = [t for t in rep.turns if t.executed == ["compress"]]
+    assert ran
+    for t in ran:
+        body = t.body.decode()
+        assert "Tool compress not found" not in body  # the agent's error, replaced upstream
+        assert "not compressed" in body or "Compressed " in body
+    # deterministic: the same bytes on every replay (usable as a regression fixture)
+    assert [t.body for t in replay.replay_file(path).turns] == [t.body for t in rep.turns]
+
+
+@needs_captures
+def test_first_party_observe_leaves_bodies_unchanged(tmp_path):
+    rep = replay.replay_file(CAPTURES / "claude-code" / "claude_fwd" / "flows.mitm", first_party="observe")
+    assert rep.turns and all(not t.changed and t.bytes_in == t.bytes_out for t in rep.turns)
+    rev = replay.replay_file(CAPTURES / "claude-code" / "claude_rev" / "flows.mitm", first_party="observe")
+    assert all(t.changed for t in rev.turns)  # only first-party traffic is left alone
+
+
+@needs_captures
+def test_bodies_are_written_for_bug_reports(tmp_path):
+    r = run_cli("--bodies", str(tmp_path / "out"), str(CAPTURES / "codex" / "codex_rev" / "flows.mitm"))
+    assert r.returncode == 0, r.stderr
+    written = sorted((tmp_path / "out").iterdir())
+    assert len(written) == 2
+    assert all(json.loads(p.read_bytes())["model"] for p in written)
+
+
+# -- a synthetic capture: a fold made and carried ------------------------------------------------------
+def _filler(tag: str) -> str:
+    return f"{tag}: " + " ".join(f"{tag}-row-{i}" for i in range(400))
+
+
+def _conversation(turns: int) -> list[dict]:
+    msgs: list[dict] = [{"role": "user", "content": "Please audit the repository."}]
+    for t in range(turns):
+        msgs.append({"role": "assistant", "content": [
+            {"type": "text", "text": f"Step {t}: reading module {t}."},
+            {"type": "tool_use", "id": f"toolu_{t}", "name": "Bash", "input": {"cmd": f"cat mod{t}.py"}}]})
+        msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{t}",
+                                                  "content": _filler(f"file-{t}")}]})
+    return msgs
+
+
+def _flow(msgs: list[dict], answer: dict) -> http.HTTPFlow:
+    body = json.dumps({"model": "claude-x", "max_tokens": 100, "system": "You are an agent.",
+                       "tools": [{"name": "Bash", "description": "run", "input_schema": {"type": "object"}}],
+                       "messages": msgs}).encode()
+    req = tutils.treq(method=b"POST", path=b"/v1/messages", host="api.anthropic.com", port=443, scheme=b"https",
+                      headers=http.Headers(host="api.anthropic.com", content_type="application/json",
+                                           x_acp_session="replay-fold"), content=body)
+    resp = tutils.tresp(status_code=200, headers=http.Headers(content_type="application/json"),
+                        content=json.dumps(answer).encode())
+    return tflow.tflow(req=req, resp=resp)
+
+
+def _answer(content: list[dict]) -> dict:
+    return {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": content,
+            "stop_reason": "tool_use", "usage": {"input_tokens": 1000, "output_tokens": 5}}
+
+
+def test_a_recorded_compress_call_folds_the_next_request(tmp_path):
+    msgs = _conversation(8)
+    # refs as the kernel assigns them: m00001 the question, then per step its prose, call and result
+    args = {"content": [{"startId": "m00002", "endId": "m00008", "topic": "modules 0-2",
+                         "summary": "Modules 0 to 2 were read; nothing unusual, mod1.py holds the parser."}]}
+    call = {"type": "tool_use", "id": "toolu_c1", "name": "compress", "input": args}
+    after = msgs + [{"role": "assistant", "content": [call]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_c1", "is_error": True,
+                                                  "content": "Error: No such tool available: compress"}]}]
+    path = tmp_path / "flows.mitm"
+    with open(path, "wb") as f:
+        w = io.FlowWriter(f)
+        w.add(_flow(msgs, _answer([call])))
+        w.add(_flow(after, _answer([{"type": "text", "text": "Done."}])))
+    rep = replay.replay_file(path)
+    first, second = rep.turns
+    assert first.called == ["compress"] and first.blocks == 0
+    assert second.executed == ["compress"] and second.blocks == 1 and second.folded > 0
+    assert second.bytes_out < second.bytes_in  # the fold made the request smaller
+    sent = json.loads(second.body)
+    assert "No such tool" not in json.dumps(sent) and "[Compressed conversation section b1" in json.dumps(sent)
+    assert "file-1-row-3" not in json.dumps(sent)
+    rows = [ln.split() for ln in replay.table(rep) if ln.startswith("    2 ")]
+    assert len(rows) == 1 and rows[0][:3] == ["2", "anthropic", "http"]
+    assert rows[0][7:10] == ["1", str(second.folded), "compress"]  # blocks, folded, ran
+    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", str(path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "(answer calls compress)" in out.stdout
+
+
+def test_unreadable_input_is_an_error(tmp_path, capsys):
+    bad = tmp_path / "bad.mitm"
+    bad.write_bytes(b"this is not a flow file")
+    args = cli.build_parser().parse_args(["replay", str(bad)])
+    assert replay.run(args) == 1
+    assert "cannot read" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert replay.run(cli.build_parser().parse_args(["replay", str(empty)])) == 1
