@@ -46,11 +46,12 @@ class Block:
     folded_tokens: int = 0
     active: bool = True
     created: float = field(default_factory=time.time)
-    claimed: list[str] = field(default_factory=list)  # refs re-anchored onto its range after churn
+    # covered ref -> the ref its message has now, where churn re-minted it and the claim was verified
+    claimed: dict[str, str] = field(default_factory=dict)
 
     @property
     def coverage(self) -> list[str]:
-        return self.covered + self.claimed if self.claimed else self.covered
+        return self.covered + list(self.claimed.values()) if self.claimed else self.covered
 
     @property
     def number(self) -> int:

@@ -111,6 +111,7 @@ class Outcome:
     claims: dict[str, str] = field(default_factory=dict)  # old covered ref -> new ref
     by: Counter = field(default_factory=Counter)  # how each claim was made
     missing: int = 0
+    covered: int = 0  # covered messages of the active blocks
     unmatched: list[str] = field(default_factory=list)
     suspects: int = 0
     verdict: str = ""  # "", "transformed", "truncated", "drift", "collapse", "recovered"
@@ -132,8 +133,16 @@ def reconcile(view: View, blocks: list[Block], copy: Copy, originals, fresh: set
     if copy.truncated:  # what the host truncated and now sends again is simply present
         copy.truncated = [r for r in copy.truncated if r not in present]
     gone = set(copy.truncated)
-    missing = [r for r in cov if r not in present and r not in gone]
-    out = Outcome(missing=len(missing))
+    # the ref a covered message has now: itself, or what an earlier verified claim moved it to
+    now_of: dict[str, str] = {}
+    for b in blocks:
+        if b.active:
+            now_of.update(b.claimed)
+    orig_of = {new: old for old, new in now_of.items()}
+    missing = [r for b in blocks if b.active for r in b.covered
+               if r not in present and now_of.get(r) not in present and r not in gone]
+    missing = list(dict.fromkeys(missing))
+    out = Outcome(missing=len(missing), covered=len({r for b in blocks if b.active for r in b.covered}))
     if not missing:
         return out
     missing_set = set(missing)
@@ -156,14 +165,14 @@ def reconcile(view: View, blocks: list[Block], copy: Copy, originals, fresh: set
         # pass 0, head first: aligned positions whose fingerprints match, until the first mismatch
         i = prefix
         while i < min(len(old_refs), len(new_refs)) and old_fps[i] == new_fps[i]:
-            o, n = old_refs[i], new_refs[i]
+            o, n = orig_of.get(old_refs[i], old_refs[i]), new_refs[i]
             if o in missing_set and o != n and free(n):
                 claim(o, n, "position")
             i += 1
         # ... and tail first
         j = 1
         while j <= min(len(old_refs), len(new_refs)) - prefix and old_fps[-j] == new_fps[-j]:
-            o, n = old_refs[-j], new_refs[-j]
+            o, n = orig_of.get(old_refs[-j], old_refs[-j]), new_refs[-j]
             if o in missing_set and o not in out.claims and o != n and free(n):
                 claim(o, n, "position")
             j += 1
@@ -188,11 +197,12 @@ def reconcile(view: View, blocks: list[Block], copy: Copy, originals, fresh: set
     # pass 2: the normalised identity, k-th to k-th, with a length guard
     by_norm: dict[str, list[PartView]] = defaultdict(list)
     for p in candidates:
-        by_norm[norm_identity(p)].append(p)
+        if p.ctype != IMAGE:
+            by_norm[norm_identity(p)].append(p)
     taken: Counter = Counter()
     for r in rest:
         a = anchors.get(r)
-        if a is None or r in out.claims:
+        if a is None or r in out.claims or a[2] == IMAGE:  # "[image]" says nothing of which image
             continue
         key = norm_identity(_anchor_part(a))
         group = [p for p in by_norm.get(key, []) if free(p.ref)]
@@ -203,17 +213,8 @@ def reconcile(view: View, blocks: list[Block], copy: Copy, originals, fresh: set
     _turn_pass(rest, anchors, candidates, free, claim, copy)
     _image_variant_pass(rest, anchors, candidates, free, claim)
 
+    _with_items(missing, anchors, out, copy, view, free, claim, now_of)
     unmatched = [r for r in missing if r not in out.claims]
-    # parts without text of their own (reasoning, images) whose item was re-anchored went with it:
-    # a model switch merges reasoning into the text and replaces images with placeholders
-    item_of = dict(zip(copy.refs, copy.items)) if len(copy.items) == len(copy.refs) else {}
-    claimed_items = {item_of.get(o) for o in out.claims} - {None}
-    for r in list(unmatched):
-        a = anchors.get(r)
-        if a is not None and a[2] in (REASONING, IMAGE) and item_of.get(r) in claimed_items:
-            out.claims[r] = out.claims[next(o for o in out.claims if item_of.get(o) == item_of.get(r))]
-            out.by["with its item"] += 1
-            unmatched.remove(r)
     # a covered call whose twin came back under another call id: named, never claimed (#2396)
     no_id = defaultdict(set)
     for p in candidates:
@@ -226,14 +227,47 @@ def reconcile(view: View, blocks: list[Block], copy: Copy, originals, fresh: set
             if twins - {a[4]}:
                 out.suspects += 1
 
-    if len(unmatched) >= SHAPE_MASS_MIN or (unmatched and len(unmatched) == len(cov)):
+    if len(unmatched) >= SHAPE_MASS_MIN or (unmatched and len(unmatched) == len(missing)):
         _shape_tier(unmatched, anchors, parts, free, claim, out, view)
+        _with_items(missing, anchors, out, copy, view, free, claim, now_of)
         unmatched = [r for r in missing if r not in out.claims]
     out.unmatched = unmatched
     return out
 
 
 PLACEHOLDER = "\n(image omitted: model does not support images)"
+
+
+def _with_items(missing, anchors, out: Outcome, copy: Copy, view: View, free, claim, now_of) -> None:
+    """Parts without words of their own (reasoning, images) follow their message: once a sibling
+    of the same old item was verified, they take the parts of their kind in the new item, in order,
+    or, where the new item has none (reasoning merged into the text, an image replaced by a
+    placeholder line), the sibling's claim: explained by the transformation."""
+    if len(copy.items) != len(copy.refs):
+        return
+    item_of = dict(zip(copy.refs, copy.items))
+    new_item = {p.ref: k for k, it in enumerate(view.items) for p in it.parts}
+
+    def old_item(r: str):
+        return item_of.get(now_of.get(r, r), item_of.get(r))
+
+    anchor_of_item: dict = defaultdict(list)
+    for o, n in out.claims.items():
+        anchor_of_item[old_item(o)].append(n)
+    for r in missing:
+        a = anchors.get(r)
+        if r in out.claims or a is None or a[2] not in (REASONING, IMAGE):
+            continue
+        targets = anchor_of_item.get(old_item(r))
+        if not targets:
+            continue
+        k = new_item.get(targets[0])
+        same = [p.ref for p in (view.items[k].parts if k is not None else []) if p.ctype == a[2] and free(p.ref)]
+        if same:
+            claim(r, same[0], "with its item")
+        else:
+            out.claims[r] = targets[0]
+            out.by["with its item"] += 1
 
 
 def _turn_pass(rest, anchors, candidates, free, claim, copy: Copy) -> None:
@@ -349,7 +383,7 @@ def verdict(out: Outcome, view: View, blocks: list[Block], copy: Copy, originals
     copy.streak += 1
     if not copy.witness:
         copy.witness = copy.fps[-64:]
-    total = not out.claims and (len(out.unmatched) >= COLLAPSE_MIN or len(out.unmatched) == len(cov))
+    total = not out.claims and (len(out.unmatched) >= COLLAPSE_MIN or len(out.unmatched) == out.covered)
     if total:
         out.verdict = "collapse"
         copy.latched = True

@@ -236,7 +236,7 @@ class Engine(ProxyTools):
         items_out = list(rendered)
         changed = changed_cum[-1] > 0 or stripped
         if snap:
-            changed |= self._snapshot_render(s, snap, items_out, start, view)
+            changed |= self._snapshot_render(s, snap, lane, raws, items_out, start, view)
         pre = self._strict_inserts(s, lane.name, infos, top, origin)
         changed |= self._assemble(s, lane, items_out, start, view, result, snoozed, pre)
         if self.inject:
@@ -432,8 +432,8 @@ class Engine(ProxyTools):
             owner = fold.coverage(s.blocks)
             for old, new in out.claims.items():
                 b = owner[old]
-                if new not in b.coverage:
-                    b.claimed.append(new)
+                if b.claimed.get(old) != new:
+                    b.claimed[old] = new
                     by_block.setdefault(b.id, []).append(new)
             self.save_blocks(s, [b for b in s.blocks if b.id in by_block])
         was_latched = s.copy.latched
@@ -557,22 +557,25 @@ class Engine(ProxyTools):
                 break
             j -= 1
         if j == 0:  # nothing links: this turn renders normally, and its items start the transcript anew
-            return (0, rows, items)
+            return (0, rows, items, items)
         joined = [
             ViewItem(it.index, [PartView(ref, p.role, p.ctype, p.tool_name, p.tool_call_id, p.text, p.tokens)
                                 for ref, p in zip(rows[k][1], it.parts)], it.sig)
             for k, it in enumerate(items[:j])
         ]
-        return (j, rows, joined + items[j:])
+        return (j, rows, joined + items[j:], items)
 
-    def _snapshot_render(self, s: Session, snap, items_out: list[bytes], start: int, view: View) -> bool:
-        """Rows up to the join are sent as the transcript has them; the transcript takes this
-        pass's tail as its new rows."""
-        j, rows, _items = snap
+    def _snapshot_render(self, s: Session, snap, lane: Lane, raws: list, items_out: list[bytes], start: int,
+                         view: View) -> bool:
+        """Rows up to the join are sent as the transcript has them, with the agent's current
+        transport hints (cache breakpoints move every turn); the transcript takes this pass's tail as
+        its new rows."""
+        j, rows, _joined, _client = snap
         changed = False
         for k in range(j):
-            if items_out[start + k] != rows[k][2]:
-                items_out[start + k] = rows[k][2]
+            row = lane.transplant_hints(rows[k][2], bytes(raws[start + k]))
+            if items_out[start + k] != row:
+                items_out[start + k] = row
                 changed = True
         tail = [(_sig(it), [p.ref for p in it.parts], items_out[it.index]) for it in view.items[j:]]
         self.store.save_transcript(s.row.id, j, tail)

@@ -19,6 +19,7 @@ from bili_addon.wire.base import (
     compact_json,
     decode_any,
     encode,
+    patch_many,
     tool_names,
 )
 from bili_addon.wire.media import payload_of_source
@@ -75,6 +76,23 @@ class AnthropicLane:
             body.top["system"] = new
             changed = True
         return changed
+
+    @staticmethod
+    def transplant_hints(row: bytes, client: bytes) -> bytes:
+        """A stored rendering of a message with the agent's *current* ``cache_control`` breakpoints
+        (the agent moves them every turn; old ones must not pile up past the provider's limit)."""
+        if b'"cache_control"' not in row and b'"cache_control"' not in client:
+            return row
+        now = {j: b["cache_control"] for j, b in enumerate(_blocks(decode_any(client))) if "cache_control" in b}
+        blocks = _blocks(decode_any(row))
+        edits = []
+        for j, block in enumerate(blocks):
+            if j in now:
+                if block.get("cache_control") != now[j]:
+                    edits.append((("content", j, "cache_control"), now[j]))
+            elif "cache_control" in block:
+                edits.append((("content", j, "cache_control"), DELETE))
+        return patch_many(row, edits) if edits else row
 
     @staticmethod
     def result_edits(obj: Any, call_id: str, text: str) -> list:

@@ -86,6 +86,10 @@ class ChatLane:
         return True
 
     @staticmethod
+    def transplant_hints(row: bytes, client: bytes) -> bytes:
+        return row
+
+    @staticmethod
     def result_edits(obj: Any, call_id: str, text: str) -> list:
         if isinstance(obj, dict) and obj.get("role") == "tool" and obj.get("tool_call_id") == call_id:
             return [] if obj.get("content") == text else [(("content",), text)]

@@ -82,6 +82,10 @@ class GeminiLane:
         return True
 
     @staticmethod
+    def transplant_hints(row: bytes, client: bytes) -> bytes:
+        return row
+
+    @staticmethod
     def result_edits(obj: Any, call_id: str, text: str) -> list:
         edits: list = []
         for j, part in enumerate(_parts(obj)):

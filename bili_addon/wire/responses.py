@@ -103,6 +103,10 @@ class ResponsesLane:
         return changed
 
     @staticmethod
+    def transplant_hints(row: bytes, client: bytes) -> bytes:
+        return row
+
+    @staticmethod
     def result_edits(obj: Any, call_id: str, text: str) -> list:
         if (
             isinstance(obj, dict)
