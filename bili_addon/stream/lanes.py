@@ -139,6 +139,25 @@ class LaneResponse:
             self.rest = rest
         return out
 
+    def _prose_spots(self, ev: Event, spots: list[tuple[Any, Slot]], finishing: list) -> list:
+        """One event with prose in ``spots`` (block key, where the text is), some blocks finishing.
+        A single spot may be held back; several in one event (n > 1 choices) are filtered whole."""
+        if len(spots) == 1:
+            out = self._prose(spots[0][0], ev, spots[0][1])
+        elif spots:
+            changed = False
+            for key, slot in spots:
+                b = self.blocks.setdefault(key, _Block())
+                text = slot.get()
+                t = b.filter.feed(text) + b.filter.flush()
+                if t != text:
+                    slot.set(t)
+                    changed = True
+            out = [ev if changed else KEEP]
+        else:
+            out = [KEEP]
+        return self._close_around(finishing, ev, out) if finishing else out
+
     def _close_around(self, keys: list, ev: Event, out: list) -> list:
         """Close blocks at a finishing event: older held events go first, this one last."""
         closes = [e for k in keys for e in self._close(k)]
@@ -257,7 +276,6 @@ class ChatResponse(LaneResponse):
         choices = ev.get("choices")
         if not isinstance(choices, list):
             return [KEEP]
-        out: list = []
         finishing: list = []
         text_choices = []
         for ci, ch in enumerate(choices):
@@ -275,21 +293,8 @@ class ChatResponse(LaneResponse):
                 text_choices.append(ci)
             if ch.get("finish_reason"):
                 finishing.append(ch.get("index", ci))
-        if len(text_choices) == 1:
-            ci = text_choices[0]
-            out = self._prose(choices[ci].get("index", ci), ev, Slot(choices[ci]["delta"], "content"))
-        elif text_choices:  # several choices in one chunk (n > 1): filter each, no holding
-            changed = False
-            for ci in text_choices:
-                d = choices[ci]["delta"]
-                b = self.blocks.setdefault(choices[ci].get("index", ci), _Block())
-                t = b.filter.feed(d["content"]) + b.filter.flush()
-                changed |= t != d["content"]
-                d["content"] = t
-            out = [ev if changed else KEEP]
-        else:
-            out = [KEEP]
-        return self._close_around(finishing, ev, out) if finishing else out
+        spots = [(choices[ci].get("index", ci), Slot(choices[ci]["delta"], "content")) for ci in text_choices]
+        return self._prose_spots(ev, spots, finishing)
 
     def body(self, obj: Any) -> bool:
         if not isinstance(obj, dict):
@@ -430,22 +435,10 @@ class GeminiResponse(LaneResponse):
                 self._note_call(p)
             if isinstance(c, dict) and c.get("finishReason"):
                 finishing.append(c.get("index", ci))
-        if len(spots) == 1:
-            ci, pi = spots[0]
-            part = cands[ci]["content"]["parts"][pi]
-            out = self._prose(cands[ci].get("index", ci), ev, Slot(part, "text"))
-        elif spots:
-            changed = False
-            for ci, pi in spots:
-                p = cands[ci]["content"]["parts"][pi]
-                b = self.blocks.setdefault(cands[ci].get("index", ci), _Block())
-                t = b.filter.feed(p["text"]) + b.filter.flush()
-                changed |= t != p["text"]
-                p["text"] = t
-            out = [ev if changed else KEEP]
-        else:
-            out = [KEEP]
-        return self._close_around(finishing, ev, out) if finishing else out
+        return self._prose_spots(
+            ev, [(cands[ci].get("index", ci), Slot(cands[ci]["content"]["parts"][pi], "text")) for ci, pi in spots],
+            finishing,
+        )
 
     def body(self, obj: Any) -> bool:
         if isinstance(obj, list):
