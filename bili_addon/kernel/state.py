@@ -11,7 +11,7 @@ import msgspec
 
 from bili_addon.kernel.fold import Block, View, ViewItem
 from bili_addon.kernel.identity import digest
-from bili_addon.kernel.reconcile import Copy, fingerprint
+from bili_addon.kernel.reconcile import Copy
 from bili_addon.store import SessionRow
 from bili_addon.stream.echo import strip_echoes
 from bili_addon.wire import Lane
@@ -170,5 +170,5 @@ class TurnResult:
 
 __all__ = [
     "Call", "Entry", "ItemCache", "ItemInfo", "MARKER_LINE", "Memo", "Part", "Resolved", "Session",
-    "TurnResult", "clean_replayed_prose", "fingerprint",
+    "TurnResult", "clean_replayed_prose",
 ]

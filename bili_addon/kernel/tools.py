@@ -10,7 +10,7 @@ from bili_addon.kernel import fold, surfaces, tags
 from bili_addon.kernel.fold import View
 from bili_addon.kernel.state import Call, ItemInfo, Session, TurnResult
 from bili_addon.wire import Lane
-from bili_addon.wire.base import TOOL_CALL, TOOL_RESULT, idless_call_key, patch_many
+from bili_addon.wire.base import TOOL_CALL, TOOL_RESULT, idless_call_key
 
 if TYPE_CHECKING:
     from bili_addon.kernel.turn import Engine
@@ -161,4 +161,4 @@ class ProxyTools:
                 if (call_key(p.tool_call_id, p.tool_name, p.text) if p.ctype == TOOL_CALL else p.tool_call_id) in keys}
 
 
-__all__ = ["ProxyTools", "call_key", "patch_many"]
+__all__ = ["ProxyTools", "call_key"]
