@@ -22,7 +22,17 @@ from bili_addon.kernel.turn import clean_replayed_prose
 from bili_addon.wire import LANES, detect_lane
 from bili_addon.wire.base import IMAGE, OTHER, REASONING, TEXT, TOOL_CALL, TOOL_RESULT, Body, compact_json
 
-CAPTURES = os.environ.get("BILI_CAPTURES", "/work/shared/captures")
+def _captures_dir() -> str:
+    """The agents' captured requests: ``$BILI_CAPTURES``, else ``shared/captures`` beside the
+    checkout (where CI lays it)."""
+    env = os.environ.get("BILI_CAPTURES")
+    if env:
+        return env
+    beside = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "captures")
+    return os.path.normpath(beside)
+
+
+CAPTURES = _captures_dir()
 TAG_RE = re.compile(r'<acp tokens="[^"<>]*" type="text">m\d{5}</acp>\n')
 
 
