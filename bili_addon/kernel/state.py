@@ -125,7 +125,7 @@ class Memo:
     chain: list[str] | None
     resolved: list[list[Resolved]]
     view_items: list[ViewItem]
-    rendered: list[bytes]
+    rendered: list[bytes] | None  # None: the pass rendered nothing
     changed_cum: list[int]  # changed_cum[i]: rendered items among the first i that differ from the wire
     tagged_cum: list[int]
     bases: Counter  # instance counts of every base id in the pass

@@ -218,8 +218,9 @@ class Engine(ProxyTools):
             self._roll_copy(s, view, resolved, drift)
         if self.inject:
             self._pressure(s, view, resolved)
-        if s.version != version:
-            q = 0  # this turn changed how old items render (a truncation, a learned flag)
+        if s.version != version or (memo is not None and memo.rendered is None):
+            q = 0  # this turn changed how old items render (a truncation, a learned flag), or the
+            # previous pass rendered nothing (observe mode)
         result.reused = q
         if q:
             rendered = memo.rendered[: start + q]
@@ -648,10 +649,12 @@ class Engine(ProxyTools):
     def _remember(self, lane: Lane, sid: str, s: Session, raws, infos, start, hashes, resolved, view_items,
                   counter: Counter, rendered) -> None:
         if rendered is None:
-            # only identity work was done: nothing rendered to reuse (version -1 never matches)
-            rendered_items, changed_cum, tagged_cum, version = [], [0], [0], -1
+            # only identity work was done (observe mode, a paused fold): refs and view are reusable,
+            # rendered bytes are not
+            rendered_items, changed_cum, tagged_cum = None, [0], [0]
         else:
-            (rendered_items, changed_cum, tagged_cum), version = rendered, s.version
+            rendered_items, changed_cum, tagged_cum = rendered
+        version = s.version
         self.memos[sid] = Memo(lane.name, sid, version, raws, infos, start, hashes, resolved, view_items,
                                rendered_items, changed_cum, tagged_cum, counter)
         self.memos.move_to_end(sid)
