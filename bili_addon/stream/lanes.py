@@ -193,8 +193,6 @@ class LaneResponse:
         raise NotImplementedError
 
 
-
-
 # -- Anthropic Messages ------------------------------------------------------------------------
 
 
