@@ -11,6 +11,7 @@ from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
 from bili_addon.wire import LANES
+from churn import strings
 
 TAG = re.compile(r'^<acp tokens="[^"]+" type="text">(m\d{5})</acp>\n(.*)', re.DOTALL)
 H = {"x-acp-session": "lanes"}
@@ -136,17 +137,6 @@ def engine(tmp_path):
     e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
     yield e
     e.store.close()
-
-
-def strings(v):
-    if isinstance(v, str):
-        yield v
-    elif isinstance(v, dict):
-        for x in v.values():
-            yield from strings(x)
-    elif isinstance(v, list):
-        for x in v:
-            yield from strings(x)
 
 
 def refs_of(out: bytes) -> dict[str, str]:

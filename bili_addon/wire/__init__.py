@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from bili_addon.wire.anthropic import AnthropicLane
-from bili_addon.wire.base import Core
+from bili_addon.wire.base import Body, Core
 from bili_addon.wire.chat import ChatLane
 from bili_addon.wire.gemini import GeminiLane
 from bili_addon.wire.responses import ResponsesLane
@@ -24,6 +24,19 @@ class Lane(Protocol):
     def is_system_item(self, obj: Any) -> bool: ...
 
     def item_cores(self, obj: Any) -> list[Core]: ...
+
+    # what folding and the proxy tools need
+    def summary_item(self, text: str) -> bytes: ...
+
+    def tool_names(self, body: Body) -> list[str] | None: ...
+
+    def inject(self, body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str) -> bool: ...
+
+    def result_edits(self, obj: Any, call_id: str, text: str) -> list: ...
+
+    def call_edits(self, obj: Any, call_id: str, name: str, args: str) -> list: ...
+
+    def transplant_hints(self, row: bytes, client: bytes) -> bytes: ...
 
 
 LANES: dict[str, Lane] = {

@@ -78,6 +78,18 @@ def encode(value: Any) -> bytes:
     return _enc.encode(value)
 
 
+def content_cores(role: str, content: Any, part_core) -> list[Core]:
+    """Cores of a ``content`` value: a string is one text core, an array one core per part
+    (``part_core(role, index, part)`` reads a part in the lane's own shape)."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [Core(role, TEXT, content, path=("content",))]
+    if not isinstance(content, list):
+        return [Core(role, OTHER, compact_json(content))]
+    return [part_core(role, j, part) for j, part in enumerate(content)]
+
+
 def compact_json(value: Any) -> str:
     """Compact JSON text of a parsed value (key order kept), as tool-call argument text."""
     return _enc.encode(value).decode()

@@ -18,6 +18,7 @@ from bili_addon.wire.base import (
     append_to_text_value,
     append_tools,
     compact_json,
+    content_cores,
     decode_any,
     encode,
     patch,
@@ -42,9 +43,9 @@ class ChatLane:
             return [Core("user", OTHER, compact_json(obj))]
         role = obj.get("role")
         if role == "user":
-            return _content_cores("user", obj.get("content"))
+            return content_cores("user", obj.get("content"), _part_core)
         if role in _SYSTEM_ROLES:
-            return _content_cores("system", obj.get("content"))
+            return content_cores("system", obj.get("content"), _part_core)
         if role == "assistant":
             return _assistant_cores(obj)
         if role == "tool":
@@ -113,16 +114,6 @@ def _str(v: Any) -> str:
     return v if isinstance(v, str) else ""
 
 
-def _content_cores(role: str, content: Any) -> list[Core]:
-    """Cores of a ``content`` value: a string is one text core, an array one core per part."""
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [Core(role, TEXT, content, path=("content",))]
-    if not isinstance(content, list):
-        return [Core(role, OTHER, compact_json(content))]
-    return [_part_core(role, j, part) for j, part in enumerate(content)]
-
 
 def _part_core(role: str, j: int, part: Any) -> Core:
     if not isinstance(part, dict):
@@ -156,7 +147,7 @@ def _assistant_cores(obj: dict) -> list[Core]:
     content = obj.get("content")
     # ``""`` and ``null`` both mean "no text" beside a tool call; clients differ in which they send
     if not (content == "" and (calls or legacy or out)):
-        out.extend(_content_cores("assistant", content))
+        out.extend(content_cores("assistant", content, _part_core))
     refusal = obj.get("refusal")
     if isinstance(refusal, str) and refusal:
         out.append(Core("assistant", TEXT, refusal))

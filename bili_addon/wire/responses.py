@@ -20,6 +20,7 @@ from bili_addon.wire.base import (
     Core,
     append_tools,
     compact_json,
+    content_cores,
     encode,
     tool_names,
 )
@@ -50,7 +51,7 @@ class ResponsesLane:
             role = _MESSAGE_ROLES.get(obj.get("role"))  # type: ignore[arg-type]
             if role is None:
                 return [Core("user", OTHER, _json_without_id(obj))]
-            return _content_cores(role, obj.get("content"))
+            return content_cores(role, obj.get("content"), _part_core)
         if kind == "reasoning":
             return [Core("assistant", REASONING, _reasoning_text(obj))]
         if kind == "function_call":
@@ -162,15 +163,6 @@ def _json_without_id(obj: dict) -> str:
     """Compact JSON of an opaque item minus its provider id (which clients may drop or regenerate)."""
     return compact_json({k: v for k, v in obj.items() if k != "id"})
 
-
-def _content_cores(role: str, content: Any) -> list[Core]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [Core(role, TEXT, content, path=("content",))]
-    if not isinstance(content, list):
-        return [Core(role, OTHER, compact_json(content))]
-    return [_part_core(role, j, part) for j, part in enumerate(content)]
 
 
 def _part_core(role: str, j: int, part: Any) -> Core:
