@@ -13,6 +13,7 @@ from mitmproxy import ctx, http
 from bili_addon import admin
 from bili_addon.kernel import envelope
 from bili_addon.kernel.fold import FoldConfig
+from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.turn import Engine, TurnResult
 from bili_addon.kernel.windows import is_overflow, learned_window
 from bili_addon.store import Store, StoreError, default_data_dir
@@ -82,6 +83,12 @@ class Bili:
             "A compress whose ranges hold fewer characters than this is refused (block-bounded ones excepted).",
         )
         loader.add_option(
+            "bili_remind_at", int, NudgeConfig.batch_tokens,
+            "Remind the model to fold once this many tokens of older work could be folded (a fold "
+            "rewrites the prompt cache after it, so it pays off from a certain size on); 0: only when "
+            "the window is nearly full.",
+        )
+        loader.add_option(
             "bili_context_window", int, 0,
             "The context window in tokens for every model (0: from the built-in table, or learned from "
             "the provider's overflow errors).",
@@ -121,6 +128,10 @@ class Bili:
         if self.engine is not None:
             self.engine.fold_cfg.min_compress_chars = ctx.options.bili_min_compress_chars
             self.engine.window = ctx.options.bili_context_window
+            remind = ctx.options.bili_remind_at
+            never = 1 << 62
+            self.engine.nudge_cfg.batch_tokens = remind if remind > 0 else never
+            self.engine.nudge_cfg.distil_tokens = NudgeConfig.distil_tokens if remind > 0 else never
             self.engine.reconcile = ctx.options.bili_fold_reconcile
             self.engine.snapshot = ctx.options.bili_snapshot_render
 

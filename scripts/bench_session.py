@@ -9,19 +9,21 @@ Messages lane:
   window it compacts like Claude Code's /compact (one summarisation request over the whole history,
   then all history but the last few steps replaced by one ~2K-token summary message);
 * **with the addon**: every request goes through ``Engine.process(..., render=True)`` and the bytes
-  of ``result.body`` are billed.  The scripted model reads the tagged body it receives; when the
-  context passes ``--fold-at`` of the window it calls ``compress`` on the oldest unfolded span of
-  consumed work (refs parsed from the tags, the newest ~10 messages left alone, a summary of 1-2% of
-  the folded size), distilling earlier blocks (bN..bM) into the same call once a few have piled up.
-  The agent answers the unknown tool with Claude Code's error, the addon's response path is
-  emulated with ``Engine.record_calls`` and ``Store.record_usage``.
+  of ``result.body`` are billed.  The scripted model does what the addon asks of it and no more:
+  when a request ends with a ``[bili]`` reminder, its answer folds the ranges the reminder lists in
+  one ``compress`` call (a summary of 1-2% of each range, 30-50% when it distils earlier summaries),
+  alongside the tool call of its next step (``--style parallel``, the default) or as a response of
+  its own (``--style turn``).  So the run measures the addon's own policy: when it reminds, what it
+  protects, where summaries go.  The agent answers the unknown tool with Claude Code's error; the
+  addon's response path is emulated with ``Engine.record_calls`` and ``Store.record_usage``.
 
 Billing: for each request the common byte prefix with the previous request of the same run is
-cache read (0.1 per token), the rest cache write (1.25); tokens ~ bytes / 4; uncached = 1.0.
+cache read (0.1 per token), the rest cache write (1.25); tokens ~ bytes / 4; uncached = 1.0.  The
+output tokens the model spends on summaries (compaction or compress calls) are listed, not billed.
 
     python scripts/bench_session.py                 # 300 turns, seed 1
-    python scripts/bench_session.py --turns 150 --seed 3
-    python scripts/bench_session.py --no-sweep      # without the runs at other fold thresholds
+    python scripts/bench_session.py --turns 600 --seed 3
+    python scripts/bench_session.py --no-sweep      # without the runs at other reminder sizes
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bili_addon.kernel.fold import FoldConfig  # noqa: E402
+from bili_addon.kernel.nudge import NudgeConfig  # noqa: E402
 from bili_addon.kernel.turn import Engine  # noqa: E402
 from bili_addon.store import Store  # noqa: E402
 from bili_addon.wire import LANES  # noqa: E402
@@ -53,8 +55,6 @@ SID = "bench"
 HEADERS = {"x-acp-session": SID}
 ANTH = LANES["anthropic"]
 UNKNOWN_TOOL = "<tool_use_error>Error: No such tool available: compress</tool_use_error>"
-TAG = re.compile(r'^<acp tokens="[^"]+" type="text">(m\d{5})</acp>\n')
-BLOCK = re.compile(r"^\[Compressed conversation section (b\d+) · (m\d{5})–(m\d{5})")
 
 TARGET_COST = 0.50
 TARGET_CACHE = 0.90
@@ -232,6 +232,7 @@ class Run:
     compactions: int = 0
     nudged: int = 0
     invalid: int = 0  # bodies that break Anthropic's pairing rules
+    summary_tokens: int = 0  # output tokens the model spent on summaries
 
     def bill(self, step: int, kind: str, sent: bytes) -> Request:
         pre = common_prefix(self.prev, sent)
@@ -292,6 +293,7 @@ def run_without(env: dict, first: dict, steps: list[tuple[dict, dict]], script: 
                        + script.prose(7_600, 8_400, r)}
             msgs = [summary] + msgs[cut:]
             run.compactions += 1
+            run.summary_tokens += tokens(len(summary["content"]))
             run.events.append(f"step {t}: compaction ({len(raw) // 4:,} tokens -> {len(encode_body(env, msgs)) // 4:,})")
             raw = encode_body(env, msgs)
         run.bill(t, "step", raw)
@@ -299,119 +301,105 @@ def run_without(env: dict, first: dict, steps: list[tuple[dict, dict]], script: 
     return run
 
 
-class Model:
-    """The scripted model of the addon run: it follows the script, and folds when the context is big."""
+REMINDER = re.compile(r"^  ([mb]\d+)–([mb]\d+)  (\d+) (messages|summaries)  ~([\d.]+)(K?) tokens", re.M)
 
-    def __init__(self, fold_at: float, keep_recent: int, distil_at: int, seed: int, script: Script):
-        self.fold_at = fold_at
-        self.keep_recent = keep_recent
-        self.distil_at = distil_at
+
+class Model:
+    """The scripted model of the addon run: it works through the script and answers the addon's
+    reminders.  A reminder lists ranges; the model folds each of them in one compress call, with a
+    summary of 1-2% of a range's size by default (30-50% when it distils summaries)."""
+
+    def __init__(self, seed: int, script: Script, share: tuple[float, float] = (0.01, 0.02)):
+        self.share = share
         self.r = random.Random(seed * 7919 + 17)
         self.script = script
         self.calls = 0
-        self.cooldown_until = -1
+        self.summary_tokens = 0  # what the model wrote into compress calls (output tokens)
 
-    def wants_fold(self, t: int, sent_tokens: int) -> bool:
-        return sent_tokens > self.fold_at * WINDOW and t >= self.cooldown_until
-
-    def compress_args(self, payload: dict) -> tuple[dict, int] | None:
-        """The compress call for the body the model sees: the oldest unfolded span of consumed work,
-        plus a distillation of the summary blocks once enough have piled up.  ``(args, folded bytes)``."""
-        msgs = payload["messages"]
-        limit = len(msgs) - self.keep_recent
-        tagged: list[tuple[int, str]] = []
-        blocks: list[tuple[int, str, int, int, int]] = []  # position, id, chars, first and last ref
-        for i, m in enumerate(msgs[:limit]):
-            content = m["content"]
-            texts = [content] if isinstance(content, str) else [
-                b["text"] for b in content if isinstance(b, dict) and b.get("type") == "text"]
-            for text in texts:
-                if (hit := TAG.match(text)) is not None:
-                    tagged.append((i, hit.group(1)))
-                elif (hit := BLOCK.match(text)) is not None:
-                    blocks.append((i, hit.group(1), len(text), int(hit.group(2)[1:]), int(hit.group(3)[1:])))
-        tagged = [(i, ref) for i, ref in tagged if i > 0]  # the opening request stays
-        if len(tagged) < 2:
+    def answer_reminder(self, payload: dict) -> dict | None:
+        """The compress arguments for a reminder on the newest turn of ``payload``, or None."""
+        tail = payload["messages"][-2:]
+        texts = [c if isinstance(c, str) else "\n".join(b.get("text", "") for b in c if isinstance(b, dict))
+                 for c in (m["content"] for m in tail)]
+        note = next((t[t.index("[bili] "):] for t in texts if "[bili] " in t), None)
+        if note is None:
             return None
-        (i0, start), (i1, end) = tagged[0], tagged[-1]
-        folded = sum(len(msgspec.json.encode(m)) for m in msgs[i0:i1 + 2])
-        # a block whose span (shown in its header) reaches into the range is absorbed by the new one:
-        # its content has to live on in the new summary
-        lo, hi = int(start[1:]), int(end[1:])
-        absorbed = [b for b in blocks if b[3] <= hi and b[4] >= lo]
-        blocks = [b for b in blocks if b not in absorbed]
-        size = int(folded * self.r.uniform(0.01, 0.02) + 0.8 * sum(b[2] for b in absorbed))
-        entries = [{"startId": start, "endId": end, "topic": f"work up to {end}",
-                    "summary": self.script.prose(max(60, min(size, 19_000)), max(80, min(size, 19_000)), self.r)}]
-        if len(blocks) >= self.distil_at:
-            chars = sum(b[2] for b in blocks)
-            size = int(chars * self.r.uniform(0.3, 0.5))
-            entries.insert(0, {"startId": blocks[0][1], "endId": blocks[-1][1], "topic": "earlier work",
-                               "summary": self.script.prose(max(60, min(size, 19_000)), max(80, min(size, 19_000)),
-                                                            self.r)})
-        return {"content": entries}, folded
+        entries = []
+        for m in REMINDER.finditer(note):
+            size = float(m.group(5)) * (1000 if m.group(6) else 1) * 4  # chars
+            share = self.r.uniform(0.3, 0.5) if m.group(4) == "summaries" else self.r.uniform(*self.share)
+            chars = max(80, min(int(size * share), 19_000))
+            entries.append({"startId": m.group(1), "endId": m.group(2), "topic": f"work {m.group(1)}–{m.group(2)}",
+                            "summary": self.script.prose(chars - 20, chars, self.r)})
+        if not entries:
+            return None
+        self.summary_tokens += sum(tokens(len(e["summary"])) for e in entries)
+        return {"content": entries}
 
 
-def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Script, seed: int, fold_at: float,
-             keep_recent: int = 10, distil_at: int = 4) -> Run:
-    run = Run(f"with addon (fold at {fold_at:.0%})")
-    model = Model(fold_at, keep_recent, distil_at, seed, script)
+def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Script, seed: int,
+             style: str = "parallel", batch: int | None = None,
+             share: tuple[float, float] = (0.01, 0.02)) -> Run:
+    """``style``: "parallel", the model calls compress alongside the tool call of its next step (one
+    response, as the reminder suggests); "turn", compress is a response of its own (an extra request)."""
+    cfg = NudgeConfig() if batch is None else NudgeConfig(batch_tokens=batch)
+    run = Run(f"with addon ({style}, reminders at {cfg.batch_tokens // 1000}K)")
+    model = Model(seed, script, share)
     with tempfile.TemporaryDirectory(prefix="bili-bench-session-") as d:
-        engine = Engine(Store(d), fold_cfg=FoldConfig(min_compress_chars=5000), window=WINDOW)
+        engine = Engine(Store(d), window=WINDOW)
+        engine.nudge_cfg = cfg
         msgs = [first]
-        pending: str | None = None  # the call id of a compress the next request executes
+        ask: dict | None = None  # compress arguments the model answers the last reminder with
+
+        def send(t: int, kind: str, out_tokens: int) -> dict:
+            raw = encode_body(env, msgs)
+            res = engine.process(raw, ANTH, HEADERS, render=True)
+            sent = res.body if res.body is not None else raw
+            req = run.bill(t, kind, sent)
+            payload = msgspec.json.decode(sent)
+            run.invalid += not valid_anthropic(payload)
+            # the response path records the usage the provider reports
+            engine.store.record_usage(SID, "anthropic", (req.tokens, req.read, req.write, out_tokens))
+            return payload
+
+        def outcome(t: int, payload: dict, call_id: str) -> None:
+            text = _call_result(payload, call_id)
+            ok, bad = text.count("Compressed "), text.count(" not compressed: ")
+            run.folds_ok += ok
+            run.folds_refused += bad
+            run.distils += text.count("(tier 2") + text.count("(tier 3")
+            run.events.append(f"step {t}: compress executed: {ok} range(s) folded, {bad} refused; context now "
+                              f"{run.requests[-1].tokens:,} tokens" + (f" -- {text.splitlines()[0][:120]}" if bad else ""))
+
+        pending: str | None = None  # a compress call the next request executes
         for t, (answer, follow) in enumerate(steps):
-            folded_now = False
-            while True:
-                raw = encode_body(env, msgs)
-                res = engine.process(raw, ANTH, HEADERS, render=True)
-                sent = res.body if res.body is not None else raw
-                req = run.bill(t, "compress" if pending else "step", sent)
-                payload = msgspec.json.decode(sent)
-                run.invalid += not valid_anthropic(payload)
-                if b"[bili] The context" in sent[-4096:]:
-                    run.nudged += 1
-                if pending is not None:
-                    outcome = _call_result(payload, pending)
-                    ok = outcome.count("\nCompressed ") + outcome.startswith("Compressed ")
-                    bad = outcome.count(" not compressed: ")
-                    run.folds_ok += ok
-                    run.folds_refused += bad
-                    run.events.append(f"step {t}: compress executed ({', '.join(res.executed) or 'nothing run'}): "
-                                      f"{ok} range(s) folded, {bad} refused; context now {req.tokens:,} tokens"
-                                      + (f" -- {outcome.splitlines()[0][:120]}" if bad else ""))
-                    if bad and not ok:
-                        model.cooldown_until = t + 5
-                    pending = None
-                # output tokens of the answer, for the usage the response path would record
-                out_tokens = tokens(len(msgspec.json.encode(answer)))
-                engine.store.record_usage(SID, "anthropic", (req.tokens, req.read, req.write, out_tokens))
-                if folded_now or not model.wants_fold(t, req.tokens):
-                    break
-                made = model.compress_args(payload)
-                if made is None:
-                    model.cooldown_until = t + 5
-                    break
-                args, folded = made
+            payload = send(t, "step", tokens(len(msgspec.json.encode(answer))))
+            if pending is not None:
+                outcome(t, payload, pending)
+                pending = None
+            ask = None
+            if "[bili] " in msgspec.json.encode(payload["messages"][-2:]).decode():
+                run.nudged += 1
+                ask = model.answer_reminder(payload)
+            if ask is not None:
                 model.calls += 1
                 call_id = f"toolu_bili_{model.calls:03d}"
-                distil = len(args["content"]) > 1
-                run.distils += distil
-                run.events.append(f"step {t}: the model calls compress at {req.tokens:,} tokens: "
-                                  + ", ".join(f"{e['startId']}..{e['endId']} ({len(e['summary']):,} chars)"
-                                              for e in args["content"])
-                                  + f" over ~{folded // 4:,} tokens")
-                # the response path sees the call in the stream; the agent answers the unknown tool
-                engine.record_calls(SID, [(call_id, "compress", json.dumps(args))])
-                msgs = msgs + [
-                    {"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": "compress",
-                                                       "input": args}]},
-                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "is_error": True,
-                                                  "content": UNKNOWN_TOOL}]},
-                ]
-                pending = call_id
-                folded_now = True
+                call = {"type": "tool_use", "id": call_id, "name": "compress", "input": ask}
+                error = {"type": "tool_result", "tool_use_id": call_id, "is_error": True, "content": UNKNOWN_TOOL}
+                run.events.append(f"step {t}: the model calls compress: " + ", ".join(
+                    f"{e['startId']}..{e['endId']} ({len(e['summary']):,} chars)" for e in ask["content"]))
+                # the response path sees the call in the stream
+                engine.record_calls(SID, [(call_id, "compress", json.dumps(ask))])
+                if style == "parallel" and isinstance(follow["content"], list):
+                    answer = {**answer, "content": answer["content"] + [call]}
+                    follow = {**follow, "content": follow["content"] + [error]}
+                    pending = call_id
+                else:  # a response of its own; the agent answers the unknown tool, and the model goes on
+                    msgs = msgs + [{"role": "assistant", "content": [call]}, {"role": "user", "content": [error]}]
+                    outcome(t, send(t, "compress", tokens(len(answer_json := json.dumps(ask)))), call_id)
+                    del answer_json
             msgs = msgs + [answer, follow]
+        run.summary_tokens = model.summary_tokens
         engine.store.close()
     return run
 
@@ -464,7 +452,7 @@ def ktok(n: float) -> str:
     return f"{n / 1000:,.1f}K"
 
 
-def report(base: Run, addon: Run, turns: int, seed: int, fold_at: float, verbose: bool) -> None:
+def report(base: Run, addon: Run, turns: int, seed: int, verbose: bool) -> None:
     b_steps, a_steps = base.per_step(), addon.per_step()
     bt = [q.tokens for q in base.requests]
     at = [q.tokens for q in addon.requests]
@@ -484,7 +472,9 @@ def report(base: Run, addon: Run, turns: int, seed: int, fold_at: float, verbose
         ("peak context", f"{ktok(base.peak)} ({base.peak / WINDOW:.0%} of window)",
          f"{ktok(addon.peak)} ({addon.peak / WINDOW:.0%} of window)"),
         ("compactions / folds", f"{base.compactions} compactions",
-         f"{addon.folds_ok} ranges folded ({addon.distils} with distil), {addon.folds_refused} refused"),
+         f"{addon.folds_ok} ranges folded ({addon.distils} of them distils), {addon.folds_refused} refused"),
+        ("summaries written (output)", f"{ktok(base.summary_tokens)} tokens",
+         f"{ktok(addon.summary_tokens)} tokens (not billed above)"),
     ]
     if addon.nudged:
         rows.append(("", "", f"{addon.nudged} requests carried a [bili] fold reminder"))
@@ -528,10 +518,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--turns", type=int, default=300)
-    ap.add_argument("--fold-at", type=float, default=0.60,
-                    help="share of the window from which the scripted model folds (default 0.60)")
+    ap.add_argument("--style", choices=("parallel", "turn"), default="parallel",
+                    help="how the model answers a reminder: compress alongside its next tool call, or in a "
+                         "response of its own (default parallel)")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false",
-                    help="skip the addon runs at other fold thresholds")
+                    help="skip the addon runs with other reminder sizes and the other style")
     ap.add_argument("-v", "--verbose", action="store_true", help="list compactions and compress calls")
     args = ap.parse_args()
 
@@ -540,16 +531,26 @@ def main() -> None:
     env = script.environment()
     first, steps = script.session(args.turns)
     base = run_without(env, first, steps, script)
-    addon = run_with(env, first, steps, script, args.seed, args.fold_at)
-    report(base, addon, args.turns, args.seed, args.fold_at, args.verbose)
+    addon = run_with(env, first, steps, script, args.seed, args.style)
+    report(base, addon, args.turns, args.seed, args.verbose)
     if args.sweep:
+        default = NudgeConfig().batch_tokens
         print()
-        print("sweep: the scripted model's fold threshold (same session, same baseline)")
-        print(f"  {'fold at':>8}{'folds':>7}{'billed':>10}{'vs without':>12}{'cache read':>12}{'peak':>9}{'median':>9}")
-        for f in (0.25, 0.35, 0.45, 0.60, 0.75):
-            run = addon if f == args.fold_at else run_with(env, first, steps, script, args.seed, f)
-            print(f"  {f:>8.0%}{run.folds_ok:>7}{ktok(run.cost):>10}{run.cost / base.cost:>12.1%}"
-                  f"{run.cache_share:>12.1%}{ktok(run.peak):>9}{ktok(statistics.median(q.tokens for q in run.requests)):>9}")
+        print("sweep: the foldable tokens at which the addon reminds the model (NudgeConfig.batch_tokens), and how")
+        print("the model answers (same session, same baseline)")
+        print(f"  {'reminds at':>11}{'style':>10}{'summary':>9}{'folds':>7}{'billed':>11}{'vs without':>12}"
+              f"{'cache read':>12}{'peak':>9}{'median':>9}{'summaries':>11}")
+        other = "turn" if args.style == "parallel" else "parallel"
+        usual = (0.01, 0.02)
+        for batch, style, share in ((7_500, args.style, usual), (default, args.style, usual), (default, other, usual),
+                                    (default, args.style, (0.03, 0.05)), (30_000, args.style, usual),
+                                    (60_000, args.style, usual)):
+            run = addon if (batch, style, share) == (default, args.style, usual) else run_with(
+                env, first, steps, script, args.seed, style, batch, share)
+            print(f"  {ktok(batch):>11}{style:>10}{f'{share[0]:.0%}-{share[1]:.0%}':>9}{run.folds_ok:>7}"
+                  f"{ktok(run.cost):>11}{run.cost / base.cost:>12.1%}{run.cache_share:>12.1%}{ktok(run.peak):>9}"
+                  f"{ktok(statistics.median(q.tokens for q in run.requests)):>9}{ktok(run.summary_tokens):>11}")
+        print("  (summary: the size of a fold's summary against the range it replaces; summaries: output tokens)")
     print(f"\ntotal runtime {time.perf_counter() - t0:.1f} s")
 
 

@@ -232,3 +232,51 @@ def test_renamed_and_rewritten_calls_are_restored(engine):
     call = out["messages"][-2]["content"][0]
     assert call["name"] == "compress" and call["input"] == args
     assert out["messages"][-1]["content"][0]["content"].startswith("Compressed ")
+
+
+def test_a_range_that_reaches_into_a_block_does_not_refold_it(engine):
+    """A user turn protected while its neighbours were folded stays between blocks; a later range
+    from it onwards folds it without absorbing the block that stands before it (kernel.md §5.4:
+    only blocks whose summary stands inside the range are consumed), so the cache keeps that block."""
+    steps = conversation(10)
+    msgs = steps[:9] + [{"role": "user", "content": "Task 2: now the parser."}] + steps[9:]
+    refs = {text[:7]: ref for ref, text in refs_in(json.loads(engine.process(body(msgs), ANTH, H,
+                                                                              render=True).body)).items()}
+    args = {"content": [{"startId": refs["Step 0:"], "endId": refs["Step 6:"], "summary": "Modules 0-6 read. " * 5}]}
+    roundtrip_call(engine, "fold-1", "compress", args, "c1")
+    msgs = agent_answers_unknown(msgs, "compress", args, "c1")
+    out = json.loads(engine.process(body(msgs), ANTH, H, render=True).body)
+    result = out["messages"][-1]["content"][0]["content"]
+    assert "→ b1" in result and "(1 protected message(s) left out)" in result  # Task 2, the newest user turn
+    texts = [json.dumps(m) for m in out["messages"]]
+    b1 = next(i for i, t in enumerate(texts) if "section b1" in t)
+    assert "Task 2: now the parser." in texts[b1 + 1]
+    msgs = msgs + [{"role": "assistant", "content": "Parser done."}, {"role": "user", "content": "Task 3: docs."}]
+    before = engine.process(body(msgs), ANTH, H, render=True).body
+    args = {"content": [{"startId": refs["Task 2:"], "endId": refs["Step 8:"], "summary": "Task 2 parser work. " * 5}]}
+    roundtrip_call(engine, "fold-1", "compress", args, "c2")
+    msgs = agent_answers_unknown(msgs, "compress", args, "c2")
+    after = engine.process(body(msgs), ANTH, H, render=True).body
+    out = json.loads(after)
+    result = out["messages"][-1]["content"][0]["content"]
+    assert "→ b2 (tier 1)" in result and "absorbing" not in result
+    text = json.dumps(out["messages"])
+    assert "section b1" in text and "section b2" in text and "Task 2: now the parser." not in text
+    assert_valid_anthropic(out)
+    # everything up to and including b1's summary kept its bytes
+    cut = before.rindex(b'{"role"', 0, before.index(b"Task 2: now the parser."))
+    assert after[:cut] == before[:cut] and b"section b1" in before[:cut]
+
+
+def test_the_protected_zone_is_the_newest_parts(engine):
+    msgs = conversation(6)
+    refs = {text[:7]: ref for ref, text in refs_in(json.loads(engine.process(body(msgs), ANTH, H,
+                                                                              render=True).body)).items()}
+    # when the call runs, the newest four parts are its own call and error, step 5's result, and
+    # step 5's prose and call
+    args = {"content": [{"startId": refs["Step 5:"], "endId": refs["Step 5:"], "summary": "x" * 60}]}
+    roundtrip_call(engine, "fold-1", "compress", args, "p1")
+    msgs = agent_answers_unknown(msgs, "compress", args, "p1")
+    out = json.loads(engine.process(body(msgs), ANTH, H, render=True).body)
+    result = out["messages"][-1]["content"][0]["content"]
+    assert "not compressed" in result and "the newest 4 message parts" in result

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from bili_addon.kernel.fold import FoldConfig
+from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
 from bili_addon.wire import LANES
@@ -220,31 +221,127 @@ def usage(engine, sid, tokens):
     engine.store.record_usage(sid, "chat", (tokens, 0, 0, 10))
 
 
+def reminder_cfg(engine, batch=2000, regrowth=1000, distil=10_000):
+    engine.nudge_cfg = NudgeConfig(batch_tokens=batch, regrowth_tokens=regrowth, distil_tokens=distil)
+
+
 def test_nudge_lands_on_the_newest_user_turn_and_stays(engine):
-    engine.window = 100_000
+    reminder_cfg(engine)
     conv = Chat()
     for t in range(10):
         conv.step(t)
     conv.msgs.append({"role": "user", "content": "what next?"})
     engine.process(conv.body(), conv.lane, H, render=True)
-    usage(engine, "lanes", 30_000)  # below the threshold: no reminder
+    usage(engine, "lanes", 1_500)  # the whole context is smaller than a fold worth making
     out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
     assert "[bili]" not in out["messages"][-1]["content"]
-    usage(engine, "lanes", 60_000)
+    usage(engine, "lanes", 4_000)
     first = engine.process(conv.body(), conv.lane, H, render=True).body
     last = json.loads(first)["messages"][-1]["content"]
-    assert "what next?\n\n[bili] The context is filling up" in last and "Compressible" not in last
-    assert re.search(r"\n  m\d{5}–m\d{5}  \d+ messages  ~", last)
+    assert re.search(r"what next\?\n\n\[bili\] ~[\d.]+K tokens of older work can be folded", last)
+    assert re.search(r"\n  m\d{5}–m\d{5}  \d+ messages  ~", last) and "Compressible" not in last
     # later turns keep the same bytes for that message, and nothing else gets a reminder
     conv.msgs += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "continue"}]
-    usage(engine, "lanes", 61_000)
+    usage(engine, "lanes", 4_100)
     later = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)["messages"]
     assert later[-3]["content"] == last
     assert "[bili]" not in later[-1]["content"]
 
 
+def test_reminders_follow_the_foldable_work_not_the_window(engine):
+    """A fold pays for the cache rewrite it causes once enough older work has piled up; how full
+    the window is does not matter until the pressure band."""
+    reminder_cfg(engine, batch=3000)
+    engine.window = 1_000_000
+    conv = Chat()
+    for t in range(6):  # ~2K foldable tokens: not worth a fold
+        conv.step(t)
+    engine.process(conv.body(), conv.lane, H, render=True)
+    usage(engine, "lanes", 600_000)  # well into the window, below the pressure band
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    assert not any("[bili]" in json.dumps(m) for m in out["messages"][1:])
+    for t in range(6, 16):
+        conv.step(t)
+    engine.process(conv.body(), conv.lane, H, render=True)
+    usage(engine, "lanes", 5_000)  # a small share of the window, but ~4K foldable tokens
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    assert out["messages"][-1]["content"].startswith("[bili] ~")
+    # the pressure band reminds whatever the amount
+    small = Chat()
+    for t in range(6):
+        small.step(t)
+    h = {"x-acp-session": "small"}
+    engine.process(small.body(), small.lane, h, render=True)
+    engine.store.record_usage("small", "chat", (800_000, 0, 0, 10))
+    out = json.loads(engine.process(small.body(), small.lane, h, render=True).body)
+    assert out["messages"][-1]["content"].startswith("[bili] The context is nearly full")
+
+
+def test_after_a_fold_reminders_count_growth_from_the_smaller_context(engine):
+    reminder_cfg(engine, batch=2000, regrowth=1500)
+    conv = Chat()
+    for t in range(10):
+        conv.step(t)
+    engine.process(conv.body(), conv.lane, H, render=True)
+    usage(engine, "lanes", 40_000)
+    out = engine.process(conv.body(), conv.lane, H, render=True).body
+    note = json.loads(out)["messages"][-1]["content"]
+    start, end = re.search(r"(m\d{5})–(m\d{5})", note).groups()
+    args = {"content": [{"startId": start, "endId": end, "summary": summary(1)}]}
+    engine.record_calls("lanes", [("f1", "compress", json.dumps(args))])
+    conv.proxy_call("f1", "compress", args)
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    assert "section b1" in json.dumps(out["messages"])
+    usage(engine, "lanes", 3_000)  # the fold shrank the context far below where the reminder was given
+    for t in range(10, 22):
+        conv.step(t)
+    engine.process(conv.body(), conv.lane, H, render=True)
+    usage(engine, "lanes", 7_000)  # grew again, still far below 40K: a new reminder all the same
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    again = out["messages"][-1]["content"]
+    assert again.startswith("[bili] ~")
+    Chat.check(out)
+
+    def reminders(msgs):
+        return [m["content"][:40] for m in msgs if isinstance(m["content"], str) and m["content"].startswith("[bili]")]
+
+    assert len(reminders(out["messages"])) == 2
+    # folding the range the second reminder offers takes the first reminder along with the
+    # message it followed
+    start, end = re.search(r"(m\d{5})–(m\d{5})", again).groups()
+    args = {"content": [{"startId": start, "endId": end, "summary": summary(2)}]}
+    engine.record_calls("lanes", [("f2", "compress", json.dumps(args))])
+    conv.proxy_call("f2", "compress", args)
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    assert "section b2" in json.dumps(out["messages"]) and "file-9 row" not in json.dumps(out["messages"])
+    assert reminders(out["messages"]) == [again[:40]]
+    Chat.check(out)
+
+
+def test_piled_up_summaries_are_offered_for_distilling(engine):
+    reminder_cfg(engine, batch=50_000, distil=40)
+    conv = Chat()
+    for t in range(12):
+        conv.step(t)
+    refs = refs_of(engine.process(conv.body(), conv.lane, H, render=True).body)
+    args = {"content": [{"startId": refs["Step 0."], "endId": refs["Step 2."], "summary": summary(1)},
+                        {"startId": refs["Step 3."], "endId": refs["Step 5."], "summary": summary(2)}]}
+    engine.record_calls("lanes", [("f1", "compress", json.dumps(args))])
+    conv.proxy_call("f1", "compress", args)
+    engine.process(conv.body(), conv.lane, H, render=True)
+    conv.step(12)
+    usage(engine, "lanes", 5_000)
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    note = out["messages"][-1]["content"]
+    assert note.startswith("[bili] The summaries have piled up")
+    assert re.search(r"\n  b1–b2  2 summaries  ~\d+ tokens \(distil them into one\)", note)
+    # what is foldable goes along: the distil rewrites the cache from b1 on anyway
+    assert re.search(r"\n  m\d{5}–m\d{5}  \d+ messages  ~", note)
+
+
 def test_nudge_after_a_tool_result_is_its_own_user_item(engine):
     engine.window = 100_000
+    reminder_cfg(engine)
     conv = Chat()
     for t in range(10):
         conv.step(t)

@@ -27,7 +27,10 @@ class FoldConfig:
     min_compress_chars: int = 5000  # a batch folding less than this is refused
     min_summary_chars: int = 50
     max_summary_chars: int = 20000
-    recent_items: int = 5  # the newest items (and the newest user turn) are never folded
+    # the items holding the newest parts (and the newest user turn) are never folded; parts, not
+    # items, so the zone is the same on lanes that batch parts into messages and lanes that do not.
+    # Small on purpose: every fold rewrites the cache from its position on (bench_session.py)
+    recent_parts: int = 4
     pair_scan: int = 20
 
 
@@ -126,8 +129,13 @@ class View:
 
     def protected(self, cfg: FoldConfig) -> set[int]:
         """Positions never folded: the first user turn, the recent zone and the newest user turn."""
-        n = len(self.items)
-        keep = set(range(max(0, n - cfg.recent_items), n))
+        keep: set[int] = set()
+        parts = 0
+        for k in range(len(self.items) - 1, -1, -1):
+            if parts >= cfg.recent_parts:
+                break
+            keep.add(k)
+            parts += len(self.items[k].parts)
         for k in (self.first_user(), self.last_user()):
             if k is not None:
                 keep.add(k)
@@ -140,6 +148,17 @@ def coverage(blocks: Iterable[Block]) -> dict[str, Block]:
         if b.active:
             for r in b.coverage:
                 out.setdefault(r, b)
+    return out
+
+
+def anchors(view: View, blocks: Iterable[Block]) -> dict[int, Block]:
+    """View position -> the active block whose summary stands there (its first covered item)."""
+    out: dict[int, Block] = {}
+    for b in blocks:
+        if b.active:
+            where = [view.pos[r] for r in b.coverage if r in view.pos]
+            if where:
+                out.setdefault(min(where), b)
     return out
 
 
@@ -287,11 +306,12 @@ def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_i
                 raise CompressError("overlaps an earlier range of this call; keep ranges disjoint")
             if not positions:
                 raise CompressError("it lies entirely in the protected zone (the first request, the newest "
-                                    f"{cfg.recent_items} messages and the newest user turn); choose older messages")
+                                    f"{cfg.recent_parts} message parts and the newest user turn); choose older messages")
             live = [b for b in blocks if b.active and b not in gone]
             cov = coverage(live)
-            refs = [ref for k in positions for ref in view.items[k].refs]
-            nested = [b for b in live if set(b.coverage) & set(refs)]
+            # the blocks whose summary stands inside the range; a block that only reaches into it
+            # (its summary stands earlier) keeps its messages, and they are not folded again
+            nested = [b for k, b in sorted(anchors(view, live).items()) if s <= k <= e]
             if block_bounded and nested:
                 target = min(b.tier for b in nested)
                 tier = min(3, target + 1)

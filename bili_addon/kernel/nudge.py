@@ -8,17 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bili_addon.kernel.fold import Block, FoldConfig, View, coverage
+from bili_addon.kernel.fold import Block, FoldConfig, View, anchors, coverage
 from bili_addon.kernel.tags import format_tokens
 from bili_addon.wire.base import TOOL_RESULT
 
 
 @dataclass
 class NudgeConfig:
-    threshold: float = 0.5  # share of the window from which reminders start
-    pressure: float = 0.75  # from here on, a reminder every turn while something can be folded
-    growth: float = 0.1  # below pressure: a new reminder only after this share of the window was added
-    min_growth_tokens: int = 20_000
+    # A fold rewrites the prompt cache from its position on (the summary and every later message are
+    # written again); it pays off once the reads it saves on later turns outweigh that rewrite.  So the
+    # reminder follows how much *foldable* work has piled up, not how full the window is
+    # (scripts/bench_session.py measures the trade-off).
+    batch_tokens: int = 15_000  # foldable tokens (outside the protected zone) that call for a fold
+    regrowth_tokens: int = 10_000  # an unanswered reminder is repeated after the context grew this much
+    distil_tokens: int = 10_000  # summaries of one tier that call for distilling them into the next
+    pressure: float = 0.75  # from this share of the window on: a reminder every turn while anything is foldable
     truncate_at: float = 0.95  # emergency truncation of old tool outputs from this share on
     truncate_min_tokens: int = 1000
     keep_chars: int = 2000  # head and tail kept of a truncated output
@@ -28,12 +32,14 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig) -> list[tuple
     """``(start ref, end ref, items, tokens)`` runs of unfolded items outside the protected zone."""
     cov = coverage(blocks)
     protected = view.protected(cfg)
+    stops = anchors(view, blocks)  # a range never takes a block's summary in: that would re-fold it
     runs: list[list[int]] = [[]]
     for k, it in enumerate(view.items):
-        if it.parts and k not in protected and not all(r in cov for r in it.refs):
+        if k in protected or k in stops:
+            if runs[-1]:
+                runs.append([])
+        elif it.parts and not all(r in cov for r in it.refs):
             runs[-1].append(k)
-        elif runs[-1]:
-            runs.append([])
     out = []
     for run in runs:
         refs = [r for k in run for r in view.items[k].refs if r not in cov]
@@ -43,31 +49,63 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig) -> list[tuple
     return out
 
 
+def distillable(view: View, blocks: list[Block], fold_cfg: FoldConfig,
+                cfg: NudgeConfig) -> tuple[str, str, int, int] | None:
+    """``(first block, last block, blocks, tokens)``: the active blocks of the lowest tier whose
+    summaries, with the stray messages left between them (user turns that were protected when
+    their neighbours were folded), pass ``distil_tokens``; or None.  Distilling rewrites the cache
+    from the first of those blocks on, so it waits until there is a lot to gain."""
+    active = sorted((b for b in blocks if b.active), key=lambda b: b.number)
+    placed = {b.id: k for k, b in anchors(view, active).items()}
+    cov = coverage(active)
+    protected = view.protected(fold_cfg)
+    for tier in (1, 2):
+        run = [b for b in active if b.tier == tier and b.id in placed]
+        if len(run) < 2:
+            continue
+        lo = min(placed[b.id] for b in run)
+        hi = max(view.pos[r] for b in run for r in b.coverage if r in view.pos)
+        strays = sum(p.tokens for k in range(lo, hi + 1) if k not in protected
+                     for p in view.items[k].parts if p.ref not in cov)
+        tokens = sum(b.summary_tokens for b in run) + strays
+        if tokens >= cfg.distil_tokens:
+            return run[0].id, run[-1].id, len(run), tokens
+    return None
+
+
 def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, used: int, window: int,
            last_nudge_at: int) -> str | None:
-    """The reminder for this turn, or None. ``used``: the input tokens the last answer reported."""
-    if window <= 0 or used < cfg.threshold * window:
-        return None
+    """The reminder for this turn, or None.  ``used``: the input tokens the last answer reported;
+    ``last_nudge_at``: ``used`` when the last reminder was given (lowered when the context shrank)."""
     ranges = [r for r in compressible(view, blocks, fold_cfg) if r[3] * 4 >= fold_cfg.min_compress_chars]
-    if not ranges:
+    distil = distillable(view, blocks, fold_cfg, cfg)
+    if not ranges and not distil:
         return None
-    grew = used - last_nudge_at >= max(cfg.min_growth_tokens, cfg.growth * window)
-    if used < cfg.pressure * window and last_nudge_at and not grew:
-        return None
+    pending = sum(r[3] for r in ranges)
+    urgent = window > 0 and used >= cfg.pressure * window
+    if not urgent:
+        if pending < cfg.batch_tokens and not distil:
+            return None
+        if last_nudge_at and used - last_nudge_at < cfg.regrowth_tokens:
+            return None
     listed = sorted(ranges, key=lambda r: -r[3])[:5]
     listed.sort(key=lambda r: int(r[0][1:]))
     lines = [f"  {s}–{e}  {n} messages  ~{format_tokens(t)} tokens" for s, e, n, t in listed]
-    urgent = used >= cfg.pressure * window
-    head = (
-        "[bili] The context is nearly full: fold consumed work now, oldest first."
-        if urgent
-        else "[bili] The context is filling up. If these ranges hold work you no longer need verbatim, fold them:"
-    )
+    if distil:
+        first, last, n, t = distil
+        lines.append(f"  {first}–{last}  {n} summaries  ~{format_tokens(t)} tokens (distil them into one)")
+    if urgent:
+        head = "[bili] The context is nearly full: fold consumed work now, oldest first."
+    elif pending >= cfg.batch_tokens:
+        head = (f"[bili] ~{format_tokens(pending)} tokens of older work can be folded. If these ranges hold work "
+                "you no longer need verbatim, fold them:")
+    else:
+        head = "[bili] The summaries have piled up. Fold them into one denser summary:"
     return "\n".join([
         head,
         *lines,
-        "Call compress once with one entry per range (startId, endId, summary). Keep paths, names, values, "
-        "errors, decisions and open tasks in the summaries.",
+        "Call compress once with one entry per range (startId, endId, summary), alongside your next step if you "
+        "like. Keep paths, names, values, errors, decisions and open tasks in the summaries.",
     ])
 
 

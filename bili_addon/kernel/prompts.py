@@ -92,7 +92,9 @@ Tool calls and results between the two refs go with the range.
 When to fold: when a stretch of work is done and its raw detail (tool output, file dumps, \
 explorations, dead ends) will not be needed verbatim again. Fold the oldest consumed work first; \
 never fold the request you are working on or anything you still need to read exactly. Folding \
-summaries again (bN..bM) distils them into a denser tier.
+summaries again (bN..bM) distils them into a denser tier. The proxy appends a short [bili] \
+reminder to the newest message when a fold is worth it, listing the ranges; answer it with one \
+compress call, in the same response as your next tool call if you like, and carry on.
 
 How to summarise: the summary must stand alone. Keep verbatim what would be costly to recover: \
 file paths (with line numbers), function and type names, exact commands, error messages, numbers \

@@ -598,8 +598,12 @@ class Engine(ProxyTools):
         if not last or not view.items:
             return
         used, window = last[0], self.window_for(s)
-        if used < min(self.nudge_cfg.threshold, self.nudge_cfg.truncate_at) * window:
-            return
+        if used < int(s.flags.get("last_nudge_at", 0)):
+            # a fold (or the host's own compaction) shrank the context: growth counts from here
+            self.set_flag(s.row.id, "last_nudge_at", used)
+        cfg = self.nudge_cfg
+        if used < min(cfg.batch_tokens, cfg.distil_tokens, cfg.pressure * window, cfg.truncate_at * window):
+            return  # not even the whole context would be worth a fold, and the window is far
         nudges = dict(s.flags.get("nudges", {}))
         newest = resolved[-1]
         if newest and not any(r.entry.ref in nudges for r in newest):
@@ -637,7 +641,7 @@ class Engine(ProxyTools):
                 out.append(lane.summary_item(b.text()))
             if k not in plan.drop:
                 out.append(items_out[it.index])
-            if k in nudge_at:
+            if k in nudge_at and k not in plan.drop:  # a reminder leaves with the item it followed
                 out.extend(lane.summary_item(after[r]) for r in it.refs if r in after)
         out.extend(items_out[start + len(view.items):])
         items_out[:] = out
