@@ -178,3 +178,30 @@ def test_responses_websocket_frame_is_tagged(bili):
     f.websocket.messages.append(server)
     bili.websocket_message(f)
     assert f.websocket.messages[-1].content == b'{"type":"response.created"}'
+
+
+def test_remind_at_sets_when_the_model_is_reminded_to_fold(bili):
+    msgs = [{"role": "user", "content": "audit the repository"}]
+    for t in range(12):
+        msgs += [
+            {"role": "assistant", "content": [{"type": "text", "text": f"Reading module {t}."},
+                                              {"type": "tool_use", "id": f"toolu_{t}", "name": "Read",
+                                               "input": {"path": f"m{t}.py"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{t}",
+                                          "content": f"module {t} " + "line of code\n" * 300}]},
+        ]
+    body = json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 5, "messages": msgs,
+                       "tools": [{"name": "Read", "input_schema": {"type": "object"}}]}).encode()
+
+    def reminded(sid: str) -> bool:
+        bili.request(model_flow(body, headers=session_headers(sid)))
+        bili.engine.store.record_usage(sid, "anthropic", (12_000, 0, 0, 10))
+        f = model_flow(body, headers=session_headers(sid))
+        bili.request(f)
+        return "[bili] ~" in json.dumps(json.loads(f.request.content)["messages"][-2:])
+
+    assert not reminded("default")  # ~11K foldable tokens: below the default 15K
+    bili.tctx.configure(bili, bili_remind_at=4_000)
+    assert reminded("eager")
+    bili.tctx.configure(bili, bili_remind_at=0)
+    assert not reminded("never")
