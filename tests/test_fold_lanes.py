@@ -369,3 +369,36 @@ def test_emergency_truncation_cuts_old_outputs_and_keeps_them_cut(engine):
     usage(engine, "lanes", 40_000)  # context shrank: what was cut stays cut, byte for byte
     again = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
     assert [m["content"] for m in again["messages"] if m["role"] == "tool"] == tools
+
+
+def test_on_anthropic_a_reminder_after_tool_results_joins_their_user_turn(engine):
+    """The way Claude Code adds its own reminders: a text block after the tool_result blocks, so
+    the conversation keeps alternating user and assistant turns."""
+    reminder_cfg(engine)
+    lane = LANES["anthropic"]
+    msgs = [{"role": "user", "content": "audit please"}]
+    for t in range(10):
+        msgs += [{"role": "assistant", "content": [{"type": "text", "text": f"Step {t}."},
+                                                   {"type": "tool_use", "id": f"t{t}", "name": "sh", "input": {}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{t}",
+                                               "content": f"file-{t} {ROW}"}]}]
+
+    def body():
+        return json.dumps({"model": "claude-x", "max_tokens": 9, "messages": msgs,
+                           "tools": [{"name": "sh", "input_schema": {"type": "object"}}]}).encode()
+
+    engine.process(body(), lane, H, render=True)
+    usage(engine, "lanes", 5_000)
+    first = json.loads(engine.process(body(), lane, H, render=True).body)["messages"]
+    assert len(first) == len(msgs)
+    last = first[-1]["content"]
+    assert [b["type"] for b in last] == ["tool_result", "text"] and last[1]["text"].startswith("[bili] ~")
+    assert last[0] == msgs[-1]["content"][0]
+    # the next turn: the agent replays that message as it sent it; the reminder is there again, unchanged
+    msgs += [{"role": "assistant", "content": [{"type": "text", "text": "Going on."}]},
+             {"role": "user", "content": "and now?"}]
+    usage(engine, "lanes", 5_100)
+    later = json.loads(engine.process(body(), lane, H, render=True).body)["messages"]
+    assert later[len(first) - 1]["content"] == last
+    roles = [m["role"] for m in later]
+    assert all(a != b for a, b in zip(roles, roles[1:])) and len(later) == len(msgs)

@@ -639,10 +639,18 @@ class Engine(ProxyTools):
             out.extend(pre.get(it.index, ()))
             for b in plan.inserts.get(k, ()):
                 out.append(lane.summary_item(b.text()))
-            if k not in plan.drop:
-                out.append(items_out[it.index])
-            if k in nudge_at and k not in plan.drop:  # a reminder leaves with the item it followed
-                out.extend(lane.summary_item(after[r]) for r in it.refs if r in after)
+            if k in plan.drop:
+                continue
+            item, notes = items_out[it.index], []
+            if k in nudge_at:  # a reminder goes into the item it was given to, or right after it
+                for text in (after[r] for r in it.refs if r in after):
+                    merged = lane.note_in_item(item, text)
+                    if merged is None:
+                        notes.append(lane.summary_item(text))
+                    else:
+                        item = merged
+            out.append(item)
+            out.extend(notes)
         out.extend(items_out[start + len(view.items):])
         items_out[:] = out
         result.folded_items = len(plan.drop)

@@ -14,6 +14,7 @@ from bili_addon.wire.base import (
     TOOL_RESULT,
     Body,
     Core,
+    append_part,
     append_to_text_value,
     append_tools,
     compact_json,
@@ -54,6 +55,11 @@ class AnthropicLane:
     @staticmethod
     def summary_item(text: str) -> bytes:
         return encode({"role": "user", "content": [{"type": "text", "text": text}]})
+
+    @staticmethod
+    def note_in_item(raw: bytes, text: str) -> bytes | None:
+        """Prose after the tool results of a user turn, the way the agents add their own reminders."""
+        return append_part(raw, "content", {"type": "text", "text": text})
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:

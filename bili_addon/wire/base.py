@@ -114,6 +114,20 @@ def patch(raw: bytes | msgspec.Raw, path: Path, value: Any) -> bytes:
     return _enc.encode(obj)
 
 
+def append_part(raw: bytes | msgspec.Raw, key: str, part: Any) -> bytes | None:
+    """``raw`` (an object) with ``part`` appended to its array at ``key``, the rest byte-exact;
+    None when ``key`` does not hold an array."""
+    try:
+        obj = decode_obj(raw)
+    except (CodecError, msgspec.DecodeError):
+        return None
+    arr = obj.get(key)
+    if arr is None or bytes(arr)[:1] != b"[":
+        return None
+    obj[key] = msgspec.Raw(_enc.encode([*decode_list(arr), msgspec.Raw(_enc.encode(part))]))
+    return _enc.encode(obj)
+
+
 def patch_many(raw: bytes, edits: Iterable[tuple[Path, Any]]) -> bytes:
     for path, value in edits:
         raw = patch(raw, path, value)

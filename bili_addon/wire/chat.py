@@ -60,6 +60,10 @@ class ChatLane:
         return encode({"role": "user", "content": text})
 
     @staticmethod
+    def note_in_item(raw: bytes, text: str) -> bytes | None:
+        return None  # tool outputs carry no prose: a reminder is an item of its own
+
+    @staticmethod
     def tool_names(body: Body) -> list[str] | None:
         def name_of(t: Any) -> Any:
             fn = t.get("function") if isinstance(t, dict) else None

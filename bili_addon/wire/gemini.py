@@ -18,6 +18,7 @@ from bili_addon.wire.base import (
     TOOL_RESULT,
     Body,
     Core,
+    append_part,
     append_tools,
     compact_json,
     decode_any,
@@ -52,6 +53,11 @@ class GeminiLane:
     @staticmethod
     def summary_item(text: str) -> bytes:
         return encode({"role": "user", "parts": [{"text": text}]})
+
+    @staticmethod
+    def note_in_item(raw: bytes, text: str) -> bytes | None:
+        """Prose after the tool results of a user turn, the way the agents add their own reminders."""
+        return append_part(raw, "parts", {"text": text})
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:

@@ -77,6 +77,10 @@ class ResponsesLane:
         return encode({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
 
     @staticmethod
+    def note_in_item(raw: bytes, text: str) -> bytes | None:
+        return None  # tool outputs carry no prose: a reminder is an item of its own
+
+    @staticmethod
     def tool_names(body: Body) -> list[str] | None:
         """Names of the request's tools; a namespace's tools (codex nests MCP servers' tools as
         ``{"type": "namespace", "name": "mcp__bili", "tools": [...]}``) as ``<namespace>__<tool>``."""
