@@ -228,13 +228,15 @@ def reminder_cfg(engine, batch=2000, regrowth=1000, distil=10_000):
 def test_nudge_lands_on_the_newest_user_turn_and_stays(engine):
     reminder_cfg(engine)
     conv = Chat()
-    for t in range(10):
+    for t in range(4):
+        conv.step(t)
+    conv.msgs.append({"role": "user", "content": "look around"})
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    assert "[bili]" not in out["messages"][-1]["content"]  # too little to be worth a fold
+    conv.msgs.append({"role": "assistant", "content": "ok"})
+    for t in range(4, 10):
         conv.step(t)
     conv.msgs.append({"role": "user", "content": "what next?"})
-    engine.process(conv.body(), conv.lane, H, render=True)
-    usage(engine, "lanes", 1_500)  # the whole context is smaller than a fold worth making
-    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
-    assert "[bili]" not in out["messages"][-1]["content"]
     usage(engine, "lanes", 4_000)
     first = engine.process(conv.body(), conv.lane, H, render=True).body
     last = json.loads(first)["messages"][-1]["content"]
@@ -341,7 +343,6 @@ def test_piled_up_summaries_are_offered_for_distilling(engine):
 
 def test_nudge_after_a_tool_result_is_its_own_user_item(engine):
     engine.window = 100_000
-    reminder_cfg(engine)
     conv = Chat()
     for t in range(10):
         conv.step(t)
@@ -402,3 +403,14 @@ def test_on_anthropic_a_reminder_after_tool_results_joins_their_user_turn(engine
     assert later[len(first) - 1]["content"] == last
     roles = [m["role"] for m in later]
     assert all(a != b for a, b in zip(roles, roles[1:])) and len(later) == len(msgs)
+
+
+def test_without_reported_usage_the_conversations_own_size_decides(engine):
+    """A Chat stream without include_usage reports nothing; the reminder still comes."""
+    reminder_cfg(engine)
+    conv = Chat()
+    for t in range(10):
+        conv.step(t)
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    assert out["messages"][-1]["content"].startswith("[bili] ~")
+    assert engine.store.usage("lanes").last is None

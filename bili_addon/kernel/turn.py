@@ -594,10 +594,18 @@ class Engine(ProxyTools):
 
     def _pressure(self, s: Session, view: View, resolved: list[list[Resolved]]) -> None:
         """Nudge and emergency truncation, decided from the usage the last answer reported."""
-        last = self.store.usage(s.row.id).last
-        if not last or not view.items:
+        if not view.items:
             return
-        used, window = last[0], self.window_for(s)
+        last = self.store.usage(s.row.id).last
+        # the size the provider reported for the last request; without one (a Chat stream without
+        # include_usage), the conversation's own estimate
+        if last:
+            used = last[0]
+        else:
+            cov = fold.coverage(s.blocks)
+            used = (sum(p.tokens for it in view.items for p in it.parts if p.ref not in cov)
+                    + sum(b.summary_tokens for b in s.blocks if b.active))
+        window = self.window_for(s)
         if used < int(s.flags.get("last_nudge_at", 0)):
             # a fold (or the host's own compaction) shrank the context: growth counts from here
             self.set_flag(s.row.id, "last_nudge_at", used)

@@ -361,6 +361,7 @@ class Reply:
     tool_name: str = ""
     tool_args: str = ""  # JSON text of the arguments
     call_id: str = ""  # the tool call's id; by default derived from the request's sequence number
+    input_tokens: int = 12  # the prompt size the answer reports (a scripted model can report the real one)
 
     @property
     def has_text(self) -> bool:
@@ -406,7 +407,7 @@ def anthropic_message(seq: int, model: str, reply: Reply = DEFAULT_REPLY, *, str
         "content": [] if streaming_start else content,
         "stop_reason": None if streaming_start else ("tool_use" if reply.tool_name else "end_turn"),
         "stop_sequence": None,
-        "usage": {"input_tokens": 12, "output_tokens": 1 if streaming_start else 7},
+        "usage": {"input_tokens": reply.input_tokens, "output_tokens": 1 if streaming_start else 7},
     }
 
 
@@ -475,7 +476,8 @@ def chat_completion(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> dict:
                 "finish_reason": "tool_calls" if reply.tool_name else "stop",
             }
         ],
-        "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19},
+        "usage": {"prompt_tokens": reply.input_tokens, "completion_tokens": 7,
+                  "total_tokens": reply.input_tokens + 7},
         "system_fingerprint": "fp_fake",
     }
 
@@ -548,11 +550,11 @@ def responses_object(seq: int, model: str, reply: Reply = DEFAULT_REPLY, *, done
         "truncation": "disabled",
         "usage": (
             {
-                "input_tokens": 12,
+                "input_tokens": reply.input_tokens,
                 "input_tokens_details": {"cached_tokens": 0},
                 "output_tokens": 7,
                 "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": 19,
+                "total_tokens": reply.input_tokens + 7,
             }
             if done
             else None
@@ -634,7 +636,8 @@ def responses_sse(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> list[by
     return [f"event: {e['type']}\ndata: {_j(e)}\n\n".encode() for e in responses_events(seq, model, reply)]
 
 
-def gemini_chunk(text: str | None, model: str, finish: bool, tool: tuple[str, str] | None = None) -> dict:
+def gemini_chunk(text: str | None, model: str, finish: bool, tool: tuple[str, str] | None = None,
+                 prompt_tokens: int = 12) -> dict:
     parts: list[dict] = [{"text": text}] if text is not None else []
     if tool:
         parts.append({"functionCall": {"name": tool[0], "args": json.loads(tool[1])}})
@@ -643,7 +646,8 @@ def gemini_chunk(text: str | None, model: str, finish: bool, tool: tuple[str, st
         cand["finishReason"] = "STOP"
     return {
         "candidates": [cand],
-        "usageMetadata": {"promptTokenCount": 12, "candidatesTokenCount": 7, "totalTokenCount": 19},
+        "usageMetadata": {"promptTokenCount": prompt_tokens, "candidatesTokenCount": 7,
+                          "totalTokenCount": prompt_tokens + 7},
         "modelVersion": model,
     }
 
@@ -691,9 +695,10 @@ class Script:
     same answer as the first try.
     """
 
-    def __init__(self, acts: Iterable[Act], id_prefix: str = "s"):
+    def __init__(self, acts: Iterable[Act], id_prefix: str = "s", real_usage: bool = False):
         self.acts = list(acts)
         self.id_prefix = id_prefix
+        self.real_usage = real_usage  # report the prompt's size (~ JSON bytes / 4) as the real APIs do
         self._next = 1
         self._lock = threading.Lock()
         self.answered: list[tuple[int, Reply]] = []  # (turn, what the model said), in order
@@ -717,7 +722,7 @@ class Script:
             name = act.tool
             call_id = f"{'toolu' if lane == 'anthropic' else 'call'}_{self.id_prefix}{turn:03d}"
         chunks = tuple(act.prose[i : i + 7] for i in range(0, len(act.prose), 7)) or ("",)
-        reply = Reply(act.prose, chunks, name, args, call_id)
+        reply = Reply(act.prose, chunks, name, args, call_id, len(_j(body)) // 4 if self.real_usage else 12)
         with self._lock:
             self.answered.append((turn, reply))
         return reply
@@ -917,10 +922,11 @@ class _Handler(BaseHTTPRequestHandler):
             tool = (reply.tool_name, reply.tool_args) if reply.tool_name else None
             if ":generateContent" in p:
                 text = reply.text if reply.has_text else None
-                return 200, "application/json", [_j(gemini_chunk(text, model, True, tool)).encode()]
+                return 200, "application/json", [_j(gemini_chunk(text, model, True, tool, reply.input_tokens)).encode()]
             texts: list[str | None] = list(reply.chunks) if reply.has_text else [None]
             last = len(texts) - 1
-            pieces = [gemini_chunk(c, model, i == last, tool if i == last else None) for i, c in enumerate(texts)]
+            pieces = [gemini_chunk(c, model, i == last, tool if i == last else None, reply.input_tokens)
+                      for i, c in enumerate(texts)]
             if "alt=sse" in query:
                 return 200, "text/event-stream", [f"data: {_j(x)}\r\n\r\n".encode() for x in pieces]
             return 200, "application/json", [("[" + ",\r\n".join(_j(x) for x in pieces) + "]").encode()]
@@ -1033,9 +1039,9 @@ class FakeUpstream:
         return f"http://127.0.0.1:{self.port}"
 
     # -- scripts and gates -----------------------------------------------------------------------
-    def script(self, key: str, acts: Iterable[Act], id_prefix: str = "s") -> Script:
+    def script(self, key: str, acts: Iterable[Act], id_prefix: str = "s", real_usage: bool = False) -> Script:
         """Register a scripted model for requests carrying ``x-fake-script: <key>``."""
-        s = Script(acts, id_prefix)
+        s = Script(acts, id_prefix, real_usage)
         with self._lock:
             self._scripts[key] = s
         return s

@@ -439,3 +439,74 @@ def test_the_scripted_fake_refuses_what_the_real_api_refuses(fake, sid, path, bo
     assert reply.status == status, reply.body
     if needle:
         assert needle in json.dumps(reply.json())
+
+
+# -- reminders: the model folds what the addon offers ---------------------------------------------
+REMIND_AT = 1500  # foldable tokens; each turn's Bash output is ~400
+REMINDER_RANGE = re.compile(r"^  (m\d{5})–(m\d{5})  \d+ messages  ~", re.M)
+
+
+def texts_in(value: Any):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from texts_in(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from texts_in(v)
+
+
+def reminders_in(body: Any) -> list[str]:
+    return [t for t in texts_in(body) if "[bili] ~" in t]
+
+
+def fold_what_was_offered(body: Any) -> dict:
+    """What a model does with the reminder: one compress call, one entry per range it lists."""
+    found = reminders_in(body)
+    assert found, "no reminder reached the model: " + json.dumps(body)[:3000]
+    note = found[-1]
+    ranges = REMINDER_RANGE.findall(note[note.index("[bili] ~"):])
+    assert ranges, note
+    return {"content": [{"startId": s, "endId": e, "summary": summary(k, f"the work in {s}–{e}")}
+                        for k, (s, e) in enumerate(ranges, start=1)]}
+
+
+@pytest.fixture(scope="module")
+def reminding_proxy(make_proxy):
+    return make_proxy("reverse", "fold", bili_remind_at=str(REMIND_AT))
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_the_model_folds_what_the_reminder_offers(fake, reminding_proxy, sid, lane):
+    acts = [reading(t) for t in range(1, 8)]
+    acts.append(proxy_call("compress", fold_what_was_offered, prose="Turn 8: folding what the proxy offered."))
+    acts += [reading(9), say("Turn 10: done.")]
+    fake.script(sid, acts, real_usage=True)  # the answers report the prompt's size, as the real APIs do
+    agent = make_agent(lane, reminding_proxy, sid, sid)
+    up = Turns(fake, sid)
+    for t in range(1, 9):
+        agent.step(t, run_bash)
+    reminded = [t for t in range(1, 9) if reminders_in(up[t].json)]
+    assert reminded and reminded[0] > 1, "a reminder comes once enough work can be folded, not before"
+    first = up[reminded[0]].json
+    [note] = reminders_in(first)
+    # on the newest item only: for Anthropic and Gemini inside the turn that carries the tool
+    # results, elsewhere an item of its own right after them
+    conv = agent.conv(first)
+    assert note in list(texts_in(conv[-1])) and not any(note in list(texts_in(it)) for it in conv[:-1])
+    if lane in ("anthropic", "gemini"):
+        assert "tool_result" in json.dumps(conv[-1]) or "functionResponse" in json.dumps(conv[-1])
+    # the reminder keeps its bytes on later turns, and no second one comes while nothing grew enough
+    if reminded[0] < 8:
+        assert reminders_in(up[reminded[0] + 1].json) == [note]
+    # turn 9: what the reminder offered is folded; pairing and roles still pass the fake's checks
+    agent.step(9, run_bash)
+    rec9 = up[9]
+    _, result = agent.result_of(rec9.json, agent.answers[8].call)
+    assert result.startswith("Compressed m") and "→ b1" in result, result
+    assert "[Compressed conversation section b1 · " in rec9.body.decode()
+    b9 = rec9.body.decode()
+    assert "file-1-row-" not in b9 and "file-7-row-" in b9  # turn 8 called compress, not Bash
+    agent.step(10, run_bash)
+    assert_prefix_stable(rec9.body, up[10].body, agent.conv_key)
