@@ -30,7 +30,8 @@ class Lane(Protocol):
 
     def note_in_item(self, raw: bytes, text: str) -> bytes | None:
         """A user-side item with ``text`` added as a part of its own, or None where the lane has
-        no place for prose in it (a chat ``tool`` message, a Responses output item)."""
+        no place for prose in it (a chat ``tool`` message, a Responses output item, a Gemini
+        function response content)."""
         ...
 
     def tool_names(self, body: Body) -> list[str] | None: ...

@@ -18,7 +18,6 @@ from bili_addon.wire.base import (
     TOOL_RESULT,
     Body,
     Core,
-    append_part,
     append_tools,
     compact_json,
     decode_any,
@@ -56,8 +55,9 @@ class GeminiLane:
 
     @staticmethod
     def note_in_item(raw: bytes, text: str) -> bytes | None:
-        """Prose after the tool results of a user turn, the way the agents add their own reminders."""
-        return append_part(raw, "parts", {"text": text})
+        # the API splits turns on a function response content and refuses prose beside the
+        # responses; a content of its own is fine (consecutive user contents are merged)
+        return None
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:

@@ -297,8 +297,8 @@ def check_responses(body: Any, *, api_exact: bool = False) -> None:
 
 def check_gemini(body: Any, *, api_exact: bool = False) -> None:
     """``api_exact`` adds the turn rules of the real API: a function response turn comes right
-    after the function call turn it answers, with one response per call; a function call turn
-    comes right after a user turn or a function response turn."""
+    after the function call turn it answers, with one response per call and nothing else; a
+    function call turn comes right after a user turn or a function response turn."""
     _need(isinstance(body, dict), "body must be a JSON object")
     contents = body.get("contents")
     _need(isinstance(contents, list) and contents, "contents is not specified")
@@ -324,6 +324,12 @@ def check_gemini(body: Any, *, api_exact: bool = False) -> None:
                 _need(name in called, f"contents[{i}].parts[{k}]: functionResponse {name!r} without a functionCall")
                 responses.append(name)
         if api_exact and responses:
+            # the API splits turns on the function response content: prose beside the responses
+            # breaks that and is refused (measured on gemini-3.x; the error text misleads)
+            _need(
+                all("functionResponse" in p for p in parts),
+                f"contents[{i}]: Requests ending with a model turn are not supported.",
+            )
             _need(
                 prev is not None and prev[0] == "model" and bool(prev[1]),
                 f"contents[{i}]: Please ensure that function response turn comes immediately after a function "

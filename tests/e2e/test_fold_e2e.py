@@ -491,12 +491,11 @@ def test_the_model_folds_what_the_reminder_offers(fake, reminding_proxy, sid, la
     assert reminded and reminded[0] > 1, "a reminder comes once enough work can be folded, not before"
     first = up[reminded[0]].json
     [note] = reminders_in(first)
-    # on the newest item only: for Anthropic and Gemini inside the turn that carries the tool
-    # results, elsewhere an item of its own right after them
+    # on the newest item only: for Anthropic inside the turn that carries the tool results (as
+    # Claude Code adds its own reminders), elsewhere an item of its own right after them
     conv = agent.conv(first)
     assert note in list(texts_in(conv[-1])) and not any(note in list(texts_in(it)) for it in conv[:-1])
-    if lane in ("anthropic", "gemini"):
-        assert "tool_result" in json.dumps(conv[-1]) or "functionResponse" in json.dumps(conv[-1])
+    assert ("tool_result" in json.dumps(conv[-1])) == (lane == "anthropic")
     # the reminder keeps its bytes on later turns, and no second one comes while nothing grew enough
     if reminded[0] < 8:
         assert reminders_in(up[reminded[0] + 1].json) == [note]
