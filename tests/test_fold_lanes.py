@@ -339,6 +339,12 @@ def test_piled_up_summaries_are_offered_for_distilling(engine):
     assert re.search(r"\n  b1–b2  2 summaries  ~\d+ tokens \(distil them into one\)", note)
     # what is foldable goes along: the distil rewrites the cache from b1 on anyway
     assert re.search(r"\n  m\d{5}–m\d{5}  \d+ messages  ~", note)
+    # acp_status says the same
+    engine.record_calls("lanes", [("st", "acp_status", "{}")])
+    conv.proxy_call("st", "acp_status", {})
+    status = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)["messages"][-1]["content"]
+    assert "Summaries worth distilling into one: b1–b2  2 summaries" in status
+    assert re.search(r"Compressible ranges \(oldest first\):\n  m\d{5}–m\d{5}  \d+ messages", status)
 
 
 def test_nudge_after_a_tool_result_is_its_own_user_item(engine):

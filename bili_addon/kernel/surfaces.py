@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bili_addon.kernel import nudge
 from bili_addon.kernel.fold import Block, FoldConfig, View, coverage
 from bili_addon.kernel.search import Doc, search
 from bili_addon.kernel.tags import format_tokens, index_of
@@ -110,9 +111,9 @@ def search_context(args: Any, blocks: list[Block], originals) -> str:
     return "\n".join(lines)
 
 
-def status(view: View, blocks: list[Block], cfg: FoldConfig, usage: tuple[int, int] | None) -> str:
+def status(view: View, blocks: list[Block], cfg: FoldConfig, usage: tuple[int, int] | None,
+           nudge_cfg: nudge.NudgeConfig | None = None) -> str:
     """``usage``: (tokens the last answer reported as input, the model's window)."""
-    cov = coverage(blocks)
     lines = []
     if usage and usage[0]:
         used, window = usage
@@ -127,24 +128,15 @@ def status(view: View, blocks: list[Block], cfg: FoldConfig, usage: tuple[int, i
         topic = f'  "{b.topic}"' if b.topic else ""
         lines.append(f"  {b.id}  tier {b.tier}  {b.covered[0]}–{b.covered[-1]}  {len(b.covered)} parts  "
                      f"{format_tokens(b.folded_tokens)}→{format_tokens(b.summary_tokens)}{topic}")
-    protected = view.protected(cfg)
-    ranges: list[list[int]] = []
-    for k, it in enumerate(view.items):
-        free = it.parts and k not in protected and not all(r in cov for r in it.refs)
-        if not free:
-            if ranges and ranges[-1]:
-                ranges.append([])
-            continue
-        if not ranges:
-            ranges.append([])
-        ranges[-1].append(k)
-    ranges = [r for r in ranges if r]
+    ranges = nudge.compressible(view, blocks, cfg)
     if ranges:
         lines.append("Compressible ranges (oldest first):")
-        for r in ranges:
-            refs = [ref for k in r for ref in view.items[k].refs if ref not in cov]
-            tokens = sum(p.tokens for k in r for p in view.items[k].parts if p.ref not in cov)
-            lines.append(f"  {refs[0]}–{refs[-1]}  {len(r)} messages  ~{format_tokens(tokens)} tokens")
+        lines += [f"  {s}–{e}  {n} messages  ~{format_tokens(t)} tokens" for s, e, n, t in ranges]
     else:
         lines.append("Nothing compressible outside the protected zone (the newest messages and user turn).")
+    distil = nudge.distillable(view, blocks, cfg, nudge_cfg) if nudge_cfg is not None else None
+    if distil:
+        first, last, n, t = distil
+        lines.append(f"Summaries worth distilling into one: {first}–{last}  {n} summaries  ~{format_tokens(t)} tokens "
+                     f"(compress with startId {first}, endId {last}).")
     return "\n".join(lines)

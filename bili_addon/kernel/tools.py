@@ -58,7 +58,8 @@ class ProxyTools:
         if name == "acp_status":
             usage = self.store.usage(sid).last
             window = self.window_for(s)
-            return surfaces.status(view, s.blocks, self.fold_cfg, (usage[0], window) if usage else None)
+            return surfaces.status(view, s.blocks, self.fold_cfg, (usage[0], window) if usage else None,
+                                   self.nudge_cfg)
         return f"Unknown bili tool {name!r}."
 
     def plugin_tool(self: "Engine", sid: str | None, tool: str, args: Any) -> tuple[str, str]:
