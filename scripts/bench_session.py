@@ -309,9 +309,11 @@ class Model:
     reminders.  A reminder lists ranges; the model folds each of them in one compress call, with a
     summary of 1-2% of a range's size by default (30-50% when it distils summaries)."""
 
-    def __init__(self, seed: int, script: Script, share: tuple[float, float] = (0.01, 0.02)):
+    def __init__(self, seed: int, script: Script, share: tuple[float, float] = (0.01, 0.02), obey: float = 1.0):
         self.share = share
+        self.obey = obey  # the share of reminders the model answers (the rest it ignores)
         self.r = random.Random(seed * 7919 + 17)
+        self.ignore = random.Random(seed * 31 + 5)
         self.script = script
         self.calls = 0
         self.summary_tokens = 0  # what the model wrote into compress calls (output tokens)
@@ -322,7 +324,7 @@ class Model:
         texts = [c if isinstance(c, str) else "\n".join(b.get("text", "") for b in c if isinstance(b, dict))
                  for c in (m["content"] for m in tail)]
         note = next((t[t.index("[bili] "):] for t in texts if "[bili] " in t), None)
-        if note is None:
+        if note is None or self.ignore.random() >= self.obey:
             return None
         entries = []
         for m in REMINDER.finditer(note):
@@ -339,12 +341,12 @@ class Model:
 
 def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Script, seed: int,
              style: str = "parallel", batch: int | None = None,
-             share: tuple[float, float] = (0.01, 0.02)) -> Run:
+             share: tuple[float, float] = (0.01, 0.02), obey: float = 1.0) -> Run:
     """``style``: "parallel", the model calls compress alongside the tool call of its next step (one
     response, as the reminder suggests); "turn", compress is a response of its own (an extra request)."""
     cfg = NudgeConfig() if batch is None else NudgeConfig(batch_tokens=batch)
     run = Run(f"with addon ({style}, reminders at {cfg.batch_tokens // 1000}K)")
-    model = Model(seed, script, share)
+    model = Model(seed, script, share, obey)
     with tempfile.TemporaryDirectory(prefix="bili-bench-session-") as d:
         engine = Engine(Store(d), window=WINDOW)
         engine.nudge_cfg = cfg
@@ -538,19 +540,21 @@ def main() -> None:
         print()
         print("sweep: the foldable tokens at which the addon reminds the model (NudgeConfig.batch_tokens), and how")
         print("the model answers (same session, same baseline)")
-        print(f"  {'reminds at':>11}{'style':>10}{'summary':>9}{'folds':>7}{'billed':>11}{'vs without':>12}"
-              f"{'cache read':>12}{'peak':>9}{'median':>9}{'summaries':>11}")
+        print(f"  {'reminds at':>11}{'style':>10}{'summary':>9}{'answers':>9}{'folds':>7}{'billed':>11}"
+              f"{'vs without':>12}{'cache read':>12}{'peak':>9}{'median':>9}{'summaries':>11}")
         other = "turn" if args.style == "parallel" else "parallel"
         usual = (0.01, 0.02)
-        for batch, style, share in ((7_500, args.style, usual), (default, args.style, usual), (default, other, usual),
-                                    (default, args.style, (0.03, 0.05)), (30_000, args.style, usual),
-                                    (60_000, args.style, usual)):
-            run = addon if (batch, style, share) == (default, args.style, usual) else run_with(
-                env, first, steps, script, args.seed, style, batch, share)
-            print(f"  {ktok(batch):>11}{style:>10}{f'{share[0]:.0%}-{share[1]:.0%}':>9}{run.folds_ok:>7}"
+        for batch, style, share, obey in ((7_500, args.style, usual, 1.0), (default, args.style, usual, 1.0),
+                                          (default, other, usual, 1.0), (default, args.style, (0.03, 0.05), 1.0),
+                                          (default, args.style, usual, 0.5), (30_000, args.style, usual, 1.0),
+                                          (60_000, args.style, usual, 1.0)):
+            run = addon if (batch, style, share, obey) == (default, args.style, usual, 1.0) else run_with(
+                env, first, steps, script, args.seed, style, batch, share, obey)
+            print(f"  {ktok(batch):>11}{style:>10}{f'{share[0]:.0%}-{share[1]:.0%}':>9}{obey:>9.0%}{run.folds_ok:>7}"
                   f"{ktok(run.cost):>11}{run.cost / base.cost:>12.1%}{run.cache_share:>12.1%}{ktok(run.peak):>9}"
                   f"{ktok(statistics.median(q.tokens for q in run.requests)):>9}{ktok(run.summary_tokens):>11}")
-        print("  (summary: the size of a fold's summary against the range it replaces; summaries: output tokens)")
+        print("  (summary: a fold's summary against the range it replaces; answers: the share of reminders the")
+        print("  model answers, the rest it ignores; summaries: the output tokens it spent on them)")
     print(f"\ntotal runtime {time.perf_counter() - t0:.1f} s")
 
 
