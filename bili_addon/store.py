@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 SCHEMA_VERSION = 1
 
 _SCHEMA = """
@@ -112,8 +114,7 @@ class StoreError(RuntimeError):
     """The store cannot be opened or written; the addon passes requests through."""
 
 
-@dataclass(slots=True)
-class LedgerRow:
+class LedgerRow(msgspec.Struct, gc=False):
     msg_id: str
     content_hash: str
     ref: str

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import msgspec
+
 from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.prompts import summary_header
 from bili_addon.kernel.tags import format_tokens, index_of
@@ -69,8 +71,8 @@ class Block:
         return count_tokens(self.summary)
 
 
-@dataclass(slots=True)
-class PartView:
+# one per part per turn: msgspec Structs build ~3x faster than dataclasses
+class PartView(msgspec.Struct, gc=False):
     ref: str
     role: str
     ctype: str
@@ -80,8 +82,7 @@ class PartView:
     tokens: int
 
 
-@dataclass(slots=True)
-class ViewItem:
+class ViewItem(msgspec.Struct):
     """One conversation item as the kernel sees it: its parts' refs and pairing keys."""
 
     index: int  # position in the request's conversation array
@@ -117,9 +118,10 @@ class View:
     def __init__(self, items: list[ViewItem]):
         self.items = items
         self.pos: dict[str, int] = {}
+        setdefault = self.pos.setdefault
         for k, it in enumerate(items):
-            for r in it.refs:
-                self.pos.setdefault(r, k)
+            for p in it.parts:
+                setdefault(p.ref, k)
 
     def first_user(self) -> int | None:
         return next((k for k, it in enumerate(self.items) if it.user_turn), None)

@@ -38,13 +38,17 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig) -> list[tuple
         if k in protected or k in stops:
             if runs[-1]:
                 runs.append([])
-        elif it.parts and not all(r in cov for r in it.refs):
+        elif it.parts and (not cov or not all(p.ref in cov for p in it.parts)):
             runs[-1].append(k)
     out = []
     for run in runs:
-        refs = [r for k in run for r in view.items[k].refs if r not in cov]
+        refs, tokens = [], 0
+        for k in run:
+            for p in view.items[k].parts:
+                if p.ref not in cov:
+                    refs.append(p.ref)
+                    tokens += p.tokens
         if refs:
-            tokens = sum(p.tokens for k in run for p in view.items[k].parts if p.ref not in cov)
             out.append((refs[0], refs[-1], len(run), tokens))
     return out
 

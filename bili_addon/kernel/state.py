@@ -83,8 +83,8 @@ class ItemCache:
         return info
 
 
-@dataclass(slots=True)
-class Entry:
+# Entry and Resolved are made per part of every new item: msgspec Structs build ~3x faster than dataclasses
+class Entry(msgspec.Struct, gc=False):
     ref: str
     tokens: int
 
@@ -98,8 +98,7 @@ class Call:
     result: str | None = None
 
 
-@dataclass(slots=True)
-class Resolved:
+class Resolved(msgspec.Struct, gc=False):
     core: Core
     entry: Entry
     dirty: bool

@@ -303,6 +303,8 @@ class Engine(ProxyTools):
             known = [k for k, info in enumerate(infos) if any(p.base in prev_bases for p in info.parts)]
             appended_from = known[-1] + 1 if known else (0 if not reused else 0)
         out_all: list[list[Resolved]] = []
+        refs, refs_get, counter_get = s.refs, s.refs.get, counter.get
+        add_row, ref_of = new_rows.append, tags.ref_of
         for k_item, info in enumerate(infos):
             out = []
             appended = k_item >= appended_from
@@ -311,11 +313,11 @@ class Engine(ProxyTools):
                 core, base, chash, dirty = part.core, part.base, part.chash, part.dirty
                 if core.ctype == TEXT and core.role != "assistant" and core.text.startswith("<acp "):
                     core, base, chash, dirty = self._strip_own_tag(s, part)
-                n = counter[base]
+                n = counter_get(base, 0)
                 counter[base] = n + 1
                 incs = 1
                 msg_id = base if n == 0 else f"{base}_{n}"
-                entry = s.refs.get((msg_id, chash))
+                entry = refs_get((msg_id, chash))
                 if (entry is not None and prev_ids is not None and appended and entry.ref in cov
                         and msg_id not in prev_ids):
                     while True:  # a new instance: the next suffix that is neither live nor folded
@@ -323,26 +325,26 @@ class Engine(ProxyTools):
                         counter[base] = n + 1
                         incs += 1
                         msg_id = f"{base}_{n}"
-                        entry = s.refs.get((msg_id, chash))
+                        entry = refs_get((msg_id, chash))
                         if entry is None or (entry.ref not in cov and msg_id not in prev_ids):
                             break
                 if pins is not None:
                     # the host vouches this message's id: its ref wins over content churn (the
                     # content key keeps whatever it already named; the vouched key names this ref)
                     if entry is None:
-                        new_rows.append(LedgerRow(msg_id, chash, pins[j].ref, core.role, core.ctype, pins[j].tokens))
-                        s.refs[(msg_id, chash)] = pins[j]
+                        add_row(LedgerRow(msg_id, chash, pins[j].ref, core.role, core.ctype, pins[j].tokens))
+                        refs[(msg_id, chash)] = pins[j]
                     entry = pins[j]
                 elif entry is None:
-                    entry = Entry(tags.ref_of(next_ref), count_tokens(core.text))
+                    entry = Entry(ref_of(next_ref), count_tokens(core.text))
                     next_ref += 1
-                    new_rows.append(LedgerRow(msg_id, chash, entry.ref, core.role, core.ctype, entry.tokens))
-                    s.refs[(msg_id, chash)] = entry  # staged: forgotten again if the commit fails
+                    add_row(LedgerRow(msg_id, chash, entry.ref, core.role, core.ctype, entry.tokens))
+                    refs[(msg_id, chash)] = entry  # staged: forgotten again if the commit fails
                 if vouched is not None:
                     key = (f"{vouched[reused + k_item]}#{j}", chash)
-                    if key not in s.refs:
-                        new_rows.append(LedgerRow(key[0], chash, entry.ref, core.role, core.ctype, entry.tokens))
-                        s.refs[key] = entry
+                    if key not in refs:
+                        add_row(LedgerRow(key[0], chash, entry.ref, core.role, core.ctype, entry.tokens))
+                        refs[key] = entry
                 out.append(Resolved(core, entry, dirty, msg_id, base, incs))
             out_all.append(out)
         return out_all, new_rows
@@ -511,30 +513,38 @@ class Engine(ProxyTools):
                     elif r.core.ctype == TOOL_RESULT and idless.get(r.core.tool_name):
                         if not (r.core.tool_call_id and r.core.tool_call_id in s.calls):
                             idless[r.core.tool_name].pop(0)
+        call_edits = bool(s.calls or s.flags.get("truncated"))
+        responses = lane.name == "responses"
+        render_tag = tags.render
         for k in range(q, len(resolved)):
             i = start + k
-            src = bytes(raws[i])
+            info = infos[i]
+            src = info.raw  # the item's bytes (infos[i] was looked up by exactly these)
             edits = []
             tagged = 0
             for r in resolved[k]:
                 core = r.core
                 if _taggable(core, prefill=i == last and core.role == "assistant"):
-                    text = tags.render(r.entry.ref, r.entry.tokens, core.ctype, core.text)
-                    suffix = nudges.get(r.entry.ref)
+                    entry = r.entry
+                    text = render_tag(entry.ref, entry.tokens, core.ctype, core.text)
+                    suffix = nudges.get(entry.ref) if nudges else None
                     edits.append((core.path, text + "\n\n" + suffix if suffix else text))
                     tagged += 1
                 elif r.dirty and core.path:
                     edits.append((core.path, core.text))
-            info = infos[i]
-            if s.calls or s.flags.get("truncated"):
+            if call_edits:
                 edits += self._call_edits(s, lane, info, resolved[k], idless)
-            if lane.name == "responses" and b'"msg-proxy-' in src:
+            if responses and b'"msg-proxy-' in src:
                 edits += hygiene.proxy_id_edits("responses", info.obj)
             if strict_chat and b'"tool_calls"' in src:
                 edits += hygiene.strict_chat_edits(info.obj)
-            out = patch_many(src, edits) if edits else src
+            if edits:
+                out = patch_many(src, edits)
+                changed_cum.append(changed_cum[-1] + (out != src))
+            else:
+                out = src
+                changed_cum.append(changed_cum[-1])
             rendered.append(out)
-            changed_cum.append(changed_cum[-1] + (out != src))
             tagged_cum.append(tagged_cum[-1] + tagged)
 
     # -- snapshot render -------------------------------------------------------------------------
@@ -639,7 +649,7 @@ class Engine(ProxyTools):
         active = any(b.active for b in s.blocks)
         plan = fold.plan(view, s.blocks, hidden, snoozed) if hidden or active else fold.Plan(set(), {}, [])
         after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
-        nudge_at = {k for k, it in enumerate(view.items) if after and set(it.refs) & after.keys()}
+        nudge_at = {k for k, it in enumerate(view.items) for p in it.parts if p.ref in after} if after else set()
         if not plan.drop and not plan.inserts and not nudge_at and not pre:
             return False
         out: list[bytes] = items_out[:start]
@@ -717,14 +727,15 @@ def _prefix_counter(memo: Memo | None, q: int) -> Counter:
 
 
 def _view_items(resolved: list[list[Resolved]], first_index: int) -> list[ViewItem]:
-    return [
-        ViewItem(first_index + k, [
-            PartView(r.entry.ref, r.core.role, r.core.ctype, r.core.tool_name, r.core.tool_call_id, r.core.text,
-                     r.entry.tokens)
-            for r in parts
-        ])
-        for k, parts in enumerate(resolved)
-    ]
+    out = []
+    for k, parts in enumerate(resolved, first_index):
+        views = []
+        for r in parts:
+            core, entry = r.core, r.entry
+            views.append(PartView(entry.ref, core.role, core.ctype, core.tool_name, core.tool_call_id, core.text,
+                                  entry.tokens))
+        out.append(ViewItem(k, views))
+    return out
 
 
 def _taggable(core: Core, *, prefill: bool) -> bool:
