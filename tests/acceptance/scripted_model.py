@@ -204,13 +204,13 @@ def call_id(lane: str, stage: int) -> str:
     return f"toolu_bili_s{stage}" if lane == "anthropic" else f"call_bili_s{stage}"
 
 
-def anthropic_answer(seq: int, model: str, a: Action, stream: bool) -> tuple[str, bytes]:
+def anthropic_answer(seq: int, model: str, a: Action, stream: bool, prompt: int = 100) -> tuple[str, bytes]:
     text = ECHO + a.text
     content: list[dict] = [{"type": "text", "text": text}]
     if a.kind == "tool":
         content.append({"type": "tool_use", "id": call_id("anthropic", a.stage), "name": a.tool, "input": a.args})
     stop = "tool_use" if a.kind == "tool" else "end_turn"
-    usage = {"input_tokens": 100, "output_tokens": 20, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+    usage = {"input_tokens": prompt, "output_tokens": 20, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
     msg = {"id": f"msg_scripted{seq:05d}", "type": "message", "role": "assistant", "model": model,
            "content": content, "stop_reason": stop, "stop_sequence": None, "usage": usage}
     if not stream:
@@ -236,12 +236,12 @@ def anthropic_answer(seq: int, model: str, a: Action, stream: bool) -> tuple[str
     return "text/event-stream", _sse(ev)
 
 
-def chat_answer(seq: int, model: str, a: Action, stream: bool) -> tuple[str, bytes]:
+def chat_answer(seq: int, model: str, a: Action, stream: bool, prompt: int = 100) -> tuple[str, bytes]:
     text = ECHO + a.text
     finish = "tool_calls" if a.kind == "tool" else "stop"
     call = {"id": call_id("chat", a.stage), "type": "function",
             "function": {"name": a.tool, "arguments": json.dumps(a.args)}}
-    usage = {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}
+    usage = {"prompt_tokens": prompt, "completion_tokens": 20, "total_tokens": prompt + 20}
     base = {"id": f"chatcmpl-scripted{seq:05d}", "created": 1_700_000_000 + seq, "model": model}
     if not stream:
         message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -265,7 +265,7 @@ def chat_answer(seq: int, model: str, a: Action, stream: bool) -> tuple[str, byt
     return "text/event-stream", _sse(ev) + b"data: [DONE]\n\n"
 
 
-def responses_answer(seq: int, model: str, a: Action, stream: bool) -> tuple[str, bytes]:
+def responses_answer(seq: int, model: str, a: Action, stream: bool, prompt: int = 100) -> tuple[str, bytes]:
     text = ECHO + a.text
     msg_id, fc_id = f"msg_scripted{seq:05d}", f"fc_scripted{seq:05d}"
     message = {"type": "message", "id": msg_id, "status": "completed", "role": "assistant",
@@ -274,8 +274,8 @@ def responses_answer(seq: int, model: str, a: Action, stream: bool) -> tuple[str
     if a.kind == "tool":
         output.append({"type": "function_call", "id": fc_id, "call_id": call_id("responses", a.stage),
                        "name": a.tool, "arguments": json.dumps(a.args), "status": "completed"})
-    usage = {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 20,
-             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 120}
+    usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 20,
+             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + 20}
 
     def resp(done: bool) -> dict:
         return {"id": f"resp_scripted{seq:05d}", "object": "response", "created_at": 1_700_000_000 + seq,
@@ -420,7 +420,8 @@ class ScriptedModel:
             return 400, "application/json", b'{"error": {"type": "invalid_request_error", "message": "not JSON"}}'
         action = rec.action = decide(rec.lane, rec.json)
         model = rec.json.get("model") or "scripted"
-        ctype, body = ANSWERS[rec.lane](rec.seq, model, action, bool(rec.json.get("stream")))
+        # the usage reports the prompt's size (~ bytes / 4), as the real APIs do
+        ctype, body = ANSWERS[rec.lane](rec.seq, model, action, bool(rec.json.get("stream")), len(rec.body) // 4)
         return 200, ctype, body
 
     # -- for the assertions ----------------------------------------------------------------------

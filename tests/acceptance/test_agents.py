@@ -130,6 +130,41 @@ def test_claude_code(model, work):
     assert all(r.host.startswith("api.anthropic.com") for r in model.model_requests())
 
 
+def test_claude_code_with_fold_reminders(model, work):
+    """Reminders early (bili_remind_at=1500): Claude Code replays the user turn the reminder was put
+    in (after its tool results) as it stored it, the addon puts the same reminder back, and the run
+    goes on as scripted."""
+    tmp, home, cwd = work
+    bins = agent_bin_dir(PINS["claude"], tmp)
+    cfg = [_write(home / ".claude" / "settings.json", json.dumps({"env": {"BILI_TEST_MARK": "1"}}, indent=2) + "\n")]
+    before = snapshot(cfg)
+    env = base_env(home, bins, ANTHROPIC_API_KEY="sk-ant-api03-fake-bili-acceptance")
+    run = run_launcher("claude", ["-p", PROMPT, "--allowedTools", "Bash"], env=env, cwd=cwd, model=model, work=tmp,
+                       launcher_args=["--set", "bili_remind_at=1500"])
+    assert_scripted_run(run, model, "anthropic", before, cfg)
+    reqs = [r for r in model.model_requests() if r.json.get("tools")]
+
+    def reminder_in(msg: dict) -> str | None:
+        blocks = msg["content"] if isinstance(msg["content"], list) else []
+        texts = [b["text"] for b in blocks if b.get("type") == "text" and b["text"].startswith("[bili] ~")]
+        return texts[0] if texts else None
+
+    first = next((k for k, r in enumerate(reqs) if reminder_in(r.json["messages"][-1])), None)
+    assert first is not None, "no reminder reached the model\n" + _report(run, model)
+    msgs = reqs[first].json["messages"]
+    note = reminder_in(msgs[-1])
+    kinds = [b["type"] for b in msgs[-1]["content"]]
+    assert kinds[0] == "tool_result" and kinds[-1] == "text", kinds  # after the results, in the same turn
+    assert sum(reminder_in(m) is not None for m in msgs) == 1
+    for later in reqs[first + 1:]:
+        count = sum(reminder_in(m) == note for m in later.json["messages"])
+        if later.action.stage <= COMPRESS_STAGE:  # replayed by the agent, put back by the addon, byte for byte
+            assert count == 1, f"request {later.seq} lost the reminder\n" + _report(run, model)
+        else:  # the fold took the turn it was in (step 2's listing) along, or it is still there once
+            assert count == (1 if b"beta-row-" in later.body else 0), later.seq
+    assert "[bili] ~" not in run.stdout
+
+
 def test_claude_code_first_party_observe(model, work):
     """--first-party observe: Claude Code's api.anthropic.com bodies reach the model as the agent sent them."""
     tmp, home, cwd = work
