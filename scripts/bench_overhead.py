@@ -195,10 +195,6 @@ def median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1000
 
 
-def floor_of(raw: bytes, reps: int) -> float:
-    return median_ms([cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw))) for _ in range(reps)])
-
-
 class DigestCounter:
     """Counts the content hashes the kernel computes (``identity.digest`` wherever the kernel
     imported it: item parsing in ``state``, tag stripping in ``turn``)."""
@@ -223,8 +219,10 @@ class DigestCounter:
             m.digest = self.orig
 
 
-def first_turn(case: Case, raw: bytes, reps: int) -> tuple[float, bytes]:
-    samples, out = [], b""
+def first_turn(case: Case, raw: bytes, reps: int) -> tuple[float, float, float, bytes]:
+    """Median ms of a first turn, of the floor measured right before each one, and the median of the
+    per-pair ratios (robust to a host whose load drifts during the run)."""
+    samples, floors, out = [], [], b""
     for _ in range(reps):
         with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
             eng = Engine(Store(d), fold_cfg=FoldConfig())
@@ -234,15 +232,17 @@ def first_turn(case: Case, raw: bytes, reps: int) -> tuple[float, bytes]:
                 nonlocal res
                 res = eng.process(raw, case.lane, HEADERS, render=True)
 
+            floors.append(cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw))))
             samples.append(cpu(run))
             out = res.body or raw
             eng.store.close()
-    return median_ms(samples), out
+    ratio = statistics.median(a / b for a, b in zip(samples, floors))
+    return median_ms(samples), median_ms(floors), ratio, out
 
 
 def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, float, int, int, str]:
-    """Median ms of a follow-up turn, its floor, digests computed per turn (max), new parts per turn,
-    and a profile report when asked."""
+    """Median ms of a follow-up turn, the median ratio to its own floor (measured right before it),
+    digests computed per turn (max), new parts per turn, and a profile report when asked."""
     with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
         eng = Engine(Store(d), fold_cfg=FoldConfig())
         msgs = list(case.msgs)
@@ -273,7 +273,8 @@ def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, floa
         buf.write("\n--- by cumulative time ---\n")
         st.sort_stats("cumulative").print_stats(28)
         report = buf.getvalue()
-    return median_ms(samples), median_ms(floors), max(digests), 1, report
+    ratio = statistics.median(a / b for a, b in zip(samples, floors))
+    return median_ms(samples), ratio, max(digests), 1, report
 
 
 def fmt_size(n: int) -> str:
@@ -303,12 +304,10 @@ def main() -> None:
     for lane, n, first_reps, follow_reps in plan:
         case = Case(lane, n)
         raw = case.body(case.msgs)
-        floor = floor_of(raw, max(5, follow_reps))
-        first, _ = first_turn(case, raw, first_reps)
+        first, floor, r1, _ = first_turn(case, raw, first_reps)
         profile = args.profile and (lane, n) == max(((lane_, n_) for lane_, n_, *_ in plan if lane_ == "anthropic"),
                                                     key=lambda x: x[1])
-        fol, fol_floor, hashed, new_parts, report = follow_up(case, follow_reps, profile=profile)
-        r1, r2 = first / floor, fol / fol_floor
+        fol, r2, hashed, new_parts, report = follow_up(case, follow_reps, profile=profile)
         rows.append((lane, n, r1, r2, hashed, new_parts))
         print(f"{lane:<10}{n:>7,}{fmt_size(len(raw)):>10}{floor:>10.2f}{first:>10.2f}{r1:>8.1f}x"
               f"{fol:>11.2f}{r2:>8.1f}x{hashed:>8}", flush=True)
@@ -316,6 +315,7 @@ def main() -> None:
             print("\n" + report)
     print()
     print("floor: msgspec.json.decode + msgspec.json.encode of the body; first: fresh Engine and store;")
+    print("x floor: the median of the ratios of each run to the floor measured right before it;")
     print("follow: same Engine, one new message appended (its own floor, the body one message longer);")
     print("hashed: message parts content-hashed (identity.digest) during one follow-up turn (max over runs).")
     print()
