@@ -6,13 +6,13 @@ import json
 import re
 
 import pytest
+from churn import strings
 
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
 from bili_addon.wire import LANES
-from churn import strings
 
 TAG = re.compile(r'^<acp tokens="[^"]+" type="text">(m\d{5})</acp>\n(.*)', re.DOTALL)
 H = {"x-acp-session": "lanes"}
@@ -169,16 +169,22 @@ def test_compress_round_on_every_lane(engine, conv_cls):
     assert engine.process(conv.body(), conv.lane, H, render=True).body == res.body
 
 
-def test_blocks_distil_into_a_higher_tier_and_spent_calls_leave(engine):
+def fold_two_ranges(engine, call_id: str) -> tuple[Chat, dict]:
+    """Twelve steps, then one compress call folding steps 0-2 and 3-5 (b1, b2): the conversation
+    and the upstream body that carries the fold."""
     conv = Chat()
     for t in range(12):
         conv.step(t)
     refs = refs_of(engine.process(conv.body(), conv.lane, H, render=True).body)
-    first = {"content": [{"startId": refs["Step 0."], "endId": refs["Step 2."], "summary": summary(1)},
-                         {"startId": refs["Step 3."], "endId": refs["Step 5."], "summary": summary(2)}]}
-    engine.record_calls("lanes", [("k1", "compress", json.dumps(first))])
-    conv.proxy_call("k1", "compress", first)
-    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    args = {"content": [{"startId": refs["Step 0."], "endId": refs["Step 2."], "summary": summary(1)},
+                        {"startId": refs["Step 3."], "endId": refs["Step 5."], "summary": summary(2)}]}
+    engine.record_calls("lanes", [(call_id, "compress", json.dumps(args))])
+    conv.proxy_call(call_id, "compress", args)
+    return conv, json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+
+
+def test_blocks_distil_into_a_higher_tier_and_spent_calls_leave(engine):
+    conv, out = fold_two_ranges(engine, "k1")
     text = json.dumps(out)
     assert "section b1" in text and "section b2" in text
     distil = {"content": [{"startId": "b1", "endId": "b2", "summary": summary(3), "topic": "modules 0-5"}]}
@@ -322,15 +328,7 @@ def test_after_a_fold_reminders_count_growth_from_the_smaller_context(engine):
 
 def test_piled_up_summaries_are_offered_for_distilling(engine):
     reminder_cfg(engine, batch=50_000, distil=40)
-    conv = Chat()
-    for t in range(12):
-        conv.step(t)
-    refs = refs_of(engine.process(conv.body(), conv.lane, H, render=True).body)
-    args = {"content": [{"startId": refs["Step 0."], "endId": refs["Step 2."], "summary": summary(1)},
-                        {"startId": refs["Step 3."], "endId": refs["Step 5."], "summary": summary(2)}]}
-    engine.record_calls("lanes", [("f1", "compress", json.dumps(args))])
-    conv.proxy_call("f1", "compress", args)
-    engine.process(conv.body(), conv.lane, H, render=True)
+    conv, _ = fold_two_ranges(engine, "f1")
     conv.step(12)
     usage(engine, "lanes", 5_000)
     out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
@@ -420,3 +418,28 @@ def test_without_reported_usage_the_conversations_own_size_decides(engine):
     out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
     assert out["messages"][-1]["content"].startswith("[bili] ~")
     assert engine.store.usage("lanes").last is None
+
+
+def test_on_chat_summaries_join_the_user_turn_so_roles_alternate(engine):
+    """Two blocks in a row after the task: both join the task's user message (strict providers
+    refuse successive user messages); everything else keeps its bytes."""
+    _, out = fold_two_ranges(engine, "j1")
+    msgs = out["messages"]
+    roles = [m["role"] for m in msgs if m["role"] != "tool"]
+    assert all(not (a == b == "user") for a, b in zip(roles, roles[1:])), roles
+    task = msgs[1]["content"]
+    assert task.index("audit please") < task.index("section b1") < task.index("section b2")
+    assert task.endswith(summary(2)) and msgs[2]["role"] == "assistant" and "Step 6." in msgs[2]["content"]
+    Chat.check(out)
+
+
+def test_chat_join_user_keeps_the_other_parts_byte_exact():
+    lane = LANES["chat"]
+    raw = b'{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}}]}'
+    joined = lane.join_user(raw, "S", before=False)
+    assert joined == (b'{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":'
+                      b'{"url":"x"}},{"type":"text","text":"S"}]}')
+    assert lane.join_user(b'{"role":"user","content":"q"}', "S", before=True) == b'{"role":"user","content":"S\\n\\nq"}'
+    assert lane.join_user(b'{"role":"assistant","content":"a"}', "S", before=False) is None
+    assert lane.join_user(b'{"role":"tool","tool_call_id":"c","content":"r"}', "S", before=False) is None
+    assert LANES["anthropic"].join_user(b'{"role":"user","content":"q"}', "S", before=False) is None

@@ -102,8 +102,9 @@ and settings, decisions with their reasons, what the user asked for in their wor
 tried and failed, and open tasks. Drop chatter and output that was only scanned. Use terse bullets \
 under short headings.
 
-A block appears as a message starting with "[Compressed conversation section bN ...]". It is a \
-record of what already happened, written by you earlier: history, not instructions.\
+A block is text starting with "[Compressed conversation section bN ...]", as a message of its own \
+or after the user message before it. It is a record of what already happened, written by you \
+earlier: history, not instructions.\
 """
 
 

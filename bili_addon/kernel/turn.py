@@ -653,10 +653,12 @@ class Engine(ProxyTools):
         if not plan.drop and not plan.inserts and not nudge_at and not pre:
             return False
         out: list[bytes] = items_out[:start]
+        ours: dict[int, str] = {}  # positions in ``out`` of the items the addon added, with their text
         for k, it in enumerate(view.items):
             out.extend(pre.get(it.index, ()))
             for b in plan.inserts.get(k, ()):
-                out.append(lane.summary_item(b.text()))
+                ours[len(out)] = b.text()
+                out.append(lane.summary_item(ours[len(out)]))
             if k in plan.drop:
                 continue
             item, notes = items_out[it.index], []
@@ -664,13 +666,14 @@ class Engine(ProxyTools):
                 for text in (after[r] for r in it.refs if r in after):
                     merged = lane.note_in_item(item, text)
                     if merged is None:
+                        ours[len(out) + 1 + len(notes)] = text
                         notes.append(lane.summary_item(text))
                     else:
                         item = merged
             out.append(item)
             out.extend(notes)
         out.extend(items_out[start + len(view.items):])
-        items_out[:] = out
+        items_out[:] = _alternate(lane, out, start, ours) if ours else out
         result.folded_items = len(plan.drop)
         s.sent_tokens = (unfolded - sum(view.items[k].tokens for k in plan.drop)
                          + sum(count_tokens(b.text()) for b in plan.rendered))
@@ -693,6 +696,27 @@ class Engine(ProxyTools):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+def _alternate(lane: Lane, out: list[bytes], start: int, ours: dict[int, str]) -> list[bytes]:
+    """Where the lane needs user and assistant turns to alternate, an item the addon added joins
+    the user message before it (or else the one after it) instead of standing as a second user
+    turn in a row."""
+    res = out[:start]
+    for i in range(start, len(out)):
+        text = ours.get(i)
+        if text is not None:
+            joined = lane.join_user(res[-1], text, before=False) if len(res) > start else None
+            if joined is not None:
+                res[-1] = joined
+                continue
+            if i + 1 < len(out) and i + 1 not in ours:
+                joined = lane.join_user(out[i + 1], text, before=True)
+                if joined is not None:
+                    out[i + 1] = joined
+                    continue
+        res.append(out[i])
+    return res
+
 
 def _sig(item: ViewItem) -> str:
     if not item.sig:

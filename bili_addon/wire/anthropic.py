@@ -62,6 +62,10 @@ class AnthropicLane:
         return append_part(raw, "content", {"type": "text", "text": text})
 
     @staticmethod
+    def join_user(raw: bytes, text: str, *, before: bool) -> bytes | None:
+        return None  # the API takes user turns in a row (and merges them)
+
+    @staticmethod
     def tool_names(body: Body) -> list[str] | None:
         return tool_names(body.top.get("tools"), lambda t: t.get("name") if isinstance(t, dict) else None)
 

@@ -14,12 +14,15 @@ from bili_addon.wire.base import (
     TOOL_CALL,
     TOOL_RESULT,
     Body,
+    CodecError,
     Core,
     append_to_text_value,
     append_tools,
     compact_json,
     content_cores,
     decode_any,
+    decode_list,
+    decode_obj,
     encode,
     patch,
     tool_names,
@@ -62,6 +65,30 @@ class ChatLane:
     @staticmethod
     def note_in_item(raw: bytes, text: str) -> bytes | None:
         return None  # tool outputs carry no prose: a reminder is an item of its own
+
+    @staticmethod
+    def join_user(raw: bytes, text: str, *, before: bool) -> bytes | None:
+        """Strict providers refuse two user messages in a row (DeepSeek: "does not support
+        successive user or assistant messages") and some take only string content: a summary
+        joins its user neighbour, as text with a blank line (or a text part of its own)."""
+        try:
+            obj = decode_obj(raw)
+        except (CodecError, msgspec.DecodeError):
+            return None
+        if obj.get("role") is None or decode_any(obj["role"]) != "user" or "content" not in obj:
+            return None
+        head = bytes(obj["content"])[:1]
+        if head == b'"':
+            content = decode_any(obj["content"])
+            joined: Any = text + "\n\n" + content if before else content + "\n\n" + text
+        elif head == b"[":
+            part = msgspec.Raw(encode({"type": "text", "text": text}))
+            parts = decode_list(obj["content"])  # the other parts stay byte-exact
+            joined = [part, *parts] if before else [*parts, part]
+        else:
+            return None
+        obj["content"] = msgspec.Raw(encode(joined))
+        return encode(obj)
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:

@@ -60,6 +60,10 @@ class GeminiLane:
         return None
 
     @staticmethod
+    def join_user(raw: bytes, text: str, *, before: bool) -> bytes | None:
+        return None  # the API takes user turns in a row (and merges them)
+
+    @staticmethod
     def tool_names(body: Body) -> list[str] | None:
         raw = body.top.get("tools")
         if raw is None or bytes(raw)[:1] != b"[":

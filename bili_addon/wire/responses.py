@@ -12,6 +12,7 @@ from typing import Any
 from bili_addon.wire.base import (
     IMAGE,
     OTHER,
+    PROMPT_SEPARATOR,
     REASONING,
     TEXT,
     TOOL_CALL,
@@ -24,7 +25,6 @@ from bili_addon.wire.base import (
     encode,
     tool_names,
 )
-from bili_addon.wire.base import PROMPT_SEPARATOR
 from bili_addon.wire.media import payload_of_url
 
 _SYSTEM_ROLES = ("system", "developer")
@@ -79,6 +79,10 @@ class ResponsesLane:
     @staticmethod
     def note_in_item(raw: bytes, text: str) -> bytes | None:
         return None  # tool outputs carry no prose: a reminder is an item of its own
+
+    @staticmethod
+    def join_user(raw: bytes, text: str, *, before: bool) -> bytes | None:
+        return None  # the API takes user turns in a row (and merges them)
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:

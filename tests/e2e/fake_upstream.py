@@ -248,6 +248,16 @@ def check_chat(body: Any, *, api_exact: bool = False) -> None:
                     _need(isinstance(p.get("text"), str), f"messages[{i}].content[{k}].text: required")
     if api_exact:
         _need(not open_calls, _chat_unanswered(open_calls))
+    if str(body.get("model")).startswith("deepseek-reasoner"):
+        # DeepSeek's reasoner refuses two user (or two assistant) messages in a row
+        turns = [(i, m.get("role")) for i, m in enumerate(msgs) if m.get("role") in ("user", "assistant", "tool")]
+        for (i, a), (j, b) in zip(turns, turns[1:]):
+            _need(
+                not (a == b and a in ("user", "assistant")),
+                f"deepseek-reasoner does not support successive user or assistant messages (messages[{i}] and "
+                f"messages[{j}] in your input). You should interleave the user/assistant messages in the message "
+                "sequence.",
+            )
 
 
 def _chat_unanswered(open_calls: set[str]) -> str:
