@@ -21,7 +21,7 @@ class NudgeConfig:
     # (scripts/bench_session.py measures the trade-off).
     batch_tokens: int = 15_000  # foldable tokens (outside the protected zone) that call for a fold
     regrowth_tokens: int = 10_000  # an unanswered reminder is repeated after the context grew this much
-    distil_tokens: int = 10_000  # summaries of one tier that call for distilling them into the next
+    distil_tokens: int = 5_000  # summaries of one tier (with strays between them) that call for distilling
     pressure: float = 0.75  # from this share of the window on: a reminder every turn while anything is foldable
     truncate_at: float = 0.95  # emergency truncation of old tool outputs from this share on
     truncate_min_tokens: int = 1000
