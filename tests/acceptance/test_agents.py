@@ -12,6 +12,10 @@ launcher exits with the agent's code.  Asserted for every agent:
   listing out);
 - no process is left behind (the proxy's pid, the agent's pid, the launcher's process group);
 - the agent's configuration files are byte-identical, mtimes included.
+
+Claude Code, codex and hermes run once more with early fold reminders (``bili_remind_at=1500``), one
+agent per lane: the reminder sits right after the tool results of the newest turn, and survives the
+agent's replays of its own history byte for byte until a fold takes the output it followed.
 """
 
 from __future__ import annotations
@@ -116,52 +120,56 @@ def work(tmp_path):
     return tmp_path, home, cwd
 
 
-def test_claude_code(model, work):
-    tmp, home, cwd = work
-    bins = agent_bin_dir(PINS["claude"], tmp)
-    cfg = [_write(home / ".claude" / "settings.json", json.dumps({"env": {"BILI_TEST_MARK": "1"}}, indent=2) + "\n")]
-    before = snapshot(cfg)
-    env = base_env(home, bins, ANTHROPIC_API_KEY="sk-ant-api03-fake-bili-acceptance")
-    run = run_launcher("claude", ["-p", PROMPT, "--allowedTools", "Bash"], env=env, cwd=cwd, model=model, work=tmp)
-    assert_scripted_run(run, model, "anthropic", before, cfg)
-    # first-party host: system[0] is the billing block, still first upstream
-    loop = model.by_stage(COMPRESS_STAGE + 1)[-1].json
-    assert loop["system"][0]["text"].startswith("x-anthropic-billing-header:")
-    assert all(r.host.startswith("api.anthropic.com") for r in model.model_requests())
-
-
-def test_claude_code_with_fold_reminders(model, work):
-    """Reminders early (bili_remind_at=1500): Claude Code replays the user turn the reminder was put
-    in (after its tool results) as it stored it, the addon puts the same reminder back, and the run
-    goes on as scripted."""
+@pytest.mark.parametrize("remind", [False, True], ids=["plain", "reminders"])
+def test_claude_code(model, work, remind):
     tmp, home, cwd = work
     bins = agent_bin_dir(PINS["claude"], tmp)
     cfg = [_write(home / ".claude" / "settings.json", json.dumps({"env": {"BILI_TEST_MARK": "1"}}, indent=2) + "\n")]
     before = snapshot(cfg)
     env = base_env(home, bins, ANTHROPIC_API_KEY="sk-ant-api03-fake-bili-acceptance")
     run = run_launcher("claude", ["-p", PROMPT, "--allowedTools", "Bash"], env=env, cwd=cwd, model=model, work=tmp,
-                       launcher_args=["--set", "bili_remind_at=1500"])
+                       launcher_args=REMIND if remind else ())
     assert_scripted_run(run, model, "anthropic", before, cfg)
+    if remind:
+        assert_reminders(run, model, "anthropic")
+    # first-party host: system[0] is the billing block, still first upstream
+    loop = model.by_stage(COMPRESS_STAGE + 1)[-1].json
+    assert loop["system"][0]["text"].startswith("x-anthropic-billing-header:")
+    assert all(r.host.startswith("api.anthropic.com") for r in model.model_requests())
+
+
+REMIND = ["--set", "bili_remind_at=1500"]  # early reminders: the listings are ~1.2K tokens each
+CONV_KEY = {"anthropic": "messages", "chat": "messages", "responses": "input"}
+
+
+def assert_reminders(run: Run, model: ScriptedModel, lane: str) -> None:
+    """A fold reminder reached the model on the newest turn, right after the tool results; every
+    later request carries it again, byte for byte (the agent replays its own history, the addon
+    puts the reminder back), until a fold takes the tool output it was given after."""
     reqs = [r for r in model.model_requests() if r.json.get("tools")]
 
-    def reminder_in(msg: dict) -> str | None:
-        blocks = msg["content"] if isinstance(msg["content"], list) else []
-        texts = [b["text"] for b in blocks if b.get("type") == "text" and b["text"].startswith("[bili] ~")]
-        return texts[0] if texts else None
+    def notes(r) -> list[str]:
+        return [t for t in strings(r.json[CONV_KEY[lane]]) if t.startswith("[bili] ~")]
 
-    first = next((k for k, r in enumerate(reqs) if reminder_in(r.json["messages"][-1])), None)
+    first = next((k for k, r in enumerate(reqs) if notes(r)), None)
     assert first is not None, "no reminder reached the model\n" + _report(run, model)
-    msgs = reqs[first].json["messages"]
-    note = reminder_in(msgs[-1])
-    kinds = [b["type"] for b in msgs[-1]["content"]]
-    assert kinds[0] == "tool_result" and kinds[-1] == "text", kinds  # after the results, in the same turn
-    assert sum(reminder_in(m) is not None for m in msgs) == 1
+    [note] = notes(reqs[first])
+    conv = reqs[first].json[CONV_KEY[lane]]
+    last, before = json.dumps(conv[-1]), json.dumps(conv[-2])
+    if lane == "anthropic":  # inside the user turn, after its tool results (as Claude Code adds its own)
+        assert '"tool_result"' in last and note in strings(conv[-1]["content"][-1]), last[:300]
+    elif lane == "chat":  # a user message of its own after the tool message
+        assert conv[-1] == {"role": "user", "content": note} and '"role": "tool"' in before, (before[:200], last[:300])
+    else:  # a user input item of its own after the function call's output
+        assert conv[-1]["role"] == "user" and '"function_call_output"' in before, (before[:200], last[:300])
+    output = last if lane == "anthropic" else before
+    [listing] = [f"{w}-row-001" for w in ("alpha", "beta", "gamma", "delta") if f"{w}-row-001" in output]
     for later in reqs[first + 1:]:
-        count = sum(reminder_in(m) == note for m in later.json["messages"])
-        if later.action.stage <= COMPRESS_STAGE:  # replayed by the agent, put back by the addon, byte for byte
+        count = sum(t == note for t in strings(later.json[CONV_KEY[lane]]))
+        if later.action.stage <= COMPRESS_STAGE:
             assert count == 1, f"request {later.seq} lost the reminder\n" + _report(run, model)
-        else:  # the fold took the turn it was in (step 2's listing) along, or it is still there once
-            assert count == (1 if b"beta-row-" in later.body else 0), later.seq
+        else:  # the fold (of the first two listings) took it along with its output, or it stays
+            assert count == (1 if listing in later.body.decode() else 0), (later.seq, listing)
     assert "[bili] ~" not in run.stdout
 
 
@@ -190,15 +198,18 @@ def test_claude_code_first_party_observe(model, work):
     assert run.proxy_pid is not None and not alive(run.proxy_pid) and not run.leftovers
 
 
-def test_codex(model, work):
+@pytest.mark.parametrize("remind", [False, True], ids=["plain", "reminders"])
+def test_codex(model, work, remind):
     tmp, home, cwd = work
     bins = agent_bin_dir(PINS["codex"], tmp)
     cfg = [_write(home / ".codex" / "config.toml", 'model = "gpt-5.1-codex"\n')]
     before = snapshot(cfg)
     env = base_env(home, bins, CODEX_API_KEY="sk-fake-bili-acceptance", CODEX_HOME=str(home / ".codex"))
     run = run_launcher("codex", ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", PROMPT],
-                       env=env, cwd=cwd, model=model, work=tmp)
+                       env=env, cwd=cwd, model=model, work=tmp, launcher_args=REMIND if remind else ())
     assert_scripted_run(run, model, "responses", before, cfg)
+    if remind:
+        assert_reminders(run, model, "responses")
     # the WebSocket was refused by the proxy (426) and never reached the model; codex fell back to
     # HTTP POST with its full history every turn
     assert "refused a WebSocket upgrade" in run.proxy_log, _report(run, model)
@@ -254,7 +265,8 @@ def test_omp(model, work):
     assert all(r.host.startswith("api.anthropic.com") for r in model.model_requests())
 
 
-def test_hermes(model, work):
+@pytest.mark.parametrize("remind", [False, True], ids=["plain", "reminders"])
+def test_hermes(model, work, remind):
     tmp, home, cwd = work
     bins = agent_bin_dir(PINS["hermes"], tmp)
     conf = ("model:\n  provider: custom:scripted\n  default: gpt-scripted\n"
@@ -264,8 +276,10 @@ def test_hermes(model, work):
     before = snapshot(cfg)
     env = base_env(home, bins)
     run = run_launcher("hermes", ["-z", PROMPT, "--provider", "scripted", "-m", "gpt-scripted"], env=env, cwd=cwd,
-                       model=model, work=tmp)
+                       model=model, work=tmp, launcher_args=REMIND if remind else ())
     assert_scripted_run(run, model, "chat", before, cfg)
+    if remind:
+        assert_reminders(run, model, "chat")
     assert all(r.host.startswith("llm.hermes.bili-test.invalid") for r in model.model_requests())
 
 
