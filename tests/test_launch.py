@@ -26,12 +26,12 @@ from types import SimpleNamespace
 
 import pytest
 from mitmproxy import http
-from mitmproxy.test import taddons, tflow, tutils
+from mitmproxy.test import tflow, tutils
 
 from bili_addon import agents, cli, launch
 from bili_addon.agents import AGENTS, allow_hosts_regex, intercept_plan, strip_jsonc
 from bili_addon.certs import ensure_ca
-from bili_addon.shell import Bili, first_party_claude
+from bili_addon.shell import first_party_claude
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTE_ADDON = ROOT / "tests" / "e2e" / "route_addon.py"
@@ -253,16 +253,6 @@ def anthropic_flow(content: bytes, host: str = "api.anthropic.com"):
     f = tflow.tflow(req=req)
     f.client_conn.peername = ("127.0.0.1", 50000)
     return f
-
-
-@pytest.fixture
-def bili(tmp_path):
-    addon = Bili()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, bili_data_dir=str(tmp_path / "data"))
-        addon.tctx = tctx
-        yield addon
-    addon.done()
 
 
 def _raw_system(body: bytes) -> bytes:

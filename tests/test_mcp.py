@@ -54,16 +54,6 @@ def flow(path: str, content: bytes = b"", *, method: str = "POST", peer: str = "
     return f
 
 
-@pytest.fixture
-def bili(tmp_path):
-    addon = Bili()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, bili_data_dir=str(tmp_path / "data"))
-        addon.tctx = tctx
-        yield addon
-    addon.done()
-
-
 def model_request(bili: Bili, sid: str, *texts: str, tools: list[dict] | None = None) -> dict:
     f = flow("/v1/messages", anthropic_body(*texts, tools=tools), headers={"x_acp_session": sid})
     bili.request(f)

@@ -28,16 +28,6 @@ def model_flow(content: bytes, path: str = "/v1/messages", headers: dict | None 
     return f
 
 
-@pytest.fixture
-def bili(tmp_path):
-    addon = Bili()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, bili_data_dir=str(tmp_path / "data"))
-        addon.tctx = tctx
-        yield addon
-    addon.done()
-
-
 def session_headers(sid="s1"):
     return {"x_acp_session": sid}
 

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from churn import strings
 
 from .conftest import PINS, Run, agent_bin_dir, alive, base_env, free_port, run_launcher, snapshot
 from .scripted_model import COMPRESS_STAGE, ECHO, FINAL, ScriptedModel, call_id, results_of
@@ -92,14 +93,6 @@ def assert_scripted_run(run: Run, model: ScriptedModel, lane: str, config_before
     assert snapshot(config_paths) == config_before, "a configuration file changed"
 
 
-def strings(obj) -> list[str]:
-    if isinstance(obj, dict):
-        return [s for v in obj.values() for s in strings(v)]
-    if isinstance(obj, list):
-        return [s for v in obj for s in strings(v)]
-    return [obj] if isinstance(obj, str) else []
-
-
 def _write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -161,7 +154,8 @@ def assert_reminders(run: Run, model: ScriptedModel, lane: str) -> None:
     elif lane == "chat":  # a user message of its own after the tool message
         assert conv[-1] == {"role": "user", "content": note} and '"role": "tool"' in before, (before[:200], last[:300])
     else:  # a user input item of its own after the function call's output
-        assert conv[-1]["role"] == "user" and '"function_call_output"' in before, (before[:200], last[:300])
+        assert conv[-1]["role"] == "user" and note in strings(conv[-1]) and '"function_call_output"' in before, (
+            before[:200], last[:300])
     output = last if lane == "anthropic" else before
     [listing] = [f"{w}-row-001" for w in ("alpha", "beta", "gamma", "delta") if f"{w}-row-001" in output]
     for later in reqs[first + 1:]:

@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 import pytest
+from churn import strings
 
 from .fake_upstream import Act, proxy_call, say, tool
 from .support import AGENTS, Agent, Call, assert_only_tags_added, assert_prefix_stable, request, strip_tags
@@ -425,11 +426,15 @@ GUARD = [
     ("/v1beta/models/g:generateContent", {"contents": [_GU, _GS, _GC, _GR]}, 200, ""),
     ("/v1beta/models/g:generateContent", {"contents": [_GU, _GC, _GS, _GR]}, 400, "immediately after a function call"),
     ("/v1beta/models/g:generateContent", {"contents": [_GU, _GC, _GR, _GR]}, 400, "immediately after a function call"),
+    ("/v1beta/models/g:generateContent", {"contents": [_GU, _GC, {"role": "user", "parts": [
+        *_GR["parts"], {"text": "a note"}]}]}, 400, "ending with a model turn"),
     ("/v1/responses", {"model": "m", "input": [
         {"role": "user", "content": "hi"},
         {"type": "function_call", "call_id": "c1", "name": "Bash", "arguments": "{}"}]}, 400, "No tool output"),
     ("/v1/chat/completions", {"model": "m", "messages": [_U, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "Bash", "arguments": "{}"}}]}]}, 400, "c1"),
+    ("/v1/chat/completions", {"model": "deepseek-reasoner", "messages": [_U, _U]}, 400, "successive user"),
+    ("/v1/chat/completions", {"model": "gpt-x", "messages": [_U, _U]}, 200, ""),
 ]
 
 
@@ -450,19 +455,8 @@ REMIND_AT = 1500  # foldable tokens; each turn's Bash output is ~400
 REMINDER_RANGE = re.compile(r"^  (m\d{5})–(m\d{5})  \d+ messages  ~", re.M)
 
 
-def texts_in(value: Any):
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from texts_in(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from texts_in(v)
-
-
 def reminders_in(body: Any) -> list[str]:
-    return [t for t in texts_in(body) if "[bili] ~" in t]
+    return [t for t in strings(body) if "[bili] ~" in t]
 
 
 def fold_what_was_offered(body: Any) -> dict:
@@ -498,11 +492,16 @@ def test_the_model_folds_what_the_reminder_offers(fake, reminding_proxy, sid, la
     # on the newest item only: for Anthropic inside the turn that carries the tool results (as
     # Claude Code adds its own reminders), elsewhere an item of its own right after them
     conv = agent.conv(first)
-    assert note in list(texts_in(conv[-1])) and not any(note in list(texts_in(it)) for it in conv[:-1])
-    assert ("tool_result" in json.dumps(conv[-1])) == (lane == "anthropic")
+    assert note in list(strings(conv[-1])) and not any(note in list(strings(it)) for it in conv[:-1])
+    output = f"file-{reminded[0] - 1}-row-0"  # the tool output the reminder follows
+    assert conv[-1].get("role") == "user"
+    if lane == "anthropic":
+        assert output in json.dumps(conv[-1])
+    else:
+        assert output in json.dumps(conv[-2]) and "file-" not in json.dumps(conv[-1])
     # the reminder keeps its bytes on later turns, and no second one comes while nothing grew enough
-    if reminded[0] < 8:
-        assert reminders_in(up[reminded[0] + 1].json) == [note]
+    assert reminded[0] < 8
+    assert reminders_in(up[reminded[0] + 1].json) == [note]
     # turn 9: what the reminder offered is folded; pairing and roles still pass the fake's checks
     agent.step(9, run_bash)
     rec9 = up[9]
