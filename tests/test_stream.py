@@ -314,3 +314,14 @@ def test_json_bodies_clean_prose_and_keep_tool_calls(lane, body, get):
     out = ResponseRewriter(lane).json_body(json.dumps(body).encode())
     assert out is not None
     assert get(json.loads(out)) == ("Hi", "<acp>m00001</acp>")
+
+
+def test_echo_filter_stays_linear_on_code_with_a_lone_m():
+    """A line ending in a lone "m" and a deeply indented next line: the filter holds the tail back
+    as a possible ref run, and deciding that must not try every split of the spaces (with the old
+    patterns this input took hours)."""
+    pieces = ["    return", " m", "\n", " " * 40, "}", "\n" + "m0001 m0002 " * 30 + "end"]
+    f = EchoFilter()
+    out = "".join(f.feed(p) for p in pieces) + f.flush()
+    assert out == "".join(pieces)
+    assert strip_echoes("m00012 " * 30 + "x") == "m00012 " * 30 + "x"

@@ -25,7 +25,9 @@ NAMES = frozenset(_names)
 _NAME_PREFIXES = frozenset(n[:k] for n in NAMES for k in range(1, len(n) + 1))
 
 _N = "(?:" + "|".join(sorted(NAMES, key=len, reverse=True)) + ")"
-_REFS = r"m\d{4,}(?:\s*[–—,\-]?\s*m\d{4,})*"
+# (no two adjacent optional runs of the same characters: a failing match must not try every way
+# of splitting a run of spaces between them)
+_REFS = r"m\d{4,}(?:\s*(?:[–—,\-]\s*)?m\d{4,})*"
 _AFTER_NAME = r"(?=[\s>/=])"
 _ATTRS = r"(?:\s[^<>]*)?"
 
@@ -88,7 +90,7 @@ def strip_echoes(text: str, *, before: str = "", final: bool = True) -> str:
     return text
 
 
-_TRAILING_REFS = re.compile(r"(?<![\w>])m\d*(?:\s*[–—,\-]?\s*m?\d*)*\s*$")
+_TRAILING_REFS = re.compile(r"(?<![\w>])m[\s\d,\-–—m]*$")  # "m", then anything a ref run may still hold
 
 
 def _hold_from(buf: str, before: str) -> int:
