@@ -223,12 +223,16 @@ class Store:
             "SELECT turns, input_tokens, cache_read, cache_write, output_tokens FROM sessions WHERE id=?",
             (session_id,),
         ).fetchone() or (0, 0, 0, 0, 0)
+        return UsageTotals(*row, last=self.last_usage(session_id))
+
+    def last_usage(self, session_id: str) -> tuple[int, int, int, int] | None:
+        """The usage of the session's latest answer: input, cache read, cache write, output."""
         last = self.db.execute(
             "SELECT input_tokens, cache_read, cache_write, output_tokens FROM turns WHERE session_id=? "
             "ORDER BY n DESC LIMIT 1",
             (session_id,),
         ).fetchone()
-        return UsageTotals(*row, last=tuple(last) if last else None)
+        return tuple(last) if last else None
 
     def affinity(self) -> list[tuple[str, int, str]]:
         return self.db.execute("SELECT session_id, depth, tail FROM affinity").fetchall()

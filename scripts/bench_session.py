@@ -398,8 +398,7 @@ def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Scr
                     pending = call_id
                 else:  # a response of its own; the agent answers the unknown tool, and the model goes on
                     msgs = msgs + [{"role": "assistant", "content": [call]}, {"role": "user", "content": [error]}]
-                    outcome(t, send(t, "compress", tokens(len(answer_json := json.dumps(ask)))), call_id)
-                    del answer_json
+                    outcome(t, send(t, "compress", tokens(len(json.dumps(ask)))), call_id)
             msgs = msgs + [answer, follow]
         run.summary_tokens = model.summary_tokens
         engine.store.close()

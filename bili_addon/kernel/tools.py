@@ -56,7 +56,7 @@ class ProxyTools:
         if name == "search_context":
             return surfaces.search_context(args, s.blocks, originals)
         if name == "acp_status":
-            usage = self.store.usage(sid).last
+            usage = self.store.last_usage(sid)
             window = self.window_for(s)
             return surfaces.status(view, s.blocks, self.fold_cfg, (usage[0], window) if usage else None,
                                    self.nudge_cfg)

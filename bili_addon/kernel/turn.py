@@ -606,7 +606,7 @@ class Engine(ProxyTools):
         """Nudge and emergency truncation, decided from the usage the last answer reported."""
         if not view.items:
             return
-        last = self.store.usage(s.row.id).last
+        last = self.store.last_usage(s.row.id)
         # the size the provider reported for the last request; without one (a Chat stream without
         # include_usage), the conversation's own estimate
         if last:

@@ -24,7 +24,6 @@ from bili_addon.wire.base import (
     decode_list,
     decode_obj,
     encode,
-    patch,
     tool_names,
 )
 from bili_addon.wire.media import payload_of_url
@@ -108,11 +107,12 @@ class ChatLane:
         if tools:
             append_tools(body, "tools", names, shaped)
         if start > 0:  # the agent's leading system message gets the prompt at its end
-            i = start - 1
-            content = decode_any(items[i]).get("content")
-            new = append_to_text_value(msgspec.Raw(encode(content)), prompt, {"type": "text", "text": prompt})
+            obj = decode_obj(items[start - 1])  # the other parts keep their bytes
+            raw = obj.get("content")
+            new = append_to_text_value(raw, prompt, {"type": "text", "text": prompt}) if raw is not None else None
             if new is not None:
-                items[i] = patch(items[i], ("content",), decode_any(new))
+                obj["content"] = new
+                items[start - 1] = encode(obj)
                 return True
         items.insert(start, encode({"role": "system", "content": prompt}))
         return True
