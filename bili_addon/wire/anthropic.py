@@ -14,6 +14,7 @@ from bili_addon.wire.base import (
     TOOL_RESULT,
     Body,
     Core,
+    LaneDefaults,
     append_part,
     append_to_text_value,
     append_tools,
@@ -26,7 +27,7 @@ from bili_addon.wire.base import (
 from bili_addon.wire.media import payload_of_source
 
 
-class AnthropicLane:
+class AnthropicLane(LaneDefaults):
     name = "anthropic"
     conv_key = "messages"
 
@@ -60,10 +61,6 @@ class AnthropicLane:
     def note_in_item(raw: bytes, text: str) -> bytes | None:
         """Prose after the tool results of a user turn, the way the agents add their own reminders."""
         return append_part(raw, "content", {"type": "text", "text": text})
-
-    @staticmethod
-    def join_user(raw: bytes, text: str, *, before: bool) -> bytes | None:
-        return None  # the API takes user turns in a row (and merges them)
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:

@@ -134,6 +134,22 @@ def patch_many(raw: bytes, edits: Iterable[tuple[Path, Any]]) -> bytes:
     return raw
 
 
+class LaneDefaults:
+    """What most lanes do for the optional parts of the :class:`~bili_addon.wire.Lane` protocol."""
+
+    @staticmethod
+    def note_in_item(raw: bytes, text: str) -> bytes | None:
+        return None  # no place for prose in the item: a reminder is an item of its own
+
+    @staticmethod
+    def join_user(raw: bytes, text: str, *, before: bool) -> bytes | None:
+        return None  # the API takes user turns in a row (and merges them)
+
+    @staticmethod
+    def transplant_hints(row: bytes, client: bytes) -> bytes:
+        return row  # no per-turn transport hints in the items
+
+
 class Body:
     """A request body split into untouched top-level raw values and the conversation item array."""
 

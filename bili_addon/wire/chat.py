@@ -16,6 +16,7 @@ from bili_addon.wire.base import (
     Body,
     CodecError,
     Core,
+    LaneDefaults,
     append_to_text_value,
     append_tools,
     compact_json,
@@ -31,7 +32,7 @@ from bili_addon.wire.media import payload_of_url
 _SYSTEM_ROLES = ("system", "developer")
 
 
-class ChatLane:
+class ChatLane(LaneDefaults):
     name = "chat"
     conv_key = "messages"
 
@@ -60,10 +61,6 @@ class ChatLane:
     @staticmethod
     def summary_item(text: str) -> bytes:
         return encode({"role": "user", "content": text})
-
-    @staticmethod
-    def note_in_item(raw: bytes, text: str) -> bytes | None:
-        return None  # tool outputs carry no prose: a reminder is an item of its own
 
     @staticmethod
     def join_user(raw: bytes, text: str, *, before: bool) -> bytes | None:
@@ -116,10 +113,6 @@ class ChatLane:
                 return True
         items.insert(start, encode({"role": "system", "content": prompt}))
         return True
-
-    @staticmethod
-    def transplant_hints(row: bytes, client: bytes) -> bytes:
-        return row
 
     @staticmethod
     def result_edits(obj: Any, call_id: str, text: str) -> list:

@@ -18,6 +18,7 @@ from bili_addon.wire.base import (
     TOOL_RESULT,
     Body,
     Core,
+    LaneDefaults,
     append_tools,
     compact_json,
     decode_any,
@@ -29,7 +30,7 @@ from bili_addon.wire.media import payload_of_data
 _ROLES = {"user": "user", "model": "assistant", "assistant": "assistant", "system": "system"}
 
 
-class GeminiLane:
+class GeminiLane(LaneDefaults):
     name = "gemini"
     conv_key = "contents"
 
@@ -53,15 +54,8 @@ class GeminiLane:
     def summary_item(text: str) -> bytes:
         return encode({"role": "user", "parts": [{"text": text}]})
 
-    @staticmethod
-    def note_in_item(raw: bytes, text: str) -> bytes | None:
-        # the API splits turns on a function response content and refuses prose beside the
-        # responses; a content of its own is fine (consecutive user contents are merged)
-        return None
-
-    @staticmethod
-    def join_user(raw: bytes, text: str, *, before: bool) -> bytes | None:
-        return None  # the API takes user turns in a row (and merges them)
+    # note_in_item stays None: the API splits turns on a function response content and refuses
+    # prose beside the responses; a content of its own is fine (consecutive user contents merge)
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
@@ -90,10 +84,6 @@ class GeminiLane:
         system["parts"] = [*parts, {"text": prompt}]
         body.set("systemInstruction", system)
         return True
-
-    @staticmethod
-    def transplant_hints(row: bytes, client: bytes) -> bytes:
-        return row
 
     @staticmethod
     def result_edits(obj: Any, call_id: str, text: str) -> list:

@@ -19,6 +19,7 @@ from bili_addon.wire.base import (
     TOOL_RESULT,
     Body,
     Core,
+    LaneDefaults,
     append_tools,
     compact_json,
     content_cores,
@@ -34,7 +35,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 _CALL_PAYLOAD = ("arguments", "input", "action", "operation")
 
 
-class ResponsesLane:
+class ResponsesLane(LaneDefaults):
     name = "responses"
     conv_key = "input"
 
@@ -77,14 +78,6 @@ class ResponsesLane:
         return encode({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
 
     @staticmethod
-    def note_in_item(raw: bytes, text: str) -> bytes | None:
-        return None  # tool outputs carry no prose: a reminder is an item of its own
-
-    @staticmethod
-    def join_user(raw: bytes, text: str, *, before: bool) -> bytes | None:
-        return None  # the API takes user turns in a row (and merges them)
-
-    @staticmethod
     def tool_names(body: Body) -> list[str] | None:
         """Names of the request's tools; a namespace's tools (codex nests MCP servers' tools as
         ``{"type": "namespace", "name": "mcp__bili", "tools": [...]}``) as ``<namespace>__<tool>``."""
@@ -110,10 +103,6 @@ class ResponsesLane:
                                         "content": [{"type": "input_text", "text": prompt}]}))
             return True
         return changed
-
-    @staticmethod
-    def transplant_hints(row: bytes, client: bytes) -> bytes:
-        return row
 
     @staticmethod
     def result_edits(obj: Any, call_id: str, text: str) -> list:
