@@ -33,10 +33,6 @@ class EnvelopeRejected(ValueError):
     """The set is unusable for this turn (content identity applies); the reason is logged."""
 
 
-class EnvelopeConflict(ValueError):
-    """A live id was re-used for a different message: answered 400."""
-
-
 def parse(raw_field: Any, headers: Mapping[str, str], items: int) -> Envelope | None:
     """The envelope of a request, None when it carries none.  Raises EnvelopeRejected."""
     value, resync = raw_field, False

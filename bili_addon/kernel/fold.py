@@ -18,7 +18,7 @@ import msgspec
 
 from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.prompts import summary_header
-from bili_addon.kernel.tags import format_tokens, index_of
+from bili_addon.kernel.tags import format_tokens, index_of, ref_of
 from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, TOOL_RESULT
 
 _BLOCK_RE = re.compile(r"^b(\d{1,9})$")
@@ -204,19 +204,28 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
             if any(x in drop for x in group) and any(x not in drop for x in group):
                 drop.difference_update(group)
                 changed = True
+    # each block's summary stands at the first dropped item holding one of its refs (one pass over
+    # the dropped items, not one per block)
+    live = sorted((b for b in blocks if b.active and b.id not in snoozed), key=lambda b: b.number)
+    holders: dict[str, list[int]] = {}
+    for i, b in enumerate(live):
+        for r in b.coverage:
+            holders.setdefault(r, []).append(i)
+    first: dict[int, int] = {}
+    for k in drop:
+        for p in items[k].parts:
+            for i in holders.get(p.ref, ()):
+                if k < first.get(i, len(items)):
+                    first[i] = k
     inserts: dict[int, list[Block]] = {}
     rendered: list[Block] = []
-    for b in sorted((b for b in blocks if b.active), key=lambda b: b.number):
-        if b.id in snoozed:
-            continue
-        mine = set(b.coverage)
-        where = [k for k in drop if mine & set(items[k].refs)]
-        if where:
-            inserts.setdefault(min(where), []).append(b)
-            rendered.append(b)
+    for i, b in enumerate(live):
         # a block none of whose parts is on the wire is not rendered: whether the host dropped
         # them or this is not the conversation it was made in cannot be told apart from here,
         # and a summary in the wrong conversation is the one failure that must never happen
+        if i in first:
+            inserts.setdefault(first[i], []).append(b)
+            rendered.append(b)
     return Plan(drop, inserts, rendered)
 
 
@@ -274,7 +283,7 @@ class CompressOutcome:
 
 def _norm_ref(s: str) -> str | None:
     i = index_of(s)
-    return f"m{i:05d}" if i is not None else None
+    return ref_of(i) if i is not None else None
 
 
 def _block_id(s: str) -> str | None:

@@ -14,7 +14,7 @@ from typing import Any
 from bili_addon.kernel import nudge
 from bili_addon.kernel.fold import Block, FoldConfig, View, coverage
 from bili_addon.kernel.search import Doc, search
-from bili_addon.kernel.tags import format_tokens, index_of
+from bili_addon.kernel.tags import format_tokens, index_of, ref_of
 from bili_addon.wire.base import TOOL_CALL, TOOL_RESULT
 
 PAGE_CHARS = 16000
@@ -28,7 +28,7 @@ def _find_block(key: str, blocks: list[Block]) -> Block | None:
     i = index_of(key)
     if i is None:
         return None
-    ref = f"m{i:05d}"
+    ref = ref_of(i)
     holders = [b for b in blocks if ref in b.covered]
     active = [b for b in holders if b.active]
     return (active or holders or [None])[0]

@@ -300,8 +300,8 @@ class Engine(ProxyTools):
         appended_from = 0
         if prev_ids is not None:
             prev_bases = {i[:18] for i in prev_ids}
-            known = [k for k, info in enumerate(infos) if any(p.base in prev_bases for p in info.parts)]
-            appended_from = known[-1] + 1 if known else (0 if not reused else 0)
+            appended_from = next((k + 1 for k in range(len(infos) - 1, -1, -1)
+                                  if any(p.base in prev_bases for p in infos[k].parts)), 0)
         out_all: list[list[Resolved]] = []
         refs, refs_get, counter_get = s.refs, s.refs.get, counter.get
         add_row, ref_of = new_rows.append, tags.ref_of
@@ -469,12 +469,10 @@ class Engine(ProxyTools):
         if drift is not None and drift.unmatched and drift.verdict != "truncated":
             return
         copy = s.copy
-        refs = [p.ref for it in view.items for p in it.parts]
-        same = 0
-        limit = min(len(refs), len(copy.refs), len(copy.fps))
-        while same < limit and refs[same] == copy.refs[same]:
-            same += 1  # fingerprints are per content, so the shared head keeps its own
         parts = [p for it in view.items for p in it.parts]
+        refs = [p.ref for p in parts]
+        # fingerprints are per content, so the shared head keeps its own
+        same = min(_common_prefix(refs, copy.refs), len(copy.fps))
         copy.fps = copy.fps[:same] + [reconcile.fingerprint(p) for p in parts[same:]]
         copy.refs = refs
         copy.items = [k for k, it in enumerate(view.items) for _p in it.parts]
@@ -568,20 +566,20 @@ class Engine(ProxyTools):
                 break
             j -= 1
         if j == 0:  # nothing links: this turn renders normally, and its items start the transcript anew
-            return (0, rows, items, items)
+            return (0, rows, items)
         joined = [
             ViewItem(it.index, [PartView(ref, p.role, p.ctype, p.tool_name, p.tool_call_id, p.text, p.tokens)
                                 for ref, p in zip(rows[k][1], it.parts)], it.sig)
             for k, it in enumerate(items[:j])
         ]
-        return (j, rows, joined + items[j:], items)
+        return (j, rows, joined + items[j:])
 
     def _snapshot_render(self, s: Session, snap, lane: Lane, raws: list, items_out: list[bytes], start: int,
                          view: View) -> bool:
         """Rows up to the join are sent as the transcript has them, with the agent's current
         transport hints (cache breakpoints move every turn); the transcript takes this pass's tail as
         its new rows."""
-        j, rows, _joined, _client = snap
+        j, rows, _joined = snap
         changed = False
         for k in range(j):
             row = lane.transplant_hints(rows[k][2], bytes(raws[start + k]))
