@@ -12,6 +12,7 @@ from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
+from bili_addon.stream import ResponseRewriter
 from bili_addon.wire import LANES
 
 TAG = re.compile(r'^<acp tokens="[^"]+" type="text">(m\d{5})</acp>\n(.*)', re.DOTALL)
@@ -443,3 +444,26 @@ def test_chat_join_user_keeps_the_other_parts_byte_exact():
     assert lane.join_user(b'{"role":"assistant","content":"a"}', "S", before=False) is None
     assert lane.join_user(b'{"role":"tool","tool_call_id":"c","content":"r"}', "S", before=False) is None
     assert LANES["anthropic"].join_user(b'{"role":"user","content":"q"}', "S", before=False) is None
+
+
+def test_gemini_call_without_id_or_args_runs_and_gets_its_result(engine):
+    """gemini-cli style: the model's acp_status call has neither id nor args; the response path
+    records it, the next request finds it, runs it and puts the real result in its response."""
+    conv = Gemini()
+    for t in range(3):
+        conv.step(t)
+    engine.process(conv.body(), conv.lane, H, render=True)
+    answer = {"candidates": [{"content": {"role": "model", "parts": [{"functionCall": {"name": "acp_status"}}]},
+                              "finishReason": "STOP"}]}
+    rw = ResponseRewriter("gemini")
+    rw.json_body(json.dumps(answer).encode())
+    engine.record_calls("lanes", rw.calls)
+    conv.contents += [
+        {"role": "model", "parts": [{"functionCall": {"name": "acp_status"}}]},
+        {"role": "user", "parts": [{"functionResponse": {"name": "acp_status",
+                                                         "response": {"error": "Tool acp_status not found"}}}]},
+    ]
+    res = engine.process(conv.body(), conv.lane, H, render=True)
+    assert res.executed == ["acp_status"]
+    response = json.loads(res.body)["contents"][-1]["parts"][0]["functionResponse"]["response"]
+    assert response["content"].startswith("Context: ~")

@@ -15,7 +15,8 @@ from typing import Any
 
 from bili_addon.kernel.prompts import TOOL_NAMES
 from bili_addon.stream.echo import EchoFilter, strip_echoes
-from bili_addon.wire.base import compact_json, idless_call_key
+from bili_addon.wire.base import compact_json
+from bili_addon.wire.gemini import function_call_key
 
 Event = dict[str, Any]
 KEEP = object()  # "send the original bytes of this event"
@@ -463,9 +464,7 @@ class GeminiResponse(LaneResponse):
     def _note_call(self, part: Any) -> None:
         fc = part.get("functionCall") if isinstance(part, dict) else None
         if isinstance(fc, dict):
-            cid = fc.get("id")
-            key = cid if isinstance(cid, str) and cid else idless_call_key(str(fc.get("name") or ""), fc.get("args"))
-            self._call(key, fc.get("name"), fc.get("args"))
+            self._call(function_call_key(fc), fc.get("name"), fc.get("args"))
 
 
 RESPONSES: dict[str, type[LaneResponse]] = {

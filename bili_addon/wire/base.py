@@ -182,7 +182,10 @@ class Body:
 
 def idless_call_key(name: str, args: Any) -> str:
     """The key of a tool call that carries no id (Gemini): its name and its arguments, canonical,
-    so two calls of the same tool stay apart and a re-serialised call keeps its key."""
+    so two calls of the same tool stay apart and a re-serialised call keeps its key.  No arguments
+    are empty arguments (the request side reads a missing ``args`` as ``{}``)."""
+    if args is None:
+        args = {}
     if isinstance(args, str):
         try:
             args = _dec_any.decode(args)

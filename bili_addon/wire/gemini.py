@@ -90,7 +90,7 @@ class GeminiLane(LaneDefaults):
         edits: list = []
         for j, part in enumerate(_parts(obj)):
             fr = part.get("functionResponse")
-            if isinstance(fr, dict) and _call_key(fr) == call_id:
+            if isinstance(fr, dict) and _response_key(fr) == call_id:
                 want = {"content": text}
                 if fr.get("response") != want:
                     edits.append((("parts", j, "functionResponse", "response"), want))
@@ -105,7 +105,7 @@ class GeminiLane(LaneDefaults):
         edits: list = []
         for j, part in enumerate(_parts(obj)):
             fc = part.get("functionCall")
-            if isinstance(fc, dict) and _call_key(fc) == call_id and fc.get("args") != parsed:
+            if isinstance(fc, dict) and function_call_key(fc) == call_id and fc.get("args") != parsed:
                 edits.append((("parts", j, "functionCall", "args"), parsed))
         return edits
 
@@ -115,15 +115,19 @@ def _parts(obj: Any) -> list[dict]:
     return [p if isinstance(p, dict) else {} for p in parts] if isinstance(parts, list) else []
 
 
-def _call_key(call: dict) -> str:
-    """A call or response's own key: its id, or for a call without one its name and arguments
-    (a response without an id is keyed by its name: the kernel pairs it with its call)."""
+def function_call_key(call: dict) -> str:
+    """A ``functionCall``'s key: its id, or without one its name and arguments (the same on the
+    response path, which records the call, and on the request path, which finds it again)."""
     cid = call.get("id")
     if isinstance(cid, str) and cid:
         return cid
-    if "args" in call:
-        return idless_call_key(str(call.get("name") or ""), call.get("args"))
-    return "name:" + str(call.get("name") or "")
+    return idless_call_key(str(call.get("name") or ""), call.get("args"))
+
+
+def _response_key(resp: dict) -> str:
+    """A ``functionResponse``'s key: its id, or its name (the kernel pairs it with its call)."""
+    cid = resp.get("id")
+    return cid if isinstance(cid, str) and cid else "name:" + str(resp.get("name") or "")
 
 
 def _get(part: dict, camel: str, snake: str) -> Any:
