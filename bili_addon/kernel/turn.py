@@ -245,7 +245,7 @@ class Engine(ProxyTools):
             native = any("bili" in n and n.endswith("compress") for n in names)
             if native and self.set_flag(sid, "native_tools", True):
                 result.notes.append("the agent has bili's tools natively (MCP): wire injection is off for it")
-            changed |= lane.inject(body, items_out, start, [] if native else list(TOOLS), SYSTEM_PROMPT)
+            changed |= lane.inject(body, items_out, start, [] if native else list(TOOLS), SYSTEM_PROMPT, names)
         if changed:
             result.body = body.encode(items_out)
         return result

@@ -100,7 +100,9 @@ class LaneResponse:
     # the generic hold-and-merge machinery ------------------------------------------------------
     def _prose(self, key: Any, ev: Event, slot: Slot) -> list:
         """Feed one prose delta; returns the events to send now (a previously held one first)."""
-        b = self.blocks.setdefault(key, _Block())
+        b = self.blocks.get(key)
+        if b is None:  # one filter per block, made once
+            b = self.blocks[key] = _Block()
         original = slot.get()
         text = original
         if self.marker:
@@ -148,7 +150,9 @@ class LaneResponse:
         elif spots:
             changed = False
             for key, slot in spots:
-                b = self.blocks.setdefault(key, _Block())
+                b = self.blocks.get(key)
+                if b is None:  # one filter per block, made once
+                    b = self.blocks[key] = _Block()
                 text = slot.get()
                 t = b.filter.feed(text) + b.filter.flush()
                 if t != text:

@@ -27,10 +27,6 @@ class SSEEvent:
         m = _LINE.search(raw)
         self.eol = m.group(0) if m else b"\n"
         self.lines = [ln for ln in _LINE.split(raw) if ln]
-        self.name = ""
-        for ln in self.lines:
-            if ln.startswith(b"event:"):
-                self.name = ln[6:].strip().decode("utf-8", "replace")
 
     @property
     def data(self) -> bytes | None:
@@ -69,8 +65,6 @@ class SSEStream:
         out: list[bytes] = []
         pos = 0
         for m in _EVENT_END.finditer(self.buf):
-            if m.start() < pos:
-                continue
             out.extend(self.transform(self.buf[pos : m.end()]))
             pos = m.end()
         self.buf = self.buf[pos:]

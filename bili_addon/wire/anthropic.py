@@ -67,8 +67,8 @@ class AnthropicLane(LaneDefaults):
         return tool_names(body.top.get("tools"), lambda t: t.get("name") if isinstance(t, dict) else None)
 
     @staticmethod
-    def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str) -> bool:
-        names = AnthropicLane.tool_names(body)
+    def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+               names: list[str]) -> bool:
         if not names:
             return False
         shaped = [{"_name": t["name"], "name": t["name"], "description": t["description"],

@@ -95,8 +95,8 @@ class ChatLane(LaneDefaults):
         return tool_names(body.top.get("tools"), name_of)
 
     @staticmethod
-    def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str) -> bool:
-        names = ChatLane.tool_names(body)
+    def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+               names: list[str]) -> bool:
         if not names:
             return False
         shaped = [{"_name": t["name"], "type": "function", "function": {

@@ -69,8 +69,8 @@ class GeminiLane(LaneDefaults):
         return names
 
     @staticmethod
-    def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str) -> bool:
-        names = GeminiLane.tool_names(body)
+    def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+               names: list[str]) -> bool:
         if not names:
             return False
         decls = [{"name": t["name"], "description": t["description"], "parameters": t["parameters"]}

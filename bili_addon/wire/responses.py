@@ -87,8 +87,8 @@ class ResponsesLane(LaneDefaults):
         return [n for t in names for n in _names_in(t)]
 
     @staticmethod
-    def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str) -> bool:
-        names = ResponsesLane.tool_names(body)
+    def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+               names: list[str]) -> bool:
         if not names:
             return False
         shaped = [{"_name": t["name"], "type": "function", "name": t["name"], "description": t["description"],
