@@ -134,12 +134,7 @@ class Replayer:
 
     # -- its recorded answer -------------------------------------------------------------------------
     def account(self, turn: Turn, rw) -> None:
-        if rw.calls and rw.rewrite:
-            self.engine.record_calls(turn.session, rw.calls)
-            turn.called += [name for _k, name, _a in rw.calls]
-        u = rw.usage
-        if u.seen:
-            self.engine.store.record_usage(turn.session, turn.lane, (u.input, u.cache_read, u.cache_write, u.output))
+        turn.called += self.engine.record_answer(turn.session, turn.lane, rw)
 
     def response(self, turn: Turn, flow, marker: str, rewrite: bool) -> None:
         from bili_addon.stream import ResponseRewriter

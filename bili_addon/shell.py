@@ -301,16 +301,15 @@ class Bili:
     def _account(self, st: FlowState) -> None:
         assert self.engine is not None
         rw = st.rewriter
-        if rw.calls and rw.rewrite:
-            self.engine.record_calls(st.session, rw.calls)
+        called = self.engine.record_answer(st.session, st.lane, rw)
+        if called:
             log.info("[bili] session=%s: the model called %s; it runs when the agent's next request carries it",
-                     st.session, ", ".join(name for _k, name, _a in rw.calls))
+                     st.session, ", ".join(called))
         if rw.stripped:
             log.info("[bili] session=%s: stripped %d tag echo(es) from the model's prose", st.session, rw.stripped)
         u = rw.usage
         if not u.seen:
             return
-        self.engine.store.record_usage(st.session, st.lane, (u.input, u.cache_read, u.cache_write, u.output))
         share = f"{100 * u.cache_share:.0f}%" if u.cache_share is not None else "n/a"
         log.info(
             "[bili] session=%s usage input=%d cache_read=%d cache_write=%d output=%d cache-read share=%s",

@@ -35,6 +35,19 @@ class ProxyTools:
             for key, name, args in fresh:
                 s.calls[key] = Call(name, args)
 
+    def record_answer(self: "Engine", sid: str, lane: str, rw: Any) -> list[str]:
+        """What one model answer leaves behind (``rw``: its ResponseRewriter, once the answer is
+        complete): the proxy tool calls it made, when they reached the agent through the addon,
+        and the usage it reported.  Returns the names of the calls recorded."""
+        called = []
+        if rw.calls and rw.rewrite:
+            self.record_calls(sid, rw.calls)
+            called = [name for _k, name, _a in rw.calls]
+        u = rw.usage
+        if u.seen:
+            self.store.record_usage(sid, lane, (u.input, u.cache_read, u.cache_write, u.output))
+        return called
+
     def run_tool(self: "Engine", s: Session, name: str, args: Any, view: View | None, call_id: str = "") -> str:
         """Execute one proxy tool against the conversation as this request shows it."""
         if isinstance(args, str):
