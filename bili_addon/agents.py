@@ -110,7 +110,6 @@ class Agent:
     package: str = ""  # where it comes from: npm:<name> or pypi:<name>
     tested_version: str = ""
     mcp: bool = False  # takes MCP servers (bili mcp)
-    run_hint: str = ""  # a non-interactive run, for the README and doctor
 
     def model_hosts(self, env: Mapping[str, str], cwd: Path | None = None) -> HostPlan:
         """Built-in model hosts plus the hosts of every base URL in the agent's configuration."""
@@ -317,32 +316,31 @@ AGENTS: dict[str, Agent] = {
         Agent(
             "claude", "Claude Code", "claude", NODE_CA, (ANTHROPIC,), _claude_files,
             env_base_urls=("ANTHROPIC_BASE_URL",), package="npm:@anthropic-ai/claude-code",
-            tested_version="2.1.197", mcp=True, run_hint='-p "…" --allowedTools Bash',
+            tested_version="2.1.197", mcp=True,
         ),
         Agent(
             "codex", "Codex CLI", "codex", BUNDLE_CA, (OPENAI, CHATGPT), _codex_files,
             env_base_urls=("OPENAI_BASE_URL",), package="npm:@openai/codex", tested_version="0.171.0",
-            mcp=True, run_hint='exec --skip-git-repo-check "…" </dev/null',
+            mcp=True,
         ),
         Agent(
             "pi", "pi", "pi", NODE_CA, _PI_HOSTS, _pi_files, package="npm:@mariozechner/pi-coding-agent",
-            tested_version="0.73.1", run_hint='-p "…" </dev/null',
+            tested_version="0.73.1",
         ),
         Agent(
             "omp", "oh-my-pi", "omp", NODE_CA, _PI_HOSTS, _omp_files, proxy_vars=("PI_PROXY",),
             package="npm:@oh-my-pi/pi-coding-agent", tested_version="18.2.3", mcp=True,
-            run_hint='-p "…" </dev/null',
         ),
         Agent(
             "opencode", "opencode", "opencode", NODE_CA,
             (ANTHROPIC, OPENAI, GEMINI, OPENROUTER) + OTHER_PROVIDERS, _opencode_files,
-            package="npm:opencode-ai", tested_version="1.18.33", mcp=True, run_hint='run "…" </dev/null',
+            package="npm:opencode-ai", tested_version="1.18.33", mcp=True,
         ),
         Agent(
             "hermes", "Hermes Agent", "hermes", BUNDLE_CA,
             (OPENROUTER, "inference-api.nousresearch.com", ANTHROPIC, OPENAI, CHATGPT, GEMINI) + OTHER_PROVIDERS,
             _hermes_files, env_base_urls=("OPENAI_BASE_URL", "ANTHROPIC_BASE_URL"), package="pypi:hermes-agent",
-            tested_version="0.19.0", mcp=True, run_hint='-z "…" </dev/null',
+            tested_version="0.19.0", mcp=True,
         ),
     )
 }

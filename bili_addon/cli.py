@@ -16,6 +16,7 @@ arguments to its subparser, and a handler returning the exit code.  New subcomma
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -23,12 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from bili_addon import __version__
-
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8787
-# must match bili_addon.shell.MODES (not imported here: the shell pulls in all of mitmproxy)
-BILI_MODES = ("fold", "observe", "passthrough")
+from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, launch, mcp, replay
+from bili_addon.agents import AGENTS
 
 
 @dataclass(frozen=True)
@@ -101,7 +98,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "untouched; all: decrypt every HTTPS connection (default: models)")
     p.add_argument("--intercept-host", action="append", metavar="HOST[:PORT]",
                    help="with --intercept models, decrypt this host too (repeatable)")
-    p.add_argument("--first-party", choices=("fold", "observe"), default=None,
+    p.add_argument("--first-party", choices=FIRST_PARTY, default=None,
                    help="bili_first_party: observe leaves Claude Code's first-party api.anthropic.com "
                         "requests unchanged (default: fold)")
     p.add_argument("--quiet", action="store_true", help="do not print the set-up instructions")
@@ -194,8 +191,7 @@ def _run(args: argparse.Namespace) -> int:
         for m in modes:
             if m.type_name == "reverse":  # a reverse target is intercepted by definition
                 host, port = m.address
-                if (host.lower(), port) not in plan.hosts:
-                    plan.hosts.append((host.lower(), port))
+                plan.add(host, port)
         allow = allow_hosts_regex(plan.hosts)
     cmd = mitmdump_command(
         mitmdump, listen_host=args.listen_host, listen_port=args.listen_port, modes=specs, confdir=ca.confdir,
@@ -217,71 +213,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-# -- bili mcp --------------------------------------------------------------------------------------
-def _mcp_args(p: argparse.ArgumentParser) -> None:
-    from bili_addon import mcp
-
-    mcp.configure(p)
-
-
-def _mcp(args: argparse.Namespace) -> int:
-    from bili_addon import mcp
-
-    return mcp.run(args)
-
-
-# -- bili <agent>, bili doctor, bili replay ------------------------------------------------------
-def _agent_args(p: argparse.ArgumentParser) -> None:
-    from bili_addon import launch
-
-    launch.configure_agent(p)
-
-
-def _agent_runner(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        from bili_addon import launch
-        from bili_addon.agents import AGENTS
-
-        return launch.launch(AGENTS[name], args)
-
-    return run
-
-
-def _doctor_args(p: argparse.ArgumentParser) -> None:
-    from bili_addon import launch
-
-    launch.configure_doctor(p)
-
-
-def _doctor(args: argparse.Namespace) -> int:
-    from bili_addon import launch
-
-    return launch.doctor(args)
-
-
-def _replay_args(p: argparse.ArgumentParser) -> None:
-    from bili_addon import replay
-
-    replay.configure(p)
-
-
-def _replay(args: argparse.Namespace) -> int:
-    from bili_addon import replay
-
-    return replay.run(args)
-
-
-# agent subcommand -> (title, how its traffic reaches the proxy); kept here so `bili --help` needs no import
-_AGENT_HELP = {
-    "claude": "Claude Code",
-    "codex": "Codex CLI",
-    "pi": "pi",
-    "omp": "oh-my-pi",
-    "hermes": "Hermes Agent",
-    "opencode": "opencode",
-}
-
-
 COMMANDS: dict[str, Command] = {
     "run": Command(
         help="start the proxy (mitmdump with the bili addon)",
@@ -300,26 +231,27 @@ COMMANDS: dict[str, Command] = {
         description="Serve compress, decompress, search_context and acp_status as native tools over "
                     "MCP's stdio transport; each call runs in the running proxy (POST "
                     "/__bili/plugin/tool). Start it from the agent's MCP configuration.",
-        configure=_mcp_args, run=_mcp,
+        configure=mcp.configure, run=mcp.run,
     ),
     **{
         name: Command(
-            help=f"run {title} through the proxy (starts one if needed)",
-            description=f"Run {title} as a child process with HTTPS_PROXY and the CA variable it needs. A bili "
+            help=f"run {agent.title} through the proxy (starts one if needed)",
+            description=f"Run {agent.title} as a child process with HTTPS_PROXY and the CA variable it needs. A bili "
                         f"proxy already answering on the port is re-used; otherwise one is started (decrypting "
-                        f"only model API hosts: the built-in ones and the base URLs in {title}'s own "
+                        f"only model API hosts: the built-in ones and the base URLs in {agent.title}'s own "
                         f"configuration, which is read, never written) and stopped when the agent exits. "
-                        f"Arguments after -- go to {title} as-is; the exit code is {title}'s.",
-            configure=_agent_args, run=_agent_runner(name), passthrough=True, extra_name="AGENT_ARGS",
+                        f"Arguments after -- go to {agent.title} as-is; the exit code is {agent.title}'s.",
+            configure=launch.configure_agent, run=functools.partial(launch.launch, agent), passthrough=True,
+            extra_name="AGENT_ARGS",
         )
-        for name, title in _AGENT_HELP.items()
+        for name, agent in AGENTS.items()
     },
     "doctor": Command(
         help="check the CA, the port, the store and which agents are installed",
         description="Check the CA and its bundle, whether the port is free or held by a bili proxy, the "
                     "store, mitmdump, and which agents are installed (with the custom base URLs their "
                     "configuration names). Changes nothing. Exit code 1 when a required check fails.",
-        configure=_doctor_args, run=_doctor,
+        configure=launch.configure_doctor, run=launch.doctor,
     ),
     "replay": Command(
         help="run captured flows (mitmproxy files) through the addon offline",
@@ -327,7 +259,7 @@ COMMANDS: dict[str, Command] = {
                     "in-memory addon kernel in fold mode, feeding the recorded answers back so proxy tools "
                     "run as they would live; print, per session and turn, what would have been sent "
                     "upstream. A directory is searched for *.mitm files.",
-        configure=_replay_args, run=_replay,
+        configure=replay.configure, run=replay.run,
     ),
 }
 

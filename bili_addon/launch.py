@@ -27,13 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from bili_addon import __version__
+from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__
 from bili_addon.agents import AGENTS, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex, intercept_plan
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8787
-BILI_MODES = ("fold", "observe", "passthrough")
-FIRST_PARTY = ("fold", "observe")
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 5.0
 ADDON = Path(__file__).resolve().parent / "addon.py"

@@ -23,6 +23,8 @@ from typing import Any, Iterable
 
 import msgspec
 
+from bili_addon import FIRST_PARTY
+
 WS_NOTE = "live fold mode refuses this WebSocket (426); the agent then resends over HTTP with full history"
 
 
@@ -283,7 +285,7 @@ def table(report: FileReport) -> list[str]:
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", metavar="FLOWS", help="mitmproxy flow files (mitmdump -w), or directories "
                                                              "to search for *.mitm")
-    p.add_argument("--first-party", choices=("fold", "observe"), default="fold",
+    p.add_argument("--first-party", choices=FIRST_PARTY, default="fold",
                    help="as the proxy's bili_first_party option (default: fold)")
     p.add_argument("--min-compress-chars", type=int, default=None, metavar="N",
                    help="as the proxy's bili_min_compress_chars option")

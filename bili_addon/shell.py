@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import msgspec
 from mitmproxy import ctx, http
 
-from bili_addon import admin
+from bili_addon import BILI_MODES, FIRST_PARTY, admin
 from bili_addon.kernel import envelope
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
@@ -22,8 +22,7 @@ from bili_addon.wire import LANES, Lane, detect_lane, hygiene, is_responses_webs
 
 log = logging.getLogger("bili")
 
-MODES = ("fold", "observe", "passthrough")
-FIRST_PARTY = ("fold", "observe")
+MODES = BILI_MODES
 FIRST_PARTY_HOST = "api.anthropic.com"
 BILLING_PREFIX = "x-anthropic-billing-header:"
 
@@ -59,11 +58,14 @@ class FlowState:
 class Bili:
     def __init__(self) -> None:
         self.engine: Engine | None = None
-        self.store_ok = False
         self.mode = "fold"
         self.refuse_ws = True
         self.first_party = "fold"
         self._data_dir = ""
+
+    @property
+    def store_ok(self) -> bool:
+        return self.engine is not None
 
     # -- options -------------------------------------------------------------------------------
     def load(self, loader) -> None:
@@ -138,10 +140,9 @@ class Bili:
     def _open_store(self, data_dir: str) -> None:
         if self.engine is not None:
             self.engine.store.close()
-        self.engine, self.store_ok, self._data_dir = None, False, data_dir
+        self.engine, self._data_dir = None, data_dir
         try:
             self.engine = Engine(Store(data_dir))
-            self.store_ok = True
             log.info("[bili] store at %s, mode %s", self.engine.store.path, self.mode)
         except StoreError as e:
             log.error("[bili] %s; requests pass through unchanged", e)
