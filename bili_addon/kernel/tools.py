@@ -3,6 +3,7 @@ result put in place of the agent's "unknown tool" error on this and every later 
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -16,8 +17,10 @@ if TYPE_CHECKING:
     from bili_addon.kernel.turn import Engine
 
 
+@functools.lru_cache(maxsize=4096)
 def call_key(tool_call_id: str, tool_name: str, args: str = "") -> str:
-    """Calls are keyed by their id; a call without one (Gemini) by its name and arguments."""
+    """Calls are keyed by their id; a call without one (Gemini) by its name and arguments (hashed:
+    cached, since every Gemini request pairs the id-less calls of its whole history again)."""
     if tool_call_id:
         return tool_call_id
     return idless_call_key(tool_name, args) if tool_name else ""
