@@ -200,7 +200,7 @@ class Replayer:
                 turn, rw = (got[0], rewriter_cls("responses", True)) if got is not None else (None, None)
             elif turn is not None and rw is not None:
                 rw.ws_frame(msg.content)
-                if b'"response.completed"' in msg.content or b'"response.done"' in msg.content:
+                if rw.finished:
                     self.account(turn, rw)
                     rw = None
 

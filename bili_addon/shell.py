@@ -343,8 +343,9 @@ class Bili:
             frame = st.rewriter.ws_frame(msg.content)
             if frame is not None:
                 msg.content = frame
-            if b'"response.completed"' in msg.content or b'"response.done"' in msg.content:
+            if st.rewriter.finished:  # once per answer, whichever final event ends it
                 self._account(st)
+                flow.metadata.pop("bili", None)
         except Exception as e:
             log.exception("[bili] session=%s: WebSocket frame handling failed (%s); frame left as is", st.session, e)
 

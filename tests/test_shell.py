@@ -170,6 +170,26 @@ def test_responses_websocket_frame_is_tagged(bili):
     assert f.websocket.messages[-1].content == b'{"type":"response.created"}'
 
 
+@pytest.mark.parametrize("final", ["response.completed", "response.incomplete"])
+def test_a_websocket_answer_is_accounted_once_however_it_ends(bili, final):
+    """An answer cut at max_output_tokens ends with response.incomplete: its usage counts too, and
+    a final event repeated afterwards counts nothing more."""
+    f = tflow.twebsocketflow()
+    f.request.path = "/v1/responses"
+    f.request.headers["session_id"] = "ws-2"
+    frame = json.dumps({"type": "response.create", "model": "m", "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi ws"}]}]}).encode()
+    f.websocket.messages.append(WebSocketMessage(Opcode.TEXT, True, frame))
+    bili.websocket_message(f)
+    end = json.dumps({"type": final, "response": {"id": "resp_1", "status": final.split(".")[1], "output": [],
+                                                  "usage": {"input_tokens": 321, "output_tokens": 9}}}).encode()
+    for _ in range(2):
+        f.websocket.messages.append(WebSocketMessage(Opcode.TEXT, False, end))
+        bili.websocket_message(f)
+    [entry] = bili.stats()["sessions"]
+    assert entry["usage"]["turns"] == 1 and entry["usage"]["input_tokens"] == 321
+
+
 def test_remind_at_sets_when_the_model_is_reminded_to_fold(bili):
     msgs = [{"role": "user", "content": "audit the repository"}]
     for t in range(12):

@@ -38,6 +38,11 @@ class ResponseRewriter:
         return self.lane.stripped
 
     @property
+    def finished(self) -> bool:
+        """The answer's final event went through (completed, incomplete or done)."""
+        return self.lane.finished
+
+    @property
     def calls(self) -> list[tuple[str, str, str]]:
         """Proxy tool calls the model made in this answer: (call key, name, arguments)."""
         return self.lane.calls

@@ -90,6 +90,7 @@ class LaneResponse:
         # then carries what the filter releases, and the block's end returns the rest (``self.rest``)
         self.hold_events = True
         self.rest = ""
+        self.finished = False  # the answer's final event came (a stream that has one: Responses)
 
     def _call(self, key: str, name: Any, args: Any) -> None:
         if isinstance(name, str) and name in TOOL_NAMES and key:
@@ -381,6 +382,7 @@ class ResponsesResponse(LaneResponse):
             self._note_call(ev.get("item"))
             return [ev] if self._fix_item(ev.get("item")) else [KEEP]
         if kind in ("response.completed", "response.incomplete", "response.done"):
+            self.finished = True
             out = self.close_all()
             resp = ev.get("response")
             changed = False
