@@ -29,6 +29,7 @@ from typing import Iterator, Mapping
 
 from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__
 from bili_addon.agents import AGENTS, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex, intercept_plan
+from bili_addon.store import DB_NAME, default_data_dir
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 5.0
@@ -152,8 +153,7 @@ def state_dir(env: Mapping[str, str] | None = None) -> Path:
     run = env.get("XDG_RUNTIME_DIR")
     if run and os.path.isdir(run) and os.access(run, os.W_OK):
         return Path(run) / "bili-addon"
-    base = env.get("XDG_DATA_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "bili-addon" / "run"
+    return default_data_dir(env) / "run"
 
 
 def _alive(pid: int) -> bool:
@@ -633,8 +633,6 @@ def agent_version(binary: str) -> str:
 
 def doctor_checks(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> list[Check]:
     from bili_addon.certs import CA_CERT, CA_KEY, COMBINED, default_confdir
-    from bili_addon.store import default_data_dir
-
     env = dict(os.environ if env is None else env)
     checks: list[Check] = []
     confdir = Path(args.confdir).expanduser().resolve() if args.confdir else default_confdir()
@@ -673,7 +671,7 @@ def doctor_checks(args: argparse.Namespace, env: Mapping[str, str] | None = None
                                            f"use --port / BILI_PORT"))
 
     data = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
-    db = data / "bili.sqlite3"
+    db = data / DB_NAME
     if db.is_file():
         import sqlite3
 

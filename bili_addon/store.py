@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import msgspec
 
@@ -146,8 +147,12 @@ class UsageTotals:
     last: tuple[int, int, int, int] | None  # the newest turn: input, cache read, cache write, output
 
 
-def default_data_dir() -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+DB_NAME = "bili.sqlite3"
+
+
+def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    base = env.get("XDG_DATA_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local", "share")
     return Path(base) / "bili-addon"
 
 
@@ -173,7 +178,7 @@ class Store:
             raise StoreError(f"cannot write the store at {self.path}: {e}") from e
 
     def __init__(self, data_dir: str | os.PathLike[str]):
-        self.path = Path(data_dir) / "bili.sqlite3"
+        self.path = Path(data_dir) / DB_NAME
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
