@@ -400,13 +400,10 @@ class ResponsesResponse(LaneResponse):
         changed = False
         for item in obj.get("output") or []:
             self._note_call(item)
-            changed |= self._fix_item(item)
-            if self.marker and isinstance(item, dict) and item.get("type") == "message":
+            if isinstance(item, dict) and item.get("type") == "message":
                 for part in item.get("content") or []:
-                    if isinstance(part, dict) and part.get("type") == "output_text" and isinstance(part.get("text"), str):
-                        part["text"], self.marker = self.marker + "\n" + part["text"], ""
-                        changed = True
-                        break
+                    if isinstance(part, dict) and part.get("type") == "output_text":
+                        changed |= self._clean(part, "text")
         return changed
 
 
