@@ -98,7 +98,7 @@ def test_a_folding_session_captured_replays_turn_by_turn(fake, make_proxy, tmp_p
 
     r = read_back(path)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count(" 200 ") >= TURNS or r.stdout.count("<< 200") >= TURNS, r.stdout[-2000:]
+    assert r.stdout.count("POST http://") == TURNS and r.stdout.count("<< 200 OK") >= TURNS, r.stdout[-2000:]
 
     rep = replay.replay_file(path)
     assert not rep.errors
