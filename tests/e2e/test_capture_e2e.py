@@ -8,12 +8,14 @@ the figures the live proxy logged, and to the very bodies the upstream received.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 
 import pytest
 from mitmproxy import io
+from websockets.sync.client import connect as ws_connect
 
 from bili_addon import replay
 
@@ -155,3 +157,34 @@ def test_passthrough_mode_is_captured(fake, make_proxy, tmp_path, sid):
     assert read_back(path).returncode == 0
     turns = replayed_turns(replay.replay_file(path), sid)
     assert [t.turn for t in turns] == [1, 2] and turns[0].live is None
+
+
+def test_a_responses_websocket_is_captured_with_its_frames_records(fake, make_proxy, tmp_path, sid):
+    """Fold mode with the WebSocket allowed: each ``response.create`` frame is rewritten; the flow keeps
+    one record per frame, with the agent's own frame, and replay takes those."""
+    path = tmp_path / "ws.mitm"
+    proxy = make_proxy("reverse", "fold", save_stream_file=str(path), bili_refuse_websocket="false")
+    history = [{"role": "user", "content": "A first question over the socket."}]
+    frames = []
+    with ws_connect(f"ws://127.0.0.1:{proxy.port}/v1/responses", additional_headers={"session_id": sid},
+                    proxy=None) as ws:
+        for text in ("A follow-up question.", None):
+            frame = json.dumps({"type": "response.create", "model": "gpt-fake-1", "input": history})
+            frames.append(frame.encode())
+            ws.send(frame)
+            while json.loads(ws.recv(timeout=30))["type"] != "response.completed":
+                pass
+            if text:
+                history = history + [{"role": "assistant", "content": "An answer."}, {"role": "user", "content": text}]
+    upstream = [r.raw for r in fake.find(lambda r: r.transport == "ws" and r.header("session_id") == sid)]
+    assert len(upstream) == 2 and upstream[0] != frames[0]  # tagged on the way
+    proxy.wait_bili_lines(2, session=sid)
+    proxy.stop()
+    assert_clean_log(proxy)
+    [flow] = [f for f in flows_of(path) if f.websocket is not None]
+    records = flow.metadata["bili_ws"]
+    assert [r["request"] for r in records] == frames and all(r["via"] == "ws" for r in records)
+    assert [flow.websocket.messages[r["message"]].content for r in records] == upstream
+    turns = replayed_turns(replay.replay_file(path), sid)
+    assert [(t.messages, t.refs_new, t.refs_known) for t in turns] == [x[:3] for x in live_turns(proxy, sid)]
+    assert [t.body for t in turns] == upstream and all(t.via == "ws" for t in turns)
