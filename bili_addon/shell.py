@@ -294,6 +294,9 @@ class Bili:
         except Exception as e:
             log.exception("[bili] session=%s: response handling failed (%s); answer left as is", st.session, e)
 
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._flows.pop(flow, None)  # no answer comes; mitmweb keeps the flow, not our state
+
     def _learn_from_error(self, st: FlowState, resp: http.Response) -> None:
         assert self.engine is not None
         text = (resp.get_content(strict=False) or b"")[:65536].decode("utf-8", "replace")
@@ -367,6 +370,9 @@ class Bili:
                 self._flows.pop(flow, None)
         except Exception as e:
             log.exception("[bili] session=%s: WebSocket frame handling failed (%s); frame left as is", st.session, e)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        self._flows.pop(flow, None)
 
     # -- admin ---------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -127,3 +127,14 @@ def test_records_of_another_version_are_ignored():
     assert flowmeta.read({"bili": {"v": 99, "session": "x"}}) is None
     assert flowmeta.read({"bili": object()}) is None
     assert flowmeta.read_ws({"bili_ws": [{"v": 1, "message": 3}, {"v": 1}, "junk"]}) == {3: {"v": 1, "message": 3}}
+
+
+def test_a_failed_flow_leaves_no_live_state(bili):
+    msgs, _ = _session()
+    f = _flow(msgs, {})
+    f.response = None
+    bili.request(f)
+    assert f in bili._flows and f.metadata["bili"]["session"] == "replay-fold"
+    bili.error(f)  # the upstream never answered
+    assert f not in bili._flows and "called" not in f.metadata["bili"]
+    _serialisable(f)
