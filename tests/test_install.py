@@ -72,6 +72,13 @@ def mitmproxy_venv(tmp_path_factory):
         pytest.skip(f"cannot install mitmproxy from the package index: {r.stderr.strip()[-500:]}")
     r = subprocess.run([str(py), "-c", "import bili_addon"], capture_output=True, text=True, timeout=120, cwd="/")
     assert r.returncode != 0, "a venv with mitmproxy alone should not see bili"
+    # the checkout's loader in that mitmproxy says what is missing and how to install it
+    r = subprocess.run([str(venv / "bin" / "mitmdump"), "-n", "-s", str(PACKAGE / "addon.py"),
+                        "--set", f"confdir={venv.parent / 'conf'}"], capture_output=True, text=True, timeout=120,
+                       cwd="/")
+    out = r.stdout + r.stderr
+    assert "bili: 'bili_addon' cannot be imported by this mitmproxy's Python" in out, out[-3000:]
+    assert "pipx inject --include-apps mitmproxy bili-addon" in out
     # the inject: a regular (non-editable) install of this checkout into mitmproxy's environment
     r = subprocess.run([str(py), "-m", "pip", "install", "-q", str(REPO)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
