@@ -137,7 +137,7 @@ class Replayer:
             turn.first_block_kept = _system_head(body) == _system_head(raw)
         if fp and not render:
             turn.note = "first-party, observe: unchanged"
-        if via == "ws":
+        if via == "ws" and live is None:  # with a record, the proxy took the WebSocket (bili_refuse_websocket off)
             turn.note = WS_NOTE
         if live is not None:
             turn.live = {k: live.get(k) for k in ("mode", "rendered", "session", *flowmeta.FIGURES)}

@@ -188,3 +188,4 @@ def test_a_responses_websocket_is_captured_with_its_frames_records(fake, make_pr
     turns = replayed_turns(replay.replay_file(path), sid)
     assert [(t.messages, t.refs_new, t.refs_known) for t in turns] == [x[:3] for x in live_turns(proxy, sid)]
     assert [t.body for t in turns] == upstream and all(t.via == "ws" for t in turns)
+    assert [t.note for t in turns] == ["", ""]  # the proxy took this socket: no "refused" note, no difference
