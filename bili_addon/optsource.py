@@ -10,7 +10,6 @@ value given on the command line.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import logging
@@ -63,7 +62,7 @@ def from_command_line(options: Any, argv: list[str], program: str) -> tuple[dict
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             args, _ = make(options).parse_known_args(argv)
-    except (SystemExit, argparse.ArgumentError, Exception):  # noqa: BLE001 - a report must never stop the proxy
+    except (SystemExit, Exception):  # noqa: BLE001 - a report must never stop the proxy
         return {}, {}
     flags = {k: v for k, v in vars(args).items() if k in options and v is not None}
     sets: dict[str, str] = {}

@@ -43,11 +43,11 @@ DEFAULT_CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "captures"
 
 def captured_items(root: Path) -> list[bytes]:
     """The canonical items (as the chain hashes them) of every model request in ``root``'s *.mitm."""
+    import msgspec
     from mitmproxy import http, io
 
     from bili_addon.kernel.sessions import canonical_item
     from bili_addon.wire import detect_lane
-    import msgspec
 
     items: list[bytes] = []
     for path in sorted(root.rglob("*.mitm")):
