@@ -7,6 +7,7 @@
                                                   run an agent through the proxy (started if needed)
     bili doctor                                   check the CA, the port, the store and the agents
     bili replay FLOWS.mitm|DIR ...                what the addon would have sent, per session and turn
+    bili addon-path                               the installed addon's loader, for mitmdump -s
     bili --version
 
 Each subcommand is one :class:`Command` in :data:`COMMANDS`: a help line, a function that adds its
@@ -261,7 +262,19 @@ COMMANDS: dict[str, Command] = {
                     "upstream. A directory is searched for *.mitm files.",
         configure=replay.configure, run=replay.run,
     ),
+    "addon-path": Command(
+        help="print the path of the installed addon's loader (mitmdump -s \"$(bili addon-path)\")",
+        description="Print the path of addon.py in the installed package, for a mitmproxy of your own that "
+                    "has bili installed next to it (pipx inject mitmproxy bili-addon; uv tool install "
+                    "mitmproxy --with bili-addon): mitmdump -s \"$(bili addon-path)\".",
+        configure=lambda p: None, run=lambda args: _addon_path(),
+    ),
 }
+
+
+def _addon_path() -> int:
+    print(Path(__file__).resolve().parent / "addon.py")
+    return 0
 
 
 def _version() -> str:

@@ -9,6 +9,11 @@ row per session and turn: what would have been sent upstream.
 
 For bug reports (``mitmdump -w flows.mitm`` while it happens, then ``bili replay flows.mitm``) and
 regression tests (``--json``, ``--bodies DIR`` for the exact upstream bodies).
+
+A file captured with the addon loaded carries its record of each flow (:mod:`bili_addon.flowmeta`):
+the agent's own body where the addon changed it (the flow holds what went upstream), the proxy tool
+calls and usage of answers that were streamed (a streamed body is not kept in the flow), and what
+the live proxy did per request, which each row is compared against (a difference is noted).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any, Iterable
 
 import msgspec
 
-from bili_addon import FIRST_PARTY
+from bili_addon import FIRST_PARTY, flowmeta
 
 WS_NOTE = "live fold mode refuses this WebSocket (426); the agent then resends over HTTP with full history"
 
@@ -50,6 +55,7 @@ class Turn:
     first_block_kept: bool | None = None  # first-party: system[0] still first and byte-exact upstream
     changed: bool = False  # the body sent upstream differs from the agent's
     note: str = ""
+    live: dict[str, Any] | None = None  # what the live proxy recorded for this request (a capture with bili loaded)
     body: bytes = b""  # what would have been sent upstream (not in --json)
 
     @property
@@ -103,8 +109,10 @@ class Replayer:
         self.engine.store.close()
 
     # -- one request -------------------------------------------------------------------------------
-    def request(self, report: FileReport, index: int, raw: bytes, lane, headers, host: str, via: str):
-        """Process one model request; returns ``(turn, marker, render)``, or None."""
+    def request(self, report: FileReport, index: int, raw: bytes, lane, headers, host: str, via: str,
+                live: dict[str, Any] | None = None):
+        """Process one model request (``live``: the proxy's record of it, from the file); returns
+        ``(turn, marker, render)``, or None."""
         from bili_addon.shell import first_party_claude
 
         fp = lane.name == "anthropic" and first_party_claude(raw, host)
@@ -129,8 +137,13 @@ class Replayer:
             turn.first_block_kept = _system_head(body) == _system_head(raw)
         if fp and not render:
             turn.note = "first-party, observe: unchanged"
-        if via == "ws":
+        if via == "ws" and live is None:  # with a record, the proxy took the WebSocket (bili_refuse_websocket off)
             turn.note = WS_NOTE
+        if live is not None:
+            turn.live = {k: live.get(k) for k in ("mode", "rendered", "session", *flowmeta.FIGURES)}
+            differs = _live_differs(turn, render)
+            if differs:
+                turn.note = "; ".join(x for x in (turn.note, "live: " + ", ".join(differs)) if x)
         report.turns.append(turn)
         return turn, res.marker if render and self.marker else "", render
 
@@ -138,7 +151,7 @@ class Replayer:
     def account(self, turn: Turn, rw) -> None:
         turn.called += self.engine.record_answer(turn.session, turn.lane, rw)
 
-    def response(self, turn: Turn, flow, marker: str, rewrite: bool) -> None:
+    def response(self, turn: Turn, flow, marker: str, rewrite: bool, live: dict[str, Any] | None = None) -> None:
         from bili_addon.stream import ResponseRewriter
 
         resp = flow.response
@@ -146,6 +159,8 @@ class Replayer:
             return
         content = _decode(resp)
         if not content:
+            if live is not None and ("called" in live or "usage" in live):
+                self.account(turn, _RecordedAnswer(live, rewrite))  # a streamed answer: the flow kept no body
             return
         rw = ResponseRewriter(turn.lane, rewrite, marker)
         if "text/event-stream" in resp.headers.get("content-type", ""):
@@ -177,32 +192,69 @@ class Replayer:
                 self._websocket(report, index, flow, host, LANES["responses"], ResponseRewriter)
                 continue
             lane = detect_lane(req.method, req.path)
-            raw = _decode(req) if lane is not None else b""
+            live = flowmeta.read(flow.metadata)
+            raw = (flowmeta.original_request(live) or _decode(req)) if lane is not None else b""
             if lane is None or not raw:
                 report.other += 1
                 continue
-            got = self.request(report, index, raw, lane, req.headers, host, "http")
+            got = self.request(report, index, raw, lane, req.headers, host, "http", live)
             if got is None:
                 continue
             turn, marker, rewrite = got
-            self.response(turn, flow, marker, rewrite)
+            self.response(turn, flow, marker, rewrite, live)
 
     def _websocket(self, report: FileReport, index: int, flow, host: str, lane, rewriter_cls) -> None:
         turn: Turn | None = None
         rw = None
-        for msg in flow.websocket.messages:
+        records = flowmeta.read_ws(flow.metadata)
+        for i, msg in enumerate(flow.websocket.messages):
             if not msg.is_text:
                 continue
             if msg.from_client:
-                if b'"response.create"' not in msg.content:
+                live = records.get(i)
+                raw = flowmeta.original_request(live) or msg.content
+                if b'"response.create"' not in raw:
                     continue
-                got = self.request(report, index, msg.content, lane, flow.request.headers, host, "ws")
+                got = self.request(report, index, raw, lane, flow.request.headers, host, "ws", live)
                 turn, rw = (got[0], rewriter_cls("responses", True)) if got is not None else (None, None)
             elif turn is not None and rw is not None:
                 rw.ws_frame(msg.content)
                 if rw.finished:
                     self.account(turn, rw)
                     rw = None
+
+
+class _RecordedAnswer:
+    """An answer as the live proxy recorded it (its proxy tool calls and usage), standing in for the
+    ResponseRewriter of an answer whose body the flow did not keep."""
+
+    def __init__(self, live: dict[str, Any], rewrite: bool):
+        from bili_addon.stream import Usage
+
+        self.rewrite = rewrite
+        self.calls = [tuple(c) for c in live.get("called", []) if isinstance(c, list) and len(c) == 3]
+        self.usage = Usage()
+        u = live.get("usage")
+        if isinstance(u, dict):
+            self.usage = Usage(*(int(u.get(k) or 0) for k in ("input", "cache_read", "cache_write", "output")),
+                               seen=True)
+
+
+def _live_differs(turn: Turn, render: bool) -> list[str]:
+    """The figures where the live proxy's record of a request differs from the replay."""
+    live = turn.live or {}
+    out = []
+    if live.get("session") not in (None, turn.session):
+        out.append(f"session {live['session']}")
+    if (live.get("messages"), live.get("refs_new"), live.get("refs_known")) != (
+            turn.messages, turn.refs_new, turn.refs_known):
+        out.append(f"msgs {live.get('messages')} refs {live.get('refs_new')}/{live.get('refs_known')}")
+    if live.get("rendered") and render:  # what fold rendering did; observe records no folds
+        if (live.get("blocks"), live.get("folded")) != (turn.blocks, turn.folded):
+            out.append(f"blocks {live.get('blocks')} folded {live.get('folded')}")
+        if live.get("executed") != turn.executed:
+            out.append(f"ran {','.join(live.get('executed') or []) or '-'}")
+    return out
 
 
 class _System(msgspec.Struct):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from mitmproxy import ctx, http
 
-from bili_addon import BILI_MODES, FIRST_PARTY, admin
+from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta
 from bili_addon.kernel import envelope
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
@@ -48,11 +50,14 @@ WS_REFUSAL = b'{"error":"bili: WebSocket upgrades on /responses are refused in f
 
 @dataclass
 class FlowState:
-    """What the request side learned about a flow, for its response."""
+    """What the request side learned about a flow, for its response.  Live objects: kept by the addon
+    (weakly keyed by the flow), never in ``flow.metadata``, which mitmproxy serialises; ``record`` is
+    the plain record of the flow that is there (:mod:`bili_addon.flowmeta`)."""
 
     lane: str
     session: str
     rewriter: ResponseRewriter
+    record: dict[str, Any] = field(default_factory=dict)
 
 
 class Bili:
@@ -62,6 +67,7 @@ class Bili:
         self.refuse_ws = True
         self.first_party = "fold"
         self._data_dir = ""
+        self._flows: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDictionary()
 
     @property
     def store_ok(self) -> bool:
@@ -188,6 +194,8 @@ class Bili:
             req.headers.pop(name, None)  # ours: never forwarded
         if res is None or not res.session:
             return
+        record = self._record(res, lane.name, "http", fold, raw)
+        flow.metadata[flowmeta.KEY] = record
         if res.status:
             flow.response = http.Response.make(
                 res.status, msgspec.json.encode({"error": {"type": "bili_message_ids", "message": res.error}}),
@@ -202,7 +210,13 @@ class Bili:
             # a compressed stream cannot be filtered event by event
             req.headers["accept-encoding"] = "identity"
         marker = res.marker if ctx.options.bili_marker else ""
-        flow.metadata["bili"] = FlowState(lane.name, res.session, ResponseRewriter(lane.name, rewrite, marker))
+        self._flows[flow] = FlowState(lane.name, res.session, ResponseRewriter(lane.name, rewrite, marker), record)
+
+    def _record(self, res: TurnResult, lane: str, via: str, rendered: bool, raw: bytes) -> dict[str, Any]:
+        assert self.engine is not None
+        s = self.engine.sessions.get(res.session)
+        return flowmeta.request_record(res, mode=self.mode, rendered=rendered, lane=lane, via=via, raw=raw,
+                                       sent=raw if res.body is None else res.body, blocks=s.blocks if s else [])
 
     def _process(self, raw: bytes, lane: Lane, headers, where: str, origin: str = "",
                  render: bool | None = None) -> TurnResult | None:
@@ -242,7 +256,7 @@ class Bili:
 
     # -- responses -----------------------------------------------------------------------------
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        st: FlowState | None = flow.metadata.get("bili")
+        st = self._flows.get(flow)
         resp = flow.response
         if st is None or resp is None or not 200 <= resp.status_code < 300:
             return
@@ -263,7 +277,7 @@ class Bili:
         resp.stream = st.rewriter.stream(decoder)
 
     def response(self, flow: http.HTTPFlow) -> None:
-        st: FlowState | None = flow.metadata.get("bili")
+        st = self._flows.pop(flow, None)
         resp = flow.response
         if st is None or resp is None or self.engine is None:
             return
@@ -279,6 +293,9 @@ class Bili:
             self._account(st)
         except Exception as e:
             log.exception("[bili] session=%s: response handling failed (%s); answer left as is", st.session, e)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._flows.pop(flow, None)  # no answer comes; mitmweb keeps the flow, not our state
 
     def _learn_from_error(self, st: FlowState, resp: http.Response) -> None:
         assert self.engine is not None
@@ -303,6 +320,7 @@ class Bili:
         assert self.engine is not None
         rw = st.rewriter
         called = self.engine.record_answer(st.session, st.lane, rw)
+        flowmeta.record_answer(st.record, rw, called)
         if called:
             log.info("[bili] session=%s: the model called %s; it runs when the agent's next request carries it",
                      st.session, ", ".join(called))
@@ -331,12 +349,16 @@ class Bili:
                                 origin=flow.request.pretty_host)
             if res is None or not res.session:
                 return
+            raw = msg.content
             if res.body is not None:
                 msg.content = res.body
-            st = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold"))
-            flow.metadata["bili"] = st
+            record = self._record(res, "responses", "ws", self.mode == "fold", raw)
+            record["message"] = len(flow.websocket.messages) - 1
+            flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
+            self._flows[flow] = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold"),
+                                          record)
             return
-        st = flow.metadata.get("bili")
+        st = self._flows.get(flow)
         if st is None:
             return
         try:
@@ -345,9 +367,12 @@ class Bili:
                 msg.content = frame
             if st.rewriter.finished:  # once per answer, whichever final event ends it
                 self._account(st)
-                flow.metadata.pop("bili", None)
+                self._flows.pop(flow, None)
         except Exception as e:
             log.exception("[bili] session=%s: WebSocket frame handling failed (%s); frame left as is", st.session, e)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        self._flows.pop(flow, None)
 
     # -- admin ---------------------------------------------------------------------------------
     def stats(self) -> dict:

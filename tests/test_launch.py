@@ -285,7 +285,7 @@ def test_fold_keeps_the_billing_block_first_and_byte_exact(bili):
     assert system[1] == json.loads(raw)["system"][1]
     assert len(system) == 3 and "Context folding" in system[2]["text"]  # our prompt goes last
     assert f.request.headers["accept-encoding"] == "identity"
-    assert f.metadata["bili"].rewriter.rewrite is True
+    assert bili._flows[f].rewriter.rewrite is True and f.metadata["bili"]["rendered"] is True
 
 
 def test_observe_leaves_first_party_bodies_alone(bili):
@@ -295,7 +295,8 @@ def test_observe_leaves_first_party_bodies_alone(bili):
     bili.request(f)
     assert f.request.raw_content == raw
     assert f.request.headers["accept-encoding"] == "gzip, br"
-    assert f.metadata["bili"].rewriter.rewrite is False  # answers pass unchanged too
+    assert bili._flows[f].rewriter.rewrite is False  # answers pass unchanged too
+    assert f.metadata["bili"]["rendered"] is False and "request" not in f.metadata["bili"]
     assert [(s["id"], s["refs"]) for s in bili.stats()["sessions"]] == [("fp-session-1", 1)]  # still recorded
     # a gateway, or a body without the billing block, is folded as usual
     other = anthropic_flow(raw, host="gateway.corp.example")
