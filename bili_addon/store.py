@@ -277,6 +277,7 @@ class Store:
         try:
             yield self.db
             self.db.execute("COMMIT")
+            self.writes += 1
         except BaseException as e:
             if self.db.in_transaction:
                 try:
@@ -304,6 +305,7 @@ class Store:
 
     def __init__(self, data_dir: str | os.PathLike[str], busy_ms: int = BUSY_MS):
         self.path = Path(data_dir) / DB_NAME
+        self.writes = 0  # transactions committed (the keeper's sign that a failed store works again)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
