@@ -15,6 +15,7 @@ the store's gets :class:`StaleSession` and reloads the session instead of writin
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import sqlite3
@@ -158,7 +159,7 @@ _HINTS = {
 
 
 def lock_holders(path: Path) -> list[int]:
-    """PIDs (other than ours) holding a POSIX lock on the store's files, from /proc/locks (Linux)."""
+    """PIDs (other than ours) holding a write lock on the store's files, from /proc/locks (Linux)."""
     ids = set()
     for p in (path, path.with_name(path.name + "-shm"), path.with_name(path.name + "-wal")):
         try:
@@ -173,7 +174,7 @@ def lock_holders(path: Path) -> list[int]:
         return pids
     for line in lines:
         f = line.split()
-        if len(f) < 6 or f[1] == "->":
+        if len(f) < 6 or f[1] == "->" or f[3] != "WRITE":  # readers (other bili processes) hold READ locks
             continue
         try:
             pid = int(f[4])
@@ -257,6 +258,18 @@ class UsageTotals:
 
 
 DB_NAME = "bili.sqlite3"
+
+
+def _reads(fn):
+    """A read of the store: a SQLite failure (a lock that blocks readers too, an I/O error) is a
+    :class:`StoreError` with its cause, like a failed write."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kw):
+        try:
+            return fn(self, *args, **kw)
+        except sqlite3.Error as e:
+            raise store_error("read", self.path, e) from e
+    return wrapper
 
 
 def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -354,19 +367,27 @@ class Store:
         if self.db.in_transaction:
             yield
             return
-        self.db.execute("BEGIN")
+        try:
+            self.db.execute("BEGIN")
+        except sqlite3.Error as e:
+            raise store_error("read", self.path, e) from e
         try:
             yield
         finally:
             if self.db.in_transaction:
-                self.db.execute("COMMIT")
+                try:
+                    self.db.execute("COMMIT")
+                except sqlite3.Error:
+                    pass
 
+    @_reads
     def version(self, session_id: str) -> int:
         """The session's version in the store (0: never written)."""
         row = self.db.execute("SELECT version FROM sessions WHERE id=?", (session_id,)).fetchone()
         return row[0] if row else 0
 
     # -- reads ---------------------------------------------------------------------------------
+    @_reads
     def session(self, session_id: str) -> SessionRow | None:
         row = self.db.execute(
             "SELECT id, agent, lane, created, last_seen, requests, messages, next_ref, flags, version FROM sessions "
@@ -375,6 +396,7 @@ class Store:
         ).fetchone()
         return SessionRow(*row) if row else None
 
+    @_reads
     def sessions(self) -> list[SessionRow]:
         rows = self.db.execute(
             "SELECT id, agent, lane, created, last_seen, requests, messages, next_ref, flags, version FROM sessions "
@@ -382,6 +404,7 @@ class Store:
         ).fetchall()
         return [SessionRow(*r) for r in rows]
 
+    @_reads
     def ledger(self, session_id: str) -> list[LedgerRow]:
         rows = self.db.execute(
             "SELECT msg_id, content_hash, ref, role, ctype, tokens FROM ledger WHERE session_id=?",
@@ -389,9 +412,11 @@ class Store:
         ).fetchall()
         return [LedgerRow(*r) for r in rows]
 
+    @_reads
     def ref_count(self, session_id: str) -> int:
         return self.db.execute("SELECT COUNT(*) FROM ledger WHERE session_id=?", (session_id,)).fetchone()[0]
 
+    @_reads
     def usage(self, session_id: str) -> UsageTotals:
         row = self.db.execute(
             "SELECT turns, input_tokens, cache_read, cache_write, output_tokens FROM sessions WHERE id=?",
@@ -399,6 +424,7 @@ class Store:
         ).fetchone() or (0, 0, 0, 0, 0)
         return UsageTotals(*row, last=self.last_usage(session_id))
 
+    @_reads
     def last_usage(self, session_id: str) -> tuple[int, int, int, int] | None:
         """The usage of the session's latest answer: input, cache read, cache write, output."""
         last = self.db.execute(
@@ -408,8 +434,20 @@ class Store:
         ).fetchone()
         return tuple(last) if last else None
 
+    @_reads
     def affinity(self) -> list[tuple[str, int, str]]:
         return self.db.execute("SELECT session_id, depth, tail FROM affinity").fetchall()
+
+    @_reads
+    def affinity_of(self, tails: list[str]) -> list[tuple[str, int, str]]:
+        """The prefix chains (another process may have written them) ending in one of ``tails``."""
+        out: list[tuple[str, int, str]] = []
+        for i in range(0, len(tails), 500):
+            chunk = tails[i:i + 500]
+            out += self.db.execute(
+                f"SELECT session_id, depth, tail FROM affinity WHERE tail IN ({','.join('?' * len(chunk))})", chunk
+            ).fetchall()
+        return out
 
     # -- the one write of a turn ---------------------------------------------------------------
     def commit_turn(
@@ -495,11 +533,13 @@ class Store:
                 )
 
     # -- folding -------------------------------------------------------------------------------
+    @_reads
     def blocks(self, session_id: str) -> list[str]:
         """The blocks of a session as JSON documents, oldest first."""
         rows = self.db.execute("SELECT body FROM blocks WHERE session_id=?", (session_id,)).fetchall()
         return [r[0] for r in rows]
 
+    @_reads
     def originals(self, session_id: str, refs: list[str] | None = None) -> list[tuple]:
         """``(ref, role, ctype, tool_name, tool_call_id, text, tokens)`` of folded messages."""
         q = "SELECT ref, role, ctype, tool_name, tool_call_id, text, tokens FROM originals WHERE session_id=?"
@@ -509,6 +549,7 @@ class Store:
         want = set(refs)
         return sorted(r for r in rows if r[0] in want)
 
+    @_reads
     def calls(self, session_id: str) -> list[tuple[str, str, str, str | None]]:
         """``(call_key, name, args, result)``; result None while the call waits for its execution."""
         return self.db.execute(
@@ -555,6 +596,7 @@ class Store:
             )
         return version
 
+    @_reads
     def copy(self, session_id: str) -> str | None:
         """The canonical copy of a session's last steady pass (fold coverage under churn)."""
         row = self.db.execute("SELECT doc FROM copies WHERE session_id=?", (session_id,)).fetchone()
@@ -567,6 +609,7 @@ class Store:
         return version
 
     # -- the session's own transcript (snapshot render) ------------------------------------------
+    @_reads
     def transcript(self, session_id: str) -> list[tuple[str, list[str], bytes]]:
         rows = self.db.execute(
             "SELECT sig, refs, item FROM transcript WHERE session_id=? ORDER BY seq", (session_id,)

@@ -119,3 +119,13 @@ def test_an_old_store_with_a_ref_given_twice_is_repaired_on_open(tmp_path):
     owners = dict(s.db.execute("SELECT ref, content_hash FROM refs WHERE session_id='old'").fetchall())
     assert owners == {"m00001": "aa", "m00002": "bb", "m00003": "dd"}
     assert s.session("old").next_ref == 4  # allocation continues after every ref ever given
+
+
+def test_an_anonymous_conversation_another_process_continued_is_found_in_the_store(tmp_path):
+    a, b = Engine(Store(tmp_path)), Engine(Store(tmp_path))
+    h = [{"role": "user", "content": "an anonymous conversation starts here"}]
+    first = a.process(body(h), ANTH, {}, render=True)
+    h += [{"role": "assistant", "content": [{"type": "text", "text": "ok"}]}, {"role": "user", "content": "more"}]
+    # B never saw the conversation: the prefix chain A stored tells it which session this is
+    second = b.process(body(h), ANTH, {}, render=True)
+    assert second.session == first.session and second.refs_known == 1 and second.refs_new == 2

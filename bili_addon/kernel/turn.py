@@ -189,6 +189,9 @@ class Engine(ProxyTools):
             hashes = self._chain(infos, start, memo, k)
             if hashes is None:
                 return TurnResult(None, lane=lane.name, messages=len(infos), source="no conversation identity")
+            if self.affinity.match(hashes) is None:  # another process may have seen this conversation
+                for row in self.store.affinity_of(hashes):
+                    self.affinity.note(*row)
             sid, source = self.affinity.resolve(hashes), "prefix"
             tail = (len(hashes), hashes[-1])
         agent = agent_of(headers)
