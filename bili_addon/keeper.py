@@ -28,7 +28,7 @@ log = logging.getLogger("bili")
 T = TypeVar("T")
 
 RETRY_LOCKED = 1.0  # seconds before a locked store is tried again (requests meanwhile pass at once)
-RETRY_BROKEN = 5.0  # ... a full, read-only or unopenable one
+RETRY_BROKEN = 2.0  # ... a full, read-only or unopenable one
 TURN, DROPPED = "forwarded_unchanged", "writes_dropped"  # the counters of work the store could not take
 
 
@@ -189,7 +189,7 @@ class Keeper:
     def _up(self, eng: "Engine") -> None:
         """Work succeeded; once the store has taken a write again it is usable again."""
         if self.error is not None and eng.store.writes > self._writes_at_error:
-            log.warning("[bili] the store at %s works again (%s before); bili resumes", eng.store.path,
+            log.warning("[bili] the store at %s is usable again (it was: %s); storing resumes", eng.store.path,
                         self.error.kind)
             self.error = None
             self.counts["resumed"] += 1

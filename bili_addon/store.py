@@ -195,6 +195,22 @@ def _process_name(pid: int) -> str:
     return cmd[:120]
 
 
+def _fs_state(path: Path) -> str:
+    """``read-only`` or ``disk full`` when the file system under ``path`` says so, else ''."""
+    d = path.parent
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    try:
+        st = os.statvfs(d)
+    except OSError:
+        return ""
+    if st.f_flag & os.ST_RDONLY or not os.access(d, os.W_OK):
+        return "read-only"
+    if st.f_bavail == 0:
+        return "disk full"
+    return ""
+
+
 def classify(e: BaseException, path: Path | None = None) -> tuple[str, str]:
     """``(kind, plain words)`` for a SQLite or OS error of the store."""
     name = getattr(e, "sqlite_errorname", "") or ""
@@ -212,7 +228,14 @@ def classify(e: BaseException, path: Path | None = None) -> tuple[str, str]:
             if pids:
                 who = " by " + ", ".join(f"PID {p}" + (f" ({n})" if (n := _process_name(p)) else "") for p in pids)
         return "locked", f"the store is locked{who or ' by another process'}"
-    if name.startswith("SQLITE_CANTOPEN") or err in (errno.ENOTDIR, errno.ENOENT, errno.EEXIST):
+    fs = _fs_state(path) if path is not None else ""
+    if fs == "read-only":
+        return "read-only", "the store is on a read-only file system (or not writable)"
+    if fs == "disk full":
+        return "disk full", "the disk is full"
+    if err == errno.ENOTDIR:
+        return "cannot open", "the data dir cannot be created: part of its path is a file, not a directory"
+    if name.startswith("SQLITE_CANTOPEN") or err in (errno.ENOENT, errno.EEXIST):
         return "cannot open", "the store file cannot be opened"
     if name.startswith("SQLITE_IOERR") or err == errno.EIO:
         return "i/o error", "the disk reported an I/O error"
