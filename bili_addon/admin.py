@@ -135,7 +135,7 @@ def plugin_tool(engine: Engine, sid: str | None, tool: str, args: dict[str, Any]
     except LookupError as e:
         return _fail(404, str(e.args[0]) if e.args else "unknown conversation")
     except StoreError as e:
-        log.error("[bili] plugin tool %s: %s", tool, e)
+        log.warning("[bili] plugin tool %s: %s", tool, e)
         return _fail(503, f"the bili store failed: {e}")
     except Exception as e:
         log.exception("[bili] plugin tool %s on %s failed: %s", tool, sid or "the latest conversation", e)
