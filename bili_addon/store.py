@@ -373,8 +373,9 @@ class Store:
             self.db.execute("INSERT OR IGNORE INTO refs(session_id, ref, content_hash) "
                             "SELECT session_id, ref, content_hash FROM ledger ORDER BY first_seen")
             self.db.execute(
-                "UPDATE sessions SET next_ref=MAX(next_ref, 1 + (SELECT COALESCE(MAX(CAST(substr(ref, 2) "
-                "AS INTEGER)), 0) FROM refs WHERE refs.session_id=sessions.id))")
+                "UPDATE sessions SET next_ref=given + 1, version=version + 1 FROM (SELECT session_id, "
+                "MAX(CAST(substr(ref, 2) AS INTEGER)) AS given FROM refs GROUP BY session_id) AS r "
+                "WHERE r.session_id=sessions.id AND sessions.next_ref <= r.given")
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES('schema_version', ?)",
                             (str(SCHEMA_VERSION),))
 

@@ -118,7 +118,9 @@ def test_an_old_store_with_a_ref_given_twice_is_repaired_on_open(tmp_path):
     s = Store(tmp_path)
     owners = dict(s.db.execute("SELECT ref, content_hash FROM refs WHERE session_id='old'").fetchall())
     assert owners == {"m00001": "aa", "m00002": "bb", "m00003": "dd"}
-    assert s.session("old").next_ref == 4  # allocation continues after every ref ever given
+    row = s.session("old")
+    assert row.next_ref == 4  # allocation continues after every ref ever given
+    assert row.version == 1  # a process that cached the session reloads it
 
 
 def test_an_anonymous_conversation_another_process_continued_is_found_in_the_store(tmp_path):
