@@ -74,7 +74,8 @@ class ProxyTools:
             out = fold.compress(args, view, s.blocks, self.fold_cfg, call_id)
             if out.blocks:
                 s.blocks.extend(out.blocks)
-                self.save_blocks(s, out.blocks + out.deactivated, out.originals)
+                self.save_blocks(s, out.blocks + out.deactivated, out.originals,
+                                 [(call_id, out.text)] if call_id in s.calls else [])
             return out.text
         originals = lambda refs: self.store.originals(sid, refs)  # noqa: E731
         if name == "decompress":

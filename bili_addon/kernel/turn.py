@@ -127,12 +127,14 @@ class Engine(ProxyTools):
             s.version += 1  # old items render differently now
         return True
 
-    def save_blocks(self, s: Session, blocks: list[Block], originals=()) -> None:
+    def save_blocks(self, s: Session, blocks: list[Block], originals=(), results=()) -> None:
+        """``results``: ``(call key, result)`` of the call that made the blocks, in the same
+        transaction (a turn computed again never runs that call twice)."""
         s.stored = self.store.commit_fold(
             s.row.id,
             [(b.id, json.dumps(b.__dict__), b.active) for b in blocks],
             [(p.ref, p.role, p.ctype, p.tool_name, p.tool_call_id, p.text, p.tokens) for p in originals],
-            [],
+            list(results),
             expect=s.stored,
         )
 
