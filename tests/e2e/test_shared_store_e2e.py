@@ -53,11 +53,12 @@ def script() -> list:
     return acts
 
 
-def test_one_conversation_alternating_between_two_processes_on_one_store(fake, pair, sid):
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_one_conversation_alternating_between_two_processes_on_one_store(fake, pair, sid, stream):
     fake.script(sid, script())
-    # non-streamed answers: the proxy call the model makes is recorded before the agent has the
-    # answer, so the other process runs it on the very next turn
-    agent = AnthropicAgent(pair[0].url, sid, sid, TASK, stream=False)
+    # the proxy call the model makes is recorded before the answer's end reaches the agent (the
+    # response hook is awaited), so the other process runs it on the very next turn
+    agent = AnthropicAgent(pair[0].url, sid, sid, TASK, stream=stream)
     up = Turns(fake, sid)
     names: dict[str, str] = {}  # ref -> the text it named on the wire, over all turns and both processes
     for t in range(1, TURNS + 1):
