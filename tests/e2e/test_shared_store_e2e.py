@@ -86,7 +86,7 @@ def test_one_conversation_alternating_between_two_processes_on_one_store(fake, p
         assert len(lines) == TURNS // 2, p.log_tail()
         assert all(int(m.group(6)) > 0 for m in lines), [m.group(0) for m in lines]
         assert "UNIQUE constraint" not in p.log() and "forwarding unchanged" not in p.log(), p.log_tail()
-    assert sum("ran=compress" in ln for p in pair for ln in p.log().splitlines()) == 1
+    assert sum(f"session={sid} " in ln and "ran=compress" in ln for p in pair for ln in p.log().splitlines()) == 1
 
     # the store: every ref of the session names one text, and was given once
     db = sqlite3.connect(pair[0].data_dir / DB_NAME)
