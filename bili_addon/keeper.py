@@ -46,7 +46,7 @@ class Keeper:
         self.counts = {"forwarded_unchanged": 0, "writes_dropped": 0, "stale_retries_exhausted": 0, "resumed": 0}
         self._writes_at_error = 0
         self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()  # serialises the inline path (tests, start-up) with the worker
+        self._lock = threading.RLock()  # serialises the inline path (tests, start-up) with the worker
 
     # -- state -----------------------------------------------------------------------------------
     @property
@@ -89,11 +89,20 @@ class Keeper:
         self._close()
         self.data_dir, self.error = data_dir, None
         try:
-            self.engine = self.make_engine(data_dir)
+            self.engine = self._make(data_dir)
         except StoreError as e:
             self._down(e)
             return
         log.info("[bili] store at %s", self.engine.store.path)
+
+    def _make(self, data_dir: str) -> "Engine":
+        try:
+            return self.make_engine(data_dir)
+        except StoreError:
+            raise
+        except Exception as e:  # a bug must not stop the proxy either: it serves without the store
+            log.exception("[bili] opening the store at %s failed", data_dir)
+            raise StoreError(f"cannot open the store at {data_dir}: internal error ({type(e).__name__}: {e})") from e
 
     # -- running work ----------------------------------------------------------------------------
     @property
@@ -158,7 +167,7 @@ class Keeper:
             self.retry_at = time.monotonic() + self._pause(self.error)  # one attempt per pause
             if self.engine is None:
                 try:
-                    self.engine = self.make_engine(self.data_dir)
+                    self.engine = self._make(self.data_dir)
                 except StoreError as e:
                     self._down(e)
                     return None
