@@ -101,7 +101,7 @@ class Keeper:
         except StoreError:
             raise
         except Exception as e:  # a bug must not stop the proxy either: it serves without the store
-            log.exception("[bili] opening the store at %s failed", data_dir)
+            log.warning("[bili] opening the store at %s failed", data_dir, exc_info=True)
             raise StoreError(f"cannot open the store at {data_dir}: internal error ({type(e).__name__}: {e})") from e
 
     # -- running work ----------------------------------------------------------------------------
