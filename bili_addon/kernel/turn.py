@@ -83,7 +83,7 @@ class Engine(ProxyTools):
     def session(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False) -> Session:
         """The session's state, loaded from the store once and cached.  ``fresh``: first check that
         no other process has changed it since (one indexed read); if one has, reload it."""
-        s = self.sessions.get(sid)
+        s = seen = self.sessions.get(sid)
         if s is not None:
             if fresh and self.store.version(sid) != s.stored:
                 self.forget(sid)
@@ -102,6 +102,9 @@ class Engine(ProxyTools):
             s.blocks = sorted((Block(**json.loads(doc)) for doc in self.store.blocks(sid)), key=lambda b: b.number)
             s.calls = {k: Call(n, a, r) for k, n, a, r in self.store.calls(sid)}
             s.copy = reconcile.Copy.from_json(self.store.copy(sid))
+        if seen is not None:  # what this process saw of the conversation stays true (refs never change meaning)
+            s.model, s.last_view, s.sent_tokens, s.unfolded_tokens = (
+                seen.model, seen.last_view, seen.sent_tokens, seen.unfolded_tokens)
         self.sessions[sid] = s
         while len(self.sessions) > self.max_sessions:
             old, _ = self.sessions.popitem(last=False)
