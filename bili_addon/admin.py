@@ -14,6 +14,7 @@ from bili_addon.kernel.prompts import TOOLS
 from bili_addon.store import StoreError
 
 if TYPE_CHECKING:
+    from bili_addon.kernel.turn import Engine
     from bili_addon.shell import Bili
 
 log = logging.getLogger("bili")
@@ -52,22 +53,45 @@ def _fail(status: int, error: str) -> http.Response:
     return _json(status, {"ok": False, "error": error})
 
 
-def handle(flow: http.HTTPFlow, bili: Bili) -> None:
+def handle(flow: http.HTTPFlow, bili: Bili):
+    """Answers the request; returns an awaitable when the answer needs the store (its work runs on
+    the store's worker thread: health never waits on it)."""
     if not _loopback(flow):
         flow.response = _fail(403, "bili admin endpoints are loopback-only")
-        return
+        return None
     path = flow.request.path.split("?", 1)[0]
     method = flow.request.method
     if path == PREFIX + "health" and method in ("GET", "HEAD"):
-        flow.response = _json(200, {"ok": True, "version": __version__, "mode": bili.mode, "store": bili.store_ok})
+        flow.response = _json(200, {"ok": True, "version": __version__, "mode": bili.mode, **bili.store_status()})
     elif path == PREFIX + "stats" and method == "GET":
-        flow.response = _json(200, bili.stats())
+        return _with_store(flow, bili, lambda eng: _json(200, bili.stats(eng)),
+                           lambda: _json(200, bili.stats()))
     elif path == MANIFEST_ENDPOINT and method in ("GET", "HEAD"):
         flow.response = _json(200, {"ok": True, "tools": list(TOOLS), "toolEndpoint": TOOL_ENDPOINT})
     elif path == TOOL_ENDPOINT and method == "POST":
-        flow.response = plugin_tool(flow.request, bili)
+        call = _parse_call(flow.request)
+        if isinstance(call, http.Response):
+            flow.response = call
+            return None
+        return _with_store(flow, bili, lambda eng: plugin_tool(eng, *call),
+                           lambda: _fail(503, "the bili store is not available; see the proxy's log"))
     else:
         flow.response = _fail(404, f"no such bili endpoint: {method} {path}")
+    return None
+
+
+def _with_store(flow: http.HTTPFlow, bili: Bili, answer, without):
+    """``answer(engine)`` as the response, run where the store is used; ``without()`` when the
+    store is unusable."""
+    keeper = bili.keeper
+    if not keeper.offloading:
+        flow.response = keeper.run(answer, None) or without()
+        return None
+
+    async def later() -> None:
+        flow.response = await keeper.call(answer, None) or without()
+
+    return later()
 
 
 # -- POST /__bili/plugin/tool ------------------------------------------------------------------------
@@ -104,21 +128,14 @@ def _parse_call(req: http.Request) -> tuple[str | None, str, dict[str, Any]] | h
     return sid or None, tool, args
 
 
-def plugin_tool(req: http.Request, bili: Bili) -> http.Response:
+def plugin_tool(engine: Engine, sid: str | None, tool: str, args: dict[str, Any]) -> http.Response:
     """Run one bili tool called natively (an MCP server, a plugin) instead of on the wire."""
-    call = _parse_call(req)
-    if isinstance(call, http.Response):
-        return call
-    sid, tool, args = call
-    engine = bili.engine
-    if engine is None:
-        return _fail(503, "the bili store is not available; see the proxy's log")
     try:
         resolved, result = engine.plugin_tool(sid, tool, args)
     except LookupError as e:
         return _fail(404, str(e.args[0]) if e.args else "unknown conversation")
     except StoreError as e:
-        log.error("[bili] plugin tool %s: %s", tool, e)
+        log.warning("[bili] plugin tool %s: %s", tool, e)
         return _fail(503, f"the bili store failed: {e}")
     except Exception as e:
         log.exception("[bili] plugin tool %s on %s failed: %s", tool, sid or "the latest conversation", e)

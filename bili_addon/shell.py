@@ -18,6 +18,7 @@ from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.turn import Engine, TurnResult
 from bili_addon.kernel.windows import is_overflow, learned_window
+from bili_addon.keeper import DROPPED, Keeper
 from bili_addon.store import Store, StoreError, default_data_dir
 from bili_addon.stream import Decoder, ResponseRewriter
 from bili_addon.wire import LANES, Lane, detect_lane, hygiene, is_responses_websocket
@@ -62,7 +63,7 @@ class FlowState:
 
 class Bili:
     def __init__(self) -> None:
-        self.engine: Engine | None = None
+        self.keeper = Keeper(self._make_engine)  # the engine and its store, off the event loop
         self.mode = "fold"
         self.refuse_ws = True
         self.first_party = "fold"
@@ -70,8 +71,20 @@ class Bili:
         self._flows: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDictionary()
 
     @property
+    def engine(self) -> Engine | None:
+        return self.keeper.engine
+
+    @property
     def store_ok(self) -> bool:
-        return self.engine is not None
+        return self.keeper.ok
+
+    def store_status(self) -> dict:
+        """What health says about the store: usable or not, and why not."""
+        st = self.keeper.status()
+        out: dict = {"store": st["ok"]}
+        if "reason" in st:
+            out.update(store_error=st["reason"], store_cause=st["cause"], store_hint=st["hint"])
+        return out
 
     # -- options -------------------------------------------------------------------------------
     def load(self, loader) -> None:
@@ -131,46 +144,48 @@ class Bili:
             self.refuse_ws = ctx.options.bili_refuse_websocket
         if "bili_first_party" in updated:
             self.first_party = ctx.options.bili_first_party
-        if "bili_data_dir" in updated or self.engine is None and not self._data_dir:
-            self._open_store(ctx.options.bili_data_dir or str(default_data_dir()))
-        if self.engine is not None:
-            self.engine.fold_cfg.min_compress_chars = ctx.options.bili_min_compress_chars
-            self.engine.window = ctx.options.bili_context_window
-            remind = ctx.options.bili_remind_at
-            never = 1 << 62
-            self.engine.nudge_cfg.batch_tokens = remind if remind > 0 else never
-            self.engine.nudge_cfg.distil_tokens = NudgeConfig.distil_tokens if remind > 0 else never
-            self.engine.reconcile = ctx.options.bili_fold_reconcile
-            self.engine.snapshot = ctx.options.bili_snapshot_render
+        if "bili_data_dir" in updated or not self._data_dir:
+            self._data_dir = ctx.options.bili_data_dir or str(default_data_dir())
+            self.keeper.open(self._data_dir)
+        elif self.engine is not None:
+            self._tune(self.engine)
 
-    def _open_store(self, data_dir: str) -> None:
-        if self.engine is not None:
-            self.engine.store.close()
-        self.engine, self._data_dir = None, data_dir
-        try:
-            self.engine = Engine(Store(data_dir))
-            log.info("[bili] store at %s, mode %s", self.engine.store.path, self.mode)
-        except StoreError as e:
-            log.error("[bili] %s; requests pass through unchanged", e)
+    def _make_engine(self, data_dir: str) -> Engine:
+        """A fresh engine over the store at ``data_dir`` with the current options (raises StoreError)."""
+        return self._tune(Engine(Store(data_dir)))
+
+    def _tune(self, engine: Engine) -> Engine:
+        engine.fold_cfg.min_compress_chars = ctx.options.bili_min_compress_chars
+        engine.window = ctx.options.bili_context_window
+        remind = ctx.options.bili_remind_at
+        never = 1 << 62
+        engine.nudge_cfg.batch_tokens = remind if remind > 0 else never
+        engine.nudge_cfg.distil_tokens = NudgeConfig.distil_tokens if remind > 0 else never
+        engine.reconcile = ctx.options.bili_fold_reconcile
+        engine.snapshot = ctx.options.bili_snapshot_render
+        return engine
+
+    def running(self) -> None:
+        self.keeper.start()  # from now on the store is used on its worker thread only
 
     def done(self) -> None:
-        if self.engine is not None:
-            self.engine.store.close()
+        self.keeper.stop()
 
     @property
     def active(self) -> bool:
-        return self.mode != "passthrough" and self.engine is not None
+        return self.mode != "passthrough"
 
     # -- requests ------------------------------------------------------------------------------
-    def request(self, flow: http.HTTPFlow) -> None:
+    def request(self, flow: http.HTTPFlow):
+        """Returns an awaitable when the turn's work runs on the store's worker thread (mitmproxy
+        awaits it; the event loop serves other flows meanwhile)."""
         if admin.is_admin(flow):
-            admin.handle(flow, self)
-            return
+            return admin.handle(flow, self)
         if not self.active:
-            return
+            return None
         req = flow.request
         if (
-            self.mode == "fold" and self.refuse_ws and req.method == "GET"
+            self.mode == "fold" and self.refuse_ws and self.keeper.ok and req.method == "GET"
             and req.headers.get("upgrade", "").lower() == "websocket" and is_responses_websocket(req.path)
         ):
             flow.response = http.Response.make(426, WS_REFUSAL, {"content-type": "application/json"})
@@ -189,12 +204,28 @@ class Bili:
         fold = self.mode == "fold"
         if fold and self.first_party == "observe" and lane.name == "anthropic" and first_party_claude(raw, req.pretty_host):
             fold = False  # the user asked to leave first-party Claude Code bodies alone
-        res = self._process(raw, lane, req.headers, where="http", origin=req.pretty_host, render=fold)
+        headers, origin = req.headers.copy(), req.pretty_host
+
+        def work(eng: Engine):
+            res = self._process(eng, raw, lane, headers, where="http", origin=origin, render=fold)
+            return res, self._record(eng, res, lane.name, "http", fold, raw)
+
+        if self.keeper.offloading:
+            return self._request_later(flow, lane, fold, work)
+        self._apply(flow, lane, fold, self.keeper.run(work))
+        return None
+
+    async def _request_later(self, flow: http.HTTPFlow, lane: Lane, fold: bool, work) -> None:
+        self._apply(flow, lane, fold, await self.keeper.call(work))
+
+    def _apply(self, flow: http.HTTPFlow, lane: Lane, fold: bool, out) -> None:
+        """The turn's outcome (the kernel's result and the flow's record) onto the flow (on the event loop)."""
+        req = flow.request
         for name in (envelope.HEADER, envelope.RESYNC_HEADER):
             req.headers.pop(name, None)  # ours: never forwarded
-        if res is None or not res.session:
+        res, record = out or (None, None)
+        if res is None or record is None:
             return
-        record = self._record(res, lane.name, "http", fold, raw)
         flow.metadata[flowmeta.KEY] = record
         if res.status:
             flow.response = http.Response.make(
@@ -212,25 +243,28 @@ class Bili:
         marker = res.marker if ctx.options.bili_marker else ""
         self._flows[flow] = FlowState(lane.name, res.session, ResponseRewriter(lane.name, rewrite, marker), record)
 
-    def _record(self, res: TurnResult, lane: str, via: str, rendered: bool, raw: bytes) -> dict[str, Any]:
-        assert self.engine is not None
-        s = self.engine.sessions.get(res.session)
+    def _record(self, eng: Engine, res: TurnResult | None, lane: str, via: str, rendered: bool,
+                raw: bytes) -> dict[str, Any] | None:
+        """The flow's plain record of a turn (on the worker: it reads the session's blocks)."""
+        if res is None or not res.session:
+            return None
+        s = eng.sessions.get(res.session)
         return flowmeta.request_record(res, mode=self.mode, rendered=rendered, lane=lane, via=via, raw=raw,
                                        sent=raw if res.body is None else res.body, blocks=s.blocks if s else [])
 
-    def _process(self, raw: bytes, lane: Lane, headers, where: str, origin: str = "",
+    def _process(self, eng: Engine, raw: bytes, lane: Lane, headers, where: str, origin: str = "",
                  render: bool | None = None) -> TurnResult | None:
-        assert self.engine is not None
+        """One turn through the engine (on the store's worker thread); a store failure propagates
+        to the keeper, anything else fails open here."""
         t0 = time.perf_counter()
         try:
-            res = self.engine.process(raw, lane, headers, render=self.mode == "fold" if render is None else render,
-                                      origin=origin)
+            res = eng.process(raw, lane, headers, render=self.mode == "fold" if render is None else render,
+                              origin=origin)
         except (msgspec.DecodeError, ValueError) as e:
             log.info("[bili] %s %s: body not understood (%s); forwarding unchanged", lane.name, where, e)
             return None
-        except StoreError as e:
-            log.error("[bili] %s; forwarding unchanged", e)
-            return None
+        except StoreError:
+            raise
         except Exception as e:  # fail open: the agent's turn never fails because of us
             log.exception("[bili] internal error on %s %s: %s; forwarding unchanged", lane.name, where, e)
             return None
@@ -241,7 +275,7 @@ class Bili:
         for note in res.notes:
             log.warning("[bili] session=%s: %s", res.session, note)
         out = len(res.body) if res.body is not None else len(raw)
-        s = self.engine.sessions.get(res.session)
+        s = eng.sessions.get(res.session)
         folded = ""
         if s is not None and s.blocks:
             folded = (f" blocks={sum(b.active for b in s.blocks)} folded={res.folded_items} "
@@ -276,50 +310,66 @@ class Bili:
                 resp.headers.pop("content-encoding", None)
         resp.stream = st.rewriter.stream(decoder)
 
-    def response(self, flow: http.HTTPFlow) -> None:
+    def response(self, flow: http.HTTPFlow):
+        """The answer's bookkeeping runs on the store's worker; mitmproxy awaits it, so an answer
+        leaves only once the proxy calls it made are recorded (another process may take the next turn)."""
         st = self._flows.pop(flow, None)
         resp = flow.response
-        if st is None or resp is None or self.engine is None:
-            return
+        if st is None or resp is None:
+            return None
+        status, text = resp.status_code, ""
         try:
-            if resp.status_code >= 400:
-                self._learn_from_error(st, resp)
+            if status >= 400:
+                text = (resp.get_content(strict=False) or b"")[:65536].decode("utf-8", "replace")
             elif not resp.stream and "json" in resp.headers.get("content-type", ""):
                 content = resp.get_content(strict=False)
                 if content:
                     out = st.rewriter.json_body(content)
                     if out is not None:
                         resp.content = out
-            self._account(st)
         except Exception as e:
             log.exception("[bili] session=%s: response handling failed (%s); answer left as is", st.session, e)
+            return None
+
+        def job(eng: Engine) -> None:
+            try:
+                if status >= 400:
+                    self._learn_from_error(eng, st, status, text)
+                self._account(eng, st)
+            except StoreError:
+                raise
+            except Exception as e:
+                log.exception("[bili] session=%s: response handling failed (%s); answer left as is", st.session, e)
+
+        if self.keeper.offloading:
+            return self.keeper.call(job, DROPPED)
+        self.keeper.run(job, DROPPED)
+        return None
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._flows.pop(flow, None)  # no answer comes; mitmweb keeps the flow, not our state
 
-    def _learn_from_error(self, st: FlowState, resp: http.Response) -> None:
-        assert self.engine is not None
-        text = (resp.get_content(strict=False) or b"")[:65536].decode("utf-8", "replace")
-        if is_overflow(resp.status_code, text):
-            s = self.engine.session(st.session)
-            window = learned_window(resp.status_code, text)
+    def _learn_from_error(self, eng: Engine, st: FlowState, status: int, text: str) -> None:
+        if is_overflow(status, text):
+            s = eng.session(st.session, fresh=True)
+            window = learned_window(status, text)
             if window and s.model:
                 learned = dict(s.flags.get("learned_windows", {}))
                 learned[s.model] = window
-                self.engine.set_flag(st.session, "learned_windows", learned)
+                eng.set_flag(st.session, "learned_windows", learned)
             log.warning("[bili] session=%s: the provider says the context is too long (window %s for %s)",
                         st.session, window or "unknown", s.model or "this model")
-        if resp.status_code == 400 and hygiene.is_strict_hint(text):
-            if self.engine.set_flag(st.session, "strict_reasoning", True):
+        if status == 400 and hygiene.is_strict_hint(text):
+            eng.session(st.session, fresh=True)
+            if eng.set_flag(st.session, "strict_reasoning", True):
                 log.warning(
                     "[bili] session=%s: upstream requires reasoning to be passed back; repairing from the next turn",
                     st.session,
                 )
 
-    def _account(self, st: FlowState) -> None:
-        assert self.engine is not None
+    def _account(self, eng: Engine, st: FlowState) -> None:
         rw = st.rewriter
-        called = self.engine.record_answer(st.session, st.lane, rw)
+        called = eng.record_answer(st.session, st.lane, rw)
         flowmeta.record_answer(st.record, rw, called)
         if called:
             log.info("[bili] session=%s: the model called %s; it runs when the agent's next request carries it",
@@ -345,19 +395,16 @@ class Bili:
         if msg.from_client:
             if b'"response.create"' not in msg.content:
                 return
-            res = self._process(msg.content, LANES["responses"], flow.request.headers, where="ws",
-                                origin=flow.request.pretty_host)
-            if res is None or not res.session:
-                return
-            raw = msg.content
-            if res.body is not None:
-                msg.content = res.body
-            record = self._record(res, "responses", "ws", self.mode == "fold", raw)
-            record["message"] = len(flow.websocket.messages) - 1
-            flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
-            self._flows[flow] = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold"),
-                                          record)
-            return
+            raw, headers, origin = msg.content, flow.request.headers.copy(), flow.request.pretty_host
+
+            def work(eng: Engine):
+                res = self._process(eng, raw, LANES["responses"], headers, where="ws", origin=origin)
+                return res, self._record(eng, res, "responses", "ws", self.mode == "fold", raw)
+
+            if self.keeper.offloading:
+                return self._ws_later(flow, msg, work)
+            self._ws_apply(flow, msg, self.keeper.run(work))
+            return None
         st = self._flows.get(flow)
         if st is None:
             return
@@ -366,7 +413,7 @@ class Bili:
             if frame is not None:
                 msg.content = frame
             if st.rewriter.finished:  # once per answer, whichever final event ends it
-                self._account(st)
+                self.keeper.submit(lambda eng: self._account(eng, st))
                 self._flows.pop(flow, None)
         except Exception as e:
             log.exception("[bili] session=%s: WebSocket frame handling failed (%s); frame left as is", st.session, e)
@@ -374,11 +421,27 @@ class Bili:
     def websocket_end(self, flow: http.HTTPFlow) -> None:
         self._flows.pop(flow, None)
 
+    async def _ws_later(self, flow: http.HTTPFlow, msg, work) -> None:
+        self._ws_apply(flow, msg, await self.keeper.call(work))
+
+    def _ws_apply(self, flow: http.HTTPFlow, msg, out) -> None:
+        res, record = out or (None, None)
+        if res is None or record is None:
+            return
+        if res.body is not None:
+            msg.content = res.body
+        record["message"] = len(flow.websocket.messages) - 1
+        flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
+        self._flows[flow] = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold"),
+                                      record)
+
     # -- admin ---------------------------------------------------------------------------------
-    def stats(self) -> dict:
-        if self.engine is None:
-            return {"sessions": [], "store": False}
-        store = self.engine.store
+    def stats(self, eng: Engine | None = None) -> dict:
+        """Per-session figures (on the store's worker: see :func:`admin.handle`)."""
+        eng = eng or self.engine
+        if eng is None:
+            return {"sessions": [], "store": False, "store_status": self.keeper.status()}
+        store = eng.store
         sessions = []
         for r in store.sessions():
             u = store.usage(r.id)
@@ -396,7 +459,7 @@ class Bili:
                 },
                 "flags": flags,
             }
-            live = self.engine.sessions.get(r.id)
+            live = eng.sessions.get(r.id)
             blocks = live.blocks if live is not None else []
             entry["fold"] = {
                 "paused": bool(live is not None and live.copy.latched),
@@ -409,4 +472,4 @@ class Bili:
             if flags.get("delta_history"):
                 entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"
             sessions.append(entry)
-        return {"sessions": sessions, "store": True}
+        return {"sessions": sessions, "store": True, "store_status": self.keeper.status()}

@@ -4,10 +4,18 @@ Everything a session needs to survive a restart lives here: the ledger (``(sessi
 content_hash) -> ref``), the session rows, and the anonymous-conversation prefix chains.  A turn
 is written in one transaction, before its bytes are forwarded, so ``kill -9`` can lose at most a
 turn that was never sent with its refs.
+
+Several processes may share one store (two proxies on one data dir).  Two rules keep them
+correct: a ref is allocated in the store, in the transaction that records it (``refs`` holds the
+one text of each ``(session, ref)``, primary key), and every write to a session's state checks
+and advances the session's ``version``: a process whose cached copy of a session is older than
+the store's gets :class:`StaleSession` and reloads the session instead of writing over it.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import os
 import sqlite3
@@ -19,7 +27,8 @@ from typing import Mapping
 
 import msgspec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -37,7 +46,8 @@ CREATE TABLE IF NOT EXISTS sessions(
     cache_read INTEGER NOT NULL DEFAULT 0,
     cache_write INTEGER NOT NULL DEFAULT 0,
     output_tokens INTEGER NOT NULL DEFAULT 0,
-    turns INTEGER NOT NULL DEFAULT 0
+    turns INTEGER NOT NULL DEFAULT 0,
+    version INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS ledger(
     session_id TEXT NOT NULL,
@@ -49,6 +59,12 @@ CREATE TABLE IF NOT EXISTS ledger(
     tokens INTEGER NOT NULL,
     first_seen REAL NOT NULL,
     PRIMARY KEY(session_id, msg_id, content_hash)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS refs(
+    session_id TEXT NOT NULL,
+    ref TEXT NOT NULL,
+    content_hash TEXT NOT NULL,
+    PRIMARY KEY(session_id, ref)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS affinity(
     session_id TEXT PRIMARY KEY,
@@ -112,7 +128,123 @@ CREATE TABLE IF NOT EXISTS calls(
 
 
 class StoreError(RuntimeError):
-    """The store cannot be opened or written; the addon passes requests through."""
+    """The store cannot be opened or written; the addon passes requests through.
+
+    ``kind`` names the cause in plain words (``disk full``, ``read-only``, ``locked``, ``cannot
+    open``, ``i/o error``, ``error``) and ``hint`` says what to do about it.
+    """
+
+    def __init__(self, message: str, kind: str = "error", hint: str = ""):
+        super().__init__(message)
+        self.kind, self.hint = kind, hint
+
+
+class StaleSession(StoreError):
+    """Another process changed this session since it was loaded: reload it and try again."""
+
+    def __init__(self, session_id: str, expected: int, found: int):
+        super().__init__(f"session {session_id!r} was changed by another process (version {found}, "
+                         f"this process had {expected})", "stale")
+        self.session_id = session_id
+
+
+_HINTS = {
+    "disk full": "free some space on that disk; bili resumes storing by itself",
+    "read-only": "the data dir must be writable (remount it read-write, fix its permissions or choose "
+                 "another --data-dir); bili resumes storing by itself",
+    "locked": "another process holds the store's lock; bili retries on the next requests",
+    "cannot open": "check that --data-dir (bili_data_dir) names a directory bili can create and write",
+    "i/o error": "the disk or file system failed; check it (dmesg) and the store file",
+}
+
+
+def lock_holders(path: Path) -> list[int]:
+    """PIDs (other than ours) holding a write lock on the store's files, from /proc/locks (Linux)."""
+    ids = set()
+    for p in (path, path.with_name(path.name + "-shm"), path.with_name(path.name + "-wal")):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        ids.add((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino))
+    pids: list[int] = []
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return pids
+    for line in lines:
+        f = line.split()
+        if len(f) < 6 or f[1] == "->" or f[3] != "WRITE":  # readers (other bili processes) hold READ locks
+            continue
+        try:
+            pid = int(f[4])
+            major, minor, ino = f[5].split(":")
+            key = (int(major, 16), int(minor, 16), int(ino))
+        except ValueError:
+            continue
+        if key in ids and pid != os.getpid() and pid not in pids:
+            pids.append(pid)
+    return pids
+
+
+def _process_name(pid: int) -> str:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+    return cmd[:120]
+
+
+def _fs_state(path: Path) -> str:
+    """``read-only`` or ``disk full`` when the file system under ``path`` says so, else ''."""
+    d = path.parent
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    try:
+        st = os.statvfs(d)
+    except OSError:
+        return ""
+    if st.f_flag & os.ST_RDONLY or not os.access(d, os.W_OK):
+        return "read-only"
+    if st.f_bavail == 0:
+        return "disk full"
+    return ""
+
+
+def classify(e: BaseException, path: Path | None = None) -> tuple[str, str]:
+    """``(kind, plain words)`` for a SQLite or OS error of the store."""
+    name = getattr(e, "sqlite_errorname", "") or ""
+    text = str(e)
+    err = getattr(e, "errno", None)
+    if name.startswith("SQLITE_FULL") or err == errno.ENOSPC or "disk is full" in text:
+        return "disk full", "the disk is full"
+    if (name.startswith("SQLITE_READONLY") or err in (errno.EROFS, errno.EACCES, errno.EPERM)
+            or "readonly" in text or "read-only" in text):
+        return "read-only", "the store is read-only (read-only file system or no write permission)"
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text:
+        who = ""
+        if path is not None:
+            pids = lock_holders(path)
+            if pids:
+                who = " by " + ", ".join(f"PID {p}" + (f" ({n})" if (n := _process_name(p)) else "") for p in pids)
+        return "locked", f"the store is locked{who or ' by another process'}"
+    fs = _fs_state(path) if path is not None else ""
+    if fs == "read-only":
+        return "read-only", "the store is on a read-only file system (or not writable)"
+    if fs == "disk full":
+        return "disk full", "the disk is full"
+    if err == errno.ENOTDIR:
+        return "cannot open", "the data dir cannot be created: part of its path is a file, not a directory"
+    if name.startswith("SQLITE_CANTOPEN") or err in (errno.ENOENT, errno.EEXIST):
+        return "cannot open", "the store file cannot be opened"
+    if name.startswith("SQLITE_IOERR") or err == errno.EIO:
+        return "i/o error", "the disk reported an I/O error"
+    return "error", "the store failed"
+
+
+def store_error(action: str, path: Path, e: BaseException) -> StoreError:
+    kind, words = classify(e, path)
+    return StoreError(f"cannot {action} the store at {path}: {words} ({e})", kind, _HINTS.get(kind, ""))
 
 
 class LedgerRow(msgspec.Struct, gc=False):
@@ -135,6 +267,7 @@ class SessionRow:
     messages: int
     next_ref: int
     flags: str = "{}"  # JSON object of learned per-session facts (strict reasoning echo, ...)
+    version: int = 0  # advanced by every write to the session's state, by any process
 
 
 @dataclass(slots=True)
@@ -150,6 +283,18 @@ class UsageTotals:
 DB_NAME = "bili.sqlite3"
 
 
+def _reads(fn):
+    """A read of the store: a SQLite failure (a lock that blocks readers too, an I/O error) is a
+    :class:`StoreError` with its cause, like a failed write."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kw):
+        try:
+            return fn(self, *args, **kw)
+        except sqlite3.Error as e:
+            raise store_error("read", self.path, e) from e
+    return wrapper
+
+
 def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     base = env.get("XDG_DATA_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local", "share")
@@ -159,60 +304,131 @@ def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
 class Store:
     @contextmanager
     def _tx(self):
-        """One atomic write: everything inside commits together or not at all."""
+        """One atomic write: everything inside commits together or not at all.  A failure keeps
+        its own cause (SQLite rolls back by itself on a full disk: no second error about it)."""
         try:
             self.db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self.db
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
         except sqlite3.Error as e:
-            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
-
-    def _write(self, sql: str, args: tuple) -> None:
+            raise store_error("write", self.path, e) from e
         try:
-            self.db.execute(sql, args)
-        except sqlite3.Error as e:
-            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+            yield self.db
+            self.db.execute("COMMIT")
+            self.writes += 1
+        except BaseException as e:
+            if self.db.in_transaction:
+                try:
+                    self.db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            if isinstance(e, sqlite3.Error):
+                raise store_error("write", self.path, e) from e
+            raise
 
-    def __init__(self, data_dir: str | os.PathLike[str]):
+    def _advance(self, session_id: str, expect: int) -> int:
+        """Inside a write transaction: the session's version must still be ``expect`` (else another
+        process changed it: :class:`StaleSession`); it becomes ``expect + 1``, which is returned."""
+        row = self.db.execute("SELECT version FROM sessions WHERE id=?", (session_id,)).fetchone()
+        found = row[0] if row else 0
+        if found != expect:
+            raise StaleSession(session_id, expect, found)
+        if row:
+            self.db.execute("UPDATE sessions SET version=? WHERE id=?", (expect + 1, session_id))
+        else:
+            now = time.time()
+            self.db.execute("INSERT INTO sessions(id, created, last_seen, version) VALUES(?,?,?,?)",
+                            (session_id, now, now, expect + 1))
+        return expect + 1
+
+    def __init__(self, data_dir: str | os.PathLike[str], busy_ms: int = BUSY_MS):
         self.path = Path(data_dir) / DB_NAME
+        self.writes = 0  # transactions committed (the keeper's sign that a failed store works again)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except (sqlite3.Error, OSError) as e:
+            raise store_error("open", self.path, e) from e
+        try:
+            self.db.execute(f"PRAGMA busy_timeout={int(busy_ms)}")
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.execute("PRAGMA busy_timeout=5000")
             self.db.executescript(_SCHEMA)
+            self._migrate()
+        except (sqlite3.Error, OSError, StoreError) as e:
+            self.close()
+            if isinstance(e, StoreError):
+                raise
+            raise store_error("open", self.path, e) from e
+
+    def _migrate(self) -> None:
+        """Bring a store of an older schema up to date (idempotent; one transaction)."""
+        row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is not None and int(row[0]) >= SCHEMA_VERSION:
+            return
+        with self._tx():
+            cols = {r[1] for r in self.db.execute("PRAGMA table_info(sessions)")}
+            if "version" not in cols:
+                self.db.execute("ALTER TABLE sessions ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
+            # each ref names the text it was first given (a store written by two processes before
+            # this schema may hold a ref twice); allocation continues after every ref ever given
+            self.db.execute("INSERT OR IGNORE INTO refs(session_id, ref, content_hash) "
+                            "SELECT session_id, ref, content_hash FROM ledger ORDER BY first_seen")
             self.db.execute(
-                "INSERT OR IGNORE INTO meta(key, value) VALUES('schema_version', ?)", (str(SCHEMA_VERSION),)
-            )
-        except (sqlite3.Error, OSError) as e:
-            raise StoreError(f"cannot open the store at {self.path}: {e}") from e
+                "UPDATE sessions SET next_ref=given + 1, version=version + 1 FROM (SELECT session_id, "
+                "MAX(CAST(substr(ref, 2) AS INTEGER)) AS given FROM refs GROUP BY session_id) AS r "
+                "WHERE r.session_id=sessions.id AND sessions.next_ref <= r.given")
+            self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES('schema_version', ?)",
+                            (str(SCHEMA_VERSION),))
 
     def close(self) -> None:
         try:
             self.db.close()
-        except sqlite3.Error:
+        except (sqlite3.Error, AttributeError):
             pass
 
+    @contextmanager
+    def snapshot(self):
+        """Reads that see one consistent state of the store (another process may be writing)."""
+        if self.db.in_transaction:
+            yield
+            return
+        try:
+            self.db.execute("BEGIN")
+        except sqlite3.Error as e:
+            raise store_error("read", self.path, e) from e
+        try:
+            yield
+        finally:
+            if self.db.in_transaction:
+                try:
+                    self.db.execute("COMMIT")
+                except sqlite3.Error:
+                    pass
+
+    @_reads
+    def version(self, session_id: str) -> int:
+        """The session's version in the store (0: never written)."""
+        row = self.db.execute("SELECT version FROM sessions WHERE id=?", (session_id,)).fetchone()
+        return row[0] if row else 0
+
     # -- reads ---------------------------------------------------------------------------------
+    @_reads
     def session(self, session_id: str) -> SessionRow | None:
         row = self.db.execute(
-            "SELECT id, agent, lane, created, last_seen, requests, messages, next_ref, flags FROM sessions WHERE id=?",
+            "SELECT id, agent, lane, created, last_seen, requests, messages, next_ref, flags, version FROM sessions "
+            "WHERE id=?",
             (session_id,),
         ).fetchone()
         return SessionRow(*row) if row else None
 
+    @_reads
     def sessions(self) -> list[SessionRow]:
         rows = self.db.execute(
-            "SELECT id, agent, lane, created, last_seen, requests, messages, next_ref, flags FROM sessions "
+            "SELECT id, agent, lane, created, last_seen, requests, messages, next_ref, flags, version FROM sessions "
             "ORDER BY last_seen DESC"
         ).fetchall()
         return [SessionRow(*r) for r in rows]
 
+    @_reads
     def ledger(self, session_id: str) -> list[LedgerRow]:
         rows = self.db.execute(
             "SELECT msg_id, content_hash, ref, role, ctype, tokens FROM ledger WHERE session_id=?",
@@ -220,9 +436,11 @@ class Store:
         ).fetchall()
         return [LedgerRow(*r) for r in rows]
 
+    @_reads
     def ref_count(self, session_id: str) -> int:
         return self.db.execute("SELECT COUNT(*) FROM ledger WHERE session_id=?", (session_id,)).fetchone()[0]
 
+    @_reads
     def usage(self, session_id: str) -> UsageTotals:
         row = self.db.execute(
             "SELECT turns, input_tokens, cache_read, cache_write, output_tokens FROM sessions WHERE id=?",
@@ -230,6 +448,7 @@ class Store:
         ).fetchone() or (0, 0, 0, 0, 0)
         return UsageTotals(*row, last=self.last_usage(session_id))
 
+    @_reads
     def last_usage(self, session_id: str) -> tuple[int, int, int, int] | None:
         """The usage of the session's latest answer: input, cache read, cache write, output."""
         last = self.db.execute(
@@ -239,8 +458,20 @@ class Store:
         ).fetchone()
         return tuple(last) if last else None
 
+    @_reads
     def affinity(self) -> list[tuple[str, int, str]]:
         return self.db.execute("SELECT session_id, depth, tail FROM affinity").fetchall()
+
+    @_reads
+    def affinity_of(self, tails: list[str]) -> list[tuple[str, int, str]]:
+        """The prefix chains (another process may have written them) ending in one of ``tails``."""
+        out: list[tuple[str, int, str]] = []
+        for i in range(0, len(tails), 500):
+            chunk = tails[i:i + 500]
+            out += self.db.execute(
+                f"SELECT session_id, depth, tail FROM affinity WHERE tail IN ({','.join('?' * len(chunk))})", chunk
+            ).fetchall()
+        return out
 
     # -- the one write of a turn ---------------------------------------------------------------
     def commit_turn(
@@ -248,17 +479,25 @@ class Store:
         row: SessionRow,
         new_refs: list[LedgerRow],
         chain: tuple[int, str] | None = None,
-    ) -> None:
-        """Write a turn atomically: new ledger rows, the session's counters, its prefix chain."""
+        *,
+        expect: int,
+        minted: list[tuple[str, str]] = (),
+    ) -> int:
+        """Write a turn atomically: the refs it gives for the first time (``minted``: ``(ref,
+        content hash)`` in order), its new ledger rows, the session's counters, its prefix chain.
+        ``expect``: the session's version this turn was computed from; returns the new one."""
         now = time.time()
         with self._tx():
+            version = self._advance(row.id, expect)
+            self._allocate(row.id, minted, row.next_ref)
             self.db.execute(
-                "INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags) "
-                "VALUES(?,?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, "
+                "INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, "
+                "version) VALUES(?,?,?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, "
                 "lane=excluded.lane, last_seen=excluded.last_seen, requests=excluded.requests, "
-                "messages=excluded.messages, next_ref=excluded.next_ref, flags=excluded.flags",
+                "messages=excluded.messages, next_ref=excluded.next_ref, flags=excluded.flags, "
+                "version=excluded.version",
                 (row.id, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref,
-                 row.flags),
+                 row.flags, version),
             )
             if new_refs:
                 self.db.executemany(
@@ -273,13 +512,33 @@ class Store:
                     "last_seen=excluded.last_seen",
                     (row.id, chain[0], chain[1], now),
                 )
+        return version
 
-    def set_flags(self, row: SessionRow) -> None:
-        self._write(
-                "INSERT INTO sessions(id, agent, lane, created, last_seen, flags) VALUES(?,?,?,?,?,?) "
+    def _allocate(self, session_id: str, minted: list[tuple[str, str]], next_ref: int) -> None:
+        """The one place refs are given (inside the turn's transaction): ``minted`` must be the
+        session's next free numbers in the store, and each ``(session, ref)`` names one text
+        (``refs`` primary key).  ``next_ref``: the counter after them."""
+        if not minted:
+            return
+        have = self.db.execute("SELECT next_ref FROM sessions WHERE id=?", (session_id,)).fetchone()
+        first = have[0] if have else 1
+        if first + len(minted) != next_ref:
+            raise StaleSession(session_id, next_ref - len(minted), first)
+        try:
+            self.db.executemany("INSERT INTO refs(session_id, ref, content_hash) VALUES(?,?,?)",
+                                [(session_id, ref, chash) for ref, chash in minted])
+        except sqlite3.IntegrityError as e:  # given already: another process got there first
+            raise StaleSession(session_id, next_ref - len(minted), first) from e
+
+    def set_flags(self, row: SessionRow, *, expect: int) -> int:
+        with self._tx():
+            version = self._advance(row.id, expect)
+            self.db.execute(
+                "INSERT INTO sessions(id, agent, lane, created, last_seen, flags, version) VALUES(?,?,?,?,?,?,?) "
                 "ON CONFLICT(id) DO UPDATE SET flags=excluded.flags",
-                (row.id, row.agent, row.lane, row.created, row.last_seen, row.flags),
+                (row.id, row.agent, row.lane, row.created, row.last_seen, row.flags, version),
             )
+        return version
 
     def record_usage(self, session_id: str, lane: str, usage: tuple[int, int, int, int]) -> None:
         """One upstream answer's usage: input (all prompt tokens), cache read, cache write, output."""
@@ -298,11 +557,13 @@ class Store:
                 )
 
     # -- folding -------------------------------------------------------------------------------
+    @_reads
     def blocks(self, session_id: str) -> list[str]:
         """The blocks of a session as JSON documents, oldest first."""
         rows = self.db.execute("SELECT body FROM blocks WHERE session_id=?", (session_id,)).fetchall()
         return [r[0] for r in rows]
 
+    @_reads
     def originals(self, session_id: str, refs: list[str] | None = None) -> list[tuple]:
         """``(ref, role, ctype, tool_name, tool_call_id, text, tokens)`` of folded messages."""
         q = "SELECT ref, role, ctype, tool_name, tool_call_id, text, tokens FROM originals WHERE session_id=?"
@@ -312,22 +573,23 @@ class Store:
         want = set(refs)
         return sorted(r for r in rows if r[0] in want)
 
+    @_reads
     def calls(self, session_id: str) -> list[tuple[str, str, str, str | None]]:
         """``(call_key, name, args, result)``; result None while the call waits for its execution."""
         return self.db.execute(
             "SELECT call_key, name, args, result FROM calls WHERE session_id=? ORDER BY created", (session_id,)
         ).fetchall()
 
-    def record_calls(self, session_id: str, calls: list[tuple[str, str, str]]) -> None:
+    def record_calls(self, session_id: str, calls: list[tuple[str, str, str]], *, expect: int) -> int:
         """Proxy tool calls the model made; a call id already known is never recorded twice."""
         now = time.time()
-        try:
+        with self._tx():
+            version = self._advance(session_id, expect)
             self.db.executemany(
                 "INSERT OR IGNORE INTO calls(session_id, call_key, name, args, created) VALUES(?,?,?,?,?)",
                 [(session_id, k, n, a, now) for k, n, a in calls],
             )
-        except sqlite3.Error as e:
-            raise StoreError(f"cannot write the store at {self.path}: {e}") from e
+        return version
 
     def commit_fold(
         self,
@@ -335,11 +597,14 @@ class Store:
         blocks: list[tuple[str, str, bool]],
         originals: list[tuple[str, str, str, str, str, str, int]],
         results: list[tuple[str, str]],
-    ) -> None:
+        *,
+        expect: int,
+    ) -> int:
         """One transaction: changed blocks ``(id, json, active)``, newly folded originals, and the
         results of the calls executed for this turn (so a retry never executes them again)."""
         now = time.time()
         with self._tx():
+            version = self._advance(session_id, expect)
             self.db.executemany(
                 "INSERT OR REPLACE INTO blocks(session_id, block_id, body, active) VALUES(?,?,?,?)",
                 [(session_id, bid, body, int(active)) for bid, body, active in blocks],
@@ -353,27 +618,36 @@ class Store:
                 "UPDATE calls SET result=?, executed=? WHERE session_id=? AND call_key=? AND result IS NULL",
                 [(res, now, session_id, key) for key, res in results],
             )
+        return version
 
+    @_reads
     def copy(self, session_id: str) -> str | None:
         """The canonical copy of a session's last steady pass (fold coverage under churn)."""
         row = self.db.execute("SELECT doc FROM copies WHERE session_id=?", (session_id,)).fetchone()
         return row[0] if row else None
 
-    def save_copy(self, session_id: str, doc: str) -> None:
-        self._write("INSERT OR REPLACE INTO copies(session_id, doc) VALUES(?,?)", (session_id, doc))
+    def save_copy(self, session_id: str, doc: str, *, expect: int) -> int:
+        with self._tx():
+            version = self._advance(session_id, expect)
+            self.db.execute("INSERT OR REPLACE INTO copies(session_id, doc) VALUES(?,?)", (session_id, doc))
+        return version
 
     # -- the session's own transcript (snapshot render) ------------------------------------------
+    @_reads
     def transcript(self, session_id: str) -> list[tuple[str, list[str], bytes]]:
         rows = self.db.execute(
             "SELECT sig, refs, item FROM transcript WHERE session_id=? ORDER BY seq", (session_id,)
         ).fetchall()
         return [(sig, json.loads(refs), bytes(item)) for sig, refs, item in rows]
 
-    def save_transcript(self, session_id: str, keep: int, rows: list[tuple[str, list[str], bytes]]) -> None:
+    def save_transcript(self, session_id: str, keep: int, rows: list[tuple[str, list[str], bytes]], *,
+                        expect: int) -> int:
         """Rows from ``keep`` on are replaced by ``rows`` (sequence numbers ``keep``...)."""
         with self._tx():
+            version = self._advance(session_id, expect)
             self.db.execute("DELETE FROM transcript WHERE session_id=? AND seq>=?", (session_id, keep))
             self.db.executemany(
                 "INSERT INTO transcript(session_id, seq, sig, refs, item) VALUES(?,?,?,?,?)",
                 [(session_id, keep + i, sig, json.dumps(refs), item) for i, (sig, refs, item) in enumerate(rows)],
             )
+        return version

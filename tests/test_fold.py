@@ -280,3 +280,32 @@ def test_the_protected_zone_is_the_newest_parts(engine):
     out = json.loads(engine.process(body(msgs), ANTH, H, render=True).body)
     result = out["messages"][-1]["content"][0]["content"]
     assert "not compressed" in result and "the newest 4 message parts" in result
+
+
+def test_a_compress_whose_turn_is_computed_again_runs_once(engine, monkeypatch):
+    """Another process writes the session between the fold and the end of the turn: the turn is
+    computed again from the store, which already has the fold and its result."""
+    from bili_addon.store import StaleSession
+
+    msgs = conversation(8)
+    refs = refs_in(json.loads(engine.process(body(msgs), ANTH, H, render=True).body))
+    start = next(r for r, t in refs.items() if t.startswith("Step 1:"))
+    end = next(r for r, t in refs.items() if t.startswith("Step 4:"))
+    args = {"content": [{"startId": start, "endId": end, "summary": "Modules 1-4 were read and found fine; nothing to change in any of them."}]}
+    roundtrip_call(engine, "fold-1", "compress", args, "toolu_c1")
+    real = engine.store.commit_fold
+    raced = []
+
+    def racing(sid, blocks, originals, results, *, expect):
+        if not blocks and results and not raced:  # the turn's last fold write: another process got there first
+            raced.append(1)
+            raise StaleSession(sid, expect, expect + 1)
+        return real(sid, blocks, originals, results, expect=expect)
+
+    monkeypatch.setattr(engine.store, "commit_fold", racing)
+    res = engine.process(body(agent_answers_unknown(msgs, "compress", args, "toolu_c1")), ANTH, H, render=True)
+    assert raced and res.executed == []  # the retry found the call already run
+    out = json.loads(res.body)
+    last = out["messages"][-1]["content"][0]
+    assert last["content"].startswith("Compressed m") and "→ b1" in last["content"]
+    assert len(engine.store.blocks("fold-1")) == 1

@@ -142,6 +142,7 @@ class Session:
     transcript: list | None = None  # snapshot render: (signature, refs, bytes) per item, loaded lazily
     model: str = ""
     version: int = 0  # bumped whenever something changes how old items render
+    stored: int = 0  # the store's version of the session this copy reflects (another process may advance it)
     last_view: View | None = None  # the conversation as the last request showed it
     sent_tokens: int = 0  # the last request, as sent
     unfolded_tokens: int = 0  # the last request, had nothing been folded

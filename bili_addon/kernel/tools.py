@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from bili_addon.kernel import fold, surfaces, tags
 from bili_addon.kernel.fold import View
 from bili_addon.kernel.state import Call, ItemInfo, Session, TurnResult
+from bili_addon.store import StaleSession
 from bili_addon.wire import Lane
 from bili_addon.wire.base import TOOL_CALL, TOOL_RESULT, idless_call_key
 
@@ -31,12 +32,21 @@ class ProxyTools:
 
     def record_calls(self: "Engine", sid: str, calls: list[tuple[str, str, str]]) -> None:
         """Proxy tool calls seen in an answer; each runs once, when the next request carries it."""
-        s = self.session(sid)
-        fresh = [c for c in calls if c[0] not in s.calls]
-        if fresh:
-            self.store.record_calls(sid, fresh)
+        for attempt in range(2):
+            s = self.session(sid, fresh=True)
+            fresh = [c for c in calls if c[0] not in s.calls]
+            if not fresh:
+                return
+            try:
+                s.stored = self.store.record_calls(sid, fresh, expect=s.stored)
+            except StaleSession:  # another process wrote the session meanwhile: reload, record again
+                self.forget(sid)
+                if attempt:
+                    raise
+                continue
             for key, name, args in fresh:
                 s.calls[key] = Call(name, args)
+            return
 
     def record_answer(self: "Engine", sid: str, lane: str, rw: Any) -> list[str]:
         """What one model answer leaves behind (``rw``: its ResponseRewriter, once the answer is
@@ -64,7 +74,8 @@ class ProxyTools:
             out = fold.compress(args, view, s.blocks, self.fold_cfg, call_id)
             if out.blocks:
                 s.blocks.extend(out.blocks)
-                self.save_blocks(s, out.blocks + out.deactivated, out.originals)
+                self.save_blocks(s, out.blocks + out.deactivated, out.originals,
+                                 [(call_id, out.text)] if call_id in s.calls else [])
             return out.text
         originals = lambda refs: self.store.originals(sid, refs)  # noqa: E731
         if name == "decompress":
@@ -91,7 +102,7 @@ class ProxyTools:
             sid = rows[0].id
         elif self.store.session(sid) is None and sid not in self.sessions:
             raise LookupError(f"unknown conversation {sid!r}")
-        s = self.session(sid)
+        s = self.session(sid, fresh=True)
         return sid, self.run_tool(s, tool, args, s.last_view)
 
     def _run_calls(self: "Engine", s: Session, view: View, first: int, result: TurnResult) -> None:
@@ -115,7 +126,7 @@ class ProxyTools:
                     spans = ", ".join(f"{b.covered[0]}–{b.covered[-1]} → {b.id}" for b in made)
                     result.marker = f"[bili] compressed {spans}, ~{tags.format_tokens(max(0, saved))} tokens saved"
         if done:
-            self.store.commit_fold(s.row.id, [], [], done)
+            s.stored = self.store.commit_fold(s.row.id, [], [], done, expect=s.stored)
 
     @staticmethod
     def _call_edits(s: Session, lane: Lane, info: ItemInfo, refs_parts, idless: dict[str, list[str]]) -> list:

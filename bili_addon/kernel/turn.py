@@ -46,7 +46,7 @@ from bili_addon.kernel.state import (
 )
 from bili_addon.kernel.tools import ProxyTools, call_key
 from bili_addon.kernel.windows import context_window
-from bili_addon.store import LedgerRow, SessionRow, Store
+from bili_addon.store import LedgerRow, SessionRow, StaleSession, Store, StoreError
 from bili_addon.wire import Lane, hygiene
 from bili_addon.wire.base import TEXT, TOOL_CALL, TOOL_RESULT, Body, Core, patch_many
 
@@ -55,6 +55,7 @@ log = logging.getLogger("bili")
 PROSE_ROLES = ("user", "assistant")
 _SMALL_TOP_KEYS = ("session_id", "metadata", "prompt_cache_key", "model", "previous_response_id")
 MAX_MEMOS = 32
+STALE_RETRIES = 2  # a turn computed from a session another process changed meanwhile is computed again
 
 __all__ = ["Engine", "TurnResult", "clean_replayed_prose"]
 
@@ -76,29 +77,44 @@ class Engine(ProxyTools):
         self.window = window  # 0: from the model table
         self.reconcile = reconcile  # re-anchor fold coverage under churn (off: a control for tests)
         self.snapshot = snapshot  # render the folded prefix from the session's own transcript
+        self._turn_sid: str | None = None  # the session of the turn being computed
 
     # -- sessions ------------------------------------------------------------------------------
-    def session(self, sid: str, agent: str = "", lane: str = "") -> Session:
-        s = self.sessions.get(sid)
+    def session(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False) -> Session:
+        """The session's state, loaded from the store once and cached.  ``fresh``: first check that
+        no other process has changed it since (one indexed read); if one has, reload it."""
+        s = seen = self.sessions.get(sid)
         if s is not None:
-            self.sessions.move_to_end(sid)
-            return s
-        row = self.store.session(sid)
-        if row is None:
-            now = time.time()
-            row = SessionRow(sid, agent, lane, now, now, 0, 0, 1)
-        s = Session(row, flags=json.loads(row.flags or "{}"))
-        for r in self.store.ledger(sid):
-            s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
-            s.owners[r.ref] = r.content_hash
-        s.blocks = sorted((Block(**json.loads(doc)) for doc in self.store.blocks(sid)), key=lambda b: b.number)
-        s.calls = {k: Call(n, a, r) for k, n, a, r in self.store.calls(sid)}
-        s.copy = reconcile.Copy.from_json(self.store.copy(sid))
+            if fresh and self.store.version(sid) != s.stored:
+                self.forget(sid)
+            else:
+                self.sessions.move_to_end(sid)
+                return s
+        with self.store.snapshot():
+            row = self.store.session(sid)
+            if row is None:
+                now = time.time()
+                row = SessionRow(sid, agent, lane, now, now, 0, 0, 1)
+            s = Session(row, flags=json.loads(row.flags or "{}"), stored=row.version)
+            for r in self.store.ledger(sid):
+                s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
+                s.owners[r.ref] = r.content_hash
+            s.blocks = sorted((Block(**json.loads(doc)) for doc in self.store.blocks(sid)), key=lambda b: b.number)
+            s.calls = {k: Call(n, a, r) for k, n, a, r in self.store.calls(sid)}
+            s.copy = reconcile.Copy.from_json(self.store.copy(sid))
+        if seen is not None:  # what this process saw of the conversation stays true (refs never change meaning)
+            s.model, s.last_view, s.sent_tokens, s.unfolded_tokens = (
+                seen.model, seen.last_view, seen.sent_tokens, seen.unfolded_tokens)
         self.sessions[sid] = s
         while len(self.sessions) > self.max_sessions:
             old, _ = self.sessions.popitem(last=False)
             self.memos.pop(old, None)
         return s
+
+    def forget(self, sid: str) -> None:
+        """Drop the cached state of a session (and its previous pass): the store is the truth."""
+        self.sessions.pop(sid, None)
+        self.memos.pop(sid, None)
 
     _RENDER_FLAGS = ("truncated", "strict_reasoning")
 
@@ -109,17 +125,20 @@ class Engine(ProxyTools):
             return False
         s.flags[key] = value
         s.row.flags = json.dumps(s.flags, sort_keys=True)
-        self.store.set_flags(s.row)
+        s.stored = self.store.set_flags(s.row, expect=s.stored)
         if key in self._RENDER_FLAGS:
             s.version += 1  # old items render differently now
         return True
 
-    def save_blocks(self, s: Session, blocks: list[Block], originals=()) -> None:
-        self.store.commit_fold(
+    def save_blocks(self, s: Session, blocks: list[Block], originals=(), results=()) -> None:
+        """``results``: ``(call key, result)`` of the call that made the blocks, in the same
+        transaction (a turn computed again never runs that call twice)."""
+        s.stored = self.store.commit_fold(
             s.row.id,
             [(b.id, json.dumps(b.__dict__), b.active) for b in blocks],
             [(p.ref, p.role, p.ctype, p.tool_name, p.tool_call_id, p.text, p.tokens) for p in originals],
-            [],
+            list(results),
+            expect=s.stored,
         )
 
     def window_for(self, s: Session) -> int:
@@ -135,7 +154,21 @@ class Engine(ProxyTools):
         enabled = gc.isenabled()
         gc.disable()
         try:
-            return self._process(raw, lane, headers, render=render, origin=origin)
+            for attempt in range(STALE_RETRIES + 1):
+                self._turn_sid = None
+                try:
+                    return self._process(raw, lane, headers, render=render, origin=origin)
+                except StaleSession as e:
+                    # another process advanced the session while this turn was computed: nothing
+                    # of it left (the store refused it); compute it again from the store's state
+                    self.forget(e.session_id)
+                    if attempt == STALE_RETRIES:
+                        raise
+                except StoreError:
+                    if self._turn_sid is not None:  # what this process holds may differ from the store
+                        self.forget(self._turn_sid)
+                    raise
+            raise AssertionError("unreachable")
         finally:
             if enabled:
                 gc.enable()
@@ -161,10 +194,17 @@ class Engine(ProxyTools):
             hashes = self._chain(infos, start, memo, k)
             if hashes is None:
                 return TurnResult(None, lane=lane.name, messages=len(infos), source="no conversation identity")
+            if self.affinity.match(hashes) is None:  # another process may have seen this conversation
+                for row in self.store.affinity_of(hashes):
+                    self.affinity.note(*row)
             sid, source = self.affinity.resolve(hashes), "prefix"
             tail = (len(hashes), hashes[-1])
         agent = agent_of(headers)
-        s = self.session(sid, agent, lane.name)
+        self._turn_sid = sid
+        cached = self.sessions.get(sid)
+        s = self.session(sid, agent, lane.name, fresh=True)
+        if s is not cached:
+            memo = None  # (re)loaded: nothing of a previous pass is known to match the store
         if isinstance(top.get("model"), str):
             s.model = top["model"]
         # conversation items whose session work (refs, view, rendering) is reused as it is
@@ -351,13 +391,16 @@ class Engine(ProxyTools):
 
     def _commit(self, s: Session, agent: str, lane: str, messages: int, new_rows: list[LedgerRow], tail) -> None:
         row = s.row
-        minted = {r.ref for r in new_rows if r.ref not in s.owners}
+        minted: dict[str, str] = {}
+        for r in new_rows:
+            if r.ref not in s.owners:
+                minted.setdefault(r.ref, r.content_hash)
         staged = SessionRow(
             row.id, agent, lane, row.created, row.last_seen, row.requests + 1, messages,
             row.next_ref + len(minted), row.flags,
         )
         try:
-            self.store.commit_turn(staged, new_rows, tail)
+            s.stored = self.store.commit_turn(staged, new_rows, tail, expect=s.stored, minted=list(minted.items()))
         except Exception:
             for r in new_rows:  # nothing of this turn is kept
                 s.refs.pop((r.msg_id, r.content_hash), None)
@@ -457,7 +500,7 @@ class Engine(ProxyTools):
             log.warning("[bili] session=%s: the history aligns with the folds again; folding resumes", sid)
         result.drift = out.verdict
         if out.drifted or was_latched:
-            self.store.save_copy(sid, s.copy.to_json())
+            s.stored = self.store.save_copy(sid, s.copy.to_json(), expect=s.stored)
         return out
 
     def _roll_copy(self, s: Session, view: View, resolved: list[list[Resolved]],
@@ -477,7 +520,7 @@ class Engine(ProxyTools):
         copy.refs = refs
         copy.items = [k for k, it in enumerate(view.items) for _p in it.parts]
         copy.ids = [r.msg_id for ps in resolved for r in ps]
-        self.store.save_copy(s.row.id, copy.to_json())
+        s.stored = self.store.save_copy(s.row.id, copy.to_json(), expect=s.stored)
 
     def _count_drift(self, s: Session, out) -> None:
         counts = dict(s.flags.get("drift", {}))
@@ -587,7 +630,7 @@ class Engine(ProxyTools):
                 items_out[start + k] = row
                 changed = True
         tail = [(_sig(it), [p.ref for p in it.parts], items_out[it.index]) for it in view.items[j:]]
-        self.store.save_transcript(s.row.id, j, tail)
+        s.stored = self.store.save_transcript(s.row.id, j, tail, expect=s.stored)
         s.transcript = rows[:j] + tail
         return changed
 

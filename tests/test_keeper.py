@@ -1,0 +1,108 @@
+"""The store's keeper: work off the event loop, failures that never stop the proxy, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import threading
+
+import pytest
+
+from bili_addon import keeper as keeper_mod
+from bili_addon.keeper import Keeper
+from bili_addon.store import StoreError
+from test_shell import ANTH_BODY, model_flow, session_headers
+
+
+def health_flow():
+    h = model_flow(b"", path="/__bili/health")
+    h.request.method = "GET"
+    return h
+
+
+def test_a_turn_runs_on_the_worker_and_health_never_waits_for_it(bili):
+    async def main():
+        bili.running()  # mitmproxy is running: work goes to the store's worker thread
+        gate, entered = threading.Event(), threading.Event()
+
+        def blocker(eng):
+            entered.set()
+            gate.wait(10)
+
+        busy = bili.keeper.call(blocker, None)  # the worker is busy (a store that waits on a lock)
+        await asyncio.to_thread(entered.wait, 10)
+        f = model_flow(ANTH_BODY, headers=session_headers())
+        pending = bili.request(f)
+        assert inspect.isawaitable(pending)
+        h = health_flow()
+        assert bili.request(h) is None  # answered at once, while the worker is still busy
+        assert json.loads(h.response.content)["store"] is True
+        assert f.request.content == ANTH_BODY  # the turn waits for the worker, not the loop
+        gate.set()
+        await busy
+        await pending
+        assert json.loads(f.request.content)["messages"][0]["content"].startswith("<acp ")
+
+    asyncio.run(main())
+    bili.keeper.stop()
+
+
+def test_a_store_that_fails_is_retried_after_a_pause_and_recovers(tmp_path, monkeypatch, caplog):
+    clock = [100.0]
+    monkeypatch.setattr(keeper_mod.time, "monotonic", lambda: clock[0])
+    attempts = []
+    real = []
+
+    def make(data_dir):
+        attempts.append(data_dir)
+        if len(attempts) < 3:
+            raise StoreError("cannot open the store at X: the disk is full (full)", "disk full", "free some space")
+        from bili_addon.kernel.turn import Engine
+        from bili_addon.store import Store
+        real.append(Engine(Store(tmp_path)))
+        return real[-1]
+
+    k = Keeper(make)
+    with caplog.at_level(logging.INFO, logger="bili"):
+        k.open(str(tmp_path))
+        assert not k.ok and k.status()["cause"] == "disk full" and k.status()["hint"] == "free some space"
+        # within the pause: nothing is tried, the work is counted as forwarded unchanged
+        assert k.run(lambda eng: "done") is None and len(attempts) == 1
+        clock[0] += keeper_mod.RETRY_BROKEN
+        assert k.run(lambda eng: "done") is None and len(attempts) == 2  # tried again: still full
+        clock[0] += keeper_mod.RETRY_BROKEN
+        # the store opens; it is usable again once it has taken a write
+        assert k.run(lambda eng: eng.store.set_flags(eng.session("s").row, expect=0)) == 1
+        assert k.ok and k.counts["forwarded_unchanged"] == 2 and k.counts["resumed"] == 1
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    # the cause once (not once per attempt), then the recovery; never an error
+    assert [("disk is full" in r.getMessage(), "usable again" in r.getMessage()) for r in warnings] == [
+        (True, False), (False, True)]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    k.stop()
+
+
+def test_an_internal_error_in_work_fails_open_and_is_counted(bili, caplog):
+    with caplog.at_level(logging.ERROR, logger="bili"):
+        assert bili.keeper.run(lambda eng: 1 / 0) is None
+    assert bili.keeper.counts["forwarded_unchanged"] == 1 and bili.keeper.ok
+    assert "internal error" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["locked", "read-only"])
+def test_a_failed_turn_write_goes_out_unchanged_and_health_says_why(bili, monkeypatch, kind):
+    def boom(*a, **k):
+        raise StoreError(f"cannot write the store at X: {kind}", kind, "a hint")
+
+    monkeypatch.setattr(bili.engine.store, "commit_turn", boom)
+    f = model_flow(ANTH_BODY, headers=session_headers())
+    bili.request(f)
+    assert f.request.content == ANTH_BODY
+    h = health_flow()
+    bili.request(h)
+    doc = json.loads(h.response.content)
+    assert doc["store"] is False and doc["store_cause"] == kind and doc["store_hint"] == "a hint"
+    # a locked store keeps its engine (the lock passes); a broken one is reopened on a later try
+    assert (bili.engine is not None) == (kind == "locked")
