@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import msgspec
 from mitmproxy import ctx, http
 
-from bili_addon import BILI_MODES, FIRST_PARTY, admin
+from bili_addon import BILI_MODES, FIRST_PARTY, admin, private
 from bili_addon.kernel import envelope
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
@@ -62,6 +63,7 @@ class Bili:
         self.refuse_ws = True
         self.first_party = "fold"
         self._data_dir = ""
+        self.token: str | None = None  # the admin token (``/__bili/`` but health needs it)
 
     @property
     def store_ok(self) -> bool:
@@ -127,6 +129,7 @@ class Bili:
             self.first_party = ctx.options.bili_first_party
         if "bili_data_dir" in updated or self.engine is None and not self._data_dir:
             self._open_store(ctx.options.bili_data_dir or str(default_data_dir()))
+            self.load_token()
         if self.engine is not None:
             self.engine.fold_cfg.min_compress_chars = ctx.options.bili_min_compress_chars
             self.engine.window = ctx.options.bili_context_window
@@ -144,8 +147,21 @@ class Bili:
         try:
             self.engine = Engine(Store(data_dir))
             log.info("[bili] store at %s, mode %s", self.engine.store.path, self.mode)
+            for path in self.engine.store.tightened:
+                log.warning("[bili] %s was readable by other users; now %s", path,
+                            "0700" if os.path.isdir(path) else "0600")
         except StoreError as e:
             log.error("[bili] %s; requests pass through unchanged", e)
+
+    def load_token(self) -> str | None:
+        """The admin token of the data dir, created on first use; None while it cannot be written."""
+        try:
+            self.token = private.ensure_token(self._data_dir)
+        except OSError as e:
+            self.token = None
+            log.warning("[bili] cannot write the admin token in %s (%s); the admin endpoints but health "
+                        "answer 403 until it can be", self._data_dir, e)
+        return self.token
 
     def done(self) -> None:
         if self.engine is not None:

@@ -19,6 +19,8 @@ from typing import Mapping
 
 import msgspec
 
+from bili_addon import private
+
 SCHEMA_VERSION = 1
 
 _SCHEMA = """
@@ -156,6 +158,16 @@ def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "bili-addon"
 
 
+def secure(db: Path) -> list[str]:
+    """The data dir 0700, the store and its WAL files 0600, whatever the umask (a fresh store is
+    created 0600 before SQLite opens it; SQLite gives the WAL files the store's mode).  Returns the
+    existing paths whose modes were wider."""
+    out = [str(db.parent)] if private.private_dir(db.parent) else []
+    if not private.create_private(db):
+        out += [p for p in (str(db), f"{db}-wal", f"{db}-shm") if private.tighten(p)]
+    return out
+
+
 class Store:
     @contextmanager
     def _tx(self):
@@ -179,8 +191,9 @@ class Store:
 
     def __init__(self, data_dir: str | os.PathLike[str]):
         self.path = Path(data_dir) / DB_NAME
+        self.tightened: list[str] = []  # existing files and dirs made private at open (logged by the shell)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.tightened = secure(self.path)
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")
