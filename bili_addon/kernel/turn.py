@@ -240,7 +240,7 @@ class Engine(ProxyTools):
             changed |= self._snapshot_render(s, snap, lane, raws, items_out, start, view)
         pre = self._strict_inserts(s, lane.name, infos, top, origin)
         changed |= self._assemble(s, lane, items_out, start, view, result, snoozed, pre)
-        if self.inject:
+        if self.inject and len(raws) > start:  # no conversation (``input: []``): nothing to add tools to
             names = lane.tool_names(body) or []
             native = any("bili" in n and n.endswith("compress") for n in names)
             if native and self.set_flag(sid, "native_tools", True):
