@@ -202,7 +202,11 @@ class Bili:
         res = self._process(raw, lane, req.headers, where="http", origin=req.pretty_host, render=fold)
         for name in (envelope.HEADER, envelope.RESYNC_HEADER):
             req.headers.pop(name, None)  # ours: never forwarded
-        if res is None or not res.session:
+        if res is None:
+            return
+        if not res.session:
+            if res.body is not None:  # only bili's own envelope removed
+                req.content = res.body
             return
         if res.status:
             flow.response = http.Response.make(
@@ -345,10 +349,10 @@ class Bili:
                 return
             res = self._process(msg.content, LANES["responses"], flow.request.headers, where="ws",
                                 origin=flow.request.pretty_host)
+            if res is not None and res.body is not None:
+                msg.content = res.body
             if res is None or not res.session:
                 return
-            if res.body is not None:
-                msg.content = res.body
             st = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold"))
             flow.metadata["bili"] = st
             return

@@ -160,7 +160,10 @@ class Engine(ProxyTools):
         else:
             hashes = self._chain(infos, start, memo, k)
             if hashes is None:
-                return TurnResult(None, lane=lane.name, messages=len(infos), source="no conversation identity")
+                res = TurnResult(None, lane=lane.name, messages=len(infos), source="no conversation identity")
+                if body.top.pop(envelope.FIELD, None) is not None:  # the envelope is ours: never forwarded
+                    res.body = body.encode(None)
+                return res
             sid, source = self.affinity.resolve(hashes), "prefix"
             tail = (len(hashes), hashes[-1])
         agent = agent_of(headers)
