@@ -241,3 +241,121 @@ def test_the_issue_bodies():
         res = e.process(raw, LANES["responses"], {"x-acp-session": "issue-e"}, render=True)
         assert res.body is None
         e.store.close()
+
+
+# -- the way back: hostile answers ---------------------------------------------------------------
+
+_T = '<acp tokens="3" type="text">m00001</acp>\nhi'
+ANSWERS = {  # a non-streamed answer, and the events of a streamed one, per lane
+    "anthropic": (
+        {"id": "msg_1", "type": "message", "role": "assistant", "content": [
+            {"type": "text", "text": _T}, {"type": "tool_use", "id": "t1", "name": "compress", "input": {}}],
+         "usage": {"input_tokens": 10, "output_tokens": 5, "cache_read_input_tokens": 3}},
+        [{"type": "message_start", "message": {"usage": {"input_tokens": 3}}},
+         {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+         {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "<acp tok"}},
+         {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": _T}},
+         {"type": "content_block_stop", "index": 0},
+         {"type": "content_block_start", "index": 1,
+          "content_block": {"type": "tool_use", "id": "t", "name": "compress", "input": {}}},
+         {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{}"}},
+         {"type": "content_block_stop", "index": 1},
+         {"type": "message_delta", "usage": {"output_tokens": 3}}, {"type": "message_stop"}],
+    ),
+    "chat": (
+        {"choices": [{"index": 0, "message": {"role": "assistant", "content": _T, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "compress", "arguments": "{}"}}]}}],
+         "usage": {"prompt_tokens": 5, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1}}},
+        [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": "<acp"}}]},
+         {"choices": [{"index": 0, "delta": {"content": _T}}]},
+         {"choices": [{"index": 0, "delta": {"tool_calls": [
+             {"index": 0, "id": "c", "function": {"name": "compress", "arguments": "{"}}]}}]},
+         {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]},
+                       "finish_reason": "tool_calls"}]},
+         {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}],
+    ),
+    "responses": (
+        {"id": "r", "output": [{"type": "message", "id": "m", "role": "assistant", "content": [
+            {"type": "output_text", "text": _T}]}, {"type": "function_call", "call_id": "c1", "name": "decompress",
+                                                   "arguments": "{}"}],
+         "usage": {"input_tokens": 5, "output_tokens": 1, "input_tokens_details": {"cached_tokens": 1}}},
+        [{"type": "response.created", "response": {"id": "r"}},
+         {"type": "response.output_text.delta", "item_id": "m", "output_index": 0, "content_index": 0, "delta": "<acp"},
+         {"type": "response.output_text.delta", "item_id": "m", "output_index": 0, "content_index": 0, "delta": _T},
+         {"type": "response.output_text.done", "item_id": "m", "output_index": 0, "content_index": 0,
+          "text": "<acp" + _T},
+         {"type": "response.output_item.done",
+          "item": {"type": "function_call", "call_id": "c", "name": "compress", "arguments": "{}"}},
+         {"type": "response.completed", "response": {"output": [
+             {"type": "message", "id": "m", "content": [{"type": "output_text", "text": "<acp" + _T}]}],
+             "usage": {"input_tokens": 3, "output_tokens": 1}}}],
+    ),
+    "gemini": (
+        {"candidates": [{"content": {"role": "model", "parts": [
+            {"text": _T}, {"functionCall": {"name": "compress", "args": {}}}]}}],
+         "usageMetadata": {"promptTokenCount": 4, "candidatesTokenCount": 1}},
+        [{"candidates": [{"content": {"role": "model", "parts": [{"text": "<acp"}]}}]},
+         {"candidates": [{"content": {"role": "model", "parts": [
+             {"text": _T}, {"functionCall": {"name": "compress", "args": {}}}]}, "finishReason": "STOP"}],
+          "usageMetadata": {"promptTokenCount": 3}}],
+    ),
+}
+
+
+def _mutate(data, value, times: int):
+    value = copy.deepcopy(value)
+    for _ in range(times):
+        paths = list(_paths(value))[1:]
+        where = paths[data.draw(st.integers(0, len(paths) - 1))]
+        value = _set(value, where, copy.deepcopy(data.draw(hostile_values)))
+    return value
+
+
+@pytest.mark.parametrize("lane_name", LANE_NAMES)
+@FUZZ_SETTINGS
+@given(data=st.data())
+def test_hostile_answers_never_raise(records, lane_name, data):
+    """A JSON answer, SSE events or (Responses) WebSocket frames with arbitrary values where the
+    lane expects arrays, indexes and ids: read, cleaned where possible, never an exception."""
+    from bili_addon.stream import ResponseRewriter
+
+    body, events = ANSWERS[lane_name]
+    n = data.draw(st.integers(1, 4), label="mutations")
+    rw = ResponseRewriter(lane_name, True, data.draw(st.sampled_from(["", "[bili] compressed m1–m2 → b1"])))
+    out = rw.json_body(json.dumps(_mutate(data, body, n)).encode())
+    assert out is None or isinstance(msgspec.json.decode(out), (dict, list))
+    events = _mutate(data, events, n)
+    ws = lane_name == "responses" and data.draw(st.booleans(), label="websocket")
+    rw = ResponseRewriter(lane_name, True)
+    for ev in events:
+        raw = json.dumps(ev).encode()
+        if ws:
+            rw.ws_frame(raw)
+        else:
+            rw.sse_event(b"data: " + raw + b"\n\n")
+    if not ws:
+        rw.sse_finish()
+        assert not rw.broken, [r.getMessage() for r in records.records]
+    rw.calls, rw.usage  # noqa: B018
+
+
+def test_a_stream_passes_unchanged_after_an_internal_error(records, monkeypatch):
+    """Fail open on the way back too: the held event is released, the rest passes as it came."""
+    from bili_addon.stream import ResponseRewriter
+
+    rw = ResponseRewriter("anthropic", True)
+    _body, events = ANSWERS["anthropic"]
+    raws = [b"data: " + json.dumps(ev).encode() + b"\n\n" for ev in events]
+    out = rw.sse_event(raws[0]) + rw.sse_event(raws[1]) + rw.sse_event(raws[2])  # "<acp tok" is held
+    assert len(out) == 2
+
+    def boom(ev):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(rw.lane, "event", boom)
+    out += rw.sse_event(raws[3])
+    assert rw.broken and len(out) == 4 and out[3] == raws[3]  # the held one released, then this one unchanged
+    assert json.loads(out[2].split(b"data: ", 1)[1]) == events[2]
+    rest = [b for r in raws[4:] for b in rw.sse_event(r)] + rw.sse_finish()
+    assert rest == raws[4:]
+    assert any("kaboom" in r.getMessage() for r in records.records)
