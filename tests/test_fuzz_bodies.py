@@ -95,6 +95,12 @@ def hostile_bodies(draw, lane_name: str) -> bytes:
         obj[FIELD] = [f"id-{tag}-{i}" for i in range(len(conv))]
     if lane_name == "responses" and draw(st.integers(0, 5)) == 0:
         obj["previous_response_id"] = "resp_1"
+    # the small top-level fields identity reads, and the slots bili injects into, with anything in them
+    top_keys = st.sampled_from(["session_id", "metadata", "prompt_cache_key", "model", "previous_response_id",
+                                "system", "instructions", "systemInstruction", "tools", "stream"])
+    top_values = st.one_of(hostile_values, st.sampled_from(["fuzz-body-session", {"session_id": "fuzz-meta"},
+                                                            {"user_id": '{"session_id": 5}'}]))
+    obj.update(copy.deepcopy(draw(st.dictionaries(top_keys, top_values, max_size=2))))
     for _ in range(draw(st.integers(0, 4))):
         paths = list(_paths(obj))
         where = paths[draw(st.integers(0, len(paths) - 1))]
@@ -122,8 +128,8 @@ def records():
     log.removeHandler(h)
 
 
-def _send(bili, lane_name: str, raw: bytes, sid: str | None) -> http.HTTPFlow:
-    headers = http.Headers(host="api.example.com", content_type="application/json")
+def _send(bili, lane_name: str, raw: bytes, sid: str | None, extra: dict | None = None) -> http.HTTPFlow:
+    headers = http.Headers(host="api.example.com", content_type="application/json", **(extra or {}))
     if sid:
         headers["x-acp-session"] = sid
     req = tutils.treq(method=b"POST", path=PATHS[lane_name].encode(), host="api.example.com", port=443,
@@ -184,10 +190,14 @@ def _check_fold(lane_name: str, raw: bytes, out: bytes) -> None:
 def test_hostile_bodies_in_fold_mode(bili, records, lane_name, data):
     raw = data.draw(hostile_bodies(lane_name), label="body")
     sid = data.draw(st.sampled_from([None, "fuzz-a", "fuzz-b"]), label="session")
-    f = _send(bili, lane_name, raw, sid)
+    extra = data.draw(st.sampled_from([{}, {}, {"x_bili_msg_ids": "[1, 2"}, {"x_bili_msg_ids": '["a"]'},
+                                       {"x_bili_msg_ids": '{"ids": 5}', "x_bili_msg_ids_resync": "yes"},
+                                       {"session_id": " "}, {"x_codex_turn_metadata": "{not json"}]), label="headers")
+    f = _send(bili, lane_name, raw, sid, extra)
     _no_internal_error(records, raw)
     if f.response is not None:  # only a message-id envelope bili cannot honour is answered (400), by design
-        assert f.response.status_code == 400 and FIELD.encode() in raw and b"bili_message_ids" in f.response.content
+        assert f.response.status_code == 400 and b"bili_message_ids" in f.response.content
+        assert FIELD.encode() in raw or "x_bili_msg_ids" in extra
         return
     out = f.request.raw_content
     _check_fold(lane_name, raw, out)
