@@ -73,7 +73,7 @@ def decompress(args: Any, blocks: list[Block], originals, export_dir=None) -> st
     to_file = args.get("toFile")
     if to_file not in (None, False, "", "false"):
         if to_file is not True and to_file != "true":
-            return (f"decompress refused toFile={to_file!r}: bili never writes to a path you name. Call "
+            return (f"decompress refused toFile={repr(to_file)[:200]}: bili never writes to a path you name. Call "
                     f'decompress with "toFile": true and bili writes the text to a file of its own in its '
                     "data directory and tells you where. Nothing was written.")
         if export_dir is None:
