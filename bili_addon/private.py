@@ -97,7 +97,8 @@ def ensure_token(data_dir: str | os.PathLike[str]) -> str:
     try:
         os.link(tmp, path)  # never replaces a token another process wrote meanwhile
     except FileExistsError:
-        pass
+        if read_token(data_dir) is None:  # there, but empty or garbled: replaced
+            os.replace(tmp, path)
     except OSError:  # a file system without hard links
         if not path.exists():
             os.replace(tmp, path)
