@@ -121,4 +121,6 @@ def presented_token(headers) -> str:
 
 
 def token_matches(presented: str, token: str | None) -> bool:
-    return bool(token) and bool(presented) and secrets.compare_digest(presented.encode(), token.encode())  # type: ignore[union-attr]
+    if not token or not presented:
+        return False
+    return secrets.compare_digest(presented.encode(), token.encode())

@@ -77,7 +77,8 @@ def decompress(args: Any, blocks: list[Block], originals, export_dir=None) -> st
                     f'decompress with "toFile": true and bili writes the text to a file of its own in its '
                     "data directory and tells you where. Nothing was written.")
         if export_dir is None:
-            return "decompress cannot write files here (no data directory); call it without toFile. Nothing was written."
+            return ("decompress cannot write files here (no data directory); call it without toFile. "
+                    "Nothing was written.")
         try:
             path = export(export_dir(), f"{block.id}{'-full' if full else ''}.txt", header + "\n\n" + body + "\n")
         except OSError as e:
