@@ -94,3 +94,26 @@ def test_the_token_a_request_carries(headers, want):
     assert private.presented_token(headers) == want
     assert private.token_matches(want, "abc") is bool(want)
     assert private.token_matches("abc", None) is False
+
+
+def test_the_export_folder_never_leads_outside_the_data_dir(tmp_path):
+    """A link planted where the session's export folder goes (by the model through the agent's shell,
+    say) is refused: decompress says so and writes nothing."""
+    from bili_addon.kernel.fold import Block
+    from bili_addon.kernel.surfaces import decompress
+    from bili_addon.kernel.tools import export_dir
+
+    data, outside = tmp_path / "data", tmp_path / "home"
+    outside.mkdir()
+    folder = export_dir(data, "sess/../../x")
+    assert folder.parent == data / "exports" and ".." not in folder.name
+    assert mode(folder) == 0o700 and mode(folder.parent) == 0o700
+    folder.rmdir()
+    folder.symlink_to(outside)
+    with pytest.raises(OSError):
+        export_dir(data, "sess/../../x")
+    block = Block("b1", 1, "a summary", "topic", ["m00001"], ["m00001"], [], "m00001", "m00001")
+    rows = lambda refs: [("m00001", "user", "text", "", "", "the original text", 3)]  # noqa: E731
+    text = decompress({"blockId": "b1", "toFile": True}, [block], rows, lambda: export_dir(data, "sess/../../x"))
+    assert text.startswith("decompress could not write the export file") and "Nothing was written" in text
+    assert list(outside.iterdir()) == []

@@ -35,7 +35,7 @@ def export_dir(data_dir: Path, sid: str) -> Path:
     """The session's export folder, ``<data dir>/exports/<session>``, created 0700.  Its name is made
     from the session id (safe characters and a hash); a folder that resolves outside the data dir (a
     link someone put there) is refused with OSError."""
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", sid)[:48].strip("._") or "session"
+    safe = re.sub(r"[^A-Za-z0-9_-]+", "_", sid)[:48].strip("_") or "session"
     folder = data_dir / private.EXPORTS / f"{safe}-{hashlib.sha256(sid.encode()).hexdigest()[:8]}"
     private.private_dir(data_dir)
     for d in (folder.parent, folder):
