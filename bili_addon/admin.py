@@ -1,4 +1,6 @@
-"""``/__bili/...``: answered by the addon itself, never forwarded, loopback clients only."""
+"""``/__bili/...``: answered by the addon itself, never forwarded, loopback clients only; every
+endpoint but health also needs the install's admin token (:mod:`bili_addon.private`): loopback is
+any local user, not this one."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from mitmproxy import http
 
-from bili_addon import __version__
+from bili_addon import __version__, private
 from bili_addon.kernel.prompts import TOOLS
 from bili_addon.store import StoreError
 
@@ -53,6 +55,23 @@ def _fail(status: int, error: str) -> http.Response:
     return _json(status, {"ok": False, "error": error})
 
 
+def authenticated(flow: http.HTTPFlow, bili: Bili) -> bool:
+    """Does the request carry the install's admin token?  A mismatch re-reads the token file once
+    (another bili process may have created it first)."""
+    presented = private.presented_token(flow.request.headers)
+    if not presented:
+        return False
+    if private.token_matches(presented, bili.token):
+        return True
+    fresh = private.read_token(bili._data_dir) if bili._data_dir else None
+    if fresh is None and bili.token is None:
+        fresh = bili.load_token()
+    if fresh is not None and fresh != bili.token:
+        bili.token = fresh
+        return private.token_matches(presented, fresh)
+    return False
+
+
 def handle(flow: http.HTTPFlow, bili: Bili):
     """Answers the request; returns an awaitable when the answer needs the store (its work runs on
     the store's worker thread: health never waits on it)."""
@@ -62,7 +81,13 @@ def handle(flow: http.HTTPFlow, bili: Bili):
     path = flow.request.path.split("?", 1)[0]
     method = flow.request.method
     if path == PREFIX + "health" and method in ("GET", "HEAD"):
-        flow.response = _json(200, {"ok": True, "version": __version__, "mode": bili.mode, **bili.store_status()})
+        flow.response = _json(200, {"ok": True, "version": __version__, "mode": bili.mode, **bili.store_status(),
+                                    "authenticated": authenticated(flow, bili)})
+    elif not authenticated(flow, bili):
+        flow.response = _fail(403, f"bili admin endpoints need this install's admin token: send the header "
+                                   f"{private.TOKEN_HEADER} with the content of the file {private.TOKEN_FILE} "
+                                   "in bili's data directory")
+        log.warning("[bili] refused %s %s: no valid admin token", method, path)
     elif path == PREFIX + "stats" and method == "GET":
         return _with_store(flow, bili, lambda eng: _json(200, bili.stats(eng)),
                            lambda: _json(200, bili.stats()))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__
+from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, private
 from bili_addon.agents import AGENTS, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex, intercept_plan
 from bili_addon.store import DB_NAME, default_data_dir
 
@@ -120,14 +120,18 @@ class Probe:
     detail: str = ""
 
 
-def probe(port: int, host: str = DEFAULT_HOST, timeout: float = 2.0) -> Probe:
+def probe(port: int, host: str = DEFAULT_HOST, timeout: float = 2.0, token: str | None = None) -> Probe:
     """Is a bili proxy answering ``/__bili/health`` on ``host:port``?  Asked in origin form (what
-    a forward proxy in mitmproxy answers itself) and, failing that, in proxy form."""
+    a forward proxy in mitmproxy answers itself) and, failing that, in proxy form.  With ``token``
+    the answer's ``authenticated`` says whether that proxy is this install's."""
     detail = ""
+    headers = {"accept": "application/json", "connection": "close"}
+    if token:
+        headers[private.TOKEN_HEADER] = token
     for target in ("/__bili/health", f"http://{host}:{port}/__bili/health"):
         conn = http.client.HTTPConnection(host, port, timeout=timeout)
         try:
-            conn.request("GET", target, headers={"accept": "application/json", "connection": "close"})
+            conn.request("GET", target, headers=headers)
             resp = conn.getresponse()
             body = resp.read(65536)
         except ConnectionRefusedError:
@@ -185,8 +189,9 @@ class SharedProxy:
     last launcher using a proxy some launcher started."""
 
     def __init__(self, port: int, command: list[str], *, host: str = DEFAULT_HOST, env: Mapping[str, str] | None = None,
-                 quiet: bool = False, state: Path | None = None):
+                 quiet: bool = False, state: Path | None = None, token: str | None = None):
         self.port, self.host, self.command, self.quiet = port, host, command, quiet
+        self.token = token  # this install's admin token: a proxy that refuses it is not re-used
         self.env = dict(os.environ if env is None else env)
         self.dir = state or state_dir(self.env)
         self.lock_path = self.dir / f"proxy-{port}.lock"
@@ -239,8 +244,9 @@ class SharedProxy:
 
     def attach(self) -> "SharedProxy":
         with self._locked():
-            found = probe(self.port, self.host)
+            found = probe(self.port, self.host, token=self.token)
             if found.kind == "bili":
+                self._check_ours(found)
                 self.reused, self.health, self.pid = True, found.health, self._owner()
             elif found.kind == "other":
                 raise LaunchError(f"{self.host}:{self.port} is in use by something that is not a bili proxy "
@@ -266,7 +272,7 @@ class SharedProxy:
             log.close()
         deadline = time.monotonic() + START_TIMEOUT
         while True:
-            found = probe(self.port, self.host, timeout=1.0)
+            found = probe(self.port, self.host, timeout=1.0, token=self.token)
             if found.kind == "bili":
                 if self.proc.poll() is None:
                     self.pid, self.started, self.health = self.proc.pid, True, found.health
@@ -274,6 +280,7 @@ class SharedProxy:
                                                            "launcher": os.getpid(), "started": time.time()}))
                     return
                 # ours died (lost the race for the port) and another launcher's proxy answers
+                self._check_ours(found)
                 self.proc, self.reused, self.health, self.pid = None, True, found.health, self._owner()
                 return
             if self.proc.poll() is not None:
@@ -286,6 +293,14 @@ class SharedProxy:
                 raise LaunchError(f"the proxy did not answer /__bili/health within {START_TIMEOUT:.0f} s; "
                                   f"log: {self.log_path}\n" + _tail(self.log_path))
             time.sleep(0.1)
+
+    def _check_ours(self, found: Probe) -> None:
+        """The agent's traffic never goes through a proxy that does not know this install's token:
+        another user's (it would read the conversation and the API keys) or another data dir's."""
+        if found.health.get("authenticated") is False:
+            raise LaunchError(f"the bili proxy on {self.host}:{self.port} does not accept this install's admin "
+                              "token: another user's proxy, or one started with another --data-dir; choose "
+                              "another port with --port (or give the same --data-dir)")
 
     def detach(self) -> None:
         with self._locked():
@@ -351,7 +366,7 @@ def node_ca_file(ca, env: Mapping[str, str]) -> str:
     return str(merged)
 
 
-def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca) -> dict[str, str]:
+def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca, data_dir: str | None = None) -> dict[str, str]:
     """The agent's environment: the caller's, plus the proxy and the CA variable it understands."""
     out = dict(env)
     out["HTTPS_PROXY"] = out["https_proxy"] = proxy_url
@@ -363,6 +378,8 @@ def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca) -> dict[
         out[BUNDLE_CA] = str(ca.combined)
         out["REQUESTS_CA_BUNDLE"] = str(ca.combined)
     out["BILI_PROXY"] = proxy_url  # where `bili mcp`, started by the agent, finds this proxy
+    if data_dir:  # where it finds the proxy's admin token
+        out["BILI_DATA_DIR"] = str(Path(data_dir).expanduser().resolve())
     return out
 
 
@@ -481,7 +498,7 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
         sets=args.set or [],
     )
     return Plan(agent, binary, [binary or agent.binary, *args.extra], hosts, allow, proxy_url,
-                agent_env(agent, env, proxy_url, ca), command, ca)
+                agent_env(agent, env, proxy_url, ca, args.data_dir), command, ca)
 
 
 def configure_agent(p: argparse.ArgumentParser) -> None:
@@ -529,7 +546,11 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
     if old_proxy and old_proxy.rstrip("/") != plan.proxy_url:
         _say(f"note: HTTPS_PROXY={old_proxy} is replaced by {plan.proxy_url} for {agent.binary}", args.quiet)
 
-    proxy = SharedProxy(args.port, plan.command, quiet=args.quiet)
+    try:  # created now if this is the first run, so that racing launchers agree on it
+        token = private.ensure_token(Path(args.data_dir).expanduser() if args.data_dir else default_data_dir())
+    except OSError:
+        token = None
+    proxy = SharedProxy(args.port, plan.command, quiet=args.quiet, token=token)
     old = {s: signal.signal(s, _raise_on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     rc = 1
     try:

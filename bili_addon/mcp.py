@@ -9,7 +9,10 @@ Only the small subset of MCP a tools-only server needs: ``initialize``, ``ping``
 ``tools/call`` and the notifications a client sends.  No dependency beyond the standard library
 (and bili's own tool schemas), so it starts fast and never imports mitmproxy.
 
-    python -m bili_addon.mcp [--proxy URL] [--conversation ID]
+    python -m bili_addon.mcp [--proxy URL] [--conversation ID] [--data-dir DIR]
+
+Every call carries the install's admin token (read from ``<data dir>/admin-token``, or
+``$BILI_TOKEN``): the proxy answers nobody else.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import urllib.request
 from http.client import HTTPException
 from typing import IO, Any
 
-from bili_addon import __version__
+from bili_addon import __version__, private
 from bili_addon.kernel.prompts import TOOLS
 
 log = logging.getLogger("bili.mcp")
@@ -72,8 +75,10 @@ class Server:
     """The protocol state machine: one parsed message in, at most one reply out."""
 
     def __init__(self, proxy: str = DEFAULT_PROXY, conversation: str | None = None,
-                 timeout: float = DEFAULT_TIMEOUT):
+                 timeout: float = DEFAULT_TIMEOUT, token: str | None = None, token_source: str = ""):
         self.proxy = normalize_proxy(proxy)
+        self.token = token
+        self.token_source = token_source  # where the token came from, for the model's error message
         self.conversation = conversation or None
         self.timeout = timeout
         self.tools = tool_list()
@@ -166,8 +171,10 @@ class Server:
         """``(ok, text)``: the tool's result, or why it could not run (said to the model)."""
         url = self.proxy + TOOL_PATH
         body = json.dumps({"conversationId": self.conversation, "tool": tool, "args": args}).encode()
-        req = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"content-type": "application/json", "accept": "application/json"})
+        headers = {"content-type": "application/json", "accept": "application/json"}
+        if self.token:
+            headers[private.TOKEN_HEADER] = self.token
+        req = urllib.request.Request(url, data=body, method="POST", headers=headers)
         try:
             with self.opener.open(req, timeout=self.timeout) as resp:
                 status, raw = resp.status, resp.read()
@@ -193,7 +200,28 @@ class Server:
         if status == 404 and error.startswith("no such bili endpoint"):
             return False, (f"{tool} did not run: the proxy at {self.proxy} has no {TOOL_PATH} endpoint "
                            "(an older bili version?)")
+        if status == 403:
+            where = self.token_source or "no admin token found"
+            return False, (f"{tool} did not run: the bili proxy at {self.proxy} refused it: {error} "
+                           f"(bili mcp's token: {where}; if the proxy runs with --data-dir, give bili mcp "
+                           "the same --data-dir)")
         return False, f"{tool} did not run: {error} (HTTP {status} from the bili proxy at {self.proxy})"
+
+
+def find_token(data_dir: str | None, env) -> tuple[str | None, str]:
+    """``(token, where it came from)``: ``$BILI_TOKEN``, else the token file in ``data_dir``
+    (``$BILI_DATA_DIR``, else the default data dir)."""
+    if env.get("BILI_TOKEN"):
+        return env["BILI_TOKEN"].strip(), "$BILI_TOKEN"
+    if data_dir or env.get("BILI_DATA_DIR"):
+        base = os.path.expanduser(data_dir or env["BILI_DATA_DIR"])
+    else:
+        from bili_addon.store import default_data_dir
+
+        base = str(default_data_dir(env))
+    path = os.path.join(base, private.TOKEN_FILE)
+    token = private.read_token(base)
+    return token, path if token else f"no admin token in {path} (has the proxy run with this data dir?)"
 
 
 def _valid_id(mid: Any) -> bool:
@@ -225,6 +253,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversation", metavar="ID", default=None,
                    help="the conversation the tools act on (default: $BILI_CONVERSATION_ID, else the "
                         "conversation that most recently went through the proxy)")
+    p.add_argument("--data-dir", metavar="DIR", default=None,
+                   help="the proxy's data directory, where its admin token is (default: $BILI_DATA_DIR, "
+                        "else $XDG_DATA_HOME/bili-addon); $BILI_TOKEN overrides the token")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help=f"how long one tool call may take (default: {DEFAULT_TIMEOUT:g})")
 
@@ -233,7 +264,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
     proxy = args.proxy or os.environ.get("BILI_PROXY") or DEFAULT_PROXY
     conversation = args.conversation or os.environ.get("BILI_CONVERSATION_ID") or None
-    server = Server(proxy, conversation, args.timeout)
+    token, source = find_token(getattr(args, "data_dir", None), os.environ)
+    if token is None:
+        log.warning("bili mcp: %s; the proxy will refuse the calls", source)
+    server = Server(proxy, conversation, args.timeout, token, source)
     stdout = sys.stdout.buffer
     sys.stdout = sys.stderr  # a stray print must never corrupt the protocol stream
     log.info("bili mcp %s: tools served over stdio, calls go to %s%s", __version__, server.proxy,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from typing import Any
 import msgspec
 from mitmproxy import ctx, http
 
-from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta
+from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, private
 from bili_addon.kernel import envelope
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
@@ -73,6 +74,7 @@ class Bili:
     @property
     def engine(self) -> Engine | None:
         return self.keeper.engine
+        self.token: str | None = None  # the admin token (``/__bili/`` but health needs it)
 
     @property
     def store_ok(self) -> bool:
@@ -147,12 +149,16 @@ class Bili:
         if "bili_data_dir" in updated or not self._data_dir:
             self._data_dir = ctx.options.bili_data_dir or str(default_data_dir())
             self.keeper.open(self._data_dir)
+            self.load_token()
         elif self.engine is not None:
             self._tune(self.engine)
 
     def _make_engine(self, data_dir: str) -> Engine:
         """A fresh engine over the store at ``data_dir`` with the current options (raises StoreError)."""
-        return self._tune(Engine(Store(data_dir)))
+        store = Store(data_dir)
+        for path in store.tightened:
+            log.warning("[bili] %s was readable by other users; now %s", path, "0700" if os.path.isdir(path) else "0600")
+        return self._tune(Engine(store))
 
     def _tune(self, engine: Engine) -> Engine:
         engine.fold_cfg.min_compress_chars = ctx.options.bili_min_compress_chars
@@ -167,6 +173,16 @@ class Bili:
 
     def running(self) -> None:
         self.keeper.start()  # from now on the store is used on its worker thread only
+
+    def load_token(self) -> str | None:
+        """The admin token of the data dir, created on first use; None while it cannot be written."""
+        try:
+            self.token = private.ensure_token(self._data_dir)
+        except OSError as e:
+            self.token = None
+            log.warning("[bili] cannot write the admin token in %s (%s); the admin endpoints but health "
+                        "answer 403 until it can be", self._data_dir, e)
+        return self.token
 
     def done(self) -> None:
         self.keeper.stop()
@@ -224,6 +240,8 @@ class Bili:
         for name in (envelope.HEADER, envelope.RESYNC_HEADER):
             req.headers.pop(name, None)  # ours: never forwarded
         res, record = out or (None, None)
+        if res is not None and not res.session and res.body is not None:
+            req.content = res.body  # only bili's own envelope removed
         if res is None or record is None:
             return
         flow.metadata[flowmeta.KEY] = record
@@ -426,10 +444,10 @@ class Bili:
 
     def _ws_apply(self, flow: http.HTTPFlow, msg, out) -> None:
         res, record = out or (None, None)
+        if res is not None and res.body is not None:
+            msg.content = res.body  # folded, or only bili's own envelope removed
         if res is None or record is None:
             return
-        if res.body is not None:
-            msg.content = res.body
         record["message"] = len(flow.websocket.messages) - 1
         flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
         self._flows[flow] = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold"),

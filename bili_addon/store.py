@@ -27,6 +27,8 @@ from typing import Mapping
 
 import msgspec
 
+from bili_addon import private
+
 SCHEMA_VERSION = 2
 BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
 
@@ -301,6 +303,16 @@ def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "bili-addon"
 
 
+def secure(db: Path) -> list[str]:
+    """The data dir 0700, the store and its WAL files 0600, whatever the umask (a fresh store is
+    created 0600 before SQLite opens it; SQLite gives the WAL files the store's mode).  Returns the
+    existing paths whose modes were wider."""
+    out = [str(db.parent)] if private.private_dir(db.parent) else []
+    if not private.create_private(db):
+        out += [p for p in (str(db), f"{db}-wal", f"{db}-shm") if private.tighten(p)]
+    return out
+
+
 class Store:
     @contextmanager
     def _tx(self):
@@ -342,8 +354,9 @@ class Store:
     def __init__(self, data_dir: str | os.PathLike[str], busy_ms: int = BUSY_MS):
         self.path = Path(data_dir) / DB_NAME
         self.writes = 0  # transactions committed (the keeper's sign that a failed store works again)
+        self.tightened: list[str] = []  # existing files and dirs made private at open (logged by the shell)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.tightened = secure(self.path)
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         except (sqlite3.Error, OSError) as e:
             raise store_error("open", self.path, e) from e

@@ -315,7 +315,8 @@ out = os.environ["FAKE_AGENT_OUT"]
 mode = os.environ.get("FAKE_AGENT_MODE", "exit")
 rec = {{"pid": os.getpid(), "pgid": os.getpgrp(), "argv": sys.argv[1:], "signals": [],
        "env": {{k: os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE",
-                                              "REQUESTS_CA_BUNDLE", "PI_PROXY", "BILI_PROXY", "HTTP_PROXY")}}}}
+                                              "REQUESTS_CA_BUNDLE", "PI_PROXY", "BILI_PROXY", "HTTP_PROXY",
+                                              "BILI_DATA_DIR")}}}}
 def write():
     with open(out + ".tmp", "w") as f:
         json.dump(rec, f)
@@ -530,7 +531,27 @@ def test_a_proxy_started_by_bili_run_is_reused_and_left_running(lab):
     assert rc == 0, err
     assert "re-using the bili proxy" in err and "stopped the proxy" not in err
     assert run.poll() is None and launch.probe(port).kind == "bili"
-    assert lab.record("r")["health"]["ok"] is True
+    rec = lab.record("r")
+    assert rec["health"]["ok"] is True
+    # where the agent's `bili mcp` finds the proxy's admin token
+    assert rec["env"]["BILI_DATA_DIR"] == str((lab.tmp / "data").resolve())
+
+
+@pytest.mark.e2e
+def test_a_bili_proxy_that_refuses_this_installs_token_is_not_reused(lab):
+    """Another user's proxy (here: one with another data dir, hence another token) on the port: the
+    agent's traffic, API keys included, must not go through it."""
+    port = free_port()
+    run = subprocess.Popen([sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir",
+                            str(lab.confdir), "--data-dir", str(lab.tmp / "someone-else"), "--quiet"],
+                           env=lab.env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    lab.procs.append(run)
+    wait_for(lambda: launch.probe(port).kind == "bili", 30, "bili run")
+    rc, _, err = finish(lab.launch("claude", port, "t"))
+    assert rc == 1 and "does not accept this install's admin token" in err, err
+    assert not lab.out("t").exists()
+    assert run.poll() is None  # not ours to stop
 
 
 @pytest.mark.e2e

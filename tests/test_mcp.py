@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 ADDON = REPO / "bili_addon" / "addon.py"
 MITMDUMP = Path(sys.executable).parent / "mitmdump"
 TOOL_NAMES = [t["name"] for t in TOOLS]
-_ENV_DROP = {"http_proxy", "https_proxy", "all_proxy", "no_proxy", "bili_proxy", "bili_conversation_id"}
+_ENV_DROP = {"http_proxy", "https_proxy", "all_proxy", "no_proxy", "bili_proxy", "bili_conversation_id", "bili_token",
+             "bili_data_dir"}
 
 
 def anthropic_body(*texts: str, tools: list[dict] | None = None) -> bytes:
@@ -63,7 +64,7 @@ def model_request(bili: Bili, sid: str, *texts: str, tools: list[dict] | None = 
 
 def call_tool(bili: Bili, payload, *, peer: str = "127.0.0.1", raw: bytes | None = None) -> tuple[int, dict]:
     body = raw if raw is not None else json.dumps(payload).encode()
-    f = flow("/__bili/plugin/tool", body, peer=peer)
+    f = flow("/__bili/plugin/tool", body, peer=peer, headers={"x-bili-token": bili.token or ""})
     bili.request(f)
     assert f.response is not None
     assert f.response.headers["content-type"] == "application/json"
@@ -151,7 +152,7 @@ def test_non_loopback_is_403(bili, peer):
     model_request(bili, "conv-1", "hello there")
     status, doc = call_tool(bili, {"conversationId": "conv-1", "tool": "acp_status"}, peer=peer)
     assert status == 403 and doc["ok"] is False
-    m = flow("/__bili/plugin/manifest", method="GET", peer=peer)
+    m = flow("/__bili/plugin/manifest", method="GET", peer=peer, headers={"x-bili-token": bili.token})
     bili.request(m)
     assert m.response.status_code == 403
 
@@ -163,12 +164,11 @@ def test_oversized_body_is_413(bili):
 
 
 def test_no_store_is_503(tmp_path):
-    blocker = tmp_path / "file-not-dir"
-    blocker.write_text("x")
+    (tmp_path / "data" / "bili.sqlite3").mkdir(parents=True)  # the store cannot open, the token can be written
     addon = Bili()
     with taddons.context(addon) as tctx:
-        tctx.configure(addon, bili_data_dir=str(blocker))
-        assert addon.engine is None
+        tctx.configure(addon, bili_data_dir=str(tmp_path / "data"))
+        assert addon.engine is None and addon.token
         status, doc = call_tool(addon, {"conversationId": None, "tool": "acp_status", "args": {}})
     assert status == 503 and doc["ok"] is False
 
@@ -185,13 +185,13 @@ def test_unexpected_failure_is_500_and_logged(bili, monkeypatch, caplog):
 
 
 def test_manifest(bili):
-    f = flow("/__bili/plugin/manifest", method="GET")
+    f = flow("/__bili/plugin/manifest", method="GET", headers={"x-bili-token": bili.token})
     bili.request(f)
     assert f.response.status_code == 200
     doc = json.loads(f.response.content)
     assert doc["ok"] is True and doc["toolEndpoint"] == "/__bili/plugin/tool"
     assert doc["tools"] == [dict(t) for t in TOOLS]
-    wrong = flow("/__bili/plugin/tool", method="GET")
+    wrong = flow("/__bili/plugin/tool", method="GET", headers={"x-bili-token": bili.token})
     bili.request(wrong)
     assert wrong.response.status_code == 404
 
@@ -307,7 +307,7 @@ def proxy(tmp_path_factory):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"mitmdump did not answer:\n{log_path.read_text(errors='replace')[-3000:]}")
             time.sleep(0.1)
-        yield url
+        yield url, work / "data"
     finally:
         stop(proc)
 
@@ -391,7 +391,8 @@ def mcp_client():
 
 @pytest.mark.e2e
 def test_mcp_server_against_a_real_proxy(proxy, mcp_client, tmp_path):
-    c = mcp_client("--proxy", proxy, cwd=tmp_path)
+    proxy, data = proxy
+    c = mcp_client("--proxy", proxy, "--data-dir", str(data), cwd=tmp_path)
     init = c.handshake()
     assert init["protocolVersion"] == "2025-03-26"
     assert init["serverInfo"] == {"name": "bili", "version": __version__}
@@ -419,13 +420,19 @@ def test_mcp_server_against_a_real_proxy(proxy, mcp_client, tmp_path):
     assert c.close() == 0
 
     status, stats = http_json(proxy + "/__bili/stats")
+    assert status == 403 and "sessions" not in stats  # the admin token is needed, loopback or not
+    token = (data / "admin-token").read_text().strip()
+    status, stats = http_json(proxy + "/__bili/stats", headers={"x-bili-token": token})
     [entry] = stats["sessions"]
     assert entry["id"] == "e2e-conv" and entry["flags"].get("native_tools") is True
 
 
 @pytest.mark.e2e
 def test_mcp_server_with_an_unknown_conversation(proxy, mcp_client, tmp_path):
-    c = mcp_client("--proxy", proxy, "--conversation", "conv-that-never-was", cwd=tmp_path)
+    proxy, data = proxy
+    # the token through $BILI_DATA_DIR (what the launcher sets with --data-dir)
+    c = mcp_client("--proxy", proxy, "--conversation", "conv-that-never-was", cwd=tmp_path,
+                   env=clean_env(BILI_DATA_DIR=str(data)))
     c.handshake()
     res = c.call("search_context", {"query": "anything"})
     assert res["isError"] is True and "conv-that-never-was" in res["content"][0]["text"]
@@ -443,4 +450,18 @@ def test_mcp_server_with_the_proxy_down(mcp_client, tmp_path):
     assert res["isError"] is True
     text = res["content"][0]["text"]
     assert "not reachable" in text and f"127.0.0.1:{port}" in text
+    assert c.close() == 0
+
+
+@pytest.mark.e2e
+def test_mcp_server_without_the_token_is_refused(proxy, mcp_client, tmp_path):
+    """A client without this install's token (another user's bili mcp, or a wrong --data-dir) is
+    refused with 403, and the model is told why."""
+    proxy, _data = proxy
+    c = mcp_client("--proxy", proxy, "--data-dir", str(tmp_path / "elsewhere"), cwd=tmp_path)
+    c.handshake()
+    res = c.call("search_context", {"query": "hello"})
+    assert res["isError"] is True
+    text = res["content"][0]["text"]
+    assert "refused" in text and "admin token" in text and "--data-dir" in text
     assert c.close() == 0

@@ -109,8 +109,9 @@ def test_store_that_cannot_open_logs_once_and_passes_through(tmp_path, caplog):
         addon.request(f)
         assert f.request.raw_content == ANTH_BODY
         assert caplog.text.count("cannot open the store") == 1
-        # a warning, not an error: mitmdump quits on an error logged during start-up
-        assert [r.levelname for r in caplog.records] == ["WARNING"]
+        # warnings, not errors: mitmdump quits on an error logged during start-up (the admin token
+        # cannot be written in that data dir either)
+        assert {r.levelname for r in caplog.records} == {"WARNING"}
         h = model_flow(b"", path="/__bili/health")
         h.request.method = "GET"
         addon.request(h)
@@ -127,16 +128,59 @@ def test_admin_health_and_stats(bili):
     assert h.response.status_code == 200
     health = json.loads(h.response.content)
     assert health["ok"] is True and health["version"]
-    s = model_flow(b"", path="/__bili/stats")
+    assert health["authenticated"] is False  # health is open; it says whether the token was right
+    token = (tmp_data(bili) / "admin-token").read_text().strip()
+    s = model_flow(b"", path="/__bili/stats", headers={"x-bili-token": token})
     s.request.method = "GET"
     bili.request(s)
     [entry] = json.loads(s.response.content)["sessions"]
     assert entry["id"] == "sess-a" and entry["lane"] == "anthropic" and entry["refs"] == 1
     assert entry["messages"] == 1 and entry["requests"] == 1
-    n = model_flow(b"", path="/__bili/nope")
+    n = model_flow(b"", path="/__bili/nope", headers={"authorization": f"Bearer {token}"})
     n.request.method = "GET"
     bili.request(n)
     assert n.response.status_code == 404
+
+
+def tmp_data(bili):
+    from pathlib import Path
+
+    return Path(bili._data_dir)
+
+
+@pytest.mark.parametrize("headers", [{}, {"x-bili-token": "wrong"}, {"authorization": "Bearer wrong"},
+                                     {"authorization": "Basic x"}])
+@pytest.mark.parametrize("path", ["/__bili/stats", "/__bili/plugin/manifest", "/__bili/plugin/tool", "/__bili/nope"])
+def test_admin_needs_the_token(bili, path, headers):
+    """Loopback is any local user: without this install's token every endpoint but health is 403."""
+    bili.request(model_flow(ANTH_BODY, headers=session_headers("sess-secret")))
+    f = model_flow(b'{"tool": "search_context", "args": {"query": "hello"}}', path=path, headers=headers)
+    f.request.method = "GET" if "plugin/tool" not in path else "POST"
+    bili.request(f)
+    assert f.response.status_code == 403
+    assert b"sess-secret" not in f.response.content and b"hello" not in f.response.content
+    assert b"admin token" in f.response.content
+
+
+def test_token_and_data_dir_are_private(tmp_path):
+    """The token file is 0600 and the data dir 0700 whatever the umask; the token survives a restart."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        first, second = Bili(), Bili()
+        for addon in (first, second):
+            with taddons.context(addon) as tctx:
+                tctx.configure(addon, bili_data_dir=str(tmp_path / "data"))
+            addon.done()
+    finally:
+        os.umask(old)
+    data = tmp_path / "data"
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    assert stat.S_IMODE((data / "admin-token").stat().st_mode) == 0o600
+    assert stat.S_IMODE((data / "bili.sqlite3").stat().st_mode) == 0o600
+    assert first.token and first.token == second.token == (data / "admin-token").read_text().strip()
 
 
 @pytest.mark.parametrize("peer", ["10.1.2.3", "192.168.0.7", "2001:db8::1"])

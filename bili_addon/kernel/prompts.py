@@ -41,7 +41,7 @@ TOOLS: tuple[dict, ...] = (
         "name": "decompress",
         "description": (
             "Show what a summary block replaced: by default one tier up (the blocks or messages it was "
-            "made from), full=true for the original messages, toFile to write them to a file instead. "
+            "made from), full=true for the original messages, toFile=true to have them written to a file instead. "
             "Long output is paged; ask for the next page with page."
         ),
         "parameters": {
@@ -49,7 +49,8 @@ TOOLS: tuple[dict, ...] = (
             "properties": {
                 "blockId": {"type": "string", "description": "bN, or an mNNNNN ref inside a block."},
                 "full": {"type": "boolean"},
-                "toFile": {"type": "string", "description": "Path of a file to write the originals to."},
+                "toFile": {"type": "boolean", "description": "Write the text to a file in bili's own data "
+                           "directory instead; the result says where."},
                 "page": {"type": "integer", "minimum": 1},
             },
             "required": ["blockId"],

@@ -117,7 +117,7 @@ def _normalise(v: Any) -> Any:
         # a tool result's ``name`` is dropped by some hosts on re-send (hermes); the call id pairs it
         drop = ("cache_control", "name") if v.get("role") == "tool" else ("cache_control",)
         out = {k: _normalise(x) for k, x in v.items() if k not in drop}
-        if out.get("type") in _TEXT_PART_TYPES:
+        if isinstance(out.get("type"), str) and out["type"] in _TEXT_PART_TYPES:
             out["type"] = "text"
         c = out.get("content")
         if isinstance(c, str):

@@ -45,8 +45,10 @@ def _original_line(row: tuple) -> str:
     return f"{head}\n{text}"
 
 
-def decompress(args: Any, blocks: list[Block], originals) -> str:
-    """``originals(refs) -> rows``: the store's folded originals of this session."""
+def decompress(args: Any, blocks: list[Block], originals, export_dir=None) -> str:
+    """``originals(refs) -> rows``: the store's folded originals of this session; ``export_dir()``:
+    the session's own export folder in bili's data dir (created on demand), the only place
+    ``toFile`` ever writes to."""
     if not isinstance(args, dict) or not isinstance(args.get("blockId") or args.get("id"), str):
         return 'decompress needs {"blockId": "bN"} (or an mNNNNN ref inside a block).'
     key = args.get("blockId") or args.get("id")
@@ -69,13 +71,18 @@ def decompress(args: Any, blocks: list[Block], originals) -> str:
     body = "\n\n".join(parts) if parts else "(no stored originals for this block)"
     header = f"{block.id} (tier {block.tier}) replaced {what}:"
     to_file = args.get("toFile")
-    if isinstance(to_file, str) and to_file.strip():
-        path = Path(os.path.expanduser(to_file.strip()))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".bili-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(header + "\n\n" + body + "\n")
-        os.replace(tmp, path)
+    if to_file not in (None, False, "", "false"):
+        if to_file is not True and to_file != "true":
+            return (f"decompress refused toFile={repr(to_file)[:200]}: bili never writes to a path you name. Call "
+                    f'decompress with "toFile": true and bili writes the text to a file of its own in its '
+                    "data directory and tells you where. Nothing was written.")
+        if export_dir is None:
+            return ("decompress cannot write files here (no data directory); call it without toFile. "
+                    "Nothing was written.")
+        try:
+            path = export(export_dir(), f"{block.id}{'-full' if full else ''}.txt", header + "\n\n" + body + "\n")
+        except OSError as e:
+            return f"decompress could not write the export file ({e}); call it without toFile. Nothing was written."
         return f"Wrote {block.id}'s {what} ({len(body)} characters) to {path}."
     pages = max(1, -(-len(body) // PAGE_CHARS))
     page = args.get("page") if isinstance(args.get("page"), int) else 1
@@ -87,6 +94,21 @@ def decompress(args: Any, blocks: list[Block], originals) -> str:
             f"; call decompress again with page={page + 1} for more]" if page < pages else "]"
         )
     return f"{header}\n\n{chunk}{footer}"
+
+
+def export(folder: Path, name: str, text: str) -> Path:
+    """Write ``text`` to ``folder/name`` (0600) atomically; the name is bili's, never the model's."""
+    assert os.sep not in name and not name.startswith(".")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".bili-")  # 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        path = folder / name
+        os.replace(tmp, path)  # replaces a link at that name, never follows it
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def search_context(args: Any, blocks: list[Block], originals) -> str:

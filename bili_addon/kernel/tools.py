@@ -4,9 +4,14 @@ result put in place of the agent's "unknown tool" error on this and every later 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import os
+import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bili_addon import private
 from bili_addon.kernel import fold, surfaces, tags
 from bili_addon.kernel.fold import View
 from bili_addon.kernel.state import Call, ItemInfo, Session, TurnResult
@@ -25,6 +30,23 @@ def call_key(tool_call_id: str, tool_name: str, args: str = "") -> str:
     if tool_call_id:
         return tool_call_id
     return idless_call_key(tool_name, args) if tool_name else ""
+
+
+def export_dir(data_dir: Path, sid: str) -> Path:
+    """The session's export folder, ``<data dir>/exports/<session>``, created 0700.  Its name is made
+    from the session id (safe characters and a hash); a folder that resolves outside the data dir (a
+    link someone put there) is refused with OSError."""
+    safe = re.sub(r"[^A-Za-z0-9_-]+", "_", sid)[:48].strip("_") or "session"
+    folder = data_dir / private.EXPORTS / f"{safe}-{hashlib.sha256(sid.encode()).hexdigest()[:8]}"
+    private.private_dir(data_dir)
+    for d in (folder.parent, folder):
+        if os.path.islink(d):
+            raise OSError(f"{d} is a link; bili writes only inside its data directory")
+        private.private_dir(d)
+    real, root = os.path.realpath(folder), os.path.realpath(data_dir)
+    if os.path.commonpath([real, root]) != root:
+        raise OSError(f"{folder} leads outside bili's data directory")
+    return folder
 
 
 class ProxyTools:
@@ -79,7 +101,8 @@ class ProxyTools:
             return out.text
         originals = lambda refs: self.store.originals(sid, refs)  # noqa: E731
         if name == "decompress":
-            return surfaces.decompress(args, s.blocks, originals)
+            return surfaces.decompress(args, s.blocks, originals,
+                                       lambda: export_dir(Path(self.store.path).parent, sid))
         if name == "search_context":
             return surfaces.search_context(args, s.blocks, originals)
         if name == "acp_status":

@@ -193,7 +193,10 @@ class Engine(ProxyTools):
         else:
             hashes = self._chain(infos, start, memo, k)
             if hashes is None:
-                return TurnResult(None, lane=lane.name, messages=len(infos), source="no conversation identity")
+                res = TurnResult(None, lane=lane.name, messages=len(infos), source="no conversation identity")
+                if body.top.pop(envelope.FIELD, None) is not None:  # the envelope is ours: never forwarded
+                    res.body = body.encode(None)
+                return res
             if self.affinity.match(hashes) is None:  # another process may have seen this conversation
                 for row in self.store.affinity_of(hashes):
                     self.affinity.note(*row)
@@ -280,7 +283,7 @@ class Engine(ProxyTools):
             changed |= self._snapshot_render(s, snap, lane, raws, items_out, start, view)
         pre = self._strict_inserts(s, lane.name, infos, top, origin)
         changed |= self._assemble(s, lane, items_out, start, view, result, snoozed, pre)
-        if self.inject:
+        if self.inject and len(raws) > start:  # no conversation (``input: []``): nothing to add tools to
             names = lane.tool_names(body) or []
             native = any("bili" in n and n.endswith("compress") for n in names)
             if native and self.set_flag(sid, "native_tools", True):

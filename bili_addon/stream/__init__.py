@@ -28,6 +28,7 @@ class ResponseRewriter:
         self.lane: LaneResponse = RESPONSES[lane](marker if rewrite else "")
         self.rewrite = rewrite
         self._events: dict[int, SSEEvent] = {}
+        self.broken = False  # an internal error: the rest of the stream passes as it comes
 
     @property
     def usage(self) -> Usage:
@@ -49,6 +50,35 @@ class ResponseRewriter:
 
     # -- SSE -----------------------------------------------------------------------------------
     def sse_event(self, raw: bytes) -> list[bytes]:
+        """The events to send for one SSE event.  Fail open: after an internal error the events
+        held back so far are released and the rest of the stream passes unchanged (nothing else
+        would catch it: the agent's answer would break)."""
+        if self.broken:
+            return [raw]
+        try:
+            return self._sse_event(raw)
+        except Exception as e:
+            log.exception("[bili] %s stream: internal error (%s); the rest of the answer passes unchanged",
+                          self.lane.lane, e)
+            self.broken = True
+            return [*self._release(), raw]
+
+    def _release(self) -> list[bytes]:
+        """After an internal error: the events held back, with the text their filters still hold
+        put back as it came."""
+        try:
+            held = []
+            for b in self.lane.blocks.values():
+                if b.held is not None:
+                    if b.filter.buf and b.text_of is not None:
+                        b.text_of.set(b.text_of.get() + b.filter.buf)
+                    held.append(b.held)
+                    b.held = None
+            return self._serialize(held) if self.rewrite else []
+        except Exception:
+            return []
+
+    def _sse_event(self, raw: bytes) -> list[bytes]:
         ev = SSEEvent(raw)
         data = ev.data
         if data is None:
@@ -75,8 +105,15 @@ class ResponseRewriter:
 
     def sse_finish(self) -> list[bytes]:
         """The stream ended: release anything still held (a stream cut mid-block)."""
-        outs = self.lane.close_all()
-        return self._serialize(outs) if self.rewrite else []
+        if self.broken:
+            return []
+        try:
+            outs = self.lane.close_all()
+            return self._serialize(outs) if self.rewrite else []
+        except Exception as e:
+            log.exception("[bili] %s stream: internal error at its end (%s)", self.lane.lane, e)
+            self.broken = True
+            return []
 
     def _serialize(self, outs: list) -> list[bytes]:
         result = []

@@ -64,6 +64,21 @@ def _int(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
+def _list(v: Any) -> list:
+    """A value that should be an array, or nothing (an upstream may send anything)."""
+    return v if isinstance(v, list) else []
+
+
+def _hashable(v: Any) -> Any:
+    """A block key from the upstream's own fields (an index, an item id), usable as a dict key
+    whatever JSON it is."""
+    try:
+        hash(v)
+    except TypeError:
+        return compact_json(v)
+    return v
+
+
 class _Block:
     """Echo filter state of one prose block, plus the event it may be holding."""
 
@@ -221,18 +236,19 @@ class AnthropicResponse(LaneResponse):
 
     def event(self, ev: Event) -> list:
         kind = ev.get("type")
+        index = _hashable(ev.get("index"))
         if kind == "content_block_delta":
             d = ev.get("delta")
             if isinstance(d, dict) and d.get("type") == "text_delta" and isinstance(d.get("text"), str):
-                return self._prose(ev.get("index"), ev, Slot(d, "text"))
-            if isinstance(d, dict) and d.get("type") == "input_json_delta" and ev.get("index") in self._partial:
-                self._partial[ev.get("index")][2] += str(d.get("partial_json") or "")
+                return self._prose(index, ev, Slot(d, "text"))
+            if isinstance(d, dict) and d.get("type") == "input_json_delta" and index in self._partial:
+                self._partial[index][2] += str(d.get("partial_json") or "")
             return [KEEP]
         if kind == "content_block_stop":
-            done = self._partial.pop(ev.get("index"), None)
+            done = self._partial.pop(index, None)
             if done is not None:
                 self._call(done[0], done[1], done[2] or "{}")
-            return [*self._close(ev.get("index")), KEEP]
+            return [*self._close(index), KEEP]
         if kind == "message_start":
             msg = ev.get("message")
             if isinstance(msg, dict):
@@ -243,7 +259,7 @@ class AnthropicResponse(LaneResponse):
             cb = ev.get("content_block")
             if isinstance(cb, dict) and cb.get("type") == "tool_use":
                 start = cb.get("input")
-                self._partial[ev.get("index")] = [
+                self._partial[index] = [
                     str(cb.get("id") or ""), cb.get("name"), compact_json(start) if start else "",
                 ]
             if isinstance(cb, dict) and cb.get("type") == "text" and cb.get("text"):
@@ -258,7 +274,7 @@ class AnthropicResponse(LaneResponse):
             return False
         self._usage(obj.get("usage"))
         changed = False
-        for block in obj.get("content") or []:
+        for block in _list(obj.get("content")):
             if isinstance(block, dict) and block.get("type") == "text":
                 changed |= self._clean(block, "text")
             elif isinstance(block, dict) and block.get("type") == "tool_use":
@@ -286,9 +302,9 @@ class ChatResponse(LaneResponse):
             if not isinstance(ch, dict):
                 continue
             d = ch.get("delta")
-            for tc in (d.get("tool_calls") if isinstance(d, dict) else None) or []:
+            for tc in _list(d.get("tool_calls") if isinstance(d, dict) else None):
                 if isinstance(tc, dict):
-                    entry = self._partial.setdefault((ci, tc.get("index", 0)), ["", "", ""])
+                    entry = self._partial.setdefault((ci, _hashable(tc.get("index", 0))), ["", "", ""])
                     fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
                     entry[0] = tc.get("id") or entry[0]
                     entry[1] = fn.get("name") or entry[1]
@@ -296,8 +312,8 @@ class ChatResponse(LaneResponse):
             if isinstance(d, dict) and isinstance(d.get("content"), str) and d["content"]:
                 text_choices.append(ci)
             if ch.get("finish_reason"):
-                finishing.append(ch.get("index", ci))
-        spots = [(choices[ci].get("index", ci), Slot(choices[ci]["delta"], "content")) for ci in text_choices]
+                finishing.append(_hashable(ch.get("index", ci)))
+        spots = [(_hashable(choices[ci].get("index", ci)), Slot(choices[ci]["delta"], "content")) for ci in text_choices]
         return self._prose_spots(ev, spots, finishing)
 
     def body(self, obj: Any) -> bool:
@@ -305,11 +321,11 @@ class ChatResponse(LaneResponse):
             return False
         self._usage(obj.get("usage"))
         changed = False
-        for ch in obj.get("choices") or []:
+        for ch in _list(obj.get("choices")):
             msg = ch.get("message") if isinstance(ch, dict) else None
             if isinstance(msg, dict):
                 changed |= self._clean(msg, "content")
-                for tc in msg.get("tool_calls") or []:
+                for tc in _list(msg.get("tool_calls")):
                     fn = tc.get("function") if isinstance(tc, dict) else None
                     if isinstance(fn, dict):
                         self._call(str(tc.get("id") or ""), fn.get("name"), fn.get("arguments"))
@@ -327,7 +343,7 @@ class ResponsesResponse(LaneResponse):
 
     @staticmethod
     def _key(ev: Event) -> tuple:
-        return (ev.get("item_id") or ev.get("output_index"), ev.get("content_index", 0))
+        return _hashable((ev.get("item_id") or ev.get("output_index"), ev.get("content_index", 0)))
 
     def _final_text(self, key: tuple, text: str) -> str:
         b = self.blocks.get(key)
@@ -341,9 +357,9 @@ class ResponsesResponse(LaneResponse):
         if not isinstance(item, dict) or item.get("type") != "message":
             return False
         changed = False
-        for k, part in enumerate(item.get("content") or []):
+        for k, part in enumerate(_list(item.get("content"))):
             if isinstance(part, dict) and part.get("type") == "output_text" and isinstance(part.get("text"), str):
-                t = self._final_text((item.get("id"), k), part["text"])
+                t = self._final_text(_hashable((item.get("id"), k)), part["text"])
                 if t != part["text"]:
                     part["text"] = t
                     changed = True
@@ -388,7 +404,7 @@ class ResponsesResponse(LaneResponse):
             changed = False
             if isinstance(resp, dict):
                 self._usage(resp.get("usage"))
-                for item in resp.get("output") or []:
+                for item in _list(resp.get("output")):
                     changed |= self._fix_item(item)
             return [*out, ev if changed else KEEP]
         return [KEEP]
@@ -398,10 +414,10 @@ class ResponsesResponse(LaneResponse):
             return False
         self._usage(obj.get("usage"))
         changed = False
-        for item in obj.get("output") or []:
+        for item in _list(obj.get("output")):
             self._note_call(item)
             if isinstance(item, dict) and item.get("type") == "message":
-                for part in item.get("content") or []:
+                for part in _list(item.get("content")):
                     if isinstance(part, dict) and part.get("type") == "output_text":
                         changed |= self._clean(part, "text")
         return changed
@@ -431,14 +447,14 @@ class GeminiResponse(LaneResponse):
         for ci, c in enumerate(cands):
             content = c.get("content") if isinstance(c, dict) else None
             parts = content.get("parts") if isinstance(content, dict) else None
-            for pi, p in enumerate(parts or []):
+            for pi, p in enumerate(_list(parts)):
                 if isinstance(p, dict) and isinstance(p.get("text"), str) and not p.get("thought"):
                     spots.append((ci, pi))
                 self._note_call(p)
             if isinstance(c, dict) and c.get("finishReason"):
-                finishing.append(c.get("index", ci))
+                finishing.append(_hashable(c.get("index", ci)))
         return self._prose_spots(
-            ev, [(cands[ci].get("index", ci), Slot(cands[ci]["content"]["parts"][pi], "text")) for ci, pi in spots],
+            ev, [(_hashable(cands[ci].get("index", ci)), Slot(cands[ci]["content"]["parts"][pi], "text")) for ci, pi in spots],
             finishing,
         )
 
@@ -456,9 +472,9 @@ class GeminiResponse(LaneResponse):
             return False
         self._usage(obj.get("usageMetadata"))
         changed = False
-        for c in obj.get("candidates") or []:
+        for c in _list(obj.get("candidates")):
             content = c.get("content") if isinstance(c, dict) else None
-            for p in (content.get("parts") if isinstance(content, dict) else None) or []:
+            for p in _list(content.get("parts") if isinstance(content, dict) else None):
                 self._note_call(p)
                 if isinstance(p, dict) and not p.get("thought"):
                     changed |= self._clean(p, "text")

@@ -64,7 +64,8 @@ class AnthropicLane(LaneDefaults):
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
-        return tool_names(body.top.get("tools"), lambda t: t.get("name") if isinstance(t, dict) else None)
+        return tool_names(body.top.get("tools"), lambda t: t.get("name") if isinstance(t, dict)
+                          and isinstance(t.get("name"), str) else None)  # a name that is no string names nothing
 
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,

@@ -90,7 +90,7 @@ class ChatLane(LaneDefaults):
     def tool_names(body: Body) -> list[str] | None:
         def name_of(t: Any) -> Any:
             fn = t.get("function") if isinstance(t, dict) else None
-            return fn.get("name") if isinstance(fn, dict) else None
+            return fn.get("name") if isinstance(fn, dict) and isinstance(fn.get("name"), str) else None
 
         return tool_names(body.top.get("tools"), name_of)
 

@@ -43,7 +43,8 @@ class GeminiLane(LaneDefaults):
         if not isinstance(obj, dict):
             return [Core("user", OTHER, compact_json(obj))]
         # a missing role is the user (single-turn requests); the legacy "function" role carries results
-        role = _ROLES.get(obj.get("role"), "user")  # type: ignore[arg-type]
+        role = obj.get("role")
+        role = _ROLES.get(role, "user") if isinstance(role, str) else "user"
         parts = obj.get("parts")
         if not isinstance(parts, list):
             return [Core(role, OTHER, compact_json(parts))]
@@ -65,6 +66,8 @@ class GeminiLane(LaneDefaults):
         names: list[str] = []
         for t in decode_any(raw) or []:
             decls = (t.get("functionDeclarations") or t.get("function_declarations") or []) if isinstance(t, dict) else []
+            if not isinstance(decls, list):
+                continue
             names.extend(d.get("name") for d in decls if isinstance(d, dict) and isinstance(d.get("name"), str))
         return names
 

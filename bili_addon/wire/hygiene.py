@@ -92,4 +92,4 @@ def _in_run(o: Any) -> bool:
     if not isinstance(o, dict):
         return False
     kind = o.get("type")
-    return kind in _RUN_TYPES or (kind in (None, "message") and o.get("role") == "assistant")
+    return (isinstance(kind, str) and kind in _RUN_TYPES) or (kind in (None, "message") and o.get("role") == "assistant")

@@ -49,7 +49,7 @@ class ResponsesLane(LaneDefaults):
             return [Core("user", OTHER, compact_json(obj))]
         kind = obj.get("type")
         if _is_message(obj):
-            role = _MESSAGE_ROLES.get(obj.get("role"))  # type: ignore[arg-type]
+            role = _MESSAGE_ROLES.get(_str(obj.get("role")))  # a role that is no string is no message
             if role is None:
                 return [Core("user", OTHER, _json_without_id(obj))]
             return content_cores(role, obj.get("content"), _part_core)

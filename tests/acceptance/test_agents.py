@@ -344,8 +344,9 @@ def test_hermes_mcp(model, work):
     tmp, home, cwd = work
     bins = agent_bin_dir(PINS["hermes"], tmp)
     port = free_port()
-    # hermes starts MCP servers with a filtered environment (no BILI_PROXY): name the proxy in the args
-    args = [*MCP_SERVER[1:], "--proxy", f"http://127.0.0.1:{port}"]
+    # hermes starts MCP servers with a filtered environment (no BILI_PROXY, no BILI_DATA_DIR): name the
+    # proxy and its data dir (where its admin token is) in the args
+    args = [*MCP_SERVER[1:], "--proxy", f"http://127.0.0.1:{port}", "--data-dir", str(tmp / "data")]
     conf = ("model:\n  provider: custom:scripted\n  default: gpt-scripted\n"
             "providers:\n  scripted:\n    base_url: https://llm.hermes.bili-test.invalid/v1\n"
             "    api_key: sk-fake-hermes\n    api_mode: chat_completions\n    default_model: gpt-scripted\n"

@@ -185,11 +185,28 @@ class Mitmdump:
         return ssl.create_default_context(cafile=str(self.ca_file))
 
     # -- admin ---------------------------------------------------------------------------------
-    def admin(self, path: str, method: str = "GET", timeout: float = 10) -> tuple[int, Any]:
+    @property
+    def bili_data_dir(self) -> Path:
+        """The data dir the addon is given (``bili_data_dir``)."""
+        return self.data_dir
+
+    @property
+    def token(self) -> str | None:
+        """The install's admin token (the addon writes it into its data dir at start)."""
+        try:
+            return (self.bili_data_dir / "admin-token").read_text().strip() or None
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def admin(self, path: str, method: str = "GET", timeout: float = 10, *, token: bool = True,
+              body: bytes | None = None) -> tuple[int, Any]:
+        """``token=False``: without the admin token (only health answers then)."""
+        headers = {"x-bili-token": self.token or ""} if token else {}
         if self.kind == "reverse":
-            resp = request(self.url + path, method=method, timeout=timeout)
+            resp = request(self.url + path, body, method=method, headers=headers, timeout=timeout)
         else:
-            resp = request("http://bili.proxy" + path, method=method, proxy=self.url, timeout=timeout)
+            resp = request("http://bili.proxy" + path, body, method=method, headers=headers, proxy=self.url,
+                           timeout=timeout)
         return resp.status, json.loads(resp.body) if resp.body else None
 
     def health(self) -> dict:

@@ -34,6 +34,10 @@ class StoreAt(Mitmdump):
         super().__init__(workdir, upstream_port)
         self.store = store
 
+    @property
+    def bili_data_dir(self) -> Path:
+        return self.store
+
     def command(self) -> list[str]:
         cmd = super().command()
         return [f"bili_data_dir={self.store}" if c.startswith("bili_data_dir=") else c for c in cmd]

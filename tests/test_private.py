@@ -1,0 +1,119 @@
+"""The private files: the data dir 0700, the store and the admin token 0600, whatever the umask."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from bili_addon import private
+from bili_addon.store import Store
+
+
+def mode(p) -> int:
+    return stat.S_IMODE(os.stat(p).st_mode)
+
+
+@pytest.fixture
+def umask022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_the_token_is_made_once_private_and_kept(tmp_path, umask022):
+    data = tmp_path / "a" / "data"
+    token = private.ensure_token(data)
+    assert len(token) >= 40 and private.ensure_token(data) == token == private.read_token(data)
+    assert mode(data) == 0o700 and mode(data / "admin-token") == 0o600
+    assert mode(tmp_path / "a") == 0o755  # only bili's own directory is made private
+    os.chmod(data / "admin-token", 0o644)
+    assert private.ensure_token(data) == token and mode(data / "admin-token") == 0o600
+    (data / "admin-token").write_text("")  # emptied by hand: a new one
+    fresh = private.ensure_token(data)
+    assert fresh and fresh != token
+    assert sorted(os.listdir(data)) == ["admin-token"]  # no temporary file left
+
+
+def test_racing_processes_agree_on_one_token(tmp_path):
+    data = tmp_path / "data"
+    code = "import sys; from bili_addon import private; print(private.ensure_token(sys.argv[1]))"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(data)], stdout=subprocess.PIPE, text=True)
+             for _ in range(6)]
+    tokens = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert tokens == {private.read_token(data)}
+
+
+def test_a_directory_that_is_not_bili_s_is_left_alone(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    (shared / "someone-elses.txt").write_text("x")
+    os.chmod(shared, 0o755)
+    assert private.private_dir(shared) is False and mode(shared) == 0o755
+    sticky = tmp_path / "tmp-like"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    assert private.private_dir(sticky) is False and mode(sticky) == 0o1777
+    old = tmp_path / "old-bili"
+    old.mkdir()
+    (old / "bili.sqlite3").write_text("")
+    os.chmod(old, 0o755)
+    assert private.private_dir(old) is True and mode(old) == 0o700
+
+
+def test_an_old_store_is_tightened_and_reported(tmp_path, umask022):
+    data = tmp_path / "data"
+    Store(data).close()
+    os.chmod(data, 0o755)
+    os.chmod(data / "bili.sqlite3", 0o644)
+    s = Store(data)
+    try:
+        assert s.tightened == [str(data), str(data / "bili.sqlite3")]
+        assert mode(data) == 0o700 and mode(data / "bili.sqlite3") == 0o600
+        for wal in ("bili.sqlite3-wal", "bili.sqlite3-shm"):
+            if (data / wal).exists():
+                assert mode(data / wal) == 0o600
+    finally:
+        s.close()
+    again = Store(data)
+    assert again.tightened == []
+    again.close()
+
+
+@pytest.mark.parametrize("headers,want", [
+    ({"x-bili-token": " abc "}, "abc"),
+    ({"authorization": "Bearer abc"}, "abc"),
+    ({"authorization": "bearer abc"}, "abc"),
+    ({"authorization": "Basic abc"}, ""),
+    ({}, ""),
+])
+def test_the_token_a_request_carries(headers, want):
+    assert private.presented_token(headers) == want
+    assert private.token_matches(want, "abc") is bool(want)
+    assert private.token_matches("abc", None) is False
+
+
+def test_the_export_folder_never_leads_outside_the_data_dir(tmp_path):
+    """A link planted where the session's export folder goes (by the model through the agent's shell,
+    say) is refused: decompress says so and writes nothing."""
+    from bili_addon.kernel.fold import Block
+    from bili_addon.kernel.surfaces import decompress
+    from bili_addon.kernel.tools import export_dir
+
+    data, outside = tmp_path / "data", tmp_path / "home"
+    outside.mkdir()
+    folder = export_dir(data, "sess/../../x")
+    assert folder.parent == data / "exports" and ".." not in folder.name
+    assert mode(folder) == 0o700 and mode(folder.parent) == 0o700
+    folder.rmdir()
+    folder.symlink_to(outside)
+    with pytest.raises(OSError):
+        export_dir(data, "sess/../../x")
+    block = Block("b1", 1, "a summary", "topic", ["m00001"], ["m00001"], [], "m00001", "m00001")
+    rows = lambda refs: [("m00001", "user", "text", "", "", "the original text", 3)]  # noqa: E731
+    text = decompress({"blockId": "b1", "toFile": True}, [block], rows, lambda: export_dir(data, "sess/../../x"))
+    assert text.startswith("decompress could not write the export file") and "Nothing was written" in text
+    assert list(outside.iterdir()) == []
