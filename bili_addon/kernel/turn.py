@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import msgspec
 
 from bili_addon.kernel import envelope, fold, nudge, reconcile, tags
+from bili_addon.kernel.compaction import Epochs
 from bili_addon.kernel.fold import Block, FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
 from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
@@ -59,7 +60,7 @@ MAX_MEMOS = 32
 __all__ = ["Engine", "TurnResult", "clean_replayed_prose"]
 
 
-class Engine(ProxyTools):
+class Engine(ProxyTools, Epochs):
     """The kernel side of the addon: sessions, ledger, tags and folds over a :class:`Store`."""
 
     def __init__(self, store: Store, max_sessions: int = 256, fold_cfg: FoldConfig | None = None,
@@ -201,6 +202,7 @@ class Engine(ProxyTools):
         snap = self._snapshot_join(s, view_items) if self.snapshot and s.blocks and render else None
         view = View(snap[2] if snap else view_items)
         s.last_view = view
+        self._compaction(s, lane.name, view, minted, result)  # the agent's own compaction: a new epoch
         drift = self._reconcile(s, view, resolved, result) if s.blocks and self.reconcile else None
         snoozed = drift.snoozed if drift is not None else set()
         if s.copy.latched or not render:
@@ -604,7 +606,7 @@ class Engine(ProxyTools):
         """Nudge and emergency truncation, decided from the usage the last answer reported."""
         if not view.items:
             return
-        last = self.store.last_usage(s.row.id)
+        last = self._reported_usage(s)
         # the size the provider reported for the last request; without one (a Chat stream without
         # include_usage), the conversation's own estimate
         if last:

@@ -1,0 +1,276 @@
+"""The agent's own compaction starts a new epoch of the session, and folding goes on.
+
+Fixtures: the compacted histories of tests/compactions.py (built from each agent's documented
+shape).  Every case folds early turns first, then the agent compacts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import churn as C
+import compactions as X
+from bili_addon.kernel import compaction, nudge
+from bili_addon.kernel.fold import FoldConfig
+from bili_addon.kernel.turn import Engine
+from bili_addon.store import Store
+from bili_addon.wire import LANES
+
+SID = "compact"
+H = {"x-acp-session": SID}
+SUMMARY = "Fold summary covering the early turns: modules one to five were read and their values noted."
+REMINDER = re.compile(r"^  ([mb]\d+)–([mb]\d+)  (\d+) (messages|summaries)", re.M)
+SECTION = b"[Compressed conversation section "
+
+
+def make_engine(tmp_path) -> Engine:
+    return Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+
+
+class Agent:
+    """Sends a history through the engine the way the addon does, and reports usage like a provider."""
+
+    def __init__(self, engine: Engine, lane: str):
+        self.engine, self.lane = engine, lane
+        self.last = None
+
+    def send(self, conv: list[dict]):
+        raw = C.body(self.lane, conv)
+        res = self.engine.process(raw, LANES[self.lane], H, render=True)
+        out = res.body if res.body is not None else raw
+        self.engine.store.record_usage(SID, self.lane, (len(out) // 4, 0, 0, 10))
+        self.last = res
+        return res, out
+
+
+def fold_early(agent: Agent, ts, build, first=1, last=5):
+    res, out = agent.send(build(ts, C.Scheme()))
+    refs = C.refs_by_text(out)
+    args = {"content": [{"startId": refs[f"Turn {first}: please"[:14]], "endId": refs[f"Reply Turn {last}: "[:14]],
+                         "summary": SUMMARY}]}
+    agent.engine.record_calls(SID, [("cfold", "compress", json.dumps(args))])
+    pair = C.proxy_call(agent.lane, "cfold", "compress", args)
+    res, folded = agent.send(build(ts, C.Scheme(), pair))
+    assert SECTION + b"b1" in folded and b"file-2-row-" not in folded
+    return pair, refs
+
+
+def reminder_ranges(out: bytes) -> list[tuple[str, str]]:
+    text = "\n".join(C.strings(json.loads(out)))
+    if "[bili] " not in text:
+        return []
+    return [(m.group(1), m.group(2)) for m in REMINDER.finditer(text[text.rindex("[bili] "):])]
+
+
+def grow_until_folded(agent: Agent, build, start: int, turns: int = 90):
+    """The agent goes on after its compaction; the scripted model answers bili's reminder with one
+    compress call.  Returns (the turn of the first reminder, the pending tokens on the turn before
+    it, the body carrying the new fold) or None values."""
+    s = agent.engine.sessions[SID]
+    ts: list[C.Turn] = []
+    extra: list[dict] = []
+    before = 0
+    reminded = None
+    for t in range(start, start + turns):
+        ts.append(C.Turn(t, f"Turn {t}: please analyze module {t}. {C.FILLER}", f"Reply Turn {t}: module {t} ok.",
+                         tool=True))
+        res, out = agent.send(build(ts, C.Scheme(), extra))
+        if reminded is not None:
+            return reminded, before, out
+        ranges = reminder_ranges(out)
+        if ranges:
+            reminded = t
+            args = {"content": [{"startId": a, "endId": b, "summary": f"{SUMMARY} ({a}..{b})"} for a, b in ranges]}
+            cid = f"cnew{t}"
+            agent.engine.record_calls(SID, [(cid, "compress", json.dumps(args))])
+            extra = extra + C.proxy_call(agent.lane, cid, "compress", args)
+            continue
+        before = sum(r[3] for r in nudge.compressible(s.last_view, s.blocks, agent.engine.fold_cfg))
+    return reminded, before, None
+
+
+def test_claude_code_compaction_starts_an_epoch_and_folding_goes_on(tmp_path):
+    engine = make_engine(tmp_path)
+    agent = Agent(engine, "anthropic")
+    ts = C.turns(14)
+    pair, refs = fold_early(agent, ts, C.anthropic)
+    # the compaction request: the whole (folded) history and Claude Code's summarisation prompt
+    ask = {"role": "user", "content": "Your task is to create a detailed summary of the conversation so far."}
+    res, out = agent.send(C.anthropic(ts, C.Scheme(), pair + [ask]))
+    assert res.epoch == 0 and SECTION + b"b1" in out
+    # the first request of the new history: the summary alone
+    res, out = agent.send(X.claude_code_alone())
+    assert res.epoch == 2 and res.drift != "collapse"
+    s = engine.sessions[SID]
+    assert not s.copy.latched
+    b1 = next(b for b in s.blocks if b.id == "b1")
+    assert b1.retired and not b1.active
+    assert [e["epoch"] for e in s.flags["epochs"]] == [2]
+    assert s.flags["epochs"][0]["agent"] == "claude-code" and s.flags["epochs"][0]["retired_blocks"] == ["b1"]
+    assert not re.search(rb"\[Compressed conversation section b\d", out)
+
+    # the old blocks answer decompress and search_context
+    _, text = engine.plugin_tool(SID, "decompress", {"blockId": "b1"})
+    assert "file-2-row-" in text and "Turn 3: please" in text
+    _, text = engine.plugin_tool(SID, "decompress", {"blockId": refs["Turn 3: please"]})
+    assert text.startswith("b1 ")
+    _, text = engine.plugin_tool(SID, "search_context", {"query": "file-3-row-7"})
+    assert "(inside b1)" in text
+    _, text = engine.plugin_tool(SID, "acp_status", {})
+    assert "1 from before the agent's compaction" in text
+
+    # folding restarts on the new history, as soon as the reminder threshold is reached
+    reminded, before, out = grow_until_folded(agent, lambda t, sc, extra: X.claude_code(t, sc, extra=extra), 20)
+    assert reminded is not None, "bili reminded the model to fold in the new epoch"
+    assert before < engine.nudge_cfg.batch_tokens  # at the first crossing, not later
+    assert out is not None and SECTION + b"b2" in out
+    assert len(engine.sessions[SID].flags["epochs"]) == 1  # the same epoch all along
+
+
+def test_without_recognition_the_same_compaction_pauses_folding_for_good(tmp_path, monkeypatch):
+    """The control: with no shapes recognised, the compacted history is a total collapse."""
+    monkeypatch.setattr(compaction, "SHAPES", ())
+    engine = make_engine(tmp_path)
+    agent = Agent(engine, "anthropic")
+    ts = C.turns(14)
+    pair, _ = fold_early(agent, ts, C.anthropic)
+    ts.append(C.Turn(14, "Turn 14: next.", "Reply Turn 14.", tool=False))
+    agent.send(C.anthropic(ts, C.Scheme(), pair))
+    res, _ = agent.send(X.claude_code(C.turns(20)[15:20]))
+    assert res.drift == "collapse" and res.epoch == 0
+    _, _, out = grow_until_folded(agent, lambda t, sc, extra: X.claude_code(C.turns(20)[15:20] + t, sc, extra=extra),
+                                  20, turns=60)
+    assert out is None or SECTION + b"b2" not in out
+
+
+def test_codex_compaction_keeps_the_refs_of_the_surviving_user_messages(tmp_path):
+    engine = make_engine(tmp_path)
+    agent = Agent(engine, "responses")
+    ts = C.turns(14)
+    pair, refs = fold_early(agent, ts, C.responses)
+    ts.append(C.Turn(14, "Turn 14: next.", "Reply Turn 14.", tool=False))
+    agent.send(C.responses(ts, C.Scheme(), pair))
+    after = [C.Turn(15, "Turn 15: carry on.", "Reply Turn 15: carrying on.", tool=True)]
+    res, out = agent.send(X.codex(ts, after))
+    assert res.epoch == 2 and res.drift != "collapse"
+    ep = engine.sessions[SID].flags["epochs"][0]
+    assert ep["agent"] == "codex" and ep["kept"] > 0 and ep["gone"] > 0
+    now = C.refs_by_text(out)
+    for t in (0, 2, 3, 9):  # folded in epoch 1 (2, 3) or not (0, 9): the same ref either way
+        key = f"Turn {t}: please"[:14]
+        assert now[key] == refs[key]
+    assert b"file-2-row-" not in out  # the agent dropped the tool work itself
+    assert not re.search(rb"\[Compressed conversation section b\d", out)
+    # and the next turn is a steady pass of the new epoch
+    after.append(C.Turn(16, "Turn 16: more.", "Reply Turn 16.", tool=True))
+    res, _ = agent.send(X.codex(ts, after))
+    assert res.epoch == 0 and res.drift == ""
+
+
+def test_codex_remote_compaction_item(tmp_path):
+    engine = make_engine(tmp_path)
+    agent = Agent(engine, "responses")
+    ts = C.turns(14)
+    pair, _ = fold_early(agent, ts, C.responses)
+    ts.append(C.Turn(14, "Turn 14: next.", "Reply Turn 14.", tool=False))
+    agent.send(C.responses(ts, C.Scheme(), pair))
+    res, _ = agent.send(X.codex(ts, [C.Turn(15, "Turn 15: on.", "Reply 15.", tool=True)], remote=True))
+    assert res.epoch == 2
+    assert engine.sessions[SID].flags["epochs"][0]["agent"] == "codex"
+
+
+@pytest.mark.parametrize("shape", ["pi", "hermes", "opencode"])
+def test_other_agents_shapes(tmp_path, shape):
+    lane = "anthropic" if shape == "opencode" else "chat"
+    build = C.anthropic if lane == "anthropic" else C.chat
+    engine = make_engine(tmp_path)
+    agent = Agent(engine, lane)
+    ts = C.turns(16)
+    pair, _ = fold_early(agent, ts, build)
+    ts.append(C.Turn(16, "Turn 16: next.", "Reply Turn 16.", tool=False))
+    agent.send(build(ts, C.Scheme(), pair))
+    more = [C.Turn(17, "Turn 17: after.", "Reply Turn 17.", tool=True)]
+    conv = {"pi": lambda: X.pi(ts[13:] + more), "hermes": lambda: X.hermes(ts[:1], ts[14:] + more),
+            "opencode": lambda: X.opencode(more)}[shape]()
+    res, out = agent.send(conv)
+    assert res.epoch == 2 and res.drift != "collapse"
+    assert not re.search(rb"\[Compressed conversation section b\d", out)
+    assert engine.sessions[SID].flags["epochs"][0]["agent"] == shape
+
+
+def test_a_second_compaction_is_a_third_epoch(tmp_path):
+    engine = make_engine(tmp_path)
+    agent = Agent(engine, "anthropic")
+    ts = C.turns(14)
+    fold_early(agent, ts, C.anthropic)
+    agent.send(X.claude_code_alone())
+    _, _, out = grow_until_folded(agent, lambda t, sc, extra: X.claude_code(t, sc, extra=extra), 20)
+    assert SECTION + b"b2" in out
+    res, out = agent.send(X.claude_code_alone("Second summary: modules 20 to 60 analysed, all values recorded."))
+    assert res.epoch == 3
+    s = engine.sessions[SID]
+    assert [e["epoch"] for e in s.flags["epochs"]] == [2, 3]
+    assert all(b.retired and not b.active for b in s.blocks)
+    _, text = engine.plugin_tool(SID, "decompress", {"blockId": "b1"})
+    assert "file-2-row-" in text
+
+
+def test_a_quoted_marker_later_in_the_history_is_not_a_compaction(tmp_path):
+    engine = make_engine(tmp_path)
+    agent = Agent(engine, "anthropic")
+    ts = C.turns(14)
+    pair, _ = fold_early(agent, ts, C.anthropic)
+    ts.append(C.Turn(14, X.claude_code_summary(), "Reply Turn 14: that is a Claude Code message.", tool=False))
+    res, out = agent.send(C.anthropic(ts, C.Scheme(), pair))
+    assert res.epoch == 0 and SECTION + b"b1" in out
+
+
+def test_a_marker_at_the_head_with_the_old_history_still_there_is_not_a_compaction(tmp_path):
+    engine = make_engine(tmp_path)
+    agent = Agent(engine, "anthropic")
+    ts = C.turns(14)
+    pair, _ = fold_early(agent, ts, C.anthropic)
+    ts.append(C.Turn(14, "Turn 14: next.", "Reply Turn 14.", tool=False))
+    agent.send(C.anthropic(ts, C.Scheme(), pair))
+    conv = C.anthropic(ts, C.Scheme(), pair)
+    conv[0] = {**conv[0], "content": [{"type": "text", "text": X.claude_code_summary()}] + conv[0]["content"]}
+    res, out = agent.send(conv)
+    assert res.epoch == 0 and SECTION + b"b1" in out
+
+
+def test_a_foreign_history_after_an_epoch_still_pauses(tmp_path):
+    engine = make_engine(tmp_path)
+    agent = Agent(engine, "anthropic")
+    ts = C.turns(14)
+    fold_early(agent, ts, C.anthropic)
+    agent.send(X.claude_code_alone())
+    _, _, out = grow_until_folded(agent, lambda t, sc, extra: X.claude_code(t, sc, extra=extra), 20)
+    assert SECTION + b"b2" in out
+    other = [C.Turn(t, f"Other topic {t}: tell me about birds. {C.FILLER}", f"Birds {t}.", tool=t % 3 == 0)
+             for t in range(14)]
+    res, out = agent.send(C.anthropic(other, C.Scheme(ids="x_")))
+    assert res.epoch == 0 and res.drift in ("drift", "collapse")
+    assert not re.search(rb"\[Compressed conversation section b\d", out)
+
+
+def test_a_truncated_oldest_slice_in_the_new_epoch_still_snoozes(tmp_path):
+    engine = make_engine(tmp_path)
+    agent = Agent(engine, "anthropic")
+    ts = C.turns(14)
+    fold_early(agent, ts, C.anthropic)
+    agent.send(X.claude_code_alone())
+    build = lambda t, sc, extra: X.claude_code(t, sc, extra=extra)  # noqa: E731
+    reminded, _, out = grow_until_folded(agent, build, 20)
+    s = engine.sessions[SID]
+    b2 = next(b for b in s.blocks if b.id == "b2")
+    # the host drops its oldest slice: the summary head and everything b2 covers
+    covered_turns = sorted({int(m) for m in re.findall(r"Turn (\d+): please", json.dumps(
+        engine.store.originals(SID, b2.covered)))})
+    kept = [C.Turn(t, f"Turn {t}: please analyze module {t}. {C.FILLER}", f"Reply Turn {t}: module {t} ok.",
+                   tool=True) for t in range(covered_turns[-1] + 1, reminded + 8)]
+    res, out = agent.send(C.anthropic(kept, C.Scheme()))
+    assert res.epoch == 0 and res.drift == "truncated"
+    assert SECTION + b"b2" not in out and b2.active
