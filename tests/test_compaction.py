@@ -274,3 +274,65 @@ def test_a_truncated_oldest_slice_in_the_new_epoch_still_snoozes(tmp_path):
     res, out = agent.send(C.anthropic(kept, C.Scheme()))
     assert res.epoch == 0 and res.drift == "truncated"
     assert SECTION + b"b2" not in out and b2.active
+
+
+# -- the real Claude Code ----------------------------------------------------------------------
+
+CAPTURE = json.loads((__import__("pathlib").Path(__file__).parent / "captures"
+                      / "claude-code-2.1.197-autocompact.json").read_text())
+
+
+def claude_body(messages: list[dict]) -> bytes:
+    return json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 32000, "stream": True,
+                       "system": [{"type": "text", "text": "You are Claude Code."}],
+                       "tools": [{"name": "Bash", "input_schema": {"type": "object"}}],
+                       "messages": messages}).encode()
+
+
+def test_real_claude_code_auto_compactions(tmp_path):
+    """Requests captured from Claude Code 2.1.197's own auto-compactions (two of them)."""
+    engine = make_engine(tmp_path)
+    lane = LANES["anthropic"]
+    hc = {"x-claude-code-session-id": "cc-real", "user-agent": "claude-cli/2.1.197 (external, sdk-cli)"}
+    before, after1, after1b, before2, after2, after2b = (r["messages"] for r in CAPTURE["requests"])
+
+    def send(messages):
+        res = engine.process(claude_body(messages), lane, hc, render=True)
+        out = res.body if res.body is not None else claude_body(messages)
+        engine.store.record_usage("cc-real", "anthropic", (len(out) // 4, 0, 0, 20))
+        return res, out
+
+    _, out = send(before)
+    refs = C.refs_by_text(out)
+    ctx = next(r for t, r in refs.items() if t.startswith("<system-remind"))
+    step2 = next(r for t, r in refs.items() if t.startswith("Step 2: readin"))
+    step9 = next(r for t, r in refs.items() if t.startswith("Step 9: readin"))
+    args = {"content": [{"startId": step2, "endId": step9, "summary": "Listings 2 to 9 were read and checked; every row in order, nothing to follow up."}]}
+    engine.record_calls("cc-real", [("toolu_fold1", "compress", json.dumps(args))])
+    pair = [{"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_fold1", "name": "compress",
+                                               "input": args}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_fold1", "is_error": True,
+                                          "content": "<tool_use_error>Error: No such tool available: compress"
+                                                     "</tool_use_error>"}]}]
+    res, out = send(before + pair)
+    assert SECTION + b"b1" in out and b"listing-5-row-" not in out
+    # the compaction request: that history, Claude Code's prompt joined to its last user message
+    ask = [*before, *pair[:1], {**pair[1], "content": pair[1]["content"] + [CAPTURE["compaction_prompt"]]}]
+    res, out = send(ask)
+    assert res.epoch == 0 and SECTION + b"b1" in out
+
+    res, out = send(after1)
+    assert res.epoch == 2 and res.drift != "collapse"
+    s = engine.sessions["cc-real"]
+    assert s.flags["epochs"][-1]["agent"] == "claude-code" and s.flags["epochs"][-1]["retired_blocks"] == ["b1"]
+    assert C.refs_by_text(out)["<system-remind"] == ctx  # the context block survived: its ref too
+    res, out = send(after1b)
+    assert res.epoch == 0 and res.drift == ""
+    res, out = send(before2)  # many turns later, the same epoch
+    assert res.epoch == 0 and not s.copy.latched
+    res, out = send(after2)
+    assert res.epoch == 3 and [e["epoch"] for e in s.flags["epochs"]] == [2, 3]
+    res, out = send(after2b)
+    assert res.epoch == 0
+    _, text = engine.plugin_tool("cc-real", "decompress", {"blockId": "b1"})
+    assert "listing-5-row-" in text
