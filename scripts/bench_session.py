@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import re
 import statistics
@@ -583,7 +584,8 @@ def report_marathon(base: Run, runs: list[tuple[str, Run]], turns: int, seed: in
     print("tokens per request against the window (each column the max of a few requests; █ = 200,000)")
     print(f"  alone   |{sparkline([q.tokens for q in base.requests])}|")
     for name, run in runs:
-        print(f"  {name[:7]:<7} |{sparkline([q.tokens for q in run.requests])}|")
+        label = name.removeprefix("with addon (").removesuffix(")").replace("answers ", "").replace(" reminder", "")
+        print(f"  {label[:7]:<7} |{sparkline([q.tokens for q in run.requests])}|")
     print()
     ratio = addon.cost / base.cost
     few = addon.compactions <= 1 and base.compactions >= 3
@@ -619,6 +621,9 @@ def main() -> None:
     if args.turns is None:
         args.turns = MARATHON_TURNS if args.marathon else 300
 
+    quiet = logging.getLogger("bili")  # the engine's log lines (compactions, folds) are not the report
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
     t0 = time.perf_counter()
     script = Script(args.seed)
     env = script.environment()
