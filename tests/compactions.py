@@ -1,12 +1,13 @@
-"""Compacted histories as the agents send them, built from their documented shapes.
+"""Compacted histories as the agents send them, built from their shapes, for synthetic sessions.
 
-No real agent was driven to a compaction for these fixtures (a real capture needs a session long
-enough to compact, or the interactive ``/compact``); each builder follows the agent's own source:
+Claude Code's and codex's shapes were checked against the real agents' own auto-compactions
+(``tests/captures/``, recorded with ``scripts/bench_agent_compaction.py``; the tests replay those
+too); the other builders follow the agents' source, not a capture:
 
 * Claude Code 2.x (auto-compact and ``/compact``): the new history's first user message holds the
   summary, ``"This session is being continued from a previous conversation that ran out of
-  context. The conversation is summarized below:\\n" + summary`` plus the instruction to go on; the
-  conversation continues after it.  Nothing of the old history survives.
+  context. ..." + summary`` plus the instruction to go on (2.1.197 puts its ``<system-reminder>``
+  context block before it, and keeps the turn in flight after it); the conversation continues.
 * codex (``codex-rs/core/src/compact.rs``, ``build_compacted_history``): the initial context
   (developer and environment messages), then the user messages of the old history (the newest
   ~20K tokens of them, verbatim), then one user message ``SUMMARY_PREFIX + "\\n" + summary``.

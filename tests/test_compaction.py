@@ -336,3 +336,60 @@ def test_real_claude_code_auto_compactions(tmp_path):
     assert res.epoch == 0
     _, text = engine.plugin_tool("cc-real", "decompress", {"blockId": "b1"})
     assert "listing-5-row-" in text
+
+
+CODEX_CAPTURE = json.loads((__import__("pathlib").Path(__file__).parent / "captures"
+                            / "codex-0.171.0-autocompact.json").read_text())
+
+
+def codex_body(items: list[dict], tools: bool = True) -> bytes:
+    return json.dumps({"model": "gpt-5.1-codex", "stream": True, "instructions": "You are codex.",
+                       "input": items, "store": False,
+                       "tools": [{"type": "function", "name": "exec_command", "parameters": {"type": "object"}}]
+                       if tools else []}).encode()
+
+
+def test_real_codex_auto_compactions(tmp_path):
+    """Requests captured from codex 0.171.0's own (local) auto-compactions: its old user messages
+    survive, and keep their refs."""
+    engine = make_engine(tmp_path)
+    lane = LANES["responses"]
+    hc = {"session_id": "cx-real", "originator": "codex_exec"}
+    before, after1, after1b, before2, after2, after2b = (r["input"] for r in CODEX_CAPTURE["requests"])
+
+    def send(items, tools=True):
+        res = engine.process(codex_body(items, tools), lane, hc, render=True)
+        out = res.body if res.body is not None else codex_body(items, tools)
+        engine.store.record_usage("cx-real", "responses", (len(out) // 4, 0, 0, 20))
+        return res, out
+
+    _, out = send(before)
+    refs = C.refs_by_text(out)
+    task = refs["Work through t"]
+    step2 = next(r for t, r in refs.items() if t.startswith("Step 2: readin"))
+    step9 = next(r for t, r in refs.items() if t.startswith("Step 9: readin"))
+    args = {"content": [{"startId": step2, "endId": step9,
+                         "summary": "Listings 2 to 9 were read and checked; every row in order, nothing to follow up."}]}
+    engine.record_calls("cx-real", [("call_fold1", "compress", json.dumps(args))])
+    pair = [{"type": "function_call", "call_id": "call_fold1", "name": "compress", "arguments": json.dumps(args)},
+            {"type": "function_call_output", "call_id": "call_fold1", "output": "unsupported call: compress"}]
+    res, out = send(before + pair)
+    assert SECTION + b"b1" in out and b"listing-5-row-" not in out
+    res, out = send(before + pair + CODEX_CAPTURE["compaction_items"], tools=False)  # the compaction request
+    assert res.epoch == 0 and SECTION + b"b1" in out
+
+    res, out = send(after1)
+    assert res.epoch == 2 and res.drift != "collapse"
+    s = engine.sessions["cx-real"]
+    ep = s.flags["epochs"][-1]
+    assert ep["agent"] == "codex" and ep["retired_blocks"] == ["b1"] and ep["kept"] > 0
+    assert C.refs_by_text(out)["Work through t"] == task  # the user's message survived: its ref too
+    res, out = send(after1b)
+    assert res.epoch == 0 and res.drift == ""
+    res, out = send(before2)
+    assert res.epoch == 0 and not s.copy.latched
+    res, out = send(after2)
+    assert res.epoch == 3 and [e["epoch"] for e in s.flags["epochs"]] == [2, 3]
+    assert C.refs_by_text(out)["Work through t"] == task
+    _, text = engine.plugin_tool("cx-real", "search_context", {"query": "listing-5-row-00007"})
+    assert "(inside b1)" in text

@@ -1,28 +1,33 @@
 #!/usr/bin/env python3
-"""Does the real Claude Code still auto-compact through bili?  A long scripted session, with and
-without the proxy, against a local model that reports the real prompt size.
+"""Does a real agent still auto-compact through bili?  A long scripted session, with and without the
+proxy, against a local model that reports the real prompt size (Claude Code and codex).
 
-Claude Code decides to compact from the usage the API reports for its last request (input + cache
-read + cache write tokens): at ``window - 20K reserved for the summary - 13K`` (167K of 200K), or at
-``CLAUDE_AUTOCOMPACT_PCT_OVERRIDE`` percent of the effective window when that is lower.  The window
-is set with ``CLAUDE_CODE_AUTO_COMPACT_WINDOW=200000`` (``--window``): without it, 2.1.197 took a
-larger window for ``claude-sonnet-4-5`` behind a custom base URL and never auto-compacted.  Through
-bili the reported usage is the size of the prompt bili actually sent, folded.
+Both agents decide to compact from the usage the API reports for the requests they send.  Claude
+Code: the input + cache read + cache write tokens of its last request against ``window - 20K
+reserved for the summary - 13K`` (167K of 200K), or ``CLAUDE_AUTOCOMPACT_PCT_OVERRIDE`` percent of
+the effective window when that is lower; the window is set with
+``CLAUDE_CODE_AUTO_COMPACT_WINDOW=200000`` (``--window``): without it, 2.1.197 took a larger window
+for ``claude-sonnet-4-5`` behind a custom base URL and never auto-compacted.  codex: the reported
+total tokens against ``model_auto_compact_token_limit`` (``--codex-limit``; with a custom provider
+it compacts locally, its summary prefixed with "Another language model started to solve this
+problem...").  Through bili the reported usage is the size of the prompt bili actually sent, folded.
 
-The scripted model (loopback only) drives ``claude -p`` through ``--steps`` shell steps, each
-printing ~``--output-kb`` KB, then answers; it answers Claude Code's summarisation request with a
-summary, and a bili reminder with one ``compress`` call over the ranges the reminder lists (in an
-answer of its own; Claude Code answers the unknown tool and the proxy runs it on the next
-request).  Its usage reports the request body's size / 4 as input tokens.
+The scripted model (loopback only) drives ``claude -p`` or ``codex exec`` through ``--steps`` shell
+steps, each printing ~``--output-kb`` KB, then answers; it answers the agent's summarisation
+request with a summary, and a bili reminder with one ``compress`` call over the ranges the reminder
+lists (in an answer of its own; the agent answers the unknown tool and the proxy runs it on the
+next request); ``--late``: only once the agent has compacted.  Its usage reports the request body's
+size / 4 as input tokens.
 
-Needs Claude Code installed by the acceptance tests (``$BILI_AGENT_CACHE`` or
-``~/.cache/bili-addon/agents/claude-<version>``), or ``--claude PATH``.  Prints, per run: the steps
-done, Claude Code's compactions (summarisation requests), the largest reported prompt, the
-requests, and where the first request after each compaction starts.  ``--capture DIR`` writes the
-request bodies around each compaction (as Claude Code sent them to the proxy or the model).
+Needs the agent installed by the acceptance tests (``$BILI_AGENT_CACHE`` or
+``~/.cache/bili-addon/agents/<agent>-<version>``), or ``--binary PATH``.  Prints, per run: the steps
+done, the agent's compactions (summarisation requests), the largest reported prompt, the requests,
+the folds, and where the first request after each compaction starts.  ``--capture DIR`` writes the
+request bodies around each compaction (as the agent sent them to the model, or bili to the model).
 
-    python scripts/bench_claude_compaction.py                     # 60 steps of ~20 KB, both runs
-    python scripts/bench_claude_compaction.py --pct 40 --steps 40  # a lower threshold, sooner
+    python scripts/bench_agent_compaction.py --steps 100                          # Claude Code
+    python scripts/bench_agent_compaction.py --agent codex --steps 40 --codex-limit 60000
+    python scripts/bench_agent_compaction.py --steps 100 --late --only bili        # the epoch, live
 """
 
 from __future__ import annotations
@@ -44,16 +49,19 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from acceptance.scripted_model import (  # noqa: E402
+    SHELL_NAMES,
     Action,
     ScriptedModel,
     anthropic_answer,
     lane_of,
+    responses_answer,
     shell_args,
     tools_of,
 )
 
-VERSION = "2.1.197"
-COMPACT_ASKS = ("Your task is to create a detailed summary of the",)
+VERSIONS = {"claude": "2.1.197", "codex": "0.171.0"}
+COMPACT_ASKS = ("Your task is to create a detailed summary of the",  # Claude Code
+                "CONTEXT CHECKPOINT COMPACTION")  # codex
 CONTINUED = "This session is being continued from a previous conversation that ran out of context"
 REMINDER = re.compile(r"^  ([mb]\d+)–([mb]\d+)  (\d+) (messages|summaries)", re.M)
 TASK = "Work through the numbered listings step by step with your shell tool until the model says done."
@@ -65,37 +73,56 @@ def _text(content) -> str:
     out = []
     for b in content if isinstance(content, list) else []:
         if isinstance(b, dict):
-            if b.get("type") == "text":
+            if b.get("type") in ("text", "input_text", "output_text"):
                 out.append(b.get("text", ""))
             elif b.get("type") == "tool_result":
                 out.append(_text(b.get("content")))
     return "\n".join(out)
 
 
+def _conversation(lane: str, body: dict) -> tuple[list[str], str]:
+    """(the text of each conversation item, the newest user turn's text incl. tool results)."""
+    if lane == "anthropic":
+        msgs = body.get("messages") or []
+        texts = [_text(m.get("content")) for m in msgs]
+        return texts, texts[-1] if texts else ""
+    items = [it for it in body.get("input") or [] if isinstance(it, dict)]
+    texts = [_text(it.get("content")) if it.get("type", "message") == "message" else str(it.get("output", ""))
+             for it in items]
+    tail = []
+    for it, t in zip(reversed(items), reversed(texts)):
+        if it.get("role") == "assistant" or it.get("type") == "function_call":
+            break
+        tail.append(t)
+    return texts, "\n".join(reversed(tail))
+
+
 class MarathonModel(ScriptedModel):
-    """Anthropic Messages only: shell steps, summaries for compaction requests, compress for reminders."""
+    """Shell steps, a summary for the agent's compaction request, compress for bili's reminders."""
 
     def __init__(self, steps: int, output_kb: int, late: bool = False):
         super().__init__()
         self.steps, self.output_kb = steps, output_kb
-        self.late = late  # ignore bili's reminders until Claude Code has compacted once
+        self.late = late  # ignore bili's reminders until the agent has compacted once
         self.compacted = False
         self.step = 0
         self.log: list[dict] = []  # one entry per model request: kind, reported tokens, head of the history
 
     def answer(self, rec):
-        rec.lane = lane_of(rec.method, rec.path)
-        if rec.lane != "anthropic":
+        rec.lane = lane = lane_of(rec.method, rec.path)
+        if lane not in ("anthropic", "responses"):
+            if rec.path.split("?")[0].rstrip("/").endswith("/models") and rec.method == "GET":
+                return 200, "application/json", b'{"object": "list", "data": [], "has_more": false}'
             return 404, "application/json", b'{"error": {"type": "not_found", "message": "scripted"}}'
         try:
             rec.json = body = json.loads(rec.body)
         except ValueError:
             return 400, "application/json", b'{"error": {"type": "invalid_request_error", "message": "not JSON"}}'
-        msgs = body.get("messages") or []
-        last = _text(msgs[-1]["content"]) if msgs else ""
-        head = _text(msgs[0]["content"])[:200] if msgs else ""
+        texts, last = _conversation(lane, body)
+        head = "\n".join(texts)[:200]
         prompt = len(rec.body) // 4
-        tools = tools_of("anthropic", body)
+        tools = tools_of(lane, body)
+        shell = next((n for n in SHELL_NAMES if n in tools), None)
         if any(a in last for a in COMPACT_ASKS):
             kind = "compaction"
             self.compacted = True
@@ -104,7 +131,7 @@ class MarathonModel(ScriptedModel):
                        "3. Pending: continue with the next listing.\n" + "Detail line of the summary. " * 150
                        + "\n</summary>")
             action = Action("text", 0, summary)
-        elif "Bash" not in tools:
+        elif shell is None:
             kind, action = "side", Action("text", 0, '{"title": "Marathon"}')
         else:
             ranges = REMINDER.findall(last[last.rindex("[bili] "):]) if "[bili] " in last else []
@@ -119,15 +146,18 @@ class MarathonModel(ScriptedModel):
                 kind = "step"
                 lines = self.output_kb * 1024 // 64
                 cmd = f"seq -f 'listing-{self.step}-row-%05g the quick brown fox jumps over the lazy dog' 1 {lines}"
-                action = Action("tool", self.step, f"Step {self.step}: reading listing {self.step}.", "Bash",
-                                shell_args(tools["Bash"], cmd))
+                action = Action("tool", self.step, f"Step {self.step}: reading listing {self.step}.", shell,
+                                shell_args(tools[shell], cmd))
             else:
                 kind, action = "final", Action("text", 0, "All listings are done. MARATHON-DONE")
-        self.log.append({"kind": kind, "prompt": prompt, "messages": len(msgs), "head": head, "seq": rec.seq,
+        self.log.append({"kind": kind, "prompt": prompt, "items": len(texts), "head": head, "seq": rec.seq,
                          "step": self.step})
         rec.action = action
-        ctype, out = anthropic_answer(rec.seq, body.get("model") or "scripted", action, bool(body.get("stream")),
-                                      prompt)
+        model = body.get("model") or "scripted"
+        if lane == "responses":
+            ctype, out = responses_answer(rec.seq, model, action, bool(body.get("stream")), prompt)
+            return 200, ctype, out
+        ctype, out = anthropic_answer(rec.seq, model, action, bool(body.get("stream")), prompt)
         # the final usage event carries the input figures too, as Anthropic's does
         out = out.replace(b'"usage": {"output_tokens": 20}}',
                           b'"usage": {"input_tokens": %d, "cache_creation_input_tokens": 0, '
@@ -141,19 +171,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def claude_binary(given: str | None) -> Path:
+def agent_binary(agent: str, given: str | None) -> Path:
     if given:
         return Path(given)
     root = Path(os.environ.get("BILI_AGENT_CACHE") or Path.home() / ".cache" / "bili-addon" / "agents")
-    path = root / f"claude-{VERSION}" / "node_modules" / ".bin" / "claude"
+    path = root / f"{agent}-{VERSIONS[agent]}" / "node_modules" / ".bin" / agent
     if not path.exists():
-        sys.exit(f"Claude Code {VERSION} is not installed at {path}; run the acceptance tests once, or --claude PATH")
+        sys.exit(f"{agent} {VERSIONS[agent]} is not installed at {path}; run the acceptance tests once, or --binary")
     return path
 
 
-def run(claude: Path, steps: int, output_kb: int, pct: int | None, through_bili: bool, work: Path,
-        timeout: float, window: int | None = 200_000, late: bool = False) -> tuple[MarathonModel, dict]:
-    model = MarathonModel(steps, output_kb, late).start()
+def agent_command(agent: str, binary: Path, base: str, home: Path, opts: argparse.Namespace) -> tuple[list, dict]:
+    """The agent's command line and environment against the model (or the proxy) at ``base``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ANTHROPIC_", "CLAUDE", "BILI_", "CODEX_", "OPENAI_"))
+           and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
+    env.update(HOME=str(home), NO_COLOR="1", TERM="dumb")
+    if agent == "claude":
+        env.update(ANTHROPIC_BASE_URL=base, ANTHROPIC_API_KEY="sk-ant-api03-scripted", DISABLE_TELEMETRY="1",
+                   DISABLE_AUTOUPDATER="1", DISABLE_ERROR_REPORTING="1", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
+        if opts.pct:
+            env["CLAUDE_AUTOCOMPACT_PCT_OVERRIDE"] = str(opts.pct)
+        if opts.window:
+            env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(opts.window)
+        return [str(binary), "-p", TASK, "--allowedTools", "Bash", "--model", "claude-sonnet-4-5",
+                "--max-turns", str(opts.steps * 3 + 20)], env
+    codex_home = home / ".codex"
+    codex_home.mkdir(parents=True, exist_ok=True)
+    limit = f"model_auto_compact_token_limit = {opts.codex_limit}\n" if opts.codex_limit else ""
+    (codex_home / "config.toml").write_text(
+        f'model = "gpt-5.1-codex"\nmodel_provider = "scripted"\n{limit}\n'
+        f'[model_providers.scripted]\nname = "scripted"\nbase_url = "{base}/v1"\nwire_api = "responses"\n'
+        'env_key = "SCRIPTED_API_KEY"\n')
+    env.update(CODEX_HOME=str(codex_home), SCRIPTED_API_KEY="sk-scripted")
+    return [str(binary), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", TASK], env
+
+
+def run(agent: str, binary: Path, opts: argparse.Namespace, through_bili: bool,
+        work: Path) -> tuple[MarathonModel, dict]:
+    model = MarathonModel(opts.steps, opts.output_kb, opts.late).start()
     proxy = None
     home, cwd = work / "home", work / "project"
     home.mkdir(parents=True)
@@ -176,19 +232,10 @@ def run(claude: Path, steps: int, output_kb: int, pct: int | None, through_bili:
                         break
                 time.sleep(0.1)
             base = f"http://127.0.0.1:{port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE", "BILI_"))
-               and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
-        env.update(HOME=str(home), ANTHROPIC_BASE_URL=base, ANTHROPIC_API_KEY="sk-ant-api03-scripted",
-                   DISABLE_TELEMETRY="1", DISABLE_AUTOUPDATER="1", DISABLE_ERROR_REPORTING="1", NO_COLOR="1",
-                   TERM="dumb", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
-        if pct:
-            env["CLAUDE_AUTOCOMPACT_PCT_OVERRIDE"] = str(pct)
-        if window:
-            env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(window)
+        cmd, env = agent_command(agent, binary, base, home, opts)
         t0 = time.monotonic()
-        p = subprocess.run([str(claude), "-p", TASK, "--allowedTools", "Bash", "--model", "claude-sonnet-4-5",
-                            "--max-turns", str(steps * 3 + 20)],
-                           cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=opts.timeout,
+                           stdin=subprocess.DEVNULL)
         info = {"rc": p.returncode, "seconds": time.monotonic() - t0, "stdout": p.stdout[-500:],
                 "stderr": p.stderr[-1500:]}
     finally:
@@ -229,31 +276,33 @@ def main() -> None:
     ap.add_argument("--late", action="store_true",
                     help="the model ignores bili's reminders until Claude Code has compacted once (so the run "
                          "through bili compacts too, and shows folding after it)")
-    ap.add_argument("--claude")
+    ap.add_argument("--agent", choices=tuple(VERSIONS), default="claude")
+    ap.add_argument("--binary", help="the agent's binary (default: the acceptance tests' install)")
+    ap.add_argument("--codex-limit", type=int, default=0,
+                    help="codex: model_auto_compact_token_limit (default: codex's own)")
     ap.add_argument("--capture", help="write the request bodies around each compaction here")
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args()
-    claude = claude_binary(args.claude)
+    binary = agent_binary(args.agent, args.binary)
     results = []
     for name, through in (("alone", False), ("bili", True)):
         if args.only and args.only != name:
             continue
         work = Path(tempfile.mkdtemp(prefix=f"bili-cc-{name}-"))
         try:
-            model, info = run(claude, args.steps, args.output_kb, args.pct, through, work, args.timeout,
-                              args.window or None, args.late)
+            model, info = run(args.agent, binary, args, through, work)
             res = summarise(name, model, info)
             results.append(res)
             if args.capture:
                 dest = Path(args.capture) / name
                 dest.mkdir(parents=True, exist_ok=True)
-                reqs = [r for r in model.seen if r.lane == "anthropic"]
+                reqs = [r for r in model.seen if r.lane in ("anthropic", "responses")]
                 for i, e in enumerate(model.log):
                     if e["kind"] == "compaction":
                         for r in reqs[max(0, i - 1): i + 3]:
                             (dest / f"{r.seq:04d}.json").write_bytes(r.body)
             if res["rc"] != 0 or not res["finished"]:
-                print(f"{name}: claude exited {info['rc']}\n{info['stderr']}", file=sys.stderr)
+                print(f"{name}: {args.agent} exited {info['rc']}\n{info['stderr']}", file=sys.stderr)
             if through:
                 lines = (work / "proxy.log").read_text().splitlines()
                 res["proxy_log"] = [ln[:260] for ln in lines if "compacted its history" in ln or "no longer matches" in ln]
