@@ -393,3 +393,25 @@ def test_real_codex_auto_compactions(tmp_path):
     assert C.refs_by_text(out)["Work through t"] == task
     _, text = engine.plugin_tool("cx-real", "search_context", {"query": "listing-5-row-00007"})
     assert "(inside b1)" in text
+
+
+def test_the_summary_alone_may_be_folded_but_not_with_the_agents_context(tmp_path):
+    engine = make_engine(tmp_path)
+    agent = Agent(engine, "anthropic")
+    ts = C.turns(14)
+    fold_early(agent, ts, C.anthropic)
+    agent.send(X.claude_code_alone())
+    s = engine.sessions[SID]
+    marker = s.flags["epochs"][-1]["marker"]
+    more = [m for k in range(4) for m in ({"role": "assistant", "content": [{"type": "text", "text": f"Going on {k}."}]},
+                                            {"role": "user", "content": [{"type": "text", "text": f"Next {k}."}]})]
+    agent.send(X.claude_code_alone() + more)
+    assert s.last_view.first_free and marker not in [r for k in s.last_view.protected(engine.fold_cfg)
+                                                     for r in s.last_view.items[k].refs]
+    # Claude Code 2.1.197's shape: its context block shares the message: the turn stays protected
+    ctx = {"type": "text", "text": "<system-reminder>\nAs you answer the user's questions, you can use the "
+                                   "following context:\n# claudeMd\nAlways run the tests.\n</system-reminder>\n"}
+    head = X.claude_code_alone()[0]
+    agent.send([{**head, "content": [ctx] + head["content"]}] + more)
+    assert s.flags["epochs"][-1]["marker"] == marker  # the same summary: the same epoch
+    assert not s.last_view.first_free and 0 in s.last_view.protected(engine.fold_cfg)

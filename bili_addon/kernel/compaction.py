@@ -73,14 +73,14 @@ class Shape:
 
 def _starts(prefixes: str | tuple[str, ...], roles: tuple[str, ...] = ("user",)):
     def match(p: PartView, _k: int) -> bool:
-        return p.ctype == TEXT and p.role in roles and p.text.lstrip().startswith(prefixes)
+        return p.ctype == TEXT and p.role in roles and p.text[:512].lstrip().startswith(prefixes)
     return match
 
 
 def _hermes(p: PartView, k: int) -> bool:
     if p.ctype != TEXT or p.role not in ("user", "assistant"):
         return False
-    return p.text.lstrip().startswith(HERMES) or HERMES_MERGED in p.text
+    return p.text[:512].lstrip().startswith(HERMES) or HERMES_MERGED in p.text
 
 
 def _opencode(p: PartView, k: int) -> bool:
@@ -164,13 +164,18 @@ def epochs(s: Session) -> list[dict]:
 
 
 def free_summary(view: View, s: Session) -> None:
-    """The current epoch's summary is old prose like any other: when it is the first user turn,
-    that turn is not protected from folding."""
+    """The current epoch's summary is old prose like any other: when it is the first user turn on
+    its own, that turn is not protected from folding.  Sharing its message with anything else (Claude
+    Code puts its CLAUDE.md context block first), it stays protected, as the first user turn is."""
     eps = epochs(s)
     if not eps:
         return
     first = view.first_user()
-    if first is not None and eps[-1]["marker"] in view.items[first].refs:
+    if first is None:
+        return
+    marker = eps[-1]["marker"]
+    parts = view.items[first].parts
+    if any(p.ref == marker for p in parts) and all(p.ref == marker or not p.text.strip() for p in parts):
         view.first_free = True
 
 
