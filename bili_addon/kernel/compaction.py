@@ -220,8 +220,6 @@ class Epochs:
         )
         if was_latched:
             log.warning("[bili] session=%s: the pause ends with the new epoch", sid)
-        result.notes.append(f"compaction: epoch {n} begins ({found.agent} summary at {found.marker}); "
-                            f"{len(retired)} block(s) retired")
 
     def _reported_usage(self: "Engine", s: Session) -> tuple[int, int, int, int] | None:
         """The last usage the provider reported, unless it was for the history before the current
