@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Does a real agent still auto-compact through bili?  A long scripted session, with and without the
-proxy, against a local model that reports the real prompt size (Claude Code and codex).
+proxy, against a local model that reports the real prompt size (Claude Code, codex and pi).
 
 Both agents decide to compact from the usage the API reports for the requests they send.  Claude
 Code: the input + cache read + cache write tokens of its last request against ``window - 20K
@@ -10,9 +10,12 @@ the effective window when that is lower; the window is set with
 for ``claude-sonnet-4-5`` behind a custom base URL and never auto-compacted.  codex: the reported
 total tokens against ``model_auto_compact_token_limit`` (``--codex-limit``; with a custom provider
 it compacts locally, its summary prefixed with "Another language model started to solve this
-problem...").  Through bili the reported usage is the size of the prompt bili actually sent, folded.
+problem...").  pi: the reported tokens against the model's ``contextWindow`` less 16K, checked
+between prompts only; within one ``pi -p`` prompt it compacts when the provider refuses the prompt
+as too long, which the scripted model does above ``--pi-window``.  Through bili the reported usage
+is the size of the prompt bili actually sent, folded.
 
-The scripted model (loopback only) drives ``claude -p`` or ``codex exec`` through ``--steps`` shell
+The scripted model (loopback only) drives ``claude -p``, ``codex exec`` or ``pi -p`` through ``--steps`` shell
 steps, each printing ~``--output-kb`` KB, then answers; it answers the agent's summarisation
 request with a summary, and a bili reminder with one ``compress`` call over the ranges the reminder
 lists (in an answer of its own; the agent answers the unknown tool and the proxy runs it on the
@@ -27,6 +30,7 @@ request bodies around each compaction (as the agent sent them to the model, or b
 
     python scripts/bench_agent_compaction.py --steps 100                          # Claude Code
     python scripts/bench_agent_compaction.py --agent codex --steps 40 --codex-limit 60000
+    python scripts/bench_agent_compaction.py --agent pi --steps 40 --output-kb 8
     python scripts/bench_agent_compaction.py --steps 100 --late --only bili        # the epoch, live
 """
 
@@ -59,9 +63,11 @@ from acceptance.scripted_model import (  # noqa: E402
     tools_of,
 )
 
-VERSIONS = {"claude": "2.1.197", "codex": "0.171.0"}
+VERSIONS = {"claude": "2.1.197", "codex": "0.171.0", "pi": "0.73.1"}
 COMPACT_ASKS = ("Your task is to create a detailed summary of the",  # Claude Code
-                "CONTEXT CHECKPOINT COMPACTION")  # codex
+                "CONTEXT CHECKPOINT COMPACTION",  # codex
+                "The messages above are a conversation to summarize",  # pi
+                "You are a context summarization assistant")  # pi (its system prompt, turn-prefix summaries too)
 CONTINUED = "This session is being continued from a previous conversation that ran out of context"
 REMINDER = re.compile(r"^  ([mb]\d+)–([mb]\d+)  (\d+) (messages|summaries)", re.M)
 TASK = "Work through the numbered listings step by step with your shell tool until the model says done."
@@ -100,8 +106,9 @@ def _conversation(lane: str, body: dict) -> tuple[list[str], str]:
 class MarathonModel(ScriptedModel):
     """Shell steps, a summary for the agent's compaction request, compress for bili's reminders."""
 
-    def __init__(self, steps: int, output_kb: int, late: bool = False):
+    def __init__(self, steps: int, output_kb: int, late: bool = False, overflow_at: int = 0):
         super().__init__()
+        self.overflow_at = overflow_at  # refuse larger prompts as Anthropic does ("prompt is too long")
         self.steps, self.output_kb = steps, output_kb
         self.late = late  # ignore bili's reminders until the agent has compacted once
         self.compacted = False
@@ -123,7 +130,14 @@ class MarathonModel(ScriptedModel):
         prompt = len(rec.body) // 4
         tools = tools_of(lane, body)
         shell = next((n for n in SHELL_NAMES if n in tools), None)
-        if any(a in last for a in COMPACT_ASKS):
+        if self.overflow_at and prompt > self.overflow_at and lane == "anthropic":
+            self.log.append({"kind": "overflow", "prompt": prompt, "items": len(texts), "head": head, "seq": rec.seq,
+                             "step": self.step})
+            return 400, "application/json", json.dumps({"type": "error", "error": {
+                "type": "invalid_request_error",
+                "message": f"prompt is too long: {prompt} tokens > {self.overflow_at} maximum"}}).encode()
+        whole = rec.body.decode("utf-8", "replace")
+        if any(a in last for a in COMPACT_ASKS) or (shell is None and any(a in whole for a in COMPACT_ASKS)):
             kind = "compaction"
             self.compacted = True
             summary = ("<analysis>scripted</analysis>\n<summary>\n1. Primary Request and Intent: work through the "
@@ -196,6 +210,13 @@ def agent_command(agent: str, binary: Path, base: str, home: Path, opts: argpars
             env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(opts.window)
         return [str(binary), "-p", TASK, "--allowedTools", "Bash", "--model", "claude-sonnet-4-5",
                 "--max-turns", str(opts.steps * 3 + 20)], env
+    if agent == "pi":
+        models = {"providers": {"scripted": {
+            "baseUrl": base, "api": "anthropic-messages", "apiKey": "sk-ant-scripted",
+            "models": [{"id": "claude-scripted", "contextWindow": opts.pi_window, "maxTokens": 8000}]}}}
+        (home / ".pi" / "agent").mkdir(parents=True, exist_ok=True)
+        (home / ".pi" / "agent" / "models.json").write_text(json.dumps(models, indent=2))
+        return [str(binary), "-p", "--model", "scripted/claude-scripted", TASK], env
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
     limit = f"model_auto_compact_token_limit = {opts.codex_limit}\n" if opts.codex_limit else ""
@@ -209,7 +230,8 @@ def agent_command(agent: str, binary: Path, base: str, home: Path, opts: argpars
 
 def run(agent: str, binary: Path, opts: argparse.Namespace, through_bili: bool,
         work: Path) -> tuple[MarathonModel, dict]:
-    model = MarathonModel(opts.steps, opts.output_kb, opts.late).start()
+    model = MarathonModel(opts.steps, opts.output_kb, opts.late,
+                          opts.pi_window if agent == "pi" else 0).start()
     proxy = None
     home, cwd = work / "home", work / "project"
     home.mkdir(parents=True)
@@ -278,6 +300,10 @@ def main() -> None:
                          "through bili compacts too, and shows folding after it)")
     ap.add_argument("--agent", choices=tuple(VERSIONS), default="claude")
     ap.add_argument("--binary", help="the agent's binary (default: the acceptance tests' install)")
+    ap.add_argument("--pi-window", type=int, default=60_000,
+                    help="pi: the model's contextWindow in models.json; the scripted model refuses larger prompts "
+                         "with Anthropic's 'prompt is too long' (pi -p compacts on that overflow, and otherwise only "
+                         "between prompts)")
     ap.add_argument("--codex-limit", type=int, default=0,
                     help="codex: model_auto_compact_token_limit (default: codex's own)")
     ap.add_argument("--capture", help="write the request bodies around each compaction here")

@@ -1,6 +1,6 @@
 """Compacted histories as the agents send them, built from their shapes, for synthetic sessions.
 
-Claude Code's and codex's shapes were checked against the real agents' own auto-compactions
+Claude Code's, codex's and pi's shapes were checked against the real agents' own compactions
 (``tests/captures/``, recorded with ``scripts/bench_agent_compaction.py``; the tests replay those
 too); the other builders follow the agents' source, not a capture:
 

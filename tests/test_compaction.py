@@ -415,3 +415,56 @@ def test_the_summary_alone_may_be_folded_but_not_with_the_agents_context(tmp_pat
     agent.send([{**head, "content": [ctx] + head["content"]}] + more)
     assert s.flags["epochs"][-1]["marker"] == marker  # the same summary: the same epoch
     assert not s.last_view.first_free and 0 in s.last_view.protected(engine.fold_cfg)
+
+
+PI_CAPTURE = json.loads((__import__("pathlib").Path(__file__).parent / "captures"
+                         / "pi-0.73.1-overflow-compact.json").read_text())
+
+
+def test_real_pi_compaction_keeps_the_refs_of_the_kept_suffix(tmp_path):
+    """pi 0.73.1 compacted on an overflow: the summary heads the history, the newest messages are
+    kept after it, with their refs.  (pi sends no conversation id on this lane: see the next test.)"""
+    engine = make_engine(tmp_path)
+    lane = LANES["anthropic"]
+    hp = {"x-acp-session": "pi-real"}
+    before, after, after_b = (r["messages"] for r in PI_CAPTURE["requests"])
+
+    def send(messages, headers=hp):
+        res = engine.process(claude_body(messages), lane, headers, render=True)
+        return res, res.body if res.body is not None else claude_body(messages)
+
+    _, out = send(before[:-8])  # an earlier request of the same turn
+    refs = C.refs_by_text(out)
+    step2 = next(r for t, r in refs.items() if t.startswith("Step 2: readin"))
+    step9 = next(r for t, r in refs.items() if t.startswith("Step 9: readin"))
+    args = {"content": [{"startId": step2, "endId": step9,
+                         "summary": "Listings 2 to 9 were read and checked; every row in order, nothing to follow up."}]}
+    engine.record_calls("pi-real", [("toolu_fold1", "compress", json.dumps(args))])
+    pair = [{"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_fold1", "name": "compress",
+                                               "input": args}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_fold1", "is_error": True,
+                                          "content": "Tool compress not found"}]}]
+    res, out = send(before[:-8] + pair)
+    assert SECTION + b"b1" in out
+    _, out = send(before[:-8] + pair + before[-8:])
+    kept = C.refs_by_text(out)
+
+    res, out = send(after)
+    assert res.epoch == 2 and res.drift != "collapse"
+    ep = engine.sessions["pi-real"].flags["epochs"][-1]
+    assert ep["agent"] == "pi" and ep["retired_blocks"] == ["b1"] and ep["kept"] > 0
+    now = C.refs_by_text(out)
+    survivors = [t for t in now if t.startswith("Step ") and t in kept]
+    assert survivors and all(now[t] == kept[t] for t in survivors)
+    res, _ = send(after_b)
+    assert res.epoch == 0 and res.drift == ""
+
+
+def test_real_pi_without_a_conversation_id_starts_a_new_session(tmp_path):
+    engine = make_engine(tmp_path)
+    lane = LANES["anthropic"]
+    before, after, _ = (r["messages"] for r in PI_CAPTURE["requests"])
+    first = engine.process(claude_body(before), lane, {}, render=True)
+    second = engine.process(claude_body(after), lane, {}, render=True)
+    assert first.session and second.session and first.session != second.session
+    assert second.epoch == 0 and second.drift == ""
