@@ -331,7 +331,8 @@ def main() -> None:
                 print(f"{name}: {args.agent} exited {info['rc']}\n{info['stderr']}", file=sys.stderr)
             if through:
                 lines = (work / "proxy.log").read_text().splitlines()
-                res["proxy_log"] = [ln[:260] for ln in lines if "compacted its history" in ln or "no longer matches" in ln]
+                res["proxy_log"] = [ln[:260] for ln in lines
+                                    if "compacted its history" in ln or "no longer matches" in ln]
                 res["proxy_executed_compress"] = sum("ran=compress" in ln for ln in lines)
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -593,7 +593,8 @@ def report_marathon(base: Run, runs: list[tuple[str, Run]], turns: int, seed: in
     print(f"  compactions: at most 1 with the addon where the agent alone compacts 3 or more times: "
           f"{'met' if few else 'MISSED'} ({addon.compactions} with, {base.compactions} alone)")
     print(f"  billed cost <= {TARGET_MARATHON_COST:.0%} of the agent alone: "
-          f"{'met' if ratio <= TARGET_MARATHON_COST else 'MISSED'} ({ratio:.1%}: {ktok(addon.cost)} vs {ktok(base.cost)})")
+          f"{'met' if ratio <= TARGET_MARATHON_COST else 'MISSED'} "
+          f"({ratio:.1%}: {ktok(addon.cost)} vs {ktok(base.cost)})")
     print(f"  peak <= {TARGET_MARATHON_PEAK:.0%} of the window: "
           f"{'met' if addon.peak <= TARGET_MARATHON_PEAK * WINDOW else 'MISSED'} ({ktok(addon.peak)}, "
           f"{addon.peak / WINDOW:.0%}; alone {ktok(base.peak)}, {base.peak / WINDOW:.0%})")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -278,7 +279,7 @@ def test_a_truncated_oldest_slice_in_the_new_epoch_still_snoozes(tmp_path):
 
 # -- the real Claude Code ----------------------------------------------------------------------
 
-CAPTURE = json.loads((__import__("pathlib").Path(__file__).parent / "captures"
+CAPTURE = json.loads((Path(__file__).parent / "captures"
                       / "claude-code-2.1.197-autocompact.json").read_text())
 
 
@@ -307,7 +308,8 @@ def test_real_claude_code_auto_compactions(tmp_path):
     ctx = next(r for t, r in refs.items() if t.startswith("<system-remind"))
     step2 = next(r for t, r in refs.items() if t.startswith("Step 2: readin"))
     step9 = next(r for t, r in refs.items() if t.startswith("Step 9: readin"))
-    args = {"content": [{"startId": step2, "endId": step9, "summary": "Listings 2 to 9 were read and checked; every row in order, nothing to follow up."}]}
+    args = {"content": [{"startId": step2, "endId": step9,
+                         "summary": "Listings 2 to 9 were read and checked; every row in order, nothing to follow up."}]}
     engine.record_calls("cc-real", [("toolu_fold1", "compress", json.dumps(args))])
     pair = [{"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_fold1", "name": "compress",
                                                "input": args}]},
@@ -338,7 +340,7 @@ def test_real_claude_code_auto_compactions(tmp_path):
     assert "listing-5-row-" in text
 
 
-CODEX_CAPTURE = json.loads((__import__("pathlib").Path(__file__).parent / "captures"
+CODEX_CAPTURE = json.loads((Path(__file__).parent / "captures"
                             / "codex-0.171.0-autocompact.json").read_text())
 
 
@@ -417,7 +419,7 @@ def test_the_summary_alone_may_be_folded_but_not_with_the_agents_context(tmp_pat
     assert not s.last_view.first_free and 0 in s.last_view.protected(engine.fold_cfg)
 
 
-PI_CAPTURE = json.loads((__import__("pathlib").Path(__file__).parent / "captures"
+PI_CAPTURE = json.loads((Path(__file__).parent / "captures"
                          / "pi-0.73.1-overflow-compact.json").read_text())
 
 

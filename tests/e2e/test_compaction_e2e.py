@@ -21,6 +21,7 @@ import pytest
 from bili_addon.kernel import compaction as K
 
 from .fake_upstream import Act, proxy_call, say
+from .support import AGENTS
 from .test_fold_e2e import Turns, bash_output, fold, reading, run_bash, session_of, summary_head
 
 pytestmark = pytest.mark.e2e
@@ -82,8 +83,6 @@ def proxy(make_proxy):
 
 @pytest.mark.parametrize("lane", ["anthropic", "responses"])
 def test_a_compaction_in_the_middle_of_a_60_turn_session_folds_before_and_after(fake, proxy, sid, lane):
-    from .support import AGENTS
-
     fake.script(sid, script(), real_usage=True)
     agent = AGENTS[lane](proxy.url, sid, sid, TASK, stream=True)
     up = Turns(fake, sid)
@@ -111,7 +110,7 @@ def test_a_compaction_in_the_middle_of_a_60_turn_session_folds_before_and_after(
     assert after.count(summary_head("b2")) == 1 and summary_head("b1") not in after
     assert all(f"file-{t}-row-" not in after for t in range(27, 39))
     assert "file-39-row-" in after and "file-26-row-" in after
-    assert json.dumps(SUMMARY)[1:40] in after  # the compaction summary itself stays (protected then)
+    assert json.dumps(SUMMARY)[1:40] in after  # the agent's summary stays: the fold took turns 27-38
 
     last = up[TURNS].body.decode()  # the old epoch's block still answers decompress
     assert "b1 (tier 1) replaced original messages" in last and json.dumps(bash_output(3))[1:40] in last
