@@ -10,8 +10,16 @@ from __future__ import annotations
 import json
 import re
 
-from .scripted_model import SHELL_NAMES, Action, ScriptedModel, anthropic_answer, lane_of, responses_answer, \
-    shell_args, tools_of
+from .scripted_model import (
+    SHELL_NAMES,
+    Action,
+    ScriptedModel,
+    anthropic_answer,
+    lane_of,
+    responses_answer,
+    shell_args,
+    tools_of,
+)
 
 COMPACT_ASKS = ("Your task is to create a detailed summary of the",  # Claude Code
                 "CONTEXT CHECKPOINT COMPACTION",  # codex
