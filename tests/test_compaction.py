@@ -470,3 +470,18 @@ def test_real_pi_without_a_conversation_id_starts_a_new_session(tmp_path):
     second = engine.process(claude_body(after), lane, {}, render=True)
     assert first.session and second.session and first.session != second.session
     assert second.epoch == 0 and second.drift == ""
+
+
+def test_no_reminder_goes_into_the_agents_own_summary_request(tmp_path):
+    engine = make_engine(tmp_path)
+    agent = Agent(engine, "anthropic")
+    ts = C.turns(60)
+    _, out = agent.send(C.anthropic(ts, C.Scheme()))
+    assert reminder_ranges(out), "the control: this history gets a reminder"
+    engine2 = make_engine(tmp_path / "other")
+    agent2 = Agent(engine2, "anthropic")
+    ask = {"role": "user", "content": [{"type": "text", "text": "Turn 60: go on."}, CAPTURE["compaction_prompt"]]}
+    _, out = agent.send(C.anthropic(ts, C.Scheme()) + [{**ask, "content": ask["content"][:1]}])
+    assert reminder_ranges(out), "the control: a newest user turn gets a reminder"
+    _, out = agent2.send(C.anthropic(ts, C.Scheme()) + [ask])
+    assert not reminder_ranges(out) and "[bili] " not in json.dumps(json.loads(out)["messages"])

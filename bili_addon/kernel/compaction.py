@@ -109,6 +109,24 @@ SHAPES = (
 )
 
 
+# the agents' requests for their own summary: no fold reminder goes into those (a model that folded
+# instead of summarising would fail the agent's compaction: Claude Code rejects tool calls there)
+SUMMARY_ASKS = (
+    "Your task is to create a detailed summary of the",  # Claude Code (/compact and auto-compact)
+    "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools.",  # Claude Code 2.x, joined to the last user turn
+    "CONTEXT CHECKPOINT COMPACTION",  # codex
+    "The messages above are a conversation to summarize",  # pi, omp
+)
+
+
+def asks_for_summary(view: View) -> bool:
+    """The newest user turn is the agent's request for a summary of the conversation (its compaction)."""
+    last = view.last_user()
+    if last is None:
+        return False
+    return any(p.ctype == TEXT and any(a in p.text for a in SUMMARY_ASKS) for p in view.items[last].parts)
+
+
 @dataclass
 class Found:
     agent: str
@@ -233,4 +251,5 @@ class Epochs:
         return last
 
 
-__all__ = ["Epochs", "Found", "SHAPES", "Shape", "detect", "epochs", "free_summary", "marker_in_head"]
+__all__ = ["Epochs", "Found", "SHAPES", "SUMMARY_ASKS", "Shape", "asks_for_summary", "detect", "epochs",
+           "free_summary", "marker_in_head"]

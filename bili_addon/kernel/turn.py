@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import msgspec
 
 from bili_addon.kernel import envelope, fold, nudge, reconcile, tags
-from bili_addon.kernel.compaction import Epochs
+from bili_addon.kernel.compaction import Epochs, asks_for_summary
 from bili_addon.kernel.fold import Block, FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
 from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
@@ -624,7 +624,7 @@ class Engine(ProxyTools, Epochs):
             return  # not even the whole context would be worth a fold, and the window is far
         nudges = dict(s.flags.get("nudges", {}))
         newest = resolved[-1]
-        if newest and not any(r.entry.ref in nudges for r in newest):
+        if newest and not any(r.entry.ref in nudges for r in newest) and not asks_for_summary(view):
             text = nudge.decide(view, s.blocks, self.fold_cfg, self.nudge_cfg, used, window,
                                 int(s.flags.get("last_nudge_at", 0)))
             if text:
