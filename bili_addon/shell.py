@@ -484,6 +484,11 @@ class Bili:
                 "blocks": sum(b.active for b in blocks),
                 "blocks_total": len(blocks),
                 "tokens_folded": sum(b.folded_tokens for b in blocks if b.active),
+                "blocks_retired": sum(b.retired for b in blocks),  # from before the agent's compactions
+                # the session's epochs: each compaction of the agent's own starts one (kernel/compaction.py)
+                "epoch": len(flags.get("epochs", [])) + 1,
+                "epochs": [{k: e.get(k) for k in ("epoch", "agent", "marker", "request", "retired_blocks")}
+                           for e in flags.get("epochs", [])],
                 "sent_tokens": live.sent_tokens if live is not None else None,
                 "unfolded_tokens": live.unfolded_tokens if live is not None else None,
             }

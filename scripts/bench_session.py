@@ -24,12 +24,24 @@ output tokens the model spends on summaries (compaction or compress calls) are l
     python scripts/bench_session.py                 # 300 turns, seed 1
     python scripts/bench_session.py --turns 600 --seed 3
     python scripts/bench_session.py --no-sweep      # without the runs at other reminder sizes
+    python scripts/bench_session.py --marathon      # 600 turns; both agents compact like Claude Code
+
+**Marathon mode** (``--marathon``, 600 turns by default): the agent compacts the way Claude Code
+does, in both runs: when the usage the provider reported for its last request (input + cache read
++ cache write, i.e. the prompt as it was actually sent) reaches its auto-compact threshold
+(``window - 20K reserved for the summary - 13K buffer`` = 167K of 200K), it sends one summarisation
+request over its history and continues from a history of one user message starting "This session
+is being continued from a previous conversation that ran out of context".  Through the addon the
+reported usage is the folded prompt's, so the agent compacts when (and only when) the folded prompt
+reaches the threshold; the addon recognises the compaction (a new epoch) and folds on.  The
+comparison is the agent with the addon against the agent alone, compactions included.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import re
 import statistics
@@ -58,6 +70,17 @@ UNKNOWN_TOOL = "<tool_use_error>Error: No such tool available: compress</tool_us
 
 TARGET_COST = 0.50
 TARGET_CACHE = 0.90
+
+# Claude Code's auto-compact: effective window (the window minus up to 20K output tokens reserved for
+# the summary) minus a 13K buffer, compared with the usage the provider reported for the last request
+CC_COMPACT_AT = WINDOW - 20_000 - 13_000
+MARATHON_TURNS = 600
+TARGET_MARATHON_COST = 0.45
+TARGET_MARATHON_PEAK = 0.60
+COMPACT_ASK = ("Your task is to create a detailed summary of the conversation so far, paying close attention to "
+               "the user's explicit requests and your previous actions. ")
+CC_SUMMARY_HEAD = ("This session is being continued from a previous conversation that ran out of context. The "
+                   "conversation is summarized below:\n")
 
 
 def tokens(n_bytes: int) -> int:
@@ -233,6 +256,12 @@ class Run:
     nudged: int = 0
     invalid: int = 0  # bodies that break Anthropic's pairing rules
     summary_tokens: int = 0  # output tokens the model spent on summaries
+    compacted_at: list[int] = field(default_factory=list)  # request index after each compaction
+    epochs: int = 0  # compactions the addon recognised as new epochs
+    fold_at: list[int] = field(default_factory=list)  # request index of each executed fold
+
+    def folds_after_compaction(self) -> int:
+        return sum(1 for k in self.fold_at if self.compacted_at and k > self.compacted_at[0])
 
     def bill(self, step: int, kind: str, sent: bytes) -> Request:
         pre = common_prefix(self.prev, sent)
@@ -273,24 +302,26 @@ def encode_body(env: dict, msgs: list[dict]) -> bytes:
     return msgspec.json.encode({**env, "messages": msgs})
 
 
-def run_without(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Script, keep: int = 6) -> Run:
-    run = Run("without addon")
+def run_without(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Script, keep: int = 6,
+                marathon: bool = False) -> Run:
+    """``marathon``: the agent compacts like Claude Code, from the usage reported for its last
+    request, and keeps nothing of the old history but the summary."""
+    run = Run("agent alone" if marathon else "without addon")
     msgs = [first]
     r = random.Random(1_000_003)
+    if marathon:
+        keep = 0
     for t, (answer, follow) in enumerate(steps):
         raw = encode_body(env, msgs)
-        if tokens(len(raw)) > COMPACT_AT * WINDOW:
+        reported = run.requests[-1].tokens if run.requests else 0
+        if (reported >= CC_COMPACT_AT) if marathon else (tokens(len(raw)) > COMPACT_AT * WINDOW):
             # Claude Code's compaction: one summarisation request over everything, then a fresh history
-            ask = {"role": "user", "content": "Your task is to create a detailed summary of the conversation so "
-                                              "far, paying close attention to the user's explicit requests and "
-                                              "your previous actions. " + script.prose(600, 900, r)}
+            ask = {"role": "user", "content": COMPACT_ASK + script.prose(600, 900, r)}
             run.bill(t, "compaction", encode_body(env, msgs + [ask]))
             cut = len(msgs) - keep
-            while cut < len(msgs) and msgs[cut]["role"] != "assistant":
+            while keep and cut < len(msgs) and msgs[cut]["role"] != "assistant":
                 cut += 1
-            summary = {"role": "user", "content": "This session is being continued from a previous conversation "
-                                                  "that ran out of context. The conversation is summarized below:\n"
-                       + script.prose(7_600, 8_400, r)}
+            summary = {"role": "user", "content": CC_SUMMARY_HEAD + script.prose(7_600, 8_400, r)}
             msgs = [summary] + msgs[cut:]
             run.compactions += 1
             run.summary_tokens += tokens(len(summary["content"]))
@@ -341,11 +372,14 @@ class Model:
 
 def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Script, seed: int,
              style: str = "parallel", batch: int | None = None,
-             share: tuple[float, float] = (0.01, 0.02), obey: float = 1.0) -> Run:
+             share: tuple[float, float] = (0.01, 0.02), obey: float = 1.0, marathon: bool = False) -> Run:
     """``style``: "parallel", the model calls compress alongside the tool call of its next step (one
-    response, as the reminder suggests); "turn", compress is a response of its own (an extra request)."""
+    response, as the reminder suggests); "turn", compress is a response of its own (an extra request).
+    ``marathon``: the agent compacts like Claude Code when the usage reported for the (folded)
+    request it sent last reaches its threshold."""
     cfg = NudgeConfig() if batch is None else NudgeConfig(batch_tokens=batch)
     run = Run(f"with addon ({style}, reminders at {cfg.batch_tokens // 1000}K)")
+    r = random.Random(1_000_003)
     model = Model(seed, script, share, obey)
     with tempfile.TemporaryDirectory(prefix="bili-bench-session-") as d:
         engine = Engine(Store(d), window=WINDOW)
@@ -368,6 +402,7 @@ def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Scr
             text = _call_result(payload, call_id)
             ok, bad = text.count("Compressed "), text.count(" not compressed: ")
             run.folds_ok += ok
+            run.fold_at += [len(run.requests)] * ok
             run.folds_refused += bad
             run.distils += text.count("(tier 2") + text.count("(tier 3")
             run.events.append(f"step {t}: compress executed: {ok} range(s) folded, {bad} refused; context now "
@@ -375,6 +410,17 @@ def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Scr
 
         pending: str | None = None  # a compress call the next request executes
         for t, (answer, follow) in enumerate(steps):
+            if marathon and run.requests and run.requests[-1].tokens >= CC_COMPACT_AT:
+                # Claude Code's auto-compact, from the usage reported for the prompt bili sent
+                before = run.requests[-1].tokens
+                msgs = msgs + [{"role": "user", "content": COMPACT_ASK + script.prose(600, 900, r)}]
+                send(t, "compaction", 2_000)
+                summary = {"role": "user", "content": CC_SUMMARY_HEAD + script.prose(7_600, 8_400, r)}
+                msgs, pending = [summary], None
+                run.compactions += 1
+                run.summary_tokens += tokens(len(summary["content"]))
+                run.events.append(f"step {t}: compaction ({before:,} tokens reported)")
+                run.compacted_at.append(len(run.requests))
             payload = send(t, "step", tokens(len(msgspec.json.encode(answer))))
             if pending is not None:
                 outcome(t, payload, pending)
@@ -400,7 +446,8 @@ def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Scr
                     msgs = msgs + [{"role": "assistant", "content": [call]}, {"role": "user", "content": [error]}]
                     outcome(t, send(t, "compress", tokens(len(json.dumps(ask)))), call_id)
             msgs = msgs + [answer, follow]
-        run.summary_tokens = model.summary_tokens
+        run.summary_tokens += model.summary_tokens
+        run.epochs = len(engine.session(SID).flags.get("epochs", []))
         engine.store.close()
     return run
 
@@ -515,22 +562,87 @@ def report(base: Run, addon: Run, turns: int, seed: int, verbose: bool) -> None:
           f"{ktok(WINDOW)}; {len(over)} request(s) over)")
 
 
+def report_marathon(base: Run, runs: list[tuple[str, Run]], turns: int, seed: int) -> None:
+    """The agent with the addon against the agent alone, both compacting like Claude Code."""
+    print(f"marathon: {turns} scripted turns, seed {seed}, window {WINDOW:,} tokens; the agent auto-compacts like "
+          f"Claude Code when the reported usage of its last request reaches {CC_COMPACT_AT:,} tokens")
+    print(f"price: cache read {PRICE_READ}, cache write {PRICE_WRITE}; tokens ~ bytes/4")
+    print()
+    head = (f"  {'run':<34}{'compactions':>12}{'epochs':>8}{'folds':>7}{'after 1st':>10}{'billed':>11}"
+            f"{'vs alone':>10}{'cache read':>12}{'peak':>9}{'of window':>11}{'median':>9}")
+    print(head)
+    for name, run in [("agent alone", base)] + runs:
+        print(f"  {name:<34}{run.compactions:>12}{run.epochs if run is not base else '-':>8}"
+              f"{run.folds_ok if run is not base else '-':>7}"
+              f"{run.folds_after_compaction() if run is not base and run.compactions else '-':>10}"
+              f"{ktok(run.cost):>11}{run.cost / base.cost:>10.1%}{run.cache_share:>12.1%}{ktok(run.peak):>9}"
+              f"{run.peak / WINDOW:>11.0%}{ktok(statistics.median(q.tokens for q in run.requests)):>9}")
+    print("  (compactions: the agent's own; epochs: those the addon recognised; after 1st: folds executed after")
+    print("  the agent's first compaction; billed and peak include the compaction requests)")
+    print()
+    addon = runs[0][1]
+    print("tokens per request against the window (each column the max of a few requests; █ = 200,000)")
+    print(f"  alone   |{sparkline([q.tokens for q in base.requests])}|")
+    for name, run in runs:
+        label = name.removeprefix("with addon (").removesuffix(")").replace("answers ", "").replace(" reminder", "")
+        print(f"  {label[:7]:<7} |{sparkline([q.tokens for q in run.requests])}|")
+    print()
+    ratio = addon.cost / base.cost
+    few = addon.compactions <= 1 and base.compactions >= 3
+    print("targets (the first run with the addon: the model answers every reminder)")
+    print(f"  compactions: at most 1 with the addon where the agent alone compacts 3 or more times: "
+          f"{'met' if few else 'MISSED'} ({addon.compactions} with, {base.compactions} alone)")
+    print(f"  billed cost <= {TARGET_MARATHON_COST:.0%} of the agent alone: "
+          f"{'met' if ratio <= TARGET_MARATHON_COST else 'MISSED'} "
+          f"({ratio:.1%}: {ktok(addon.cost)} vs {ktok(base.cost)})")
+    print(f"  peak <= {TARGET_MARATHON_PEAK:.0%} of the window: "
+          f"{'met' if addon.peak <= TARGET_MARATHON_PEAK * WINDOW else 'MISSED'} ({ktok(addon.peak)}, "
+          f"{addon.peak / WINDOW:.0%}; alone {ktok(base.peak)}, {base.peak / WINDOW:.0%})")
+    lazy = [(n, r) for n, r in runs[1:] if r.compactions]
+    for name, run in lazy:
+        print(f"  {name}: {run.compactions} compaction(s), {run.epochs} recognised as epochs, "
+              f"{run.folds_after_compaction()} fold(s) after the first")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--turns", type=int, default=300)
+    ap.add_argument("--turns", type=int, help="scripted turns (default 300; 600 with --marathon)")
     ap.add_argument("--style", choices=("parallel", "turn"), default="parallel",
                     help="how the model answers a reminder: compress alongside its next tool call, or in a "
                          "response of its own (default parallel)")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false",
                     help="skip the addon runs with other reminder sizes and the other style")
     ap.add_argument("-v", "--verbose", action="store_true", help="list compactions and compress calls")
+    ap.add_argument("--marathon", action="store_true",
+                    help=f"both agents compact like Claude Code, from the reported usage ({MARATHON_TURNS} turns "
+                         "unless --turns is given)")
+    ap.set_defaults(turns=None)
     args = ap.parse_args()
+    if args.turns is None:
+        args.turns = MARATHON_TURNS if args.marathon else 300
 
+    quiet = logging.getLogger("bili")  # the engine's log lines (compactions, folds) are not the report
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
     t0 = time.perf_counter()
     script = Script(args.seed)
     env = script.environment()
     first, steps = script.session(args.turns)
+    if args.marathon:
+        base = run_without(env, first, steps, script, marathon=True)
+        runs = [(f"with addon ({name})", run_with(env, first, steps, script, args.seed, args.style, obey=obey,
+                                                  marathon=True))
+                for name, obey in (("answers every reminder", 1.0), ("answers 1 in 4", 0.25),
+                                   ("answers 1 in 10", 0.1), ("never folds", 0.0))]
+        report_marathon(base, runs, args.turns, args.seed)
+        if args.verbose:
+            for name, run in [("agent alone", base)] + runs:
+                print(f"{name}:")
+                for e in run.events:
+                    print(f"  {e}")
+        print(f"\ntotal runtime {time.perf_counter() - t0:.1f} s")
+        return
     base = run_without(env, first, steps, script)
     addon = run_with(env, first, steps, script, args.seed, args.style)
     report(base, addon, args.turns, args.seed, args.verbose)

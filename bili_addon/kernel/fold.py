@@ -53,6 +53,7 @@ class Block:
     created: float = field(default_factory=time.time)
     # covered ref -> the ref its message has now, where churn re-minted it and the claim was verified
     claimed: dict[str, str] = field(default_factory=dict)
+    retired: bool = False  # its epoch ended (the agent compacted): off the wire, still decompressible
 
     @property
     def coverage(self) -> list[str]:
@@ -117,6 +118,7 @@ class ViewItem(msgspec.Struct):
 class View:
     def __init__(self, items: list[ViewItem]):
         self.items = items
+        self.first_free = False  # the first user turn is the agent's compaction summary: foldable
         self.pos: dict[str, int] = {}
         setdefault = self.pos.setdefault
         for k, it in enumerate(items):
@@ -138,7 +140,7 @@ class View:
                 break
             keep.add(k)
             parts += len(self.items[k].parts)
-        for k in (self.first_user(), self.last_user()):
+        for k in (None if self.first_free else self.first_user(), self.last_user()):
             if k is not None:
                 keep.add(k)
         return keep
@@ -180,7 +182,7 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
     cov = coverage(blocks)
     items = view.items
     drop = {k for k, it in enumerate(items) if it.parts and all(r in cov or r in hidden for r in it.refs)}
-    first = view.first_user()
+    first = None if view.first_free else view.first_user()
     if first is not None:
         drop.discard(first)
     # never leave a tool call without its result (or the reverse), nor reasoning without its turn

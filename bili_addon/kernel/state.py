@@ -164,6 +164,7 @@ class TurnResult:
     folded_items: int = 0
     reused: int = 0  # items whose work came from the previous pass
     drift: str = ""  # the fold-coverage verdict, when covered refs went missing
+    epoch: int = 0  # the epoch this request began (the agent compacted its history), else 0
     status: int = 0  # non-zero: answer the client with this status instead of forwarding
     error: str = ""
 

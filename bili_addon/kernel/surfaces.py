@@ -117,8 +117,12 @@ def search_context(args: Any, blocks: list[Block], originals) -> str:
         return 'search_context needs {"query": "..."}.'
     limit = args.get("limit") if isinstance(args.get("limit"), int) else 5
     limit = min(max(1, limit), 20)
-    docs = [Doc(b.id, b.text(), "summary") for b in blocks if b.active]
+    docs = [Doc(b.id, b.text(), "summary") for b in blocks if b.active or b.retired]
     owner = coverage(blocks)
+    for b in blocks:  # blocks of earlier epochs (the agent compacted) still own their originals
+        if b.retired:
+            for r in b.covered:
+                owner.setdefault(r, b)
     docs += [Doc(r[0], r[5], "original") for r in originals(None)]
     hits = search(query, docs, limit)
     if not hits:
@@ -145,7 +149,9 @@ def status(view: View, blocks: list[Block], cfg: FoldConfig, usage: tuple[int, i
         est = sum(it.tokens for it in view.items)
         lines.append(f"Context: ~{format_tokens(est)} tokens of conversation visible (no usage reported yet).")
     active = [b for b in blocks if b.active]
-    lines.append(f"Blocks: {len(active)} active of {len(blocks)}.")
+    retired = sum(b.retired for b in blocks)
+    lines.append(f"Blocks: {len(active)} active of {len(blocks)}"
+                 + (f" ({retired} from before the agent's compaction, still decompressible)." if retired else "."))
     for b in active:
         topic = f'  "{b.topic}"' if b.topic else ""
         lines.append(f"  {b.id}  tier {b.tier}  {b.covered[0]}–{b.covered[-1]}  {len(b.covered)} parts  "

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import msgspec
 
 from bili_addon.kernel import envelope, fold, nudge, reconcile, tags
+from bili_addon.kernel.compaction import Epochs, asks_for_summary
 from bili_addon.kernel.fold import Block, FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
 from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
@@ -60,7 +61,7 @@ STALE_RETRIES = 2  # a turn computed from a session another process changed mean
 __all__ = ["Engine", "TurnResult", "clean_replayed_prose"]
 
 
-class Engine(ProxyTools):
+class Engine(ProxyTools, Epochs):
     """The kernel side of the addon: sessions, ledger, tags and folds over a :class:`Store`."""
 
     def __init__(self, store: Store, max_sessions: int = 256, fold_cfg: FoldConfig | None = None,
@@ -244,6 +245,7 @@ class Engine(ProxyTools):
         snap = self._snapshot_join(s, view_items) if self.snapshot and s.blocks and render else None
         view = View(snap[2] if snap else view_items)
         s.last_view = view
+        self._compaction(s, lane.name, view, minted, result)  # the agent's own compaction: a new epoch
         drift = self._reconcile(s, view, resolved, result) if s.blocks and self.reconcile else None
         snoozed = drift.snoozed if drift is not None else set()
         if s.copy.latched or not render:
@@ -650,7 +652,7 @@ class Engine(ProxyTools):
         """Nudge and emergency truncation, decided from the usage the last answer reported."""
         if not view.items:
             return
-        last = self.store.last_usage(s.row.id)
+        last = self._reported_usage(s)
         # the size the provider reported for the last request; without one (a Chat stream without
         # include_usage), the conversation's own estimate
         if last:
@@ -668,7 +670,7 @@ class Engine(ProxyTools):
             return  # not even the whole context would be worth a fold, and the window is far
         nudges = dict(s.flags.get("nudges", {}))
         newest = resolved[-1]
-        if newest and not any(r.entry.ref in nudges for r in newest):
+        if newest and not any(r.entry.ref in nudges for r in newest) and not asks_for_summary(view):
             text = nudge.decide(view, s.blocks, self.fold_cfg, self.nudge_cfg, used, window,
                                 int(s.flags.get("last_nudge_at", 0)))
             if text:
