@@ -98,6 +98,29 @@ CREATE TABLE IF NOT EXISTS copies(
     session_id TEXT PRIMARY KEY,
     doc TEXT NOT NULL
 ) WITHOUT ROWID;
+-- lineage (#15/#20): forks inherit their parent's view; id-less sessions match any earlier point
+CREATE TABLE IF NOT EXISTS lineage(
+    session_id TEXT PRIMARY KEY,
+    parent TEXT NOT NULL DEFAULT '',
+    root TEXT NOT NULL,
+    fork_at INTEGER NOT NULL DEFAULT 0,
+    created REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS lineage_root ON lineage(root);
+CREATE TABLE IF NOT EXISTS lineage_parts(
+    session_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    ref TEXT NOT NULL,
+    chash TEXT NOT NULL,
+    PRIMARY KEY(session_id, seq)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS lineage_parts_head ON lineage_parts(chash) WHERE seq=0;
+CREATE TABLE IF NOT EXISTS affinity_points(
+    hash TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    depth INTEGER NOT NULL,
+    PRIMARY KEY(hash, session_id)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS calls(
     session_id TEXT NOT NULL,
     call_key TEXT NOT NULL,
@@ -377,3 +400,104 @@ class Store:
                 "INSERT INTO transcript(session_id, seq, sig, refs, item) VALUES(?,?,?,?,?)",
                 [(session_id, keep + i, sig, json.dumps(refs), item) for i, (sig, refs, item) in enumerate(rows)],
             )
+
+    # -- lineage (#15, #20): kept apart from the rest; nothing above depends on it -------------------
+    def lineage(self) -> list[tuple[str, str, str, int]]:
+        """``(session, parent, root, fork_at)`` of every session that is part of a family."""
+        return self.db.execute("SELECT session_id, parent, root, fork_at FROM lineage ORDER BY created").fetchall()
+
+    def lineage_parts(self, session_id: str) -> list[tuple[str, str]]:
+        """The session's recorded history, in conversation order: ``(ref, content hash)`` per part."""
+        return self.db.execute(
+            "SELECT ref, chash FROM lineage_parts WHERE session_id=? ORDER BY seq", (session_id,)
+        ).fetchall()
+
+    def save_lineage_parts(self, session_id: str, keep: int, rows: list[tuple[str, str]]) -> None:
+        """Parts from ``keep`` on are replaced by ``rows``."""
+        with self._tx():
+            self.db.execute("DELETE FROM lineage_parts WHERE session_id=? AND seq>=?", (session_id, keep))
+            self.db.executemany(
+                "INSERT INTO lineage_parts(session_id, seq, ref, chash) VALUES(?,?,?,?)",
+                [(session_id, keep + i, ref, chash) for i, (ref, chash) in enumerate(rows)],
+            )
+
+    def lineage_candidates(self, first_chash: str) -> list[str]:
+        """Sessions whose recorded history opens with this part, oldest first."""
+        return [r[0] for r in self.db.execute(
+            "SELECT p.session_id FROM lineage_parts p LEFT JOIN sessions s ON s.id=p.session_id "
+            "WHERE p.seq=0 AND p.chash=? ORDER BY s.created", (first_chash,)
+        ).fetchall()]
+
+    def family_next_ref(self, root: str) -> int:
+        """The next ref no session of the family has given (refs are never given twice in a family)."""
+        row = self.db.execute(
+            "SELECT MAX(next_ref) FROM sessions WHERE id IN (SELECT session_id FROM lineage WHERE root=?)", (root,)
+        ).fetchone()
+        return int(row[0]) if row and row[0] else 1
+
+    def adopt(self, child: SessionRow, parent: str, root: str, fork_at: int, ledger: list[LedgerRow],
+              blocks: list[tuple[str, str, bool]], originals: list[tuple], calls: list[tuple[str, str, str, str | None]]) -> None:
+        """One transaction: ``child`` becomes ``parent``'s child in ``root``'s family and takes what it
+        inherits (ledger rows, blocks, their originals, call results)."""
+        now = time.time()
+        with self._tx():
+            self.db.execute(
+                "INSERT OR IGNORE INTO lineage(session_id, parent, root, fork_at, created) VALUES(?,?,?,?,?)",
+                (root, "", root, 0, now),
+            )
+            self.db.execute(
+                "INSERT INTO lineage(session_id, parent, root, fork_at, created) VALUES(?,?,?,?,?)",
+                (child.id, parent, root, fork_at, now),
+            )
+            self.db.execute(
+                "INSERT INTO sessions(id, agent, lane, created, last_seen, next_ref, flags) VALUES(?,?,?,?,?,?,?) "
+                "ON CONFLICT(id) DO UPDATE SET next_ref=MAX(next_ref, excluded.next_ref), flags=excluded.flags",
+                (child.id, child.agent, child.lane, child.created, now, child.next_ref, child.flags),
+            )
+            self.db.executemany(
+                "INSERT OR IGNORE INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen) "
+                "VALUES(?,?,?,?,?,?,?,?)",
+                [(child.id, r.msg_id, r.content_hash, r.ref, r.role, r.ctype, r.tokens, now) for r in ledger],
+            )
+            self.db.executemany(
+                "INSERT OR REPLACE INTO blocks(session_id, block_id, body, active) VALUES(?,?,?,?)",
+                [(child.id, bid, body, int(active)) for bid, body, active in blocks],
+            )
+            self.db.executemany(
+                "INSERT OR IGNORE INTO originals(session_id, ref, role, ctype, tool_name, tool_call_id, text, "
+                "tokens) VALUES(?,?,?,?,?,?,?,?)",
+                [(child.id, *o) for o in originals],
+            )
+            self.db.executemany(
+                "INSERT OR IGNORE INTO calls(session_id, call_key, name, args, result, created, executed) "
+                "VALUES(?,?,?,?,?,?,?)",
+                [(child.id, k, n, a, r, now, now if r is not None else None) for k, n, a, r in calls],
+            )
+
+    def affinity_points(self, hashes: list[str]) -> dict[str, list[tuple[str, int]]]:
+        """Every recorded point of an id-less session's history among ``hashes``:
+        ``{hash: [(session, depth), ...]}``, the most recently seen session first."""
+        out: dict[str, list[tuple[str, int]]] = {}
+        for i in range(0, len(hashes), 500):
+            chunk = hashes[i : i + 500]
+            rows = self.db.execute(
+                "SELECT p.hash, p.session_id, p.depth FROM affinity_points p LEFT JOIN affinity a "
+                f"ON a.session_id=p.session_id WHERE p.hash IN ({','.join('?' * len(chunk))}) "
+                "ORDER BY a.last_seen DESC",
+                chunk,
+            ).fetchall()
+            for h, sid, depth in rows:
+                out.setdefault(h, []).append((sid, depth))
+        return out
+
+    def add_affinity_points(self, session_id: str, points: list[tuple[int, str]]) -> None:
+        """Points ``(depth, hash)`` of an id-less session's history (known ones are kept)."""
+        if points:
+            self._write_many(
+                "INSERT OR IGNORE INTO affinity_points(hash, session_id, depth) VALUES(?,?,?)",
+                [(h, session_id, d) for d, h in points],
+            )
+
+    def _write_many(self, sql: str, rows: list[tuple]) -> None:
+        with self._tx():
+            self.db.executemany(sql, rows)

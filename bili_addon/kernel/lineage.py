@@ -1,0 +1,229 @@
+"""Lineage: conversations that share verified history.
+
+A conversation with a new id whose history begins with another session's history (an agent's
+fork: ``claude --resume <id> --fork-session``, ``codex exec fork``) is that session's **child**.
+On its first request that carries model-authored history, the child's parts are compared position
+by position with the history the parent recorded on its own last request (its self-stored
+canonical copy: per part the ref and the full content hash, tool-call ids included).  Up to the
+first difference the histories are the same; from there the child inherits, as of that point:
+
+- the parent's refs for those messages (its ledger view), while new refs come from a counter the
+  whole family shares, so no ref is ever given twice;
+- the blocks whose every covered message lies in the verified history and whose compress call
+  does too (a fold made after the histories parted is not the child's), with their originals;
+- the proxy calls made in the verified history, with their results, byte for byte.
+
+The copies are the child's own: a fold in one never changes the other.  Nothing is inherited
+without verification: a shared opening (the same first message) is no history, so the verified
+part must hold something the model wrote.
+
+Id-less conversations (no session id; matched by the hash chain of their history) keep their
+session when the agent goes back to an earlier point of it (a dropped turn, another branch): every
+point of a session's chain is recorded, and a request that extends no session's latest tail is
+matched against them under the same rule (see :meth:`PrefixAffinity.locate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections import OrderedDict
+from typing import Callable
+
+from bili_addon.kernel.fold import Block
+from bili_addon.kernel.identity import InstanceCounter, count_tokens
+from bili_addon.kernel.reconcile import SIDE_REQUEST_MAX_ITEMS
+from bili_addon.kernel.sessions import PrefixAffinity
+from bili_addon.kernel.state import Call, Entry, ItemInfo, Resolved, Session
+from bili_addon.kernel.tools import call_key
+from bili_addon.store import LedgerRow, Store
+from bili_addon.wire.base import TEXT, TOOL_CALL
+
+log = logging.getLogger("bili")
+
+MAX_CANDIDATES = 64  # sessions opening with the same message that a new one is compared with
+MAX_RECORDS = 256
+# learned facts a child takes as they are, and per-ref ones it takes for the refs it inherits
+INHERITED_FLAGS = ("strict_reasoning", "learned_windows", "last_nudge_at")
+INHERITED_REF_FLAGS = ("nudges", "truncated")
+
+
+class Lineage:
+    """Families of sessions over a :class:`Store`; the Engine calls the four hooks below."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.root: dict[str, str] = {}  # session -> its family's root
+        self.parent: dict[str, str] = {}
+        for sid, parent, root, _fork_at in store.lineage():
+            self.root[sid] = root
+            if parent:
+                self.parent[sid] = parent
+        self.records: OrderedDict[str, list[tuple[str, str]]] = OrderedDict()
+
+    # -- sessions with an id of their own --------------------------------------------------------
+    def before_turn(self, s: Session, infos: list[ItemInfo], start: int) -> str | None:
+        """Before refs are given: a fresh session may turn out to be a fork (returns the note
+        saying so); a family member's next ref is the family's."""
+        sid = s.row.id
+        note = None
+        if sid not in self.root and self._fresh(s):
+            conv = infos[start:]
+            if any(p.core.role == "assistant" for info in conv for p in info.parts):
+                note = self._adopt(s, conv)
+                s.flags["lineage"] = "child" if note else "checked"  # never compared again
+                s.row.flags = json.dumps(s.flags, sort_keys=True)  # written with the turn
+        root = self.root.get(sid)
+        if root is not None:
+            s.row.next_ref = max(s.row.next_ref, self.store.family_next_ref(root))
+        return note
+
+    def record(self, s: Session, infos: list[ItemInfo], start: int, resolved: list[list[Resolved]]) -> None:
+        """Keep the session's history (ref and content hash per part) for the forks to come.  A
+        request that only repeats a prefix of it (a side request, a retry of an older turn) keeps
+        the longer record."""
+        sid = s.row.id
+        rows = [(r.entry.ref, p.chash) for info, rs in zip(infos[start:], resolved) for p, r in zip(info.parts, rs)]
+        old = self._record(sid)
+        k = _common_prefix(old, rows)
+        if k == len(rows) or (len(rows) < len(old) and len(resolved) < SIDE_REQUEST_MAX_ITEMS):
+            return
+        self.store.save_lineage_parts(sid, k, rows[k:])
+        self.records[sid] = rows
+
+    # -- id-less sessions ------------------------------------------------------------------------
+    def locate(self, affinity: PrefixAffinity, hashes: list[str], conv: list[ItemInfo]) -> tuple[str, int]:
+        """The session of an id-less history and how deep it already knew it (0: new)."""
+
+        def points(hs: list[str]) -> dict:
+            try:
+                return self.store.affinity_points(hs)
+            except Exception as e:  # an unreadable store: no earlier points, as before
+                log.warning("[bili] earlier points of id-less sessions unreadable (%s)", e)
+                return {}
+
+        def verified(depth: int) -> bool:
+            return any(p.core.role == "assistant" for info in conv[:depth] for p in info.parts)
+
+        return affinity.locate(hashes, points, verified)
+
+    def note_points(self, sid: str, hashes: list[str], known: int) -> None:
+        self.store.add_affinity_points(sid, [(d, hashes[d - 1]) for d in range(known + 1, len(hashes) + 1)])
+
+    # -- stats -----------------------------------------------------------------------------------
+    def family_of(self, sid: str) -> dict | None:
+        root = self.root.get(sid)
+        if root is None:
+            return None
+        return {"root": root, "parent": self.parent.get(sid) or None,
+                "children": [c for c, p in self.parent.items() if p == sid]}
+
+    # -- adoption --------------------------------------------------------------------------------
+    @staticmethod
+    def _fresh(s: Session) -> bool:
+        return not s.blocks and not s.calls and "lineage" not in s.flags and "envelope" not in s.flags
+
+    def _record(self, sid: str) -> list[tuple[str, str]]:
+        rec = self.records.get(sid)
+        if rec is None:
+            rec = [tuple(r) for r in self.store.lineage_parts(sid)]
+            self.records[sid] = rec
+            while len(self.records) > MAX_RECORDS:
+                self.records.popitem(last=False)
+        else:
+            self.records.move_to_end(sid)
+        return rec
+
+    def _adopt(self, s: Session, conv: list[ItemInfo]) -> str | None:
+        sid = s.row.id
+        parts = [p for info in conv for p in info.parts]
+        if not parts:
+            return None
+        best, best_rec, best_n = None, [], 0
+        for cand in self.store.lineage_candidates(parts[0].chash)[-MAX_CANDIDATES:]:
+            if cand == sid:
+                continue
+            rec = self._record(cand)
+            n = _common_prefix([chash for _r, chash in rec], [p.chash for p in parts])
+            if n > best_n:
+                best, best_rec, best_n = cand, rec, n
+        if best is None:
+            return None
+        # the verified history: same content at the same position, one ref per message, no ref
+        # the child already gives to other content, and no tag of ours to strip first
+        count = InstanceCounter()
+        ledger: list[LedgerRow] = []
+        seen: set[str] = set()
+        authored = False
+        for p, (ref, chash) in zip(parts[:best_n], best_rec):
+            core = p.core
+            key = (count(p.base), chash)
+            mine = s.refs.get(key)
+            if (ref in seen or (mine is not None and mine.ref != ref) or s.owners.get(ref, chash) != chash
+                    or (core.ctype == TEXT and core.role != "assistant" and core.text.startswith("<acp "))):
+                break
+            seen.add(ref)
+            authored = authored or core.role == "assistant"
+            ledger.append(LedgerRow(key[0], chash, ref, core.role, core.ctype, count_tokens(core.text)))
+        if not authored:
+            return None  # an opening in common is not a history in common
+        fork_at = len(ledger)
+        verified = parts[:fork_at]
+        refs = {r.ref for r in ledger}
+        keys = {call_key(p.core.tool_call_id, p.core.tool_name, p.core.text)
+                for p in verified if p.core.ctype == TOOL_CALL}
+        keys.discard("")
+
+        parent = self.store.session(best)
+        calls = [c for c in self.store.calls(best) if c[0] in keys]
+        blocks = []
+        for doc in self.store.blocks(best):
+            b = Block(**json.loads(doc))
+            if (b.call_id and b.call_id not in keys) or not b.covered:
+                continue  # folded after the histories parted (or a block of no messages)
+            if all(r in refs or b.claimed.get(r) in refs for r in b.covered):
+                blocks.append(b)
+        covered = sorted({r for b in blocks for r in b.covered})
+        originals = self.store.originals(best, covered) if covered else []
+        pflags = json.loads(parent.flags or "{}") if parent is not None else {}
+        flags = {k: pflags[k] for k in INHERITED_FLAGS if k in pflags}
+        for k in INHERITED_REF_FLAGS:
+            kept = {ref: v for ref, v in (pflags.get(k) or {}).items() if ref in refs}
+            if kept:
+                flags[k] = kept
+        root = self.root.get(best, best)
+        next_ref = max(s.row.next_ref, parent.next_ref if parent is not None else 1, self.store.family_next_ref(root))
+
+        merged = {**s.flags, **flags}
+        row = dataclasses.replace(s.row, flags=json.dumps(merged, sort_keys=True), next_ref=next_ref)
+        self.store.adopt(row, best, root, fork_at, ledger,
+                         [(b.id, json.dumps(b.__dict__), b.active) for b in blocks], originals, calls)
+        # the store has it all; now the live session
+        s.row = row
+        s.flags.clear()
+        s.flags.update(merged)
+        for r in ledger:
+            entry = Entry(r.ref, r.tokens)
+            s.refs[(r.msg_id, r.content_hash)] = entry
+            s.owners[r.ref] = r.content_hash
+        s.blocks = sorted(blocks, key=lambda b: b.number)
+        s.calls.update({k: Call(n, a, res) for k, n, a, res in calls})
+        s.version += 1
+        self.root.setdefault(best, root)
+        self.root[sid] = root
+        self.parent[sid] = best
+        done = sum(1 for c in calls if c[3] is not None)
+        return (f"a fork of {best}: {fork_at} message part(s) verified in its history; inherits their refs, "
+                f"{len(blocks)} block(s) and {done} call result(s)")
+
+
+def _common_prefix(a: list, b: list) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+__all__ = ["Lineage"]
