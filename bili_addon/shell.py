@@ -381,6 +381,9 @@ class Bili:
                 "sent_tokens": live.sent_tokens if live is not None else None,
                 "unfolded_tokens": live.unfolded_tokens if live is not None else None,
             }
+            family = self.engine.lineage.family_of(r.id)
+            if family is not None:  # forks: {root, parent, fork_at, children}
+                entry["lineage"] = family
             if flags.get("delta_history"):
                 entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"
             sessions.append(entry)

@@ -109,7 +109,8 @@ def test_a_fork_after_a_fold_keeps_the_fold_the_result_and_the_refs(engine):
     assert result_of(send(engine, pmsgs, P), "toolu_p1") == got
 
     fam = engine.lineage.family_of("fork")
-    assert fam == {"root": "parent", "parent": "parent", "children": []}
+    assert fam == {"root": "parent", "parent": "parent", "fork_at": fam["fork_at"], "children": []}
+    assert fam["fork_at"] == sum(len(m["content"]) if isinstance(m["content"], list) else 1 for m in msgs)
     assert engine.lineage.family_of("parent")["children"] == ["fork"]
 
 
@@ -160,6 +161,15 @@ def test_conversations_sharing_only_their_opening_stay_apart(engine):
     assert engine.lineage.family_of("other") is None
     assert s.blocks == [] and s.calls == {} and s.flags.get("lineage") == "checked"
     assert sorted(refs_in(out)) == ["m00001", "m00002", "m00003"]
+    # even where the model's first reply was word for word the parent's
+    twin = {"x-claude-code-session-id": "twin"}
+    same = conversation(1)[:2] + [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_twin", "content": "denied"},
+        {"type": "text", "text": "do not run commands, just read"}]}]
+    same[1] = {"role": "assistant", "content": [same[1]["content"][0],
+                                                {**same[1]["content"][1], "id": "toolu_twin"}]}
+    send(engine, same, twin)
+    assert engine.lineage.family_of("twin") is None and engine.sessions["twin"].blocks == []
 
 
 def test_a_block_is_inherited_only_where_all_it_covers_is_verified(engine):

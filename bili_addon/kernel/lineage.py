@@ -14,8 +14,8 @@ first difference the histories are the same; from there the child inherits, as o
 - the proxy calls made in the verified history, with their results, byte for byte.
 
 The copies are the child's own: a fold in one never changes the other.  Nothing is inherited
-without verification: a shared opening (the same first message) is no history, so the verified
-part must hold something the model wrote.
+without verification: a shared opening (the same first message, even the same first reply) is no
+history, so the verified part must hold a tool call the model made, under its provider-minted id.
 
 Id-less conversations (no session id; matched by the hash chain of their history) keep their
 session when the agent goes back to an earlier point of it (a dropped turn, another branch): every
@@ -56,10 +56,12 @@ class Lineage:
         self.store = store
         self.root: dict[str, str] = {}  # session -> its family's root
         self.parent: dict[str, str] = {}
-        for sid, parent, root, _fork_at in store.lineage():
+        self.fork_at: dict[str, int] = {}  # child -> message parts verified in its parent's history
+        for sid, parent, root, fork_at in store.lineage():
             self.root[sid] = root
             if parent:
                 self.parent[sid] = parent
+                self.fork_at[sid] = fork_at
         self.records: OrderedDict[str, list[tuple[str, str]]] = OrderedDict()
 
     # -- sessions with an id of their own --------------------------------------------------------
@@ -116,7 +118,7 @@ class Lineage:
         root = self.root.get(sid)
         if root is None:
             return None
-        return {"root": root, "parent": self.parent.get(sid) or None,
+        return {"root": root, "parent": self.parent.get(sid) or None, "fork_at": self.fork_at.get(sid, 0),
                 "children": [c for c, p in self.parent.items() if p == sid]}
 
     # -- adoption --------------------------------------------------------------------------------
@@ -155,7 +157,7 @@ class Lineage:
         count = InstanceCounter()
         ledger: list[LedgerRow] = []
         seen: set[str] = set()
-        authored = False
+        called = False
         for p, (ref, chash) in zip(parts[:best_n], best_rec):
             core = p.core
             key = (count(p.base), chash)
@@ -164,10 +166,12 @@ class Lineage:
                     or (core.ctype == TEXT and core.role != "assistant" and core.text.startswith("<acp "))):
                 break
             seen.add(ref)
-            authored = authored or core.role == "assistant"
+            called = called or (core.ctype == TOOL_CALL and bool(core.tool_call_id))
             ledger.append(LedgerRow(key[0], chash, ref, core.role, core.ctype, count_tokens(core.text)))
-        if not authored:
-            return None  # an opening in common is not a history in common
+        if not called:
+            # an opening in common is not a history in common, nor is a short first reply the
+            # model may give twice: the provider's call ids are unique to one conversation
+            return None
         fork_at = len(ledger)
         verified = parts[:fork_at]
         refs = {r.ref for r in ledger}
@@ -213,6 +217,7 @@ class Lineage:
         self.root.setdefault(best, root)
         self.root[sid] = root
         self.parent[sid] = best
+        self.fork_at[sid] = fork_at
         done = sum(1 for c in calls if c[3] is not None)
         return (f"a fork of {best}: {fork_at} message part(s) verified in its history; inherits their refs, "
                 f"{len(blocks)} block(s) and {done} call result(s)")
