@@ -112,9 +112,10 @@ CREATE TABLE IF NOT EXISTS lineage_parts(
     seq INTEGER NOT NULL,
     ref TEXT NOT NULL,
     chash TEXT NOT NULL,
+    fp TEXT NOT NULL,
     PRIMARY KEY(session_id, seq)
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS lineage_parts_head ON lineage_parts(chash) WHERE seq=0;
+CREATE INDEX IF NOT EXISTS lineage_parts_head ON lineage_parts(fp) WHERE seq=0;
 CREATE TABLE IF NOT EXISTS affinity_points(
     hash TEXT NOT NULL,
     session_id TEXT NOT NULL,
@@ -406,26 +407,27 @@ class Store:
         """``(session, parent, root, fork_at)`` of every session that is part of a family."""
         return self.db.execute("SELECT session_id, parent, root, fork_at FROM lineage ORDER BY created").fetchall()
 
-    def lineage_parts(self, session_id: str) -> list[tuple[str, str]]:
-        """The session's recorded history, in conversation order: ``(ref, content hash)`` per part."""
+    def lineage_parts(self, session_id: str) -> list[tuple[str, str, str]]:
+        """The session's recorded history, in conversation order: ``(ref, content hash, verification
+        fingerprint)`` per part."""
         return self.db.execute(
-            "SELECT ref, chash FROM lineage_parts WHERE session_id=? ORDER BY seq", (session_id,)
+            "SELECT ref, chash, fp FROM lineage_parts WHERE session_id=? ORDER BY seq", (session_id,)
         ).fetchall()
 
-    def save_lineage_parts(self, session_id: str, keep: int, rows: list[tuple[str, str]]) -> None:
+    def save_lineage_parts(self, session_id: str, keep: int, rows: list[tuple[str, str, str]]) -> None:
         """Parts from ``keep`` on are replaced by ``rows``."""
         with self._tx():
             self.db.execute("DELETE FROM lineage_parts WHERE session_id=? AND seq>=?", (session_id, keep))
             self.db.executemany(
-                "INSERT INTO lineage_parts(session_id, seq, ref, chash) VALUES(?,?,?,?)",
-                [(session_id, keep + i, ref, chash) for i, (ref, chash) in enumerate(rows)],
+                "INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) VALUES(?,?,?,?,?)",
+                [(session_id, keep + i, *row) for i, row in enumerate(rows)],
             )
 
-    def lineage_candidates(self, first_chash: str) -> list[str]:
+    def lineage_candidates(self, first_fp: str) -> list[str]:
         """Sessions whose recorded history opens with this part, oldest first."""
         return [r[0] for r in self.db.execute(
             "SELECT p.session_id FROM lineage_parts p LEFT JOIN sessions s ON s.id=p.session_id "
-            "WHERE p.seq=0 AND p.chash=? ORDER BY s.created", (first_chash,)
+            "WHERE p.seq=0 AND p.fp=? ORDER BY s.created", (first_fp,)
         ).fetchall()]
 
     def family_next_ref(self, root: str) -> int:

@@ -150,6 +150,28 @@ def test_a_fork_from_before_the_fold_inherits_refs_but_not_the_fold(engine):
     assert engine.lineage.family_of("fork")["parent"] == "parent"
 
 
+def test_a_fork_that_re_serialises_its_history_is_verified_as_churn_is(engine):
+    base = conversation(8)
+    base[11]["content"][1]["input"] = {"cmd": "cat mod5.py", "timeout": 5}
+    msgs, _ = fold(engine, "parent", P, base, 1, 4, "toolu_c1")
+    msgs = more(msgs, "go on")
+    last = send(engine, msgs, P)
+    fork = json.loads(json.dumps(msgs))
+    fork[11]["content"][1]["input"] = {"timeout": 5, "cmd": "cat mod5.py"}  # keys in another order
+    fork[13]["content"][0]["text"] += "\n"  # a layout change in the prose
+    out = send(engine, more(fork, "continue"), F)
+    assert has_block(out, "b1") and "file-2-row-" not in json.dumps(out)
+    assert result_of(out, "toolu_c1") == result_of(last, "toolu_c1")
+    assert ref_for(out, "Step 6:") == ref_for(last, "Step 6:") and ref_for(out, "Step 7:") == ref_for(last, "Step 7:")
+    # a call id the parent never had ends the verified history: nothing after it is inherited
+    other = json.loads(json.dumps(msgs))
+    other[13]["content"][1]["id"] = other[14]["content"][0]["tool_use_id"] = "toolu_other"
+    out = send(engine, more(other, "continue"), {"x-claude-code-session-id": "fork2"})
+    assert not has_block(out, "b1") and "file-2-row-" in json.dumps(out)
+    assert ref_for(out, "Step 5:") == ref_for(last, "Step 5:")
+    assert ref_for(out, "Step 7:") != ref_for(last, "Step 7:")
+
+
 def test_conversations_sharing_only_their_opening_stay_apart(engine):
     folded_parent(engine)
     other = {"x-claude-code-session-id": "other"}

@@ -26,6 +26,7 @@ matched against them under the same rule (see :meth:`PrefixAffinity.locate`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 from collections import OrderedDict
@@ -33,12 +34,12 @@ from typing import Callable
 
 from bili_addon.kernel.fold import Block
 from bili_addon.kernel.identity import InstanceCounter, count_tokens
-from bili_addon.kernel.reconcile import SIDE_REQUEST_MAX_ITEMS
+from bili_addon.kernel.reconcile import SIDE_REQUEST_MAX_ITEMS, canonical_text
 from bili_addon.kernel.sessions import PrefixAffinity
 from bili_addon.kernel.state import Call, Entry, ItemInfo, Resolved, Session
 from bili_addon.kernel.tools import call_key
 from bili_addon.store import LedgerRow, Store
-from bili_addon.wire.base import TEXT, TOOL_CALL
+from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, Core
 
 log = logging.getLogger("bili")
 
@@ -62,7 +63,7 @@ class Lineage:
             if parent:
                 self.parent[sid] = parent
                 self.fork_at[sid] = fork_at
-        self.records: OrderedDict[str, list[tuple[str, str]]] = OrderedDict()
+        self.records: OrderedDict[str, list[tuple[str, str, str]]] = OrderedDict()
 
     # -- sessions with an id of their own --------------------------------------------------------
     def before_turn(self, s: Session, infos: list[ItemInfo], start: int) -> str | None:
@@ -82,17 +83,20 @@ class Lineage:
         return note
 
     def record(self, s: Session, infos: list[ItemInfo], start: int, resolved: list[list[Resolved]]) -> None:
-        """Keep the session's history (ref and content hash per part) for the forks to come.  A
-        request that only repeats a prefix of it (a side request, a retry of an older turn) keeps
-        the longer record."""
+        """Keep the session's history (per part: ref, content hash, verification fingerprint) for
+        the forks to come.  A request that only repeats a prefix of it (a side request, a retry of
+        an older turn) keeps the longer record."""
         sid = s.row.id
-        rows = [(r.entry.ref, p.chash) for info, rs in zip(infos[start:], resolved) for p, r in zip(info.parts, rs)]
+        parts = [(r.entry.ref, p) for info, rs in zip(infos[start:], resolved) for p, r in zip(info.parts, rs)]
         old = self._record(sid)
-        k = _common_prefix(old, rows)
-        if k == len(rows) or (len(rows) < len(old) and len(resolved) < SIDE_REQUEST_MAX_ITEMS):
+        k, n = 0, min(len(old), len(parts))
+        while k < n and old[k][0] == parts[k][0] and old[k][1] == parts[k][1].chash:
+            k += 1
+        if k == len(parts) or (len(parts) < len(old) and len(resolved) < SIDE_REQUEST_MAX_ITEMS):
             return
-        self.store.save_lineage_parts(sid, k, rows[k:])
-        self.records[sid] = rows
+        tail = [(ref, p.chash, fingerprint(p.core)) for ref, p in parts[k:]]
+        self.store.save_lineage_parts(sid, k, tail)
+        self.records[sid] = old[:k] + tail
 
     # -- id-less sessions ------------------------------------------------------------------------
     def locate(self, affinity: PrefixAffinity, hashes: list[str], conv: list[ItemInfo]) -> tuple[str, int]:
@@ -126,7 +130,7 @@ class Lineage:
     def _fresh(s: Session) -> bool:
         return not s.blocks and not s.calls and "lineage" not in s.flags and "envelope" not in s.flags
 
-    def _record(self, sid: str) -> list[tuple[str, str]]:
+    def _record(self, sid: str) -> list[tuple[str, str, str]]:
         rec = self.records.get(sid)
         if rec is None:
             rec = [tuple(r) for r in self.store.lineage_parts(sid)]
@@ -142,32 +146,44 @@ class Lineage:
         parts = [p for info in conv for p in info.parts]
         if not parts:
             return None
+        fps: list[str] = []
+
+        def fp(i: int) -> str:  # the child's fingerprints, computed as far as they are compared
+            while len(fps) <= i:
+                fps.append(fingerprint(parts[len(fps)].core))
+            return fps[i]
+
         best, best_rec, best_n = None, [], 0
-        for cand in self.store.lineage_candidates(parts[0].chash)[-MAX_CANDIDATES:]:
+        for cand in self.store.lineage_candidates(fp(0))[-MAX_CANDIDATES:]:
             if cand == sid:
                 continue
             rec = self._record(cand)
-            n = _common_prefix([chash for _r, chash in rec], [p.chash for p in parts])
+            n = 0
+            for (_ref, chash, pfp), p in zip(rec, parts):
+                if chash != p.chash and pfp != fp(n):
+                    break
+                n += 1
             if n > best_n:
                 best, best_rec, best_n = cand, rec, n
         if best is None:
             return None
-        # the verified history: same content at the same position, one ref per message, no ref
-        # the child already gives to other content, and no tag of ours to strip first
+        # the verified history: the same message at the same position (byte for byte, or as the
+        # churn rules compare: canonical text, the same call ids), one ref per message, no ref the
+        # child already gives to other content, and no tag of ours to strip first
         count = InstanceCounter()
         ledger: list[LedgerRow] = []
         seen: set[str] = set()
         called = False
-        for p, (ref, chash) in zip(parts[:best_n], best_rec):
+        for p, (ref, _chash, _fp) in zip(parts[:best_n], best_rec):
             core = p.core
-            key = (count(p.base), chash)
+            key = (count(p.base), p.chash)
             mine = s.refs.get(key)
-            if (ref in seen or (mine is not None and mine.ref != ref) or s.owners.get(ref, chash) != chash
+            if (ref in seen or (mine is not None and mine.ref != ref) or s.owners.get(ref, p.chash) != p.chash
                     or (core.ctype == TEXT and core.role != "assistant" and core.text.startswith("<acp "))):
                 break
             seen.add(ref)
             called = called or (core.ctype == TOOL_CALL and bool(core.tool_call_id))
-            ledger.append(LedgerRow(key[0], chash, ref, core.role, core.ctype, count_tokens(core.text)))
+            ledger.append(LedgerRow(key[0], p.chash, ref, core.role, core.ctype, count_tokens(core.text)))
         if not called:
             # an opening in common is not a history in common, nor is a short first reply the
             # model may give twice: the provider's call ids are unique to one conversation
@@ -223,12 +239,14 @@ class Lineage:
                 f"{len(blocks)} block(s) and {done} call result(s)")
 
 
-def _common_prefix(a: list, b: list) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def fingerprint(core: Core) -> str:
+    """What verifies a message at its position when the bytes differ: the churn rules' canonical
+    text (JSON key-sorted and compacted, prose whitespace-normalised), with its call id and kind;
+    reasoning on its role alone, as the fold-coverage layer does (providers re-mint what stands
+    for it)."""
+    text = "" if core.ctype == REASONING else canonical_text(core.text)
+    seed = "\x00".join((core.role, core.ctype, core.tool_call_id, core.tool_name, text, core.media or ""))
+    return hashlib.sha256(seed.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 __all__ = ["Lineage"]
