@@ -64,6 +64,7 @@ class Lineage:
                 self.parent[sid] = parent
                 self.fork_at[sid] = fork_at
         self.records: OrderedDict[str, list[tuple[str, str, str]]] = OrderedDict()
+        self.whole: dict[str, bool] = {}  # the record is exactly the session's last pass
 
     # -- sessions with an id of their own --------------------------------------------------------
     def before_turn(self, s: Session, infos: list[ItemInfo], start: int) -> str | None:
@@ -82,21 +83,29 @@ class Lineage:
             s.row.next_ref = max(s.row.next_ref, self.store.family_next_ref(root))
         return note
 
-    def record(self, s: Session, infos: list[ItemInfo], start: int, resolved: list[list[Resolved]]) -> None:
+    def record(self, s: Session, infos: list[ItemInfo], start: int, resolved: list[list[Resolved]],
+               reused: int = 0) -> None:
         """Keep the session's history (per part: ref, content hash, verification fingerprint) for
         the forks to come.  A request that only repeats a prefix of it (a side request, a retry of
-        an older turn) keeps the longer record."""
+        an older turn) keeps the longer record.  ``reused``: leading items this pass shares with
+        the session's previous one, unchanged (not compared again when that pass was recorded)."""
         sid = s.row.id
-        parts = [(r.entry.ref, p) for info, rs in zip(infos[start:], resolved) for p, r in zip(info.parts, rs)]
         old = self._record(sid)
-        k, n = 0, min(len(old), len(parts))
-        while k < n and old[k][0] == parts[k][0] and old[k][1] == parts[k][1].chash:
+        first = reused if reused and self.whole.get(sid) else 0
+        off = min(sum(map(len, resolved[:first])), len(old)) if first else 0
+        parts = [(r.entry.ref, p) for info, rs in zip(infos[start + first:], resolved[first:])
+                 for p, r in zip(info.parts, rs)]
+        k, n = off, min(len(old), off + len(parts))
+        while k < n and old[k][0] == parts[k - off][0] and old[k][1] == parts[k - off][1].chash:
             k += 1
-        if k == len(parts) or (len(parts) < len(old) and len(resolved) < SIDE_REQUEST_MAX_ITEMS):
+        total = off + len(parts)
+        if k == total or (total < len(old) and len(resolved) < SIDE_REQUEST_MAX_ITEMS):
+            self.whole[sid] = k == total == len(old)
             return
-        tail = [(ref, p.chash, fingerprint(p.core)) for ref, p in parts[k:]]
+        tail = [(ref, p.chash, fingerprint(p.core)) for ref, p in parts[k - off:]]
         self.store.save_lineage_parts(sid, k, tail)
         self.records[sid] = old[:k] + tail
+        self.whole[sid] = True
 
     # -- id-less sessions ------------------------------------------------------------------------
     def locate(self, affinity: PrefixAffinity, hashes: list[str], conv: list[ItemInfo]) -> tuple[str, int]:
@@ -136,7 +145,7 @@ class Lineage:
             rec = [tuple(r) for r in self.store.lineage_parts(sid)]
             self.records[sid] = rec
             while len(self.records) > MAX_RECORDS:
-                self.records.popitem(last=False)
+                self.whole.pop(self.records.popitem(last=False)[0], None)
         else:
             self.records.move_to_end(sid)
         return rec

@@ -197,7 +197,7 @@ class Engine(ProxyTools):
             self.affinity.note(sid, *tail)
             self._lineage("note_points", sid, hashes, known)
         else:
-            self._lineage("record", s, infos, start, resolved)
+            self._lineage("record", s, infos, start, resolved, q)
         if isinstance(top.get("previous_response_id"), str) and top["previous_response_id"]:
             if self.set_flag(sid, "delta_history", True):
                 result.notes.append(
