@@ -152,7 +152,9 @@ class PrefixAffinity:
     """Anonymous conversations by the hash chain of their history.
 
     Each session remembers the tail hash of its latest request.  A request belongs to the session
-    whose remembered tail equals the request's own chain hash at that depth (the deepest wins).
+    whose remembered tail equals the request's own chain hash at that depth (the deepest wins);
+    failing that, to the session one of whose earlier points it continues, where verified
+    (:meth:`locate`; the store keeps every point).
     A request that extends nothing known starts a session whose id is derived from its own chain,
     so an identical replay after a restart lands in the same place.
     """
