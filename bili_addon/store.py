@@ -438,9 +438,11 @@ class Store:
         return int(row[0]) if row and row[0] else 1
 
     def adopt(self, child: SessionRow, parent: str, root: str, fork_at: int, ledger: list[LedgerRow],
-              blocks: list[tuple[str, str, bool]], originals: list[tuple], calls: list[tuple[str, str, str, str | None]]) -> None:
+              blocks: list[tuple[str, str, bool]], originals: list[tuple], calls: list[tuple[str, str, str, str | None]],
+              retired: list[tuple[str, str, str]] = ()) -> None:
         """One transaction: ``child`` becomes ``parent``'s child in ``root``'s family and takes what it
-        inherits (ledger rows, blocks, their originals, call results)."""
+        inherits (ledger rows, blocks, their originals, call results); ``retired``: ``(msg_id,
+        content_hash, new ref)`` of the child's own rows whose ref an inherited row takes."""
         now = time.time()
         with self._tx():
             self.db.execute(
@@ -457,8 +459,12 @@ class Store:
                 (child.id, child.agent, child.lane, child.created, now, child.next_ref, child.flags),
             )
             self.db.executemany(
-                "INSERT OR IGNORE INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen) "
-                "VALUES(?,?,?,?,?,?,?,?)",
+                "UPDATE ledger SET ref=? WHERE session_id=? AND msg_id=? AND content_hash=?",
+                [(ref, child.id, msg_id, chash) for msg_id, chash, ref in retired],
+            )
+            self.db.executemany(
+                "INSERT OR REPLACE INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, "
+                "first_seen) VALUES(?,?,?,?,?,?,?,?)",
                 [(child.id, r.msg_id, r.content_hash, r.ref, r.role, r.ctype, r.tokens, now) for r in ledger],
             )
             self.db.executemany(

@@ -194,6 +194,30 @@ def test_conversations_sharing_only_their_opening_stay_apart(engine):
     assert engine.lineage.family_of("twin") is None and engine.sessions["twin"].blocks == []
 
 
+def test_a_session_that_grew_its_own_history_is_no_fork_even_where_it_matches(engine):
+    """A deterministic model gives the same answers, call ids included, to two conversations
+    started alike; the second grew its history request by request, so it is its own."""
+    msgs, _ = folded_parent(engine)
+    twin = {"x-claude-code-session-id": "twin"}
+    for n in (0, 2, 4):
+        send(engine, conversation(n), twin)
+    assert engine.lineage.family_of("twin") is None and engine.sessions["twin"].flags["lineage"] == "checked"
+    # a fork may send a side request of other words (a title) before its first turn
+    title = {"x-claude-code-session-id": "titled"}
+    ask = json.dumps({"model": "m", "max_tokens": 20, "messages": [
+        {"role": "user", "content": "Write a title for: Please audit the repository."}]}).encode()
+    assert TAG.match(json.loads(engine.process(ask, ANTH, title, render=True).body)["messages"][0]["content"]).group(1) == "m00001"
+    out = send(engine, more(msgs, "continue"), title)
+    assert has_block(out, "b1") and engine.lineage.family_of("titled")["parent"] == "parent"
+    assert ref_for(out, "Please audit") == "m00001"  # the parent's ref for the parent's message
+    # the title's own m00001 was given anew: a ref names one message in the session
+    again = TAG.match(json.loads(engine.process(ask, ANTH, title, render=True).body)["messages"][0]["content"])
+    assert again.group(1) != "m00001"
+    owners: dict[str, str] = {}
+    for r in engine.store.ledger("titled"):
+        assert owners.setdefault(r.ref, r.content_hash) == r.content_hash, r.ref
+
+
 def test_a_block_is_inherited_only_where_all_it_covers_is_verified(engine):
     msgs = conversation(8)
     shown = send(engine, msgs, P)

@@ -15,7 +15,8 @@ first difference the histories are the same; from there the child inherits, as o
 
 The copies are the child's own: a fold in one never changes the other.  Nothing is inherited
 without verification: a shared opening (the same first message, even the same first reply) is no
-history, so the verified part must hold a tool call the model made, under its provider-minted id.
+history, so the verified part must hold a tool call the model made, under its provider-minted id, and a session whose
+history goes on from its own earlier request is never anyone's child.
 
 Id-less conversations (no session id; matched by the hash chain of their history) keep their
 session when the agent goes back to an earlier point of it (a dropped turn, another branch): every
@@ -36,7 +37,8 @@ from bili_addon.kernel.fold import Block
 from bili_addon.kernel.identity import InstanceCounter, count_tokens
 from bili_addon.kernel.reconcile import SIDE_REQUEST_MAX_ITEMS, canonical_text
 from bili_addon.kernel.sessions import PrefixAffinity
-from bili_addon.kernel.state import Call, Entry, ItemInfo, Resolved, Session
+from bili_addon.kernel.state import Call, Entry, ItemInfo, Part, Resolved, Session
+from bili_addon.kernel.tags import ref_of
 from bili_addon.kernel.tools import call_key
 from bili_addon.store import LedgerRow, Store
 from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, Core
@@ -46,7 +48,7 @@ log = logging.getLogger("bili")
 MAX_CANDIDATES = 64  # sessions opening with the same message that a new one is compared with
 MAX_RECORDS = 256
 # learned facts a child takes as they are, and per-ref ones it takes for the refs it inherits
-INHERITED_FLAGS = ("strict_reasoning", "learned_windows", "last_nudge_at")
+INHERITED_FLAGS = ("strict_reasoning", "learned_windows")
 INHERITED_REF_FLAGS = ("nudges", "truncated")
 
 
@@ -75,7 +77,14 @@ class Lineage:
         if sid not in self.root and self._fresh(s):
             conv = infos[start:]
             if any(p.core.role == "assistant" for info in conv for p in info.parts):
-                note = self._adopt(s, conv)
+                # a history that goes on from the session's own earlier request is its own, even
+                # where another conversation said the same (a fork's first request carries the
+                # parent's history; at most a side request of other words comes before it)
+                own = self._record(sid)
+                parts = [p for info in conv for p in info.parts]
+                continues = bool(own) and len(parts) >= len(own) and all(
+                    o[1] == p.chash for o, p in zip(own, parts))
+                note = None if continues else self._adopt(s, parts)
                 s.flags["lineage"] = "child" if note else "checked"  # never compared again
                 s.row.flags = json.dumps(s.flags, sort_keys=True)  # written with the turn
         root = self.root.get(sid)
@@ -137,7 +146,8 @@ class Lineage:
     # -- adoption --------------------------------------------------------------------------------
     @staticmethod
     def _fresh(s: Session) -> bool:
-        return not s.blocks and not s.calls and "lineage" not in s.flags and "envelope" not in s.flags
+        return (not s.blocks and not s.calls and
+                not any(k in s.flags for k in ("lineage", "envelope", "nudges", "truncated")))
 
     def _record(self, sid: str) -> list[tuple[str, str, str]]:
         rec = self.records.get(sid)
@@ -150,9 +160,8 @@ class Lineage:
             self.records.move_to_end(sid)
         return rec
 
-    def _adopt(self, s: Session, conv: list[ItemInfo]) -> str | None:
+    def _adopt(self, s: Session, parts: list[Part]) -> str | None:
         sid = s.row.id
-        parts = [p for info in conv for p in info.parts]
         if not parts:
             return None
         fps: list[str] = []
@@ -177,8 +186,8 @@ class Lineage:
         if best is None:
             return None
         # the verified history: the same message at the same position (byte for byte, or as the
-        # churn rules compare: canonical text, the same call ids), one ref per message, no ref the
-        # child already gives to other content, and no tag of ours to strip first
+        # churn rules compare: canonical text, the same call ids), one ref per message, and no tag
+        # of ours to strip first
         count = InstanceCounter()
         ledger: list[LedgerRow] = []
         seen: set[str] = set()
@@ -186,9 +195,7 @@ class Lineage:
         for p, (ref, _chash, _fp) in zip(parts[:best_n], best_rec):
             core = p.core
             key = (count(p.base), p.chash)
-            mine = s.refs.get(key)
-            if (ref in seen or (mine is not None and mine.ref != ref) or s.owners.get(ref, p.chash) != p.chash
-                    or (core.ctype == TEXT and core.role != "assistant" and core.text.startswith("<acp "))):
+            if ref in seen or (core.ctype == TEXT and core.role != "assistant" and core.text.startswith("<acp ")):
                 break
             seen.add(ref)
             called = called or (core.ctype == TOOL_CALL and bool(core.tool_call_id))
@@ -224,18 +231,31 @@ class Lineage:
         root = self.root.get(best, best)
         next_ref = max(s.row.next_ref, parent.next_ref if parent is not None else 1, self.store.family_next_ref(root))
 
+        # what the child gave before it was recognised (a side request's message, on its own
+        # counter) and now collides with an inherited ref takes a new one: a ref names one message
+        inherited = {(r.msg_id, r.content_hash) for r in ledger}
+        retired = []
+        for key, entry in s.refs.items():
+            if key not in inherited and entry.ref in refs:
+                retired.append((key, Entry(ref_of(next_ref), entry.tokens)))
+                next_ref += 1
+
         merged = {**s.flags, **flags}
         row = dataclasses.replace(s.row, flags=json.dumps(merged, sort_keys=True), next_ref=next_ref)
         self.store.adopt(row, best, root, fork_at, ledger,
-                         [(b.id, json.dumps(b.__dict__), b.active) for b in blocks], originals, calls)
+                         [(b.id, json.dumps(b.__dict__), b.active) for b in blocks], originals, calls,
+                         [(k[0], k[1], e.ref) for k, e in retired])
         # the store has it all; now the live session
         s.row = row
         s.flags.clear()
         s.flags.update(merged)
+        for key, entry in retired:
+            s.refs[key] = entry
         for r in ledger:
-            entry = Entry(r.ref, r.tokens)
-            s.refs[(r.msg_id, r.content_hash)] = entry
-            s.owners[r.ref] = r.content_hash
+            s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
+        s.owners.clear()
+        for (_msg_id, chash), entry in s.refs.items():
+            s.owners.setdefault(entry.ref, chash)
         s.blocks = sorted(blocks, key=lambda b: b.number)
         s.calls.update({k: Call(n, a, res) for k, n, a, res in calls})
         s.version += 1
@@ -244,8 +264,11 @@ class Lineage:
         self.parent[sid] = best
         self.fork_at[sid] = fork_at
         done = sum(1 for c in calls if c[3] is not None)
-        return (f"a fork of {best}: {fork_at} message part(s) verified in its history; inherits their refs, "
+        note = (f"a fork of {best}: {fork_at} message part(s) verified in its history; inherits their refs, "
                 f"{len(blocks)} block(s) and {done} call result(s)")
+        if retired:
+            note += f"; {len(retired)} ref(s) it gave before it was recognised are given anew"
+        return note
 
 
 def fingerprint(core: Core) -> str:

@@ -29,7 +29,7 @@ import pytest
 from churn import strings
 
 from .conftest import PINS, Run, agent_bin_dir, alive, base_env, free_port, run_launcher, snapshot
-from .scripted_model import COMPRESS_STAGE, ECHO, FINAL, ScriptedModel, call_id, results_of
+from .scripted_model import COMPRESS_STAGE, ECHO, FINAL, ScriptedModel, call_id, results_of, tagged
 
 pytestmark = pytest.mark.acceptance
 
@@ -356,3 +356,39 @@ def test_hermes_mcp(model, work):
                        cwd=cwd, model=model, work=tmp, port=port)
     assert_scripted_run(run, model, "chat", before, cfg, mcp=True)
     assert_mcp_tools(model, "chat", "mcp__bili__compress")
+
+
+# -- forks (#15): the agent's own fork command, after a fold --------------------------------------
+def test_claude_code_fork_keeps_the_fold(model, work):
+    """``claude -p --resume <id> --fork-session``: a new conversation id with the stored history.
+    Its first request carries the parent's fold, the parent's compress result byte for byte and
+    the parent's refs; the proxy logs it as a fork."""
+    tmp, home, cwd = work
+    bins = agent_bin_dir(PINS["claude"], tmp)
+    env = base_env(home, bins, ANTHROPIC_API_KEY="sk-ant-api03-fake-bili-acceptance")
+    first = run_launcher("claude", ["-p", PROMPT, "--allowedTools", "Bash"], env=env, cwd=cwd, model=model, work=tmp)
+    assert first.rc == 0 and FINAL in first.stdout, _report(first, model)
+    loop = model.model_requests()
+    parent_id = loop[-1].headers.get("x-claude-code-session-id")
+    assert parent_id, "Claude Code sent no session id"
+    parent_last = loop[-1]  # the request that got the final answer: the fold, the result, the refs
+    n = len(model.seen)
+
+    fork = run_launcher("claude", ["-p", "--resume", parent_id, "--fork-session", "Now say it once more.",
+                                   "--allowedTools", "Bash"], env=env, cwd=cwd, model=model, work=tmp)
+    info = _report(fork, model)
+    assert fork.rc == 0, info
+    mine = [r for r in model.seen[n:] if r.action is not None and r.lane == "anthropic" and r.action.stage]
+    assert mine, info
+    child = mine[0]
+    child_id = child.headers.get("x-claude-code-session-id")
+    assert child_id and child_id != parent_id, "the fork kept the parent's conversation id"
+    text = child.body.decode()
+    assert "[Compressed conversation section b1 · " in text and SUMMARY_MARK in text, info
+    assert "alpha-row-" not in text and "gamma-row-001" in text
+    cid = call_id("anthropic", COMPRESS_STAGE)
+    result = results_of("anthropic", child.json).get(cid, "")
+    assert result.startswith("Compressed ") and result == results_of("anthropic", parent_last.json)[cid]
+    parent_refs, child_refs = tagged(parent_last.json), tagged(child.json)
+    assert parent_refs and all(child_refs.get(t) == r for t, r in parent_refs.items()), (parent_refs, child_refs)
+    assert f"session={child_id}: a fork of {parent_id}" in fork.proxy_log, fork.proxy_log[-3000:]
