@@ -423,11 +423,11 @@ class Store:
                 [(session_id, keep + i, *row) for i, row in enumerate(rows)],
             )
 
-    def lineage_candidates(self, first_fp: str) -> list[str]:
-        """Sessions whose recorded history opens with this part, oldest first."""
+    def lineage_candidates(self, first_fp: str, lane: str) -> list[str]:
+        """Sessions of ``lane`` whose recorded history opens with this part, oldest first."""
         return [r[0] for r in self.db.execute(
-            "SELECT p.session_id FROM lineage_parts p LEFT JOIN sessions s ON s.id=p.session_id "
-            "WHERE p.seq=0 AND p.fp=? ORDER BY s.created", (first_fp,)
+            "SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id=p.session_id "
+            "WHERE p.seq=0 AND p.fp=? AND s.lane=? ORDER BY s.created", (first_fp, lane)
         ).fetchall()]
 
     def family_next_ref(self, root: str) -> int:

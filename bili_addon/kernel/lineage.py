@@ -172,7 +172,7 @@ class Lineage:
             return fps[i]
 
         best, best_rec, best_n = None, [], 0
-        for cand in self.store.lineage_candidates(fp(0))[-MAX_CANDIDATES:]:
+        for cand in self.store.lineage_candidates(fp(0), s.row.lane)[-MAX_CANDIDATES:]:  # a fork is the same agent's
             if cand == sid:
                 continue
             rec = self._record(cand)
