@@ -181,7 +181,7 @@ def test_conversations_sharing_only_their_opening_stay_apart(engine):
     out = send(engine, mine, other)
     s = engine.sessions["other"]
     assert engine.lineage.family_of("other") is None
-    assert s.blocks == [] and s.calls == {} and s.flags.get("lineage") == "checked"
+    assert s.blocks == [] and s.calls == {} and "other" in engine.lineage.checked
     assert sorted(refs_in(out)) == ["m00001", "m00002", "m00003"]
     # even where the model's first reply was word for word the parent's
     twin = {"x-claude-code-session-id": "twin"}
@@ -201,7 +201,7 @@ def test_a_session_that_grew_its_own_history_is_no_fork_even_where_it_matches(en
     twin = {"x-claude-code-session-id": "twin"}
     for n in (0, 2, 4):
         send(engine, conversation(n), twin)
-    assert engine.lineage.family_of("twin") is None and engine.sessions["twin"].flags["lineage"] == "checked"
+    assert engine.lineage.family_of("twin") is None and "twin" in engine.lineage.checked
     # a fork may send a side request of other words (a title) before its first turn
     title = {"x-claude-code-session-id": "titled"}
     ask = json.dumps({"model": "m", "max_tokens": 20, "messages": [

@@ -67,6 +67,7 @@ class Lineage:
                 self.fork_at[sid] = fork_at
         self.records: OrderedDict[str, list[tuple[str, str, str]]] = OrderedDict()
         self.whole: dict[str, bool] = {}  # the record is exactly the session's last pass
+        self.checked: set[str] = set()  # sessions compared once, found to be nobody's fork
 
     # -- sessions with an id of their own --------------------------------------------------------
     def before_turn(self, s: Session, infos: list[ItemInfo], start: int) -> str | None:
@@ -74,7 +75,7 @@ class Lineage:
         saying so); a family member's next ref is the family's."""
         sid = s.row.id
         note = None
-        if sid not in self.root and self._fresh(s):
+        if sid not in self.root and sid not in self.checked and self._fresh(s):
             conv = infos[start:]
             if any(p.core.role == "assistant" for info in conv for p in info.parts):
                 # a history that goes on from the session's own earlier request is its own, even
@@ -85,8 +86,7 @@ class Lineage:
                 continues = bool(own) and len(parts) >= len(own) and all(
                     o[1] == p.chash for o, p in zip(own, parts))
                 note = None if continues else self._adopt(s, parts)
-                s.flags["lineage"] = "child" if note else "checked"  # never compared again
-                s.row.flags = json.dumps(s.flags, sort_keys=True)  # written with the turn
+                self.checked.add(sid)  # never compared again (after a restart: its own record says it)
         root = self.root.get(sid)
         if root is not None:
             s.row.next_ref = max(s.row.next_ref, self.store.family_next_ref(root))
@@ -147,7 +147,7 @@ class Lineage:
     @staticmethod
     def _fresh(s: Session) -> bool:
         return (not s.blocks and not s.calls and
-                not any(k in s.flags for k in ("lineage", "envelope", "nudges", "truncated")))
+                not any(k in s.flags for k in ("envelope", "nudges", "truncated")))
 
     def _record(self, sid: str) -> list[tuple[str, str, str]]:
         rec = self.records.get(sid)

@@ -368,17 +368,16 @@ def test_claude_code_fork_keeps_the_fold(model, work):
     env = base_env(home, bins, ANTHROPIC_API_KEY="sk-ant-api03-fake-bili-acceptance")
     first = run_launcher("claude", ["-p", PROMPT, "--allowedTools", "Bash"], env=env, cwd=cwd, model=model, work=tmp)
     assert first.rc == 0 and FINAL in first.stdout, _report(first, model)
-    loop = model.model_requests()
-    parent_id = loop[-1].headers.get("x-claude-code-session-id")
+    parent_last = model.by_stage(COMPRESS_STAGE + 2)[-1]  # the final turn: the fold, the result, the refs
+    parent_id = parent_last.headers.get("x-claude-code-session-id")
     assert parent_id, "Claude Code sent no session id"
-    parent_last = loop[-1]  # the request that got the final answer: the fold, the result, the refs
     n = len(model.seen)
 
     fork = run_launcher("claude", ["-p", "--resume", parent_id, "--fork-session", "Now say it once more.",
                                    "--allowedTools", "Bash"], env=env, cwd=cwd, model=model, work=tmp)
     info = _report(fork, model)
     assert fork.rc == 0, info
-    mine = [r for r in model.seen[n:] if r.action is not None and r.lane == "anthropic" and r.action.stage]
+    mine = [r for r in model.seen[n:] if r.action is not None and r.action.stage == COMPRESS_STAGE + 2]
     assert mine, info
     child = mine[0]
     child_id = child.headers.get("x-claude-code-session-id")
