@@ -359,6 +359,10 @@ def test_hermes_mcp(model, work):
 
 
 # -- forks (#15): the agent's own fork command, after a fold --------------------------------------
+def _header(rec, name: str) -> str | None:
+    return next((v for k, v in rec.headers.items() if k.lower() == name), None)
+
+
 def test_claude_code_fork_keeps_the_fold(model, work):
     """``claude -p --resume <id> --fork-session``: a new conversation id with the stored history.
     Its first request carries the parent's fold, the parent's compress result byte for byte and
@@ -369,7 +373,7 @@ def test_claude_code_fork_keeps_the_fold(model, work):
     first = run_launcher("claude", ["-p", PROMPT, "--allowedTools", "Bash"], env=env, cwd=cwd, model=model, work=tmp)
     assert first.rc == 0 and FINAL in first.stdout, _report(first, model)
     parent_last = model.by_stage(COMPRESS_STAGE + 2)[-1]  # the final turn: the fold, the result, the refs
-    parent_id = parent_last.headers.get("x-claude-code-session-id")
+    parent_id = _header(parent_last, "x-claude-code-session-id")
     assert parent_id, "Claude Code sent no session id"
     n = len(model.seen)
 
@@ -380,7 +384,7 @@ def test_claude_code_fork_keeps_the_fold(model, work):
     mine = [r for r in model.seen[n:] if r.action is not None and r.action.stage == COMPRESS_STAGE + 2]
     assert mine, info
     child = mine[0]
-    child_id = child.headers.get("x-claude-code-session-id")
+    child_id = _header(child, "x-claude-code-session-id")
     assert child_id and child_id != parent_id, "the fork kept the parent's conversation id"
     text = child.body.decode()
     assert "[Compressed conversation section b1 · " in text and SUMMARY_MARK in text, info
