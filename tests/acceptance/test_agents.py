@@ -363,35 +363,53 @@ def _header(rec, name: str) -> str | None:
     return next((v for k, v in rec.headers.items() if k.lower() == name), None)
 
 
-def test_claude_code_fork_keeps_the_fold(model, work):
-    """``claude -p --resume <id> --fork-session``: a new conversation id with the stored history.
-    Its first request carries the parent's fold, the parent's compress result byte for byte and
-    the parent's refs; the proxy logs it as a fork."""
-    tmp, home, cwd = work
-    bins = agent_bin_dir(PINS["claude"], tmp)
-    env = base_env(home, bins, ANTHROPIC_API_KEY="sk-ant-api03-fake-bili-acceptance")
-    first = run_launcher("claude", ["-p", PROMPT, "--allowedTools", "Bash"], env=env, cwd=cwd, model=model, work=tmp)
+def run_fork(model, first: Run, fork_cmd, lane: str, header: str) -> None:
+    """``fork_cmd(parent_id)`` runs the agent's fork of the conversation ``first`` ran.  The fork's
+    first request carries the parent's fold, the parent's compress result byte for byte and the
+    parent's refs; the proxy logs it as a fork of the parent."""
     assert first.rc == 0 and FINAL in first.stdout, _report(first, model)
     parent_last = model.by_stage(COMPRESS_STAGE + 2)[-1]  # the final turn: the fold, the result, the refs
-    parent_id = _header(parent_last, "x-claude-code-session-id")
-    assert parent_id, "Claude Code sent no session id"
+    parent_id = _header(parent_last, header)
+    assert parent_id, f"no {header} header"
     n = len(model.seen)
-
-    fork = run_launcher("claude", ["-p", "--resume", parent_id, "--fork-session", "Now say it once more.",
-                                   "--allowedTools", "Bash"], env=env, cwd=cwd, model=model, work=tmp)
+    fork = fork_cmd(parent_id)
     info = _report(fork, model)
     assert fork.rc == 0, info
     mine = [r for r in model.seen[n:] if r.action is not None and r.action.stage == COMPRESS_STAGE + 2]
     assert mine, info
     child = mine[0]
-    child_id = _header(child, "x-claude-code-session-id")
+    child_id = _header(child, header)
     assert child_id and child_id != parent_id, "the fork kept the parent's conversation id"
     text = child.body.decode()
     assert "[Compressed conversation section b1 · " in text and SUMMARY_MARK in text, info
     assert "alpha-row-" not in text and "gamma-row-001" in text
-    cid = call_id("anthropic", COMPRESS_STAGE)
-    result = results_of("anthropic", child.json).get(cid, "")
-    assert result.startswith("Compressed ") and result == results_of("anthropic", parent_last.json)[cid]
+    cid = call_id(lane, COMPRESS_STAGE)
+    result = results_of(lane, child.json).get(cid, "")
+    assert result.startswith("Compressed ") and result == results_of(lane, parent_last.json)[cid]
     parent_refs, child_refs = tagged(parent_last.json), tagged(child.json)
     assert parent_refs and all(child_refs.get(t) == r for t, r in parent_refs.items()), (parent_refs, child_refs)
     assert f"session={child_id}: a fork of {parent_id}" in fork.proxy_log, fork.proxy_log[-3000:]
+
+
+def test_claude_code_fork_keeps_the_fold(model, work):
+    """``claude -p --resume <id> --fork-session``: a new conversation id with the stored history."""
+    tmp, home, cwd = work
+    bins = agent_bin_dir(PINS["claude"], tmp)
+    env = base_env(home, bins, ANTHROPIC_API_KEY="sk-ant-api03-fake-bili-acceptance")
+    first = run_launcher("claude", ["-p", PROMPT, "--allowedTools", "Bash"], env=env, cwd=cwd, model=model, work=tmp)
+    run_fork(model, first, lambda pid: run_launcher(
+        "claude", ["-p", "--resume", pid, "--fork-session", "Now say it once more.", "--allowedTools", "Bash"],
+        env=env, cwd=cwd, model=model, work=tmp), "anthropic", "x-claude-code-session-id")
+
+
+def test_codex_fork_keeps_the_fold(model, work):
+    """``codex exec fork <id>``: a new session with the stored history."""
+    tmp, home, cwd = work
+    bins = agent_bin_dir(PINS["codex"], tmp)
+    _write(home / ".codex" / "config.toml", 'model = "gpt-5.1-codex"\n')
+    env = base_env(home, bins, CODEX_API_KEY="sk-fake-bili-acceptance", CODEX_HOME=str(home / ".codex"))
+    flags = ["--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
+    first = run_launcher("codex", ["exec", *flags, PROMPT], env=env, cwd=cwd, model=model, work=tmp)
+    run_fork(model, first, lambda pid: run_launcher(
+        "codex", ["exec", *flags, "fork", pid, "Now say it once more."], env=env, cwd=cwd, model=model, work=tmp),
+        "responses", "session-id")
