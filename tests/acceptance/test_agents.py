@@ -21,6 +21,7 @@ agent's replays of its own history byte for byte until a fold takes the output i
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -413,3 +414,44 @@ def test_codex_fork_keeps_the_fold(model, work):
     run_fork(model, first, lambda pid: run_launcher(
         "codex", ["exec", *flags, "fork", pid, "Now say it once more."], env=env, cwd=cwd, model=model, work=tmp),
         "responses", "session-id")
+
+
+def test_pi_fork_and_return_keep_the_idless_session(model, work):
+    """pi's Chat lane carries no conversation id (#20): ``pi --fork`` continues the folded history,
+    and going back to the original session afterwards (an earlier point of the same history) keeps
+    the session, its fold, its compress result and its refs."""
+    tmp, home, cwd = work
+    bins = agent_bin_dir(PINS["pi"], tmp)
+    models = {"providers": {"scripted": {
+        "baseUrl": "https://llm.pi.bili-test.invalid/v1", "api": "openai-completions", "apiKey": "sk-fake-pi",
+        "models": [{"id": "gpt-scripted", "contextWindow": 200000, "maxTokens": 8000}]}}}
+    _write(home / ".pi" / "agent" / "models.json", json.dumps(models, indent=2) + "\n")
+    env = base_env(home, bins)
+    sessions = tmp / "pi-sessions"
+    base = ["--session-dir", str(sessions), "--model", "scripted/gpt-scripted"]
+    first = run_launcher("pi", [*base, "-p", PROMPT], env=env, cwd=cwd, model=model, work=tmp)
+    assert first.rc == 0 and FINAL in first.stdout, _report(first, model)
+    files = sorted(sessions.rglob("*.jsonl"))
+    assert len(files) == 1, files
+    parent_last = model.by_stage(COMPRESS_STAGE + 2)[-1]
+    runs = []
+    for args in (["--fork", str(files[0]), "-p", "Now say it once more."],
+                 ["--session", str(files[0]), "-p", "And once again, in the original session."]):
+        n = len(model.seen)
+        run = run_launcher("pi", [*base, *args], env=env, cwd=cwd, model=model, work=tmp)
+        assert run.rc == 0, _report(run, model)
+        got = [r for r in model.seen[n:] if r.action is not None and r.action.stage == COMPRESS_STAGE + 2]
+        assert got, _report(run, model)
+        runs.append((run, got[0]))
+    cid = call_id("chat", COMPRESS_STAGE)
+    parent_refs = tagged(parent_last.json)
+    for run, req in runs:
+        text = req.body.decode()
+        assert "[Compressed conversation section b1 · " in text and SUMMARY_MARK in text, _report(run, model)
+        assert "alpha-row-" not in text
+        assert results_of("chat", req.json).get(cid) == results_of("chat", parent_last.json)[cid]
+        refs = tagged(req.json)
+        assert all(refs.get(t) == r for t, r in parent_refs.items()), (parent_refs, refs)
+    # the original session's request goes back to a point before the fork's turn: the same session
+    sids = [set(re.findall(r"\[bili\] session=(\S+) lane=chat", run.proxy_log)) for run in (first, *[r for r, _ in runs])]
+    assert len(sids[0]) == 1 and all(s == sids[0] for s in sids), sids
