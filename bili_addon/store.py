@@ -437,6 +437,15 @@ class Store:
         ).fetchone()
         return int(row[0]) if row and row[0] else 1
 
+    def family(self, session_id: str) -> tuple[str, str, int, int] | None:
+        """``(root, parent, fork_at, the family's next ref)`` of a session in a family, else None
+        (read from the store on every turn: another proxy on the same store may have made it one)."""
+        row = self.db.execute(
+            "SELECT l.root, l.parent, l.fork_at, (SELECT MAX(s.next_ref) FROM sessions s JOIN lineage m "
+            "ON m.session_id=s.id WHERE m.root=l.root) FROM lineage l WHERE l.session_id=?", (session_id,)
+        ).fetchone()
+        return (row[0], row[1], row[2], int(row[3] or 1)) if row else None
+
     def adopt(self, child: SessionRow, parent: str, root: str, fork_at: int, ledger: list[LedgerRow],
               blocks: list[tuple[str, str, bool]], originals: list[tuple], calls: list[tuple[str, str, str, str | None]],
               retired: list[tuple[str, str, str]] = ()) -> None:

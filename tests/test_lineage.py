@@ -302,3 +302,20 @@ def test_idless_conversations_sharing_only_their_opening_stay_apart(engine):
     b1 = engine.process(body(chat(1)), ANTH, {}, render=True).session
     b = engine.process(body(chat(1) + chat(3, "-b")[1:]), ANTH, {}, render=True).session
     assert b1 == b != a
+
+
+def test_two_proxies_on_one_store_share_the_family_counter(tmp_path):
+    """A fork made by another proxy on the same store: this one's parent still never gives a ref
+    the fork gave."""
+    one = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    two = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    msgs, last = folded_parent(one)
+    fork = send(two, more(msgs, "continue in the fork"), F)
+    assert two.lineage.family_of("fork")["parent"] == "parent"
+    fork_new = set(refs_in(fork)) - set(refs_in(last))
+    parent_new = set(refs_in(send(one, more(msgs, "the parent goes on"), P))) - set(refs_in(last))
+    assert fork_new and parent_new and not fork_new & parent_new
+    assert min(parent_new) > max(fork_new)
+    assert one.lineage.family_of("parent")["root"] == "parent"
+    one.store.close()
+    two.store.close()

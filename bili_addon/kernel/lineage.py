@@ -75,7 +75,13 @@ class Lineage:
         saying so); a family member's next ref is the family's."""
         sid = s.row.id
         note = None
-        if sid not in self.root and sid not in self.checked and self._fresh(s):
+        family = self.store.family(sid)
+        if family is not None:  # (another proxy on the same store may have made it one)
+            root, parent, fork_at, _next = family
+            self.root[sid] = root
+            if parent:
+                self.parent[sid], self.fork_at[sid] = parent, fork_at
+        elif sid not in self.checked and self._fresh(s):
             conv = infos[start:]
             if any(p.core.role == "assistant" for info in conv for p in info.parts):
                 # a history that goes on from the session's own earlier request is its own, even
@@ -87,9 +93,8 @@ class Lineage:
                     o[1] == p.chash for o, p in zip(own, parts))
                 note = None if continues else self._adopt(s, parts)
                 self.checked.add(sid)  # never compared again (after a restart: its own record says it)
-        root = self.root.get(sid)
-        if root is not None:
-            s.row.next_ref = max(s.row.next_ref, self.store.family_next_ref(root))
+        if family is not None:
+            s.row.next_ref = max(s.row.next_ref, family[3])
         return note
 
     def record(self, s: Session, infos: list[ItemInfo], start: int, resolved: list[list[Resolved]],
@@ -175,7 +180,7 @@ class Lineage:
         for cand in self.store.lineage_candidates(fp(0), s.row.lane)[-MAX_CANDIDATES:]:  # a fork is the same agent's
             if cand == sid:
                 continue
-            rec = self._record(cand)
+            rec = [tuple(r) for r in self.store.lineage_parts(cand)]  # as the store has it now
             n = 0
             for (_ref, chash, pfp), p in zip(rec, parts):
                 if chash != p.chash and pfp != fp(n):
