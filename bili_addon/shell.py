@@ -355,6 +355,7 @@ class Bili:
             return {"sessions": [], "store": False}
         store = self.engine.store
         sessions = []
+        families = self.engine.lineage.families()
         for r in store.sessions():
             u = store.usage(r.id)
             flags = msgspec.json.decode(r.flags or "{}")
@@ -381,7 +382,7 @@ class Bili:
                 "sent_tokens": live.sent_tokens if live is not None else None,
                 "unfolded_tokens": live.unfolded_tokens if live is not None else None,
             }
-            family = self.engine.lineage.family_of(r.id)
+            family = families.get(r.id)
             if family is not None:  # forks: {root, parent, fork_at, children}
                 entry["lineage"] = family
             if flags.get("delta_history"):

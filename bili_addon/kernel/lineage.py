@@ -53,18 +53,11 @@ INHERITED_REF_FLAGS = ("nudges", "truncated")
 
 
 class Lineage:
-    """Families of sessions over a :class:`Store`; the Engine calls the four hooks below."""
+    """Families of sessions over a :class:`Store` (which alone says who belongs to one); the Engine
+    calls the hooks below."""
 
     def __init__(self, store: Store):
         self.store = store
-        self.root: dict[str, str] = {}  # session -> its family's root
-        self.parent: dict[str, str] = {}
-        self.fork_at: dict[str, int] = {}  # child -> message parts verified in its parent's history
-        for sid, parent, root, fork_at in store.lineage():
-            self.root[sid] = root
-            if parent:
-                self.parent[sid] = parent
-                self.fork_at[sid] = fork_at
         self.records: OrderedDict[str, list[tuple[str, str, str]]] = OrderedDict()
         self.whole: dict[str, bool] = {}  # the record is exactly the session's last pass
         self.checked: set[str] = set()  # sessions compared once, found to be nobody's fork
@@ -75,13 +68,8 @@ class Lineage:
         saying so); a family member's next ref is the family's."""
         sid = s.row.id
         note = None
-        family = self.store.family(sid)
-        if family is not None:  # (another proxy on the same store may have made it one)
-            root, parent, fork_at, _next = family
-            self.root[sid] = root
-            if parent:
-                self.parent[sid], self.fork_at[sid] = parent, fork_at
-        elif sid not in self.checked and self._fresh(s):
+        family = self.store.family(sid)  # from the store: another proxy on it may have made one
+        if family is None and sid not in self.checked and self._fresh(s):
             conv = infos[start:]
             if any(p.core.role == "assistant" for info in conv for p in info.parts):
                 # a history that goes on from the session's own earlier request is its own, even
@@ -141,12 +129,18 @@ class Lineage:
         self.store.add_affinity_points(sid, [(d, hashes[d - 1]) for d in range(known + 1, len(hashes) + 1)])
 
     # -- stats -----------------------------------------------------------------------------------
+    def families(self) -> dict[str, dict]:
+        """Every session in a family, as the store has them: ``{root, parent, fork_at, children}``."""
+        rows = self.store.lineage()
+        out = {sid: {"root": root, "parent": parent or None, "fork_at": fork_at, "children": []}
+               for sid, parent, root, fork_at in rows}
+        for sid, parent, _root, _fork_at in rows:
+            if parent in out:
+                out[parent]["children"].append(sid)
+        return out
+
     def family_of(self, sid: str) -> dict | None:
-        root = self.root.get(sid)
-        if root is None:
-            return None
-        return {"root": root, "parent": self.parent.get(sid) or None, "fork_at": self.fork_at.get(sid, 0),
-                "children": [c for c, p in self.parent.items() if p == sid]}
+        return self.families().get(sid)
 
     # -- adoption --------------------------------------------------------------------------------
     @staticmethod
@@ -233,7 +227,8 @@ class Lineage:
             kept = {ref: v for ref, v in (pflags.get(k) or {}).items() if ref in refs}
             if kept:
                 flags[k] = kept
-        root = self.root.get(best, best)
+        family = self.store.family(best)
+        root = family[0] if family is not None else best
         next_ref = max(s.row.next_ref, parent.next_ref if parent is not None else 1, self.store.family_next_ref(root))
 
         # what the child gave before it was recognised (a side request's message, on its own
@@ -264,10 +259,6 @@ class Lineage:
         s.blocks = sorted(blocks, key=lambda b: b.number)
         s.calls.update({k: Call(n, a, res) for k, n, a, res in calls})
         s.version += 1
-        self.root.setdefault(best, root)
-        self.root[sid] = root
-        self.parent[sid] = best
-        self.fork_at[sid] = fork_at
         done = sum(1 for c in calls if c[3] is not None)
         note = (f"a fork of {best}: {fork_at} message part(s) verified in its history; inherits their refs, "
                 f"{len(blocks)} block(s) and {done} call result(s)")
