@@ -416,6 +416,23 @@ def test_codex_fork_keeps_the_fold(model, work):
         "responses", "session-id")
 
 
+def test_opencode_fork_keeps_the_fold(model, work):
+    """``opencode run --continue --fork``: the last session forked into a new one."""
+    tmp, home, cwd = work
+    bins = agent_bin_dir(PINS["opencode"], tmp)
+    git_init(cwd)
+    conf = {"$schema": "https://opencode.ai/config.json",
+            "provider": {"anthropic": {"options": {"baseURL": "https://anthropic.oc.bili-test.invalid/v1",
+                                                   "apiKey": "sk-ant-fake-opencode"}}},
+            "model": "anthropic/claude-sonnet-4-5"}
+    _write(cwd / "opencode.json", json.dumps(conf, indent=2) + "\n")
+    env = base_env(home, bins)
+    first = run_launcher("opencode", ["run", PROMPT], env=env, cwd=cwd, model=model, work=tmp)
+    run_fork(model, first, lambda _pid: run_launcher(
+        "opencode", ["run", "--continue", "--fork", "Now say it once more."], env=env, cwd=cwd, model=model,
+        work=tmp), "anthropic", "x-session-affinity")
+
+
 def test_pi_fork_and_return_keep_the_idless_session(model, work):
     """pi's Chat lane carries no conversation id (#20): ``pi --fork`` continues the folded history,
     and going back to the original session afterwards (an earlier point of the same history) keeps
