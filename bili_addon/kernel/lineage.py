@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 from collections import OrderedDict
-from typing import Callable
 
 from bili_addon.kernel.fold import Block
 from bili_addon.kernel.identity import InstanceCounter, count_tokens

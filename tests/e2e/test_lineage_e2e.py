@@ -11,7 +11,6 @@ pi) that drops a turn keeps its session.
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 
