@@ -461,6 +461,7 @@ class Bili:
             return {"sessions": [], "store": False, "store_status": self.keeper.status()}
         store = eng.store
         sessions = []
+        families = self.engine.lineage.families()
         for r in store.sessions():
             u = store.usage(r.id)
             flags = msgspec.json.decode(r.flags or "{}")
@@ -492,6 +493,9 @@ class Bili:
                 "sent_tokens": live.sent_tokens if live is not None else None,
                 "unfolded_tokens": live.unfolded_tokens if live is not None else None,
             }
+            family = families.get(r.id)
+            if family is not None:  # forks: {root, parent, fork_at, children}
+                entry["lineage"] = family
             if flags.get("delta_history"):
                 entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"
             sessions.append(entry)
