@@ -33,6 +33,7 @@ from bili_addon.store import DB_NAME, default_data_dir
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 5.0
+ADDON_GRACE = 3.0  # a port that answers, but not as bili, for this long: the addon did not load
 ADDON = Path(__file__).resolve().parent / "addon.py"
 
 
@@ -68,6 +69,111 @@ def system_roots_for_upstream(source: str | None) -> str | None:
     return source
 
 
+# -- mitmdump options: bili's own, merged with the user's -----------------------------------------------
+# mitmproxy refuses two values for one option, and when that option belongs to an addon loaded with
+# -s it drops the addon without a word.  So every option goes on the command line once: bili's own
+# values, then the user's (``--set NAME=VALUE`` of bili run / the launchers, and any ``--set`` after
+# ``--``) replacing them.  Options that hold a list (allow_hosts) take the user's values as well.
+SEQUENCE_OPTIONS = frozenset({"allow_hosts", "ignore_hosts", "modify_headers", "modify_body", "map_local",
+                              "map_remote", "scripts", "setheaders"})
+# options bili run sets from its own flags, which it must know (it prints them and checks the port):
+# refused after ``--``, with the flag to use instead
+RESERVED = {"listen_host": "--listen-host", "listen_port": "--listen-port", "mode": "--mode", "confdir": "--confdir"}
+RESERVED_ARGS = {"--listen-host": "--listen-host", "--listen-port": "--listen-port", "-p": "--listen-port",
+                 "--mode": "--mode", "-m": "--mode"}
+# bili's flags and the addon option each one sets
+FLAG_OPTIONS = {"--bili-mode": "bili_mode", "--first-party": "bili_first_party", "--data-dir": "bili_data_dir"}
+
+
+class OptionError(ValueError):
+    """The user's options cannot be merged with bili's (said in bili's terms)."""
+
+
+def _parse_set(spec: str) -> tuple[str, str | None]:
+    name, eq, value = spec.partition("=")
+    name = name.strip()
+    if not name:
+        raise OptionError(f"--set {spec!r}: expected NAME=VALUE")
+    return name, (value if eq else None)
+
+
+def split_sets(args: list[str]) -> tuple[list[tuple[str, str | None]], list[str]]:
+    """The ``--set NAME=VALUE`` (and ``--set=NAME=VALUE``) pairs among mitmdump arguments, and the rest."""
+    pairs, rest = [], []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--set":
+            if i + 1 >= len(args):
+                raise OptionError("--set at the end of the arguments: expected NAME=VALUE after it")
+            pairs.append(_parse_set(args[i + 1]))
+            i += 2
+            continue
+        if a.startswith("--set="):
+            pairs.append(_parse_set(a[len("--set="):]))
+        else:
+            rest.append(a)
+        i += 1
+    return pairs, rest
+
+
+def _same(name: str, a: str | None, b: str | None) -> bool:
+    if a == b:
+        return True
+    if name in ("bili_data_dir", "confdir") and a and b:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    return False
+
+
+def user_options(sets: list[str] | None, extra: list[str] = (), *,  # type: ignore[assignment]
+                 flags: Mapping[str, str | None] | None = None,
+                 reserved: bool = False) -> tuple[list[tuple[str, str | None]], list[str]]:
+    """The user's mitmproxy options, once each: ``sets`` (bili's own ``--set`` flag), then any ``--set``
+    in ``extra`` (mitmdump arguments after ``--``); returns them and ``extra`` without them.
+
+    ``flags``: bili's flags the user gave explicitly (``{"--bili-mode": "observe"}``); a ``--set`` of
+    the same option with another value is refused, as is one option given twice with two values.
+    ``reserved``: refuse the options bili run sets from its own flags (listen address, mode, confdir)."""
+    pairs = [_parse_set(s) for s in sets or []]
+    more, rest = split_sets(list(extra))
+    pairs += more
+    if reserved:
+        for a in rest:
+            flag = RESERVED_ARGS.get(a.split("=", 1)[0])
+            if flag:
+                raise OptionError(f"{a} after --: give it as bili run's own {flag} (before --), so that bili "
+                                  "binds, checks and prints the same address")
+        for name, _v in pairs:
+            if name in RESERVED:
+                raise OptionError(f"--set {name}=...: give it as bili run's own {RESERVED[name]} (before --)")
+    given = {FLAG_OPTIONS[f]: (f, v) for f, v in (flags or {}).items() if v is not None and f in FLAG_OPTIONS}
+    seen: dict[str, str | None] = {}
+    out: list[tuple[str, str | None]] = []
+    for name, value in pairs:
+        if name in SEQUENCE_OPTIONS:
+            if (name, value) not in out:
+                out.append((name, value))
+            continue
+        if name in seen:
+            if not _same(name, seen[name], value):
+                raise OptionError(f"{name} is given twice ({seen[name]!r} and {value!r}); give it once")
+            continue
+        if name in given and not _same(name, given[name][1], value):
+            flag, fv = given[name]
+            raise OptionError(f"{flag} {fv} and --set {name}={value} disagree; give one of them")
+        seen[name] = value
+        out.append((name, value))
+    return out, rest
+
+
+def option_value(pairs: list[tuple[str, str | None]], name: str, default: str | None) -> str | None:
+    """The user's value of a scalar option, else ``default``."""
+    for n, v in pairs:
+        if n == name:
+            return v
+    return default
+
+
 def mitmdump_command(
     mitmdump: Path | str,
     *,
@@ -82,33 +188,46 @@ def mitmdump_command(
     allow_hosts: str | None = None,
     first_party: str | None = None,
     scripts: list[str] = (),  # type: ignore[assignment]
-    sets: list[str] = (),  # type: ignore[assignment]
+    sets: list[tuple[str, str | None]] = (),  # type: ignore[assignment]
     extra: list[str] = (),  # type: ignore[assignment]
 ) -> list[str]:
-    cmd = [str(mitmdump), "-s", str(ADDON), "--listen-host", listen_host, "--listen-port", str(listen_port)]
+    """The mitmdump command line; ``sets`` are the user's options (:func:`user_options`), each replacing
+    bili's value of the same option (list options: added to it), so that no option is given twice."""
+    cmd = [str(mitmdump), "-s", str(ADDON)]
+    for s in scripts:
+        cmd += ["-s", str(Path(s).expanduser().resolve())]
+    cmd += ["--listen-host", listen_host, "--listen-port", str(listen_port)]
     for m in modes:
         cmd += ["--mode", m]
-    cmd += ["--set", f"confdir={confdir}"]
+    ours: dict[str, list[str | None]] = {"confdir": [str(confdir)]}
     if data_dir:
-        cmd += ["--set", f"bili_data_dir={Path(data_dir).expanduser().resolve()}"]
-    cmd += ["--set", f"bili_mode={bili_mode}"]
+        ours["bili_data_dir"] = [str(Path(data_dir).expanduser().resolve())]
+    ours["bili_mode"] = [bili_mode]
     if first_party:
-        cmd += ["--set", f"bili_first_party={first_party}"]
+        ours["bili_first_party"] = [first_party]
     if upstream_ca:
         # mitmproxy verifies upstream servers against certifi only; trust what this machine trusts
         # (a corporate or sandbox TLS inspector's CA lives in the system store, not in certifi)
-        cmd += ["--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}"]
+        ours["ssl_verify_upstream_trusted_ca"] = [upstream_ca]
     if lazy:
         # mitmproxy's default ("eager") dials the upstream as soon as a client connects and drops
         # the client if that fails; lazy lets /__bili/ answer even while the upstream is down
-        cmd += ["--set", "connection_strategy=lazy"]
+        ours["connection_strategy"] = ["lazy"]
     if allow_hosts:
         # TLS is intercepted for these hosts only; every other CONNECT is tunnelled untouched
-        cmd += ["--set", f"allow_hosts={allow_hosts}"]
-    for s in scripts:
-        cmd += ["-s", str(Path(s).expanduser().resolve())]
-    for s in sets:
-        cmd += ["--set", s]
+        ours["allow_hosts"] = [allow_hosts]
+    replaced: set[str] = set()
+    for name, value in sets:
+        if name in SEQUENCE_OPTIONS:
+            ours.setdefault(name, []).append(value)
+        else:
+            if name not in replaced:
+                ours[name] = []
+                replaced.add(name)
+            ours[name].append(value)
+    for name, values in ours.items():
+        for v in values:
+            cmd += ["--set", name if v is None else f"{name}={v}"]
     return cmd + list(extra)
 
 
@@ -244,7 +363,7 @@ class SharedProxy:
                 self.reused, self.health, self.pid = True, found.health, self._owner()
             elif found.kind == "other":
                 raise LaunchError(f"{self.host}:{self.port} is in use by something that is not a bili proxy "
-                                  f"({found.detail}); choose another port with --port")
+                                  f"({found.detail}); choose another port with --listen-port (or $BILI_PORT)")
             else:
                 self._start()
             self.users_dir.mkdir(parents=True, exist_ok=True)
@@ -265,8 +384,21 @@ class SharedProxy:
         finally:
             log.close()
         deadline = time.monotonic() + START_TIMEOUT
+        other_since = None
         while True:
             found = probe(self.port, self.host, timeout=1.0)
+            if found.kind == "other" and self.proc.poll() is None:
+                # mitmdump listens (scripts load before it binds) but /__bili/health is not ours: the
+                # addon did not load, and traffic would flow with bili off
+                other_since = other_since or time.monotonic()
+                if time.monotonic() - other_since > ADDON_GRACE:
+                    self._kill(self.proc.pid, self.proc)
+                    self.proc = None
+                    raise LaunchError(f"mitmdump started but the bili addon did not load (/__bili/health: "
+                                      f"{found.detail}); stopped it. Its log {self.log_path} ends:\n"
+                                      + _tail(self.log_path))
+            else:
+                other_since = None
             if found.kind == "bili":
                 if self.proc.poll() is None:
                     self.pid, self.started, self.health = self.proc.pid, True, found.health
@@ -474,21 +606,31 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
     allow = allow_hosts_regex(hosts.hosts)
     proxy_url = f"http://{DEFAULT_HOST}:{args.port}"
     mitmdump = find_mitmdump() or Path("mitmdump")
+    sets, _ = user_options(args.set, flags={"--bili-mode": args.bili_mode, "--first-party": args.first_party,
+                                            "--data-dir": args.data_dir})
     command = mitmdump_command(
         mitmdump, listen_host=DEFAULT_HOST, listen_port=args.port, modes=["regular"], confdir=ca.confdir,
-        data_dir=args.data_dir, bili_mode=args.bili_mode, upstream_ca=system_roots_for_upstream(ca.roots_source),
-        lazy=False, allow_hosts=allow, first_party=args.first_party, scripts=args.script or [],
-        sets=args.set or [],
+        data_dir=args.data_dir, bili_mode=args.bili_mode or "fold",
+        upstream_ca=system_roots_for_upstream(ca.roots_source), lazy=False, allow_hosts=allow,
+        first_party=args.first_party, scripts=args.script or [], sets=sets,
     )
     return Plan(agent, binary, [binary or agent.binary, *args.extra], hosts, allow, proxy_url,
                 agent_env(agent, env, proxy_url, ca), command, ca)
 
 
+def default_port() -> int:
+    """``$BILI_PORT``, else 8787: the port of bili run, the launchers and bili doctor."""
+    try:
+        return int(os.environ.get("BILI_PORT") or DEFAULT_PORT)
+    except ValueError:
+        return DEFAULT_PORT
+
+
 def configure_agent(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=int(os.environ.get("BILI_PORT") or DEFAULT_PORT), metavar="PORT",
+    p.add_argument("--listen-port", "--port", dest="port", type=int, default=default_port(), metavar="PORT",
                    help=f"the proxy's port on 127.0.0.1; a bili proxy already there is re-used "
-                        f"(default: $BILI_PORT, else {DEFAULT_PORT})")
-    p.add_argument("--bili-mode", choices=BILI_MODES, default="fold",
+                        f"(default: $BILI_PORT, else {DEFAULT_PORT}; --port is the old spelling)")
+    p.add_argument("--bili-mode", choices=BILI_MODES, default=None,
                    help="bili_mode of a proxy this launch starts (default: fold)")
     p.add_argument("--first-party", choices=FIRST_PARTY, default=None,
                    help="bili_first_party of a proxy this launch starts: observe leaves Claude Code's "
@@ -501,7 +643,8 @@ def configure_agent(p: argparse.ArgumentParser) -> None:
     p.add_argument("-s", "--script", action="append", metavar="FILE",
                    help="one more mitmproxy addon for a proxy this launch starts (repeatable)")
     p.add_argument("--set", action="append", metavar="NAME=VALUE",
-                   help="a mitmproxy option for a proxy this launch starts (repeatable)")
+                   help="a mitmproxy or bili option for a proxy this launch starts (repeatable); it replaces "
+                        "the launcher's own value of that option (allow_hosts: adds to it)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the hosts, the agent's environment and the proxy command, run nothing")
     p.add_argument("-q", "--quiet", action="store_true", help="no bili: lines on stderr (errors excepted)")
@@ -511,6 +654,9 @@ def configure_agent(p: argparse.ArgumentParser) -> None:
 def launch(agent: Agent, args: argparse.Namespace) -> int:
     try:
         plan = plan_launch(agent, args)
+    except OptionError as e:
+        _say(f"error: {e}")
+        return 2
     except Exception as e:  # CertError, ValueError
         _say(f"error: {e}")
         return 1
@@ -591,7 +737,8 @@ def _print_plan(plan: Plan) -> int:
 
 # -- bili doctor --------------------------------------------------------------------------------------------
 def configure_doctor(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=int(os.environ.get("BILI_PORT") or DEFAULT_PORT), metavar="PORT")
+    p.add_argument("--listen-port", "--port", dest="port", type=int, default=default_port(), metavar="PORT",
+                   help=f"the port to check (default: $BILI_PORT, else {DEFAULT_PORT})")
     p.add_argument("--confdir", metavar="DIR", help="where the CA lives (default as for bili run)")
     p.add_argument("--data-dir", metavar="DIR", help="where the store lives (default: $XDG_DATA_HOME/bili-addon)")
     p.add_argument("--json", action="store_true", help="the checks as JSON")
@@ -668,7 +815,7 @@ def doctor_checks(args: argparse.Namespace, env: Mapping[str, str] | None = None
         checks.append(Check("port", True, f"127.0.0.1:{args.port} is free (bili <agent> starts a proxy there)"))
     else:
         checks.append(Check("port", False, f"127.0.0.1:{args.port} is used by something else ({found.detail}); "
-                                           f"use --port / BILI_PORT"))
+                                           f"use --listen-port / BILI_PORT"))
 
     data = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
     db = data / DB_NAME
