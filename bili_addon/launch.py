@@ -438,9 +438,7 @@ class SharedProxy:
         for sig, wait in ((signal.SIGTERM, STOP_TIMEOUT), (signal.SIGKILL, STOP_TIMEOUT)):
             try:
                 os.killpg(pid, sig)
-            except ProcessLookupError:
-                pass
-            except PermissionError:
+            except (ProcessLookupError, PermissionError):  # not a group leader (bili run's child), or gone
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
             deadline = time.monotonic() + wait
