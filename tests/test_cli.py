@@ -470,3 +470,54 @@ def test_mitmdump_answering_without_the_addon_is_an_error_not_ready(tmp_path, ca
     with pytest.raises(launch.LaunchError, match="the bili addon did not load"):
         proxy.attach()
     assert cli.port_in_use("127.0.0.1", port) is False
+
+
+# -- installed like a tool (pipx install . / uv tool install .) -----------------------------------------
+@pytest.mark.e2e
+def test_a_tool_style_install_gives_a_working_bili_from_any_directory(tmp_path):
+    """What ``pipx install .`` and ``uv tool install .`` do: a non-editable install of the checkout into
+    a venv of its own.  bili then runs from any directory and keeps its CA and store in the XDG data
+    dir (the checkout's certs/ only serves a checkout install)."""
+    import shutil
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    shutil.copytree(ROOT / "bili_addon", src / "bili_addon", ignore=shutil.ignore_patterns("__pycache__"))
+    venv = tmp_path / "tool-venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(src)],
+                       capture_output=True, text=True, timeout=600, env=_clean_env())
+    if r.returncode != 0 and ("Could not find a version" in r.stderr or "NewConnectionError" in r.stderr):
+        pytest.skip(f"PyPI not reachable: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr
+    bili = venv / "bin" / "bili"
+    assert bili.is_file()
+
+    home, elsewhere = tmp_path / "home", tmp_path / "some" / "project"
+    elsewhere.mkdir(parents=True)
+    env = {k: v for k, v in _clean_env().items() if not k.startswith(("XDG_", "BILI_"))}
+    env.update(HOME=str(home), PATH=f"/usr/bin{os.pathsep}/bin")  # the venv is not on PATH: bili finds mitmdump
+    r = subprocess.run([str(bili), "--help"], capture_output=True, text=True, cwd=elsewhere, env=env, timeout=60)
+    assert r.returncode == 0 and "run" in r.stdout and "replay" in r.stdout, r.stderr
+    data = home / ".local" / "share" / "bili-addon"
+    r = subprocess.run([str(bili), "ca", "--json"], capture_output=True, text=True, cwd=elsewhere, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["confdir"] == str(data / "certs")
+
+    port = _free_port()
+    log = tmp_path / "run.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([str(bili), "run", "--listen-port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=tmp_path / "some", env=env, start_new_session=True)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": f"http://127.0.0.1:{port}"}))
+    try:
+        health = _poll_health(opener, "http://bili.proxy/__bili/health", proc, log)
+    finally:
+        _stop(proc)
+    assert health["ok"] is True and health["store"] is True
+    text = log.read_text()
+    assert f"CA in {data / 'certs'}" in text and str(venv) in text  # the installed addon, the XDG CA
+    assert (data / "bili.sqlite3").exists() and (data / "certs" / "mitmproxy-ca-cert.pem").exists()
+    assert not list(elsewhere.iterdir()) and not (tmp_path / "some" / "certs").exists()
