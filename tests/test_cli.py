@@ -521,3 +521,34 @@ def test_a_tool_style_install_gives_a_working_bili_from_any_directory(tmp_path):
     assert f"CA in {data / 'certs'}" in text and str(venv) in text  # the installed addon, the XDG CA
     assert (data / "bili.sqlite3").exists() and (data / "certs" / "mitmproxy-ca-cert.pem").exists()
     assert not list(elsewhere.iterdir()) and not (tmp_path / "some" / "certs").exists()
+
+
+@pytest.mark.e2e
+def test_the_readmes_plain_mitmdump_line_binds_loopback_and_uses_the_projects_ca(tmp_path):
+    import re
+    import shlex
+
+    line = next(ln for ln in (ROOT / "README.md").read_text().splitlines()
+                if ln.startswith(".venv/bin/mitmdump -s bili_addon/addon.py"))
+    argv = shlex.split(line)
+    assert argv[argv.index("--listen-host") + 1] == "127.0.0.1"
+    assert "confdir=certs" in argv
+    mitmdump = Path(sys.executable).parent / "mitmdump"
+    port = _free_port()
+    home = tmp_path / "home"
+    cmd = [str(mitmdump), *argv[1:], "--listen-port", str(port), "--set", f"bili_data_dir={tmp_path / 'data'}"]
+    log = tmp_path / "mitmdump.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=_clean_env(HOME=str(home)), start_new_session=True)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": f"http://127.0.0.1:{port}"}))
+    try:
+        health = _poll_health(opener, "http://bili.proxy/__bili/health", proc, log)
+    finally:
+        _stop(proc)
+    assert health["ok"] is True and health["mode"] == "observe"
+    assert re.search(rf"proxy listening at 127\.0\.0\.1:{port}", log.read_text())
+    assert (ROOT / "certs" / "mitmproxy-ca.pem").is_file()  # the project's CA, the one bili run uses
+    assert not (home / ".mitmproxy").exists()
+    if certs.checkout_root() == ROOT:
+        assert certs.default_confdir() == ROOT / "certs"
