@@ -266,6 +266,31 @@ def probe(port: int, host: str = DEFAULT_HOST, timeout: float = 2.0) -> Probe:
     return Probe("other", detail=detail)
 
 
+def request_intercept(port: int, hosts: list[tuple[str, int]], host: str = DEFAULT_HOST,
+                      timeout: float = 5.0) -> dict | str:
+    """Ask a running bili proxy to decrypt ``hosts`` too (``POST /__bili/intercept``): its answer, or
+    why it did not take them."""
+    body = json.dumps({"hosts": [f"{h}:{p}" for h, p in hosts]}).encode()
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("POST", "http://bili.proxy/__bili/intercept", body=body,
+                     headers={"content-type": "application/json", "connection": "close"})
+        resp = conn.getresponse()
+        raw = resp.read(65536)
+    except (OSError, http.client.HTTPException) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if resp.status == 200 and isinstance(doc, dict) and doc.get("ok"):
+        return doc
+    why = doc.get("error") if isinstance(doc, dict) else raw[:120]
+    return f"HTTP {resp.status}: {why}"
+
+
 # -- the shared proxy, with a lease per launcher ---------------------------------------------------------
 def state_dir(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
@@ -419,7 +444,8 @@ class SharedProxy:
                                   f"log: {self.log_path}\n" + _tail(self.log_path))
             time.sleep(0.1)
 
-    def detach(self) -> None:
+    def detach(self, hurry=None) -> None:
+        """``hurry()``: true once the stop should not wait for a clean exit any more."""
         with self._locked():
             (self.users_dir / str(os.getpid())).unlink(missing_ok=True)
             if self._users():
@@ -427,14 +453,16 @@ class SharedProxy:
             pid = self.proc.pid if self.proc is not None and self.proc.poll() is None else self._owner()
             if pid is None:
                 return  # not started by a launcher (bili run): never ours to stop
-            self._kill(pid, self.proc if self.proc is not None and self.proc.pid == pid else None)
-            self.owner_path.unlink(missing_ok=True)
+            try:
+                self._kill(pid, self.proc if self.proc is not None and self.proc.pid == pid else None, hurry)
+            finally:
+                self.owner_path.unlink(missing_ok=True)
             self.stopped = pid
             self.proc = None
 
     @staticmethod
-    def _kill(pid: int, proc: subprocess.Popen | None) -> None:
-        """SIGTERM to the proxy's process group, SIGKILL after STOP_TIMEOUT."""
+    def _kill(pid: int, proc: subprocess.Popen | None, hurry=None) -> None:
+        """SIGTERM to the proxy's process group, SIGKILL after STOP_TIMEOUT (at once when ``hurry()``)."""
         for sig, wait in ((signal.SIGTERM, STOP_TIMEOUT), (signal.SIGKILL, STOP_TIMEOUT)):
             try:
                 os.killpg(pid, sig)
@@ -443,6 +471,8 @@ class SharedProxy:
                     os.kill(pid, sig)
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline:
+                if sig == signal.SIGTERM and hurry is not None and hurry():
+                    break
                 if proc is not None:
                     if proc.poll() is not None:
                         return
@@ -508,6 +538,51 @@ def no_proxy_conflicts(env: Mapping[str, str], hosts: list[tuple[str, int]]) -> 
                 out.append(host)
                 break
     return out
+
+
+# -- the agent's background servers ----------------------------------------------------------------------
+def stale_daemons(agent: Agent, proxy_url: str, proc_dir: str = "/proc") -> list[tuple[int, str]]:
+    """The agent's background servers (codex's TUI leaves a ``codex app-server`` behind) running with
+    another ``HTTPS_PROXY`` than this launch's, or none: ``(pid, their HTTPS_PROXY)``.  The agent may
+    hand its work to such a server, which keeps the proxy it was started with (a dead port, or no bili
+    at all).  Found through /proc, for processes of this user; elsewhere nothing is found."""
+    if not agent.daemons or not os.path.isdir(proc_dir):
+        return []
+    names = {agent.binary, agent.binary + ".js"}
+    out = []
+    for entry in os.listdir(proc_dir):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            argv = [os.path.basename(a.decode(errors="replace"))
+                    for a in Path(proc_dir, entry, "cmdline").read_bytes().split(b"\0") if a]
+            at = next((i for i, a in enumerate(argv) if a in names), None)
+            if at is None or not any(a in agent.daemons for a in argv[at + 1:]):
+                continue
+            env = dict(e.split(b"=", 1) for e in Path(proc_dir, entry, "environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:  # gone, or not ours to read
+            continue
+        theirs = (env.get(b"HTTPS_PROXY") or env.get(b"https_proxy") or b"").decode(errors="replace")
+        if theirs.rstrip("/") != proxy_url:
+            out.append((int(entry), theirs))
+    return sorted(out)
+
+
+def _daemon_note(agent: Agent, pid: int, theirs: str) -> str:
+    what = f"a background {agent.binary} {agent.daemons[0]} (pid {pid})"
+    if not theirs:
+        state = "runs without HTTPS_PROXY: bili sees none of its traffic"
+    else:
+        try:
+            port = int(theirs.rstrip("/").rsplit(":", 1)[1])
+            found = probe(port)
+        except (ValueError, IndexError):
+            found = Probe("other")
+        state = (f"still uses HTTPS_PROXY={theirs}, where " +
+                 ("nothing answers any more: its requests fail" if found.kind == "free" else
+                  "another bili proxy answers" if found.kind == "bili" else "something that is not bili answers"))
+    return (f"{what} {state}. {agent.title} may hand its work to it instead of using this launch's proxy; "
+            f"stop it (kill {pid}) and it is started again with this launch's settings")
 
 
 # -- running the agent ------------------------------------------------------------------------------------
@@ -673,6 +748,9 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
     if old_proxy and old_proxy.rstrip("/") != plan.proxy_url:
         _say(f"note: HTTPS_PROXY={old_proxy} is replaced by {plan.proxy_url} for {agent.binary}", args.quiet)
 
+    for pid, theirs in stale_daemons(agent, plan.proxy_url):
+        _say(f"note: {_daemon_note(agent, pid, theirs)}", args.quiet)
+
     proxy = SharedProxy(args.port, plan.command, quiet=args.quiet)
     old = {s: signal.signal(s, _raise_on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     rc = 1
@@ -688,9 +766,13 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
         else:
             _say(f"re-using the bili proxy on {plan.proxy_url} (version {proxy.health.get('version')}, "
                  f"mode {proxy.health.get('mode')})", args.quiet)
-            if plan.hosts.endpoints:
-                _say("note: a proxy started elsewhere intercepts the hosts it was started with; "
-                     f"{', '.join(sorted({e.host for e in plan.hosts.endpoints}))} may not be among them", args.quiet)
+            got = request_intercept(args.port, plan.hosts.hosts)
+            if isinstance(got, dict):
+                if got.get("added"):
+                    _say(f"the proxy now decrypts {', '.join(got['added'])} too (this agent's model hosts)", args.quiet)
+            elif plan.hosts.endpoints:
+                _say(f"note: the running proxy did not take this agent's model hosts ({got}); "
+                     f"{', '.join(sorted({e.host for e in plan.hosts.endpoints}))} may not be decrypted", args.quiet)
         try:
             rc = run_child(plan.argv, plan.env, on_start=(
                 (lambda pid: _say(f"running {plan.argv[0]} (pid {pid})")) if args.verbose and not args.quiet else None))
@@ -704,12 +786,21 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the proxy was starting
         rc = -signal.SIGINT
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        # stopping the proxy: a signal now (Ctrl-C again, the service manager) only hurries it along
+        # (SIGKILL at once); it never interrupts the clean-up, so the agent's code is still the exit
+        # code and the lease files are gone
+        hurry: list[int] = []
+        for s in old:
+            signal.signal(s, lambda signum, _f: hurry.append(signum))
+        prev_int = signal.signal(signal.SIGINT, lambda signum, _f: hurry.append(signum))
         try:
-            proxy.detach()
+            proxy.detach(hurry=lambda: bool(hurry))
         except OSError as e:
             _say(f"warning: could not stop the proxy: {e}")
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            signal.signal(signal.SIGINT, prev_int)
         if proxy.stopped:
             _say(f"stopped the proxy (pid {proxy.stopped})", args.quiet)
     return _exit_like(rc)

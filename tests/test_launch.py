@@ -787,3 +787,81 @@ def test_agent_version_from_npm_and_python_packages(tmp_path):
     script = _write(venv / "bin" / "hermes", f"#!{venv}/bin/python\nfrom hermes_cli.main import main\n")
     assert launch.agent_version(str(script)) == "0.19.0"
     assert launch.agent_version(str(_write(tmp_path / "plain", "#!/bin/sh\n"))) == "unknown version"
+
+
+# -- the launcher's edge cases (#20) ---------------------------------------------------------------------
+SLOW_STOP = '''import os, time
+class SlowStop:
+    def done(self):
+        open(os.environ["SLOW_STOP_MARK"], "w").close()
+        time.sleep(20)
+addons = [SlowStop()]
+'''
+
+
+@pytest.mark.e2e
+def test_ctrl_c_while_the_proxy_stops_keeps_the_agents_code_and_leaves_nothing(lab):
+    script = lab.tmp / "slow_stop.py"
+    script.write_text(SLOW_STOP)
+    mark = lab.tmp / "stopping"
+    port = free_port()
+    p = lab.launch("claude", port, "c", code=5, launcher=["-s", str(script)], SLOW_STOP_MARK=str(mark))
+    wait_for(mark.exists, 60, "the proxy to start stopping")
+    os.kill(p.pid, signal.SIGINT)  # as Ctrl-C would, while the launcher waits for the proxy to exit
+    rc, _, err = finish(p)
+    assert rc == 5, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    proxy = started_pid(err)
+    assert f"stopped the proxy (pid {proxy})" in err
+    assert not alive(proxy)  # hurried: killed at once rather than after the grace period
+    assert lab.owner_pid(port) is None
+    assert not list((launch.state_dir(lab.env()) / f"proxy-{port}.users").iterdir())
+
+
+@pytest.mark.e2e
+def test_a_stale_codex_app_server_is_explained(lab):
+    dead = free_port()
+    daemon = subprocess.Popen([str(lab.bin / "codex"), "app-server", "--listen", "stdio"],
+                              env=lab.env(FAKE_AGENT_OUT=str(lab.out("daemon")), FAKE_AGENT_MODE="wait",
+                                          HTTPS_PROXY=f"http://127.0.0.1:{dead}"),
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    lab.procs.append(daemon)
+    lab.record("daemon")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    assert launch.stale_daemons(AGENTS["codex"], url) == [(daemon.pid, f"http://127.0.0.1:{dead}")]
+    assert launch.stale_daemons(AGENTS["codex"], f"http://127.0.0.1:{dead}") == []  # the same proxy: fine
+    assert launch.stale_daemons(AGENTS["claude"], url) == []  # claude has no daemons
+    rc, _, err = finish(lab.launch("codex", port, "a", code=0))
+    assert rc == 0, err
+    assert (f"a background codex app-server (pid {daemon.pid}) still uses HTTPS_PROXY=http://127.0.0.1:{dead}, "
+            "where nothing answers any more") in err
+    assert f"kill {daemon.pid}" in err
+    os.killpg(daemon.pid, signal.SIGKILL)
+    daemon.wait(10)
+    rc, _, err = finish(lab.launch("codex", port, "b", code=0))
+    assert rc == 0 and "app-server" not in err, err
+
+
+@pytest.mark.e2e
+def test_a_reused_proxy_takes_the_agents_custom_model_hosts(lab):
+    sample_configs(lab.home, lab.project)
+    port = free_port()
+    holder = lab.launch("claude", port, "holder", mode="wait")  # starts the proxy with claude's hosts
+    lab.record("holder")
+    rc, _, err = finish(lab.launch("codex", port, "codex"))
+    assert rc == 0, err
+    assert "re-using the bili proxy" in err
+    assert "the proxy now decrypts codex-gw.corp.example:443 too" in err
+    assert "may not be decrypted" not in err
+    # asked again: already there, nothing to say
+    rc, _, err = finish(lab.launch("codex", port, "again"))
+    assert rc == 0 and "now decrypts" not in err, err
+    got = launch.request_intercept(port, [("codex-gw.corp.example", 443), ("new.corp.example", 8443)])
+    assert isinstance(got, dict) and got["present"] == ["codex-gw.corp.example:443"]
+    assert got["added"] == ["new.corp.example:8443"]
+    bad = launch.request_intercept(port, [("bad host!", 443)])
+    assert isinstance(bad, str) and bad.startswith("HTTP 400")
+    os.kill(holder.pid, signal.SIGTERM)
+    finish(holder)
