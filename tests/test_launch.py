@@ -723,6 +723,7 @@ def test_bili_run_as_a_system_proxy_intercepts_only_model_hosts(lab):
     lab.procs.append(run)
     try:
         wait_for(lambda: launch.probe(port).kind == "bili", 30, "bili run")
+        wait_for(lambda: "bili: ready" in log.read_text(), 30, "bili run's ready line")  # printed after health
         text = log.read_text()
         line = next(ln for ln in text.splitlines() if ln.startswith("TLS is decrypted for"))
         assert "api.anthropic.com" in line and "api.openai.com" in line
@@ -753,11 +754,8 @@ def test_bili_run_as_a_system_proxy_intercepts_only_model_hosts(lab):
 def test_bili_run_intercept_options_build_the_allow_list(tmp_path, monkeypatch):
     seen: list[list[str]] = []
 
-    def fake_exec(file, argv):
-        seen.append(list(argv))
-        raise OSError("not really")
-
-    monkeypatch.setattr(os, "execvp", fake_exec)
+    monkeypatch.setattr(cli, "_serve", lambda cmd, target, ready: seen.append(list(cmd)) or 0)
+    monkeypatch.setattr(cli, "port_in_use", lambda host, port: False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     base = ["run", "--quiet", "--confdir", str(tmp_path / "ca")]
     cli.main(base + ["--intercept-host", "llm.corp.example:8443", "--first-party", "observe"])

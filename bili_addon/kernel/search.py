@@ -316,3 +316,91 @@ def search(query: str, docs: Sequence[Doc], limit: int = 5) -> list[Hit]:
         span = spans.get(i) or (_find(text, best) if best else None)
         hits.append(Hit(docs[i].key, docs[i].kind, score, snippet(text, span)))
     return hits
+
+
+# --------------------------------------------------------------------------- SQLite FTS5 (bm25())
+# The same search over an in-memory SQLite FTS5 index ranked by its bm25(), kept beside the
+# hand-written one for scripts/bench_search.py, which measures both side by side (the README says
+# which runs and why).  Documents are indexed as this module's own terms (identifier parts, CJK
+# bigrams), each hex-encoded into one FTS5 token, so both see the same vocabulary; the phrase bonus,
+# the fuzzy fallback and the snippets are shared.  Differences: FTS5 measures a document's length in
+# index terms (parts included), and its idf has no +1 (a term in most documents weighs ~0).
+
+
+def _fts_token(term: str) -> str:
+    return "x" + term.encode().hex()
+
+
+def search_fts5(query: str, docs: Sequence[Doc], limit: int = 5) -> list[Hit]:
+    """:func:`search` on SQLite FTS5 and its ``bm25()``."""
+    import sqlite3
+
+    if not query or not query.strip() or not docs or limit <= 0:
+        return []
+    terms = list(dict.fromkeys(tokenize(query)))
+    con = sqlite3.connect(":memory:")
+    try:
+        con.execute("CREATE VIRTUAL TABLE d USING fts5(t, tokenize='ascii')")
+        vocab: dict[str, None] = {}
+        rows = []
+        for i, doc in enumerate(docs):
+            toks = tokenize(doc.text)
+            vocab.update(dict.fromkeys(toks))
+            rows.append((i + 1, " ".join(map(_fts_token, toks))))
+        con.executemany("INSERT INTO d(rowid, t) VALUES (?, ?)", rows)
+
+        def weights(ts: Sequence[str]) -> dict[str, dict[int, float]]:
+            out: dict[str, dict[int, float]] = {}
+            for t in ts:
+                got = con.execute("SELECT rowid, -bm25(d) FROM d WHERE d MATCH ?", (f'"{_fts_token(t)}"',)).fetchall()
+                out[t] = {r - 1: w for r, w in got}
+            return out
+
+        w = weights(terms)
+        scored: dict[int, tuple[float, str | None]] = {}
+        for t in terms:
+            for i, x in w[t].items():
+                total, best = scored.get(i, (0.0, None))
+                if best is None or x > w[best].get(i, 0.0):
+                    best = t
+                scored[i] = (total + x, best)
+
+        phrase = _phrase_pattern(query)
+        spans: dict[int, tuple[int, int]] = {}
+        if phrase is not None:
+            for i in (scored if terms else range(len(docs))):
+                m = phrase.search(docs[i].text)
+                if m:
+                    spans[i] = m.span()
+            if spans:
+                bonus = max((s for s, _ in scored.values()), default=0.0) + 1.0
+                for i in spans:
+                    base, best = scored.get(i, (0.0, None))
+                    scored[i] = (base + bonus, best)
+
+        if not scored:
+            words = list(vocab)
+            expansions = [(t, _fuzzy_terms(t, words)) for t in terms]
+            fw = weights([v for _, near in expansions for v in near])
+            acc: dict[int, tuple[float, str, float]] = {}  # doc -> (total, best variant, its weight)
+            for _, near in expansions:
+                top: dict[int, tuple[float, str]] = {}  # per doc, the best variant of this query term
+                for v in near:
+                    for i, x in fw[v].items():
+                        if x > top.get(i, (0.0, ""))[0]:
+                            top[i] = (x, v)
+                for i, (x, v) in top.items():
+                    total, best, best_w = acc.get(i, (0.0, v, 0.0))
+                    acc[i] = (total + x, v if x > best_w else best, max(x, best_w))
+            scored = {i: (total * FUZZY_SCALE, best) for i, (total, best, _w) in acc.items()}
+    finally:
+        con.close()
+
+    ranked = sorted(scored, key=lambda i: (-scored[i][0], i))[:limit]
+    hits = []
+    for i in ranked:
+        score, best = scored[i]
+        text = docs[i].text
+        span = spans.get(i) or (_find(text, best) if best else None)
+        hits.append(Hit(docs[i].key, docs[i].kind, score, snippet(text, span)))
+    return hits
