@@ -863,3 +863,33 @@ def test_a_reused_proxy_takes_the_agents_custom_model_hosts(lab):
     assert isinstance(bad, str) and bad.startswith("HTTP 400")
     os.kill(holder.pid, signal.SIGTERM)
     finish(holder)
+
+
+def _intercept_flow(body: bytes):
+    req = tutils.treq(method=b"POST", path=b"/__bili/intercept", host="bili.proxy", port=80, scheme=b"http",
+                      headers=http.Headers(host="bili.proxy", content_type="application/json"), content=body)
+    f = tflow.tflow(req=req)
+    f.client_conn.peername = ("127.0.0.1", 50000)
+    return f
+
+
+def test_the_intercept_endpoint_adds_hosts_to_allow_hosts(bili):
+    def call(body: dict | bytes):
+        f = _intercept_flow(body if isinstance(body, bytes) else json.dumps(body).encode())
+        bili.request(f)
+        return f.response.status_code, json.loads(f.response.content)
+
+    # decrypting everything (no allow_hosts): nothing to add
+    status, doc = call({"hosts": ["gw.corp.example"]})
+    assert status == 200 and doc["all"] is True and doc["added"] == []
+    bili.tctx.options.update(allow_hosts=[allow_hosts_regex([("api.anthropic.com", 443)])])
+    status, doc = call({"hosts": ["api.anthropic.com:443", "GW.corp.example", "gw.corp.example:8443"]})
+    assert status == 200 and doc["added"] == ["gw.corp.example:443", "gw.corp.example:8443"]
+    assert doc["present"] == ["api.anthropic.com:443"]
+    allow = list(bili.tctx.options.allow_hosts)
+    assert len(allow) == 2 and re.search(allow[1], "gw.corp.example:8443") and not re.search(allow[1], "gw.corp.example:9")
+    assert call({"hosts": ["gw.corp.example:8443"]})[1]["added"] == []
+    for bad in (b"not json", {"hosts": "gw"}, {"hosts": ["bad host"]}, {"hosts": ["gw:99999"]}, {"hosts": [1]}):
+        status, doc = call(bad)
+        assert status == 400 and doc["ok"] is False, bad
+    assert len(bili.tctx.options.allow_hosts) == 2
