@@ -68,12 +68,15 @@ def check_deferred(options) -> None:
     it cannot parse (an option given twice, ``bili_remind_at=abc``) makes it drop the addon without a
     word and forward everything with bili off.  Say so as an error: mitmdump then exits at start-up."""
     known = getattr(options, "_options", {})
+    parse = getattr(options, "_parse_setval", None)  # mitmproxy's own parser (private: absent -> no check)
+    if parse is None:
+        return
     for name, value in list(getattr(options, "deferred", {}).items()):
         values = getattr(value, "val", None)  # the strings of --set, not yet parsed
         if name not in known or not name.startswith("bili_") or values is None:
             continue
         try:
-            options._parse_setval(known[name], list(values))
+            parse(known[name], list(values))
         except exceptions.OptionsError as e:
             log.error("[bili] %s; mitmproxy would drop the bili addon and forward everything unchanged", e)
 
