@@ -216,7 +216,7 @@ class Epochs:
             b.active = False
             b.retired = True
         if retired:
-            self.save_blocks(s, retired)
+            self.sessions.save_blocks(s, retired)
         was_latched = s.copy.latched
         s.copy = Copy()  # the new history is the pass drift is checked against from now on
         s.stored = self.store.save_copy(sid, s.copy.to_json(), expect=s.stored)
@@ -226,8 +226,8 @@ class Epochs:
             "usage_turns": self.store.usage(sid).turns, "retired_blocks": [b.id for b in retired],
             "gone": found.gone, "kept": found.kept, "at": round(time.time(), 3),
         }
-        self.set_flag(sid, "epochs", [*epochs(s), entry])
-        self.set_flag(sid, "last_nudge_at", 0)  # reminders count from the new base
+        self.sessions.set_flag(sid, "epochs", [*epochs(s), entry])
+        self.sessions.set_flag(sid, "last_nudge_at", 0)  # reminders count from the new base
         result.epoch = n
         ids = f" ({', '.join(b.id for b in retired)})" if retired else ""
         log.warning(

@@ -55,14 +55,14 @@ class ProxyTools:
     def record_calls(self: "Engine", sid: str, calls: list[tuple[str, str, str]]) -> None:
         """Proxy tool calls seen in an answer; each runs once, when the next request carries it."""
         for attempt in range(2):
-            s = self.session(sid, fresh=True)
+            s = self.sessions.load(sid, fresh=True)
             fresh = [c for c in calls if c[0] not in s.calls]
             if not fresh:
                 return
             try:
                 s.stored = self.store.record_calls(sid, fresh, expect=s.stored)
             except StaleSession:  # another process wrote the session meanwhile: reload, record again
-                self.forget(sid)
+                self.sessions.forget(sid)
                 if attempt:
                     raise
                 continue
@@ -96,8 +96,8 @@ class ProxyTools:
             out = fold.compress(args, view, s.blocks, self.fold_cfg, call_id)
             if out.blocks:
                 s.blocks.extend(out.blocks)
-                self.save_blocks(s, out.blocks + out.deactivated, out.originals,
-                                 [(call_id, out.text)] if call_id in s.calls else [])
+                self.sessions.save_blocks(s, out.blocks + out.deactivated, out.originals,
+                                          [(call_id, out.text)] if call_id in s.calls else [])
             return out.text
         originals = lambda refs: self.store.originals(sid, refs)  # noqa: E731
         if name == "decompress":
@@ -125,7 +125,7 @@ class ProxyTools:
             sid = rows[0].id
         elif self.store.session(sid) is None and sid not in self.sessions:
             raise LookupError(f"unknown conversation {sid!r}")
-        s = self.session(sid, fresh=True)
+        s = self.sessions.load(sid, fresh=True)
         return sid, self.run_tool(s, tool, args, s.last_view)
 
     def _run_calls(self: "Engine", s: Session, view: View, first: int, result: TurnResult) -> None:
