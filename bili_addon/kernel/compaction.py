@@ -208,8 +208,8 @@ class EpochHost(Protocol):
 
 
 class Epochs:
-    """Mixed into the :class:`Engine`: the hook of a turn, and what a new
-    epoch changes in the session.  What it uses of the engine is :class:`EpochHost`."""
+    """Mixed into the :class:`Engine`: the hook of a turn, and what a new epoch changes in the
+    session.  What it uses of the engine is :class:`EpochHost`."""
 
     def _compaction(self: EpochHost, s: Session, lane: str, view: View, minted_from: int,
                     result: TurnResult) -> None:
@@ -261,5 +261,5 @@ class Epochs:
         return last
 
 
-__all__ = ["EpochHost", "Epochs", "Found", "SHAPES", "SUMMARY_ASKS", "Shape", "asks_for_summary", "detect", "epochs",
-           "free_summary", "marker_in_head"]
+__all__ = ["EpochHost", "Epochs", "Found", "SHAPES", "SUMMARY_ASKS", "Shape", "asks_for_summary", "detect",
+           "epochs", "free_summary", "marker_in_head"]
