@@ -89,6 +89,10 @@ def handle(flow: http.HTTPFlow, bili: Bili):
                                    "in bili's data directory")
         log.warning("[bili] refused %s %s: no valid admin token", method, path)
     elif path == PREFIX + "stats" and method == "GET":
+        sid = flow.request.query.get("session")
+        if sid:
+            return _with_store(flow, bili, lambda eng: _session(bili, eng, sid),
+                               lambda: _fail(503, "the bili store is not available; see the proxy's log"))
         return _with_store(flow, bili, lambda eng: _json(200, bili.stats(eng)),
                            lambda: _json(200, bili.stats()))
     elif path == MANIFEST_ENDPOINT and method in ("GET", "HEAD"):
@@ -103,6 +107,15 @@ def handle(flow: http.HTTPFlow, bili: Bili):
     else:
         flow.response = _fail(404, f"no such bili endpoint: {method} {path}")
     return None
+
+
+def _session(bili: Bili, eng: Engine, sid: str) -> http.Response:
+    """``/__bili/stats?session=ID``: the session's entry of the stats and its answered turns."""
+    turns = bili.session_turns(eng, sid)
+    if turns is None:
+        return _fail(404, f"no session {sid!r}")
+    entry = next((s for s in bili.stats(eng)["sessions"] if s["id"] == sid), {})
+    return _json(200, {"ok": True, "session": entry, "turns": turns["turns"]})
 
 
 def _with_store(flow: http.HTTPFlow, bili: Bili, answer, without):

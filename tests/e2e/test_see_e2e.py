@@ -1,0 +1,117 @@
+"""Seeing what bili does (#12), on a scripted session that folds through a real mitmdump: the log
+line per request, ``/__bili/stats`` with money, ``bili stats``, and the page.
+
+The session: the anthropic agent of test_fold_e2e for 12 turns (turn 8 compresses turns 1-4, 11
+decompresses b1), usage reported as the real API does (prompt size), and a price file for the
+fake model so the money is checked against prices computed here by hand."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+import pytest
+
+from .support import Mitmdump
+from .test_fold_e2e import make_agent, run_bash, session_script
+
+pytestmark = pytest.mark.e2e
+
+TURNS = 12
+# $ per million tokens for the fake model (the price file the proxy reads from its data dir)
+PRICE = {"provider": "anthropic", "input": 3.0, "cache_write_5m": 3.75, "cache_write_1h": 6.0, "cache_read": 0.3,
+         "output": 15.0}
+LINE = re.compile(r"bili (\S+) (\S{1,8}) t(\d+) (\w+): (\S+) -> (\S+) tok(?: \(([+-]\d+%)\))?, cache read (\S+) "
+                  r"\(reported (\S+)\), (\d+) blocks?(?:, (\$[\d.,]+) \(saved (\$[\d.,]+)\))?")
+
+
+@pytest.fixture(scope="module")
+def session(fake, tmp_path_factory):
+    """A proxy with the price file, and one scripted session run through it: (proxy, sid)."""
+    proxy = Mitmdump(tmp_path_factory.mktemp("see"), fake.port)
+    proxy.data_dir.mkdir(parents=True)
+    (proxy.data_dir / "prices.json").write_text(json.dumps({"as_of": "2026-12-01", "models": {"claude-fake-1": PRICE}}))
+    proxy.start()
+    sid = f"e2e-see-{uuid.uuid4().hex[:8]}"
+    fake.script(sid, session_script(), real_usage=True)
+    agent = make_agent("anthropic", proxy, sid, sid)
+    for t in range(1, TURNS + 1):
+        agent.step(t, run_bash)
+    try:
+        yield proxy, sid
+    finally:
+        proxy.stop()
+
+
+def turns_of(proxy, sid):
+    status, body = proxy.admin(f"/__bili/stats?session={sid}")
+    assert status == 200, body
+    return body
+
+
+def wait_turns(proxy, sid, n=TURNS):
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        body = turns_of(proxy, sid)
+        if len(body["turns"]) >= n or time.monotonic() > deadline:
+            return body
+        time.sleep(0.1)
+
+
+def hand_cost(t) -> tuple[float, float]:
+    uncached = t["input_tokens"] - t["cache_read"] - t["cache_write"]
+    cost = (uncached * PRICE["input"] + t["cache_write"] * PRICE["cache_write_5m"] + t["cache_read"] * PRICE["cache_read"]
+            + t["output_tokens"] * PRICE["output"]) / 1e6
+    saved = max(0, t["agent_tokens"] - t["sent_tokens"]) * PRICE["cache_read"] / 1e6
+    return cost, saved
+
+
+def test_stats_per_turn_and_money(session):
+    proxy, sid = session
+    body = wait_turns(proxy, sid)
+    turns = body["turns"]
+    assert [t["n"] for t in turns] == list(range(1, TURNS + 1))
+    assert [t["request"] for t in turns] == list(range(1, TURNS + 1))
+    assert all(t["model"] == "claude-fake-1" for t in turns)
+    # before the fold bili sends about what the agent sent (plus its tags and tools); after, far less
+    assert turns[8]["blocks"] == 1 and turns[7]["blocks"] == 0
+    assert turns[8]["sent_tokens"] < turns[8]["agent_tokens"] - 1000
+    assert "compress" in turns[8]["executed"] and "decompress" in turns[11]["executed"]
+    for t in turns:
+        cost, saved = hand_cost(t)
+        assert t["cost"] == pytest.approx(cost, abs=1e-6) and t["saved"] == pytest.approx(saved, abs=1e-6)
+    # turn 1 by hand: fake usage = the prompt's JSON bytes // 4 input tokens, 7 output
+    t1 = turns[0]
+    assert t1["cost"] == pytest.approx(t1["input_tokens"] * 3e-6 + 7 * 15e-6, abs=1e-6)
+    # the prediction: turn 2 repeats turn 1's request from the start, mostly
+    assert turns[0]["predicted"] is None and 0.5 < turns[1]["predicted"] <= 1
+    w = body["session"]["wire"]
+    assert w["turns"] == TURNS and w["priced"]
+    assert w["cost"] == pytest.approx(sum(hand_cost(t)[0] for t in turns), abs=1e-5)
+    assert w["saved"] == pytest.approx(sum(hand_cost(t)[1] for t in turns), abs=1e-5)
+    assert w["agent_now"] == turns[-1]["agent_tokens"] and w["sent_now"] == turns[-1]["sent_tokens"]
+    assert w["agent_peak"] == max(t["agent_tokens"] for t in turns)
+    assert body["session"]["usage"]["input_tokens"] == sum(t["input_tokens"] for t in turns)
+    status, missing = proxy.admin("/__bili/stats?session=no-such-session")
+    assert status == 404
+
+
+def test_a_log_line_per_answered_request(session):
+    from bili_addon import prices
+    from bili_addon.meter import pct, tokens
+
+    proxy, sid = session
+    turns = wait_turns(proxy, sid)["turns"]
+    lines = [m for m in map(LINE.search, proxy.log().splitlines()) if m and sid.startswith(m.group(2))]
+    assert len(lines) == TURNS, proxy.log_tail(40)
+    for m, t in zip(lines, turns):
+        assert m.group(2) == sid[:8] and int(m.group(3)) == t["request"] and m.group(4) == "anthropic"
+        assert (m.group(5), m.group(6)) == (tokens(t["agent_tokens"]), tokens(t["sent_tokens"]))
+        assert m.group(8) == pct(t["predicted"]) and m.group(9) == pct(t["reported"])
+        assert int(m.group(10)) == t["blocks"]
+        assert (m.group(11), m.group(12)) == (prices.money(t["cost"]), prices.money(t["saved"]))
+    folded = lines[8]
+    assert folded.group(7).startswith("-") and folded.group(10) == "1"
