@@ -115,3 +115,59 @@ def test_a_log_line_per_answered_request(session):
         assert (m.group(11), m.group(12)) == (prices.money(t["cost"]), prices.money(t["saved"]))
     folded = lines[8]
     assert folded.group(7).startswith("-") and folded.group(10) == "1"
+
+
+def bili_cli(proxy, *args: str) -> str:
+    import subprocess
+    import sys
+
+    from .support import clean_env
+
+    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", *args, "--proxy", proxy.url, "--data-dir",
+                          str(proxy.bili_data_dir)], capture_output=True, text=True, timeout=60, env=clean_env())
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_bili_stats_equals_the_store(session):
+    from bili_addon import prices
+    from bili_addon.meter import tokens
+
+    proxy, sid = session
+    body = wait_turns(proxy, sid)
+    w = body["session"]["wire"]
+    table = bili_cli(proxy, "stats")
+    assert all(len(ln) <= 80 for ln in table.splitlines()), table
+    row = [ln for ln in table.splitlines() if ln.startswith(sid[:10])]
+    assert len(row) == 1, table
+    cells = row[0].split()
+    assert cells[1] == "python-sdk" and cells[2] == "anthropic" and int(cells[3]) == TURNS
+    assert cells[4] == f"{tokens(w['agent_now'])}->{tokens(w['sent_now'])}"
+    assert cells[6] == str(body["session"]["fold"]["blocks"])
+    assert cells[7] == prices.money(w["cost"]) and cells[8] == prices.money(w["saved"])
+    assert "2026-12-01" in table
+
+    one = bili_cli(proxy, "stats", "--session", sid)
+    assert all(len(ln) <= 80 for ln in one.splitlines()), one
+    assert f"cost {prices.money(w['cost'])}, saved {prices.money(w['saved'])}" in one
+    rows = [ln.split() for ln in one.splitlines() if re.match(r"\s*\d+\s+\d+\s", ln)]
+    assert len(rows) == TURNS
+    for cells, t in zip(rows, body["turns"]):
+        assert cells[:4] == [str(t["n"]), str(t["request"]), tokens(t["agent_tokens"]), tokens(t["sent_tokens"])]
+        assert cells[10] == prices.money(t["cost"])
+    assert rows[7][-1] == "compress" or "compress" in rows[8][-1]
+
+    doc = json.loads(bili_cli(proxy, "stats", "--json", "--session", sid))
+    assert doc["turns"] == body["turns"] and doc["session"]["wire"] == w
+
+
+def test_bili_stats_without_the_token_says_why(session, tmp_path):
+    import subprocess
+    import sys
+
+    from .support import clean_env
+
+    proxy, _ = session
+    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "stats", "--proxy", proxy.url, "--data-dir",
+                          str(tmp_path)], capture_output=True, text=True, timeout=60, env=clean_env())
+    assert out.returncode == 1 and "403" in out.stderr and "admin token" in out.stderr
