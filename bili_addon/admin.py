@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from mitmproxy import http
 
-from bili_addon import __version__, private
+from bili_addon import __version__, page, private
 from bili_addon.kernel.prompts import TOOLS
 from bili_addon.store import StoreError
 
@@ -83,10 +83,12 @@ def handle(flow: http.HTTPFlow, bili: Bili):
     if path == PREFIX + "health" and method in ("GET", "HEAD"):
         flow.response = _json(200, {"ok": True, "version": __version__, "mode": bili.mode, **bili.store_status(),
                                     "authenticated": authenticated(flow, bili)})
-    elif not authenticated(flow, bili):
+    elif page.sign_in(flow, bili):  # GET /__bili/?code=...: the one-time code of `bili page`
+        return None
+    elif not (authenticated(flow, bili) or (page.readable(path, method) and page.auth(bili).cookie_ok(flow))):
         flow.response = _fail(403, f"bili admin endpoints need this install's admin token: send the header "
                                    f"{private.TOKEN_HEADER} with the content of the file {private.TOKEN_FILE} "
-                                   "in bili's data directory")
+                                   "in bili's data directory (a browser: open the URL `bili page` prints)")
         log.warning("[bili] refused %s %s: no valid admin token", method, path)
     elif path == PREFIX + "stats" and method == "GET":
         sid = flow.request.query.get("session")
@@ -95,6 +97,8 @@ def handle(flow: http.HTTPFlow, bili: Bili):
                                lambda: _fail(503, "the bili store is not available; see the proxy's log"))
         return _with_store(flow, bili, lambda eng: _json(200, bili.stats(eng)),
                            lambda: _json(200, bili.stats()))
+    elif path == PREFIX or path.startswith(PREFIX + "page/"):
+        return page.handle(flow, bili, path, _with_store)
     elif path == MANIFEST_ENDPOINT and method in ("GET", "HEAD"):
         flow.response = _json(200, {"ok": True, "tools": list(TOOLS), "toolEndpoint": TOOL_ENDPOINT})
     elif path == TOOL_ENDPOINT and method == "POST":

@@ -1,8 +1,8 @@
 """What bili did to each model request, in figures a person reads: the per-request log line, and the
 per-turn rows behind ``bili stats`` and the page (the store's ``wire`` table).
 
-The request side notes what the agent sent and what bili sent (estimated tokens, as the kernel
-counts them) and predicts the cache-read share: the part of this request's bytes that repeat the
+The request side notes what the agent sent and what bili sent (whole bodies, in tokens as the
+kernel estimates them) and predicts the cache-read share: the part of this request's bytes that repeat the
 session's previous request from the start, in the order a provider's prompt cache reads them (tools,
 system prompt, conversation).  The answer
 brings the provider's usage; then one row is written and one line logged::
@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from bili_addon import prices
+from bili_addon.kernel.identity import count_tokens
 from bili_addon.store import WireTurn
 
 KEEP = 256  # sessions whose last request's bytes are kept for the prediction
@@ -41,6 +42,14 @@ def cache_bytes(body: bytes) -> bytes:
     except (msgspec.DecodeError, msgspec.ValidationError):
         return body
     return b"\n".join(bytes(doc[k]) for k in CACHE_ORDER if k in doc)
+
+
+def estimate(body: bytes) -> int:
+    """A whole request body in tokens, by the kernel's estimate (the same for what the agent sent and
+    what bili sent, so the two compare; tools and system prompt included, as the provider counts)."""
+    if body.isascii():
+        return -(-len(body) // 4)
+    return count_tokens(body.decode("utf-8", "replace"))
 
 
 def common_prefix(a: bytes, b: bytes) -> int:
@@ -76,10 +85,11 @@ class Meter:
             return None
         return round(common_prefix(prev, sent) / len(sent), 4)
 
-    def request(self, session: Any, sent: bytes) -> dict[str, Any]:
-        """The request's figures for its flow record (``session``: the kernel's live Session)."""
+    def request(self, session: Any, raw: bytes, sent: bytes) -> dict[str, Any]:
+        """The request's figures for its flow record (``session``: the kernel's live Session; ``raw``:
+        the agent's body, ``sent``: what goes upstream)."""
         return {"agent": session.row.agent, "model": session.model, "turn": session.row.requests,
-                "agent_tokens": session.unfolded_tokens, "sent_tokens": session.sent_tokens,
+                "agent_tokens": estimate(raw), "sent_tokens": estimate(sent),
                 "predicted": self.predict(session.row.id, sent)}
 
     @staticmethod

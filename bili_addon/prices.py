@@ -16,8 +16,9 @@ or not; ``cache_read`` and ``cache_write`` are the parts of it read from and wri
 The uncached rest is ``input - cache_read - cache_write``.
 
 What a session "would have cost without bili" (:func:`without_bili`) is deliberately conservative:
-the tokens bili folded off the wire are priced as cache reads, the cheapest way the agent could
-have sent them; the claimed saving is never more than that.
+the difference between what the agent sent and what bili sent is priced as cache reads, the
+cheapest way those tokens could have gone; the claimed saving is never more than that (and it is
+negative while bili's own tools and prompt outweigh what it folded).
 
 Standard library only (``bili stats`` uses it without mitmproxy).  ``cost()`` is the function the
 cache-clock cost model and ``bili replay --cost`` call for absolute prices.
@@ -206,16 +207,20 @@ def cost(model: str, input: int, cache_read: int = 0, cache_write: int = 0, outp
 
 def without_bili(model: str, input: int, cache_read: int, cache_write: int, output: int, folded_tokens: int, *,
                  ttl: str = "5m", table: Table | None = None) -> Cost | None:
-    """What the same turn would have cost with the ``folded_tokens`` bili kept off the wire sent too,
-    priced as cache reads (the cheapest way: the saving claimed is a lower bound)."""
-    extra = max(0, folded_tokens)
-    return cost(model, input + extra, cache_read + extra, cache_write, output, ttl=ttl, table=table)
+    """What the same turn would have cost had the agent's own request gone out: ``folded_tokens``
+    (what the agent sent minus what bili sent) priced as cache reads, the cheapest way they could have
+    gone, so a saving claimed is a lower bound.  Negative ``folded_tokens`` (bili's tools, prompt and
+    tags outweigh what it folded) make the saving negative: bili's additions are never free."""
+    return cost(model, input + folded_tokens, cache_read + folded_tokens, cache_write, output, ttl=ttl,
+                table=table)
 
 
 def money(usd: float | None) -> str:
     """``$0.041``, ``$1.23``, ``$120``; '' for no price."""
     if usd is None:
         return ""
+    if usd < 0:
+        return "-" + money(-usd)
     if usd < 0.995:
         return f"${usd:.3f}"
     if usd < 99.5:

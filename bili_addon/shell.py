@@ -277,7 +277,7 @@ class Bili:
         rec = flowmeta.request_record(res, mode=self.mode, rendered=rendered, lane=lane, via=via, raw=raw,
                                       sent=sent, blocks=s.blocks if s else [])
         if s is not None:
-            rec.update(self.meter.request(s, sent))
+            rec.update(self.meter.request(s, raw, sent))
         return rec
 
     def _process(self, eng: Engine, raw: bytes, lane: Lane, headers, where: str, origin: str = "",

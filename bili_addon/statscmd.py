@@ -104,7 +104,7 @@ def sessions_table(doc: dict[str, Any], now: float | None = None) -> str:
     p = doc.get("prices") or {}
     if p:
         lines.append(f"prices as of {p.get('as_of')}"[:WIDTH])
-        lines.append("SAVED prices the tokens bili folded away as cache reads (a lower bound)")
+        lines.append("SAVED: agent minus bili tokens priced as cache reads (a lower bound)")
     return "\n".join(lines)
 
 
@@ -122,7 +122,7 @@ def session_view(doc: dict[str, Any], now: float | None = None) -> str:
            f"blocks {fold.get('blocks', 0)} active of {fold.get('blocks_total', 0)}, "
            f"{tokens(fold.get('tokens_folded', 0))} tokens folded, epoch {fold.get('epoch', 1)}"]
     if w.get("priced"):
-        out.append(f"cost {money(w.get('cost'))}, saved {money(w.get('saved'))} (folded tokens priced as cache reads)")
+        out.append(f"cost {money(w.get('cost'))}, saved {money(w.get('saved'))} (agent minus bili tokens as cache reads)")
     else:
         out.append("cost: no price for this model (tokens only; add it to prices.json in the data dir)")
     out.append("")

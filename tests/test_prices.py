@@ -79,3 +79,11 @@ def test_money_format():
     assert prices.money(1.234) == "$1.23"
     assert prices.money(1234.5) == "$1,234"
     assert prices.money(None) == ""
+    assert prices.money(-0.0021) == "-$0.002"
+
+
+def test_bili_additions_make_a_negative_saving():
+    # bili sent 1,000 tokens more than the agent (its tools and prompt): 1,000 * 0.30 / 1e6 = -$0.0003
+    with_ = prices.cost("claude-sonnet-4-5", 30_000, 25_000, 1_000, 500)
+    without = prices.without_bili("claude-sonnet-4-5", 30_000, 25_000, 1_000, 500, -1_000)
+    assert without.total - with_.total == pytest.approx(-0.0003)

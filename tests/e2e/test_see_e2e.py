@@ -8,6 +8,7 @@ fake model so the money is checked against prices computed here by hand."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 
@@ -23,7 +24,7 @@ TURNS = 12
 PRICE = {"provider": "anthropic", "input": 3.0, "cache_write_5m": 3.75, "cache_write_1h": 6.0, "cache_read": 0.3,
          "output": 15.0}
 LINE = re.compile(r"bili (\S+) (\S{1,8}) t(\d+) (\w+): (\S+) -> (\S+) tok(?: \(([+-]\d+%)\))?, cache read (\S+) "
-                  r"\(reported (\S+)\), (\d+) blocks?(?:, (\$[\d.,]+) \(saved (\$[\d.,]+)\))?")
+                  r"\(reported (\S+)\), (\d+) blocks?(?:, (-?\$[\d.,]+) \(saved (-?\$[\d.,]+)\))?")
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,7 @@ def session(fake, tmp_path_factory):
     agent = make_agent("anthropic", proxy, sid, sid)
     for t in range(1, TURNS + 1):
         agent.step(t, run_bash)
+    proxy.agent = agent  # the browser test sends one more turn to see the page follow it
     try:
         yield proxy, sid
     finally:
@@ -65,7 +67,7 @@ def hand_cost(t) -> tuple[float, float]:
     uncached = t["input_tokens"] - t["cache_read"] - t["cache_write"]
     cost = (uncached * PRICE["input"] + t["cache_write"] * PRICE["cache_write_5m"] + t["cache_read"] * PRICE["cache_read"]
             + t["output_tokens"] * PRICE["output"]) / 1e6
-    saved = max(0, t["agent_tokens"] - t["sent_tokens"]) * PRICE["cache_read"] / 1e6
+    saved = (t["agent_tokens"] - t["sent_tokens"]) * PRICE["cache_read"] / 1e6  # negative: bili's additions
     return cost, saved
 
 
@@ -76,9 +78,12 @@ def test_stats_per_turn_and_money(session):
     assert [t["n"] for t in turns] == list(range(1, TURNS + 1))
     assert [t["request"] for t in turns] == list(range(1, TURNS + 1))
     assert all(t["model"] == "claude-fake-1" for t in turns)
-    # before the fold bili sends about what the agent sent (plus its tags and tools); after, far less
+    # before the fold bili sends more than the agent did (its tags, tools and prompt); after, less
     assert turns[8]["blocks"] == 1 and turns[7]["blocks"] == 0
-    assert turns[8]["sent_tokens"] < turns[8]["agent_tokens"] - 1000
+    assert all(t["sent_tokens"] > t["agent_tokens"] for t in turns[:8])
+    assert turns[8]["sent_tokens"] < turns[8]["agent_tokens"] and turns[8]["sent_tokens"] < turns[7]["sent_tokens"]
+    # whole bodies: what bili sent is near what the provider counted (the fake: its JSON's bytes // 4)
+    assert all(0.7 < t["sent_tokens"] / t["input_tokens"] < 1.3 for t in turns)
     assert "compress" in turns[8]["executed"] and "decompress" in turns[11]["executed"]
     for t in turns:
         cost, saved = hand_cost(t)
@@ -171,3 +176,113 @@ def test_bili_stats_without_the_token_says_why(session, tmp_path):
     out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "stats", "--proxy", proxy.url, "--data-dir",
                           str(tmp_path)], capture_output=True, text=True, timeout=60, env=clean_env())
     assert out.returncode == 1 and "403" in out.stderr and "admin token" in out.stderr
+
+
+# -- the page in a real headless Chromium (last: it adds a turn) ----------------------------------------
+def page_code(proxy) -> str:
+    status, body = proxy.admin("/__bili/page/code", method="POST")
+    assert status == 200, body
+    return body["code"]
+
+
+def no_redirect(proxy, path: str):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    return resp
+
+
+def test_the_page_refuses_without_sign_in(session):
+    from .support import request
+
+    proxy, sid = session
+    for path in ("/__bili/", f"/__bili/page/session?session={sid}", "/__bili/stats"):
+        assert request(proxy.url + path).status == 403
+    code = page_code(proxy)
+    first = no_redirect(proxy, f"/__bili/?code={code}")
+    assert first.status == 303 and first.getheader("location") == "/__bili/"
+    cookie = first.getheader("set-cookie")
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/__bili/" in cookie
+    assert no_redirect(proxy, f"/__bili/?code={code}").status == 403, "a code signs in once"
+    jar = {"cookie": cookie.split(";", 1)[0]}
+    page = request(proxy.url + "/__bili/", headers=jar)
+    assert page.status == 200 and b"<title>bili</title>" in page.body
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+    assert request(proxy.url + f"/__bili/page/session?session={sid}", headers=jar).status == 200
+    # the cookie opens the page's read-only data, never the tool endpoint
+    assert request(proxy.url + "/__bili/plugin/tool", b"{}", method="POST", headers=jar).status == 403
+    assert proxy.token.encode() not in page.body
+
+
+def test_the_page_in_chromium(session, tmp_path):
+    import shutil
+
+    from bili_addon import prices
+    from bili_addon.meter import tokens
+
+    from .browser import Browser, find_chromium
+
+    binary, why = find_chromium()
+    if binary is None:
+        pytest.skip(why)
+    proxy, sid = session
+    stats = wait_turns(proxy, sid)
+    w = stats["session"]["wire"]
+    out = tmp_path / "screens"
+    out.mkdir()
+    b = Browser(binary, tmp_path)
+    try:
+        b.goto(proxy.url + f"/__bili/?code={page_code(proxy)}")
+        b.wait("document.body && document.body.dataset.loaded === '1' && location.search === ''")
+        row = b.wait(f"""(() => {{ const r = document.querySelector('tr.s[data-id="{sid}"]'); if (!r) return null;
+            const v = {{}}; for (const td of r.cells) if (td.classList.length) v[td.classList[td.classList.length - 1]] =
+            [td.dataset.v, td.textContent]; return v; }})()""")
+        assert row["requests"][0] == str(stats["session"]["requests"])
+        assert row["now"] == [str(w["sent_now"]), f"{tokens(w['agent_now'])} → {tokens(w['sent_now'])}"]
+        assert row["blocks"][0] == str(stats["session"]["fold"]["blocks"])
+        assert row["folded"][0] == str(stats["session"]["fold"]["tokens_folded"])
+        assert row["cost"] == [str(w["cost"]), prices.money(w["cost"])]
+        assert row["saved"][1] == prices.money(w["saved"])
+        assert float(row["read"][0] or 0) == (w["reported"] or 0)
+        b.js("document.getElementById('filter').value = 'no-such-thing'; "
+             "document.getElementById('filter').dispatchEvent(new Event('input'))")
+        assert b.js(f"!document.querySelector('tr.s[data-id=\"{sid}\"]')")
+        b.js("document.getElementById('filter').value = ''; document.getElementById('filter').dispatchEvent(new Event('input'))")
+        b.screenshot(out / "sessions.png")
+
+        b.js(f"document.querySelector('tr.s[data-id=\"{sid}\"]').click()")
+        b.wait("document.body.dataset.loaded === '1' && document.querySelectorAll('#turnchart circle.pt.sent').length > 0")
+        assert b.js("document.querySelectorAll('#turnchart circle.pt.sent').length") == TURNS
+        assert b.js("document.querySelectorAll('#turnchart circle.pt.agent').length") == TURNS
+        assert b.js("[...document.querySelectorAll('#turnchart circle.pt.sent')].map(c => +c.dataset.v)") == \
+            [t["sent_tokens"] for t in stats["turns"]]
+        assert b.js("document.querySelectorAll('#turnchart line.fold').length") == 1
+        assert b.js("document.querySelectorAll('#turns tbody tr').length") == TURNS
+        # expanding b1 shows what decompress would: the folded turns' original tool output
+        b.js("document.querySelector('.block[data-id=\"b1\"] button.expand').click()")
+        text = b.wait("(() => { const p = document.querySelector('.block[data-id=\"b1\"] pre.original'); "
+                      "return p && !p.classList.contains('hidden') && p.textContent; })()")
+        assert "file-1-row-0:" in text and "file-4-row-49:" in text and "file-5-row-" not in text
+        # the search box runs search_context over the folded parts
+        b.js("document.getElementById('q').value = 'file-3-row-7'; "
+             "document.getElementById('searchform').requestSubmit()")
+        found = b.wait("document.getElementById('results').dataset.q === 'file-3-row-7' && "
+                       "document.getElementById('results').textContent")
+        assert found.startswith('Matches for "file-3-row-7"') and "file-3-row-7" in found and "(inside b1)" in found
+        b.screenshot(out / "session.png")
+
+        # the page follows the session live: one more turn shows up without a reload
+        proxy.agent.step(TURNS + 1, run_bash)
+        b.wait(f"document.querySelectorAll('#turnchart circle.pt.sent').length === {TURNS + 1}", timeout=20)
+        assert b.js("document.querySelector('.block[data-id=\"b1\"] pre.original').classList.contains('hidden')") is False
+        b.pump(0.5)
+        assert b.errors == []
+    finally:
+        b.close()
+        keep = os.environ.get("BILI_SCREENSHOTS")
+        if keep:
+            shutil.copytree(out, keep, dirs_exist_ok=True)
