@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from mitmproxy import ctx, http
 
-from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, prices, private
+from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, mitmview, prices, private
 from bili_addon.kernel import envelope
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
@@ -93,6 +93,7 @@ class Bili:
 
     # -- options -------------------------------------------------------------------------------
     def load(self, loader) -> None:
+        mitmview.register()  # the "bili" content view in mitmproxy and mitmweb
         loader.add_option("bili_data_dir", str, "", "Where the store lives (default: the XDG data dir).")
         loader.add_option(
             "bili_mode", str, "fold",
