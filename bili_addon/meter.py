@@ -2,20 +2,21 @@
 per-turn rows behind ``bili stats`` and the page (the store's ``wire`` table).
 
 The request side notes what the agent sent and what bili sent (whole bodies, in tokens as the
-kernel estimates them) and predicts the cache-read share: the part of this request's bytes that repeat the
-session's previous request from the start, in the order a provider's prompt cache reads them (tools,
-system prompt, conversation).  The answer
-brings the provider's usage; then one row is written and one line logged::
+kernel estimates them) and predicts the cache-read share: the leading parts of the request (tools,
+system prompt, conversation items, in the order a provider's prompt cache reads them) that are the
+same as in the session's previous request.  The answer brings the provider's usage; then one row
+is written and one line logged::
 
     bili claude 3fe7b19e t42 anthropic: 181.2K -> 46.1K tok (-75%), cache read 93% (reported 92%),
     3 blocks, $0.041 (saved $0.12)
 
-"saved" prices the folded tokens as cache reads (:func:`bili_addon.prices.without_bili`): a lower
-bound.  A model without a price shows tokens only.
+"saved" prices the difference between what the agent sent and what bili sent as cache reads
+(:func:`bili_addon.prices.without_bili`): a lower bound.  A model without a price shows tokens only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from typing import Any
@@ -26,22 +27,37 @@ from bili_addon import prices
 from bili_addon.kernel.identity import count_tokens
 from bili_addon.store import WireTurn
 
-KEEP = 256  # sessions whose last request's bytes are kept for the prediction
+KEEP = 1024  # sessions whose last request's part digests are kept for the prediction
 
 
 # the order a provider's prompt cache reads a request in (tools, then the system prompt, then the
 # conversation), whatever order the JSON keys come in
 CACHE_ORDER = ("tools", "system", "instructions", "systemInstruction", "messages", "input", "contents")
+CONVERSATION = ("messages", "input", "contents")
 
 
-def cache_bytes(body: bytes) -> bytes:
-    """The parts of a request body a prompt cache reads, in the order it reads them (the body itself
-    when it is not a JSON object)."""
+def cache_chunks(body: bytes) -> list[tuple[bytes, int]]:
+    """``(digest, length)`` of the parts of a request a prompt cache reads, in the order it reads
+    them: the tools, the system prompt, then each conversation item (the body as one part when it
+    is not a JSON object).  Digests, not bytes: kept per session, they stay small."""
     try:
         doc = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return body
-    return b"\n".join(bytes(doc[k]) for k in CACHE_ORDER if k in doc)
+        return [(hashlib.sha256(body).digest(), len(body))]
+    out: list[tuple[bytes, int]] = []
+    for k in CACHE_ORDER:
+        if k not in doc:
+            continue
+        raw = bytes(doc[k])
+        items = None
+        if k in CONVERSATION:
+            try:
+                items = msgspec.json.decode(raw, type=list[msgspec.Raw])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                items = None
+        for part in ([bytes(x) for x in items] if items is not None else [raw]):
+            out.append((hashlib.sha256(k.encode() + b"\0" + part).digest(), len(part)))
+    return out
 
 
 def estimate(body: bytes) -> int:
@@ -52,38 +68,31 @@ def estimate(body: bytes) -> int:
     return count_tokens(body.decode("utf-8", "replace"))
 
 
-def common_prefix(a: bytes, b: bytes) -> int:
-    """Length of the common prefix of ``a`` and ``b`` (binary search over slice comparisons)."""
-    hi = min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    lo = 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 class Meter:
     """Kept by the addon; used on the store's worker thread only."""
 
     def __init__(self, table: prices.Table | None = None):
         self.table = table or prices.default()
-        self._last: OrderedDict[str, bytes] = OrderedDict()
+        self._last: OrderedDict[str, list[tuple[bytes, int]]] = OrderedDict()
 
     def predict(self, session: str, sent: bytes) -> float | None:
-        """The share of ``sent`` a prefix cache can read (None: the session's first request here)."""
-        sent = cache_bytes(sent)
+        """The share of ``sent`` a prefix cache can read: its leading parts (tools, system prompt,
+        conversation items) that the session's previous request had the same (None: the session's
+        first request here).  Whole parts only, as a cache breakpoint ends a part."""
+        chunks = cache_chunks(sent)
         prev = self._last.pop(session, None)
-        self._last[session] = sent
+        self._last[session] = chunks
         while len(self._last) > KEEP:
             self._last.popitem(last=False)
-        if prev is None or not sent:
+        total = sum(n for _, n in chunks)
+        if prev is None or not total:
             return None
-        return round(common_prefix(prev, sent) / len(sent), 4)
+        same = 0
+        for a, b in zip(prev, chunks):
+            if a != b:
+                break
+            same += b[1]
+        return round(same / total, 4)
 
     def request(self, session: Any, raw: bytes, sent: bytes) -> dict[str, Any]:
         """The request's figures for its flow record (``session``: the kernel's live Session; ``raw``:
@@ -177,4 +186,4 @@ def summary(turns: list[WireTurn], table: prices.Table | None = None) -> dict[st
     return out
 
 
-__all__ = ["Meter", "common_prefix", "line", "pct", "summary", "tokens", "turn_dict", "turn_money"]
+__all__ = ["Meter", "cache_chunks", "estimate", "line", "pct", "summary", "tokens", "turn_dict", "turn_money"]

@@ -236,7 +236,9 @@ def test_the_page_in_chromium(session, tmp_path):
     out.mkdir()
     b = Browser(binary, tmp_path)
     try:
-        b.goto(proxy.url + f"/__bili/?code={page_code(proxy)}")
+        url = bili_cli(proxy, "page").strip()  # what a user opens: a one-time code, never the token
+        assert url.startswith(proxy.url + "/__bili/?code=") and proxy.token not in url
+        b.goto(url)
         b.wait("document.body && document.body.dataset.loaded === '1' && location.search === ''")
         row = b.wait(f"""(() => {{ const r = document.querySelector('tr.s[data-id="{sid}"]'); if (!r) return null;
             const v = {{}}; for (const td of r.cells) if (td.classList.length) v[td.classList[td.classList.length - 1]] =
