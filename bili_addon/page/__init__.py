@@ -30,8 +30,8 @@ from bili_addon import meter
 from bili_addon.kernel import surfaces
 
 if TYPE_CHECKING:
+    from bili_addon.admin import Host as Bili  # the addon, as the admin endpoints see it
     from bili_addon.kernel.turn import Engine
-    from bili_addon.shell import Bili
 
 PREFIX = "/__bili/"
 CODE_PATH = PREFIX + "page/code"
