@@ -166,6 +166,25 @@ def _usd(x: float | None) -> float | None:
     return None if x is None else round(x, 6)
 
 
+def totals(store: Any, sid: str, table: prices.Table | None = None) -> dict[str, Any]:
+    """:func:`summary` from the store's sums (``Store.wire_totals``), without reading every turn:
+    cost is linear in the tokens, so per-model sums price the same as turn by turn."""
+    n, last, peak_a, peak_s, models = store.wire_totals(sid)
+    out = summary([last] if last else [], table)
+    if not n:
+        return out
+    t = table or prices.default()
+    inp = sum(m[1] for m in models)
+    out.update(turns=n, agent_peak=peak_a, sent_peak=peak_s,
+               reported=round(sum(m[2] for m in models) / inp, 4) if inp else None,
+               cost=None, saved=None, priced=False)
+    costs = [(t.cost(m, i, r, w, o), prices.without_bili(m, i, r, w, o, d, table=t)) for m, i, r, w, o, d in models]
+    if all(c is not None for c, _ in costs):
+        out.update(cost=_usd(sum(c.total for c, _ in costs)),
+                   saved=_usd(sum(wo.total - c.total for c, wo in costs)), priced=True)
+    return out
+
+
 def summary(turns: list[WireTurn], table: prices.Table | None = None) -> dict[str, Any]:
     """A session's figures over its answered turns: now (the last turn) and peak tokens, as the agent
     sent them and as bili did; cache-read shares; money (None when a turn's model has no price)."""
@@ -186,4 +205,4 @@ def summary(turns: list[WireTurn], table: prices.Table | None = None) -> dict[st
     return out
 
 
-__all__ = ["Meter", "cache_chunks", "estimate", "line", "pct", "summary", "tokens", "turn_dict", "turn_money"]
+__all__ = ["Meter", "cache_chunks", "estimate", "totals", "line", "pct", "summary", "tokens", "turn_dict", "turn_money"]

@@ -549,7 +549,7 @@ class Bili:
             family = families.get(r.id)
             if family is not None:  # forks: {root, parent, fork_at, children}
                 entry["lineage"] = family
-            entry["wire"] = meter.summary(store.wire(r.id), self.meter.table)
+            entry["wire"] = meter.totals(store, r.id, self.meter.table)
             if flags.get("delta_history"):
                 entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"
             sessions.append(entry)

@@ -655,6 +655,27 @@ class Store:
         return n
 
     @_reads
+    def wire_totals(self, session_id: str) -> tuple[int, "WireTurn | None", int, int, list[tuple]]:
+        """A session's wire figures without reading every turn: ``(turns, the last turn, peak agent
+        tokens, peak sent tokens, per model [(model, input, cache read, cache write, output, agent
+        minus sent)]``."""
+        n, peak_a, peak_s = self.db.execute(
+            "SELECT COUNT(*), COALESCE(MAX(agent_tokens), 0), COALESCE(MAX(sent_tokens), 0) FROM wire "
+            "WHERE session_id=?", (session_id,)).fetchone()
+        if not n:
+            return 0, None, 0, 0, []
+        r = self.db.execute(
+            "SELECT n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, folded, executed, "
+            "input_tokens, cache_read, cache_write, output_tokens FROM wire WHERE session_id=? ORDER BY n DESC "
+            "LIMIT 1", (session_id,)).fetchone()
+        last = WireTurn(*r[:9], [x for x in r[9].split(",") if x], *r[10:])
+        models = self.db.execute(
+            "SELECT model, SUM(input_tokens), SUM(cache_read), SUM(cache_write), SUM(output_tokens), "
+            "SUM(agent_tokens - sent_tokens) FROM wire WHERE session_id=? GROUP BY model ORDER BY model",
+            (session_id,)).fetchall()
+        return n, last, peak_a, peak_s, models
+
+    @_reads
     def wire(self, session_id: str) -> list["WireTurn"]:
         rows = self.db.execute(
             "SELECT n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, folded, executed, "

@@ -56,3 +56,22 @@ def test_summary_over_turns():
     t2.model = "unknown-model"
     assert summary([t1, t2])["cost"] is None and not summary([t1, t2])["priced"]
     assert tokens(999) == "999" and tokens(1_000) == "1.0K" and tokens(2_500_000) == "2.5M"
+
+
+def test_totals_from_the_store_equal_the_turn_by_turn_summary(tmp_path):
+    from bili_addon.meter import totals
+    from bili_addon.store import Store
+
+    store = Store(tmp_path)
+    rows = [WireTurn(0, 0, 1, "gpt-5", 1000, 1200, None, 0, 0, [], 1200, 0, 0, 10),
+            WireTurn(0, 0, 2, "claude-sonnet-4-5", 9000, 3000, 0.5, 1, 4, ["compress"], 3000, 2000, 500, 10),
+            WireTurn(0, 0, 3, "gpt-5", 9500, 3300, 0.9, 1, 4, [], 3300, 2900, 0, 20)]
+    for w in rows:
+        w.n = store.record_wire("s", w)
+    assert [w.n for w in store.wire("s")] == [1, 2, 3]
+    by_turn, by_sums = summary(store.wire("s")), totals(store, "s")
+    assert by_sums.keys() == by_turn.keys()
+    for k, v in by_turn.items():
+        assert by_sums[k] == (round(v, 6) if isinstance(v, float) and k in ("cost", "saved") else v), k
+    assert totals(store, "none")["turns"] == 0
+    store.close()
