@@ -220,7 +220,7 @@ def money(usd: float | None) -> str:
     if usd is None:
         return ""
     if usd < 0:
-        return "-" + money(-usd)
+        return "-" + money(-usd) if usd <= -0.0005 else "$0.000"
     if usd < 0.995:
         return f"${usd:.3f}"
     if usd < 99.5:

@@ -80,6 +80,7 @@ def test_money_format():
     assert prices.money(1234.5) == "$1,234"
     assert prices.money(None) == ""
     assert prices.money(-0.0021) == "-$0.002"
+    assert prices.money(-0.0001) == "$0.000"  # no "-$0.000"
 
 
 def test_bili_additions_make_a_negative_saving():
