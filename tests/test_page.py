@@ -69,3 +69,17 @@ def test_a_code_is_used_once_and_expires(bili, monkeypatch):
     late = pa.new_code()
     pa.codes[late] = 0.0  # expired
     assert pa.exchange(late) is None
+
+
+def test_no_api_key_reaches_the_page(bili):
+    secret = "sk-ant-api03-SECRET-never-shown"
+    f = flow("/v1/messages", json.dumps({"model": "claude-test", "max_tokens": 16, "messages": [
+        {"role": "user", "content": "hello there"}]}).encode(),
+        headers={"x_acp_session": "conv-k", "x-api-key": secret, "authorization": f"Bearer {secret}"})
+    bili.request(f)
+    jar = sign_in(bili)
+    for path in ("/__bili/", "/__bili/stats", "/__bili/stats?session=conv-k", "/__bili/page/session?session=conv-k",
+                 "/__bili/page/search?session=conv-k&q=hello"):
+        r = get(bili, path, headers=jar)
+        assert r.status_code == 200, (path, r.content)
+        assert b"SECRET" not in r.content, path
