@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 from mitmproxy import ctx, http
 
-from bili_addon import __version__, private
+from bili_addon import __version__, page, private
 from bili_addon.kernel.prompts import TOOLS
 from bili_addon.store import StoreError
 
 if TYPE_CHECKING:
     from bili_addon.keeper import Keeper
+    from bili_addon.meter import Meter
     from bili_addon.kernel.turn import Engine
 
 log = logging.getLogger("bili")
@@ -38,12 +39,15 @@ class Host(Protocol):
     token: str | None  # the install's admin token, None while it cannot be written
     data_dir: str
     keeper: Keeper
+    meter: Meter  # the per-turn figures and the price table (the page, stats?session=)
 
     def load_token(self) -> str | None: ...
 
     def store_status(self) -> dict: ...
 
     def stats(self, eng: Engine | None = None) -> dict: ...
+
+    def session_turns(self, eng: Engine, sid: str) -> dict | None: ...
 
 
 def is_admin(flow: http.HTTPFlow) -> bool:
@@ -101,14 +105,22 @@ def handle(flow: http.HTTPFlow, bili: Host):
     if path == PREFIX + "health" and method in ("GET", "HEAD"):
         flow.response = _json(200, {"ok": True, "version": __version__, "mode": bili.mode, **bili.store_status(),
                                     "authenticated": authenticated(flow, bili)})
-    elif not authenticated(flow, bili):
+    elif page.sign_in(flow, bili):  # GET /__bili/?code=...: the one-time code of `bili page`
+        return None
+    elif not (authenticated(flow, bili) or (page.readable(path, method) and page.auth(bili).cookie_ok(flow))):
         flow.response = _fail(403, f"bili admin endpoints need this install's admin token: send the header "
                                    f"{private.TOKEN_HEADER} with the content of the file {private.TOKEN_FILE} "
-                                   "in bili's data directory")
+                                   "in bili's data directory (a browser: open the URL `bili page` prints)")
         log.warning("[bili] refused %s %s: no valid admin token", method, path)
     elif path == PREFIX + "stats" and method == "GET":
+        sid = flow.request.query.get("session")
+        if sid:
+            return _with_store(flow, bili, lambda eng: _session(bili, eng, sid),
+                               lambda: _fail(503, "the bili store is not available; see the proxy's log"))
         return _with_store(flow, bili, lambda eng: _json(200, bili.stats(eng)),
                            lambda: _json(200, bili.stats()))
+    elif path == PREFIX or path.startswith(PREFIX + "page/"):
+        return page.handle(flow, bili, path, _with_store)
     elif path == MANIFEST_ENDPOINT and method in ("GET", "HEAD"):
         flow.response = _json(200, {"ok": True, "tools": list(TOOLS), "toolEndpoint": TOOL_ENDPOINT})
     elif path == TOOL_ENDPOINT and method == "POST":
@@ -123,6 +135,15 @@ def handle(flow: http.HTTPFlow, bili: Host):
     else:
         flow.response = _fail(404, f"no such bili endpoint: {method} {path}")
     return None
+
+
+def _session(bili: Host, eng: Engine, sid: str) -> http.Response:
+    """``/__bili/stats?session=ID``: the session's entry of the stats and its answered turns."""
+    turns = bili.session_turns(eng, sid)
+    if turns is None:
+        return _fail(404, f"no session {sid!r}")
+    entry = next((s for s in bili.stats(eng)["sessions"] if s["id"] == sid), {})
+    return _json(200, {"ok": True, "session": entry, "turns": turns["turns"]})
 
 
 def _with_store(flow: http.HTTPFlow, bili: Host, answer, without):

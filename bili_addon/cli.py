@@ -7,6 +7,8 @@
                                                   run an agent through the proxy (started if needed)
     bili doctor                                   check the CA, the port, the store and the agents
     bili replay FLOWS.mitm|DIR ...                what the addon would have sent, per session and turn
+    bili stats [--session ID] [--json] [--watch]  what the running proxy did: tokens, cache, folds, money
+    bili page [--open]                            the URL of the proxy's page (a one-time sign-in code)
     bili addon-path                               the installed addon's loader, for mitmdump -s
     bili --version
 
@@ -25,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, launch, mcp, replay
+from bili_addon import (BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, launch, mcp, replay,
+                        statscmd)
 from bili_addon.agents import AGENTS
 
 
@@ -368,6 +371,19 @@ COMMANDS: dict[str, Command] = {
                     "run as they would live; print, per session and turn, what would have been sent "
                     "upstream. A directory is searched for *.mitm files.",
         configure=replay.configure, run=replay.run,
+    ),
+    "stats": Command(
+        help="what the running proxy did: sessions, tokens, cache, folds, money",
+        description="Print the running proxy's figures (/__bili/stats, with the install's admin token): "
+                    "every session, or one with --session ID and a row per answered turn; --json for "
+                    "scripts; --watch to follow a live proxy.",
+        configure=statscmd.configure, run=statscmd.run,
+    ),
+    "page": Command(
+        help="print (or --open) the URL of bili's page in the running proxy",
+        description="Ask the running proxy for a one-time sign-in code and print the URL of its page "
+                    "(/__bili/) carrying it; the page trades the code for a cookie at once.",
+        configure=statscmd.configure_page, run=statscmd.run_page,
     ),
     "addon-path": Command(
         help="print the path of the installed addon's loader (mitmdump -s \"$(bili addon-path)\")",

@@ -13,13 +13,15 @@ from typing import Any
 import msgspec
 from mitmproxy import ctx, exceptions, http
 
-from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, private
+from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, mitmview, prices, private
 from bili_addon.kernel import envelope
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.turn import Engine, TurnResult
 from bili_addon.kernel.windows import is_overflow, learned_window
 from bili_addon.keeper import DROPPED, Keeper
+from bili_addon import meter
+from bili_addon.meter import Meter
 from bili_addon.store import Store, StoreError, default_data_dir
 from bili_addon.stream import Decoder, ResponseRewriter
 from bili_addon.wire import LANES, Lane, detect_lane, hygiene, is_responses_websocket
@@ -106,6 +108,7 @@ class Bili:
         self.data_dir = ""
         self._flows: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDictionary()
         self.token: str | None = None  # the admin token (``/__bili/`` but health needs it)
+        self.meter = Meter()  # the per-request figures and log line (used on the store's worker)
 
     @property
     def engine(self) -> Engine | None:
@@ -125,6 +128,7 @@ class Bili:
 
     # -- options -------------------------------------------------------------------------------
     def load(self, loader) -> None:
+        mitmview.register()  # the "bili" content view in mitmproxy and mitmweb
         loader.add_option("bili_data_dir", str, "", "Where the store lives (default: the XDG data dir).")
         loader.add_option(
             "bili_mode", str, "fold",
@@ -187,6 +191,9 @@ class Bili:
             self.data_dir = ctx.options.bili_data_dir or str(default_data_dir())
             self.keeper.open(self.data_dir)
             self.load_token()
+            self.meter.table = prices.load(self.data_dir)
+            for err in self.meter.table.errors:
+                log.warning("[bili] prices: %s", err)
         elif self.engine is not None:
             self._tune(self.engine)
 
@@ -304,8 +311,12 @@ class Bili:
         if res is None or not res.session:
             return None
         s = eng.sessions.get(res.session)
-        return flowmeta.request_record(res, mode=self.mode, rendered=rendered, lane=lane, via=via, raw=raw,
-                                       sent=raw if res.body is None else res.body, blocks=s.blocks if s else [])
+        sent = raw if res.body is None else res.body
+        rec = flowmeta.request_record(res, mode=self.mode, rendered=rendered, lane=lane, via=via, raw=raw,
+                                      sent=sent, blocks=s.blocks if s else [])
+        if s is not None:
+            rec.update(self.meter.request(s, raw, sent))
+        return rec
 
     def _process(self, eng: Engine, raw: bytes, lane: Lane, headers, where: str, origin: str = "",
                  render: bool | None = None) -> TurnResult | None:
@@ -435,10 +446,15 @@ class Bili:
         if not u.seen:
             return
         share = f"{100 * u.cache_share:.0f}%" if u.cache_share is not None else "n/a"
-        log.info(
+        log.debug(
             "[bili] session=%s usage input=%d cache_read=%d cache_write=%d output=%d cache-read share=%s",
             st.session, u.input, u.cache_read, u.cache_write, u.output, share,
         )
+        if "agent_tokens" not in st.record:
+            return
+        w = self.meter.row(st.record, u)
+        w.n = eng.store.record_wire(st.session, w)
+        log.info("%s", self.meter.line(st.session, st.lane, str(st.record.get("agent") or ""), w))
 
     # -- WebSocket (Responses) -----------------------------------------------------------------
     def websocket_message(self, flow: http.HTTPFlow) -> None:
@@ -533,7 +549,15 @@ class Bili:
             family = families.get(r.id)
             if family is not None:  # forks: {root, parent, fork_at, children}
                 entry["lineage"] = family
+            entry["wire"] = meter.totals(store, r.id, self.meter.table)
             if flags.get("delta_history"):
                 entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"
             sessions.append(entry)
-        return {"sessions": sessions, "store": True, "store_status": self.keeper.status()}
+        return {"sessions": sessions, "store": True, "store_status": self.keeper.status(),
+                "prices": {"as_of": self.meter.table.as_of, "source": self.meter.table.source}}
+
+    def session_turns(self, eng: Engine, sid: str) -> dict | None:
+        """One session's answered turns (``/__bili/stats?session=ID``); None: no such session."""
+        if eng.store.session(sid) is None:
+            return None
+        return {"id": sid, "turns": [meter.turn_dict(w, self.meter.table) for w in eng.store.wire(sid)]}

@@ -112,6 +112,24 @@ CREATE TABLE IF NOT EXISTS transcript(
     item BLOB NOT NULL,
     PRIMARY KEY(session_id, seq)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS wire(
+    session_id TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    ts REAL NOT NULL,
+    request INTEGER NOT NULL,
+    model TEXT NOT NULL,
+    agent_tokens INTEGER NOT NULL,
+    sent_tokens INTEGER NOT NULL,
+    predicted REAL,
+    blocks INTEGER NOT NULL,
+    folded INTEGER NOT NULL,
+    executed TEXT NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    cache_read INTEGER NOT NULL,
+    cache_write INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    PRIMARY KEY(session_id, n)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS copies(
     session_id TEXT PRIMARY KEY,
     doc TEXT NOT NULL
@@ -304,6 +322,26 @@ class UsageTotals:
     cache_write: int
     output_tokens: int
     last: tuple[int, int, int, int] | None  # the newest turn: input, cache read, cache write, output
+
+
+@dataclass(slots=True)
+class WireTurn:
+    """One answered turn as it went on the wire (table ``wire``)."""
+
+    n: int  # the session's n-th answered turn (0: not numbered yet)
+    ts: float
+    request: int  # the session's request count when it was sent
+    model: str
+    agent_tokens: int  # what the agent sent (estimated tokens)
+    sent_tokens: int  # what bili sent
+    predicted: float | None  # cache-read share predicted from the bytes shared with the previous request
+    blocks: int  # active fold blocks
+    folded: int  # items left off the wire
+    executed: list[str]  # proxy tools run for the request
+    input_tokens: int  # the provider's usage: every prompt token
+    cache_read: int
+    cache_write: int
+    output_tokens: int
 
 
 DB_NAME = "bili.sqlite3"
@@ -598,6 +636,53 @@ class Store:
                     "output_tokens) VALUES(?,?,?,?,?,?,?,?)",
                     (session_id, cur[0], time.time(), lane, inp, read, write, out),
                 )
+
+    # -- what went on the wire, per answered turn (stats, the page, the log line) -------------------
+    def record_wire(self, session_id: str, row: "WireTurn") -> int:
+        """One answered turn: what the agent sent and bili sent (estimated tokens), the predicted
+        cache-read share, the fold state, and the provider's usage.  Returns its number."""
+        with self._tx():
+            n = self.db.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM wire WHERE session_id=?",
+                                (session_id,)).fetchone()[0]
+            self.db.execute(
+                "INSERT INTO wire(session_id, n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, "
+                "folded, executed, input_tokens, cache_read, cache_write, output_tokens) "
+                "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (session_id, n, row.ts or time.time(), row.request, row.model, row.agent_tokens, row.sent_tokens,
+                 row.predicted, row.blocks, row.folded, ",".join(row.executed), row.input_tokens, row.cache_read,
+                 row.cache_write, row.output_tokens),
+            )
+        return n
+
+    @_reads
+    def wire_totals(self, session_id: str) -> tuple[int, "WireTurn | None", int, int, list[tuple]]:
+        """A session's wire figures without reading every turn: ``(turns, the last turn, peak agent
+        tokens, peak sent tokens, per model [(model, input, cache read, cache write, output, agent
+        minus sent)]``."""
+        n, peak_a, peak_s = self.db.execute(
+            "SELECT COUNT(*), COALESCE(MAX(agent_tokens), 0), COALESCE(MAX(sent_tokens), 0) FROM wire "
+            "WHERE session_id=?", (session_id,)).fetchone()
+        if not n:
+            return 0, None, 0, 0, []
+        r = self.db.execute(
+            "SELECT n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, folded, executed, "
+            "input_tokens, cache_read, cache_write, output_tokens FROM wire WHERE session_id=? ORDER BY n DESC "
+            "LIMIT 1", (session_id,)).fetchone()
+        last = WireTurn(*r[:9], [x for x in r[9].split(",") if x], *r[10:])
+        models = self.db.execute(
+            "SELECT model, SUM(input_tokens), SUM(cache_read), SUM(cache_write), SUM(output_tokens), "
+            "SUM(agent_tokens - sent_tokens) FROM wire WHERE session_id=? GROUP BY model ORDER BY model",
+            (session_id,)).fetchall()
+        return n, last, peak_a, peak_s, models
+
+    @_reads
+    def wire(self, session_id: str) -> list["WireTurn"]:
+        rows = self.db.execute(
+            "SELECT n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, folded, executed, "
+            "input_tokens, cache_read, cache_write, output_tokens FROM wire WHERE session_id=? ORDER BY n",
+            (session_id,),
+        ).fetchall()
+        return [WireTurn(*r[:9], [x for x in r[9].split(",") if x], *r[10:]) for r in rows]
 
     # -- folding -------------------------------------------------------------------------------
     @_reads

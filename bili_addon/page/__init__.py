@@ -1,0 +1,214 @@
+"""The page at ``/__bili/``: bili's sessions, one session's chart, blocks, search and turn table.
+
+Who may see it: loopback clients (checked by :mod:`bili_addon.admin` first) that hold either the
+install's admin token (header, as every admin endpoint) or this page's session cookie.  A browser
+gets the cookie without ever seeing the admin token: ``bili page`` asks ``POST
+/__bili/page/code`` (with the token) for a one-time code valid for a minute, and prints
+``/__bili/?code=...``; the page answers that URL by setting an HttpOnly, SameSite=Strict cookie
+scoped to ``/__bili/`` and redirecting to ``/__bili/`` (the code leaves the address bar and cannot
+be used twice).  Cookies live in this process only: a restarted proxy needs ``bili page`` again.
+
+Everything the page shows is read-only: expanding a block renders what ``decompress`` would answer
+(without ``toFile``) and the search box runs ``search_context``, both on the session's stored
+originals; nothing changes on the wire.  No request header is ever stored, so no API key can be
+shown.  The HTML (``page.html``, a package resource) has no external assets: its charts are SVG
+drawn by a small inline script from the JSON endpoints, which it polls every two seconds.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import TYPE_CHECKING, Any, Callable
+
+import msgspec
+from mitmproxy import http
+
+from bili_addon import meter
+from bili_addon.kernel import surfaces
+
+if TYPE_CHECKING:
+    from bili_addon.admin import Host as Bili  # the addon, as the admin endpoints see it
+    from bili_addon.kernel.turn import Engine
+
+PREFIX = "/__bili/"
+CODE_PATH = PREFIX + "page/code"
+COOKIE = "bili_page"
+CODE_TTL = 60.0
+COOKIE_TTL = 12 * 3600.0
+MAX_CODES = 64
+
+
+@dataclass
+class PageAuth:
+    codes: dict[str, float] = field(default_factory=dict)  # one-time code -> expiry
+    cookies: dict[str, float] = field(default_factory=dict)  # cookie value -> expiry
+
+    def new_code(self) -> str:
+        now = time.monotonic()
+        self.codes = {c: t for c, t in self.codes.items() if t > now}
+        while len(self.codes) >= MAX_CODES:
+            self.codes.pop(next(iter(self.codes)))
+        code = secrets.token_urlsafe(24)
+        self.codes[code] = now + CODE_TTL
+        return code
+
+    def exchange(self, code: str) -> str | None:
+        """A fresh cookie value for a valid code (used up)."""
+        expiry = self.codes.pop(code, None) if code else None
+        if expiry is None or expiry < time.monotonic():
+            return None
+        now = time.monotonic()
+        self.cookies = {c: t for c, t in self.cookies.items() if t > now}
+        value = secrets.token_urlsafe(32)
+        self.cookies[value] = now + COOKIE_TTL
+        return value
+
+    def cookie_ok(self, flow: http.HTTPFlow) -> bool:
+        value = flow.request.cookies.get(COOKIE, "")
+        if not value:
+            return False
+        for known, expiry in self.cookies.items():
+            if secrets.compare_digest(value.encode(), known.encode()):
+                return expiry > time.monotonic()
+        return False
+
+
+def auth(bili: Bili) -> PageAuth:
+    """The page's sign-ins, kept by the addon instance (in memory only)."""
+    pa = getattr(bili, "_page_auth", None)
+    if pa is None:
+        pa = PageAuth()
+        bili._page_auth = pa  # type: ignore[attr-defined]
+    return pa
+
+
+def readable(path: str, method: str) -> bool:
+    """What the page's cookie opens: the page and its read-only data, never the tool endpoint."""
+    return method in ("GET", "HEAD") and (path in (PREFIX, PREFIX + "stats") or path.startswith(PREFIX + "page/"))
+
+
+def _json(status: int, payload: object) -> http.Response:
+    return http.Response.make(status, msgspec.json.encode(payload),
+                              {"content-type": "application/json", "cache-control": "no-store"})
+
+
+def _fail(status: int, error: str) -> http.Response:
+    return _json(status, {"ok": False, "error": error})
+
+
+HEADERS = {
+    "content-type": "text/html; charset=utf-8",
+    "cache-control": "no-store",
+    # nothing from anywhere else, no framing; the inline script and style are the page's own
+    "content-security-policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                               "img-src data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+                               "form-action 'none'",
+    "referrer-policy": "no-referrer",
+    "x-content-type-options": "nosniff",
+}
+
+
+def html() -> bytes:
+    return resources.files(__package__).joinpath("page.html").read_bytes()
+
+
+def sign_in(flow: http.HTTPFlow, bili: Bili) -> bool:
+    """``GET /__bili/?code=...``: trade a one-time code for the cookie (True: answered)."""
+    code = flow.request.query.get("code")
+    if code is None or flow.request.path.split("?", 1)[0] != PREFIX:
+        return False
+    value = auth(bili).exchange(code)
+    if value is None:
+        flow.response = http.Response.make(
+            403, b"This sign-in link is used up or expired: run `bili page` again.",
+            {"content-type": "text/plain; charset=utf-8", "cache-control": "no-store"})
+        return True
+    flow.response = http.Response.make(303, b"", {
+        "location": PREFIX, "cache-control": "no-store", "referrer-policy": "no-referrer",
+        "set-cookie": f"{COOKIE}={value}; Path={PREFIX}; HttpOnly; SameSite=Strict; Max-Age={int(COOKIE_TTL)}",
+    })
+    return True
+
+
+def handle(flow: http.HTTPFlow, bili: Bili, path: str, with_store: Callable) -> Any:
+    """An authenticated request for the page or its data (see :func:`bili_addon.admin.handle`)."""
+    q = flow.request.query
+    if path == CODE_PATH and flow.request.method == "POST":
+        flow.response = _json(200, {"ok": True, "code": auth(bili).new_code(), "ttl": int(CODE_TTL)})
+        return None
+    if path == PREFIX and flow.request.method in ("GET", "HEAD"):
+        flow.response = http.Response.make(200, html(), HEADERS)
+        return None
+    if flow.request.method not in ("GET", "HEAD"):
+        flow.response = _fail(405, f"{path} is read-only")
+        return None
+    sid = q.get("session", "")
+    if not sid:
+        flow.response = _fail(400, "missing ?session=ID")
+        return None
+    unavailable = lambda: _fail(503, "the bili store is not available; see the proxy's log")  # noqa: E731
+    if path == PREFIX + "page/session":
+        return with_store(flow, bili, lambda eng: session(bili, eng, sid), unavailable)
+    if path == PREFIX + "page/block":
+        block = q.get("id", "")
+        return with_store(flow, bili, lambda eng: expand(eng, sid, block), unavailable)
+    if path == PREFIX + "page/search":
+        query = q.get("q", "")
+        return with_store(flow, bili, lambda eng: search(eng, sid, query), unavailable)
+    flow.response = _fail(404, f"no such bili endpoint: GET {path}")
+    return None
+
+
+# -- the data (on the store's worker thread) ------------------------------------------------------------
+def _live(eng: Engine, sid: str):
+    if eng.store.session(sid) is None and sid not in eng.sessions:
+        return None
+    return eng.session(sid, fresh=True)
+
+
+def session(bili: Bili, eng: Engine, sid: str) -> http.Response:
+    """One session: its stats entry, its answered turns, its blocks, its window."""
+    s = _live(eng, sid)
+    if s is None:
+        return _fail(404, f"no session {sid!r}")
+    entry = next((e for e in bili.stats(eng)["sessions"] if e["id"] == sid), {"id": sid})
+    turns = [meter.turn_dict(w, bili.meter.table) for w in eng.store.wire(sid)]
+    try:
+        window = eng.window_for(s)
+    except Exception:  # the window is decoration; the page works without it
+        window = 0
+    blocks = [{"id": b.id, "tier": b.tier, "topic": b.topic, "summary": b.summary, "first": b.start_ref,
+               "last": b.end_ref, "refs": len(b.covered), "covered": b.covered, "consumed": b.consumed,
+               "folded_tokens": b.folded_tokens, "active": b.active, "retired": b.retired,
+               "created": round(b.created, 3)} for b in s.blocks]
+    return _json(200, {"ok": True, "session": entry, "turns": turns, "blocks": blocks, "window": window})
+
+
+def expand(eng: Engine, sid: str, block: str) -> http.Response:
+    """What ``decompress`` answers for a block (never written to a file), and its originals."""
+    s = _live(eng, sid)
+    if s is None:
+        return _fail(404, f"no session {sid!r}")
+    b = next((x for x in s.blocks if x.id == block), None)
+    if b is None:
+        return _fail(404, f"no block {block!r} in session {sid!r}")
+    text = surfaces.decompress({"blockId": block}, s.blocks, lambda refs: eng.store.originals(sid, refs))
+    originals = [{"ref": r[0], "role": r[1], "ctype": r[2], "tool": r[3], "text": r[5], "tokens": r[6]}
+                 for r in eng.store.originals(sid, b.covered)]
+    return _json(200, {"ok": True, "block": block, "text": text, "originals": originals})
+
+
+def search(eng: Engine, sid: str, query: str) -> http.Response:
+    """``search_context`` over the session's folded parts, as the model would get it."""
+    s = _live(eng, sid)
+    if s is None:
+        return _fail(404, f"no session {sid!r}")
+    text = surfaces.search_context({"query": query, "limit": 10}, s.blocks,
+                                   lambda refs: eng.store.originals(sid, refs))
+    return _json(200, {"ok": True, "query": query, "text": text})
+
+
+__all__ = ["COOKIE", "PageAuth", "auth", "handle", "readable", "sign_in"]

@@ -1,0 +1,232 @@
+"""Money: what a model's tokens cost, per provider and model, in US dollars per million tokens.
+
+The built-in table is dated (:data:`AS_OF`): providers change prices, so a user file
+``<data dir>/prices.json`` overrides or extends it, model by model::
+
+    {"as_of": "2026-01-15",
+     "models": {"claude-sonnet-4-5": {"provider": "anthropic", "input": 3, "cache_write_5m": 3.75,
+                                      "cache_write_1h": 6, "cache_read": 0.3, "output": 15}}}
+
+A model is found by its name with any routing prefix removed (``anthropic/``, ``us.anthropic.``)
+and the longest table key it starts with (``claude-sonnet-4-5-20250929`` -> ``claude-sonnet-4-5``).
+A model that is not found has no price: stats and the page then show tokens only, never a guess.
+
+Token figures follow the store (:mod:`bili_addon.store`): ``input`` is every prompt token, cached
+or not; ``cache_read`` and ``cache_write`` are the parts of it read from and written to the cache.
+The uncached rest is ``input - cache_read - cache_write``.
+
+What a session "would have cost without bili" (:func:`without_bili`) is deliberately conservative:
+the difference between what the agent sent and what bili sent is priced as cache reads, the
+cheapest way those tokens could have gone; the claimed saving is never more than that (and it is
+negative while bili's own tools and prompt outweigh what it folded).
+
+Standard library only (``bili stats`` uses it without mitmproxy).  ``cost()`` is the function the
+cache-clock cost model and ``bili replay --cost`` call for absolute prices.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+log = logging.getLogger("bili")
+
+AS_OF = "2025-11-01"  # when the built-in prices were last checked against the providers' pages
+USER_FILE = "prices.json"
+MTOK = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Price:
+    """US dollars per million tokens."""
+
+    provider: str
+    input: float
+    cache_write_5m: float
+    cache_write_1h: float
+    cache_read: float
+    output: float
+
+    def write(self, ttl: str) -> float:
+        return self.cache_write_1h if ttl == "1h" else self.cache_write_5m
+
+
+def _a(inp: float, out: float) -> Price:
+    """Anthropic: cache writes cost 1.25x (5 minutes) or 2x (1 hour) the input, reads 0.1x."""
+    return Price("anthropic", inp, inp * 1.25, inp * 2, round(inp * 0.1, 6), out)
+
+
+def _o(inp: float, read: float, out: float, provider: str = "openai") -> Price:
+    """OpenAI and Google: caching is automatic, a write costs what input does."""
+    return Price(provider, inp, inp, inp, read, out)
+
+
+BUILTIN: dict[str, Price] = {
+    # Anthropic
+    "claude-opus-4-5": _a(5, 25), "claude-opus-4-1": _a(15, 75), "claude-opus-4": _a(15, 75),
+    "claude-sonnet-4-5": _a(3, 15), "claude-sonnet-4": _a(3, 15), "claude-3-7-sonnet": _a(3, 15),
+    "claude-3-5-sonnet": _a(3, 15), "claude-haiku-4-5": _a(1, 5), "claude-3-5-haiku": _a(0.8, 4),
+    "claude-3-haiku": Price("anthropic", 0.25, 0.30, 0.50, 0.03, 1.25),
+    # OpenAI
+    "gpt-5": _o(1.25, 0.125, 10), "gpt-5-codex": _o(1.25, 0.125, 10), "gpt-5.1": _o(1.25, 0.125, 10),
+    "gpt-5.1-codex": _o(1.25, 0.125, 10), "gpt-5-mini": _o(0.25, 0.025, 2), "gpt-5-nano": _o(0.05, 0.005, 0.4),
+    "gpt-4.1": _o(2, 0.5, 8), "gpt-4.1-mini": _o(0.4, 0.1, 1.6), "gpt-4.1-nano": _o(0.1, 0.025, 0.4),
+    "gpt-4o": _o(2.5, 1.25, 10), "gpt-4o-mini": _o(0.15, 0.075, 0.6),
+    "o3": _o(2, 0.5, 8), "o4-mini": _o(1.1, 0.275, 4.4),
+    # Google (prompts up to 200K tokens)
+    "gemini-2.5-pro": _o(1.25, 0.125, 10, "google"), "gemini-2.5-flash": _o(0.3, 0.03, 2.5, "google"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """One priced usage, in US dollars."""
+
+    model: str  # the table key that priced it
+    uncached: float
+    cache_write: float
+    cache_read: float
+    output: float
+
+    @property
+    def total(self) -> float:
+        return self.uncached + self.cache_write + self.cache_read + self.output
+
+
+@dataclass
+class Table:
+    prices: dict[str, Price] = field(default_factory=lambda: dict(BUILTIN))
+    as_of: str = AS_OF
+    source: str = "built-in"
+    errors: list[str] = field(default_factory=list)
+
+    def find(self, model: str) -> tuple[str, Price] | None:
+        name = normalise(model)
+        if not name:
+            return None
+        best = max((k for k in self.prices if name == k or name.startswith(k + "-") or name.startswith(k + ".")
+                    or name.startswith(k + "@") or name.startswith(k + ":")), key=len, default=None)
+        return (best, self.prices[best]) if best else None
+
+    def cost(self, model: str, input: int, cache_read: int = 0, cache_write: int = 0, output: int = 0,
+             *, ttl: str = "5m") -> Cost | None:
+        hit = self.find(model)
+        if hit is None:
+            return None
+        key, p = hit
+        uncached = max(0, input - cache_read - cache_write)
+        return Cost(key, uncached * p.input / MTOK, cache_write * p.write(ttl) / MTOK,
+                    cache_read * p.cache_read / MTOK, output * p.output / MTOK)
+
+
+def normalise(model: str) -> str:
+    """``anthropic/claude-x`` / ``us.anthropic.claude-x-v1:0`` / ``models/gemini-x`` -> the bare name."""
+    name = (model or "").strip().lower().rsplit("/", 1)[-1]
+    i = name.find("claude-")
+    return name[i:] if i > 0 else name
+
+
+_PRICE_FIELDS = tuple(f.name for f in fields(Price) if f.name != "provider")
+
+
+def load(data_dir: str | os.PathLike[str] | None = None) -> Table:
+    """The built-in table with ``<data dir>/prices.json`` over it.  A bad file (or entry) is reported
+    in ``errors`` and ignored, the rest of the table stands."""
+    table = Table()
+    if not data_dir:
+        return table
+    path = Path(data_dir) / USER_FILE
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return table
+    except (OSError, ValueError) as e:
+        table.errors.append(f"{path}: cannot read ({e}); the built-in prices of {AS_OF} apply")
+        return table
+    models = doc.get("models") if isinstance(doc, dict) else None
+    if not isinstance(models, dict):
+        table.errors.append(f"{path}: expected {{\"as_of\": DATE, \"models\": {{NAME: PRICES}}}}; ignored")
+        return table
+    for name, entry in models.items():
+        price = _entry(name, entry, table.prices.get(normalise(name)))
+        if isinstance(price, str):
+            table.errors.append(f"{path}: {name}: {price}; ignored")
+        else:
+            table.prices[normalise(name)] = price
+    table.as_of = str(doc.get("as_of") or "undated") + f" ({path.name}), built-in {AS_OF}"
+    table.source = str(path)
+    return table
+
+
+def _entry(name: str, entry: object, base: Price | None) -> Price | str:
+    """One user entry: given fields over the built-in price of the same model (if any); a new model
+    needs input and output, its cache prices default to the input price (no cache discount)."""
+    if not isinstance(entry, dict):
+        return "expected an object of prices per million tokens"
+    given: dict[str, float] = {}
+    for k in _PRICE_FIELDS:
+        v = entry.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            return f"{k} must be a number >= 0"
+        given[k] = float(v)
+    if base is None:
+        missing = [k for k in ("input", "output") if k not in given]
+        if missing:
+            return "missing " + " and ".join(missing)
+        given.setdefault("cache_write_5m", given["input"])
+        given.setdefault("cache_write_1h", given["cache_write_5m"])
+        given.setdefault("cache_read", given["input"])
+    vals = {k: given.get(k, getattr(base, k, 0.0)) for k in _PRICE_FIELDS}
+    provider = entry.get("provider")
+    if not isinstance(provider, str):
+        provider = base.provider if base else ""
+    return Price(provider, **vals)
+
+
+_default: Table | None = None
+
+
+def default() -> Table:
+    global _default
+    if _default is None:
+        _default = Table()
+    return _default
+
+
+def cost(model: str, input: int, cache_read: int = 0, cache_write: int = 0, output: int = 0, *,
+         ttl: str = "5m", table: Table | None = None) -> Cost | None:
+    """What one usage cost in US dollars (None: the model has no price).  ``input`` is every prompt
+    token (cached or not, as the store records it); ``ttl``: the cache writes' lifetime (5m or 1h)."""
+    return (table or default()).cost(model, input, cache_read, cache_write, output, ttl=ttl)
+
+
+def without_bili(model: str, input: int, cache_read: int, cache_write: int, output: int, folded_tokens: int, *,
+                 ttl: str = "5m", table: Table | None = None) -> Cost | None:
+    """What the same turn would have cost had the agent's own request gone out: ``folded_tokens``
+    (what the agent sent minus what bili sent) priced as cache reads, the cheapest way they could have
+    gone, so a saving claimed is a lower bound.  Negative ``folded_tokens`` (bili's tools, prompt and
+    tags outweigh what it folded) make the saving negative: bili's additions are never free."""
+    return cost(model, input + folded_tokens, cache_read + folded_tokens, cache_write, output, ttl=ttl,
+                table=table)
+
+
+def money(usd: float | None) -> str:
+    """``$0.041``, ``$1.23``, ``$120``; '' for no price."""
+    if usd is None:
+        return ""
+    if usd < 0:
+        return "-" + money(-usd) if usd <= -0.0005 else "$0.000"
+    if usd < 0.995:
+        return f"${usd:.3f}"
+    if usd < 99.5:
+        return f"${usd:.2f}"
+    return f"${usd:,.0f}"
+
+
+__all__ = ["AS_OF", "BUILTIN", "Cost", "Price", "Table", "cost", "default", "load", "money", "normalise",
+           "without_bili"]

@@ -1,0 +1,218 @@
+"""``bili stats``: what the running proxy did, in the terminal.
+
+    bili stats                    every session, newest first (one line each, 80 columns)
+    bili stats --session ID       one session: its figures and a row per answered turn
+    bili stats --json             the proxy's JSON as it is (``/__bili/stats``), for scripts
+    bili stats --watch [SECONDS]  redraw until Ctrl-C
+
+The figures come from the proxy's ``/__bili/stats`` (with the install's admin token, found as
+``bili mcp`` finds it).  Also ``bili page``: prints (or opens) the URL of the page at ``/__bili/``
+with a one-time sign-in code.  Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from http.client import HTTPException
+from typing import Any
+
+from bili_addon import private
+from bili_addon.mcp import DEFAULT_PROXY, find_token, normalize_proxy
+from bili_addon.meter import pct, tokens
+from bili_addon.prices import money
+
+WIDTH = 80
+
+
+class ProxyError(Exception):
+    pass
+
+
+def fetch(proxy: str, path: str, token: str | None, *, method: str = "GET", timeout: float = 10) -> Any:
+    headers = {"accept": "application/json"}
+    if token:
+        headers[private.TOKEN_HEADER] = token
+    req = urllib.request.Request(proxy + path, method=method, headers=headers, data=b"" if method == "POST" else None)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        e.close()
+        try:
+            err = json.loads(raw).get("error")
+        except (ValueError, AttributeError):
+            err = raw[:200].decode("utf-8", "replace")
+        raise ProxyError(f"the proxy at {proxy} answered HTTP {e.code}: {err}") from None
+    except (urllib.error.URLError, OSError, HTTPException) as e:
+        raise ProxyError(f"the bili proxy at {proxy} is not reachable: {getattr(e, 'reason', None) or e} "
+                         "(is `bili run` running? --proxy or $BILI_PROXY point elsewhere)") from None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise ProxyError(f"{proxy} answered something that is not bili's JSON: {raw[:120]!r}") from None
+
+
+# -- rendering ---------------------------------------------------------------------------------------
+def ago(ts: float | None, now: float | None = None) -> str:
+    if not ts:
+        return "-"
+    d = max(0, (now or time.time()) - ts)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if d >= size:
+            return f"{d / size:.0f}{unit}"
+    return f"{d:.0f}s"
+
+
+def _saving(w: dict[str, Any]) -> str:
+    if not w.get("agent_now"):
+        return ""
+    return f"{(w['sent_now'] - w['agent_now']) / w['agent_now']:+.0%}"
+
+
+def sessions_table(doc: dict[str, Any], now: float | None = None) -> str:
+    """Every session, one line each, at most 80 columns."""
+    rows = doc.get("sessions") or []
+    head = (f"{'SESSION':<10} {'AGENT':<10} {'LANE':<9} {'REQS':>4} {'agent->bili':>13} {'READ':>4} "
+            f"{'BLK':>3} {'COST':>7} {'SAVED':>7} {'AGO':>4}")
+    lines = [head]
+    for s in rows:
+        w = s.get("wire") or {}
+        fold = s.get("fold") or {}
+        now_tok = f"{tokens(w.get('agent_now', 0))}->{tokens(w.get('sent_now', 0))}" if w.get("turns") else "-"
+        reported = w.get("reported")
+        if reported is None:
+            reported = (s.get("usage") or {}).get("cache_read_share")
+        line = (f"{s['id'][:10]:<10} {(s.get('agent') or '-')[:10]:<10} {(s.get('lane') or '-')[:9]:<9} "
+                f"{s.get('requests', 0):>4} {now_tok[:13]:>13} {pct(reported) if reported is not None else '-':>4} "
+                f"{fold.get('blocks', 0):>3} {money(w.get('cost')) or '-':>7} {money(w.get('saved')) or '-':>7} "
+                f"{ago(s.get('last_seen'), now):>4}")
+        lines.append(line[:WIDTH])
+    if not rows:
+        lines.append("(no sessions yet)")
+    status = doc.get("store_status") or {}
+    if doc.get("store") is False or status.get("ok") is False:
+        lines.append(f"store unusable: {status.get('reason', 'unknown')}")
+    p = doc.get("prices") or {}
+    if p:
+        lines.append(f"prices as of {p.get('as_of')}"[:WIDTH])
+        lines.append("SAVED: agent minus bili tokens priced as cache reads (a lower bound)")
+    return "\n".join(lines)
+
+
+def session_view(doc: dict[str, Any], now: float | None = None) -> str:
+    """One session: its figures, then one row per answered turn (at most 80 columns)."""
+    s, turns = doc.get("session") or {}, doc.get("turns") or []
+    w, fold, u = s.get("wire") or {}, s.get("fold") or {}, s.get("usage") or {}
+    out = [f"session {s.get('id', '?')}  {s.get('agent') or '-'} / {s.get('lane') or '-'} / "
+           f"{w.get('model') or '-'}"[:WIDTH],
+           f"requests {s.get('requests', 0)}, answered {len(turns)}, last {ago(s.get('last_seen'), now)} ago",
+           f"tokens now {tokens(w.get('agent_now', 0))} -> {tokens(w.get('sent_now', 0))} ({_saving(w) or 'n/a'}), "
+           f"peak {tokens(w.get('agent_peak', 0))} -> {tokens(w.get('sent_peak', 0))}",
+           f"cache read {pct(w.get('reported'))} reported, last predicted {pct(w.get('predicted'))}; "
+           f"written {tokens(u.get('cache_write', 0))}",
+           f"blocks {fold.get('blocks', 0)} active of {fold.get('blocks_total', 0)}, "
+           f"{tokens(fold.get('tokens_folded', 0))} tokens folded, epoch {fold.get('epoch', 1)}"]
+    if w.get("priced"):
+        out.append(f"cost {money(w.get('cost'))}, saved {money(w.get('saved'))} (agent minus bili tokens as cache reads)")
+    else:
+        out.append("cost: no price for this model (tokens only; add it to prices.json in the data dir)")
+    out.append("")
+    out.append(f"{'T':>4} {'REQ':>4} {'AGENT':>7} {'SENT':>7} {'READ':>7} {'WRITE':>7} {'OUT':>6} {'PRED':>4} "
+               f"{'REP':>4} {'B':>2} {'COST':>7} RAN")
+    for t in turns:
+        out.append((f"{t['n']:>4} {t['request']:>4} {tokens(t['agent_tokens']):>7} {tokens(t['sent_tokens']):>7} "
+                    f"{tokens(t['cache_read']):>7} {tokens(t['cache_write']):>7} {tokens(t['output_tokens']):>6} "
+                    f"{pct(t['predicted']):>4} {pct(t['reported']):>4} {t['blocks']:>2} "
+                    f"{money(t['cost']) or '-':>7} {','.join(t['executed'])}")[:WIDTH])
+    return "\n".join(out)
+
+
+# -- the command ---------------------------------------------------------------------------------------
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--proxy", metavar="URL", default=None,
+                   help=f"the running bili proxy (default: $BILI_PROXY, else {DEFAULT_PROXY})")
+    p.add_argument("--data-dir", metavar="DIR", default=None,
+                   help="the proxy's data directory, where its admin token is (default: $BILI_DATA_DIR, "
+                        "else $XDG_DATA_HOME/bili-addon); $BILI_TOKEN overrides the token")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    _common(p)
+    p.add_argument("--session", metavar="ID", help="one session: its figures and a row per answered turn")
+    p.add_argument("--json", action="store_true", help="print the proxy's JSON as it is")
+    p.add_argument("--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                   help="redraw every SECONDS (default 2) until Ctrl-C")
+
+
+def _target(args: argparse.Namespace) -> tuple[str, str | None, str]:
+    proxy = normalize_proxy(args.proxy or os.environ.get("BILI_PROXY") or DEFAULT_PROXY)
+    token, source = find_token(args.data_dir, os.environ)
+    return proxy, token, source
+
+
+def once(args: argparse.Namespace, proxy: str, token: str | None) -> str:
+    path = "/__bili/stats" + (f"?session={urllib.parse.quote(args.session)}" if args.session else "")
+    doc = fetch(proxy, path, token)
+    if args.json:
+        return json.dumps(doc, indent=2, ensure_ascii=False)
+    return session_view(doc) if args.session else sessions_table(doc)
+
+
+def run(args: argparse.Namespace) -> int:
+    proxy, token, source = _target(args)
+    if token is None:
+        print(f"bili stats: {source}; the proxy will refuse", file=sys.stderr)
+    try:
+        if args.watch is None:
+            print(once(args, proxy, token))
+            return 0
+        while True:
+            text = once(args, proxy, token)
+            sys.stdout.write("\x1b[H\x1b[2J" + text + f"\n\n(every {args.watch:g}s; Ctrl-C ends)\n")
+            sys.stdout.flush()
+            time.sleep(max(0.2, args.watch))
+    except ProxyError as e:
+        print(f"bili: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+# -- bili page -----------------------------------------------------------------------------------------
+def configure_page(p: argparse.ArgumentParser) -> None:
+    _common(p)
+    p.add_argument("--open", action="store_true", help="open the URL in the browser too")
+
+
+def run_page(args: argparse.Namespace) -> int:
+    """Ask the proxy for a one-time sign-in code and print the page's URL carrying it: the page trades
+    it for a session cookie at once and drops it from the address bar (the admin token itself never
+    reaches the browser)."""
+    proxy, token, source = _target(args)
+    if token is None:
+        print(f"bili page: {source}; the proxy will refuse", file=sys.stderr)
+    try:
+        doc = fetch(proxy, "/__bili/page/code", token, method="POST")
+    except ProxyError as e:
+        print(f"bili: error: {e}", file=sys.stderr)
+        return 1
+    url = f"{proxy}/__bili/?code={doc['code']}"
+    print(url)
+    print(f"(a one-time code, valid {doc.get('ttl', 60)}s)", file=sys.stderr)
+    if args.open:
+        import webbrowser
+
+        webbrowser.open(url)
+    return 0
+
+
+__all__ = ["configure", "configure_page", "run", "run_page", "session_view", "sessions_table"]

@@ -1,0 +1,77 @@
+"""The per-request figures and the log line, by hand."""
+
+from __future__ import annotations
+
+import json
+
+from bili_addon import prices
+from bili_addon.meter import Meter, line, summary, tokens
+from bili_addon.store import WireTurn
+
+
+def body(tools: list, system: str, msgs: list) -> bytes:
+    # the JSON keys in the SDK's order (messages first): the cache reads tools, system, messages
+    return json.dumps({"max_tokens": 10, "messages": msgs, "model": "m", "system": system, "tools": tools}).encode()
+
+
+def test_predicted_share_is_the_unchanged_leading_parts():
+    m = Meter()
+    tools, system = [{"name": "Bash"}], "You are an agent."
+    msgs = [{"role": "user", "content": "a" * 100}, {"role": "assistant", "content": "b" * 100}]
+    assert m.predict("s", body(tools, system, msgs)) is None  # the first request
+    nxt = msgs + [{"role": "user", "content": "c" * 100}]
+    parts = [json.dumps(tools), json.dumps(system), *map(json.dumps, nxt)]
+    total = sum(map(len, parts))
+    assert m.predict("s", body(tools, system, nxt)) == round((total - len(parts[-1])) / total, 4)
+    # the system prompt changed: nothing after it is read from the cache
+    assert m.predict("s", body(tools, "You are another agent.", nxt)) == round(len(parts[0]) / (
+        total - len(parts[1]) + len(json.dumps("You are another agent."))), 4)
+    assert m.predict("other", body(tools, system, nxt)) is None
+
+
+def test_the_log_line_by_hand():
+    # the issue's example: sonnet 4.5, 181.2K tokens from the agent, 46.1K sent, 93% predicted,
+    # 46,100 prompt tokens of which 42,412 read (92%), 2,000 written, 1,688 uncached; 500 out
+    w = WireTurn(42, 0.0, 42, "claude-sonnet-4-5", 181_200, 46_100, 0.93, 3, 120, [], 46_100, 42_412, 2_000, 500)
+    cost = (1_688 * 3 + 2_000 * 3.75 + 42_412 * 0.3 + 500 * 15) / 1e6  # 0.0327876
+    saved = (181_200 - 46_100) * 0.3 / 1e6  # 0.04053
+    assert line("3fe7b19e-aaaa", "anthropic", "claude", w) == (
+        "bili claude 3fe7b19e t42 anthropic: 181.2K -> 46.1K tok (-75%), cache read 93% (reported 92%), "
+        f"3 blocks, {prices.money(cost)} (saved {prices.money(saved)})")
+    assert prices.money(cost) == "$0.033" and prices.money(saved) == "$0.041"
+    w.model = "a-model-without-price"
+    assert line("3fe7b19e", "chat", "", w).endswith("3 blocks")  # tokens only
+
+
+def test_summary_over_turns():
+    t1 = WireTurn(1, 0, 1, "gpt-5", 1000, 1200, None, 0, 0, [], 1200, 0, 0, 10)
+    t2 = WireTurn(2, 0, 2, "gpt-5", 9000, 3000, 0.5, 1, 4, ["compress"], 3000, 2000, 0, 10)
+    s = summary([t1, t2])
+    assert (s["agent_now"], s["sent_now"], s["agent_peak"], s["sent_peak"]) == (9000, 3000, 9000, 3000)
+    assert s["reported"] == round(2000 / 4200, 4) and s["predicted"] == 0.5 and s["priced"]
+    # gpt-5: $1.25 in, $0.125 cached, $10 out
+    cost = (1200 * 1.25 + 10 * 10 + 1000 * 1.25 + 2000 * 0.125 + 10 * 10) / 1e6
+    saved = ((1000 - 1200) + (9000 - 3000)) * 0.125 / 1e6
+    assert abs(s["cost"] - cost) < 1e-9 and abs(s["saved"] - saved) < 1e-9
+    t2.model = "unknown-model"
+    assert summary([t1, t2])["cost"] is None and not summary([t1, t2])["priced"]
+    assert tokens(999) == "999" and tokens(1_000) == "1.0K" and tokens(2_500_000) == "2.5M"
+
+
+def test_totals_from_the_store_equal_the_turn_by_turn_summary(tmp_path):
+    from bili_addon.meter import totals
+    from bili_addon.store import Store
+
+    store = Store(tmp_path)
+    rows = [WireTurn(0, 0, 1, "gpt-5", 1000, 1200, None, 0, 0, [], 1200, 0, 0, 10),
+            WireTurn(0, 0, 2, "claude-sonnet-4-5", 9000, 3000, 0.5, 1, 4, ["compress"], 3000, 2000, 500, 10),
+            WireTurn(0, 0, 3, "gpt-5", 9500, 3300, 0.9, 1, 4, [], 3300, 2900, 0, 20)]
+    for w in rows:
+        w.n = store.record_wire("s", w)
+    assert [w.n for w in store.wire("s")] == [1, 2, 3]
+    by_turn, by_sums = summary(store.wire("s")), totals(store, "s")
+    assert by_sums.keys() == by_turn.keys()
+    for k, v in by_turn.items():
+        assert by_sums[k] == (round(v, 6) if isinstance(v, float) and k in ("cost", "saved") else v), k
+    assert totals(store, "none")["turns"] == 0
+    store.close()

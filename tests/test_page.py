@@ -1,0 +1,85 @@
+"""The page's gate (unit, in mitmproxy's test context): loopback only, the admin token or the
+page's cookie from a one-time code, and what the cookie opens."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from test_mcp import flow, model_request
+
+from bili_addon import page
+
+
+def get(bili, path: str, *, peer: str = "127.0.0.1", headers: dict | None = None, method: str = "GET"):
+    f = flow(path, method=method, peer=peer, headers=headers or {})
+    bili.request(f)
+    assert f.response is not None
+    return f.response
+
+
+def sign_in(bili) -> dict:
+    code = json.loads(get(bili, "/__bili/page/code", method="POST", headers={"x-bili-token": bili.token}).content)["code"]
+    r = get(bili, f"/__bili/?code={code}")
+    assert r.status_code == 303 and r.headers["location"] == "/__bili/"
+    return {"cookie": r.headers["set-cookie"].split(";", 1)[0]}
+
+
+@pytest.mark.parametrize("peer", ["10.1.2.3", "2001:db8::1"])
+def test_non_loopback_is_refused_even_signed_in(bili, peer):
+    jar = sign_in(bili)
+    for path in ("/__bili/", "/__bili/stats", "/__bili/page/session?session=x"):
+        assert get(bili, path, peer=peer, headers={**jar, "x-bili-token": bili.token}).status_code == 403
+    assert get(bili, "/__bili/page/code", peer=peer, method="POST",
+               headers={"x-bili-token": bili.token}).status_code == 403
+
+
+def test_without_token_or_cookie_nothing(bili):
+    model_request(bili, "conv-p", "hello there")
+    for path in ("/__bili/", "/__bili/stats", "/__bili/page/session?session=conv-p"):
+        assert get(bili, path).status_code == 403
+        assert get(bili, path, headers={"cookie": "bili_page=guess"}).status_code == 403
+    assert get(bili, "/__bili/page/code", method="POST").status_code == 403  # a code needs the token
+    assert get(bili, "/__bili/?code=made-up").status_code == 403
+
+
+def test_cookie_opens_the_page_and_its_data_only(bili):
+    model_request(bili, "conv-p", "hello there")
+    jar = sign_in(bili)
+    r = get(bili, "/__bili/", headers=jar)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert bili.token.encode() not in r.content
+    # no external assets: nothing loaded from a URL (the only one is the SVG namespace name)
+    assert not re.search(rb"""(src|href|url)\s*[=(]\s*["']?(https?:)?//""", r.content)
+    assert set(re.findall(rb"https?://[^\s\"']+", r.content)) == {b"http://www.w3.org/2000/svg"}
+    doc = json.loads(get(bili, "/__bili/page/session?session=conv-p", headers=jar).content)
+    assert doc["ok"] and doc["session"]["id"] == "conv-p" and doc["blocks"] == []
+    assert get(bili, "/__bili/page/session?session=nope", headers=jar).status_code == 404
+    assert json.loads(get(bili, "/__bili/stats", headers=jar).content)["sessions"][0]["id"] == "conv-p"
+    # never the tool endpoint, the manifest, or a write
+    assert get(bili, "/__bili/plugin/manifest", headers=jar).status_code == 403
+    assert get(bili, "/__bili/page/code", method="POST", headers=jar).status_code == 403
+
+
+def test_a_code_is_used_once_and_expires(bili, monkeypatch):
+    pa = page.auth(bili)
+    code = pa.new_code()
+    assert pa.exchange(code) is not None and pa.exchange(code) is None
+    late = pa.new_code()
+    pa.codes[late] = 0.0  # expired
+    assert pa.exchange(late) is None
+
+
+def test_no_api_key_reaches_the_page(bili):
+    secret = "sk-ant-api03-SECRET-never-shown"
+    f = flow("/v1/messages", json.dumps({"model": "claude-test", "max_tokens": 16, "messages": [
+        {"role": "user", "content": "hello there"}]}).encode(),
+        headers={"x_acp_session": "conv-k", "x-api-key": secret, "authorization": f"Bearer {secret}"})
+    bili.request(f)
+    jar = sign_in(bili)
+    for path in ("/__bili/", "/__bili/stats", "/__bili/stats?session=conv-k", "/__bili/page/session?session=conv-k",
+                 "/__bili/page/search?session=conv-k&q=hello"):
+        r = get(bili, path, headers=jar)
+        assert r.status_code == 200, (path, r.content)
+        assert b"SECRET" not in r.content, path

@@ -1,0 +1,90 @@
+"""Money: the price table, hand-computed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bili_addon import prices
+
+
+def test_anthropic_turn_hand_computed():
+    # claude-sonnet-4-5: $3 in, $3.75 5m write, $6 1h write, $0.30 read, $15 out per MTok
+    # 100,000 prompt tokens = 90,000 read + 8,000 written + 2,000 uncached; 1,000 output
+    c = prices.cost("claude-sonnet-4-5-20250929", 100_000, 90_000, 8_000, 1_000)
+    assert c is not None and c.model == "claude-sonnet-4-5"
+    assert c.uncached == pytest.approx(2_000 * 3 / 1e6)  # 0.006
+    assert c.cache_read == pytest.approx(0.027)  # 90,000 * 0.30 / 1e6
+    assert c.cache_write == pytest.approx(0.03)  # 8,000 * 3.75 / 1e6
+    assert c.output == pytest.approx(0.015)
+    assert c.total == pytest.approx(0.078)
+    one_hour = prices.cost("claude-sonnet-4-5", 100_000, 90_000, 8_000, 1_000, ttl="1h")
+    assert one_hour.cache_write == pytest.approx(0.048)  # 8,000 * 6 / 1e6
+
+
+def test_longest_prefix_and_routing_prefixes():
+    assert prices.cost("claude-opus-4-5-20251101", 1_000_000).total == pytest.approx(5)
+    assert prices.cost("claude-opus-4-1-20250805", 1_000_000).total == pytest.approx(15)
+    assert prices.cost("anthropic/claude-opus-4-20250514", 1_000_000).total == pytest.approx(15)
+    assert prices.cost("us.anthropic.claude-haiku-4-5-20251001-v1:0", 0, output=1_000_000).total == pytest.approx(5)
+    assert prices.cost("gpt-5-mini-2025-08-07", 1_000_000).model == "gpt-5-mini"
+    assert prices.cost("gpt-5", 1_000_000).model == "gpt-5"
+    assert prices.cost("models/gemini-2.5-pro", 0, output=2_000_000).total == pytest.approx(20)
+
+
+def test_openai_cached_input_hand_computed():
+    # gpt-5: $1.25 in, $0.125 cached, $10 out; OpenAI's input counts the cached tokens too
+    c = prices.cost("gpt-5-codex", 50_000, 40_000, 0, 2_000)
+    assert c.total == pytest.approx(10_000 * 1.25 / 1e6 + 40_000 * 0.125 / 1e6 + 2_000 * 10 / 1e6)  # 0.0375
+
+
+def test_unknown_model_has_no_price():
+    assert prices.cost("my-local-llama", 1000, 0, 0, 10) is None
+    assert prices.cost("", 1000) is None
+    assert prices.cost("gpt-50", 1000) is None  # a prefix of the name, not of a version: no guess
+
+
+def test_without_bili_prices_folded_tokens_as_reads():
+    # 20,000 tokens folded off the wire of a sonnet turn: 20,000 * 0.30 / 1e6 = $0.006 more
+    with_ = prices.cost("claude-sonnet-4-5", 30_000, 25_000, 1_000, 500)
+    without = prices.without_bili("claude-sonnet-4-5", 30_000, 25_000, 1_000, 500, 20_000)
+    assert without.total - with_.total == pytest.approx(0.006)
+
+
+def test_user_file_overrides_and_extends(tmp_path):
+    (tmp_path / "prices.json").write_text(json.dumps({"as_of": "2027-01-01", "models": {
+        "claude-sonnet-4-5": {"input": 2},  # only input changes; the rest stays built-in
+        "my-local-llama": {"provider": "local", "input": 0.1, "output": 0.2},
+        "broken": {"input": "cheap", "output": 1},
+        "half": {"input": 1},
+    }}))
+    t = prices.load(tmp_path)
+    assert t.find("claude-sonnet-4-5")[1].input == 2 and t.find("claude-sonnet-4-5")[1].output == 15
+    c = t.cost("my-local-llama", 1_000_000, 500_000, 0, 1_000_000)
+    assert c.total == pytest.approx(0.05 + 0.05 + 0.2)  # no cache discount unless the file says so
+    assert t.find("broken") is None and t.find("half") is None
+    assert len(t.errors) == 2 and "2027-01-01" in t.as_of
+    assert prices.load(tmp_path / "none").source == "built-in"
+
+
+def test_bad_user_file_keeps_builtin(tmp_path):
+    (tmp_path / "prices.json").write_text("{not json")
+    t = prices.load(tmp_path)
+    assert t.errors and t.find("gpt-5") is not None
+
+
+def test_money_format():
+    assert prices.money(0.0412) == "$0.041"
+    assert prices.money(1.234) == "$1.23"
+    assert prices.money(1234.5) == "$1,234"
+    assert prices.money(None) == ""
+    assert prices.money(-0.0021) == "-$0.002"
+    assert prices.money(-0.0001) == "$0.000"  # no "-$0.000"
+
+
+def test_bili_additions_make_a_negative_saving():
+    # bili sent 1,000 tokens more than the agent (its tools and prompt): 1,000 * 0.30 / 1e6 = -$0.0003
+    with_ = prices.cost("claude-sonnet-4-5", 30_000, 25_000, 1_000, 500)
+    without = prices.without_bili("claude-sonnet-4-5", 30_000, 25_000, 1_000, 500, -1_000)
+    assert without.total - with_.total == pytest.approx(-0.0003)

@@ -1,0 +1,54 @@
+"""``bili stats`` rendering and --watch, without a proxy (the e2e test runs it against one)."""
+
+from __future__ import annotations
+
+import argparse
+
+from bili_addon import statscmd
+
+DOC = {"sessions": [
+    {"id": "0123456789abcdef", "agent": "claude", "lane": "anthropic", "requests": 1234, "last_seen": 1000.0,
+     "usage": {"cache_read_share": 0.5}, "fold": {"blocks": 12},
+     "wire": {"turns": 3, "agent_now": 181_200, "sent_now": 46_100, "reported": 0.92, "cost": 123.4, "saved": -0.5}},
+    {"id": "s2", "agent": "", "lane": "chat", "requests": 1, "last_seen": 0, "usage": {}, "fold": {}, "wire": {}},
+], "store": False, "store_status": {"ok": False, "reason": "disk full"}, "prices": {"as_of": "2025-11-01"}}
+
+
+def test_sessions_table_fits_80_columns():
+    out = statscmd.sessions_table(DOC, now=1000.0 + 7200)
+    lines = out.splitlines()
+    assert all(len(ln) <= 80 for ln in lines), out
+    assert lines[1].split() == ["0123456789", "claude", "anthropic", "1234", "181.2K->46.1K", "92%", "12", "$123",
+                                "-$0.500", "2h"]
+    assert lines[2].split()[:4] == ["s2", "-", "chat", "1"] and "store unusable: disk full" in out
+
+
+def test_watch_redraws_until_ctrl_c(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(statscmd, "fetch", lambda proxy, path, token, **kw: calls.append(path) or DOC)
+    sleeps = iter([None, KeyboardInterrupt()])
+
+    def sleep(_):
+        x = next(sleeps)
+        if x is not None:
+            raise x
+
+    monkeypatch.setattr(statscmd.time, "sleep", sleep)
+    monkeypatch.setenv("BILI_TOKEN", "t")
+    args = argparse.Namespace(proxy="127.0.0.1:1", data_dir=None, session=None, json=False, watch=1.0)
+    assert statscmd.run(args) == 0
+    out = capsys.readouterr().out
+    assert len(calls) == 2 and out.count("\x1b[H\x1b[2J") == 2 and "0123456789" in out
+
+
+def test_unreachable_proxy_is_a_clear_error(capsys, monkeypatch):
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("BILI_TOKEN", "t")
+    args = argparse.Namespace(proxy=f"127.0.0.1:{port}", data_dir=None, session="x", json=False, watch=None)
+    assert statscmd.run(args) == 1
+    err = capsys.readouterr().err
+    assert "not reachable" in err and "bili run" in err
