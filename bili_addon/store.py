@@ -664,3 +664,33 @@ class Store:
                 [(session_id, keep + i, sig, json.dumps(refs), item) for i, (sig, refs, item) in enumerate(rows)],
             )
         return version
+
+    # -- operations: health, doctor, and copying a whole store (bili store migrate) ---------------
+    backend = "sqlite"
+
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
+    def schema_version(self) -> int:
+        row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        return int(row[0]) if row else 0
+
+    def ping(self) -> float:
+        """Seconds for one read of the store."""
+        t = time.perf_counter()
+        self.db.execute("SELECT 1").fetchone()
+        return time.perf_counter() - t
+
+    @_reads
+    def dump(self, table: str, cols: tuple[str, ...], key: tuple[str, ...]) -> list[tuple]:
+        rows = self.db.execute(f"SELECT {', '.join(cols)} FROM {table} ORDER BY {', '.join(key)}").fetchall()
+        return [tuple(bytes(v) if isinstance(v, memoryview) else v for v in r) for r in rows]
+
+    def load(self, table: str, cols: tuple[str, ...], rows: list[tuple]) -> None:
+        with self._tx():
+            self.db.executemany(f"INSERT INTO {table}({', '.join(cols)}) VALUES({', '.join('?' * len(cols))})", rows)
+
+    @_reads
+    def is_empty(self) -> bool:
+        return self.db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] == 0
