@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from mitmproxy import http
@@ -16,8 +16,8 @@ from bili_addon.kernel.prompts import TOOLS
 from bili_addon.store import StoreError
 
 if TYPE_CHECKING:
+    from bili_addon.keeper import Keeper
     from bili_addon.kernel.turn import Engine
-    from bili_addon.shell import Bili
 
 log = logging.getLogger("bili")
 
@@ -26,6 +26,21 @@ TOOL_ENDPOINT = PREFIX + "plugin/tool"
 MANIFEST_ENDPOINT = PREFIX + "plugin/manifest"
 MAX_BODY = 1 << 20  # a tool call's JSON body; a compress with long summaries stays far below
 PLUGIN_TOOLS = tuple(t["name"] for t in TOOLS)
+
+
+class Host(Protocol):
+    """What the endpoints need from the addon that serves them (:class:`bili_addon.shell.Bili`)."""
+
+    mode: str
+    token: str | None  # the install's admin token, None while it cannot be written
+    data_dir: str
+    keeper: Keeper
+
+    def load_token(self) -> str | None: ...
+
+    def store_status(self) -> dict: ...
+
+    def stats(self, eng: Engine | None = None) -> dict: ...
 
 
 def is_admin(flow: http.HTTPFlow) -> bool:
@@ -55,7 +70,7 @@ def _fail(status: int, error: str) -> http.Response:
     return _json(status, {"ok": False, "error": error})
 
 
-def authenticated(flow: http.HTTPFlow, bili: Bili) -> bool:
+def authenticated(flow: http.HTTPFlow, bili: Host) -> bool:
     """Does the request carry the install's admin token?  A mismatch re-reads the token file once
     (another bili process may have created it first)."""
     presented = private.presented_token(flow.request.headers)
@@ -63,7 +78,7 @@ def authenticated(flow: http.HTTPFlow, bili: Bili) -> bool:
         return False
     if private.token_matches(presented, bili.token):
         return True
-    fresh = private.read_token(bili._data_dir) if bili._data_dir else None
+    fresh = private.read_token(bili.data_dir) if bili.data_dir else None
     if fresh is None and bili.token is None:
         fresh = bili.load_token()
     if fresh is not None and fresh != bili.token:
@@ -72,7 +87,7 @@ def authenticated(flow: http.HTTPFlow, bili: Bili) -> bool:
     return False
 
 
-def handle(flow: http.HTTPFlow, bili: Bili):
+def handle(flow: http.HTTPFlow, bili: Host):
     """Answers the request; returns an awaitable when the answer needs the store (its work runs on
     the store's worker thread: health never waits on it)."""
     if not _loopback(flow):
@@ -105,7 +120,7 @@ def handle(flow: http.HTTPFlow, bili: Bili):
     return None
 
 
-def _with_store(flow: http.HTTPFlow, bili: Bili, answer, without):
+def _with_store(flow: http.HTTPFlow, bili: Host, answer, without):
     """``answer(engine)`` as the response, run where the store is used; ``without()`` when the
     store is unusable."""
     keeper = bili.keeper

@@ -68,7 +68,7 @@ class Bili:
         self.mode = "fold"
         self.refuse_ws = True
         self.first_party = "fold"
-        self._data_dir = ""
+        self.data_dir = ""
         self._flows: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDictionary()
 
     @property
@@ -146,9 +146,9 @@ class Bili:
             self.refuse_ws = ctx.options.bili_refuse_websocket
         if "bili_first_party" in updated:
             self.first_party = ctx.options.bili_first_party
-        if "bili_data_dir" in updated or not self._data_dir:
-            self._data_dir = ctx.options.bili_data_dir or str(default_data_dir())
-            self.keeper.open(self._data_dir)
+        if "bili_data_dir" in updated or not self.data_dir:
+            self.data_dir = ctx.options.bili_data_dir or str(default_data_dir())
+            self.keeper.open(self.data_dir)
             self.load_token()
         elif self.engine is not None:
             self._tune(self.engine)
@@ -177,11 +177,11 @@ class Bili:
     def load_token(self) -> str | None:
         """The admin token of the data dir, created on first use; None while it cannot be written."""
         try:
-            self.token = private.ensure_token(self._data_dir)
+            self.token = private.ensure_token(self.data_dir)
         except OSError as e:
             self.token = None
             log.warning("[bili] cannot write the admin token in %s (%s); the admin endpoints but health "
-                        "answer 403 until it can be", self._data_dir, e)
+                        "answer 403 until it can be", self.data_dir, e)
         return self.token
 
     def done(self) -> None:
@@ -461,6 +461,7 @@ class Bili:
             return {"sessions": [], "store": False, "store_status": self.keeper.status()}
         store = eng.store
         sessions = []
+        families = self.engine.lineage.families()
         for r in store.sessions():
             u = store.usage(r.id)
             flags = msgspec.json.decode(r.flags or "{}")
@@ -492,6 +493,9 @@ class Bili:
                 "sent_tokens": live.sent_tokens if live is not None else None,
                 "unfolded_tokens": live.unfolded_tokens if live is not None else None,
             }
+            family = families.get(r.id)
+            if family is not None:  # forks: {root, parent, fork_at, children}
+                entry["lineage"] = family
             if flags.get("delta_history"):
                 entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"
             sessions.append(entry)

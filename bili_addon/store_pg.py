@@ -117,6 +117,27 @@ _MIGRATIONS: dict[int, list[str]] = {
         """CREATE TABLE IF NOT EXISTS copies(
             session_id TEXT PRIMARY KEY,
             doc TEXT NOT NULL)""",
+        # lineage (#15/#20): forks inherit their parent's view; id-less sessions match any earlier point
+        """CREATE TABLE IF NOT EXISTS lineage(
+            session_id TEXT PRIMARY KEY,
+            parent TEXT NOT NULL DEFAULT '',
+            root TEXT NOT NULL,
+            fork_at BIGINT NOT NULL DEFAULT 0,
+            created DOUBLE PRECISION NOT NULL)""",
+        "CREATE INDEX IF NOT EXISTS lineage_root ON lineage(root)",
+        """CREATE TABLE IF NOT EXISTS lineage_parts(
+            session_id TEXT NOT NULL,
+            seq BIGINT NOT NULL,
+            ref TEXT NOT NULL,
+            chash TEXT NOT NULL,
+            fp TEXT NOT NULL,
+            PRIMARY KEY(session_id, seq))""",
+        "CREATE INDEX IF NOT EXISTS lineage_parts_head ON lineage_parts(fp) WHERE seq=0",
+        """CREATE TABLE IF NOT EXISTS affinity_points(
+            hash TEXT NOT NULL,
+            session_id TEXT NOT NULL,
+            depth BIGINT NOT NULL,
+            PRIMARY KEY(hash, session_id))""",
         """CREATE TABLE IF NOT EXISTS calls(
             session_id TEXT NOT NULL,
             call_key TEXT NOT NULL,
@@ -421,6 +442,12 @@ class PgStore:
         self.round_trips += 2
         have = conn.execute("SELECT next_ref FROM sessions WHERE id=%s", (session_id,)).fetchone()
         first = have[0] if have else 1
+        family = conn.execute(  # a family shares one counter: a ref is never given twice in it
+            "SELECT MAX(s.next_ref) FROM lineage m JOIN sessions s ON s.id=m.session_id "
+            "WHERE m.root=(SELECT root FROM lineage WHERE session_id=%s)", (session_id,)
+        ).fetchone()
+        if family and family[0]:
+            first = max(first, family[0])
         if first + len(minted) != next_ref:
             raise StaleSession(session_id, next_ref - len(minted), first)
         try:
@@ -534,6 +561,97 @@ class PgStore:
             self._many("INSERT INTO transcript(session_id, seq, sig, refs, item) VALUES(%s,%s,%s,%s,%s)",
                        [(session_id, keep + i, sig, json.dumps(refs), item) for i, (sig, refs, item) in enumerate(rows)])
         return version
+
+    # -- lineage (#15, #20): the SQLite store's queries, spelled for PostgreSQL -------------------
+    @_reads
+    def lineage(self) -> list[tuple[str, str, str, int]]:
+        return self._q("SELECT session_id, parent, root, fork_at FROM lineage ORDER BY created")
+
+    @_reads
+    def lineage_parts(self, session_id: str) -> list[tuple[str, str, str]]:
+        return self._q("SELECT ref, chash, fp FROM lineage_parts WHERE session_id=%s ORDER BY seq", (session_id,))
+
+    def save_lineage_parts(self, session_id: str, keep: int, rows: list[tuple[str, str, str]]) -> None:
+        with self._tx() as conn:
+            self.round_trips += 1
+            conn.execute("DELETE FROM lineage_parts WHERE session_id=%s AND seq>=%s", (session_id, keep))
+            self._many("INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) VALUES(%s,%s,%s,%s,%s)",
+                       [(session_id, keep + i, *row) for i, row in enumerate(rows)])
+
+    @_reads
+    def lineage_candidates(self, first_fp: str, lane: str) -> list[str]:
+        return [r[0] for r in self._q(
+            "SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id=p.session_id "
+            "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s ORDER BY s.created", (first_fp, lane))]
+
+    @_reads
+    def family_next_ref(self, root: str) -> int:
+        row = self._one("SELECT MAX(next_ref) FROM sessions WHERE id IN (SELECT session_id FROM lineage WHERE root=%s)",
+                        (root,))
+        return int(row[0]) if row and row[0] else 1
+
+    @_reads
+    def family(self, session_id: str) -> tuple[str, str, int, int] | None:
+        row = self._one(
+            "SELECT l.root, l.parent, l.fork_at, (SELECT MAX(s.next_ref) FROM sessions s JOIN lineage m "
+            "ON m.session_id=s.id WHERE m.root=l.root) FROM lineage l WHERE l.session_id=%s", (session_id,))
+        return (row[0], row[1], row[2], int(row[3] or 1)) if row else None
+
+    def adopt(self, child: SessionRow, parent: str, root: str, fork_at: int, ledger: list[LedgerRow],
+              blocks: list[tuple[str, str, bool]], originals: list[tuple], calls: list[tuple[str, str, str, str | None]],
+              retired: list[tuple[str, str, str]] = (), *, expect: int) -> int:
+        """As :meth:`bili_addon.store.Store.adopt`: one transaction, a versioned session write."""
+        now = time.time()
+        with self._tx() as conn:
+            version = self._advance(conn, child.id, expect)
+            self._many("INSERT INTO refs(session_id, ref, content_hash) VALUES(%s,%s,%s) ON CONFLICT(session_id, ref) "
+                       "DO UPDATE SET content_hash=excluded.content_hash",
+                       [(child.id, r.ref, r.content_hash) for r in ledger]
+                       + [(child.id, ref, chash) for _msg_id, chash, ref in retired])
+            self.round_trips += 3
+            conn.execute("INSERT INTO lineage(session_id, parent, root, fork_at, created) VALUES(%s,%s,%s,%s,%s) "
+                         "ON CONFLICT DO NOTHING", (root, "", root, 0, now))
+            conn.execute("INSERT INTO lineage(session_id, parent, root, fork_at, created) VALUES(%s,%s,%s,%s,%s)",
+                         (child.id, parent, root, fork_at, now))
+            conn.execute(
+                "INSERT INTO sessions(id, agent, lane, created, last_seen, next_ref, flags) VALUES(%s,%s,%s,%s,%s,%s,%s) "
+                "ON CONFLICT(id) DO UPDATE SET next_ref=GREATEST(sessions.next_ref, excluded.next_ref), "
+                "flags=excluded.flags",
+                (child.id, child.agent, child.lane, child.created, now, child.next_ref, child.flags))
+            self._many("UPDATE ledger SET ref=%s WHERE session_id=%s AND msg_id=%s AND content_hash=%s",
+                       [(ref, child.id, msg_id, chash) for msg_id, chash, ref in retired])
+            self._many("INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen) "
+                       "VALUES(%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT(session_id, msg_id, content_hash) DO UPDATE SET "
+                       "ref=excluded.ref, role=excluded.role, ctype=excluded.ctype, tokens=excluded.tokens, "
+                       "first_seen=excluded.first_seen",
+                       [(child.id, r.msg_id, r.content_hash, r.ref, r.role, r.ctype, r.tokens, now) for r in ledger])
+            self._many("INSERT INTO blocks(session_id, block_id, body, active) VALUES(%s,%s,%s,%s) "
+                       "ON CONFLICT(session_id, block_id) DO UPDATE SET body=excluded.body, active=excluded.active",
+                       [(child.id, bid, body, int(active)) for bid, body, active in blocks])
+            self._many("INSERT INTO originals(session_id, ref, role, ctype, tool_name, tool_call_id, text, tokens) "
+                       "VALUES(%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT DO NOTHING", [(child.id, *o) for o in originals])
+            self._many("INSERT INTO calls(session_id, call_key, name, args, result, created, executed) "
+                       "VALUES(%s,%s,%s,%s,%s,%s,%s) ON CONFLICT DO NOTHING",
+                       [(child.id, k, n, a, r, now, now if r is not None else None) for k, n, a, r in calls])
+        return version
+
+    @_reads
+    def affinity_points(self, hashes: list[str]) -> dict[str, list[tuple[str, int]]]:
+        out: dict[str, list[tuple[str, int]]] = {}
+        if not hashes:
+            return out
+        rows = self._q("SELECT p.hash, p.session_id, p.depth FROM affinity_points p LEFT JOIN affinity a "
+                       "ON a.session_id=p.session_id WHERE p.hash = ANY(%s) ORDER BY a.last_seen DESC NULLS LAST",
+                       (list(hashes),))
+        for h, sid, depth in rows:
+            out.setdefault(h, []).append((sid, depth))
+        return out
+
+    def add_affinity_points(self, session_id: str, points: list[tuple[int, str]]) -> None:
+        if points:
+            with self._tx():
+                self._many("INSERT INTO affinity_points(hash, session_id, depth) VALUES(%s,%s,%s) ON CONFLICT DO NOTHING",
+                           [(h, session_id, d) for d, h in points])
 
     # -- copying a whole store (bili store migrate) ----------------------------------------------
     def dump(self, table: str, cols: tuple[str, ...], key: tuple[str, ...]) -> list[tuple]:
