@@ -6,6 +6,7 @@
     bili claude|codex|pi|omp|hermes|opencode [options] [-- agent args]
                                                   run an agent through the proxy (started if needed)
     bili doctor                                   check the CA, the port, the store and the agents
+    bili store info|migrate --to URL               a store's backend and size; copy it (SQLite <-> PostgreSQL)
     bili replay FLOWS.mitm|DIR ...                what the addon would have sent, per session and turn
     bili addon-path                               the installed addon's loader, for mitmdump -s
     bili --version
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, launch, mcp, replay
+from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, launch, mcp, replay, store_cli
 from bili_addon.agents import AGENTS
 
 
@@ -86,6 +87,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "reverse:https://api.anthropic.com), upstream:URL, socks5, ...; repeatable")
     p.add_argument("--data-dir", metavar="DIR",
                    help="where the store lives (bili_data_dir; default: $XDG_DATA_HOME/bili-addon)")
+    p.add_argument("--store", metavar="URL",
+                   help="bili_store: postgresql://user@host/db to share one database between instances (a "
+                        "team gateway); default: $BILI_STORE, else SQLite in the data dir")
     p.add_argument("--confdir", metavar="DIR",
                    help="mitmproxy confdir holding the CA (default: the checkout's certs/, "
                         "else $XDG_DATA_HOME/bili-addon/certs)")
@@ -199,6 +203,7 @@ def _run(args: argparse.Namespace) -> int:
         data_dir=args.data_dir, bili_mode=args.bili_mode,
         upstream_ca=system_roots_for_upstream(ca.roots_source),
         lazy=any(m.type_name == "reverse" for m in modes), allow_hosts=allow, first_party=args.first_party,
+        sets=[f"bili_store={args.store}"] if args.store else [],
         extra=args.extra,  # last, so they override ours
     )
 
@@ -253,6 +258,13 @@ COMMANDS: dict[str, Command] = {
                     "store, mitmdump, and which agents are installed (with the custom base URLs their "
                     "configuration names). Changes nothing. Exit code 1 when a required check fails.",
         configure=launch.configure_doctor, run=launch.doctor,
+    ),
+    "store": Command(
+        help="a store's backend and size; copy a store into another (SQLite <-> PostgreSQL)",
+        description="info: the backend, schema version and conversations of a store. migrate --to URL|DIR: "
+                    "copy every row of the store (default: $BILI_STORE, else the data dir's SQLite) into an "
+                    "empty one and verify the copy; stop the proxies first.",
+        configure=store_cli.configure, run=store_cli.run,
     ),
     "replay": Command(
         help="run captured flows (mitmproxy files) through the addon offline",

@@ -47,6 +47,8 @@ class Keeper:
         self._writes_at_error = 0
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()  # serialises the inline path (tests, start-up) with the worker
+        self.latency_ms: float | None = None  # the store's last measured round trip (health shows it)
+        self._probing = False
 
     # -- state -----------------------------------------------------------------------------------
     @property
@@ -55,6 +57,9 @@ class Keeper:
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ok": self.ok, "data_dir": self.data_dir, **self.counts}
+        eng = self.engine
+        if eng is not None:
+            out.update(backend=eng.store.backend, where=eng.store.where, latency_ms=self.latency_ms)
         if self.error is not None:
             out.update(reason=str(self.error), cause=self.error.kind, hint=self.error.hint,
                        since=round(self.since, 3))
@@ -93,7 +98,7 @@ class Keeper:
         except StoreError as e:
             self._down(e)
             return
-        log.info("[bili] store at %s", self.engine.store.path)
+        log.info("[bili] store at %s (%s)", self.engine.store.where, self.engine.store.backend)
 
     def _make(self, data_dir: str) -> "Engine":
         try:
@@ -159,6 +164,24 @@ class Keeper:
         except Exception as e:  # nothing may escape a fire-and-forget job unseen
             log.exception("[bili] background store work failed: %s", e)
 
+    def probe(self) -> None:
+        """Measure the store's round trip on the worker, without waiting (health reads the figure)."""
+        if self._pool is None or self._probing or not self.ok:
+            return
+        self._probing = True
+
+        def ping() -> None:
+            try:
+                with self._lock:
+                    eng = self.engine
+                    if eng is not None and self.error is None:
+                        self.latency_ms = round(eng.store.ping() * 1000, 3)
+            except Exception as e:  # a failing store shows in the turns' path; health just has no figure
+                log.debug("[bili] store ping failed: %s", e)
+            finally:
+                self._probing = False
+        self._pool.submit(ping)
+
     # -- failure and recovery --------------------------------------------------------------------
     def _usable(self) -> "Engine | None":
         if self.error is not None:
@@ -198,7 +221,7 @@ class Keeper:
     def _up(self, eng: "Engine") -> None:
         """Work succeeded; once the store has taken a write again it is usable again."""
         if self.error is not None and eng.store.writes > self._writes_at_error:
-            log.warning("[bili] the store at %s is usable again (it was: %s); storing resumes", eng.store.path,
+            log.warning("[bili] the store at %s is usable again (it was: %s); storing resumes", eng.store.where,
                         self.error.kind)
             self.error = None
             self.counts["resumed"] += 1

@@ -20,7 +20,8 @@ from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.turn import Engine, TurnResult
 from bili_addon.kernel.windows import is_overflow, learned_window
 from bili_addon.keeper import DROPPED, Keeper
-from bili_addon.store import Store, StoreError, default_data_dir
+from bili_addon.store import StoreError, default_data_dir
+from bili_addon.stores import describe, is_url, open_store, store_spec
 from bili_addon.stream import Decoder, ResponseRewriter
 from bili_addon.wire import LANES, Lane, detect_lane, hygiene, is_responses_websocket
 
@@ -69,6 +70,7 @@ class Bili:
         self.refuse_ws = True
         self.first_party = "fold"
         self.data_dir = ""
+        self.store_spec = ""  # bili_store: '' (SQLite in the data dir) or a postgresql:// URL
         self._flows: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDictionary()
 
     @property
@@ -83,7 +85,11 @@ class Bili:
     def store_status(self) -> dict:
         """What health says about the store: usable or not, and why not."""
         st = self.keeper.status()
-        out: dict = {"store": st["ok"]}
+        out: dict = {"store": st["ok"], "store_backend": "postgresql" if is_url(self.store_spec) else "sqlite",
+                     "store_at": st.get("where") or describe(self.store_spec, self.data_dir)}
+        if st.get("latency_ms") is not None:
+            out["store_latency_ms"] = st["latency_ms"]
+        self.keeper.probe()  # the next health shows a fresh figure (health never waits on the store)
         if "reason" in st:
             out.update(store_error=st["reason"], store_cause=st["cause"], store_hint=st["hint"])
         return out
@@ -91,6 +97,11 @@ class Bili:
     # -- options -------------------------------------------------------------------------------
     def load(self, loader) -> None:
         loader.add_option("bili_data_dir", str, "", "Where the store lives (default: the XDG data dir).")
+        loader.add_option(
+            "bili_store", str, "",
+            "The store: empty for SQLite in bili_data_dir (default; $BILI_STORE when set), or "
+            "postgresql://user@host/db for a team gateway (several instances sharing one database).",
+        )
         loader.add_option(
             "bili_mode", str, "fold",
             "fold: everything; observe: ledger and stats, body forwarded unchanged; "
@@ -146,16 +157,18 @@ class Bili:
             self.refuse_ws = ctx.options.bili_refuse_websocket
         if "bili_first_party" in updated:
             self.first_party = ctx.options.bili_first_party
-        if "bili_data_dir" in updated or not self.data_dir:
+        if "bili_data_dir" in updated or "bili_store" in updated or not self.data_dir:
             self.data_dir = ctx.options.bili_data_dir or str(default_data_dir())
+            self.store_spec = store_spec(ctx.options.bili_store)
             self.keeper.open(self.data_dir)
             self.load_token()
         elif self.engine is not None:
             self._tune(self.engine)
 
     def _make_engine(self, data_dir: str) -> Engine:
-        """A fresh engine over the store at ``data_dir`` with the current options (raises StoreError)."""
-        store = Store(data_dir)
+        """A fresh engine over the store (``bili_store``, else SQLite in ``data_dir``) with the current
+        options (raises StoreError)."""
+        store = open_store(self.store_spec, data_dir)
         for path in store.tightened:
             log.warning("[bili] %s was readable by other users; now %s", path, "0700" if os.path.isdir(path) else "0600")
         return self._tune(Engine(store))
