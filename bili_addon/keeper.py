@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from bili_addon.store import StaleSession, StoreError
+from bili_addon.store import SessionBusy, StaleSession, StoreError
 
 if TYPE_CHECKING:
     from bili_addon.kernel.turn import Engine
@@ -43,7 +43,8 @@ class Keeper:
         self.error: StoreError | None = None  # why the store is not usable now (None: it is)
         self.since = 0.0
         self.retry_at = 0.0
-        self.counts = {"forwarded_unchanged": 0, "writes_dropped": 0, "stale_retries_exhausted": 0, "resumed": 0}
+        self.counts = {"forwarded_unchanged": 0, "writes_dropped": 0, "stale_retries_exhausted": 0, "resumed": 0,
+                       "session_busy": 0}
         self._writes_at_error = 0
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()  # serialises the inline path (tests, start-up) with the worker
@@ -124,7 +125,15 @@ class Keeper:
                 self._count(count)
                 return None
             try:
-                out = fn(eng)
+                try:
+                    out = fn(eng)
+                finally:
+                    eng.store.release()  # the sessions this work held (another instance's turn may wait)
+            except SessionBusy as e:  # another instance works on the session: this request passes
+                self.counts["session_busy"] += 1
+                self._count(count)
+                log.warning("[bili] %s; %s", e, "forwarding unchanged" if count == TURN else "not recorded")
+                return None
             except StaleSession as e:  # another process kept changing the session: this one passes
                 self.counts["stale_retries_exhausted"] += 1
                 self._count(count)

@@ -174,6 +174,16 @@ class StaleSession(StoreError):
         self.session_id = session_id
 
 
+class SessionBusy(StoreError):
+    """Another instance held the session's lock longer than the bounded wait: this request passes
+    through unchanged (said in the log), the next one tries again."""
+
+    def __init__(self, session_id: str, waited: float):
+        super().__init__(f"session {session_id!r} is busy in another instance (its lock was not free within "
+                         f"{waited:g}s)", "busy", "nothing to do: the session's next request tries again")
+        self.session_id = session_id
+
+
 _HINTS = {
     "disk full": "free some space on that disk; bili resumes storing by itself",
     "read-only": "the data dir must be writable (remount it read-write, fix its permissions or choose "
@@ -697,6 +707,13 @@ class Store:
 
     # -- operations: health, doctor, and copying a whole store (bili store migrate) ---------------
     backend = "sqlite"
+
+    def hold(self, session_id: str) -> None:
+        """Serialise the session's work across processes until :meth:`release`.  Nothing to do for
+        SQLite: its write lock and the session versions already order two processes' turns."""
+
+    def release(self) -> None:
+        """Let go of every session :meth:`hold` took (the keeper calls it after each piece of work)."""
 
     @property
     def where(self) -> str:

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bili_addon.store import (
-    DB_NAME, SCHEMA_VERSION, LedgerRow, SessionRow, StaleSession, StoreError, UsageTotals,
+    DB_NAME, SCHEMA_VERSION, LedgerRow, SessionBusy, SessionRow, StaleSession, StoreError, UsageTotals,
 )
 
 try:
@@ -36,6 +36,7 @@ else:
 
 POOL_MAX = 4
 CONNECT_TIMEOUT = 5.0  # seconds to get a connection before the store counts as unreachable
+LOCK_WAIT = 2.0  # seconds a turn waits for its session's lock held by another instance, then passes through
 _LOCK_KEY = 0x6B696C69  # the advisory lock that serialises schema creation and migrations
 
 # one versioned schema: each version's statements, applied in order by whichever instance comes
@@ -204,7 +205,7 @@ class PgStore:
     backend = "postgresql"
 
     def __init__(self, url: str, data_dir: str | None = None, *, pool_max: int = POOL_MAX,
-                 timeout: float = CONNECT_TIMEOUT):
+                 timeout: float = CONNECT_TIMEOUT, lock_wait: float = LOCK_WAIT):
         if psycopg is None:
             raise StoreError(f"a PostgreSQL store needs psycopg: pip install 'bili-addon[postgres]' ({_IMPORT_ERROR})",
                              "cannot open", "install the extra: pip install 'bili-addon[postgres]'")
@@ -216,6 +217,9 @@ class PgStore:
         self.tightened: list[str] = []
         self.round_trips = 0  # statements sent (the benches report them)
         self._conn: psycopg.Connection | None = None  # held inside a transaction or a snapshot
+        self.lock_wait = lock_wait
+        self._lock_conn: psycopg.Connection | None = None  # holds the sessions' advisory locks
+        self._held: set[str] = set()
         try:
             self.pool = ConnectionPool(url, min_size=1, max_size=pool_max, timeout=timeout, open=False,
                                        kwargs={"autocommit": True, "prepare_threshold": 0},
@@ -313,7 +317,53 @@ class PgStore:
                 conn.execute("INSERT INTO meta(key, value) VALUES('schema_version', %s) ON CONFLICT(key) "
                              "DO UPDATE SET value=excluded.value", (str(SCHEMA_VERSION),))
 
+    # -- per-session serialisation across instances ----------------------------------------------
+    @staticmethod
+    def lock_key(session_id: str) -> int:
+        import hashlib
+
+        return int.from_bytes(hashlib.sha256(b"bili-session:" + session_id.encode()).digest()[:8], "big", signed=True)
+
+    def hold(self, session_id: str) -> None:
+        """The session's advisory lock, held until :meth:`release`: one instance at a time works on
+        a session (join, fold decisions, commit).  Waits at most ``lock_wait`` seconds, then
+        :class:`SessionBusy` (the request passes through unchanged).  The server drops the lock
+        of an instance that dies (its connection closes)."""
+        if session_id in self._held:
+            return
+        try:
+            if self._lock_conn is None or self._lock_conn.closed:
+                self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
+                self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
+            self.round_trips += 1
+            self._lock_conn.execute("SELECT pg_advisory_lock(%s)", (self.lock_key(session_id),))
+        except pg_errors.LockNotAvailable as e:
+            raise SessionBusy(session_id, self.lock_wait) from e
+        except psycopg.Error as e:
+            raise pg_error("lock a session in", self.url, e) from e
+        self._held.add(session_id)
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held.clear()
+        try:
+            self.round_trips += 1
+            self._lock_conn.execute("SELECT pg_advisory_unlock_all()")
+        except (psycopg.Error, AttributeError):  # a broken connection held nothing any more
+            self._drop_lock_conn()
+
+    def _drop_lock_conn(self) -> None:
+        conn, self._lock_conn = self._lock_conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
     def close(self) -> None:
+        self._held = set()
+        self._drop_lock_conn()
         pool = getattr(self, "pool", None)
         if pool is not None:
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
 from mitmproxy.test import tflow
 
 from bili_addon.launch import doctor_checks
@@ -62,3 +63,77 @@ def test_doctor_checks_the_shared_store(pg_url, tmp_path):
     args.store = DEAD
     store = {c.name: c for c in doctor_checks(args, env={"PATH": ""})}["store"]
     assert not store.ok and "cannot open the store" in store.detail
+
+
+# -- per-session serialisation across instances ---------------------------------------------------
+def test_a_session_is_worked_on_by_one_instance_at_a_time(pg_url, tmp_path):
+    from bili_addon.store import SessionBusy
+    from bili_addon.store_pg import PgStore
+
+    a, b = PgStore(pg_url, str(tmp_path), lock_wait=0.2), PgStore(pg_url, str(tmp_path), lock_wait=0.2)
+    try:
+        a.hold("x")
+        a.hold("x")  # held already: nothing more
+        with pytest.raises(SessionBusy, match="busy in another instance"):
+            b.hold("x")
+        b.hold("y")  # other sessions go on
+        a.release()
+        b.hold("x")
+        b.release()
+        a.hold("x")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_turn_whose_session_stays_busy_passes_through_unchanged_and_the_next_one_is_tagged(pg_url, tmp_path):
+    from bili_addon.keeper import Keeper
+    from bili_addon.kernel.turn import Engine
+    from bili_addon.store_pg import PgStore
+    from bili_addon.wire import LANES
+
+    raw = json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    keeper = Keeper(lambda d: Engine(PgStore(pg_url, d, lock_wait=0.2)))
+    keeper.open(str(tmp_path))
+    other = PgStore(pg_url, str(tmp_path))
+    try:
+        other.hold("busy")
+        turn = lambda eng: eng.process(raw, LANES["anthropic"], {"x-acp-session": "busy"}, render=True)  # noqa: E731
+        assert keeper.run(turn) is None
+        assert keeper.counts["session_busy"] == 1 and keeper.counts["forwarded_unchanged"] == 1 and keeper.ok
+        other.release()
+        res = keeper.run(turn)
+        assert res is not None and res.body is not None and b"<acp " in res.body
+        other.hold("busy")  # the keeper let go of the lock when the turn was done
+    finally:
+        other.close()
+        keeper.stop()
+
+
+def test_the_lock_of_an_instance_killed_mid_turn_is_freed(pg_url, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from bili_addon.store_pg import PgStore
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom bili_addon.store_pg import PgStore\n"
+        f"s = PgStore({pg_url!r}, {str(tmp_path)!r})\ns.hold('s1')\nprint('held', flush=True)\ntime.sleep(60)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        b = PgStore(pg_url, str(tmp_path), lock_wait=0.2)
+        from bili_addon.store import SessionBusy
+
+        with pytest.raises(SessionBusy):
+            b.hold("s1")
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+        b.lock_wait = 10.0  # the server notices the closed connection and drops its locks
+        b._drop_lock_conn()
+        b.hold("s1")
+        b.close()
+    finally:
+        if holder.poll() is None:
+            holder.kill()

@@ -86,6 +86,8 @@ class Engine(ProxyTools, Epochs):
     def session(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False) -> Session:
         """The session's state, loaded from the store once and cached.  ``fresh``: first check that
         no other process has changed it since (one indexed read); if one has, reload it."""
+        if fresh:
+            self.store.hold(sid)  # one instance at a time works on a session (a no-op for SQLite)
         s = seen = self.sessions.get(sid)
         if s is not None:
             if fresh and self.store.version(sid) != s.stored:
@@ -173,6 +175,7 @@ class Engine(ProxyTools, Epochs):
                     raise
             raise AssertionError("unreachable")
         finally:
+            self.store.release()  # the session's lock (another instance's turn of it may wait)
             if enabled:
                 gc.enable()
 
