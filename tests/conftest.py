@@ -52,10 +52,17 @@ def backend(request):
 
     tmp = request.getfixturevalue("tmp_path")
     spec = request.getfixturevalue("pg_url") if request.param == "postgresql" else ""
+    others: dict[str, str] = {}  # name -> the spec of another store of this test
     opened = []
 
-    def make_store():
-        s = open_store(spec, str(tmp))
+    def make_store(name: str = ""):
+        """The test's store; ``name``: another store of its own (a second data dir or database)."""
+        if not name:
+            s = open_store(spec, str(tmp))
+        elif request.param == "postgresql":
+            s = open_store(others.setdefault(name, request.getfixturevalue("pg_server").fresh()), str(tmp))
+        else:
+            s = open_store("", str(tmp / name))
         opened.append(s)
         return s
 

@@ -9,7 +9,6 @@ import pytest
 
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
-from bili_addon.store import Store
 from bili_addon.stream import ResponseRewriter
 from bili_addon.wire import LANES
 

@@ -9,7 +9,7 @@ import pytest
 from bili_addon.kernel import tags
 from bili_addon.kernel.identity import InstanceCounter, count_tokens, digest
 from bili_addon.kernel.turn import Engine
-from bili_addon.store import Store, StoreError
+from bili_addon.store import StoreError
 from bili_addon.wire import LANES
 from bili_addon.wire.base import Core
 

@@ -10,7 +10,6 @@ from test_fold import TAG, agent_answers_unknown, body, conversation, refs_in, r
 
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
-from bili_addon.store import Store
 from bili_addon.wire import LANES
 
 ANTH = LANES["anthropic"]
