@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
-from mitmproxy import http
+from mitmproxy import ctx, http
 
 from bili_addon import __version__, private
 from bili_addon.kernel.prompts import TOOLS
@@ -26,6 +27,8 @@ TOOL_ENDPOINT = PREFIX + "plugin/tool"
 MANIFEST_ENDPOINT = PREFIX + "plugin/manifest"
 MAX_BODY = 1 << 20  # a tool call's JSON body; a compress with long summaries stays far below
 PLUGIN_TOOLS = tuple(t["name"] for t in TOOLS)
+INTERCEPT_ENDPOINT = PREFIX + "intercept"
+_HOST_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 
 
 class Host(Protocol):
@@ -115,6 +118,8 @@ def handle(flow: http.HTTPFlow, bili: Host):
             return None
         return _with_store(flow, bili, lambda eng: plugin_tool(eng, *call),
                            lambda: _fail(503, "the bili store is not available; see the proxy's log"))
+    elif path == INTERCEPT_ENDPOINT and method == "POST":
+        flow.response = intercept_hosts(flow.request)
     else:
         flow.response = _fail(404, f"no such bili endpoint: {method} {path}")
     return None
@@ -187,3 +192,34 @@ def plugin_tool(engine: Engine, sid: str | None, tool: str, args: dict[str, Any]
         log.warning("[bili] session=%s: cannot record the native_tools flag: %s", resolved, e)
     log.info("[bili] session=%s: plugin tool %s ran", resolved, tool)
     return _json(200, {"ok": True, "tool": tool, "conversationId": resolved, "result": result})
+
+
+# -- POST /__bili/intercept ---------------------------------------------------------------------------
+def intercept_hosts(req: http.Request) -> http.Response:
+    """``{"hosts": ["host[:port]", ...]}``: decrypt these hosts too, from the next connection on (a
+    launcher re-using this proxy asks for its agent's custom model hosts).  A proxy that decrypts
+    everything (no ``allow_hosts``) has nothing to add.  Answers the hosts added and those already in."""
+    try:
+        doc = msgspec.json.decode(req.get_content(strict=True) or b"")
+    except (ValueError, msgspec.DecodeError) as e:
+        return _fail(400, f"the body is not valid JSON: {e}")
+    hosts = doc.get("hosts") if isinstance(doc, dict) else None
+    if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts) or len(hosts) > 256:
+        return _fail(400, 'expected {"hosts": ["host[:port]", ...]}')
+    wanted: list[tuple[str, int]] = []
+    for h in hosts:
+        name, _, port = h.strip().lower().rpartition(":") if ":" in h else (h.strip().lower(), "", "443")
+        if not _HOST_RE.match(name) or not port.isdigit() or not 0 < int(port) < 65536:
+            return _fail(400, f"not a host[:port]: {h!r}")
+        wanted.append((name, int(port)))
+    current = list(ctx.options.allow_hosts)
+    if not current:
+        return _json(200, {"ok": True, "all": True, "added": [], "present": [f"{h}:{p}" for h, p in wanted]})
+    patterns = [re.compile(p, re.IGNORECASE) for p in current]
+    missing = [(h, p) for h, p in dict.fromkeys(wanted) if not any(x.search(f"{h}:{p}") for x in patterns)]
+    if missing:
+        alts = "|".join(f"{re.escape(h)}:{p}" for h, p in missing)
+        ctx.options.update(allow_hosts=[*current, f"^(?:{alts})$"])
+        log.info("[bili] now decrypting %s too (asked by a launcher)", ", ".join(f"{h}:{p}" for h, p in missing))
+    return _json(200, {"ok": True, "all": False, "added": [f"{h}:{p}" for h, p in missing],
+                       "present": [f"{h}:{p}" for h, p in wanted if (h, p) not in missing]})

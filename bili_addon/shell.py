@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from mitmproxy import ctx, http
+from mitmproxy import ctx, exceptions, http
 
 from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, private
 from bili_addon.kernel import envelope
@@ -49,6 +49,41 @@ def first_party_claude(raw: bytes, host: str) -> bool:
     return (isinstance(first, dict) and first.get("type") == "text" and isinstance(first.get("text"), str)
             and first["text"].startswith(BILLING_PREFIX))
 WS_REFUSAL = b'{"error":"bili: WebSocket upgrades on /responses are refused in fold mode; use HTTP POST"}'
+
+
+# the options whose values are checked in ``configure``: a choice list, or a lower bound
+CHOICES = {"bili_mode": MODES, "bili_first_party": FIRST_PARTY}
+NON_NEGATIVE = ("bili_min_compress_chars", "bili_remind_at", "bili_context_window")
+
+
+def validate_options(options, updated: set[str]) -> None:
+    """Refuse a bad value the way mitmproxy's own addons do: an ``OptionsError`` naming the option,
+    the value and what it may be (at start-up mitmdump then exits; at run time the change is undone)."""
+    for name, choices in CHOICES.items():
+        if name in updated and getattr(options, name) not in choices:
+            raise exceptions.OptionsError(
+                f"{name}={getattr(options, name)!r} is not one of: {', '.join(choices)}")
+    for name in NON_NEGATIVE:
+        if name in updated and getattr(options, name) < 0:
+            raise exceptions.OptionsError(f"{name}={getattr(options, name)} must be 0 or more")
+
+
+def check_deferred(options) -> None:
+    """``--set`` values given before the addon loaded are applied by mitmproxy right after ``load``; one
+    it cannot parse (an option given twice, ``bili_remind_at=abc``) makes it drop the addon without a
+    word and forward everything with bili off.  Say so as an error: mitmdump then exits at start-up."""
+    known = getattr(options, "_options", {})
+    parse = getattr(options, "_parse_setval", None)  # mitmproxy's own parser (private: absent -> no check)
+    if parse is None:
+        return
+    for name, value in list(getattr(options, "deferred", {}).items()):
+        values = getattr(value, "val", None)  # the strings of --set, not yet parsed
+        if name not in known or not name.startswith("bili_") or values is None:
+            continue
+        try:
+            parse(known[name], list(values))
+        except exceptions.OptionsError as e:
+            log.error("[bili] %s; mitmproxy would drop the bili addon and forward everything unchanged", e)
 
 
 @dataclass
@@ -149,8 +184,10 @@ class Bili:
             "observe records them but forwards their bodies and answers unchanged.",
             choices=FIRST_PARTY,
         )
+        check_deferred(loader.master.options)
 
     def configure(self, updated: set[str]) -> None:
+        validate_options(ctx.options, updated)
         if "bili_mode" in updated:
             self.mode = ctx.options.bili_mode
         if "bili_refuse_websocket" in updated:
