@@ -137,3 +137,19 @@ def test_the_lock_of_an_instance_killed_mid_turn_is_freed(pg_url, tmp_path):
     finally:
         if holder.poll() is None:
             holder.kill()
+
+
+def test_bili_run_store_sets_bili_store_once(tmp_path, monkeypatch, capsys):
+    from bili_addon import cli
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(cli, "_serve", lambda cmd, target, ready: seen.append(list(cmd)) or 0)
+    monkeypatch.setattr(cli, "port_in_use", lambda host, port: False)
+    ca = ["--confdir", str(tmp_path / "ca")]
+    url = "postgresql://bili@db.internal/bili"
+    assert cli.main(["run", *ca, "--store", url, "--", "--set", f"bili_store={url}"]) == 0
+    sets = [seen[-1][i + 1] for i, a in enumerate(seen[-1]) if a == "--set"]
+    assert [s for s in sets if s.startswith("bili_store=")] == [f"bili_store={url}"]
+    n = len(seen)
+    assert cli.main(["run", *ca, "--store", url, "--", "--set", "bili_store=postgresql://other/db"]) == 2
+    assert len(seen) == n and "--store" in capsys.readouterr().err
