@@ -221,6 +221,9 @@ class PgStore:
         self._lock_conn: psycopg.Connection | None = None  # holds the sessions' advisory locks
         self._held: set[str] = set()
         try:
+            # one direct connection first: a server that is down or refuses us fails at once, with its
+            # own words (the pool would retry until its timeout while requests wait on the worker)
+            psycopg.connect(url, connect_timeout=max(1, int(timeout))).close()
             self.pool = ConnectionPool(url, min_size=1, max_size=pool_max, timeout=timeout, open=False,
                                        kwargs={"autocommit": True, "prepare_threshold": 0},
                                        name="bili-store")
