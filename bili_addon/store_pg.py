@@ -215,7 +215,7 @@ class PgStore:
         self.path = Path(data_dir or ".") / DB_NAME
         self.writes = 0
         self.tightened: list[str] = []
-        self.round_trips = 0  # statements sent (the benches report them)
+        self.round_trips = 0  # statements sent, transaction control included (the benches report them)
         self._conn: psycopg.Connection | None = None  # held inside a transaction or a snapshot
         self.lock_wait = lock_wait
         self._lock_conn: psycopg.Connection | None = None  # holds the sessions' advisory locks
@@ -275,6 +275,7 @@ class PgStore:
         try:
             with self.pool.connection() as conn:
                 self._conn = conn
+                self.round_trips += 2  # BEGIN, COMMIT
                 try:
                     with conn.transaction():
                         yield conn
@@ -294,6 +295,7 @@ class PgStore:
             with self.pool.connection() as conn:
                 self._conn = conn
                 try:
+                    self.round_trips += 3  # BEGIN, SET TRANSACTION, COMMIT
                     with conn.transaction():
                         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
                         yield
@@ -493,23 +495,19 @@ class PgStore:
         if not minted:
             return
         self.round_trips += 2
-        have = conn.execute("SELECT next_ref FROM sessions WHERE id=%s", (session_id,)).fetchone()
-        first = have[0] if have else 1
-        family = conn.execute(  # a family shares one counter: a ref is never given twice in it
-            "SELECT MAX(s.next_ref) FROM lineage m JOIN sessions s ON s.id=m.session_id "
-            "WHERE m.root=(SELECT root FROM lineage WHERE session_id=%s)", (session_id,)
-        ).fetchone()
-        if family and family[0]:
-            first = max(first, family[0])
+        # the session's counter and its family's (a family shares one: a ref is never given twice in it)
+        have, family = conn.execute(
+            "SELECT (SELECT next_ref FROM sessions WHERE id=%s), (SELECT MAX(s.next_ref) FROM lineage m JOIN "
+            "sessions s ON s.id=m.session_id WHERE m.root=(SELECT root FROM lineage WHERE session_id=%s))",
+            (session_id, session_id)).fetchone()
+        first = max(have or 1, family or 0)
         if first + len(minted) != next_ref:
             raise StaleSession(session_id, next_ref - len(minted), first)
-        try:
-            with conn.transaction():  # a savepoint: a ref given already is a stale session, not a broken tx
-                conn.execute("INSERT INTO refs(session_id, ref, content_hash) SELECT %s, r, h FROM "
-                             "unnest(%s::text[], %s::text[]) AS u(r, h)",
-                             (session_id, [r for r, _ in minted], [h for _, h in minted]))
-        except pg_errors.UniqueViolation as e:
-            raise StaleSession(session_id, next_ref - len(minted), first) from e
+        given = conn.execute("INSERT INTO refs(session_id, ref, content_hash) SELECT %s, r, h FROM "
+                             "unnest(%s::text[], %s::text[]) AS u(r, h) ON CONFLICT DO NOTHING RETURNING ref",
+                             (session_id, [r for r, _ in minted], [h for _, h in minted])).fetchall()
+        if len(given) != len(minted):  # given already: another instance got there first (the tx rolls back)
+            raise StaleSession(session_id, next_ref - len(minted), first)
 
     def set_flags(self, row: SessionRow, *, expect: int) -> int:
         with self._tx() as conn:
