@@ -6,6 +6,7 @@
     bili claude|codex|pi|omp|hermes|opencode [options] [-- agent args]
                                                   run an agent through the proxy (started if needed)
     bili doctor                                   check the CA, the port, the store and the agents
+    bili store info|migrate --to URL               a store's backend and size; copy it (SQLite <-> PostgreSQL)
     bili replay FLOWS.mitm|DIR ...                what the addon would have sent, per session and turn
     bili stats [--session ID] [--json] [--watch]  what the running proxy did: tokens, cache, folds, money
     bili page [--open]                            the URL of the proxy's page (a one-time sign-in code)
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from bili_addon import (BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, launch, mcp, replay,
-                        statscmd)
+                        statscmd, store_cli)
 from bili_addon.agents import AGENTS
 
 
@@ -89,6 +90,9 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "reverse:https://api.anthropic.com), upstream:URL, socks5, ...; repeatable")
     p.add_argument("--data-dir", metavar="DIR",
                    help="where the store lives (bili_data_dir; default: $XDG_DATA_HOME/bili-addon)")
+    p.add_argument("--store", metavar="URL",
+                   help="bili_store: postgresql://user@host/db to share one database between instances (a "
+                        "team gateway); default: $BILI_STORE, else SQLite in the data dir")
     p.add_argument("--confdir", metavar="DIR",
                    help="mitmproxy confdir holding the CA (default: the checkout's certs/, "
                         "else $XDG_DATA_HOME/bili-addon/certs)")
@@ -268,11 +272,14 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         sets, rest = launch.user_options(args.set, args.extra, reserved=True, flags={
-            "--bili-mode": args.bili_mode, "--first-party": args.first_party, "--data-dir": args.data_dir})
+            "--bili-mode": args.bili_mode, "--first-party": args.first_party, "--data-dir": args.data_dir,
+            "--store": args.store})
     except launch.OptionError as e:
         _err(str(e))
         return 2
     bili_mode = launch.option_value(sets, "bili_mode", args.bili_mode or "fold")
+    if args.store and all(name != "bili_store" for name, _v in sets):
+        sets.append(("bili_store", args.store))
     for m in modes:
         host, port = m.listen_host(args.listen_host), m.listen_port(args.listen_port)
         if port and port_in_use(host, port):
@@ -363,6 +370,13 @@ COMMANDS: dict[str, Command] = {
                     "store, mitmdump, and which agents are installed (with the custom base URLs their "
                     "configuration names). Changes nothing. Exit code 1 when a required check fails.",
         configure=launch.configure_doctor, run=launch.doctor,
+    ),
+    "store": Command(
+        help="a store's backend and size; copy a store into another (SQLite <-> PostgreSQL)",
+        description="info: the backend, schema version and conversations of a store. migrate --to URL|DIR: "
+                    "copy every row of the store (default: $BILI_STORE, else the data dir's SQLite) into an "
+                    "empty one and verify the copy; stop the proxies first.",
+        configure=store_cli.configure, run=store_cli.run,
     ),
     "replay": Command(
         help="run captured flows (mitmproxy files) through the addon offline",

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from bili_addon.store import StaleSession, StoreError
+from bili_addon.store import SessionBusy, StaleSession, StoreError
 
 if TYPE_CHECKING:
     from bili_addon.kernel.turn import Engine
@@ -43,10 +43,13 @@ class Keeper:
         self.error: StoreError | None = None  # why the store is not usable now (None: it is)
         self.since = 0.0
         self.retry_at = 0.0
-        self.counts = {"forwarded_unchanged": 0, "writes_dropped": 0, "stale_retries_exhausted": 0, "resumed": 0}
+        self.counts = {"forwarded_unchanged": 0, "writes_dropped": 0, "stale_retries_exhausted": 0, "resumed": 0,
+                       "session_busy": 0}
         self._writes_at_error = 0
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()  # serialises the inline path (tests, start-up) with the worker
+        self.latency_ms: float | None = None  # the store's last measured round trip (health shows it)
+        self._probing = False
 
     # -- state -----------------------------------------------------------------------------------
     @property
@@ -55,6 +58,9 @@ class Keeper:
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ok": self.ok, "data_dir": self.data_dir, **self.counts}
+        eng = self.engine
+        if eng is not None:
+            out.update(backend=eng.store.backend, where=eng.store.where, latency_ms=self.latency_ms)
         if self.error is not None:
             out.update(reason=str(self.error), cause=self.error.kind, hint=self.error.hint,
                        since=round(self.since, 3))
@@ -93,7 +99,7 @@ class Keeper:
         except StoreError as e:
             self._down(e)
             return
-        log.info("[bili] store at %s", self.engine.store.path)
+        log.info("[bili] store at %s (%s)", self.engine.store.where, self.engine.store.backend)
 
     def _make(self, data_dir: str) -> "Engine":
         try:
@@ -119,7 +125,15 @@ class Keeper:
                 self._count(count)
                 return None
             try:
-                out = fn(eng)
+                try:
+                    out = fn(eng)
+                finally:
+                    eng.store.release()  # the sessions this work held (another instance's turn may wait)
+            except SessionBusy as e:  # another instance works on the session: this request passes
+                self.counts["session_busy"] += 1
+                self._count(count)
+                log.warning("[bili] %s; %s", e, "forwarding unchanged" if count == TURN else "not recorded")
+                return None
             except StaleSession as e:  # another process kept changing the session: this one passes
                 self.counts["stale_retries_exhausted"] += 1
                 self._count(count)
@@ -158,6 +172,24 @@ class Keeper:
             self.run(fn, DROPPED)
         except Exception as e:  # nothing may escape a fire-and-forget job unseen
             log.exception("[bili] background store work failed: %s", e)
+
+    def probe(self) -> None:
+        """Measure the store's round trip on the worker, without waiting (health reads the figure)."""
+        if self._pool is None or self._probing or not self.ok:
+            return
+        self._probing = True
+
+        def ping() -> None:
+            try:
+                with self._lock:
+                    eng = self.engine
+                    if eng is not None and self.error is None:
+                        self.latency_ms = round(eng.store.ping() * 1000, 3)
+            except Exception as e:  # a failing store shows in the turns' path; health just has no figure
+                log.debug("[bili] store ping failed: %s", e)
+            finally:
+                self._probing = False
+        self._pool.submit(ping)
 
     # -- failure and recovery --------------------------------------------------------------------
     def _usable(self) -> "Engine | None":
@@ -198,7 +230,7 @@ class Keeper:
     def _up(self, eng: "Engine") -> None:
         """Work succeeded; once the store has taken a write again it is usable again."""
         if self.error is not None and eng.store.writes > self._writes_at_error:
-            log.warning("[bili] the store at %s is usable again (it was: %s); storing resumes", eng.store.path,
+            log.warning("[bili] the store at %s is usable again (it was: %s); storing resumes", eng.store.where,
                         self.error.kind)
             self.error = None
             self.counts["resumed"] += 1

@@ -29,7 +29,8 @@ from typing import Iterator, Mapping
 
 from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, private
 from bili_addon.agents import AGENTS, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex, intercept_plan
-from bili_addon.store import DB_NAME, default_data_dir
+from bili_addon.store import DB_NAME, SCHEMA_VERSION, StoreError, default_data_dir
+from bili_addon.stores import is_url, open_store, store_spec
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 5.0
@@ -82,7 +83,8 @@ RESERVED = {"listen_host": "--listen-host", "listen_port": "--listen-port", "mod
 RESERVED_ARGS = {"--listen-host": "--listen-host", "--listen-port": "--listen-port", "-p": "--listen-port",
                  "--mode": "--mode", "-m": "--mode"}
 # bili's flags and the addon option each one sets
-FLAG_OPTIONS = {"--bili-mode": "bili_mode", "--first-party": "bili_first_party", "--data-dir": "bili_data_dir"}
+FLAG_OPTIONS = {"--bili-mode": "bili_mode", "--first-party": "bili_first_party", "--data-dir": "bili_data_dir",
+                "--store": "bili_store"}
 
 
 class OptionError(ValueError):
@@ -852,6 +854,7 @@ def configure_doctor(p: argparse.ArgumentParser) -> None:
                    help=f"the port to check (default: $BILI_PORT, else {DEFAULT_PORT})")
     p.add_argument("--confdir", metavar="DIR", help="where the CA lives (default as for bili run)")
     p.add_argument("--data-dir", metavar="DIR", help="where the store lives (default: $XDG_DATA_HOME/bili-addon)")
+    p.add_argument("--store", metavar="URL", help="a shared PostgreSQL store to check (default: $BILI_STORE)")
     p.add_argument("--json", action="store_true", help="the checks as JSON")
 
 
@@ -887,6 +890,26 @@ def agent_version(binary: str) -> str:
     except (OSError, UnicodeDecodeError, IndexError):
         pass
     return "unknown version"
+
+
+def shared_store_check(spec: str, data_dir: str) -> Check:
+    """A PostgreSQL store: reachable, its schema version, its round trip and pool, its size."""
+    try:
+        s = open_store(spec, data_dir)
+    except StoreError as e:
+        return Check("store", False, f"{e}" + (f" ({e.hint})" if e.hint else ""))
+    try:
+        version, ms = s.schema_version(), s.ping() * 1000
+        n = len(s.sessions())
+        pool = s.pool_stats()
+    except StoreError as e:
+        return Check("store", False, str(e))
+    finally:
+        s.close()
+    ok = version == SCHEMA_VERSION
+    return Check("store", ok, f"{s.where} (postgresql): schema version {version}"
+                 f"{'' if ok else f' (this bili expects {SCHEMA_VERSION})'}, {n} conversation(s), round trip "
+                 f"{ms:.1f} ms, pool {pool['pool_size']}/{pool['pool_max']}")
 
 
 def doctor_checks(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> list[Check]:
@@ -930,7 +953,10 @@ def doctor_checks(args: argparse.Namespace, env: Mapping[str, str] | None = None
 
     data = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
     db = data / DB_NAME
-    if db.is_file():
+    shared = store_spec(getattr(args, "store", None) or "", env)
+    if is_url(shared):
+        checks.append(shared_store_check(shared, str(data)))
+    elif db.is_file():
         import sqlite3
 
         try:

@@ -22,7 +22,8 @@ from bili_addon.kernel.windows import is_overflow, learned_window
 from bili_addon.keeper import DROPPED, Keeper
 from bili_addon import meter
 from bili_addon.meter import Meter
-from bili_addon.store import Store, StoreError, default_data_dir
+from bili_addon.store import StoreError, default_data_dir
+from bili_addon.stores import describe, is_url, open_store, store_spec
 from bili_addon.stream import Decoder, ResponseRewriter
 from bili_addon.wire import LANES, Lane, detect_lane, hygiene, is_responses_websocket
 
@@ -106,6 +107,7 @@ class Bili:
         self.refuse_ws = True
         self.first_party = "fold"
         self.data_dir = ""
+        self.store_spec = ""  # bili_store: '' (SQLite in the data dir) or a postgresql:// URL
         self._flows: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDictionary()
         self.token: str | None = None  # the admin token (``/__bili/`` but health needs it)
         self.meter = Meter()  # the per-request figures and log line (used on the store's worker)
@@ -121,7 +123,11 @@ class Bili:
     def store_status(self) -> dict:
         """What health says about the store: usable or not, and why not."""
         st = self.keeper.status()
-        out: dict = {"store": st["ok"]}
+        out: dict = {"store": st["ok"], "store_backend": "postgresql" if is_url(self.store_spec) else "sqlite",
+                     "store_at": st.get("where") or describe(self.store_spec, self.data_dir)}
+        if st.get("latency_ms") is not None:
+            out["store_latency_ms"] = st["latency_ms"]
+        self.keeper.probe()  # the next health shows a fresh figure (health never waits on the store)
         if "reason" in st:
             out.update(store_error=st["reason"], store_cause=st["cause"], store_hint=st["hint"])
         return out
@@ -130,6 +136,11 @@ class Bili:
     def load(self, loader) -> None:
         mitmview.register()  # the "bili" content view in mitmproxy and mitmweb
         loader.add_option("bili_data_dir", str, "", "Where the store lives (default: the XDG data dir).")
+        loader.add_option(
+            "bili_store", str, "",
+            "The store: empty for SQLite in bili_data_dir (default; $BILI_STORE when set), or "
+            "postgresql://user@host/db for a team gateway (several instances sharing one database).",
+        )
         loader.add_option(
             "bili_mode", str, "fold",
             "fold: everything; observe: ledger and stats, body forwarded unchanged; "
@@ -187,8 +198,9 @@ class Bili:
             self.refuse_ws = ctx.options.bili_refuse_websocket
         if "bili_first_party" in updated:
             self.first_party = ctx.options.bili_first_party
-        if "bili_data_dir" in updated or not self.data_dir:
+        if "bili_data_dir" in updated or "bili_store" in updated or not self.data_dir:
             self.data_dir = ctx.options.bili_data_dir or str(default_data_dir())
+            self.store_spec = store_spec(ctx.options.bili_store)
             self.keeper.open(self.data_dir)
             self.load_token()
             self.meter.table = prices.load(self.data_dir)
@@ -198,8 +210,9 @@ class Bili:
             self._tune(self.engine)
 
     def _make_engine(self, data_dir: str) -> Engine:
-        """A fresh engine over the store at ``data_dir`` with the current options (raises StoreError)."""
-        store = Store(data_dir)
+        """A fresh engine over the store (``bili_store``, else SQLite in ``data_dir``) with the current
+        options (raises StoreError)."""
+        store = open_store(self.store_spec, data_dir)
         for path in store.tightened:
             log.warning("[bili] %s was readable by other users; now %s", path, "0700" if os.path.isdir(path) else "0600")
         return self._tune(Engine(store))

@@ -192,6 +192,16 @@ class StaleSession(StoreError):
         self.session_id = session_id
 
 
+class SessionBusy(StoreError):
+    """Another instance held the session's lock longer than the bounded wait: this request passes
+    through unchanged (said in the log), the next one tries again."""
+
+    def __init__(self, session_id: str, waited: float):
+        super().__init__(f"session {session_id!r} is busy in another instance (its lock was not free within "
+                         f"{waited:g}s)", "busy", "nothing to do: the session's next request tries again")
+        self.session_id = session_id
+
+
 _HINTS = {
     "disk full": "free some space on that disk; bili resumes storing by itself",
     "read-only": "the data dir must be writable (remount it read-write, fix its permissions or choose "
@@ -779,6 +789,43 @@ class Store:
                 [(session_id, keep + i, sig, json.dumps(refs), item) for i, (sig, refs, item) in enumerate(rows)],
             )
         return version
+
+    # -- operations: health, doctor, and copying a whole store (bili store migrate) ---------------
+    backend = "sqlite"
+
+    def hold(self, session_id: str) -> None:
+        """Serialise the session's work across processes until :meth:`release`.  Nothing to do for
+        SQLite: its write lock and the session versions already order two processes' turns."""
+
+    def release(self) -> None:
+        """Let go of every session :meth:`hold` took (the keeper calls it after each piece of work)."""
+
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
+    def schema_version(self) -> int:
+        row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        return int(row[0]) if row else 0
+
+    def ping(self) -> float:
+        """Seconds for one read of the store."""
+        t = time.perf_counter()
+        self.db.execute("SELECT 1").fetchone()
+        return time.perf_counter() - t
+
+    @_reads
+    def dump(self, table: str, cols: tuple[str, ...], key: tuple[str, ...]) -> list[tuple]:
+        rows = self.db.execute(f"SELECT {', '.join(cols)} FROM {table} ORDER BY {', '.join(key)}").fetchall()
+        return [tuple(bytes(v) if isinstance(v, memoryview) else v for v in r) for r in rows]
+
+    def load(self, table: str, cols: tuple[str, ...], rows: list[tuple]) -> None:
+        with self._tx():
+            self.db.executemany(f"INSERT INTO {table}({', '.join(cols)}) VALUES({', '.join('?' * len(cols))})", rows)
+
+    @_reads
+    def is_empty(self) -> bool:
+        return self.db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] == 0
 
     # -- lineage (#15, #20): kept apart from the rest; nothing above depends on it -------------------
     def lineage(self) -> list[tuple[str, str, str, int]]:

@@ -16,6 +16,12 @@ with an unchanged history only the new message should be.
     python scripts/bench_overhead.py            # the full run (~1 minute)
     python scripts/bench_overhead.py --quick    # smaller sizes, fewer repeats
     python scripts/bench_overhead.py --profile  # also cProfile the largest follow-up turn
+    python scripts/bench_overhead.py --postgresql auto  # also the rows of a PostgreSQL store (a
+                                                        # throw-away server; or a URL)
+
+PostgreSQL rows (``pg``) time the proxy's side: CPU time of the process as above, plus the wall
+time of the turn and the database round trips it made (statements sent; the server's own work is
+not in the CPU time, the wall time includes it on loopback).
 """
 
 from __future__ import annotations
@@ -43,9 +49,19 @@ from bili_addon.kernel import turn as turn_mod  # noqa: E402
 from bili_addon.kernel.fold import FoldConfig  # noqa: E402
 from bili_addon.kernel.turn import Engine  # noqa: E402
 from bili_addon.store import Store  # noqa: E402
+from bili_addon.stores import open_store  # noqa: E402
 from bili_addon.wire import LANES  # noqa: E402
 
 HEADERS = {"x-acp-session": "bench-overhead"}
+STORE_URL = ""  # a postgresql:// URL while the PostgreSQL rows run
+
+
+def bench_store(d: str):
+    """A store for one measurement: SQLite in ``d``, or the PostgreSQL database (every measurement
+    uses a session id of its own there, so each first turn meets an empty session)."""
+    global HEADERS
+    HEADERS = {"x-acp-session": f"bench-overhead-{time.time_ns()}"}
+    return open_store(STORE_URL, d) if STORE_URL else Store(d)
 TARGET_RATIO = 3.0
 
 # -- synthetic conversations ---------------------------------------------------------------------
@@ -225,7 +241,7 @@ def first_turn(case: Case, raw: bytes, reps: int) -> tuple[float, float, float, 
     samples, floors, out = [], [], b""
     for _ in range(reps):
         with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
-            eng = Engine(Store(d), fold_cfg=FoldConfig())
+            eng = Engine(bench_store(d), fold_cfg=FoldConfig())
             res = None
 
             def run():
@@ -244,17 +260,23 @@ def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, floa
     """Median ms of a follow-up turn, the median ratio to its own floor (measured right before it),
     digests computed per turn (max), new parts per turn, and a profile report when asked."""
     with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
-        eng = Engine(Store(d), fold_cfg=FoldConfig())
+        eng = Engine(bench_store(d), fold_cfg=FoldConfig())
         msgs = list(case.msgs)
         eng.process(case.body(msgs), case.lane, HEADERS, render=True)  # the history, processed before
         samples, floors, digests = [], [], []
+        global LAST_TRIPS, LAST_WALL
+        trips, walls = [], []
         for i in range(reps):
             msgs.append(case.new(i))
             raw = case.body(msgs)
             floors.append(cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw))))
+            before, w = getattr(eng.store, "round_trips", 0), time.perf_counter()
             with DigestCounter() as dc:
                 samples.append(cpu(lambda: eng.process(raw, case.lane, HEADERS, render=True)))
+            walls.append(time.perf_counter() - w)
+            trips.append(getattr(eng.store, "round_trips", 0) - before)
             digests.append(dc.n)
+        LAST_TRIPS, LAST_WALL = max(trips), median_ms(walls)
         prof = cProfile.Profile() if profile else None
         if prof is not None:  # separate, untimed follow-up turns under the profiler
             for i in range(reps, reps + 5):
@@ -277,6 +299,9 @@ def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, floa
     return median_ms(samples), ratio, max(digests), 1, report
 
 
+LAST_TRIPS, LAST_WALL = 0, 0.0  # of the last follow-up measurement: round trips (max), wall ms (median)
+
+
 def fmt_size(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.0f} KB"
 
@@ -285,8 +310,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
     ap.add_argument("--profile", action="store_true", help="cProfile the follow-up turn of the largest case")
+    ap.add_argument("--postgresql", metavar="URL|auto",
+                    help="also measure a PostgreSQL store (auto: start a throw-away server, as the tests do)")
     args = ap.parse_args()
+    server = None
+    backends = [("sqlite", "")]
+    if args.postgresql:
+        url = args.postgresql
+        if url == "auto":
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+            from pgserver import PgServer
 
+            server = PgServer().start()
+            url = server.fresh()
+        backends.append(("pg", url))
+    try:
+        run(args, backends)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def run(args, backends) -> None:
+    global STORE_URL
     if args.quick:
         plan = [("anthropic", 100, 5, 9), ("anthropic", 1000, 3, 7), ("chat", 1000, 3, 7)]
     else:
@@ -295,8 +341,8 @@ def main() -> None:
     print(f"bili-addon kernel overhead: Engine.process(render=True) vs msgspec decode+encode "
           f"(CPU time, median); python {sys.version.split()[0]}, msgspec {msgspec.__version__}")
     print()
-    head = (f"{'lane':<10}{'msgs':>7}{'body':>10}{'floor ms':>10}{'first ms':>10}{'x floor':>9}"
-            f"{'follow ms':>11}{'x floor':>9}{'hashed':>8}")
+    head = (f"{'store':<7}{'lane':<10}{'msgs':>7}{'body':>10}{'floor ms':>10}{'first ms':>10}{'x floor':>9}"
+            f"{'follow ms':>11}{'x floor':>9}{'hashed':>8}{'trips':>7}{'wall ms':>9}")
     print(head)
     print("-" * len(head))
     rows = []
@@ -304,25 +350,30 @@ def main() -> None:
     for lane, n, first_reps, follow_reps in plan:
         case = Case(lane, n)
         raw = case.body(case.msgs)
-        first, floor, r1, _ = first_turn(case, raw, first_reps)
-        profile = args.profile and (lane, n) == max(((lane_, n_) for lane_, n_, *_ in plan if lane_ == "anthropic"),
-                                                    key=lambda x: x[1])
-        fol, r2, hashed, new_parts, report = follow_up(case, follow_reps, profile=profile)
-        rows.append((lane, n, r1, r2, hashed, new_parts))
-        print(f"{lane:<10}{n:>7,}{fmt_size(len(raw)):>10}{floor:>10.2f}{first:>10.2f}{r1:>8.1f}x"
-              f"{fol:>11.2f}{r2:>8.1f}x{hashed:>8}", flush=True)
-        if report:
-            print("\n" + report)
+        for backend, url in backends:
+            STORE_URL = url
+            first, floor, r1, _ = first_turn(case, raw, first_reps)
+            profile = args.profile and backend == "sqlite" and (lane, n) == max(
+                ((lane_, n_) for lane_, n_, *_ in plan if lane_ == "anthropic"), key=lambda x: x[1])
+            fol, r2, hashed, new_parts, report = follow_up(case, follow_reps, profile=profile)
+            rows.append((backend, lane, n, r1, r2, hashed, new_parts))
+            trips = f"{LAST_TRIPS:>7}{LAST_WALL:>9.2f}" if url else f"{'':>7}{LAST_WALL:>9.2f}"
+            print(f"{backend:<7}{lane:<10}{n:>7,}{fmt_size(len(raw)):>10}{floor:>10.2f}{first:>10.2f}{r1:>8.1f}x"
+                  f"{fol:>11.2f}{r2:>8.1f}x{hashed:>8}{trips}", flush=True)
+            if report:
+                print("\n" + report)
+    STORE_URL = ""
     print()
     print("floor: msgspec.json.decode + msgspec.json.encode of the body; first: fresh Engine and store;")
     print("x floor: the median of the ratios of each run to the floor measured right before it;")
     print("follow: same Engine, one new message appended (its own floor, the body one message longer);")
-    print("hashed: message parts content-hashed (identity.digest) during one follow-up turn (max over runs).")
+    print("hashed: message parts content-hashed (identity.digest) during one follow-up turn (max over runs);")
+    print("trips: statements sent to PostgreSQL in one follow-up turn (max); wall ms: its wall time (median).")
     print()
     print("targets")
-    for lane, n, r1, r2, hashed, new_parts in rows:
+    for backend, lane, n, r1, r2, hashed, new_parts in rows:
         ok1, ok2, ok3 = r1 <= TARGET_RATIO, r2 <= TARGET_RATIO, hashed <= new_parts
-        print(f"  {lane:<10}{n:>7,} msgs: first turn <= {TARGET_RATIO:.0f}x floor: {'met' if ok1 else 'MISSED'} "
+        print(f"  {backend:<7}{lane:<10}{n:>7,} msgs: first turn <= {TARGET_RATIO:.0f}x floor: {'met' if ok1 else 'MISSED'} "
               f"({r1:.1f}x); follow-up <= {TARGET_RATIO:.0f}x floor: {'met' if ok2 else 'MISSED'} ({r2:.1f}x); "
               f"follow-up re-hashes no unchanged history: {'met' if ok3 else 'MISSED'} "
               f"({hashed} hashed for {new_parts} new part)")

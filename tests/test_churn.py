@@ -14,7 +14,6 @@ import pytest
 import churn as C
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
-from bili_addon.store import Store
 from bili_addon.wire import LANES
 
 SID = "churn"
@@ -23,8 +22,8 @@ SUMMARY = "Identity-proof fold summary covering the early turns: modules were re
 LANE_NAMES = ["anthropic", "chat", "responses", "gemini"]
 
 
-def make_engine(tmp_path, **kw) -> Engine:
-    return Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000), **kw)
+def make_engine(backend, **kw) -> Engine:
+    return Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000), **kw)
 
 
 def send(engine, lane, conv) -> bytes:
@@ -48,8 +47,8 @@ def fold_early_turns(engine, lane, ts, sc, first=1, last=5):
 
 
 @pytest.mark.parametrize("lane", LANE_NAMES)
-def test_churn_keeps_coverage_and_an_edit_re_enters(tmp_path, lane):
-    engine = make_engine(tmp_path)
+def test_churn_keeps_coverage_and_an_edit_re_enters(backend, lane):
+    engine = make_engine(backend)
     ts = C.turns(12)
     pair, unfolded = fold_early_turns(engine, lane, ts, C.Scheme())
     ts.append(C.Turn(12, "Turn 12: next question.", "Reply Turn 12.", tool=False))
@@ -73,8 +72,8 @@ def test_churn_keeps_coverage_and_an_edit_re_enters(tmp_path, lane):
 
 
 @pytest.mark.parametrize("lane", ["anthropic", "chat"])
-def test_control_without_the_layer_the_churn_re_bills(tmp_path, lane):
-    engine = make_engine(tmp_path, reconcile=False)
+def test_control_without_the_layer_the_churn_re_bills(backend, lane):
+    engine = make_engine(backend, reconcile=False)
     ts = C.turns(12)
     pair, _ = fold_early_turns(engine, lane, ts, C.Scheme())
     ts.append(C.Turn(12, "Turn 12: next question.", "Reply Turn 12.", tool=False))
@@ -84,8 +83,8 @@ def test_control_without_the_layer_the_churn_re_bills(tmp_path, lane):
     assert b"file-2-row-" in first
 
 
-def test_cross_wire_swap_keeps_coverage(tmp_path):
-    engine = make_engine(tmp_path)
+def test_cross_wire_swap_keeps_coverage(backend):
+    engine = make_engine(backend)
     ts = C.turns(12)
     pair, unfolded = fold_early_turns(engine, "anthropic", ts, C.Scheme())
     ts.append(C.Turn(12, "Turn 12: next question.", "Reply Turn 12.", tool=False))
@@ -100,8 +99,8 @@ def test_cross_wire_swap_keeps_coverage(tmp_path):
     assert b"file-6-row-" in first
 
 
-def test_model_switch_merging_reasoning_and_placeholdering_images(tmp_path):
-    engine = make_engine(tmp_path)
+def test_model_switch_merging_reasoning_and_placeholdering_images(backend):
+    engine = make_engine(backend)
     ts = C.turns(12, reasoning=True, images=True)
     pair, unfolded = fold_early_turns(engine, "chat", ts, C.Scheme())
     ts.append(C.Turn(12, "Turn 12: next question.", "Reply Turn 12.", tool=False))
@@ -116,8 +115,8 @@ def test_model_switch_merging_reasoning_and_placeholdering_images(tmp_path):
     assert len(first) < unfolded
 
 
-def test_a_systematic_re_stamp_is_never_claimed(tmp_path):
-    engine = make_engine(tmp_path)
+def test_a_systematic_re_stamp_is_never_claimed(backend):
+    engine = make_engine(backend)
     ts = C.turns(12)
     pair, _ = fold_early_turns(engine, "chat", ts, C.Scheme())
     ts.append(C.Turn(12, "Turn 12: next.", "Reply Turn 12.", tool=False))
@@ -130,8 +129,8 @@ def test_a_systematic_re_stamp_is_never_claimed(tmp_path):
     assert engine.sessions[SID].flags.get("drift", {}).get("claims", 0) == 0
 
 
-def test_benign_truncation_snoozes_the_block(tmp_path):
-    engine = make_engine(tmp_path)
+def test_benign_truncation_snoozes_the_block(backend):
+    engine = make_engine(backend)
     ts = C.turns(14)
     pair, _ = fold_early_turns(engine, "chat", ts, C.Scheme(), first=1, last=4)
     ts.append(C.Turn(14, "Turn 14: next.", "Reply Turn 14.", tool=False))
@@ -146,8 +145,8 @@ def test_benign_truncation_snoozes_the_block(tmp_path):
     assert b1.active  # nothing deleted
 
 
-def test_a_foreign_conversation_under_the_same_id_is_drift_and_gets_no_summary(tmp_path):
-    engine = make_engine(tmp_path)
+def test_a_foreign_conversation_under_the_same_id_is_drift_and_gets_no_summary(backend):
+    engine = make_engine(backend)
     ts = C.turns(12)
     pair, _ = fold_early_turns(engine, "chat", ts, C.Scheme())
     ts.append(C.Turn(12, "Turn 12: next.", "Reply Turn 12.", tool=False))
@@ -160,8 +159,8 @@ def test_a_foreign_conversation_under_the_same_id_is_drift_and_gets_no_summary(t
     assert b"[Compressed conversation section" not in (res.body or raw)
 
 
-def test_total_collapse_pauses_passes_through_and_recovers(tmp_path):
-    engine = make_engine(tmp_path)
+def test_total_collapse_pauses_passes_through_and_recovers(backend):
+    engine = make_engine(backend)
     ts = C.turns(12)
     pair, _ = fold_early_turns(engine, "chat", ts, C.Scheme())
     ts.append(C.Turn(12, "Turn 12: next.", "Reply Turn 12.", tool=False))
@@ -180,8 +179,8 @@ def test_total_collapse_pauses_passes_through_and_recovers(tmp_path):
     assert b"[Compressed conversation section b1" in res.body and b"file-2-row-" not in res.body
 
 
-def test_a_re_sent_copy_of_folded_text_is_a_new_instance(tmp_path):
-    engine = make_engine(tmp_path)
+def test_a_re_sent_copy_of_folded_text_is_a_new_instance(backend):
+    engine = make_engine(backend)
     ts = C.turns(12)
     pair, _ = fold_early_turns(engine, "chat", ts, C.Scheme())
     ts.append(C.Turn(12, "Turn 12: next.", "Reply Turn 12.", tool=False))
@@ -198,8 +197,8 @@ def test_a_re_sent_copy_of_folded_text_is_a_new_instance(tmp_path):
     assert b"file-2-row-" not in full
 
 
-def test_image_identity_is_per_payload(tmp_path):
-    engine = make_engine(tmp_path)
+def test_image_identity_is_per_payload(backend):
+    engine = make_engine(backend)
     ts = C.turns(4, images=True)
     a = json.loads(send(engine, "chat", C.BUILD["chat"](ts, C.Scheme())))
     ts_changed = C.turns(4, images=True)
@@ -214,8 +213,8 @@ def test_image_identity_is_per_payload(tmp_path):
 
 # -- the msgid envelope ------------------------------------------------------------------------
 
-def test_vouched_ids_win_over_content_churn_and_never_leave(tmp_path):
-    engine = make_engine(tmp_path)
+def test_vouched_ids_win_over_content_churn_and_never_leave(backend):
+    engine = make_engine(backend)
     ts = C.turns(6)
     conv = C.BUILD["chat"](ts, C.Scheme())
     ids = [f"host-{i}" for i in range(len(conv))]
@@ -232,8 +231,8 @@ def test_vouched_ids_win_over_content_churn_and_never_leave(tmp_path):
     assert res.refs_new == 0
 
 
-def test_a_live_id_re_used_for_another_message_is_refused_unless_resync(tmp_path):
-    engine = make_engine(tmp_path)
+def test_a_live_id_re_used_for_another_message_is_refused_unless_resync(backend):
+    engine = make_engine(backend)
     conv = C.BUILD["chat"](C.turns(2), C.Scheme())
     ids = [f"host-{i}" for i in range(len(conv))]
     raw = json.loads(C.body("chat", conv))
@@ -250,8 +249,8 @@ def test_a_live_id_re_used_for_another_message_is_refused_unless_resync(tmp_path
 
 
 @pytest.mark.parametrize("bad", [["a", "b"], "not-a-list", None])
-def test_an_unusable_set_is_dropped_whole(tmp_path, bad):
-    engine = make_engine(tmp_path)
+def test_an_unusable_set_is_dropped_whole(backend, bad):
+    engine = make_engine(backend)
     conv = C.BUILD["chat"](C.turns(2), C.Scheme())
     raw = json.loads(C.body("chat", conv))
     raw["biliMsgIds"] = bad if bad is not None else ["dup"] * len(conv)
@@ -304,15 +303,15 @@ def run_session(engine, lane, churn_at=None):
 
 
 @pytest.mark.parametrize("lane", ["anthropic", "chat"])
-def test_snapshot_render_is_byte_identical_on_an_undisturbed_session(tmp_path, lane):
-    normal = run_session(make_engine(tmp_path / "n"), lane)
-    snap = run_session(make_engine(tmp_path / "s", snapshot=True), lane)
+def test_snapshot_render_is_byte_identical_on_an_undisturbed_session(backend, lane):
+    normal = run_session(make_engine(lambda: backend("n")), lane)
+    snap = run_session(make_engine(lambda: backend("s"), snapshot=True), lane)
     assert normal == snap
     assert b"[Compressed conversation section b1" in snap[-1]
 
 
-def test_snapshot_render_keeps_the_fold_through_churn_from_its_own_transcript(tmp_path):
-    bodies = run_session(make_engine(tmp_path, snapshot=True, reconcile=False), "chat", churn_at=14)
+def test_snapshot_render_keeps_the_fold_through_churn_from_its_own_transcript(backend):
+    bodies = run_session(make_engine(backend, snapshot=True, reconcile=False), "chat", churn_at=14)
     first_churned = bodies[3]
     assert b"[Compressed conversation section b1" in first_churned
     assert b"file-2-row-" not in first_churned
@@ -320,8 +319,8 @@ def test_snapshot_render_keeps_the_fold_through_churn_from_its_own_transcript(tm
     assert b'"alt_0"' not in first_churned.split(b"[Compressed")[0]
 
 
-def test_snapshot_render_falls_back_when_nothing_links(tmp_path):
-    a, b = make_engine(tmp_path / "a"), make_engine(tmp_path / "b", snapshot=True)
+def test_snapshot_render_falls_back_when_nothing_links(backend):
+    a, b = make_engine(lambda: backend("a")), make_engine(lambda: backend("b"), snapshot=True)
     for e in (a, b):
         run_session(e, "chat")
     other = [C.Turn(t, f"Entirely new {t}. {C.FILLER}", f"New {t}.", tool=False) for t in range(11)]

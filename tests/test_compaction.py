@@ -27,8 +27,8 @@ REMINDER = re.compile(r"^  ([mb]\d+)–([mb]\d+)  (\d+) (messages|summaries)", r
 SECTION = b"[Compressed conversation section "
 
 
-def make_engine(tmp_path) -> Engine:
-    return Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+def make_engine(backend) -> Engine:
+    return Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
 
 
 class Agent:
@@ -93,8 +93,8 @@ def grow_until_folded(agent: Agent, build, start: int, turns: int = 90):
     return reminded, before, None
 
 
-def test_claude_code_compaction_starts_an_epoch_and_folding_goes_on(tmp_path):
-    engine = make_engine(tmp_path)
+def test_claude_code_compaction_starts_an_epoch_and_folding_goes_on(backend):
+    engine = make_engine(backend)
     agent = Agent(engine, "anthropic")
     ts = C.turns(14)
     pair, refs = fold_early(agent, ts, C.anthropic)
@@ -131,10 +131,10 @@ def test_claude_code_compaction_starts_an_epoch_and_folding_goes_on(tmp_path):
     assert len(engine.sessions[SID].flags["epochs"]) == 1  # the same epoch all along
 
 
-def test_without_recognition_the_same_compaction_pauses_folding_for_good(tmp_path, monkeypatch):
+def test_without_recognition_the_same_compaction_pauses_folding_for_good(backend, monkeypatch):
     """The control: with no shapes recognised, the compacted history is a total collapse."""
     monkeypatch.setattr(compaction, "SHAPES", ())
-    engine = make_engine(tmp_path)
+    engine = make_engine(backend)
     agent = Agent(engine, "anthropic")
     ts = C.turns(14)
     pair, _ = fold_early(agent, ts, C.anthropic)
@@ -147,8 +147,8 @@ def test_without_recognition_the_same_compaction_pauses_folding_for_good(tmp_pat
     assert out is None or SECTION + b"b2" not in out
 
 
-def test_codex_compaction_keeps_the_refs_of_the_surviving_user_messages(tmp_path):
-    engine = make_engine(tmp_path)
+def test_codex_compaction_keeps_the_refs_of_the_surviving_user_messages(backend):
+    engine = make_engine(backend)
     agent = Agent(engine, "responses")
     ts = C.turns(14)
     pair, refs = fold_early(agent, ts, C.responses)
@@ -171,8 +171,8 @@ def test_codex_compaction_keeps_the_refs_of_the_surviving_user_messages(tmp_path
     assert res.epoch == 0 and res.drift == ""
 
 
-def test_codex_remote_compaction_item(tmp_path):
-    engine = make_engine(tmp_path)
+def test_codex_remote_compaction_item(backend):
+    engine = make_engine(backend)
     agent = Agent(engine, "responses")
     ts = C.turns(14)
     pair, _ = fold_early(agent, ts, C.responses)
@@ -184,10 +184,10 @@ def test_codex_remote_compaction_item(tmp_path):
 
 
 @pytest.mark.parametrize("shape", ["pi", "hermes", "opencode"])
-def test_other_agents_shapes(tmp_path, shape):
+def test_other_agents_shapes(backend, shape):
     lane = "anthropic" if shape == "opencode" else "chat"
     build = C.anthropic if lane == "anthropic" else C.chat
-    engine = make_engine(tmp_path)
+    engine = make_engine(backend)
     agent = Agent(engine, lane)
     ts = C.turns(16)
     pair, _ = fold_early(agent, ts, build)
@@ -202,8 +202,8 @@ def test_other_agents_shapes(tmp_path, shape):
     assert engine.sessions[SID].flags["epochs"][0]["agent"] == shape
 
 
-def test_a_second_compaction_is_a_third_epoch(tmp_path):
-    engine = make_engine(tmp_path)
+def test_a_second_compaction_is_a_third_epoch(backend):
+    engine = make_engine(backend)
     agent = Agent(engine, "anthropic")
     ts = C.turns(14)
     fold_early(agent, ts, C.anthropic)
@@ -219,8 +219,8 @@ def test_a_second_compaction_is_a_third_epoch(tmp_path):
     assert "file-2-row-" in text
 
 
-def test_a_quoted_marker_later_in_the_history_is_not_a_compaction(tmp_path):
-    engine = make_engine(tmp_path)
+def test_a_quoted_marker_later_in_the_history_is_not_a_compaction(backend):
+    engine = make_engine(backend)
     agent = Agent(engine, "anthropic")
     ts = C.turns(14)
     pair, _ = fold_early(agent, ts, C.anthropic)
@@ -229,8 +229,8 @@ def test_a_quoted_marker_later_in_the_history_is_not_a_compaction(tmp_path):
     assert res.epoch == 0 and SECTION + b"b1" in out
 
 
-def test_a_marker_at_the_head_with_the_old_history_still_there_is_not_a_compaction(tmp_path):
-    engine = make_engine(tmp_path)
+def test_a_marker_at_the_head_with_the_old_history_still_there_is_not_a_compaction(backend):
+    engine = make_engine(backend)
     agent = Agent(engine, "anthropic")
     ts = C.turns(14)
     pair, _ = fold_early(agent, ts, C.anthropic)
@@ -242,8 +242,8 @@ def test_a_marker_at_the_head_with_the_old_history_still_there_is_not_a_compacti
     assert res.epoch == 0 and SECTION + b"b1" in out
 
 
-def test_a_foreign_history_after_an_epoch_still_pauses(tmp_path):
-    engine = make_engine(tmp_path)
+def test_a_foreign_history_after_an_epoch_still_pauses(backend):
+    engine = make_engine(backend)
     agent = Agent(engine, "anthropic")
     ts = C.turns(14)
     fold_early(agent, ts, C.anthropic)
@@ -257,8 +257,8 @@ def test_a_foreign_history_after_an_epoch_still_pauses(tmp_path):
     assert not re.search(rb"\[Compressed conversation section b\d", out)
 
 
-def test_a_truncated_oldest_slice_in_the_new_epoch_still_snoozes(tmp_path):
-    engine = make_engine(tmp_path)
+def test_a_truncated_oldest_slice_in_the_new_epoch_still_snoozes(backend):
+    engine = make_engine(backend)
     agent = Agent(engine, "anthropic")
     ts = C.turns(14)
     fold_early(agent, ts, C.anthropic)
@@ -290,9 +290,9 @@ def claude_body(messages: list[dict]) -> bytes:
                        "messages": messages}).encode()
 
 
-def test_real_claude_code_auto_compactions(tmp_path):
+def test_real_claude_code_auto_compactions(backend):
     """Requests captured from Claude Code 2.1.197's own auto-compactions (two of them)."""
-    engine = make_engine(tmp_path)
+    engine = make_engine(backend)
     lane = LANES["anthropic"]
     hc = {"x-claude-code-session-id": "cc-real", "user-agent": "claude-cli/2.1.197 (external, sdk-cli)"}
     before, after1, after1b, before2, after2, after2b = (r["messages"] for r in CAPTURE["requests"])
@@ -351,10 +351,10 @@ def codex_body(items: list[dict], tools: bool = True) -> bytes:
                        if tools else []}).encode()
 
 
-def test_real_codex_auto_compactions(tmp_path):
+def test_real_codex_auto_compactions(backend):
     """Requests captured from codex 0.171.0's own (local) auto-compactions: its old user messages
     survive, and keep their refs."""
-    engine = make_engine(tmp_path)
+    engine = make_engine(backend)
     lane = LANES["responses"]
     hc = {"session_id": "cx-real", "originator": "codex_exec"}
     before, after1, after1b, before2, after2, after2b = (r["input"] for r in CODEX_CAPTURE["requests"])
@@ -397,8 +397,8 @@ def test_real_codex_auto_compactions(tmp_path):
     assert "(inside b1)" in text
 
 
-def test_the_summary_alone_may_be_folded_but_not_with_the_agents_context(tmp_path):
-    engine = make_engine(tmp_path)
+def test_the_summary_alone_may_be_folded_but_not_with_the_agents_context(backend):
+    engine = make_engine(backend)
     agent = Agent(engine, "anthropic")
     ts = C.turns(14)
     fold_early(agent, ts, C.anthropic)
@@ -423,10 +423,10 @@ PI_CAPTURE = json.loads((Path(__file__).parent / "captures"
                          / "pi-0.73.1-overflow-compact.json").read_text())
 
 
-def test_real_pi_compaction_keeps_the_refs_of_the_kept_suffix(tmp_path):
+def test_real_pi_compaction_keeps_the_refs_of_the_kept_suffix(backend):
     """pi 0.73.1 compacted on an overflow: the summary heads the history, the newest messages are
     kept after it, with their refs.  (pi sends no conversation id on this lane: see the next test.)"""
-    engine = make_engine(tmp_path)
+    engine = make_engine(backend)
     lane = LANES["anthropic"]
     hp = {"x-acp-session": "pi-real"}
     before, after, after_b = (r["messages"] for r in PI_CAPTURE["requests"])
@@ -462,8 +462,8 @@ def test_real_pi_compaction_keeps_the_refs_of_the_kept_suffix(tmp_path):
     assert res.epoch == 0 and res.drift == ""
 
 
-def test_real_pi_without_a_conversation_id_starts_a_new_session(tmp_path):
-    engine = make_engine(tmp_path)
+def test_real_pi_without_a_conversation_id_starts_a_new_session(backend):
+    engine = make_engine(backend)
     lane = LANES["anthropic"]
     before, after, _ = (r["messages"] for r in PI_CAPTURE["requests"])
     first = engine.process(claude_body(before), lane, {}, render=True)
@@ -473,12 +473,12 @@ def test_real_pi_without_a_conversation_id_starts_a_new_session(tmp_path):
 
 
 def test_no_reminder_goes_into_the_agents_own_summary_request(tmp_path):
-    engine = make_engine(tmp_path)
+    engine = make_engine(lambda: Store(tmp_path))
     agent = Agent(engine, "anthropic")
     ts = C.turns(60)
     _, out = agent.send(C.anthropic(ts, C.Scheme()))
     assert reminder_ranges(out), "the control: this history gets a reminder"
-    engine2 = make_engine(tmp_path / "other")
+    engine2 = make_engine(lambda: Store(tmp_path / "other"))
     agent2 = Agent(engine2, "anthropic")
     ask = {"role": "user", "content": [{"type": "text", "text": "Turn 60: go on."}, CAPTURE["compaction_prompt"]]}
     _, out = agent.send(C.anthropic(ts, C.Scheme()) + [{**ask, "content": ask["content"][:1]}])

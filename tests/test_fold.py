@@ -9,7 +9,6 @@ import pytest
 
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
-from bili_addon.store import Store
 from bili_addon.stream import ResponseRewriter
 from bili_addon.wire import LANES
 
@@ -88,8 +87,8 @@ def agent_answers_unknown(msgs: list[dict], tool: str, args: dict, call_id: str)
 
 
 @pytest.fixture
-def engine(tmp_path):
-    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+def engine(backend):
+    e = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
     yield e
     e.store.close()
 
@@ -146,8 +145,8 @@ def test_compress_folds_the_range_on_the_next_request(engine):
     assert again.executed == [] and again.body == res.body
 
 
-def test_fold_prefix_is_byte_stable_and_survives_a_restart(tmp_path):
-    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+def test_fold_prefix_is_byte_stable_and_survives_a_restart(backend):
+    e = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
     msgs = conversation(8)
     refs = refs_in(json.loads(e.process(body(msgs), ANTH, H, render=True).body))
     start = next(r for r, t in refs.items() if t.startswith("Step 0:"))
@@ -163,7 +162,7 @@ def test_fold_prefix_is_byte_stable_and_survives_a_restart(tmp_path):
     head = n1[: n1.rindex(b"]}")]
     assert n2.startswith(head)
     e.store.close()
-    e2 = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    e2 = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
     assert e2.process(body(later), ANTH, H, render=True).body == n2
 
 

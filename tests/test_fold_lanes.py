@@ -11,7 +11,6 @@ from churn import strings
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.turn import Engine
-from bili_addon.store import Store
 from bili_addon.stream import ResponseRewriter
 from bili_addon.wire import LANES
 
@@ -135,8 +134,8 @@ class Gemini:
 
 
 @pytest.fixture
-def engine(tmp_path):
-    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+def engine(backend):
+    e = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
     yield e
     e.store.close()
 

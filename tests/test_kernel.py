@@ -9,7 +9,7 @@ import pytest
 from bili_addon.kernel import tags
 from bili_addon.kernel.identity import InstanceCounter, count_tokens, digest
 from bili_addon.kernel.turn import Engine
-from bili_addon.store import Store, StoreError
+from bili_addon.store import StoreError
 from bili_addon.wire import LANES
 from bili_addon.wire.base import Core
 
@@ -30,8 +30,8 @@ def assistant(text):
 
 
 @pytest.fixture
-def engine(tmp_path):
-    e = Engine(Store(tmp_path))
+def engine(backend):
+    e = Engine(backend())
     yield e
     e.store.close()
 
@@ -200,11 +200,11 @@ def test_observe_records_but_does_not_rewrite(engine):
     assert engine.store.ref_count("test-session") == 1
 
 
-def test_refs_survive_a_restart(tmp_path):
-    e1 = Engine(Store(tmp_path))
+def test_refs_survive_a_restart(backend):
+    e1 = Engine(backend())
     e1.process(body(user("persist me"), assistant("ok"), user("next")), ANTH, SID, render=True)
     e1.store.close()
-    e2 = Engine(Store(tmp_path))
+    e2 = Engine(backend())
     raw = body(user("persist me"), assistant("ok"), user("next"), assistant("done"), user("more"))
     res = e2.process(raw, ANTH, SID, render=True)
     m = sent(res, raw)["messages"]
@@ -212,8 +212,8 @@ def test_refs_survive_a_restart(tmp_path):
     assert (res.refs_new, res.refs_known) == (2, 3)
 
 
-def test_a_failed_store_write_shows_no_ref_and_loses_nothing(tmp_path, monkeypatch):
-    e = Engine(Store(tmp_path))
+def test_a_failed_store_write_shows_no_ref_and_loses_nothing(backend, monkeypatch):
+    e = Engine(backend())
     e.process(body(user("kept")), ANTH, SID, render=True)
 
     def boom(*a, **k):
@@ -236,8 +236,8 @@ def test_sessions_are_separate_ledgers(engine):
     assert "m00001" in a["messages"][0]["content"] and "m00001" in b["messages"][0]["content"]
 
 
-def test_anonymous_conversations_split_by_history_and_reattach(tmp_path):
-    e = Engine(Store(tmp_path))
+def test_anonymous_conversations_split_by_history_and_reattach(backend):
+    e = Engine(backend())
     pre = {"system": "shared preamble"}
     a1 = e.process(body(user("conversation A starts here"), **pre), ANTH, {}, render=True)
     b1 = e.process(body(user("conversation B starts here"), **pre), ANTH, {}, render=True)
@@ -247,7 +247,7 @@ def test_anonymous_conversations_split_by_history_and_reattach(tmp_path):
     )
     assert a2.session == a1.session
     e.store.close()
-    e2 = Engine(Store(tmp_path))
+    e2 = Engine(backend())
     a3 = e2.process(
         body(user("conversation A starts here"), assistant("ok"), user("go on"), assistant("k"), user("x"), **pre),
         ANTH, {}, render=True,

@@ -10,7 +10,6 @@ from test_fold import TAG, agent_answers_unknown, body, conversation, refs_in, r
 
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
-from bili_addon.store import Store
 from bili_addon.wire import LANES
 
 ANTH = LANES["anthropic"]
@@ -20,8 +19,8 @@ SUMMARY = "Read modules 1 to 4: nothing unusual; mod3.py defines load_config()."
 
 
 @pytest.fixture
-def engine(tmp_path):
-    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+def engine(backend):
+    e = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
     yield e
     e.store.close()
 
@@ -236,16 +235,16 @@ def test_a_block_is_inherited_only_where_all_it_covers_is_verified(engine):
     assert has_block(out, "b1")
 
 
-def test_a_fork_survives_a_restart(tmp_path):
-    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+def test_a_fork_survives_a_restart(backend):
+    e = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
     msgs, last = folded_parent(e)
     e.store.close()
-    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    e = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
     fork = more(msgs, "continue in the fork")
     first = e.process(body(fork), ANTH, F, render=True).body
     assert has_block(json.loads(first), "b1")
     e.store.close()
-    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    e = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
     assert e.process(body(fork), ANTH, F, render=True).body == first
     assert e.lineage.family_of("fork")["parent"] == "parent"
     e.store.close()
@@ -270,7 +269,7 @@ def tags(payload: dict) -> dict[str, str]:
     return out
 
 
-def test_an_idless_rewind_keeps_its_session_and_refs(engine):
+def test_an_idless_rewind_keeps_its_session_and_refs(engine, backend):
     seen = []
     for n in (1, 3, 5):
         res = engine.process(body(chat(n)), ANTH, {}, render=True)
@@ -293,7 +292,7 @@ def test_an_idless_rewind_keeps_its_session_and_refs(engine):
     assert all(got[t] == r for t, r in refs.items())
     # after a restart, too
     engine.store.close()
-    e2 = Engine(Store(engine.store.path.parent))
+    e2 = Engine(backend())
     assert e2.process(body(rewind[:4]), ANTH, {}, render=True).session == sid
 
 
@@ -304,11 +303,11 @@ def test_idless_conversations_sharing_only_their_opening_stay_apart(engine):
     assert b1 == b != a
 
 
-def test_two_proxies_on_one_store_share_the_family_counter(tmp_path):
+def test_two_proxies_on_one_store_share_the_family_counter(backend):
     """A fork made by another proxy on the same store: this one's parent still never gives a ref
     the fork gave."""
-    one = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
-    two = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    one = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
+    two = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
     msgs, last = folded_parent(one)
     fork = send(two, more(msgs, "continue in the fork"), F)
     assert two.lineage.family_of("fork")["parent"] == "parent"

@@ -9,7 +9,6 @@ import pytest
 import wirecases as wc
 from bili_addon.kernel.sessions import PrefixAffinity, chain, session_from_request
 from bili_addon.kernel.turn import Engine
-from bili_addon.store import Store
 
 # run -> lane -> (how the id is found, conversations in the run on that lane)
 EXPECTED = {
@@ -58,8 +57,8 @@ def test_every_captured_run_is_in_the_table():
 
 
 @pytest.mark.parametrize("run", sorted(EXPECTED))
-def test_sessions_of_a_captured_run(run, tmp_path):
-    engine = Engine(Store(tmp_path), inject=False)
+def test_sessions_of_a_captured_run(run, backend):
+    engine = Engine(backend(), inject=False)
     seen = collections.defaultdict(lambda: collections.defaultdict(int))
     for cap in RUNS[run]:
         res = engine.process(cap.raw, cap.lane, cap.headers, render=True)

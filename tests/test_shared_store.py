@@ -1,4 +1,4 @@
-"""Two processes on one store (two Engines, two connections to one SQLite file): refs are given in
+"""Two processes on one store (two Engines, two connections to one SQLite file or PostgreSQL database): refs are given in
 the store, a cached session another process advanced is reloaded, no ref ever names two texts."""
 
 from __future__ import annotations
@@ -34,15 +34,15 @@ def wire_refs(raw: bytes) -> dict[str, str]:
     return out
 
 
-def assert_one_text_per_ref(path) -> None:
-    db = sqlite3.connect(path / DB_NAME)
-    rows = db.execute("SELECT session_id, ref, COUNT(DISTINCT content_hash) FROM ledger GROUP BY 1, 2").fetchall()
-    db.close()
-    assert rows and all(n == 1 for _s, _r, n in rows), [r for r in rows if r[2] != 1]
+def assert_one_text_per_ref(store, sid: str = "shared") -> None:
+    texts: dict[str, set[str]] = {}
+    for r in store.ledger(sid):
+        texts.setdefault(r.ref, set()).add(r.content_hash)
+    assert texts and all(len(h) == 1 for h in texts.values()), {r: h for r, h in texts.items() if len(h) != 1}
 
 
-def test_two_engines_alternating_on_one_session_never_share_a_ref(tmp_path):
-    a, b = Engine(Store(tmp_path)), Engine(Store(tmp_path))
+def test_two_engines_alternating_on_one_session_never_share_a_ref(backend):
+    a, b = Engine(backend()), Engine(backend())
     history: list = []
     seen: dict[str, str] = {}
     for turn in range(12):
@@ -55,11 +55,11 @@ def test_two_engines_alternating_on_one_session_never_share_a_ref(tmp_path):
             assert seen.setdefault(ref, text) == text, f"turn {turn}: {ref} names {seen[ref]!r} and {text!r}"
         history.append({"role": "assistant", "content": [{"type": "text", "text": f"answer number {turn}"}]})
     assert len(seen) == 23 and sorted(seen) == [f"m{n:05d}" for n in range(1, 24)]
-    assert_one_text_per_ref(tmp_path)
+    assert_one_text_per_ref(backend())
 
 
-def test_a_write_over_a_session_another_process_advanced_is_refused_and_the_turn_recomputed(tmp_path, monkeypatch):
-    a, b = Engine(Store(tmp_path)), Engine(Store(tmp_path))
+def test_a_write_over_a_session_another_process_advanced_is_refused_and_the_turn_recomputed(backend, monkeypatch):
+    a, b = Engine(backend()), Engine(backend())
     h1 = [{"role": "user", "content": "first"}]
     a.process(body(h1), ANTH, SID, render=True)
     # B moves the session on: m00002, m00003
@@ -81,11 +81,11 @@ def test_a_write_over_a_session_another_process_advanced_is_refused_and_the_turn
     # the store refused A's first computation (it would have given m00002 again); the turn was
     # computed again from the store's state
     assert refs == {"m00001": "first", "m00004": "other", "m00005": "c"}
-    assert_one_text_per_ref(tmp_path)
+    assert_one_text_per_ref(backend())
 
 
-def test_the_store_refuses_a_ref_given_twice(tmp_path):
-    s = Store(tmp_path)
+def test_the_store_refuses_a_ref_given_twice(backend):
+    s = backend()
     from bili_addon.store import LedgerRow, SessionRow
 
     row = SessionRow("x", "", "", 0.0, 0.0, 1, 1, 2)
@@ -123,8 +123,8 @@ def test_an_old_store_with_a_ref_given_twice_is_repaired_on_open(tmp_path):
     assert row.version == 1  # a process that cached the session reloads it
 
 
-def test_an_anonymous_conversation_another_process_continued_is_found_in_the_store(tmp_path):
-    a, b = Engine(Store(tmp_path)), Engine(Store(tmp_path))
+def test_an_anonymous_conversation_another_process_continued_is_found_in_the_store(backend):
+    a, b = Engine(backend()), Engine(backend())
     h = [{"role": "user", "content": "an anonymous conversation starts here"}]
     first = a.process(body(h), ANTH, {}, render=True)
     h += [{"role": "assistant", "content": [{"type": "text", "text": "ok"}]}, {"role": "user", "content": "more"}]

@@ -53,6 +53,8 @@ class Sessions(Mapping[str, Session]):
     def load(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False) -> Session:
         """The session's state, loaded from the store once and cached.  ``fresh``: first check that
         no other process has changed it since (one indexed read); if one has, reload it."""
+        if fresh:
+            self.store.hold(sid)  # one instance at a time works on a session (a no-op for SQLite)
         s = seen = self._cache.get(sid)
         if s is not None:
             if fresh and self.store.version(sid) != s.stored:

@@ -116,6 +116,7 @@ class Engine(ProxyTools, Epochs):
                     raise
             raise AssertionError("unreachable")
         finally:
+            self.store.release()  # the session's lock (another instance's turn of it may wait)
             if enabled:
                 gc.enable()
 

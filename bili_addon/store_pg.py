@@ -1,0 +1,718 @@
+"""The shared store: PostgreSQL, for a team gateway (several bili instances, one database).
+
+The same tables and the same two rules as the embedded SQLite store (:mod:`bili_addon.store`):
+a ref is allocated in the transaction that records it (``refs``: primary key ``(session, ref)``),
+and every write to a session's state checks and advances the session's ``version`` (an
+``UPDATE ... WHERE version = expected``: under READ COMMITTED a second instance writing the same
+session waits for the first one's row lock, then finds the version moved and gets
+:class:`StaleSession`, so the engine reloads the session and computes the turn again).
+
+psycopg 3 with its connection pool (the optional extra ``bili-addon[postgres]``); imported only
+when a ``postgresql://`` store is chosen.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from bili_addon.store import (
+    DB_NAME, SCHEMA_VERSION, LedgerRow, SessionBusy, SessionRow, StaleSession, StoreError, UsageTotals,
+)
+
+try:
+    import psycopg
+    from psycopg import errors as pg_errors
+    from psycopg_pool import ConnectionPool, PoolTimeout
+except ImportError as e:  # pragma: no cover - the extra is not installed
+    psycopg = None
+    _IMPORT_ERROR: ImportError | None = e
+else:
+    _IMPORT_ERROR = None
+
+POOL_MAX = 4
+CONNECT_TIMEOUT = 5.0  # seconds to get a connection before the store counts as unreachable
+LOCK_WAIT = 2.0  # seconds a turn waits for its session's lock held by another instance, then passes through
+_LOCK_KEY = 0x6B696C69  # the advisory lock that serialises schema creation and migrations
+
+# one versioned schema: each version's statements, applied in order by whichever instance comes
+# first (under an advisory lock); ``meta.schema_version`` says how far a database is.  The column
+# types are SQLite's, spelled for PostgreSQL (REAL -> double precision, BLOB -> bytea).
+_MIGRATIONS: dict[int, list[str]] = {
+    2: [
+        "CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        """CREATE TABLE IF NOT EXISTS sessions(
+            id TEXT PRIMARY KEY,
+            agent TEXT NOT NULL DEFAULT '',
+            lane TEXT NOT NULL DEFAULT '',
+            created DOUBLE PRECISION NOT NULL,
+            last_seen DOUBLE PRECISION NOT NULL,
+            requests BIGINT NOT NULL DEFAULT 0,
+            messages BIGINT NOT NULL DEFAULT 0,
+            next_ref BIGINT NOT NULL DEFAULT 1,
+            flags TEXT NOT NULL DEFAULT '{}',
+            input_tokens BIGINT NOT NULL DEFAULT 0,
+            cache_read BIGINT NOT NULL DEFAULT 0,
+            cache_write BIGINT NOT NULL DEFAULT 0,
+            output_tokens BIGINT NOT NULL DEFAULT 0,
+            turns BIGINT NOT NULL DEFAULT 0,
+            version BIGINT NOT NULL DEFAULT 0)""",
+        """CREATE TABLE IF NOT EXISTS ledger(
+            session_id TEXT NOT NULL,
+            msg_id TEXT NOT NULL,
+            content_hash TEXT NOT NULL,
+            ref TEXT NOT NULL,
+            role TEXT NOT NULL,
+            ctype TEXT NOT NULL,
+            tokens BIGINT NOT NULL,
+            first_seen DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY(session_id, msg_id, content_hash))""",
+        """CREATE TABLE IF NOT EXISTS refs(
+            session_id TEXT NOT NULL,
+            ref TEXT NOT NULL,
+            content_hash TEXT NOT NULL,
+            PRIMARY KEY(session_id, ref))""",
+        """CREATE TABLE IF NOT EXISTS affinity(
+            session_id TEXT PRIMARY KEY,
+            depth BIGINT NOT NULL,
+            tail TEXT NOT NULL,
+            last_seen DOUBLE PRECISION NOT NULL)""",
+        "CREATE INDEX IF NOT EXISTS affinity_tail ON affinity(tail)",
+        """CREATE TABLE IF NOT EXISTS turns(
+            session_id TEXT NOT NULL,
+            n BIGINT NOT NULL,
+            ts DOUBLE PRECISION NOT NULL,
+            lane TEXT NOT NULL,
+            input_tokens BIGINT NOT NULL,
+            cache_read BIGINT NOT NULL,
+            cache_write BIGINT NOT NULL,
+            output_tokens BIGINT NOT NULL,
+            PRIMARY KEY(session_id, n))""",
+        """CREATE TABLE IF NOT EXISTS blocks(
+            session_id TEXT NOT NULL,
+            block_id TEXT NOT NULL,
+            body TEXT NOT NULL,
+            active BIGINT NOT NULL,
+            PRIMARY KEY(session_id, block_id))""",
+        """CREATE TABLE IF NOT EXISTS originals(
+            session_id TEXT NOT NULL,
+            ref TEXT NOT NULL,
+            role TEXT NOT NULL,
+            ctype TEXT NOT NULL,
+            tool_name TEXT NOT NULL,
+            tool_call_id TEXT NOT NULL,
+            text TEXT NOT NULL,
+            tokens BIGINT NOT NULL,
+            PRIMARY KEY(session_id, ref))""",
+        """CREATE TABLE IF NOT EXISTS transcript(
+            session_id TEXT NOT NULL,
+            seq BIGINT NOT NULL,
+            sig TEXT NOT NULL,
+            refs TEXT NOT NULL,
+            item BYTEA NOT NULL,
+            PRIMARY KEY(session_id, seq))""",
+        """CREATE TABLE IF NOT EXISTS copies(
+            session_id TEXT PRIMARY KEY,
+            doc TEXT NOT NULL)""",
+        # lineage (#15/#20): forks inherit their parent's view; id-less sessions match any earlier point
+        """CREATE TABLE IF NOT EXISTS lineage(
+            session_id TEXT PRIMARY KEY,
+            parent TEXT NOT NULL DEFAULT '',
+            root TEXT NOT NULL,
+            fork_at BIGINT NOT NULL DEFAULT 0,
+            created DOUBLE PRECISION NOT NULL)""",
+        "CREATE INDEX IF NOT EXISTS lineage_root ON lineage(root)",
+        """CREATE TABLE IF NOT EXISTS lineage_parts(
+            session_id TEXT NOT NULL,
+            seq BIGINT NOT NULL,
+            ref TEXT NOT NULL,
+            chash TEXT NOT NULL,
+            fp TEXT NOT NULL,
+            PRIMARY KEY(session_id, seq))""",
+        "CREATE INDEX IF NOT EXISTS lineage_parts_head ON lineage_parts(fp) WHERE seq=0",
+        """CREATE TABLE IF NOT EXISTS affinity_points(
+            hash TEXT NOT NULL,
+            session_id TEXT NOT NULL,
+            depth BIGINT NOT NULL,
+            PRIMARY KEY(hash, session_id))""",
+        """CREATE TABLE IF NOT EXISTS calls(
+            session_id TEXT NOT NULL,
+            call_key TEXT NOT NULL,
+            name TEXT NOT NULL,
+            args TEXT NOT NULL,
+            result TEXT,
+            created DOUBLE PRECISION NOT NULL,
+            executed DOUBLE PRECISION,
+            PRIMARY KEY(session_id, call_key))""",
+    ],
+}
+assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
+
+
+def redact(url: str) -> str:
+    """The URL without its password (for logs, health and errors)."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
+
+
+def _classify(e: BaseException) -> tuple[str, str]:
+    if psycopg is not None:
+        if isinstance(e, PoolTimeout):
+            return "unreachable", "no connection to the database within the timeout"
+        if isinstance(e, (pg_errors.InsufficientPrivilege,)):
+            return "read-only", "the database user may not write these tables"
+        if isinstance(e, pg_errors.DiskFull):
+            return "disk full", "the database server's disk is full"
+        if isinstance(e, (pg_errors.LockNotAvailable, pg_errors.QueryCanceled)):
+            return "locked", "a lock of the database was not granted in time"
+        if isinstance(e, psycopg.OperationalError):
+            return "unreachable", "the database cannot be reached"
+    return "error", "the database failed"
+
+
+_HINTS = {
+    "unreachable": "check that the PostgreSQL server runs and the URL (bili_store) is right; bili retries by itself",
+    "read-only": "grant the database user the rights on bili's tables (or use a database it owns)",
+    "disk full": "free space on the database server; bili resumes storing by itself",
+    "locked": "another instance held the lock; bili retries on the next requests",
+}
+
+
+def pg_error(action: str, url: str, e: BaseException) -> StoreError:
+    kind, words = _classify(e)
+    return StoreError(f"cannot {action} the store at {redact(url)}: {words} ({e})".strip(), kind,
+                      _HINTS.get(kind, ""))
+
+
+def _reads(fn):
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kw):
+        try:
+            return fn(self, *args, **kw)
+        except StoreError:
+            raise
+        except (psycopg.Error, PoolTimeout) as e:
+            raise pg_error("read", self.url, e) from e
+    return wrapper
+
+
+class PgStore:
+    """The PostgreSQL store: the same methods as :class:`bili_addon.store.Store`."""
+
+    backend = "postgresql"
+
+    def __init__(self, url: str, data_dir: str | None = None, *, pool_max: int = POOL_MAX,
+                 timeout: float = CONNECT_TIMEOUT, lock_wait: float = LOCK_WAIT):
+        if psycopg is None:
+            raise StoreError(f"a PostgreSQL store needs psycopg: pip install 'bili-addon[postgres]' ({_IMPORT_ERROR})",
+                             "cannot open", "install the extra: pip install 'bili-addon[postgres]'")
+        self.url = url
+        self.where = redact(url)
+        # exports (decompress toFile) and the admin token stay in the local data dir
+        self.path = Path(data_dir or ".") / DB_NAME
+        self.writes = 0
+        self.tightened: list[str] = []
+        self.round_trips = 0  # statements sent, transaction control included (the benches report them)
+        self._conn: psycopg.Connection | None = None  # held inside a transaction or a snapshot
+        self.lock_wait = lock_wait
+        self._lock_conn: psycopg.Connection | None = None  # holds the sessions' advisory locks
+        self._held: set[str] = set()
+        try:
+            # one direct connection first: a server that is down or refuses us fails at once, with its
+            # own words (the pool would retry until its timeout while requests wait on the worker)
+            psycopg.connect(url, connect_timeout=max(1, int(timeout))).close()
+            self.pool = ConnectionPool(url, min_size=1, max_size=pool_max, timeout=timeout, open=False,
+                                       kwargs={"autocommit": True, "prepare_threshold": 0},
+                                       name="bili-store")
+            self.pool.open(wait=True, timeout=timeout)
+        except (psycopg.Error, PoolTimeout, Exception) as e:
+            self.close()
+            if isinstance(e, StoreError):
+                raise
+            raise pg_error("open", url, e) from e
+        try:
+            self._migrate()
+        except (psycopg.Error, PoolTimeout) as e:
+            self.close()
+            raise pg_error("open", url, e) from e
+
+    # -- connections and transactions ----------------------------------------------------------
+    @contextmanager
+    def _use(self):
+        """The connection of the transaction in progress, else one from the pool."""
+        if self._conn is not None:
+            yield self._conn
+            return
+        with self.pool.connection() as conn:
+            yield conn
+
+    def _q(self, sql: str, params=()) -> list[tuple]:
+        with self._use() as conn:
+            self.round_trips += 1
+            cur = conn.execute(sql, params)
+            return cur.fetchall() if cur.description is not None else []
+
+    def _one(self, sql: str, params=()):
+        rows = self._q(sql, params)
+        return rows[0] if rows else None
+
+    def _many(self, sql: str, rows: list) -> None:
+        if not rows:
+            return
+        with self._use() as conn, conn.cursor() as cur:
+            self.round_trips += 1
+            cur.executemany(sql, rows)  # psycopg pipelines the batch: one round trip
+
+    @contextmanager
+    def _tx(self):
+        """One atomic write on one pooled connection (statements inside use it)."""
+        if self._conn is not None:  # nested: part of the enclosing transaction
+            yield self._conn
+            return
+        try:
+            with self.pool.connection() as conn:
+                self._conn = conn
+                self.round_trips += 2  # BEGIN, COMMIT
+                try:
+                    with conn.transaction():
+                        yield conn
+                finally:
+                    self._conn = None
+            self.writes += 1
+        except (psycopg.Error, PoolTimeout) as e:
+            raise pg_error("write", self.url, e) from e
+
+    @contextmanager
+    def snapshot(self):
+        """Reads that see one consistent state (REPEATABLE READ, read only)."""
+        if self._conn is not None:
+            yield
+            return
+        try:
+            with self.pool.connection() as conn:
+                self._conn = conn
+                try:
+                    self.round_trips += 3  # BEGIN, SET TRANSACTION, COMMIT
+                    with conn.transaction():
+                        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                        yield
+                finally:
+                    self._conn = None
+        except (psycopg.Error, PoolTimeout) as e:
+            raise pg_error("read", self.url, e) from e
+
+    def _migrate(self) -> None:
+        with self._tx() as conn:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))  # one instance migrates at a time
+            have = 0
+            if conn.execute("SELECT to_regclass('meta')").fetchone()[0] is not None:
+                row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+                have = int(row[0]) if row else 0
+            if have > SCHEMA_VERSION:
+                raise StoreError(f"the store at {self.where} has schema version {have}, newer than this bili "
+                                 f"({SCHEMA_VERSION}); upgrade bili", "error", "upgrade bili-addon on this host")
+            for v in sorted(_MIGRATIONS):
+                if v > have:
+                    for stmt in _MIGRATIONS[v]:
+                        conn.execute(stmt)
+            if have < SCHEMA_VERSION:
+                conn.execute("INSERT INTO meta(key, value) VALUES('schema_version', %s) ON CONFLICT(key) "
+                             "DO UPDATE SET value=excluded.value", (str(SCHEMA_VERSION),))
+
+    # -- per-session serialisation across instances ----------------------------------------------
+    @staticmethod
+    def lock_key(session_id: str) -> int:
+        import hashlib
+
+        return int.from_bytes(hashlib.sha256(b"bili-session:" + session_id.encode()).digest()[:8], "big", signed=True)
+
+    def hold(self, session_id: str) -> None:
+        """The session's advisory lock, held until :meth:`release`: one instance at a time works on
+        a session (join, fold decisions, commit).  Waits at most ``lock_wait`` seconds, then
+        :class:`SessionBusy` (the request passes through unchanged).  The server drops the lock
+        of an instance that dies (its connection closes)."""
+        if session_id in self._held:
+            return
+        try:
+            if self._lock_conn is None or self._lock_conn.closed:
+                self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
+                self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
+            self.round_trips += 1
+            self._lock_conn.execute("SELECT pg_advisory_lock(%s)", (self.lock_key(session_id),))
+        except pg_errors.LockNotAvailable as e:
+            raise SessionBusy(session_id, self.lock_wait) from e
+        except psycopg.Error as e:
+            raise pg_error("lock a session in", self.url, e) from e
+        self._held.add(session_id)
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held.clear()
+        try:
+            self.round_trips += 1
+            self._lock_conn.execute("SELECT pg_advisory_unlock_all()")
+        except (psycopg.Error, AttributeError):  # a broken connection held nothing any more
+            self._drop_lock_conn()
+
+    def _drop_lock_conn(self) -> None:
+        conn, self._lock_conn = self._lock_conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        self._held = set()
+        self._drop_lock_conn()
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            try:
+                pool.close()
+            except Exception:
+                pass
+
+    # -- what operations ask -------------------------------------------------------------------
+    def schema_version(self) -> int:
+        row = self._one("SELECT value FROM meta WHERE key='schema_version'")
+        return int(row[0]) if row else 0
+
+    def ping(self) -> float:
+        """Seconds for one round trip to the database."""
+        t = time.perf_counter()
+        self._q("SELECT 1")
+        return time.perf_counter() - t
+
+    def pool_stats(self) -> dict:
+        st = self.pool.get_stats()
+        return {k: st.get(k, 0) for k in ("pool_min", "pool_max", "pool_size", "pool_available", "requests_waiting")}
+
+    # -- the same reads as the SQLite store ----------------------------------------------------
+    def _advance(self, conn, session_id: str, expect: int) -> int:
+        self.round_trips += 1
+        if conn.execute("UPDATE sessions SET version=version+1 WHERE id=%s AND version=%s RETURNING version",
+                        (session_id, expect)).fetchone():
+            return expect + 1
+        if expect == 0:
+            now = time.time()
+            self.round_trips += 1
+            if conn.execute("INSERT INTO sessions(id, created, last_seen, version) VALUES(%s,%s,%s,1) "
+                            "ON CONFLICT(id) DO NOTHING RETURNING version", (session_id, now, now)).fetchone():
+                return 1
+        row = conn.execute("SELECT version FROM sessions WHERE id=%s", (session_id,)).fetchone()
+        raise StaleSession(session_id, expect, row[0] if row else 0)
+
+    @_reads
+    def version(self, session_id: str) -> int:
+        row = self._one("SELECT version FROM sessions WHERE id=%s", (session_id,))
+        return row[0] if row else 0
+
+    _SESSION_COLS = "id, agent, lane, created, last_seen, requests, messages, next_ref, flags, version"
+
+    @_reads
+    def session(self, session_id: str) -> SessionRow | None:
+        row = self._one(f"SELECT {self._SESSION_COLS} FROM sessions WHERE id=%s", (session_id,))
+        return SessionRow(*row) if row else None
+
+    @_reads
+    def sessions(self) -> list[SessionRow]:
+        return [SessionRow(*r) for r in self._q(f"SELECT {self._SESSION_COLS} FROM sessions ORDER BY last_seen DESC")]
+
+    @_reads
+    def ledger(self, session_id: str) -> list[LedgerRow]:
+        return [LedgerRow(*r) for r in self._q(
+            "SELECT msg_id, content_hash, ref, role, ctype, tokens FROM ledger WHERE session_id=%s", (session_id,))]
+
+    @_reads
+    def ref_count(self, session_id: str) -> int:
+        return self._one("SELECT COUNT(*) FROM ledger WHERE session_id=%s", (session_id,))[0]
+
+    @_reads
+    def usage(self, session_id: str) -> UsageTotals:
+        row = self._one("SELECT turns, input_tokens, cache_read, cache_write, output_tokens FROM sessions WHERE id=%s",
+                        (session_id,)) or (0, 0, 0, 0, 0)
+        return UsageTotals(*row, last=self.last_usage(session_id))
+
+    @_reads
+    def last_usage(self, session_id: str) -> tuple[int, int, int, int] | None:
+        row = self._one("SELECT input_tokens, cache_read, cache_write, output_tokens FROM turns WHERE session_id=%s "
+                        "ORDER BY n DESC LIMIT 1", (session_id,))
+        return tuple(row) if row else None
+
+    @_reads
+    def affinity(self) -> list[tuple[str, int, str]]:
+        return self._q("SELECT session_id, depth, tail FROM affinity")
+
+    @_reads
+    def affinity_of(self, tails: list[str]) -> list[tuple[str, int, str]]:
+        if not tails:
+            return []
+        return self._q("SELECT session_id, depth, tail FROM affinity WHERE tail = ANY(%s)", (list(tails),))
+
+    # -- writes --------------------------------------------------------------------------------
+    def commit_turn(self, row: SessionRow, new_refs: list[LedgerRow], chain: tuple[int, str] | None = None, *,
+                    expect: int, minted: list[tuple[str, str]] = ()) -> int:
+        now = time.time()
+        with self._tx() as conn:
+            version = self._advance(conn, row.id, expect)
+            self._allocate(conn, row.id, list(minted), row.next_ref)
+            self.round_trips += 1
+            conn.execute(
+                "INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, "
+                "version) VALUES(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, "
+                "lane=excluded.lane, last_seen=excluded.last_seen, requests=excluded.requests, "
+                "messages=excluded.messages, next_ref=excluded.next_ref, flags=excluded.flags, "
+                "version=excluded.version",
+                (row.id, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref,
+                 row.flags, version),
+            )
+            if new_refs:  # one statement for the turn's rows, however many
+                self.round_trips += 1
+                conn.execute(
+                    "INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen) "
+                    "SELECT %s, m, h, r, ro, c, t, %s FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], "
+                    "%s::text[], %s::bigint[]) AS u(m, h, r, ro, c, t)",
+                    (row.id, now, [r.msg_id for r in new_refs], [r.content_hash for r in new_refs],
+                     [r.ref for r in new_refs], [r.role for r in new_refs], [r.ctype for r in new_refs],
+                     [r.tokens for r in new_refs]),
+                )
+            if chain is not None:
+                self.round_trips += 1
+                conn.execute(
+                    "INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(%s,%s,%s,%s) "
+                    "ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail, "
+                    "last_seen=excluded.last_seen",
+                    (row.id, chain[0], chain[1], now),
+                )
+        return version
+
+    def _allocate(self, conn, session_id: str, minted: list[tuple[str, str]], next_ref: int) -> None:
+        """As :meth:`bili_addon.store.Store._allocate`: the session row is locked by ``_advance``."""
+        if not minted:
+            return
+        self.round_trips += 2
+        # the session's counter and its family's (a family shares one: a ref is never given twice in it)
+        have, family = conn.execute(
+            "SELECT (SELECT next_ref FROM sessions WHERE id=%s), (SELECT MAX(s.next_ref) FROM lineage m JOIN "
+            "sessions s ON s.id=m.session_id WHERE m.root=(SELECT root FROM lineage WHERE session_id=%s))",
+            (session_id, session_id)).fetchone()
+        first = max(have or 1, family or 0)
+        if first + len(minted) != next_ref:
+            raise StaleSession(session_id, next_ref - len(minted), first)
+        given = conn.execute("INSERT INTO refs(session_id, ref, content_hash) SELECT %s, r, h FROM "
+                             "unnest(%s::text[], %s::text[]) AS u(r, h) ON CONFLICT DO NOTHING RETURNING ref",
+                             (session_id, [r for r, _ in minted], [h for _, h in minted])).fetchall()
+        if len(given) != len(minted):  # given already: another instance got there first (the tx rolls back)
+            raise StaleSession(session_id, next_ref - len(minted), first)
+
+    def set_flags(self, row: SessionRow, *, expect: int) -> int:
+        with self._tx() as conn:
+            version = self._advance(conn, row.id, expect)
+            self.round_trips += 1
+            conn.execute(
+                "INSERT INTO sessions(id, agent, lane, created, last_seen, flags, version) "
+                "VALUES(%s,%s,%s,%s,%s,%s,%s) ON CONFLICT(id) DO UPDATE SET flags=excluded.flags",
+                (row.id, row.agent, row.lane, row.created, row.last_seen, row.flags, version),
+            )
+        return version
+
+    def record_usage(self, session_id: str, lane: str, usage: tuple[int, int, int, int]) -> None:
+        inp, read, write, out = usage
+        with self._tx() as conn:
+            self.round_trips += 1
+            cur = conn.execute(
+                "UPDATE sessions SET turns=turns+1, input_tokens=input_tokens+%s, cache_read=cache_read+%s, "
+                "cache_write=cache_write+%s, output_tokens=output_tokens+%s WHERE id=%s RETURNING turns",
+                (inp, read, write, out, session_id),
+            ).fetchone()
+            if cur is not None:
+                self.round_trips += 1
+                conn.execute(
+                    "INSERT INTO turns(session_id, n, ts, lane, input_tokens, cache_read, cache_write, output_tokens) "
+                    "VALUES(%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT(session_id, n) DO UPDATE SET ts=excluded.ts, "
+                    "lane=excluded.lane, input_tokens=excluded.input_tokens, cache_read=excluded.cache_read, "
+                    "cache_write=excluded.cache_write, output_tokens=excluded.output_tokens",
+                    (session_id, cur[0], time.time(), lane, inp, read, write, out),
+                )
+
+    # -- folding -------------------------------------------------------------------------------
+    @_reads
+    def blocks(self, session_id: str) -> list[str]:
+        # SQLite's WITHOUT ROWID table returns them in primary key order; so does this
+        return [r[0] for r in self._q("SELECT body FROM blocks WHERE session_id=%s ORDER BY block_id COLLATE \"C\"",
+                                      (session_id,))]
+
+    @_reads
+    def originals(self, session_id: str, refs: list[str] | None = None) -> list[tuple]:
+        q = "SELECT ref, role, ctype, tool_name, tool_call_id, text, tokens FROM originals WHERE session_id=%s"
+        rows = self._q(q, (session_id,))
+        if refs is None:
+            return sorted(rows)
+        want = set(refs)
+        return sorted(r for r in rows if r[0] in want)
+
+    @_reads
+    def calls(self, session_id: str) -> list[tuple[str, str, str, str | None]]:
+        return self._q("SELECT call_key, name, args, result FROM calls WHERE session_id=%s ORDER BY created, call_key",
+                       (session_id,))
+
+    def record_calls(self, session_id: str, calls: list[tuple[str, str, str]], *, expect: int) -> int:
+        now = time.time()
+        with self._tx() as conn:
+            version = self._advance(conn, session_id, expect)
+            self._many("INSERT INTO calls(session_id, call_key, name, args, created) VALUES(%s,%s,%s,%s,%s) "
+                       "ON CONFLICT DO NOTHING", [(session_id, k, n, a, now) for k, n, a in calls])
+        return version
+
+    def commit_fold(self, session_id: str, blocks: list[tuple[str, str, bool]],
+                    originals: list[tuple[str, str, str, str, str, str, int]], results: list[tuple[str, str]], *,
+                    expect: int) -> int:
+        now = time.time()
+        with self._tx() as conn:
+            version = self._advance(conn, session_id, expect)
+            self._many("INSERT INTO blocks(session_id, block_id, body, active) VALUES(%s,%s,%s,%s) "
+                       "ON CONFLICT(session_id, block_id) DO UPDATE SET body=excluded.body, active=excluded.active",
+                       [(session_id, bid, body, int(active)) for bid, body, active in blocks])
+            self._many("INSERT INTO originals(session_id, ref, role, ctype, tool_name, tool_call_id, text, tokens) "
+                       "VALUES(%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT DO NOTHING",
+                       [(session_id, *o) for o in originals])
+            # a call's result is written once: the claim (``result IS NULL``) makes it execute once
+            self._many("UPDATE calls SET result=%s, executed=%s WHERE session_id=%s AND call_key=%s AND result IS NULL",
+                       [(res, now, session_id, key) for key, res in results])
+        return version
+
+    @_reads
+    def copy(self, session_id: str) -> str | None:
+        row = self._one("SELECT doc FROM copies WHERE session_id=%s", (session_id,))
+        return row[0] if row else None
+
+    def save_copy(self, session_id: str, doc: str, *, expect: int) -> int:
+        with self._tx() as conn:
+            version = self._advance(conn, session_id, expect)
+            self.round_trips += 1
+            conn.execute("INSERT INTO copies(session_id, doc) VALUES(%s,%s) ON CONFLICT(session_id) "
+                         "DO UPDATE SET doc=excluded.doc", (session_id, doc))
+        return version
+
+    @_reads
+    def transcript(self, session_id: str) -> list[tuple[str, list[str], bytes]]:
+        rows = self._q("SELECT sig, refs, item FROM transcript WHERE session_id=%s ORDER BY seq", (session_id,))
+        return [(sig, json.loads(refs), bytes(item)) for sig, refs, item in rows]
+
+    def save_transcript(self, session_id: str, keep: int, rows: list[tuple[str, list[str], bytes]], *,
+                        expect: int) -> int:
+        with self._tx() as conn:
+            version = self._advance(conn, session_id, expect)
+            self.round_trips += 1
+            conn.execute("DELETE FROM transcript WHERE session_id=%s AND seq>=%s", (session_id, keep))
+            self._many("INSERT INTO transcript(session_id, seq, sig, refs, item) VALUES(%s,%s,%s,%s,%s)",
+                       [(session_id, keep + i, sig, json.dumps(refs), item) for i, (sig, refs, item) in enumerate(rows)])
+        return version
+
+    # -- lineage (#15, #20): the SQLite store's queries, spelled for PostgreSQL -------------------
+    @_reads
+    def lineage(self) -> list[tuple[str, str, str, int]]:
+        return self._q("SELECT session_id, parent, root, fork_at FROM lineage ORDER BY created")
+
+    @_reads
+    def lineage_parts(self, session_id: str) -> list[tuple[str, str, str]]:
+        return self._q("SELECT ref, chash, fp FROM lineage_parts WHERE session_id=%s ORDER BY seq", (session_id,))
+
+    def save_lineage_parts(self, session_id: str, keep: int, rows: list[tuple[str, str, str]]) -> None:
+        with self._tx() as conn:
+            self.round_trips += 1
+            conn.execute("DELETE FROM lineage_parts WHERE session_id=%s AND seq>=%s", (session_id, keep))
+            self._many("INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) VALUES(%s,%s,%s,%s,%s)",
+                       [(session_id, keep + i, *row) for i, row in enumerate(rows)])
+
+    @_reads
+    def lineage_candidates(self, first_fp: str, lane: str) -> list[str]:
+        return [r[0] for r in self._q(
+            "SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id=p.session_id "
+            "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s ORDER BY s.created", (first_fp, lane))]
+
+    @_reads
+    def family_next_ref(self, root: str) -> int:
+        row = self._one("SELECT MAX(next_ref) FROM sessions WHERE id IN (SELECT session_id FROM lineage WHERE root=%s)",
+                        (root,))
+        return int(row[0]) if row and row[0] else 1
+
+    @_reads
+    def family(self, session_id: str) -> tuple[str, str, int, int] | None:
+        row = self._one(
+            "SELECT l.root, l.parent, l.fork_at, (SELECT MAX(s.next_ref) FROM sessions s JOIN lineage m "
+            "ON m.session_id=s.id WHERE m.root=l.root) FROM lineage l WHERE l.session_id=%s", (session_id,))
+        return (row[0], row[1], row[2], int(row[3] or 1)) if row else None
+
+    def adopt(self, child: SessionRow, parent: str, root: str, fork_at: int, ledger: list[LedgerRow],
+              blocks: list[tuple[str, str, bool]], originals: list[tuple], calls: list[tuple[str, str, str, str | None]],
+              retired: list[tuple[str, str, str]] = (), *, expect: int) -> int:
+        """As :meth:`bili_addon.store.Store.adopt`: one transaction, a versioned session write."""
+        now = time.time()
+        with self._tx() as conn:
+            version = self._advance(conn, child.id, expect)
+            self._many("INSERT INTO refs(session_id, ref, content_hash) VALUES(%s,%s,%s) ON CONFLICT(session_id, ref) "
+                       "DO UPDATE SET content_hash=excluded.content_hash",
+                       [(child.id, r.ref, r.content_hash) for r in ledger]
+                       + [(child.id, ref, chash) for _msg_id, chash, ref in retired])
+            self.round_trips += 3
+            conn.execute("INSERT INTO lineage(session_id, parent, root, fork_at, created) VALUES(%s,%s,%s,%s,%s) "
+                         "ON CONFLICT DO NOTHING", (root, "", root, 0, now))
+            conn.execute("INSERT INTO lineage(session_id, parent, root, fork_at, created) VALUES(%s,%s,%s,%s,%s)",
+                         (child.id, parent, root, fork_at, now))
+            conn.execute(
+                "INSERT INTO sessions(id, agent, lane, created, last_seen, next_ref, flags) VALUES(%s,%s,%s,%s,%s,%s,%s) "
+                "ON CONFLICT(id) DO UPDATE SET next_ref=GREATEST(sessions.next_ref, excluded.next_ref), "
+                "flags=excluded.flags",
+                (child.id, child.agent, child.lane, child.created, now, child.next_ref, child.flags))
+            self._many("UPDATE ledger SET ref=%s WHERE session_id=%s AND msg_id=%s AND content_hash=%s",
+                       [(ref, child.id, msg_id, chash) for msg_id, chash, ref in retired])
+            self._many("INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen) "
+                       "VALUES(%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT(session_id, msg_id, content_hash) DO UPDATE SET "
+                       "ref=excluded.ref, role=excluded.role, ctype=excluded.ctype, tokens=excluded.tokens, "
+                       "first_seen=excluded.first_seen",
+                       [(child.id, r.msg_id, r.content_hash, r.ref, r.role, r.ctype, r.tokens, now) for r in ledger])
+            self._many("INSERT INTO blocks(session_id, block_id, body, active) VALUES(%s,%s,%s,%s) "
+                       "ON CONFLICT(session_id, block_id) DO UPDATE SET body=excluded.body, active=excluded.active",
+                       [(child.id, bid, body, int(active)) for bid, body, active in blocks])
+            self._many("INSERT INTO originals(session_id, ref, role, ctype, tool_name, tool_call_id, text, tokens) "
+                       "VALUES(%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT DO NOTHING", [(child.id, *o) for o in originals])
+            self._many("INSERT INTO calls(session_id, call_key, name, args, result, created, executed) "
+                       "VALUES(%s,%s,%s,%s,%s,%s,%s) ON CONFLICT DO NOTHING",
+                       [(child.id, k, n, a, r, now, now if r is not None else None) for k, n, a, r in calls])
+        return version
+
+    @_reads
+    def affinity_points(self, hashes: list[str]) -> dict[str, list[tuple[str, int]]]:
+        out: dict[str, list[tuple[str, int]]] = {}
+        if not hashes:
+            return out
+        rows = self._q("SELECT p.hash, p.session_id, p.depth FROM affinity_points p LEFT JOIN affinity a "
+                       "ON a.session_id=p.session_id WHERE p.hash = ANY(%s) ORDER BY a.last_seen DESC NULLS LAST",
+                       (list(hashes),))
+        for h, sid, depth in rows:
+            out.setdefault(h, []).append((sid, depth))
+        return out
+
+    def add_affinity_points(self, session_id: str, points: list[tuple[int, str]]) -> None:
+        if points:
+            with self._tx():
+                self._many("INSERT INTO affinity_points(hash, session_id, depth) VALUES(%s,%s,%s) ON CONFLICT DO NOTHING",
+                           [(h, session_id, d) for d, h in points])
+
+    # -- copying a whole store (bili store migrate) ----------------------------------------------
+    def dump(self, table: str, cols: tuple[str, ...], key: tuple[str, ...]) -> list[tuple]:
+        order = ", ".join(f'{k} COLLATE "C"' if k not in ("n", "seq") else k for k in key)
+        rows = self._q(f"SELECT {', '.join(cols)} FROM {table} ORDER BY {order}")
+        return [tuple(bytes(v) if isinstance(v, memoryview) else v for v in r) for r in rows]
+
+    def load(self, table: str, cols: tuple[str, ...], rows: list[tuple]) -> None:
+        with self._tx():
+            self._many(f"INSERT INTO {table}({', '.join(cols)}) VALUES({', '.join(['%s'] * len(cols))})", rows)
+
+    def is_empty(self) -> bool:
+        return self._one("SELECT COUNT(*) FROM sessions")[0] == 0

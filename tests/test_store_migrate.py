@@ -1,0 +1,80 @@
+"""``bili store migrate``: a store with folds copied SQLite -> PostgreSQL -> SQLite comes back row for
+row, and a conversation goes on from the copy exactly as from the original."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bili_addon import cli
+from bili_addon.kernel.fold import FoldConfig
+from bili_addon.kernel.turn import Engine
+from bili_addon.store import Store
+from bili_addon.stores import TABLES, open_store
+from test_fold import ANTH, H, agent_answers_unknown, body, conversation, refs_in, roundtrip_call
+
+
+def folded_store(path) -> tuple[Engine, list[dict]]:
+    """A SQLite store holding a conversation with a fold, a decompress, usage and a transcript."""
+    e = Engine(Store(path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    e.snapshot = True  # the transcript table fills too
+    msgs = conversation(8)
+    refs = refs_in(json.loads(e.process(body(msgs), ANTH, H, render=True).body))
+    start = next(r for r, t in refs.items() if t.startswith("Step 1:"))
+    end = next(r for r, t in refs.items() if t.startswith("Step 4:"))
+    args = {"content": [{"startId": start, "endId": end, "topic": "modules 1-4",
+                         "summary": "Read modules 1 to 4: nothing unusual; mod3.py defines load_config()."}]}
+    roundtrip_call(e, "fold-1", "compress", args, "toolu_c1")
+    msgs = agent_answers_unknown(msgs, "compress", args, "toolu_c1")
+    assert e.process(body(msgs), ANTH, H, render=True).executed == ["compress"]
+    e.store.record_usage("fold-1", "anthropic", (1000, 800, 100, 50))
+    msgs = msgs + [{"role": "assistant", "content": "Audit continues."}, {"role": "user", "content": "go on"}]
+    e.process(body(msgs), ANTH, H, render=True)
+    return e, msgs
+
+
+def dump_all(store) -> dict[str, list[tuple]]:
+    return {t: store.dump(t, cols, key) for t, (cols, key) in TABLES.items()}
+
+
+def test_a_store_with_folds_round_trips_sqlite_postgresql_sqlite_unchanged(tmp_path, pg_url, capsys):
+    e, msgs = folded_store(tmp_path / "a")
+    before = dump_all(e.store)
+    for table in ("sessions", "ledger", "refs", "blocks", "originals", "calls", "turns", "copies", "transcript"):
+        assert before[table], f"the fixture should fill {table}"
+    e.store.close()
+
+    assert cli.main(["store", "migrate", "--from", str(tmp_path / "a"), "--to", pg_url]) == 0
+    assert "verified equal" in capsys.readouterr().out
+    assert cli.main(["store", "migrate", "--from", pg_url, "--to", str(tmp_path / "b")]) == 0
+
+    back = Store(tmp_path / "b")
+    assert dump_all(back) == before
+    back.close()
+
+    # the conversation goes on from the PostgreSQL copy exactly as from the original
+    nxt = msgs + [{"role": "assistant", "content": "More audit."}, {"role": "user", "content": "and on"}]
+    a = Engine(Store(tmp_path / "a"), fold_cfg=FoldConfig(min_compress_chars=2000))
+    p = Engine(open_store(pg_url, str(tmp_path)), fold_cfg=FoldConfig(min_compress_chars=2000))
+    a.snapshot = p.snapshot = True
+    ra, rp = a.process(body(nxt), ANTH, H, render=True), p.process(body(nxt), ANTH, H, render=True)
+    assert ra.body is not None and ra.body == rp.body and b"load_config()" in rp.body
+    a.store.close()
+    p.store.close()
+
+
+def test_migrate_refuses_a_target_that_holds_conversations(tmp_path, pg_url, capsys):
+    e, _ = folded_store(tmp_path / "a")
+    e.store.close()
+    assert cli.main(["store", "migrate", "--from", str(tmp_path / "a"), "--to", pg_url]) == 0
+    assert cli.main(["store", "migrate", "--from", str(tmp_path / "a"), "--to", pg_url]) == 1
+    assert "already holds conversations" in capsys.readouterr().err
+
+
+def test_store_info_names_the_backend(tmp_path, pg_url, capsys):
+    assert cli.main(["store", "info", "--store", pg_url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["backend"] == "postgresql" and doc["schema_version"] >= 2 and doc["conversations"] == 0
+    assert cli.main(["store", "info", "--store", "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1"]) == 1
+    assert "cannot open the store" in capsys.readouterr().err

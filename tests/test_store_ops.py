@@ -1,0 +1,155 @@
+"""Operating a PostgreSQL store: the addon picks it from bili_store, health names the backend and
+its round trip, bili doctor checks it, and an unreachable database fails open with the reason."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from mitmproxy.test import tflow
+
+from bili_addon.launch import doctor_checks
+from bili_addon.store import SCHEMA_VERSION
+from bili_addon.stores import open_store, store_spec
+
+DEAD = "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1"
+
+
+def health(bili) -> dict:
+    f = tflow.tflow()
+    f.request.path = "/__bili/health"
+    f.request.host = "127.0.0.1"
+    assert bili.request(f) is None
+    return json.loads(f.response.content)
+
+
+def test_bili_store_picks_postgresql_and_health_names_it(bili, pg_url):
+    bili.tctx.configure(bili, bili_store=pg_url)
+    assert bili.engine is not None and bili.engine.store.backend == "postgresql"
+    h = health(bili)
+    assert h["store"] is True and h["store_backend"] == "postgresql"
+    assert h["store_at"].startswith("postgresql://postgres@127.0.0.1:")
+    bili.keeper.probe()  # not running: no worker, no figure (health never waits on the store)
+    assert "store_latency_ms" not in h
+
+
+def test_an_unreachable_database_fails_open_with_the_reason(bili):
+    bili.tctx.configure(bili, bili_store=DEAD)
+    h = health(bili)
+    assert h["store"] is False and h["store_backend"] == "postgresql"
+    assert "cannot open the store at postgresql://nobody@127.0.0.1:1/none" in h["store_error"]
+    assert h["store_hint"]
+
+
+def test_the_environment_names_the_store_when_the_option_does_not():
+    assert store_spec("", {"BILI_STORE": " postgresql://a@b/c "}) == "postgresql://a@b/c"
+    assert store_spec("postgresql://x@y/z", {"BILI_STORE": "postgresql://a@b/c"}) == "postgresql://x@y/z"
+    assert store_spec("", {}) == ""
+
+
+def test_a_password_never_shows(pg_url, tmp_path):
+    s = open_store(pg_url.replace("postgres@", "postgres:secret@"), str(tmp_path))
+    try:
+        assert "secret" not in s.where and ":***@" in s.where
+    finally:
+        s.close()
+
+
+def test_doctor_checks_the_shared_store(pg_url, tmp_path):
+    args = argparse.Namespace(confdir=str(tmp_path / "conf"), data_dir=str(tmp_path / "data"), port=1, store=pg_url)
+    store = {c.name: c for c in doctor_checks(args, env={"PATH": ""})}["store"]
+    assert store.ok and f"schema version {SCHEMA_VERSION}" in store.detail and "round trip" in store.detail
+    args.store = DEAD
+    store = {c.name: c for c in doctor_checks(args, env={"PATH": ""})}["store"]
+    assert not store.ok and "cannot open the store" in store.detail
+
+
+# -- per-session serialisation across instances ---------------------------------------------------
+def test_a_session_is_worked_on_by_one_instance_at_a_time(pg_url, tmp_path):
+    from bili_addon.store import SessionBusy
+    from bili_addon.store_pg import PgStore
+
+    a, b = PgStore(pg_url, str(tmp_path), lock_wait=0.2), PgStore(pg_url, str(tmp_path), lock_wait=0.2)
+    try:
+        a.hold("x")
+        a.hold("x")  # held already: nothing more
+        with pytest.raises(SessionBusy, match="busy in another instance"):
+            b.hold("x")
+        b.hold("y")  # other sessions go on
+        a.release()
+        b.hold("x")
+        b.release()
+        a.hold("x")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_turn_whose_session_stays_busy_passes_through_unchanged_and_the_next_one_is_tagged(pg_url, tmp_path):
+    from bili_addon.keeper import Keeper
+    from bili_addon.kernel.turn import Engine
+    from bili_addon.store_pg import PgStore
+    from bili_addon.wire import LANES
+
+    raw = json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    keeper = Keeper(lambda d: Engine(PgStore(pg_url, d, lock_wait=0.2)))
+    keeper.open(str(tmp_path))
+    other = PgStore(pg_url, str(tmp_path))
+    try:
+        other.hold("busy")
+        turn = lambda eng: eng.process(raw, LANES["anthropic"], {"x-acp-session": "busy"}, render=True)  # noqa: E731
+        assert keeper.run(turn) is None
+        assert keeper.counts["session_busy"] == 1 and keeper.counts["forwarded_unchanged"] == 1 and keeper.ok
+        other.release()
+        res = keeper.run(turn)
+        assert res is not None and res.body is not None and b"<acp " in res.body
+        other.hold("busy")  # the keeper let go of the lock when the turn was done
+    finally:
+        other.close()
+        keeper.stop()
+
+
+def test_the_lock_of_an_instance_killed_mid_turn_is_freed(pg_url, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from bili_addon.store_pg import PgStore
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom bili_addon.store_pg import PgStore\n"
+        f"s = PgStore({pg_url!r}, {str(tmp_path)!r})\ns.hold('s1')\nprint('held', flush=True)\ntime.sleep(60)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        b = PgStore(pg_url, str(tmp_path), lock_wait=0.2)
+        from bili_addon.store import SessionBusy
+
+        with pytest.raises(SessionBusy):
+            b.hold("s1")
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+        b.lock_wait = 10.0  # the server notices the closed connection and drops its locks
+        b._drop_lock_conn()
+        b.hold("s1")
+        b.close()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+
+
+def test_bili_run_store_sets_bili_store_once(tmp_path, monkeypatch, capsys):
+    from bili_addon import cli
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(cli, "_serve", lambda cmd, target, ready: seen.append(list(cmd)) or 0)
+    monkeypatch.setattr(cli, "port_in_use", lambda host, port: False)
+    ca = ["--confdir", str(tmp_path / "ca")]
+    url = "postgresql://bili@db.internal/bili"
+    assert cli.main(["run", *ca, "--store", url, "--", "--set", f"bili_store={url}"]) == 0
+    sets = [seen[-1][i + 1] for i, a in enumerate(seen[-1]) if a == "--set"]
+    assert [s for s in sets if s.startswith("bili_store=")] == [f"bili_store={url}"]
+    n = len(seen)
+    assert cli.main(["run", *ca, "--store", url, "--", "--set", "bili_store=postgresql://other/db"]) == 2
+    assert len(seen) == n and "--store" in capsys.readouterr().err
