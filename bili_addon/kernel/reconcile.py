@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import unicodedata
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -28,11 +27,13 @@ COLLAPSE_MIN = 10
 # -- fingerprints ------------------------------------------------------------------------------
 
 def normalize_text(t: str) -> str:
-    t = unicodedata.normalize("NFC", t or "").replace("\r\n", "\n").replace("\r", "\n")
-    t = re.sub(r"[^\S\n]+", " ", t)
-    t = re.sub(r" *\n *", "\n", t)
-    t = re.sub(r"\n{2,}", "\n", t)
-    return t.strip()
+    """NFC, one kind of line break, each run of other whitespace one space, no blank lines, no space
+    at a line's ends (str.split's whitespace is the regex ``\\s``: the same as three regex passes,
+    at a fraction of their time on a conversation's first pass)."""
+    t = unicodedata.normalize("NFC", t or "")
+    if "\r" in t:
+        t = t.replace("\r\n", "\n").replace("\r", "\n")
+    return "\n".join(filter(None, (" ".join(line.split()) for line in t.split("\n"))))
 
 
 def canonical_text(text: str) -> str:
