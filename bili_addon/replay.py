@@ -57,6 +57,8 @@ class Turn:
     note: str = ""
     live: dict[str, Any] | None = None  # what the live proxy recorded for this request (a capture with bili loaded)
     body: bytes = b""  # what would have been sent upstream (not in --json)
+    raw: bytes = b""  # the agent's own body (not in --json)
+    at: float = 0.0  # when the request was sent (the flow's timestamp; for --cost)
 
     @property
     def tokens_in(self) -> int:
@@ -69,6 +71,7 @@ class Turn:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("body")
+        d.pop("raw")
         d["tokens_in"], d["tokens_out"] = self.tokens_in, self.tokens_out
         return d
 
@@ -131,7 +134,7 @@ class Replayer:
         turn = Turn(
             report.path, index, res.session, n, lane.name, via, host, res.messages, res.refs_new, res.refs_known,
             len(raw), len(body), sum(b.active for b in s.blocks) if s else 0, res.folded_items, list(res.executed),
-            first_party=fp, changed=res.body is not None and res.body != raw, body=body,
+            first_party=fp, changed=res.body is not None and res.body != raw, body=body, raw=raw,
         )
         if fp:
             turn.first_block_kept = _system_head(body) == _system_head(raw)
@@ -201,6 +204,7 @@ class Replayer:
             if got is None:
                 continue
             turn, marker, rewrite = got
+            turn.at = req.timestamp_start or 0.0
             self.response(turn, flow, marker, rewrite, live)
 
     def _websocket(self, report: FileReport, index: int, flow, host: str, lane, rewriter_cls) -> None:
@@ -217,6 +221,8 @@ class Replayer:
                     continue
                 got = self.request(report, index, raw, lane, flow.request.headers, host, "ws", live)
                 turn, rw = (got[0], rewriter_cls("responses", True)) if got is not None else (None, None)
+                if turn is not None:
+                    turn.at = msg.timestamp or 0.0
             elif turn is not None and rw is not None:
                 rw.ws_frame(msg.content)
                 if rw.finished:
@@ -343,6 +349,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="as the proxy's bili_min_compress_chars option")
     p.add_argument("--json", action="store_true", help="one JSON document: every file's turns")
     p.add_argument("--bodies", metavar="DIR", help="write each upstream body to DIR/<file>-<flow>-<turn>.json")
+    p.add_argument("--cost", action="store_true",
+                   help="per session, the cost billed under the provider's cache rules with and without the "
+                        "addon, and a total")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -360,11 +369,15 @@ def run(args: argparse.Namespace) -> int:
             stem = "_".join(path.parts[-3:]).replace(".mitm", "").replace("/", "_")
             for t in report.turns:
                 (out / f"{stem}-{t.flow:03d}-{t.session[:12]}-{t.turn}.json").write_bytes(t.body)
-        if not args.json:
+        if not args.json and not args.cost:
             print("\n".join(table(report)))
             print(flush=True)
     if args.json:
         print(json.dumps([{"path": r.path, "flows": r.flows, "other": r.other, "unidentified": r.unidentified,
                            "errors": r.errors, "turns": [t.to_json() for t in r.turns]} for r in reports], indent=2))
+    if args.cost:
+        from bili_addon.replay_cost import cost_table, session_costs
+
+        print("\n".join(cost_table(session_costs(reports))))
     unreadable = [r for r in reports if any(e.startswith("cannot read") for e in r.errors)]
     return 1 if unreadable else 0
