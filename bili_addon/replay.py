@@ -95,7 +95,7 @@ def _decode(message) -> bytes:
 
 class Replayer:
     def __init__(self, store_dir: Path, *, first_party: str = "fold", min_compress_chars: int | None = None,
-                 marker: bool = True):
+                 marker: bool = True, activate: str = "lazy"):
         from bili_addon.kernel.fold import FoldConfig
         from bili_addon.kernel.turn import Engine
         from bili_addon.store import Store
@@ -103,7 +103,9 @@ class Replayer:
         cfg = FoldConfig()
         if min_compress_chars is not None:
             cfg.min_compress_chars = min_compress_chars
-        self.engine = Engine(Store(store_dir), fold_cfg=cfg)
+        self.engine = Engine(Store(store_dir), fold_cfg=cfg, activate=activate)
+        self.at = 0.0  # the recorded time of the request being replayed
+        self.engine.now = lambda: self.at
         self.first_party = first_party
         self.marker = marker
         self.turns: dict[str, int] = {}
@@ -134,7 +136,7 @@ class Replayer:
         turn = Turn(
             report.path, index, res.session, n, lane.name, via, host, res.messages, res.refs_new, res.refs_known,
             len(raw), len(body), sum(b.active for b in s.blocks) if s else 0, res.folded_items, list(res.executed),
-            first_party=fp, changed=res.body is not None and res.body != raw, body=body, raw=raw,
+            first_party=fp, changed=res.body is not None and res.body != raw, body=body, raw=raw, at=self.at,
         )
         if fp:
             turn.first_block_kept = _system_head(body) == _system_head(raw)
@@ -148,7 +150,7 @@ class Replayer:
             if differs:
                 turn.note = "; ".join(x for x in (turn.note, "live: " + ", ".join(differs)) if x)
         report.turns.append(turn)
-        return turn, res.marker if render and self.marker else "", render
+        return turn, res.marker if render and self.marker else "", render and res.active
 
     # -- its recorded answer -------------------------------------------------------------------------
     def account(self, turn: Turn, rw) -> None:
@@ -200,11 +202,11 @@ class Replayer:
             if lane is None or not raw:
                 report.other += 1
                 continue
+            self.at = req.timestamp_start or 0.0
             got = self.request(report, index, raw, lane, req.headers, host, "http", live)
             if got is None:
                 continue
             turn, marker, rewrite = got
-            turn.at = req.timestamp_start or 0.0
             self.response(turn, flow, marker, rewrite, live)
 
     def _websocket(self, report: FileReport, index: int, flow, host: str, lane, rewriter_cls) -> None:
@@ -219,10 +221,9 @@ class Replayer:
                 raw = flowmeta.original_request(live) or msg.content
                 if b'"response.create"' not in raw:
                     continue
+                self.at = msg.timestamp or 0.0
                 got = self.request(report, index, raw, lane, flow.request.headers, host, "ws", live)
-                turn, rw = (got[0], rewriter_cls("responses", True)) if got is not None else (None, None)
-                if turn is not None:
-                    turn.at = msg.timestamp or 0.0
+                turn, rw = (got[0], rewriter_cls("responses", got[2])) if got is not None else (None, None)
             elif turn is not None and rw is not None:
                 rw.ws_frame(msg.content)
                 if rw.finished:
@@ -287,13 +288,13 @@ def find_flow_files(paths: Iterable[str]) -> list[Path]:
 
 
 def replay_file(path: Path, *, first_party: str = "fold", min_compress_chars: int | None = None,
-                label: str | None = None) -> FileReport:
+                label: str | None = None, activate: str = "lazy") -> FileReport:
     from mitmproxy import io
     from mitmproxy.exceptions import FlowReadException
 
     report = FileReport(label or str(path))
     with tempfile.TemporaryDirectory(prefix="bili-replay-") as tmp:
-        rep = Replayer(Path(tmp), first_party=first_party, min_compress_chars=min_compress_chars)
+        rep = Replayer(Path(tmp), first_party=first_party, min_compress_chars=min_compress_chars, activate=activate)
         try:
             with open(path, "rb") as f:
                 rep.run(report, io.FlowReader(f).stream())
@@ -347,6 +348,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="as the proxy's bili_first_party option (default: fold)")
     p.add_argument("--min-compress-chars", type=int, default=None, metavar="N",
                    help="as the proxy's bili_min_compress_chars option")
+    p.add_argument("--activate", choices=("lazy", "always"), default="lazy",
+                   help="as the proxy's bili_activate option (default: lazy)")
     p.add_argument("--json", action="store_true", help="one JSON document: every file's turns")
     p.add_argument("--bodies", metavar="DIR", help="write each upstream body to DIR/<file>-<flow>-<turn>.json")
     p.add_argument("--cost", action="store_true",
@@ -361,7 +364,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     reports = []
     for path in files:
-        report = replay_file(path, first_party=args.first_party, min_compress_chars=args.min_compress_chars)
+        report = replay_file(path, first_party=args.first_party, min_compress_chars=args.min_compress_chars,
+                             activate=args.activate)
         reports.append(report)
         if args.bodies:
             out = Path(args.bodies)

@@ -15,6 +15,7 @@ from mitmproxy import ctx, http
 
 from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, private
 from bili_addon.kernel import envelope
+from bili_addon.kernel.activation import MODES as ACTIVATE
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.turn import Engine, TurnResult
@@ -112,6 +113,13 @@ class Bili:
             "the window is nearly full.",
         )
         loader.add_option(
+            "bili_activate", str, "lazy",
+            "lazy: a session carries no tools, prompt or tags until folding is about to pay (its foldable "
+            "work passes bili_remind_at, or half of it when the prompt cache has expired anyway); until "
+            "then it is forwarded as the agent sent it. always: from the first request.",
+            choices=ACTIVATE,
+        )
+        loader.add_option(
             "bili_context_window", int, 0,
             "The context window in tokens for every model (0: from the built-in table, or learned from "
             "the provider's overflow errors).",
@@ -168,6 +176,7 @@ class Bili:
         engine.nudge_cfg.batch_tokens = remind if remind > 0 else never
         engine.nudge_cfg.distil_tokens = NudgeConfig.distil_tokens if remind > 0 else never
         engine.reconcile = ctx.options.bili_fold_reconcile
+        engine.activate = ctx.options.bili_activate
         engine.snapshot = ctx.options.bili_snapshot_render
         return engine
 
@@ -254,7 +263,7 @@ class Bili:
             return
         if res.body is not None:
             req.content = res.body  # re-encoded with the request's own content-encoding
-        rewrite = fold
+        rewrite = fold and res.active  # an inactive session offered no tools: its answers are the agent's
         if rewrite:
             # a compressed stream cannot be filtered event by event
             req.headers["accept-encoding"] = "identity"
@@ -450,7 +459,7 @@ class Bili:
             return
         record["message"] = len(flow.websocket.messages) - 1
         flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
-        self._flows[flow] = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold"),
+        self._flows[flow] = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold" and res.active),
                                       record)
 
     # -- admin ---------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ needs_captures = pytest.mark.skipif(not CAPTURES.is_dir(), reason=f"no captured 
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", *args], capture_output=True, text=True,
-                          timeout=300)
+    # these tests replay the fold path: bili shows itself from the first request (--activate always)
+    return subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", *args],
+                          capture_output=True, text=True, timeout=300)
 
 
 @needs_captures
@@ -67,7 +68,7 @@ def test_replay_json_per_session_and_turn():
 @needs_captures
 def test_replayed_bodies_show_the_real_tool_result(tmp_path):
     path = CAPTURES / "omp" / "omp_unk" / "flows.mitm"
-    rep = replay.replay_file(path)
+    rep = replay.replay_file(path, activate="always")
     ran = [t for t in rep.turns if t.executed == ["compress"]]
     assert ran
     for t in ran:
@@ -75,14 +76,14 @@ def test_replayed_bodies_show_the_real_tool_result(tmp_path):
         assert "Tool compress not found" not in body  # the agent's error, replaced upstream
         assert "not compressed" in body or "Compressed " in body
     # deterministic: the same bytes on every replay (usable as a regression fixture)
-    assert [t.body for t in replay.replay_file(path).turns] == [t.body for t in rep.turns]
+    assert [t.body for t in replay.replay_file(path, activate="always").turns] == [t.body for t in rep.turns]
 
 
 @needs_captures
 def test_first_party_observe_leaves_bodies_unchanged(tmp_path):
-    rep = replay.replay_file(CAPTURES / "claude-code" / "claude_fwd" / "flows.mitm", first_party="observe")
+    rep = replay.replay_file(CAPTURES / "claude-code" / "claude_fwd" / "flows.mitm", first_party="observe", activate="always")
     assert rep.turns and all(not t.changed and t.bytes_in == t.bytes_out for t in rep.turns)
-    rev = replay.replay_file(CAPTURES / "claude-code" / "claude_rev" / "flows.mitm", first_party="observe")
+    rev = replay.replay_file(CAPTURES / "claude-code" / "claude_rev" / "flows.mitm", first_party="observe", activate="always")
     assert all(t.changed for t in rev.turns)  # only first-party traffic is left alone
 
 
@@ -142,7 +143,7 @@ def test_a_recorded_compress_call_folds_the_next_request(tmp_path):
         w = io.FlowWriter(f)
         w.add(_flow(msgs, _answer([call])))
         w.add(_flow(after, _answer([{"type": "text", "text": "Done."}])))
-    rep = replay.replay_file(path)
+    rep = replay.replay_file(path, activate="always")
     first, second = rep.turns
     assert first.called == ["compress"] and first.blocks == 0
     assert second.executed == ["compress"] and second.blocks == 1 and second.folded > 0
@@ -153,7 +154,7 @@ def test_a_recorded_compress_call_folds_the_next_request(tmp_path):
     rows = [ln.split() for ln in replay.table(rep) if ln.startswith("    2 ")]
     assert len(rows) == 1 and rows[0][:3] == ["2", "anthropic", "http"]
     assert rows[0][7:10] == ["1", str(second.folded), "compress"]  # blocks, folded, ran
-    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", str(path)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", str(path)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "(answer calls compress)" in out.stdout
 

@@ -405,3 +405,38 @@ class Clock:
         return [{"at": t.at, "predicted_read": t.predicted.read, "predicted_write": t.predicted.write
                  + t.predicted.write_long, "reported_read": t.reported_read, "reported_write": t.reported_write}
                 for t in self.turns]
+
+
+class Clocks:
+    """The clocks of the sessions one process has seen (in memory: after a restart a session's
+    clock starts again, and nothing is cold until it has seen a request)."""
+
+    def __init__(self, max_sessions: int = 256):
+        self.by_session: dict[str, Clock] = {}
+        self.max_sessions = max_sessions
+
+    def sent(self, sid: str, lane: str, body: bytes, now: float) -> Bill | None:
+        clk = self.by_session.get(sid)
+        if clk is None or clk.lane != lane:
+            clk = self.by_session[sid] = Clock(lane, model_of(body))
+            while len(self.by_session) > self.max_sessions:
+                self.by_session.pop(next(iter(self.by_session)))
+        try:
+            return clk.send(body, now)
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
+            return None  # a body the model cannot read: no prediction
+
+    def report(self, sid: str, read: int, write: int | None = None) -> None:
+        clk = self.by_session.get(sid)
+        if clk is not None:
+            clk.report(read, write)
+
+    def cold(self, sid: str, now: float) -> bool:
+        clk = self.by_session.get(sid)
+        return clk is not None and clk.cold(now)
+
+    def stats(self, sid: str) -> dict[str, Any] | None:
+        clk = self.by_session.get(sid)
+        if clk is None:
+            return None
+        return {"family": clk.rules.family, "learned": clk.learned(), "turns": clk.rows()[-50:]}

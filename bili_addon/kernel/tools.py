@@ -81,6 +81,7 @@ class ProxyTools:
         u = rw.usage
         if u.seen:
             self.store.record_usage(sid, lane, (u.input, u.cache_read, u.cache_write, u.output))
+            self.clocks.report(sid, u.cache_read, u.cache_write)  # calibrates the session's cache model
         return called
 
     def run_tool(self: "Engine", s: Session, name: str, args: Any, view: View | None, call_id: str = "") -> str:
