@@ -501,6 +501,11 @@ class Bili:
                 "sent_tokens": live.sent_tokens if live is not None else None,
                 "unfolded_tokens": live.unfolded_tokens if live is not None else None,
             }
+            # lazy activation (kernel/activation.py): why bili shows itself in this session, or null
+            entry["active"] = flags.get("active") or ("always" if eng.activate == "always" else None)
+            # the provider cache model of this process: predicted vs reported cache reads per request,
+            # and what the reports taught (a shorter lifetime, no cache)
+            entry["cache"] = eng.clocks.stats(r.id)
             if flags.get("delta_history"):
                 entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"
             sessions.append(entry)
