@@ -240,7 +240,14 @@ class Cache:
                         hit, hit_at = cum[j], j
                     break
         if hit_at >= 0:
-            self.entries[segs[hit_at].key].last = now  # a hit refreshes the entry
+            # a hit refreshes the entry, and every entry at a breakpoint of the prefix it read (their
+            # content was used too)
+            self.entries[segs[hit_at].key].last = now
+            for b in bps:
+                if b < hit_at:
+                    e = self._live(segs[b].key, now)
+                    if e is not None:
+                        e.last = now
         bill = Bill(read=hit)
         done = hit
         for b in bps:

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import activation, cache, envelope, fold, nudge, reconcile, tags
+from bili_addon.kernel import activation, breakpoints, cache, envelope, fold, nudge, reconcile, tags
 from bili_addon.kernel.compaction import Epochs, asks_for_summary
 from bili_addon.kernel.fold import Block, FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
@@ -294,6 +294,8 @@ class Engine(ProxyTools, Epochs):
             changed |= self._snapshot_render(s, snap, lane, raws, items_out, start, view)
         pre = self._strict_inserts(s, lane.name, infos, top, origin)
         changed |= self._assemble(s, lane, items_out, start, view, result, snoozed, pre)
+        if active and s.blocks:  # the agent's free cache breakpoint, at the end of the folded head
+            changed |= breakpoints.mark_head(lane.name, items_out, start, raw)
         if self.inject and active and len(raws) > start:  # no conversation (``input: []``): nothing to add tools to
             names = lane.tool_names(body) or []
             native = any("bili" in n and n.endswith("compress") for n in names)
