@@ -168,3 +168,15 @@ def test_clock_learns_no_cache():
         clk.report(read=0)
     assert clk.learned().get("no_cache") is True
     assert clk.send(body, 10).read == 0
+
+
+def test_anthropic_blocks_match_byte_for_byte_without_their_cache_control():
+    r = anthropic_rules("claude-sonnet-4-5")
+    a = b'{"type": "text", "text": "' + b"y" * 5000 + b'", "cache_control": {"type": "ephemeral"}}'
+    b = b'{"type": "text", "text": "' + b"y" * 5000 + b'"}'
+    first = b'{"cache_control":{"type":"ephemeral","ttl":"1h"},"type":"text","text":"z"}'
+    assert cache._block(a, r) == (b, 300.0)
+    assert cache._block(first, r) == (b'{"type":"text","text":"z"}', 3600.0)
+    assert cache._block(b, r) == (b, None)
+    quoted = b'{"type":"text","text":"\\"cache_control\\" is a key"}'  # mentioned, not set: no breakpoint
+    assert cache._block(quoted, r) == (quoted, None)

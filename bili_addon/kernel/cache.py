@@ -26,6 +26,7 @@ all, is learned).
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,55 +132,76 @@ def chain(segments: list[Segment], blobs: list[bytes]) -> list[Segment]:
     return segments
 
 
+class _Msg(msgspec.Struct):
+    role: str = ""
+    content: msgspec.Raw = msgspec.Raw(b"null")
+
+
 class _Body(msgspec.Struct):
-    tools: list[Any] = []
-    system: Any = None
-    messages: list[Any] = []
+    tools: list[msgspec.Raw] = []
+    system: msgspec.Raw = msgspec.Raw(b"null")
+    messages: list[_Msg] = []
+
+
+_raws = msgspec.json.Decoder(list[msgspec.Raw])
+_CC = b'"cache_control"'
 
 
 def _tok(blob: bytes) -> int:
     return max(1, len(blob) // BYTES_PER_TOKEN)
 
 
-def _ttl_of(obj: Any, rules: Rules) -> float | None:
+_CC_AFTER = re.compile(rb',\s*"cache_control"\s*:\s*\{[^{}]*\}')
+_CC_FIRST = re.compile(rb'"cache_control"\s*:\s*\{[^{}]*\}\s*,\s*')
+
+
+def _block(raw: bytes, rules: Rules) -> tuple[bytes, float | None]:
+    """A block's bytes as the cache matches them (its ``cache_control`` cut out, the rest byte for
+    byte) and the lifetime its breakpoint asks for (None: no breakpoint).  Only blocks that mention
+    cache_control are parsed."""
+    if _CC not in raw:
+        return raw, None
+    try:
+        obj = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return raw, None
     if not isinstance(obj, dict) or not isinstance(obj.get("cache_control"), dict):
-        return None
-    return rules.ttl_long if obj["cache_control"].get("ttl") == "1h" else rules.ttl
-
-
-def _strip(obj: Any) -> bytes:
-    if isinstance(obj, dict) and "cache_control" in obj:
-        obj = {k: v for k, v in obj.items() if k != "cache_control"}
-    return msgspec.json.encode(obj)
+        return raw, None
+    ttl = rules.ttl_long if obj["cache_control"].get("ttl") == "1h" else rules.ttl
+    stripped, n = _CC_AFTER.subn(b"", raw)
+    if not n:
+        stripped = _CC_FIRST.sub(b"", raw)
+    return stripped, ttl
 
 
 def anthropic_segments(body: bytes, rules: Rules | None = None) -> list[Segment]:
-    """An Anthropic Messages body as its cacheable blocks, in cache order (tools, system, messages)."""
+    """An Anthropic Messages body as its cacheable blocks, in cache order (tools, system, messages).
+    Parsed down to raw blocks only (msgspec.Raw): what is hashed are the blocks' own bytes."""
     rules = rules or anthropic_rules()
     b = msgspec.json.decode(body, type=_Body)
     segs: list[Segment] = []
     blobs: list[bytes] = []
 
-    def add(obj: Any, head: bytes = b"") -> None:
-        blob = head + _strip(obj)
-        segs.append(Segment(_tok(blob), _ttl_of(obj, rules)))
+    def add(raw: bytes, head: bytes) -> None:
+        blob, ttl = _block(raw, rules)
+        blob = head + blob
+        segs.append(Segment(_tok(blob), ttl))
         blobs.append(blob)
 
     for t in b.tools:
-        add(t, b"T")
-    if isinstance(b.system, str):
-        add(b.system, b"S")
-    elif isinstance(b.system, list):
-        for blk in b.system:
-            add(blk, b"S")
+        add(bytes(t), b"T")
+    system = bytes(b.system)
+    if system.startswith(b"["):
+        for blk in _raws.decode(system):
+            add(bytes(blk), b"S")
+    elif system != b"null":
+        add(system, b"S")
     for m in b.messages:
-        if not isinstance(m, dict):
-            continue
-        role = str(m.get("role", "")).encode()
-        content = m.get("content")
-        if isinstance(content, list) and content:
-            for i, blk in enumerate(content):
-                add(blk, b"M" + role if i == 0 else b"C")
+        content = bytes(m.content)
+        role = m.role.encode()
+        if content.startswith(b"[") and content != b"[]":
+            for i, blk in enumerate(_raws.decode(content)):
+                add(bytes(blk), b"M" + role if i == 0 else b"C")
         else:
             add(content, b"M" + role)
     return chain(segs, blobs)
