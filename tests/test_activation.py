@@ -88,9 +88,12 @@ def test_always_injects_from_the_first_request(tmp_path):
 
 def test_the_clock_predicts_what_was_sent(tmp_path):
     eng = engine(tmp_path)
-    first = send(eng, "c", body(2))
+    send(eng, "c", body(2))
     eng.t += 5
-    second = send(eng, "c", body(2, tail="more"))
-    assert first.cache.read == 0 and first.cache.write > 0
-    assert second.cache.read > 1000  # the system block's breakpoint entry (tools + system) is read
+    send(eng, "c", body(2, tail="more"))
+    first, second = eng.clocks.stats("c")["turns"]
+    assert first["predicted_read"] == 0 and first["predicted_write"] > 0
+    assert second["predicted_read"] > 1000  # the system block's breakpoint entry (tools + system) is read
+    eng.clocks.report("c", read=0)  # the provider disagrees
+    assert eng.clocks.stats("c")["turns"][-1]["reported_read"] == 0
     eng.store.close()

@@ -18,6 +18,8 @@ never flicker: that would rewrite the cache each time), at the first of:
 
 from __future__ import annotations
 
+from typing import Callable
+
 from bili_addon.kernel import nudge
 from bili_addon.kernel.fold import FoldConfig, View
 from bili_addon.kernel.state import Session
@@ -27,21 +29,22 @@ FLAG = "active"  # the session flag: why it became active
 
 
 def decide(s: Session, view: View, fold_cfg: FoldConfig, cfg: nudge.NudgeConfig, window: int,
-           cold: bool) -> str | None:
-    """Why the (inactive) session becomes active with this request, or None (it stays inactive)."""
+           cold: Callable[[], bool]) -> str | None:
+    """Why the (inactive) session becomes active with this request, or None (it stays inactive).
+    ``cold``: whether the session's cache has expired (asked only when it matters)."""
     if s.blocks or any(c.result is not None for c in s.calls.values()):
         return "folds"
     total = sum(it.tokens for it in view.items)
     if window > 0 and total >= cfg.pressure * window:
         return "pressure"
     threshold = cfg.batch_tokens
-    floor = threshold // 2 if cold else threshold
+    floor = threshold // 2
     if total < floor:
         return None  # cheap: not even the whole conversation is that much
     pending = sum(r[3] for r in nudge.compressible(view, s.blocks, fold_cfg)
                   if r[3] * 4 >= fold_cfg.min_compress_chars)
     if pending >= threshold:
         return "threshold"
-    if cold and pending >= floor:
+    if pending >= floor and cold():
         return "cold"
     return None

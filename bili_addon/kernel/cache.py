@@ -370,6 +370,7 @@ class Clock:
     said it read, and what that teaches (a shorter lifetime, no cache at all)."""
 
     CONTRADICTIONS = 3  # reports of no read at all where the model predicted one, in a row: no cache
+    KEEP = 200  # turns kept for the stats
 
     def __init__(self, lane: str, model: str = ""):
         self.lane = lane
@@ -377,6 +378,7 @@ class Clock:
         self.turns: list[Turn] = []
         self.last: float | None = None
         self._misses = 0
+        self._ever_read = False  # the provider reported a cache read at least once
 
     @property
     def rules(self) -> Rules:
@@ -390,6 +392,7 @@ class Clock:
                 self.cache.rules = rules_for(self.lane, model)
         bill = bill_request(self.cache, body, now)
         self.turns.append(Turn(now, bill))
+        del self.turns[: -self.KEEP]
         self.last = now
         return bill
 
@@ -415,10 +418,11 @@ class Clock:
                 # the entry was gone after ``gap``: the provider keeps it shorter than documented
                 cap = self.cache.ttl_cap or self.rules.ttl
                 self.cache.ttl_cap = min(cap, gap * 0.9)
-            if self._misses >= self.CONTRADICTIONS and not any(x.reported_read for x in self.turns):
+            if self._misses >= self.CONTRADICTIONS and not self._ever_read:
                 self.cache.disabled = True
         elif read > 0:
             self._misses = 0
+            self._ever_read = True
             self.cache.disabled = False
 
     def learned(self) -> dict[str, Any]:
@@ -438,34 +442,51 @@ class Clock:
 
 class Clocks:
     """The clocks of the sessions one process has seen (in memory: after a restart a session's
-    clock starts again, and nothing is cold until it has seen a request)."""
+    clock starts again, and nothing is cold until it has seen a request).
+
+    A request is only noted when it leaves (its body and time: no work on the request's path); the
+    model bills it when the answer's usage arrives, or when a decision or the stats need the clock."""
+
+    MAX_PENDING = 4
 
     def __init__(self, max_sessions: int = 256):
         self.by_session: dict[str, Clock] = {}
+        self.pending: dict[str, list[tuple[str, bytes, float]]] = {}
         self.max_sessions = max_sessions
 
-    def sent(self, sid: str, lane: str, body: bytes, now: float) -> Bill | None:
-        clk = self.by_session.get(sid)
-        if clk is None or clk.lane != lane:
-            clk = self.by_session[sid] = Clock(lane, model_of(body))
-            while len(self.by_session) > self.max_sessions:
-                self.by_session.pop(next(iter(self.by_session)))
-        try:
-            return clk.send(body, now)
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
-            return None  # a body the model cannot read: no prediction
+    def sent(self, sid: str, lane: str, body: bytes, now: float) -> None:
+        queue = self.pending.setdefault(sid, [])
+        queue.append((lane, body, now))
+        if len(queue) > self.MAX_PENDING:  # answers that never came: bill them now
+            self._flush(sid)
 
-    def report(self, sid: str, read: int, write: int | None = None) -> None:
-        clk = self.by_session.get(sid)
-        if clk is not None:
+    def _flush(self, sid: str) -> Clock | None:
+        for lane, body, now in self.pending.pop(sid, ()):
+            clk = self.by_session.get(sid)
+            if clk is None or clk.lane != lane:
+                clk = self.by_session[sid] = Clock(lane, model_of(body))
+                while len(self.by_session) > self.max_sessions:
+                    old = next(iter(self.by_session))
+                    self.by_session.pop(old)
+                    self.pending.pop(old, None)
+            try:
+                clk.send(body, now)
+            except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
+                pass  # a body the model cannot read: no prediction for it
+        return self.by_session.get(sid)
+
+    def report(self, sid: str, read: int | None, write: int | None = None) -> None:
+        """An answer came (``read``: the cache read it reported; None: it reported no usage)."""
+        clk = self._flush(sid)
+        if clk is not None and read is not None:
             clk.report(read, write)
 
     def cold(self, sid: str, now: float) -> bool:
-        clk = self.by_session.get(sid)
+        clk = self._flush(sid)
         return clk is not None and clk.cold(now)
 
     def stats(self, sid: str) -> dict[str, Any] | None:
-        clk = self.by_session.get(sid)
+        clk = self._flush(sid)
         if clk is None:
             return None
         return {"family": clk.rules.family, "learned": clk.learned(), "turns": clk.rows()[-50:]}

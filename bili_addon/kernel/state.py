@@ -163,7 +163,6 @@ class TurnResult:
     marker: str = ""  # the visibility line for this request's answer
     folded_items: int = 0
     active: bool = True  # bili shows itself in this request (lazy activation): its proxy tools are live
-    cache: Any = None  # the cache model's predicted bill for what was sent (kernel/cache.py)
     reused: int = 0  # items whose work came from the previous pass
     drift: str = ""  # the fold-coverage verdict, when covered refs went missing
     epoch: int = 0  # the epoch this request began (the agent compacted its history), else 0

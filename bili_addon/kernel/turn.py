@@ -163,9 +163,8 @@ class Engine(ProxyTools, Epochs):
                 self._turn_sid = None
                 try:
                     res = self._process(raw, lane, headers, render=render, origin=origin)
-                    if res.session and not res.status:
-                        res.cache = self.clocks.sent(res.session, lane.name, raw if res.body is None else res.body,
-                                                     self.now())
+                    if res.session and not res.status:  # noted only; billed off the request's path
+                        self.clocks.sent(res.session, lane.name, raw if res.body is None else res.body, self.now())
                     return res
                 except StaleSession as e:
                     # another process advanced the session while this turn was computed: nothing
@@ -664,7 +663,7 @@ class Engine(ProxyTools, Epochs):
         if self.activate == "always" or s.flags.get(activation.FLAG):
             return True
         why = activation.decide(s, view, self.fold_cfg, self.nudge_cfg, self.window_for(s),
-                                self.clocks.cold(s.row.id, self.now()))
+                                lambda: self.clocks.cold(s.row.id, self.now()))
         if why:
             self.set_flag(s.row.id, activation.FLAG, why)
             log.info("[bili] session=%s: active from now on (%s)", s.row.id, why)
