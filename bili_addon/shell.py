@@ -506,6 +506,8 @@ class Bili:
             # the provider cache model of this process: predicted vs reported cache reads per request,
             # and what the reports taught (a shorter lifetime, no cache)
             entry["cache"] = eng.clocks.stats(r.id)
+            # the cache lifetime decision (kernel/lifetime.py): 5m or 1h, with the expected costs per request
+            entry["lifetime"] = flags.get("ttl")
             if flags.get("delta_history"):
                 entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"
             sessions.append(entry)

@@ -485,6 +485,18 @@ class Clocks:
         clk = self._flush(sid)
         return clk is not None and clk.cold(now)
 
+    def history(self, sid: str) -> tuple[Rules, list[float], int, int] | None:
+        """``(rules, gaps between requests, the last request's size, the median of what a request writes
+        on top of a warm cache)``."""
+        clk = self._flush(sid)
+        if clk is None or not clk.turns:
+            return None
+        ats = [t.at for t in clk.turns]
+        warm = [t for t, prev in zip(clk.turns[1:], ats) if t.at - prev <= clk.rules.ttl] or clk.turns
+        writes = sorted(t.predicted.write + t.predicted.write_long + t.predicted.input for t in warm)
+        return (clk.rules, [b - a for a, b in zip(ats, ats[1:])], clk.turns[-1].predicted.total,
+                writes[len(writes) // 2])
+
     def stats(self, sid: str) -> dict[str, Any] | None:
         clk = self._flush(sid)
         if clk is None:

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import activation, breakpoints, cache, envelope, fold, nudge, reconcile, tags
+from bili_addon.kernel import activation, breakpoints, cache, envelope, lifetime, fold, nudge, reconcile, tags
 from bili_addon.kernel.compaction import Epochs, asks_for_summary
 from bili_addon.kernel.fold import Block, FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
@@ -163,7 +163,10 @@ class Engine(ProxyTools, Epochs):
                 self._turn_sid = None
                 try:
                     res = self._process(raw, lane, headers, render=render, origin=origin)
-                    if res.session and not res.status:  # noted only; billed off the request's path
+                    if res.session and not res.status:
+                        if res.active and lane.name == "anthropic" and render:
+                            res.body = self._lifetime(res.session, raw if res.body is None else res.body) or res.body
+                        # noted only; billed off the request's path
                         self.clocks.sent(res.session, lane.name, raw if res.body is None else res.body, self.now())
                     return res
                 except StaleSession as e:
@@ -657,6 +660,20 @@ class Engine(ProxyTools, Epochs):
             return {}
         at = hygiene.strict_responses_inserts([info.obj for info in infos])
         return {i: [hygiene.EMPTY_REASONING] for i in at}
+
+    def _lifetime(self, sid: str, body: bytes) -> bytes | None:
+        """The body with 1-hour cache entries where the session chose them (kernel/lifetime.py)."""
+        s = self.sessions.get(sid)
+        if s is None:
+            return None
+        chosen = (s.flags.get(lifetime.FLAG) or {}).get("choice")
+        if chosen != "1h" and self.clocks.cold(sid, self.now()):  # decided at a cold moment only
+            h = self.clocks.history(sid)
+            pick = lifetime.choose(h[1], h[2], h[3], h[0]) if h and h[0].family == "anthropic" else None
+            if pick is not None:
+                self.set_flag(sid, lifetime.FLAG, pick.to_flag())
+                chosen = pick.choice
+        return lifetime.upgrade(body) if chosen == "1h" else None
 
     def _active(self, s: Session, view: View) -> bool:
         """Whether bili shows itself in this request (tools, prompt, tags); see kernel/activation.py."""
