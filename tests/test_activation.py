@@ -97,3 +97,32 @@ def test_the_clock_predicts_what_was_sent(tmp_path):
     eng.clocks.report("c", read=0)  # the provider disagrees
     assert eng.clocks.stats("c")["turns"][-1]["reported_read"] == 0
     eng.store.close()
+
+
+def test_a_provider_that_keeps_entries_one_minute_is_learned(tmp_path):
+    """Calibration through the answer path: the provider reports a read only within a minute of the
+    previous request; after a two-minute gap it reports none, and the clock learns a shorter life."""
+    from bili_addon.stream import Usage
+
+    class Answer:  # an answer as the response path leaves it: no proxy calls, the usage reported
+        calls: list = []
+        rewrite = False
+
+        def __init__(self, read: int):
+            self.usage = Usage(100, read, 0, 10, seen=True)
+
+    eng = engine(tmp_path)
+    last = None
+    for gap in (0, 30, 30, 120, 30):
+        eng.t += gap
+        send(eng, "ttl", body(2))
+        predicted = eng.clocks.stats("ttl")["turns"][-1]["predicted_read"]
+        provider_read = predicted if last is not None and eng.t - last <= 60 else 0
+        eng.record_answer("ttl", "anthropic", Answer(provider_read))
+        last = eng.t
+    learned = eng.clocks.stats("ttl")["learned"]
+    assert learned["ttl"] == 108.0  # 0.9 x the 120 s gap after which the entry was gone
+    rows = eng.clocks.stats("ttl")["turns"]
+    assert rows[3]["predicted_read"] > 0 and rows[3]["reported_read"] == 0  # the contradiction, kept for stats
+    assert not eng.clocks.cold("ttl", eng.t + 100) and eng.clocks.cold("ttl", eng.t + 109)  # (time runs forward)
+    eng.store.close()
