@@ -651,7 +651,7 @@ def report_provider(pairs: list[tuple[str, Run, Run]]) -> None:
     print("billed under the providers' cache rules (kernel/cache.py), the old byte-prefix figure beside it")
     print(f"  gap model: tool loop lognormal median {TOOL_GAP[0]:.0f} s sigma {TOOL_GAP[1]}; a human's next task "
           f"lognormal median {HUMAN_GAP[0]:.0f} s sigma {HUMAN_GAP[1]} (no pauses: {NO_PAUSE_HUMAN:.0f} s)")
-    head = (f"  {'timeline':<17}{'billing':<30}{'without':>10}{'with':>10}{'ratio':>8}{'read share':>12}"
+    head = (f"  {'timeline':<18}{'billing':<30}{'without':>10}{'with':>10}{'ratio':>8}{'read share':>12}"
             f"{'writes w/o→with':>20}{'1st after fold':>16}")
     print(head)
     for label, base, addon in pairs:
@@ -666,7 +666,7 @@ def report_provider(pairs: list[tuple[str, Run, Run]]) -> None:
              sum(b.read for b in addon.oai_bills) / max(1, sum(b.total for b in addon.oai_bills)), "", ""),
         ]
         for how, b, a, share, writes, first in rows:
-            print(f"  {name:<17}{how:<30}{ktok(b):>10}{ktok(a):>10}{a / b:>8.1%}{share:>12.1%}{writes:>20}{first:>16}")
+            print(f"  {name:<18}{how:<30}{ktok(b):>10}{ktok(a):>10}{a / b:>8.1%}{share:>12.1%}{writes:>20}{first:>16}")
             name = ""
     print("  (ratio: with the addon against without; read share: cache reads of the input with the addon;")
     print("  1st after fold: the Anthropic read share of the first request after each fold, on average)")
