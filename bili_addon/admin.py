@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from typing import TYPE_CHECKING, Any
+import re
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
-from mitmproxy import http
+from mitmproxy import ctx, http
 
 from bili_addon import __version__, private
 from bili_addon.kernel.prompts import TOOLS
 from bili_addon.store import StoreError
 
 if TYPE_CHECKING:
+    from bili_addon.keeper import Keeper
     from bili_addon.kernel.turn import Engine
-    from bili_addon.shell import Bili
 
 log = logging.getLogger("bili")
 
@@ -26,6 +27,23 @@ TOOL_ENDPOINT = PREFIX + "plugin/tool"
 MANIFEST_ENDPOINT = PREFIX + "plugin/manifest"
 MAX_BODY = 1 << 20  # a tool call's JSON body; a compress with long summaries stays far below
 PLUGIN_TOOLS = tuple(t["name"] for t in TOOLS)
+INTERCEPT_ENDPOINT = PREFIX + "intercept"
+_HOST_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+
+
+class Host(Protocol):
+    """What the endpoints need from the addon that serves them (:class:`bili_addon.shell.Bili`)."""
+
+    mode: str
+    token: str | None  # the install's admin token, None while it cannot be written
+    data_dir: str
+    keeper: Keeper
+
+    def load_token(self) -> str | None: ...
+
+    def store_status(self) -> dict: ...
+
+    def stats(self, eng: Engine | None = None) -> dict: ...
 
 
 def is_admin(flow: http.HTTPFlow) -> bool:
@@ -55,7 +73,7 @@ def _fail(status: int, error: str) -> http.Response:
     return _json(status, {"ok": False, "error": error})
 
 
-def authenticated(flow: http.HTTPFlow, bili: Bili) -> bool:
+def authenticated(flow: http.HTTPFlow, bili: Host) -> bool:
     """Does the request carry the install's admin token?  A mismatch re-reads the token file once
     (another bili process may have created it first)."""
     presented = private.presented_token(flow.request.headers)
@@ -63,7 +81,7 @@ def authenticated(flow: http.HTTPFlow, bili: Bili) -> bool:
         return False
     if private.token_matches(presented, bili.token):
         return True
-    fresh = private.read_token(bili._data_dir) if bili._data_dir else None
+    fresh = private.read_token(bili.data_dir) if bili.data_dir else None
     if fresh is None and bili.token is None:
         fresh = bili.load_token()
     if fresh is not None and fresh != bili.token:
@@ -72,7 +90,7 @@ def authenticated(flow: http.HTTPFlow, bili: Bili) -> bool:
     return False
 
 
-def handle(flow: http.HTTPFlow, bili: Bili):
+def handle(flow: http.HTTPFlow, bili: Host):
     """Answers the request; returns an awaitable when the answer needs the store (its work runs on
     the store's worker thread: health never waits on it)."""
     if not _loopback(flow):
@@ -100,12 +118,14 @@ def handle(flow: http.HTTPFlow, bili: Bili):
             return None
         return _with_store(flow, bili, lambda eng: plugin_tool(eng, *call),
                            lambda: _fail(503, "the bili store is not available; see the proxy's log"))
+    elif path == INTERCEPT_ENDPOINT and method == "POST":
+        flow.response = intercept_hosts(flow.request)
     else:
         flow.response = _fail(404, f"no such bili endpoint: {method} {path}")
     return None
 
 
-def _with_store(flow: http.HTTPFlow, bili: Bili, answer, without):
+def _with_store(flow: http.HTTPFlow, bili: Host, answer, without):
     """``answer(engine)`` as the response, run where the store is used; ``without()`` when the
     store is unusable."""
     keeper = bili.keeper
@@ -172,3 +192,34 @@ def plugin_tool(engine: Engine, sid: str | None, tool: str, args: dict[str, Any]
         log.warning("[bili] session=%s: cannot record the native_tools flag: %s", resolved, e)
     log.info("[bili] session=%s: plugin tool %s ran", resolved, tool)
     return _json(200, {"ok": True, "tool": tool, "conversationId": resolved, "result": result})
+
+
+# -- POST /__bili/intercept ---------------------------------------------------------------------------
+def intercept_hosts(req: http.Request) -> http.Response:
+    """``{"hosts": ["host[:port]", ...]}``: decrypt these hosts too, from the next connection on (a
+    launcher re-using this proxy asks for its agent's custom model hosts).  A proxy that decrypts
+    everything (no ``allow_hosts``) has nothing to add.  Answers the hosts added and those already in."""
+    try:
+        doc = msgspec.json.decode(req.get_content(strict=True) or b"")
+    except (ValueError, msgspec.DecodeError) as e:
+        return _fail(400, f"the body is not valid JSON: {e}")
+    hosts = doc.get("hosts") if isinstance(doc, dict) else None
+    if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts) or len(hosts) > 256:
+        return _fail(400, 'expected {"hosts": ["host[:port]", ...]}')
+    wanted: list[tuple[str, int]] = []
+    for h in hosts:
+        name, _, port = h.strip().lower().rpartition(":") if ":" in h else (h.strip().lower(), "", "443")
+        if not _HOST_RE.match(name) or not port.isdigit() or not 0 < int(port) < 65536:
+            return _fail(400, f"not a host[:port]: {h!r}")
+        wanted.append((name, int(port)))
+    current = list(ctx.options.allow_hosts)
+    if not current:
+        return _json(200, {"ok": True, "all": True, "added": [], "present": [f"{h}:{p}" for h, p in wanted]})
+    patterns = [re.compile(p, re.IGNORECASE) for p in current]
+    missing = [(h, p) for h, p in dict.fromkeys(wanted) if not any(x.search(f"{h}:{p}") for x in patterns)]
+    if missing:
+        alts = "|".join(f"{re.escape(h)}:{p}" for h, p in missing)
+        ctx.options.update(allow_hosts=[*current, f"^(?:{alts})$"])
+        log.info("[bili] now decrypting %s too (asked by a launcher)", ", ".join(f"{h}:{p}" for h, p in missing))
+    return _json(200, {"ok": True, "all": False, "added": [f"{h}:{p}" for h, p in missing],
+                       "present": [f"{h}:{p}" for h, p in wanted if (h, p) not in missing]})

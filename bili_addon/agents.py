@@ -110,6 +110,7 @@ class Agent:
     package: str = ""  # where it comes from: npm:<name> or pypi:<name>
     tested_version: str = ""
     mcp: bool = False  # takes MCP servers (bili mcp)
+    daemons: tuple[str, ...] = ()  # subcommands of background servers it may hand work to (codex app-server)
 
     def model_hosts(self, env: Mapping[str, str], cwd: Path | None = None) -> HostPlan:
         """Built-in model hosts plus the hosts of every base URL in the agent's configuration."""
@@ -321,6 +322,7 @@ AGENTS: dict[str, Agent] = {
         Agent(
             "codex", "Codex CLI", "codex", BUNDLE_CA, (OPENAI, CHATGPT), _codex_files,
             env_base_urls=("OPENAI_BASE_URL",), package="npm:@openai/codex", tested_version="0.171.0",
+            daemons=("app-server",),
             mcp=True,
         ),
         Agent(

@@ -79,8 +79,8 @@ def _ca(args: argparse.Namespace) -> int:
 def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen-host", default=DEFAULT_HOST, metavar="HOST",
                    help=f"address to bind (default: {DEFAULT_HOST})")
-    p.add_argument("--listen-port", type=int, default=DEFAULT_PORT, metavar="PORT",
-                   help=f"port to bind (default: {DEFAULT_PORT})")
+    p.add_argument("--listen-port", "--port", dest="listen_port", type=int, default=launch.default_port(),
+                   metavar="PORT", help=f"port to bind (default: $BILI_PORT, else {DEFAULT_PORT})")
     p.add_argument("--mode", action="append", metavar="MODE",
                    help="mitmproxy mode: regular (forward proxy, the default), reverse:URL (e.g. "
                         "reverse:https://api.anthropic.com), upstream:URL, socks5, ...; repeatable")
@@ -89,7 +89,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--confdir", metavar="DIR",
                    help="mitmproxy confdir holding the CA (default: the checkout's certs/, "
                         "else $XDG_DATA_HOME/bili-addon/certs)")
-    p.add_argument("--bili-mode", choices=BILI_MODES, default="fold",
+    p.add_argument("--bili-mode", choices=BILI_MODES, default=None,
                    help="fold: ledger plus ref tags rendered into the request; observe: ledger and "
                         "stats, bodies forwarded unchanged; passthrough: byte-exact, nothing recorded "
                         "(default: fold)")
@@ -102,6 +102,10 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-party", choices=FIRST_PARTY, default=None,
                    help="bili_first_party: observe leaves Claude Code's first-party api.anthropic.com "
                         "requests unchanged (default: fold)")
+    p.add_argument("--set", action="append", metavar="NAME=VALUE",
+                   help="a mitmproxy or bili option (repeatable), e.g. --set bili_remind_at=30000; it replaces "
+                        "bili run's own value of that option (allow_hosts: adds to it). A --set after -- is "
+                        "treated the same way")
     p.add_argument("--quiet", action="store_true", help="do not print the set-up instructions")
 
 
@@ -160,6 +164,92 @@ def _instructions(modes: list, host: str, port: int, ca, bili_mode: str,
     return lines
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Something listens on ``host:port`` (bound the way mitmproxy binds: SO_REUSEADDR)."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host or "0.0.0.0", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def _busy_message(host: str, port: int, via_mode: str | None) -> str:
+    found = launch.probe(port, _display_host(host).strip("[]"))
+    where = f"{_display_host(host)}:{port}"
+    how = (f"choose another port in --mode {via_mode}" if via_mode else
+           f"choose another port with --listen-port (e.g. bili run --listen-port {port + 1})")
+    if found.kind == "bili":
+        h = found.health
+        return (f"{where} is in use by a bili proxy already (version {h.get('version')}, mode {h.get('mode')}): "
+                f"point the agent at it, or {how}")
+    return f"{where} is in use by another program; {how}"
+
+
+def _health_target(modes: list, host: str, port: int) -> tuple[str, int] | None:
+    """Where to ask ``/__bili/health`` for the proxy's first mode that answers HTTP (None: none does)."""
+    for m in modes:
+        if m.type_name in ("regular", "upstream", "reverse"):
+            return _display_host(m.listen_host(host)).strip("[]"), m.listen_port(port)
+    return None
+
+
+def _serve(cmd: list[str], target: tuple[str, int] | None, ready: Callable[[dict], None]) -> int:
+    """Run mitmdump as our child (its output is ours), wait until ``/__bili/health`` answers as bili,
+    then call ``ready``; forward signals to it and return its exit code.  If it answers, but not as
+    bili (the addon did not load: traffic would flow with bili off), stop it and return 1."""
+    import time
+
+    failed: list[str] = []
+    answered: list[dict] = []
+
+    def check(pid: int) -> None:
+        if target is None:
+            answered.append({})
+            ready({})
+            return
+        deadline = time.monotonic() + launch.START_TIMEOUT
+        other_since = None
+        while time.monotonic() < deadline:
+            if not launch._alive(pid):
+                return  # exited during start-up: its own messages say why
+            found = launch.probe(target[1], target[0], timeout=1.0)
+            if found.kind == "bili":
+                answered.append(found.health)
+                ready(found.health)
+                return
+            if found.kind == "other":
+                other_since = other_since or time.monotonic()
+                if time.monotonic() - other_since > launch.ADDON_GRACE:
+                    failed.append(f"mitmdump is running but the bili addon did not load (/__bili/health: "
+                                  f"{found.detail}); see mitmdump's messages above. Stopped it: without the addon "
+                                  "traffic would pass with bili off")
+                    break
+            else:
+                other_since = None
+            time.sleep(0.1)
+        else:
+            failed.append(f"the proxy did not answer /__bili/health within {launch.START_TIMEOUT:.0f} s; stopped it")
+        launch.SharedProxy._kill(pid, None)
+
+    try:
+        rc = launch.run_child(cmd, os.environ, on_start=check)
+    except OSError as e:
+        _err(f"cannot start {cmd[0]}: {e}")
+        return 1
+    if failed:
+        _err(failed[0])
+        return 1
+    if rc > 0 and not answered:
+        _err(f"mitmdump exited during start-up (code {rc}); see its messages above")
+    return launch._exit_like(rc)
+
+
 def _run(args: argparse.Namespace) -> int:
     from mitmproxy.proxy.mode_specs import ProxyMode
 
@@ -173,6 +263,18 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         _err(f"invalid --mode: {e}")
         return 2
+    try:
+        sets, rest = launch.user_options(args.set, args.extra, reserved=True, flags={
+            "--bili-mode": args.bili_mode, "--first-party": args.first_party, "--data-dir": args.data_dir})
+    except launch.OptionError as e:
+        _err(str(e))
+        return 2
+    bili_mode = launch.option_value(sets, "bili_mode", args.bili_mode or "fold")
+    for m in modes:
+        host, port = m.listen_host(args.listen_host), m.listen_port(args.listen_port)
+        if port and port_in_use(host, port):
+            _err(_busy_message(host, port, m.full_spec if m.custom_listen_port else None))
+            return 1
     try:
         ca = ensure_ca(args.confdir)
     except CertError as e:
@@ -196,29 +298,34 @@ def _run(args: argparse.Namespace) -> int:
         allow = allow_hosts_regex(plan.hosts)
     cmd = mitmdump_command(
         mitmdump, listen_host=args.listen_host, listen_port=args.listen_port, modes=specs, confdir=ca.confdir,
-        data_dir=args.data_dir, bili_mode=args.bili_mode,
+        data_dir=args.data_dir, bili_mode=bili_mode,
         upstream_ca=system_roots_for_upstream(ca.roots_source),
         lazy=any(m.type_name == "reverse" for m in modes), allow_hosts=allow, first_party=args.first_party,
-        extra=args.extra,  # last, so they override ours
+        sets=sets, extra=rest,
     )
 
-    if not args.quiet:
-        print("\n".join(_instructions(modes, args.listen_host, args.listen_port, ca, args.bili_mode, intercepted)))
-        print("", flush=True)
+    def ready(health: dict) -> None:
+        if args.quiet:
+            return
+        lines = _instructions(modes, args.listen_host, args.listen_port, ca, health.get("mode", bili_mode),
+                              intercepted)
+        if health:
+            store = "ok" if health.get("store") else "UNAVAILABLE (see the log above)"
+            lines.append(f"\nbili: ready (health answers: version {health.get('version')}, mode {health.get('mode')}, "
+                         f"store {store})")
+        print("\n".join(lines), flush=True)
+
+    sys.stdout.flush()
     sys.stderr.flush()
-    try:
-        os.execvp(cmd[0], cmd)
-    except OSError as e:
-        _err(f"cannot start {cmd[0]}: {e}")
-        return 1
-    return 0  # not reached
+    return _serve(cmd, _health_target(modes, args.listen_host, args.listen_port), ready)
 
 
 COMMANDS: dict[str, Command] = {
     "run": Command(
         help="start the proxy (mitmdump with the bili addon)",
-        description="Start the proxy: makes sure the CA exists, prints how to point an agent at it, "
-                    "then runs mitmdump with the bili addon. Arguments after -- go to mitmdump as-is.",
+        description="Start the proxy: makes sure the CA exists, runs mitmdump with the bili addon, waits "
+                    "until /__bili/health answers and prints how to point an agent at it. Arguments after -- "
+                    "go to mitmdump (a --set there is merged with bili's own options).",
         configure=_run_args, run=_run, passthrough=True,
     ),
     "ca": Command(

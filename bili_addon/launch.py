@@ -33,6 +33,7 @@ from bili_addon.store import DB_NAME, default_data_dir
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 5.0
+ADDON_GRACE = 3.0  # a port that answers, but not as bili, for this long: the addon did not load
 ADDON = Path(__file__).resolve().parent / "addon.py"
 
 
@@ -68,6 +69,111 @@ def system_roots_for_upstream(source: str | None) -> str | None:
     return source
 
 
+# -- mitmdump options: bili's own, merged with the user's -----------------------------------------------
+# mitmproxy refuses two values for one option, and when that option belongs to an addon loaded with
+# -s it drops the addon without a word.  So every option goes on the command line once: bili's own
+# values, then the user's (``--set NAME=VALUE`` of bili run / the launchers, and any ``--set`` after
+# ``--``) replacing them.  Options that hold a list (allow_hosts) take the user's values as well.
+SEQUENCE_OPTIONS = frozenset({"allow_hosts", "ignore_hosts", "modify_headers", "modify_body", "map_local",
+                              "map_remote", "scripts", "setheaders"})
+# options bili run sets from its own flags, which it must know (it prints them and checks the port):
+# refused after ``--``, with the flag to use instead
+RESERVED = {"listen_host": "--listen-host", "listen_port": "--listen-port", "mode": "--mode", "confdir": "--confdir"}
+RESERVED_ARGS = {"--listen-host": "--listen-host", "--listen-port": "--listen-port", "-p": "--listen-port",
+                 "--mode": "--mode", "-m": "--mode"}
+# bili's flags and the addon option each one sets
+FLAG_OPTIONS = {"--bili-mode": "bili_mode", "--first-party": "bili_first_party", "--data-dir": "bili_data_dir"}
+
+
+class OptionError(ValueError):
+    """The user's options cannot be merged with bili's (said in bili's terms)."""
+
+
+def _parse_set(spec: str) -> tuple[str, str | None]:
+    name, eq, value = spec.partition("=")
+    name = name.strip()
+    if not name:
+        raise OptionError(f"--set {spec!r}: expected NAME=VALUE")
+    return name, (value if eq else None)
+
+
+def split_sets(args: list[str]) -> tuple[list[tuple[str, str | None]], list[str]]:
+    """The ``--set NAME=VALUE`` (and ``--set=NAME=VALUE``) pairs among mitmdump arguments, and the rest."""
+    pairs, rest = [], []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--set":
+            if i + 1 >= len(args):
+                raise OptionError("--set at the end of the arguments: expected NAME=VALUE after it")
+            pairs.append(_parse_set(args[i + 1]))
+            i += 2
+            continue
+        if a.startswith("--set="):
+            pairs.append(_parse_set(a[len("--set="):]))
+        else:
+            rest.append(a)
+        i += 1
+    return pairs, rest
+
+
+def _same(name: str, a: str | None, b: str | None) -> bool:
+    if a == b:
+        return True
+    if name in ("bili_data_dir", "confdir") and a and b:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    return False
+
+
+def user_options(sets: list[str] | None, extra: list[str] = (), *,  # type: ignore[assignment]
+                 flags: Mapping[str, str | None] | None = None,
+                 reserved: bool = False) -> tuple[list[tuple[str, str | None]], list[str]]:
+    """The user's mitmproxy options, once each: ``sets`` (bili's own ``--set`` flag), then any ``--set``
+    in ``extra`` (mitmdump arguments after ``--``); returns them and ``extra`` without them.
+
+    ``flags``: bili's flags the user gave explicitly (``{"--bili-mode": "observe"}``); a ``--set`` of
+    the same option with another value is refused, as is one option given twice with two values.
+    ``reserved``: refuse the options bili run sets from its own flags (listen address, mode, confdir)."""
+    pairs = [_parse_set(s) for s in sets or []]
+    more, rest = split_sets(list(extra))
+    pairs += more
+    if reserved:
+        for a in rest:
+            flag = RESERVED_ARGS.get(a.split("=", 1)[0])
+            if flag:
+                raise OptionError(f"{a} after --: give it as bili run's own {flag} (before --), so that bili "
+                                  "binds, checks and prints the same address")
+        for name, _v in pairs:
+            if name in RESERVED:
+                raise OptionError(f"--set {name}=...: give it as bili run's own {RESERVED[name]} (before --)")
+    given = {FLAG_OPTIONS[f]: (f, v) for f, v in (flags or {}).items() if v is not None and f in FLAG_OPTIONS}
+    seen: dict[str, str | None] = {}
+    out: list[tuple[str, str | None]] = []
+    for name, value in pairs:
+        if name in SEQUENCE_OPTIONS:
+            if (name, value) not in out:
+                out.append((name, value))
+            continue
+        if name in seen:
+            if not _same(name, seen[name], value):
+                raise OptionError(f"{name} is given twice ({seen[name]!r} and {value!r}); give it once")
+            continue
+        if name in given and not _same(name, given[name][1], value):
+            flag, fv = given[name]
+            raise OptionError(f"{flag} {fv} and --set {name}={value} disagree; give one of them")
+        seen[name] = value
+        out.append((name, value))
+    return out, rest
+
+
+def option_value(pairs: list[tuple[str, str | None]], name: str, default: str | None) -> str | None:
+    """The user's value of a scalar option, else ``default``."""
+    for n, v in pairs:
+        if n == name:
+            return v
+    return default
+
+
 def mitmdump_command(
     mitmdump: Path | str,
     *,
@@ -82,33 +188,46 @@ def mitmdump_command(
     allow_hosts: str | None = None,
     first_party: str | None = None,
     scripts: list[str] = (),  # type: ignore[assignment]
-    sets: list[str] = (),  # type: ignore[assignment]
+    sets: list[tuple[str, str | None]] = (),  # type: ignore[assignment]
     extra: list[str] = (),  # type: ignore[assignment]
 ) -> list[str]:
-    cmd = [str(mitmdump), "-s", str(ADDON), "--listen-host", listen_host, "--listen-port", str(listen_port)]
+    """The mitmdump command line; ``sets`` are the user's options (:func:`user_options`), each replacing
+    bili's value of the same option (list options: added to it), so that no option is given twice."""
+    cmd = [str(mitmdump), "-s", str(ADDON)]
+    for s in scripts:
+        cmd += ["-s", str(Path(s).expanduser().resolve())]
+    cmd += ["--listen-host", listen_host, "--listen-port", str(listen_port)]
     for m in modes:
         cmd += ["--mode", m]
-    cmd += ["--set", f"confdir={confdir}"]
+    ours: dict[str, list[str | None]] = {"confdir": [str(confdir)]}
     if data_dir:
-        cmd += ["--set", f"bili_data_dir={Path(data_dir).expanduser().resolve()}"]
-    cmd += ["--set", f"bili_mode={bili_mode}"]
+        ours["bili_data_dir"] = [str(Path(data_dir).expanduser().resolve())]
+    ours["bili_mode"] = [bili_mode]
     if first_party:
-        cmd += ["--set", f"bili_first_party={first_party}"]
+        ours["bili_first_party"] = [first_party]
     if upstream_ca:
         # mitmproxy verifies upstream servers against certifi only; trust what this machine trusts
         # (a corporate or sandbox TLS inspector's CA lives in the system store, not in certifi)
-        cmd += ["--set", f"ssl_verify_upstream_trusted_ca={upstream_ca}"]
+        ours["ssl_verify_upstream_trusted_ca"] = [upstream_ca]
     if lazy:
         # mitmproxy's default ("eager") dials the upstream as soon as a client connects and drops
         # the client if that fails; lazy lets /__bili/ answer even while the upstream is down
-        cmd += ["--set", "connection_strategy=lazy"]
+        ours["connection_strategy"] = ["lazy"]
     if allow_hosts:
         # TLS is intercepted for these hosts only; every other CONNECT is tunnelled untouched
-        cmd += ["--set", f"allow_hosts={allow_hosts}"]
-    for s in scripts:
-        cmd += ["-s", str(Path(s).expanduser().resolve())]
-    for s in sets:
-        cmd += ["--set", s]
+        ours["allow_hosts"] = [allow_hosts]
+    replaced: set[str] = set()
+    for name, value in sets:
+        if name in SEQUENCE_OPTIONS:
+            ours.setdefault(name, []).append(value)
+        else:
+            if name not in replaced:
+                ours[name] = []
+                replaced.add(name)
+            ours[name].append(value)
+    for name, values in ours.items():
+        for v in values:
+            cmd += ["--set", name if v is None else f"{name}={v}"]
     return cmd + list(extra)
 
 
@@ -149,6 +268,32 @@ def probe(port: int, host: str = DEFAULT_HOST, timeout: float = 2.0, token: str 
             return Probe("bili", doc)
         detail = f"HTTP {resp.status}: {body[:120]!r}"
     return Probe("other", detail=detail)
+
+
+def request_intercept(port: int, hosts: list[tuple[str, int]], host: str = DEFAULT_HOST,
+                      timeout: float = 5.0, token: str | None = None) -> dict | str:
+    """Ask a running bili proxy to decrypt ``hosts`` too (``POST /__bili/intercept``): its answer, or
+    why it did not take them."""
+    body = json.dumps({"hosts": [f"{h}:{p}" for h, p in hosts]}).encode()
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("POST", "http://bili.proxy/__bili/intercept", body=body,
+                     headers={"content-type": "application/json", "connection": "close",
+                              private.TOKEN_HEADER: token or ""})
+        resp = conn.getresponse()
+        raw = resp.read(65536)
+    except (OSError, http.client.HTTPException) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if resp.status == 200 and isinstance(doc, dict) and doc.get("ok"):
+        return doc
+    why = doc.get("error") if isinstance(doc, dict) else raw[:120]
+    return f"HTTP {resp.status}: {why}"
 
 
 # -- the shared proxy, with a lease per launcher ---------------------------------------------------------
@@ -250,7 +395,7 @@ class SharedProxy:
                 self.reused, self.health, self.pid = True, found.health, self._owner()
             elif found.kind == "other":
                 raise LaunchError(f"{self.host}:{self.port} is in use by something that is not a bili proxy "
-                                  f"({found.detail}); choose another port with --port")
+                                  f"({found.detail}); choose another port with --listen-port (or $BILI_PORT)")
             else:
                 self._start()
             self.users_dir.mkdir(parents=True, exist_ok=True)
@@ -271,8 +416,21 @@ class SharedProxy:
         finally:
             log.close()
         deadline = time.monotonic() + START_TIMEOUT
+        other_since = None
         while True:
             found = probe(self.port, self.host, timeout=1.0, token=self.token)
+            if found.kind == "other" and self.proc.poll() is None:
+                # mitmdump listens (scripts load before it binds) but /__bili/health is not ours: the
+                # addon did not load, and traffic would flow with bili off
+                other_since = other_since or time.monotonic()
+                if time.monotonic() - other_since > ADDON_GRACE:
+                    self._kill(self.proc.pid, self.proc)
+                    self.proc = None
+                    raise LaunchError(f"mitmdump started but the bili addon did not load (/__bili/health: "
+                                      f"{found.detail}); stopped it. Its log {self.log_path} ends:\n"
+                                      + _tail(self.log_path))
+            else:
+                other_since = None
             if found.kind == "bili":
                 if self.proc.poll() is None:
                     self.pid, self.started, self.health = self.proc.pid, True, found.health
@@ -302,7 +460,8 @@ class SharedProxy:
                               "token: another user's proxy, or one started with another --data-dir; choose "
                               "another port with --port (or give the same --data-dir)")
 
-    def detach(self) -> None:
+    def detach(self, hurry=None) -> None:
+        """``hurry()``: true once the stop should not wait for a clean exit any more."""
         with self._locked():
             (self.users_dir / str(os.getpid())).unlink(missing_ok=True)
             if self._users():
@@ -310,24 +469,26 @@ class SharedProxy:
             pid = self.proc.pid if self.proc is not None and self.proc.poll() is None else self._owner()
             if pid is None:
                 return  # not started by a launcher (bili run): never ours to stop
-            self._kill(pid, self.proc if self.proc is not None and self.proc.pid == pid else None)
-            self.owner_path.unlink(missing_ok=True)
+            try:
+                self._kill(pid, self.proc if self.proc is not None and self.proc.pid == pid else None, hurry)
+            finally:
+                self.owner_path.unlink(missing_ok=True)
             self.stopped = pid
             self.proc = None
 
     @staticmethod
-    def _kill(pid: int, proc: subprocess.Popen | None) -> None:
-        """SIGTERM to the proxy's process group, SIGKILL after STOP_TIMEOUT."""
+    def _kill(pid: int, proc: subprocess.Popen | None, hurry=None) -> None:
+        """SIGTERM to the proxy's process group, SIGKILL after STOP_TIMEOUT (at once when ``hurry()``)."""
         for sig, wait in ((signal.SIGTERM, STOP_TIMEOUT), (signal.SIGKILL, STOP_TIMEOUT)):
             try:
                 os.killpg(pid, sig)
-            except ProcessLookupError:
-                pass
-            except PermissionError:
+            except (ProcessLookupError, PermissionError):  # not a group leader (bili run's child), or gone
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline:
+                if sig == signal.SIGTERM and hurry is not None and hurry():
+                    break
                 if proc is not None:
                     if proc.poll() is not None:
                         return
@@ -395,6 +556,51 @@ def no_proxy_conflicts(env: Mapping[str, str], hosts: list[tuple[str, int]]) -> 
                 out.append(host)
                 break
     return out
+
+
+# -- the agent's background servers ----------------------------------------------------------------------
+def stale_daemons(agent: Agent, proxy_url: str, proc_dir: str = "/proc") -> list[tuple[int, str]]:
+    """The agent's background servers (codex's TUI leaves a ``codex app-server`` behind) running with
+    another ``HTTPS_PROXY`` than this launch's, or none: ``(pid, their HTTPS_PROXY)``.  The agent may
+    hand its work to such a server, which keeps the proxy it was started with (a dead port, or no bili
+    at all).  Found through /proc, for processes of this user; elsewhere nothing is found."""
+    if not agent.daemons or not os.path.isdir(proc_dir):
+        return []
+    names = {agent.binary, agent.binary + ".js"}
+    out = []
+    for entry in os.listdir(proc_dir):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            argv = [os.path.basename(a.decode(errors="replace"))
+                    for a in Path(proc_dir, entry, "cmdline").read_bytes().split(b"\0") if a]
+            at = next((i for i, a in enumerate(argv) if a in names), None)
+            if at is None or not any(a in agent.daemons for a in argv[at + 1:]):
+                continue
+            env = dict(e.split(b"=", 1) for e in Path(proc_dir, entry, "environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:  # gone, or not ours to read
+            continue
+        theirs = (env.get(b"HTTPS_PROXY") or env.get(b"https_proxy") or b"").decode(errors="replace")
+        if theirs.rstrip("/") != proxy_url:
+            out.append((int(entry), theirs))
+    return sorted(out)
+
+
+def _daemon_note(agent: Agent, pid: int, theirs: str) -> str:
+    what = f"a background {agent.binary} {agent.daemons[0]} (pid {pid})"
+    if not theirs:
+        state = "runs without HTTPS_PROXY: bili sees none of its traffic"
+    else:
+        try:
+            port = int(theirs.rstrip("/").rsplit(":", 1)[1])
+            found = probe(port)
+        except (ValueError, IndexError):
+            found = Probe("other")
+        state = (f"still uses HTTPS_PROXY={theirs}, where " +
+                 ("nothing answers any more: its requests fail" if found.kind == "free" else
+                  "another bili proxy answers" if found.kind == "bili" else "something that is not bili answers"))
+    return (f"{what} {state}. {agent.title} may hand its work to it instead of using this launch's proxy; "
+            f"stop it (kill {pid}) and it is started again with this launch's settings")
 
 
 # -- running the agent ------------------------------------------------------------------------------------
@@ -491,21 +697,31 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
     allow = allow_hosts_regex(hosts.hosts)
     proxy_url = f"http://{DEFAULT_HOST}:{args.port}"
     mitmdump = find_mitmdump() or Path("mitmdump")
+    sets, _ = user_options(args.set, flags={"--bili-mode": args.bili_mode, "--first-party": args.first_party,
+                                            "--data-dir": args.data_dir})
     command = mitmdump_command(
         mitmdump, listen_host=DEFAULT_HOST, listen_port=args.port, modes=["regular"], confdir=ca.confdir,
-        data_dir=args.data_dir, bili_mode=args.bili_mode, upstream_ca=system_roots_for_upstream(ca.roots_source),
-        lazy=False, allow_hosts=allow, first_party=args.first_party, scripts=args.script or [],
-        sets=args.set or [],
+        data_dir=args.data_dir, bili_mode=args.bili_mode or "fold",
+        upstream_ca=system_roots_for_upstream(ca.roots_source), lazy=False, allow_hosts=allow,
+        first_party=args.first_party, scripts=args.script or [], sets=sets,
     )
     return Plan(agent, binary, [binary or agent.binary, *args.extra], hosts, allow, proxy_url,
                 agent_env(agent, env, proxy_url, ca, args.data_dir), command, ca)
 
 
+def default_port() -> int:
+    """``$BILI_PORT``, else 8787: the port of bili run, the launchers and bili doctor."""
+    try:
+        return int(os.environ.get("BILI_PORT") or DEFAULT_PORT)
+    except ValueError:
+        return DEFAULT_PORT
+
+
 def configure_agent(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=int(os.environ.get("BILI_PORT") or DEFAULT_PORT), metavar="PORT",
+    p.add_argument("--listen-port", "--port", dest="port", type=int, default=default_port(), metavar="PORT",
                    help=f"the proxy's port on 127.0.0.1; a bili proxy already there is re-used "
-                        f"(default: $BILI_PORT, else {DEFAULT_PORT})")
-    p.add_argument("--bili-mode", choices=BILI_MODES, default="fold",
+                        f"(default: $BILI_PORT, else {DEFAULT_PORT}; --port is the old spelling)")
+    p.add_argument("--bili-mode", choices=BILI_MODES, default=None,
                    help="bili_mode of a proxy this launch starts (default: fold)")
     p.add_argument("--first-party", choices=FIRST_PARTY, default=None,
                    help="bili_first_party of a proxy this launch starts: observe leaves Claude Code's "
@@ -518,7 +734,8 @@ def configure_agent(p: argparse.ArgumentParser) -> None:
     p.add_argument("-s", "--script", action="append", metavar="FILE",
                    help="one more mitmproxy addon for a proxy this launch starts (repeatable)")
     p.add_argument("--set", action="append", metavar="NAME=VALUE",
-                   help="a mitmproxy option for a proxy this launch starts (repeatable)")
+                   help="a mitmproxy or bili option for a proxy this launch starts (repeatable); it replaces "
+                        "the launcher's own value of that option (allow_hosts: adds to it)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the hosts, the agent's environment and the proxy command, run nothing")
     p.add_argument("-q", "--quiet", action="store_true", help="no bili: lines on stderr (errors excepted)")
@@ -528,6 +745,9 @@ def configure_agent(p: argparse.ArgumentParser) -> None:
 def launch(agent: Agent, args: argparse.Namespace) -> int:
     try:
         plan = plan_launch(agent, args)
+    except OptionError as e:
+        _say(f"error: {e}")
+        return 2
     except Exception as e:  # CertError, ValueError
         _say(f"error: {e}")
         return 1
@@ -545,6 +765,9 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
     old_proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
     if old_proxy and old_proxy.rstrip("/") != plan.proxy_url:
         _say(f"note: HTTPS_PROXY={old_proxy} is replaced by {plan.proxy_url} for {agent.binary}", args.quiet)
+
+    for pid, theirs in stale_daemons(agent, plan.proxy_url):
+        _say(f"note: {_daemon_note(agent, pid, theirs)}", args.quiet)
 
     try:  # created now if this is the first run, so that racing launchers agree on it
         token = private.ensure_token(Path(args.data_dir).expanduser() if args.data_dir else default_data_dir())
@@ -565,9 +788,13 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
         else:
             _say(f"re-using the bili proxy on {plan.proxy_url} (version {proxy.health.get('version')}, "
                  f"mode {proxy.health.get('mode')})", args.quiet)
-            if plan.hosts.endpoints:
-                _say("note: a proxy started elsewhere intercepts the hosts it was started with; "
-                     f"{', '.join(sorted({e.host for e in plan.hosts.endpoints}))} may not be among them", args.quiet)
+            got = request_intercept(args.port, plan.hosts.hosts, token=proxy.token)
+            if isinstance(got, dict):
+                if got.get("added"):
+                    _say(f"the proxy now decrypts {', '.join(got['added'])} too (this agent's model hosts)", args.quiet)
+            elif plan.hosts.endpoints:
+                _say(f"note: the running proxy did not take this agent's model hosts ({got}); "
+                     f"{', '.join(sorted({e.host for e in plan.hosts.endpoints}))} may not be decrypted", args.quiet)
         try:
             rc = run_child(plan.argv, plan.env, on_start=(
                 (lambda pid: _say(f"running {plan.argv[0]} (pid {pid})")) if args.verbose and not args.quiet else None))
@@ -581,12 +808,21 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the proxy was starting
         rc = -signal.SIGINT
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        # stopping the proxy: a signal now (Ctrl-C again, the service manager) only hurries it along
+        # (SIGKILL at once); it never interrupts the clean-up, so the agent's code is still the exit
+        # code and the lease files are gone
+        hurry: list[int] = []
+        for s in old:
+            signal.signal(s, lambda signum, _f: hurry.append(signum))
+        prev_int = signal.signal(signal.SIGINT, lambda signum, _f: hurry.append(signum))
         try:
-            proxy.detach()
+            proxy.detach(hurry=lambda: bool(hurry))
         except OSError as e:
             _say(f"warning: could not stop the proxy: {e}")
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            signal.signal(signal.SIGINT, prev_int)
         if proxy.stopped:
             _say(f"stopped the proxy (pid {proxy.stopped})", args.quiet)
     return _exit_like(rc)
@@ -612,7 +848,8 @@ def _print_plan(plan: Plan) -> int:
 
 # -- bili doctor --------------------------------------------------------------------------------------------
 def configure_doctor(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=int(os.environ.get("BILI_PORT") or DEFAULT_PORT), metavar="PORT")
+    p.add_argument("--listen-port", "--port", dest="port", type=int, default=default_port(), metavar="PORT",
+                   help=f"the port to check (default: $BILI_PORT, else {DEFAULT_PORT})")
     p.add_argument("--confdir", metavar="DIR", help="where the CA lives (default as for bili run)")
     p.add_argument("--data-dir", metavar="DIR", help="where the store lives (default: $XDG_DATA_HOME/bili-addon)")
     p.add_argument("--json", action="store_true", help="the checks as JSON")
@@ -689,7 +926,7 @@ def doctor_checks(args: argparse.Namespace, env: Mapping[str, str] | None = None
         checks.append(Check("port", True, f"127.0.0.1:{args.port} is free (bili <agent> starts a proxy there)"))
     else:
         checks.append(Check("port", False, f"127.0.0.1:{args.port} is used by something else ({found.detail}); "
-                                           f"use --port / BILI_PORT"))
+                                           f"use --listen-port / BILI_PORT"))
 
     data = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
     db = data / DB_NAME

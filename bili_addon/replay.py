@@ -54,6 +54,7 @@ class Turn:
     first_party: bool = False  # Claude Code's first-party request (cch= billing block)
     first_block_kept: bool | None = None  # first-party: system[0] still first and byte-exact upstream
     changed: bool = False  # the body sent upstream differs from the agent's
+    reason: str = ""  # why a compress run for this request folded nothing (what the model was told)
     note: str = ""
     live: dict[str, Any] | None = None  # what the live proxy recorded for this request (a capture with bili loaded)
     body: bytes = b""  # what would have been sent upstream (not in --json)
@@ -137,6 +138,7 @@ class Replayer:
             report.path, index, res.session, n, lane.name, via, host, res.messages, res.refs_new, res.refs_known,
             len(raw), len(body), sum(b.active for b in s.blocks) if s else 0, res.folded_items, list(res.executed),
             first_party=fp, changed=res.body is not None and res.body != raw, body=body, raw=raw, at=self.at,
+            reason=" ".join(res.declined),
         )
         if fp:
             turn.first_block_kept = _system_head(body) == _system_head(raw)
@@ -307,7 +309,7 @@ def replay_file(path: Path, *, first_party: str = "fold", min_compress_chars: in
 
 # -- output ---------------------------------------------------------------------------------------------
 COLUMNS = ("turn", "lane", "via", "msgs", "refs new/known", "bytes in→out", "~tokens in→out", "blocks", "folded",
-           "ran", "note")
+           "ran", "reason")
 
 
 def table(report: FileReport) -> list[str]:
@@ -328,6 +330,7 @@ def table(report: FileReport) -> list[str]:
             if t.first_party and not note:
                 note = ("first-party: system[0] kept first, byte-exact" if t.first_block_kept
                         else "first-party: system[0] CHANGED (a bug: please report)")
+            note = "; ".join(x for x in (t.reason, note) if x)
             rows.append((str(t.turn), t.lane, t.via, str(t.messages), f"{t.refs_new}/{t.refs_known}",
                          f"{t.bytes_in}→{t.bytes_out}", f"{t.tokens_in}→{t.tokens_out}", str(t.blocks),
                          str(t.folded), ran, note))

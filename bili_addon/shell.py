@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from mitmproxy import ctx, http
+from mitmproxy import ctx, exceptions, http
 
 from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, private
 from bili_addon.kernel import envelope
@@ -51,6 +51,41 @@ def first_party_claude(raw: bytes, host: str) -> bool:
 WS_REFUSAL = b'{"error":"bili: WebSocket upgrades on /responses are refused in fold mode; use HTTP POST"}'
 
 
+# the options whose values are checked in ``configure``: a choice list, or a lower bound
+CHOICES = {"bili_mode": MODES, "bili_first_party": FIRST_PARTY}
+NON_NEGATIVE = ("bili_min_compress_chars", "bili_remind_at", "bili_context_window")
+
+
+def validate_options(options, updated: set[str]) -> None:
+    """Refuse a bad value the way mitmproxy's own addons do: an ``OptionsError`` naming the option,
+    the value and what it may be (at start-up mitmdump then exits; at run time the change is undone)."""
+    for name, choices in CHOICES.items():
+        if name in updated and getattr(options, name) not in choices:
+            raise exceptions.OptionsError(
+                f"{name}={getattr(options, name)!r} is not one of: {', '.join(choices)}")
+    for name in NON_NEGATIVE:
+        if name in updated and getattr(options, name) < 0:
+            raise exceptions.OptionsError(f"{name}={getattr(options, name)} must be 0 or more")
+
+
+def check_deferred(options) -> None:
+    """``--set`` values given before the addon loaded are applied by mitmproxy right after ``load``; one
+    it cannot parse (an option given twice, ``bili_remind_at=abc``) makes it drop the addon without a
+    word and forward everything with bili off.  Say so as an error: mitmdump then exits at start-up."""
+    known = getattr(options, "_options", {})
+    parse = getattr(options, "_parse_setval", None)  # mitmproxy's own parser (private: absent -> no check)
+    if parse is None:
+        return
+    for name, value in list(getattr(options, "deferred", {}).items()):
+        values = getattr(value, "val", None)  # the strings of --set, not yet parsed
+        if name not in known or not name.startswith("bili_") or values is None:
+            continue
+        try:
+            parse(known[name], list(values))
+        except exceptions.OptionsError as e:
+            log.error("[bili] %s; mitmproxy would drop the bili addon and forward everything unchanged", e)
+
+
 @dataclass
 class FlowState:
     """What the request side learned about a flow, for its response.  Live objects: kept by the addon
@@ -69,7 +104,7 @@ class Bili:
         self.mode = "fold"
         self.refuse_ws = True
         self.first_party = "fold"
-        self._data_dir = ""
+        self.data_dir = ""
         self._flows: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDictionary()
 
     @property
@@ -146,17 +181,19 @@ class Bili:
             "observe records them but forwards their bodies and answers unchanged.",
             choices=FIRST_PARTY,
         )
+        check_deferred(loader.master.options)
 
     def configure(self, updated: set[str]) -> None:
+        validate_options(ctx.options, updated)
         if "bili_mode" in updated:
             self.mode = ctx.options.bili_mode
         if "bili_refuse_websocket" in updated:
             self.refuse_ws = ctx.options.bili_refuse_websocket
         if "bili_first_party" in updated:
             self.first_party = ctx.options.bili_first_party
-        if "bili_data_dir" in updated or not self._data_dir:
-            self._data_dir = ctx.options.bili_data_dir or str(default_data_dir())
-            self.keeper.open(self._data_dir)
+        if "bili_data_dir" in updated or not self.data_dir:
+            self.data_dir = ctx.options.bili_data_dir or str(default_data_dir())
+            self.keeper.open(self.data_dir)
             self.load_token()
         elif self.engine is not None:
             self._tune(self.engine)
@@ -186,11 +223,11 @@ class Bili:
     def load_token(self) -> str | None:
         """The admin token of the data dir, created on first use; None while it cannot be written."""
         try:
-            self.token = private.ensure_token(self._data_dir)
+            self.token = private.ensure_token(self.data_dir)
         except OSError as e:
             self.token = None
             log.warning("[bili] cannot write the admin token in %s (%s); the admin endpoints but health "
-                        "answer 403 until it can be", self._data_dir, e)
+                        "answer 403 until it can be", self.data_dir, e)
         return self.token
 
     def done(self) -> None:
@@ -470,6 +507,7 @@ class Bili:
             return {"sessions": [], "store": False, "store_status": self.keeper.status()}
         store = eng.store
         sessions = []
+        families = self.engine.lineage.families()
         for r in store.sessions():
             u = store.usage(r.id)
             flags = msgspec.json.decode(r.flags or "{}")
@@ -508,6 +546,9 @@ class Bili:
             entry["cache"] = eng.clocks.stats(r.id)
             # the cache lifetime decision (kernel/lifetime.py): 5m or 1h, with the expected costs per request
             entry["lifetime"] = flags.get("ttl")
+            family = families.get(r.id)
+            if family is not None:  # forks: {root, parent, fork_at, children}
+                entry["lineage"] = family
             if flags.get("delta_history"):
                 entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"
             sessions.append(entry)

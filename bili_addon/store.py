@@ -116,6 +116,30 @@ CREATE TABLE IF NOT EXISTS copies(
     session_id TEXT PRIMARY KEY,
     doc TEXT NOT NULL
 ) WITHOUT ROWID;
+-- lineage (#15/#20): forks inherit their parent's view; id-less sessions match any earlier point
+CREATE TABLE IF NOT EXISTS lineage(
+    session_id TEXT PRIMARY KEY,
+    parent TEXT NOT NULL DEFAULT '',
+    root TEXT NOT NULL,
+    fork_at INTEGER NOT NULL DEFAULT 0,
+    created REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS lineage_root ON lineage(root);
+CREATE TABLE IF NOT EXISTS lineage_parts(
+    session_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    ref TEXT NOT NULL,
+    chash TEXT NOT NULL,
+    fp TEXT NOT NULL,
+    PRIMARY KEY(session_id, seq)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS lineage_parts_head ON lineage_parts(fp) WHERE seq=0;
+CREATE TABLE IF NOT EXISTS affinity_points(
+    hash TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    depth INTEGER NOT NULL,
+    PRIMARY KEY(hash, session_id)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS calls(
     session_id TEXT NOT NULL,
     call_key TEXT NOT NULL,
@@ -535,6 +559,12 @@ class Store:
             return
         have = self.db.execute("SELECT next_ref FROM sessions WHERE id=?", (session_id,)).fetchone()
         first = have[0] if have else 1
+        family = self.db.execute(  # a family shares one counter: a ref is never given twice in it
+            "SELECT MAX(s.next_ref) FROM lineage m JOIN sessions s ON s.id=m.session_id "
+            "WHERE m.root=(SELECT root FROM lineage WHERE session_id=?)", (session_id,)
+        ).fetchone()
+        if family and family[0]:
+            first = max(first, family[0])
         if first + len(minted) != next_ref:
             raise StaleSession(session_id, next_ref - len(minted), first)
         try:
@@ -664,3 +694,128 @@ class Store:
                 [(session_id, keep + i, sig, json.dumps(refs), item) for i, (sig, refs, item) in enumerate(rows)],
             )
         return version
+
+    # -- lineage (#15, #20): kept apart from the rest; nothing above depends on it -------------------
+    def lineage(self) -> list[tuple[str, str, str, int]]:
+        """``(session, parent, root, fork_at)`` of every session that is part of a family."""
+        return self.db.execute("SELECT session_id, parent, root, fork_at FROM lineage ORDER BY created").fetchall()
+
+    def lineage_parts(self, session_id: str) -> list[tuple[str, str, str]]:
+        """The session's recorded history, in conversation order: ``(ref, content hash, verification
+        fingerprint)`` per part."""
+        return self.db.execute(
+            "SELECT ref, chash, fp FROM lineage_parts WHERE session_id=? ORDER BY seq", (session_id,)
+        ).fetchall()
+
+    def save_lineage_parts(self, session_id: str, keep: int, rows: list[tuple[str, str, str]]) -> None:
+        """Parts from ``keep`` on are replaced by ``rows``."""
+        with self._tx():
+            self.db.execute("DELETE FROM lineage_parts WHERE session_id=? AND seq>=?", (session_id, keep))
+            self.db.executemany(
+                "INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) VALUES(?,?,?,?,?)",
+                [(session_id, keep + i, *row) for i, row in enumerate(rows)],
+            )
+
+    def lineage_candidates(self, first_fp: str, lane: str) -> list[str]:
+        """Sessions of ``lane`` whose recorded history opens with this part, oldest first."""
+        return [r[0] for r in self.db.execute(
+            "SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id=p.session_id "
+            "WHERE p.seq=0 AND p.fp=? AND s.lane=? ORDER BY s.created", (first_fp, lane)
+        ).fetchall()]
+
+    def family_next_ref(self, root: str) -> int:
+        """The next ref no session of the family has given (refs are never given twice in a family)."""
+        row = self.db.execute(
+            "SELECT MAX(next_ref) FROM sessions WHERE id IN (SELECT session_id FROM lineage WHERE root=?)", (root,)
+        ).fetchone()
+        return int(row[0]) if row and row[0] else 1
+
+    def family(self, session_id: str) -> tuple[str, str, int, int] | None:
+        """``(root, parent, fork_at, the family's next ref)`` of a session in a family, else None
+        (read from the store on every turn: another proxy on the same store may have made it one)."""
+        row = self.db.execute(
+            "SELECT l.root, l.parent, l.fork_at, (SELECT MAX(s.next_ref) FROM sessions s JOIN lineage m "
+            "ON m.session_id=s.id WHERE m.root=l.root) FROM lineage l WHERE l.session_id=?", (session_id,)
+        ).fetchone()
+        return (row[0], row[1], row[2], int(row[3] or 1)) if row else None
+
+    def adopt(self, child: SessionRow, parent: str, root: str, fork_at: int, ledger: list[LedgerRow],
+              blocks: list[tuple[str, str, bool]], originals: list[tuple], calls: list[tuple[str, str, str, str | None]],
+              retired: list[tuple[str, str, str]] = (), *, expect: int) -> int:
+        """One transaction: ``child`` becomes ``parent``'s child in ``root``'s family and takes what it
+        inherits (ledger rows, blocks, their originals, call results); ``retired``: ``(msg_id,
+        content_hash, new ref)`` of the child's own rows whose ref an inherited row takes.  A session
+        write like any other: ``expect`` is the child's version, the new one is returned."""
+        now = time.time()
+        with self._tx():
+            version = self._advance(child.id, expect)
+            self.db.executemany(  # the refs each name one text in the child from now on
+                "INSERT OR REPLACE INTO refs(session_id, ref, content_hash) VALUES(?,?,?)",
+                [(child.id, r.ref, r.content_hash) for r in ledger]
+                + [(child.id, ref, chash) for _msg_id, chash, ref in retired],
+            )
+            self.db.execute(
+                "INSERT OR IGNORE INTO lineage(session_id, parent, root, fork_at, created) VALUES(?,?,?,?,?)",
+                (root, "", root, 0, now),
+            )
+            self.db.execute(
+                "INSERT INTO lineage(session_id, parent, root, fork_at, created) VALUES(?,?,?,?,?)",
+                (child.id, parent, root, fork_at, now),
+            )
+            self.db.execute(
+                "INSERT INTO sessions(id, agent, lane, created, last_seen, next_ref, flags) VALUES(?,?,?,?,?,?,?) "
+                "ON CONFLICT(id) DO UPDATE SET next_ref=MAX(next_ref, excluded.next_ref), flags=excluded.flags",
+                (child.id, child.agent, child.lane, child.created, now, child.next_ref, child.flags),
+            )
+            self.db.executemany(
+                "UPDATE ledger SET ref=? WHERE session_id=? AND msg_id=? AND content_hash=?",
+                [(ref, child.id, msg_id, chash) for msg_id, chash, ref in retired],
+            )
+            self.db.executemany(
+                "INSERT OR REPLACE INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, "
+                "first_seen) VALUES(?,?,?,?,?,?,?,?)",
+                [(child.id, r.msg_id, r.content_hash, r.ref, r.role, r.ctype, r.tokens, now) for r in ledger],
+            )
+            self.db.executemany(
+                "INSERT OR REPLACE INTO blocks(session_id, block_id, body, active) VALUES(?,?,?,?)",
+                [(child.id, bid, body, int(active)) for bid, body, active in blocks],
+            )
+            self.db.executemany(
+                "INSERT OR IGNORE INTO originals(session_id, ref, role, ctype, tool_name, tool_call_id, text, "
+                "tokens) VALUES(?,?,?,?,?,?,?,?)",
+                [(child.id, *o) for o in originals],
+            )
+            self.db.executemany(
+                "INSERT OR IGNORE INTO calls(session_id, call_key, name, args, result, created, executed) "
+                "VALUES(?,?,?,?,?,?,?)",
+                [(child.id, k, n, a, r, now, now if r is not None else None) for k, n, a, r in calls],
+            )
+        return version
+
+    def affinity_points(self, hashes: list[str]) -> dict[str, list[tuple[str, int]]]:
+        """Every recorded point of an id-less session's history among ``hashes``:
+        ``{hash: [(session, depth), ...]}``, the most recently seen session first."""
+        out: dict[str, list[tuple[str, int]]] = {}
+        for i in range(0, len(hashes), 500):
+            chunk = hashes[i : i + 500]
+            rows = self.db.execute(
+                "SELECT p.hash, p.session_id, p.depth FROM affinity_points p LEFT JOIN affinity a "
+                f"ON a.session_id=p.session_id WHERE p.hash IN ({','.join('?' * len(chunk))}) "
+                "ORDER BY a.last_seen DESC",
+                chunk,
+            ).fetchall()
+            for h, sid, depth in rows:
+                out.setdefault(h, []).append((sid, depth))
+        return out
+
+    def add_affinity_points(self, session_id: str, points: list[tuple[int, str]]) -> None:
+        """Points ``(depth, hash)`` of an id-less session's history (known ones are kept)."""
+        if points:
+            self._write_many(
+                "INSERT OR IGNORE INTO affinity_points(hash, session_id, depth) VALUES(?,?,?)",
+                [(h, session_id, d) for d, h in points],
+            )
+
+    def _write_many(self, sql: str, rows: list[tuple]) -> None:
+        with self._tx():
+            self.db.executemany(sql, rows)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from bili_addon import __version__, certs, cli
+from bili_addon import __version__, certs, cli, launch
+from bili_addon.agents import AGENTS
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOTSTRAP = ROOT / "scripts" / "bootstrap"
@@ -206,15 +207,17 @@ def test_bili_modes_match_the_addon():
 def test_bili_run_builds_the_mitmdump_command(tmp_path, monkeypatch, capsys):
     seen: list[list[str]] = []
 
-    def fake_exec(file, argv):
-        seen.append(list(argv))
-        raise OSError("not really")
+    def fake_serve(cmd, target, ready):
+        seen.append(list(cmd))
+        ready({"ok": True, "version": __version__, "mode": "observe", "store": True})
+        return 0
 
-    monkeypatch.setattr(os, "execvp", fake_exec)
+    monkeypatch.setattr(cli, "_serve", fake_serve)
+    monkeypatch.setattr(cli, "port_in_use", lambda host, port: False)
     rc = cli.main(["run", "--listen-port", "9999", "--mode", "reverse:https://api.anthropic.com",
                    "--data-dir", str(tmp_path / "data"), "--confdir", str(tmp_path / "ca"),
                    "--bili-mode", "observe", "--", "--set", "flow_detail=0"])
-    assert rc == 1 and len(seen) == 1
+    assert rc == 0 and len(seen) == 1
     argv = seen[0]
     assert Path(argv[0]).name == "mitmdump"
     assert argv[argv.index("-s") + 1] == str(Path(cli.__file__).resolve().parent / "addon.py")
@@ -227,6 +230,7 @@ def test_bili_run_builds_the_mitmdump_command(tmp_path, monkeypatch, capsys):
     assert argv[-2:] == ["--set", "flow_detail=0"]
     out = capsys.readouterr().out
     assert "ANTHROPIC_BASE_URL=http://127.0.0.1:9999" in out
+    assert "bili: ready" in out
 
     # forward mode (the default): the proxy and CA variables; no data dir unless given
     seen.clear()
@@ -244,6 +248,73 @@ def test_bili_run_builds_the_mitmdump_command(tmp_path, monkeypatch, capsys):
     seen.clear()
     cli.main(["run", "--quiet", "--confdir", str(tmp_path / "ca")])
     assert seen and capsys.readouterr().out == ""
+
+
+def _sets(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+
+
+def test_options_after_dashdash_are_merged_with_bilis_own_never_doubled(tmp_path, monkeypatch, capsys):
+    seen: list[list[str]] = []
+    monkeypatch.setattr(cli, "_serve", lambda cmd, target, ready: seen.append(list(cmd)) or 0)
+    monkeypatch.setattr(cli, "port_in_use", lambda host, port: False)
+    ca = ["--confdir", str(tmp_path / "ca")]
+
+    # the user's value replaces bili's: one bili_mode, theirs
+    assert cli.main(["run", *ca, "--", "--set", "bili_mode=observe", "-w", "flows.mitm"]) == 0
+    sets = _sets(seen[-1])
+    assert [s for s in sets if s.startswith("bili_mode=")] == ["bili_mode=observe"]
+    assert seen[-1][-2:] == ["-w", "flows.mitm"]
+    # bili run's own --set, and --set=NAME=VALUE after --, the same way
+    assert cli.main(["run", *ca, "--set", "bili_remind_at=30000", "--", "--set=bili_first_party=observe"]) == 0
+    sets = _sets(seen[-1])
+    assert "bili_remind_at=30000" in sets and "bili_first_party=observe" in sets
+    assert len(sets) == len({s.split("=", 1)[0] for s in sets if not s.startswith("allow_hosts=")}) + \
+        sum(s.startswith("allow_hosts=") for s in sets)
+    # the same data dir twice is one option; allow_hosts (a list) gains the user's entry
+    data = tmp_path / "data"
+    assert cli.main(["run", *ca, "--data-dir", str(data), "--", "--set", f"bili_data_dir={data}",
+                     "--set", "allow_hosts=^extra\\.example:443$"]) == 0
+    sets = _sets(seen[-1])
+    assert [s for s in sets if s.startswith("bili_data_dir=")] == [f"bili_data_dir={data.resolve()}"]
+    allow = [s for s in sets if s.startswith("allow_hosts=")]
+    assert len(allow) == 2 and allow[-1] == "allow_hosts=^extra\\.example:443$"
+    capsys.readouterr()
+
+    # what cannot be merged is refused, saying what to do, and nothing runs
+    n = len(seen)
+    for argv, words in [
+        (["--bili-mode", "observe", "--", "--set", "bili_mode=fold"], ["--bili-mode observe", "bili_mode=fold"]),
+        (["--data-dir", str(data), "--", "--set", f"bili_data_dir={tmp_path / 'other'}"], ["--data-dir"]),
+        (["--set", "bili_mode=observe", "--", "--set", "bili_mode=passthrough"], ["bili_mode", "twice"]),
+        (["--", "--listen-port", "9000"], ["--listen-port"]),
+        (["--", "-p", "9000"], ["--listen-port"]),
+        (["--", "--set", "confdir=/tmp/x"], ["--confdir"]),
+        (["--", "--mode", "socks5"], ["--mode"]),
+        (["--", "--set"], ["NAME=VALUE"]),
+    ]:
+        assert cli.main(["run", *ca, *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("bili: error:") and all(w in err for w in words), (argv, err)
+    assert len(seen) == n
+
+
+def test_the_launchers_take_set_and_merge_it(tmp_path, capsys):
+    args = cli.build_parser().parse_args(["claude", "--confdir", str(tmp_path / "ca"), "--set", "bili_mode=observe",
+                                          "--set", "bili_remind_at=0", "--listen-port", "9123"])
+    args.extra = []
+    plan = launch.plan_launch(AGENTS["claude"], args, env={"HOME": str(tmp_path), "PATH": ""}, cwd=tmp_path)
+    sets = _sets(plan.command)
+    assert [s for s in sets if s.startswith("bili_mode=")] == ["bili_mode=observe"]
+    assert "bili_remind_at=0" in sets and plan.proxy_url == "http://127.0.0.1:9123"
+    # --port stays as the old spelling of --listen-port
+    old = cli.build_parser().parse_args(["claude", "--port", "9124"])
+    assert old.port == 9124
+    args = cli.build_parser().parse_args(["claude", "--confdir", str(tmp_path / "ca"), "--bili-mode", "fold",
+                                          "--set", "bili_mode=observe", "--dry-run"])
+    args.extra = []
+    assert launch.launch(AGENTS["claude"], args) == 2
+    assert "--bili-mode fold and --set bili_mode=observe disagree" in capsys.readouterr().err
 
 
 def test_bili_run_rejects_a_bad_mode(tmp_path, capsys):
@@ -309,3 +380,175 @@ def test_bili_run_serves_health(tmp_path, mode):
     assert health["store"] is True
     assert (tmp_path / "data" / "bili.sqlite3").exists()
     assert (tmp_path / "ca" / "mitmproxy-ca-cert.pem").exists()
+
+
+# -- options and start-up errors through the real CLI and mitmdump ---------------------------------------
+def _run_cli(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*_bili_cmd(), *args], capture_output=True, text=True, env=_clean_env(),
+                          stdin=subprocess.DEVNULL, timeout=timeout)
+
+
+@pytest.mark.e2e
+def test_bili_run_with_an_option_after_dashdash_runs_bili_with_the_users_value(tmp_path):
+    port = _free_port()
+    log = tmp_path / "bili.log"
+    args = ["run", "--listen-port", str(port), "--data-dir", str(tmp_path / "data"), "--confdir", str(tmp_path / "ca"),
+            "--mode", "reverse:http://127.0.0.1:9", "--", "--set", "bili_mode=observe",
+            "--set", f"bili_data_dir={tmp_path / 'data'}"]
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*_bili_cmd(), *args], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=_clean_env(), start_new_session=True)
+    try:
+        health = _poll_health(opener, f"http://127.0.0.1:{port}/__bili/health", proc, log)
+        deadline = time.monotonic() + 10
+        while "bili: ready" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        _stop(proc)
+    assert health["mode"] == "observe" and health["store"] is True
+    text = log.read_text()
+    assert "bili: ready (health answers: version" in text and "mode observe" in text
+    assert "[bili] store at" in text
+
+
+@pytest.mark.e2e
+def test_a_bad_option_value_stops_mitmdump_with_the_choices(tmp_path):
+    from tests.e2e.support import ADDON, MITMDUMP
+
+    base = [str(MITMDUMP), "-s", str(ADDON), "--listen-host", "127.0.0.1", "--set", f"confdir={tmp_path / 'ca'}",
+            "--set", f"bili_data_dir={tmp_path / 'data'}"]
+    cases = [
+        (["--set", "bili_mode=bogus"], "bili_mode='bogus' is not one of: fold, observe, passthrough"),
+        (["--set", "bili_first_party=flod"], "bili_first_party='flod' is not one of: fold, observe"),
+        (["--set", "bili_remind_at=-1"], "bili_remind_at=-1 must be 0 or more"),
+        # mitmproxy itself would drop the addon without a word for these two
+        (["--set", "bili_mode=fold", "--set", "bili_mode=observe"], "multiple values for bili_mode"),
+        (["--set", "bili_remind_at=soon"], "bili_remind_at: not an integer: soon"),
+    ]
+    for extra, words in cases:
+        r = subprocess.run([*base, "--listen-port", str(_free_port()), *extra], capture_output=True, text=True,
+                           env=_clean_env(), stdin=subprocess.DEVNULL, timeout=60)
+        assert r.returncode == 1, (extra, r.stdout, r.stderr)
+        assert words in r.stdout + r.stderr, (extra, r.stdout, r.stderr)
+
+    # through bili run: the same refusal, and bili says mitmdump did not start
+    r = _run_cli(["run", "--listen-port", str(_free_port()), "--confdir", str(tmp_path / "ca"), "--data-dir",
+                  str(tmp_path / "data"), "--set", "bili_mode=flod"])
+    assert r.returncode == 1
+    assert "bili_mode='flod' is not one of" in r.stdout + r.stderr
+    assert "bili: error: mitmdump exited during start-up (code 1)" in r.stderr
+    assert "bili: ready" not in r.stdout
+
+
+@pytest.mark.e2e
+def test_a_port_in_use_is_refused_in_bilis_terms(tmp_path):
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        r = _run_cli(["run", "--listen-port", str(port), "--confdir", str(tmp_path / "ca"), "--quiet"])
+    assert r.returncode == 1
+    assert f"127.0.0.1:{port} is in use by another program" in r.stderr
+    assert "--listen-port" in r.stderr and "--mode regular@" not in r.stderr + r.stdout
+
+
+@pytest.mark.e2e
+def test_mitmdump_answering_without_the_addon_is_an_error_not_ready(tmp_path, capsys):
+    from tests.e2e.support import MITMDUMP
+
+    port = _free_port()
+    cmd = [str(MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", str(port), "--set",
+           f"confdir={tmp_path / 'ca'}", "--mode", "reverse:http://127.0.0.1:9", "--set", "connection_strategy=lazy"]
+    ready: list[dict] = []
+    assert cli._serve(cmd, ("127.0.0.1", port), ready.append) == 1
+    assert not ready
+    assert "the bili addon did not load" in capsys.readouterr().err
+    assert cli.port_in_use("127.0.0.1", port) is False  # stopped
+
+    proxy = launch.SharedProxy(port, cmd, state=tmp_path / "state")
+    with pytest.raises(launch.LaunchError, match="the bili addon did not load"):
+        proxy.attach()
+    assert cli.port_in_use("127.0.0.1", port) is False
+
+
+# -- installed like a tool (pipx install . / uv tool install .) -----------------------------------------
+@pytest.mark.e2e
+def test_a_tool_style_install_gives_a_working_bili_from_any_directory(tmp_path):
+    """What ``pipx install .`` and ``uv tool install .`` do: a non-editable install of the checkout into
+    a venv of its own.  bili then runs from any directory and keeps its CA and store in the XDG data
+    dir (the checkout's certs/ only serves a checkout install)."""
+    import shutil
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    shutil.copytree(ROOT / "bili_addon", src / "bili_addon", ignore=shutil.ignore_patterns("__pycache__"))
+    venv = tmp_path / "tool-venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(src)],
+                       capture_output=True, text=True, timeout=600, env=_clean_env())
+    if r.returncode != 0 and ("Could not find a version" in r.stderr or "NewConnectionError" in r.stderr):
+        pytest.skip(f"PyPI not reachable: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr
+    bili = venv / "bin" / "bili"
+    assert bili.is_file()
+
+    home, elsewhere = tmp_path / "home", tmp_path / "some" / "project"
+    elsewhere.mkdir(parents=True)
+    env = {k: v for k, v in _clean_env().items() if not k.startswith(("XDG_", "BILI_"))}
+    env.update(HOME=str(home), PATH=f"/usr/bin{os.pathsep}/bin")  # the venv is not on PATH: bili finds mitmdump
+    r = subprocess.run([str(bili), "--help"], capture_output=True, text=True, cwd=elsewhere, env=env, timeout=60)
+    assert r.returncode == 0 and "run" in r.stdout and "replay" in r.stdout, r.stderr
+    data = home / ".local" / "share" / "bili-addon"
+    r = subprocess.run([str(bili), "ca", "--json"], capture_output=True, text=True, cwd=elsewhere, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["confdir"] == str(data / "certs")
+
+    port = _free_port()
+    log = tmp_path / "run.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([str(bili), "run", "--listen-port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=tmp_path / "some", env=env, start_new_session=True)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": f"http://127.0.0.1:{port}"}))
+    try:
+        health = _poll_health(opener, "http://bili.proxy/__bili/health", proc, log)
+    finally:
+        _stop(proc)
+    assert health["ok"] is True and health["store"] is True
+    text = log.read_text()
+    assert f"CA in {data / 'certs'}" in text and str(venv) in text  # the installed addon, the XDG CA
+    assert (data / "bili.sqlite3").exists() and (data / "certs" / "mitmproxy-ca-cert.pem").exists()
+    assert not list(elsewhere.iterdir()) and not (tmp_path / "some" / "certs").exists()
+
+
+@pytest.mark.e2e
+def test_the_readmes_plain_mitmdump_line_binds_loopback_and_uses_the_projects_ca(tmp_path):
+    import re
+    import shlex
+
+    line = next(ln for ln in (ROOT / "README.md").read_text().splitlines()
+                if ln.startswith(".venv/bin/mitmdump -s bili_addon/addon.py"))
+    argv = shlex.split(line)
+    assert argv[argv.index("--listen-host") + 1] == "127.0.0.1"
+    assert "confdir=certs" in argv
+    mitmdump = Path(sys.executable).parent / "mitmdump"
+    port = _free_port()
+    home = tmp_path / "home"
+    cmd = [str(mitmdump), *argv[1:], "--listen-port", str(port), "--set", f"bili_data_dir={tmp_path / 'data'}"]
+    log = tmp_path / "mitmdump.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=_clean_env(HOME=str(home)), start_new_session=True)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": f"http://127.0.0.1:{port}"}))
+    try:
+        health = _poll_health(opener, "http://bili.proxy/__bili/health", proc, log)
+    finally:
+        _stop(proc)
+    assert health["ok"] is True and health["mode"] == "observe"
+    assert re.search(rf"proxy listening at 127\.0\.0\.1:{port}", log.read_text())
+    assert (ROOT / "certs" / "mitmproxy-ca.pem").is_file()  # the project's CA, the one bili run uses
+    assert not (home / ".mitmproxy").exists()
+    if certs.checkout_root() == ROOT:
+        assert certs.default_confdir() == ROOT / "certs"

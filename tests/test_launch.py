@@ -28,7 +28,7 @@ import pytest
 from mitmproxy import http
 from mitmproxy.test import tflow, tutils
 
-from bili_addon import agents, cli, launch
+from bili_addon import agents, cli, launch, private
 from bili_addon.agents import AGENTS, allow_hosts_regex, intercept_plan, strip_jsonc
 from bili_addon.certs import ensure_ca
 from bili_addon.shell import first_party_claude
@@ -746,6 +746,7 @@ def test_bili_run_as_a_system_proxy_intercepts_only_model_hosts(lab):
     lab.procs.append(run)
     try:
         wait_for(lambda: launch.probe(port).kind == "bili", 30, "bili run")
+        wait_for(lambda: "bili: ready" in log.read_text(), 30, "bili run's ready line")  # printed after health
         text = log.read_text()
         line = next(ln for ln in text.splitlines() if ln.startswith("TLS is decrypted for"))
         assert "api.anthropic.com" in line and "api.openai.com" in line
@@ -776,11 +777,8 @@ def test_bili_run_as_a_system_proxy_intercepts_only_model_hosts(lab):
 def test_bili_run_intercept_options_build_the_allow_list(tmp_path, monkeypatch):
     seen: list[list[str]] = []
 
-    def fake_exec(file, argv):
-        seen.append(list(argv))
-        raise OSError("not really")
-
-    monkeypatch.setattr(os, "execvp", fake_exec)
+    monkeypatch.setattr(cli, "_serve", lambda cmd, target, ready: seen.append(list(cmd)) or 0)
+    monkeypatch.setattr(cli, "port_in_use", lambda host, port: False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     base = ["run", "--quiet", "--confdir", str(tmp_path / "ca")]
     cli.main(base + ["--intercept-host", "llm.corp.example:8443", "--first-party", "observe"])
@@ -810,3 +808,114 @@ def test_agent_version_from_npm_and_python_packages(tmp_path):
     script = _write(venv / "bin" / "hermes", f"#!{venv}/bin/python\nfrom hermes_cli.main import main\n")
     assert launch.agent_version(str(script)) == "0.19.0"
     assert launch.agent_version(str(_write(tmp_path / "plain", "#!/bin/sh\n"))) == "unknown version"
+
+
+# -- the launcher's edge cases (#20) ---------------------------------------------------------------------
+SLOW_STOP = '''import os, time
+class SlowStop:
+    def done(self):
+        open(os.environ["SLOW_STOP_MARK"], "w").close()
+        time.sleep(20)
+addons = [SlowStop()]
+'''
+
+
+@pytest.mark.e2e
+def test_ctrl_c_while_the_proxy_stops_keeps_the_agents_code_and_leaves_nothing(lab):
+    script = lab.tmp / "slow_stop.py"
+    script.write_text(SLOW_STOP)
+    mark = lab.tmp / "stopping"
+    port = free_port()
+    p = lab.launch("claude", port, "c", code=5, launcher=["-s", str(script)], SLOW_STOP_MARK=str(mark))
+    wait_for(mark.exists, 60, "the proxy to start stopping")
+    os.kill(p.pid, signal.SIGINT)  # as Ctrl-C would, while the launcher waits for the proxy to exit
+    rc, _, err = finish(p)
+    assert rc == 5, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    proxy = started_pid(err)
+    assert f"stopped the proxy (pid {proxy})" in err
+    assert not alive(proxy)  # hurried: killed at once rather than after the grace period
+    assert lab.owner_pid(port) is None
+    assert not list((launch.state_dir(lab.env()) / f"proxy-{port}.users").iterdir())
+
+
+@pytest.mark.e2e
+def test_a_stale_codex_app_server_is_explained(lab):
+    dead = free_port()
+    daemon = subprocess.Popen([str(lab.bin / "codex"), "app-server", "--listen", "stdio"],
+                              env=lab.env(FAKE_AGENT_OUT=str(lab.out("daemon")), FAKE_AGENT_MODE="wait",
+                                          HTTPS_PROXY=f"http://127.0.0.1:{dead}"),
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    lab.procs.append(daemon)
+    lab.record("daemon")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    assert launch.stale_daemons(AGENTS["codex"], url) == [(daemon.pid, f"http://127.0.0.1:{dead}")]
+    assert launch.stale_daemons(AGENTS["codex"], f"http://127.0.0.1:{dead}") == []  # the same proxy: fine
+    assert launch.stale_daemons(AGENTS["claude"], url) == []  # claude has no daemons
+    rc, _, err = finish(lab.launch("codex", port, "a", code=0))
+    assert rc == 0, err
+    assert (f"a background codex app-server (pid {daemon.pid}) still uses HTTPS_PROXY=http://127.0.0.1:{dead}, "
+            "where nothing answers any more") in err
+    assert f"kill {daemon.pid}" in err
+    os.killpg(daemon.pid, signal.SIGKILL)
+    daemon.wait(10)
+    rc, _, err = finish(lab.launch("codex", port, "b", code=0))
+    assert rc == 0 and "app-server" not in err, err
+
+
+@pytest.mark.e2e
+def test_a_reused_proxy_takes_the_agents_custom_model_hosts(lab):
+    sample_configs(lab.home, lab.project)
+    port = free_port()
+    holder = lab.launch("claude", port, "holder", mode="wait")  # starts the proxy with claude's hosts
+    lab.record("holder")
+    rc, _, err = finish(lab.launch("codex", port, "codex"))
+    assert rc == 0, err
+    assert "re-using the bili proxy" in err
+    assert "the proxy now decrypts codex-gw.corp.example:443 too" in err
+    assert "may not be decrypted" not in err
+    # asked again: already there, nothing to say
+    rc, _, err = finish(lab.launch("codex", port, "again"))
+    assert rc == 0 and "now decrypts" not in err, err
+    token = private.read_token(lab.tmp / "data")
+    assert launch.request_intercept(port, [("new.corp.example", 8443)]).startswith("HTTP 403")  # no token
+    got = launch.request_intercept(port, [("codex-gw.corp.example", 443), ("new.corp.example", 8443)], token=token)
+    assert isinstance(got, dict) and got["present"] == ["codex-gw.corp.example:443"]
+    assert got["added"] == ["new.corp.example:8443"]
+    bad = launch.request_intercept(port, [("bad host!", 443)], token=token)
+    assert isinstance(bad, str) and bad.startswith("HTTP 400")
+    os.kill(holder.pid, signal.SIGTERM)
+    finish(holder)
+
+
+def _intercept_flow(body: bytes, token: str):
+    req = tutils.treq(method=b"POST", path=b"/__bili/intercept", host="bili.proxy", port=80, scheme=b"http",
+                      headers=http.Headers(host="bili.proxy", content_type="application/json",
+                                           x_bili_token=token), content=body)
+    f = tflow.tflow(req=req)
+    f.client_conn.peername = ("127.0.0.1", 50000)
+    return f
+
+
+def test_the_intercept_endpoint_adds_hosts_to_allow_hosts(bili):
+    def call(body: dict | bytes):
+        f = _intercept_flow(body if isinstance(body, bytes) else json.dumps(body).encode(), bili.token)
+        bili.request(f)
+        return f.response.status_code, json.loads(f.response.content)
+
+    # decrypting everything (no allow_hosts): nothing to add
+    status, doc = call({"hosts": ["gw.corp.example"]})
+    assert status == 200 and doc["all"] is True and doc["added"] == []
+    bili.tctx.options.update(allow_hosts=[allow_hosts_regex([("api.anthropic.com", 443)])])
+    status, doc = call({"hosts": ["api.anthropic.com:443", "GW.corp.example", "gw.corp.example:8443"]})
+    assert status == 200 and doc["added"] == ["gw.corp.example:443", "gw.corp.example:8443"]
+    assert doc["present"] == ["api.anthropic.com:443"]
+    allow = list(bili.tctx.options.allow_hosts)
+    assert len(allow) == 2 and re.search(allow[1], "gw.corp.example:8443") and not re.search(allow[1], "gw.corp.example:9")
+    assert call({"hosts": ["gw.corp.example:8443"]})[1]["added"] == []
+    for bad in (b"not json", {"hosts": "gw"}, {"hosts": ["bad host"]}, {"hosts": ["gw:99999"]}, {"hosts": [1]}):
+        status, doc = call(bad)
+        assert status == 400 and doc["ok"] is False, bad
+    assert len(bili.tctx.options.allow_hosts) == 2

@@ -13,8 +13,11 @@ from mitmproxy.test import tflow, tutils
 
 from bili_addon import cli, replay
 
-CAPTURES = (Path(__file__).resolve().parents[1] / ".." / "shared" / "captures").resolve()
-needs_captures = pytest.mark.skipif(not CAPTURES.is_dir(), reason=f"no captured flows at {CAPTURES}")
+from wirecases import CAPTURES as _CAPTURES  # the one place that finds them ($BILI_CAPTURES)
+
+CAPTURES = Path(_CAPTURES)
+needs_captures = pytest.mark.skipif(not CAPTURES.is_dir(), reason=f"no captured flows at {CAPTURES} "
+                                                                  "(set $BILI_CAPTURES)")
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -60,6 +63,10 @@ def test_replay_json_per_session_and_turn():
         turns = docs[name]["turns"]
         assert any("compress" in t["called"] for t in turns), name
         assert any(t["executed"] == ["compress"] for t in turns), name
+    # a compress that folded nothing says why, in the words the model read
+    idle = [t for d in docs.values() for t in d["turns"] if "compress" in t["executed"] and not t["blocks"]]
+    assert idle and all(t["reason"] for t in idle)
+    assert all(not t["reason"] for d in docs.values() for t in d["turns"] if "compress" not in t["executed"])
     # turn N+1 of a session knows the refs of turn N
     t1, t2 = docs["codex_rev"]["turns"]
     assert t1["refs_new"] > 0 and t2["refs_known"] >= t1["refs_new"] and t2["turn"] == 2
@@ -157,6 +164,35 @@ def test_a_recorded_compress_call_folds_the_next_request(tmp_path):
     out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", str(path)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "(answer calls compress)" in out.stdout
+
+
+def test_a_compress_that_folds_nothing_shows_the_reason_the_model_got(tmp_path):
+    msgs = _conversation(8)
+    args = {"content": [{"startId": "m00002", "endId": "m00008", "topic": "modules 0-2",
+                         "summary": "Modules 0 to 2 were read; nothing unusual, mod1.py holds the parser."}]}
+    call = {"type": "tool_use", "id": "toolu_c1", "name": "compress", "input": args}
+    after = msgs + [{"role": "assistant", "content": [call]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_c1", "is_error": True,
+                                                  "content": "Error: No such tool available: compress"}]}]
+    path = tmp_path / "flows.mitm"
+    with open(path, "wb") as f:
+        w = io.FlowWriter(f)
+        w.add(_flow(msgs, _answer([call])))
+        w.add(_flow(after, _answer([{"type": "text", "text": "Done."}])))
+    rep = replay.replay_file(path, min_compress_chars=10**6)  # every range is too small
+    second = rep.turns[1]
+    assert second.executed == ["compress"] and second.blocks == 0
+    assert "m00002–m00008 not compressed: too small to be worth a fold" in second.reason
+    assert "minimum 1000000" in second.reason
+    assert second.reason in json.loads(second.body)["messages"][-1]["content"][0]["content"]  # what the model got
+    row = next(ln for ln in replay.table(rep) if ln.startswith("    2 "))
+    assert row.endswith(second.reason)
+    header = next(ln for ln in replay.table(rep) if "turn  lane" in ln)
+    assert header.split()[-1] == "reason"
+    assert not rep.turns[0].reason
+    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--json", "--min-compress-chars",
+                          "1000000", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "too small to be worth a fold" in json.loads(out.stdout)[0]["turns"][1]["reason"]
 
 
 def test_unreadable_input_is_an_error(tmp_path, capsys):

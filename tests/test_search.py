@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from bili_addon.kernel.search import Doc, Hit, search, snippet, tokenize
+from bili_addon.kernel import search as search_mod
+from bili_addon.kernel.search import Doc, Hit, snippet, tokenize
+
+
+@pytest.fixture(params=["python", "fts5"], autouse=True)
+def engine(request, monkeypatch):
+    """Every test runs on both implementations: the hand-written BM25 and SQLite FTS5's bm25()
+    (scripts/bench_search.py measures them side by side)."""
+    fn = search_mod.search if request.param == "python" else search_mod.search_fts5
+    monkeypatch.setitem(globals(), "search", fn)
+    return request.param
 
 FILLER = "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor. "
 

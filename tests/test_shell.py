@@ -145,7 +145,7 @@ def test_admin_health_and_stats(bili):
 def tmp_data(bili):
     from pathlib import Path
 
-    return Path(bili._data_dir)
+    return Path(bili.data_dir)
 
 
 @pytest.mark.parametrize("headers", [{}, {"x-bili-token": "wrong"}, {"authorization": "Bearer wrong"},

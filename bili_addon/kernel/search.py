@@ -3,6 +3,10 @@
 Okapi BM25 over identifier-aware tokens, an exact-phrase bonus, and a fuzzy fallback (edit
 distance / shared prefix) when nothing matches literally.  Output is deterministic: ties keep the
 input order of the docs.
+
+:func:`search_fts5` is the same search on SQLite FTS5's ``bm25()``.  ``search_context`` builds its
+index on every call, and that way scripts/bench_search.py measures FTS5 at ~2x the hand-written
+search, so :func:`search` is the one that runs; an FTS5 index kept in the store would win.
 """
 
 from __future__ import annotations
@@ -316,3 +320,106 @@ def search(query: str, docs: Sequence[Doc], limit: int = 5) -> list[Hit]:
         span = spans.get(i) or (_find(text, best) if best else None)
         hits.append(Hit(docs[i].key, docs[i].kind, score, snippet(text, span)))
     return hits
+
+
+# --------------------------------------------------------------------------- SQLite FTS5 (bm25())
+# The same search over an in-memory SQLite FTS5 index ranked by its bm25(), kept beside the
+# hand-written one for scripts/bench_search.py, which measures both side by side (the README says
+# which runs and why).  Documents are indexed as this module's own terms (identifier parts, CJK
+# bigrams), each hex-encoded into one FTS5 token, so both see the same vocabulary; the phrase bonus,
+# the fuzzy fallback and the snippets are shared.  Differences: FTS5 measures a document's length in
+# index terms (parts included), and its idf has no +1 (a term in most documents weighs ~0).
+
+
+def _fts_token(term: str) -> str:
+    return "x" + term.encode().hex()
+
+
+class FtsIndex:
+    """An in-memory SQLite FTS5 index of ``docs``; :meth:`search` ranks them with ``bm25()``."""
+
+    def __init__(self, docs: Sequence[Doc]) -> None:
+        import sqlite3
+
+        self.docs = list(docs)
+        self.con = sqlite3.connect(":memory:")
+        self.con.execute("CREATE VIRTUAL TABLE d USING fts5(t, tokenize='ascii')")
+        vocab: dict[str, None] = {}
+        rows = []
+        for i, doc in enumerate(self.docs):
+            toks = tokenize(doc.text)
+            vocab.update(dict.fromkeys(toks))
+            rows.append((i + 1, " ".join(map(_fts_token, toks))))
+        self.con.executemany("INSERT INTO d(rowid, t) VALUES (?, ?)", rows)
+        self.vocab = list(vocab)
+
+    def close(self) -> None:
+        self.con.close()
+
+    def _weights(self, terms: Sequence[str]) -> dict[str, dict[int, float]]:
+        """Per term, its bm25() weight in each document holding it (higher is better)."""
+        sql = "SELECT rowid, -bm25(d) FROM d WHERE d MATCH ?"
+        return {t: {r - 1: w for r, w in self.con.execute(sql, (f'"{_fts_token(t)}"',))} for t in terms}
+
+    def search(self, query: str, limit: int = 5) -> list[Hit]:
+        docs = self.docs
+        if not query or not query.strip() or not docs or limit <= 0:
+            return []
+        terms = list(dict.fromkeys(tokenize(query)))
+        w = self._weights(terms)
+        scored: dict[int, tuple[float, str | None]] = {}
+        for t in terms:
+            for i, x in w[t].items():
+                total, best = scored.get(i, (0.0, None))
+                if best is None or x > w[best].get(i, 0.0):
+                    best = t
+                scored[i] = (total + x, best)
+
+        phrase = _phrase_pattern(query)
+        spans: dict[int, tuple[int, int]] = {}
+        if phrase is not None:
+            for i in (scored if terms else range(len(docs))):
+                m = phrase.search(docs[i].text)
+                if m:
+                    spans[i] = m.span()
+            if spans:
+                bonus = max((s for s, _ in scored.values()), default=0.0) + 1.0
+                for i in spans:
+                    base, best = scored.get(i, (0.0, None))
+                    scored[i] = (base + bonus, best)
+
+        if not scored:
+            expansions = [(t, _fuzzy_terms(t, self.vocab)) for t in terms]
+            fw = self._weights([v for _, near in expansions for v in near])
+            acc: dict[int, tuple[float, str, float]] = {}  # doc -> (total, best variant, its weight)
+            for _, near in expansions:
+                top: dict[int, tuple[float, str]] = {}  # per doc, the best variant of this query term
+                for v in near:
+                    for i, x in fw[v].items():
+                        if x > top.get(i, (0.0, ""))[0]:
+                            top[i] = (x, v)
+                for i, (x, v) in top.items():
+                    total, best, best_w = acc.get(i, (0.0, v, 0.0))
+                    acc[i] = (total + x, v if x > best_w else best, max(x, best_w))
+            scored = {i: (total * FUZZY_SCALE, best) for i, (total, best, _w) in acc.items()}
+
+        ranked = sorted(scored, key=lambda i: (-scored[i][0], i))[:limit]
+        hits = []
+        for i in ranked:
+            score, best = scored[i]
+            text = docs[i].text
+            span = spans.get(i) or (_find(text, best) if best else None)
+            hits.append(Hit(docs[i].key, docs[i].kind, score, snippet(text, span)))
+        return hits
+
+
+def search_fts5(query: str, docs: Sequence[Doc], limit: int = 5) -> list[Hit]:
+    """:func:`search` on SQLite FTS5 and its ``bm25()``: the index built for this call, as
+    ``search_context`` would (its documents come from the store on every call)."""
+    if not query or not query.strip() or not docs or limit <= 0:
+        return []
+    index = FtsIndex(docs)
+    try:
+        return index.search(query, limit)
+    finally:
+        index.close()

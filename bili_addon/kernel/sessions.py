@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import blake3
 import msgspec
@@ -154,7 +154,9 @@ class PrefixAffinity:
     """Anonymous conversations by the hash chain of their history.
 
     Each session remembers the tail hash of its latest request.  A request belongs to the session
-    whose remembered tail equals the request's own chain hash at that depth (the deepest wins).
+    whose remembered tail equals the request's own chain hash at that depth (the deepest wins);
+    failing that, to the session one of whose earlier points it continues, where verified
+    (:meth:`locate`; the store keeps every point).
     A request that extends nothing known starts a session whose id is derived from its own chain,
     so an identical replay after a restart lands in the same place.
     """
@@ -166,10 +168,14 @@ class PrefixAffinity:
             self.note(sid, depth, tail)
 
     def match(self, hashes: list[str]) -> str | None:
+        hit = self._tail(hashes)
+        return hit[0] if hit is not None else None
+
+    def _tail(self, hashes: list[str]) -> tuple[str, int] | None:
         for depth in range(len(hashes), 0, -1):
             hit = self.by_tail.get(hashes[depth - 1])
             if hit is not None and hit[1] == depth:
-                return hit[0]
+                return hit
         return None
 
     def resolve(self, hashes: list[str]) -> str:
@@ -179,15 +185,35 @@ class PrefixAffinity:
         place; when that id already belongs to a conversation that has moved on (another
         conversation opened with the very same words), the new one takes the next free fork id.
         """
-        hit = self.match(hashes)
+        return self.locate(hashes)[0]
+
+    def locate(self, hashes: list[str], points: Callable[[list[str]], dict] | None = None,
+               verified: Callable[[int], bool] | None = None) -> tuple[str, int]:
+        """``(session, depth of the history it already had)``; depth 0: a new session.
+
+        A request that extends no session's latest tail may go back to an earlier point of one
+        (the agent dropped a turn, or returned to another branch): ``points(hashes)`` gives the
+        recorded points among the request's chain (``{hash: [(session, depth), ...]}``), and the
+        deepest one counts only where ``verified(depth)`` holds, i.e. the shared history says more
+        than an opening two conversations may have in common.
+        """
+        hit = self._tail(hashes)
         if hit is not None:
             return hit
+        if points is not None:
+            found = points(hashes)
+            for depth in range(len(hashes), 0, -1):
+                here = [sid for sid, d in found.get(hashes[depth - 1], ()) if d == depth]
+                if here:
+                    if verified is not None and not verified(depth):
+                        break  # a shallower point shares even less
+                    return here[0], depth
         tail, depth = hashes[-1], len(hashes)
         fork = 0
         while True:
             sid = new_anonymous_id(tail, depth, fork)
             if self.by_session.get(sid) in (None, tail):
-                return sid
+                return sid, 0
             fork += 1
 
     def note(self, session_id: str, depth: int, tail: str) -> None:

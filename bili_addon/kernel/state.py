@@ -160,6 +160,7 @@ class TurnResult:
     source: str = ""
     notes: list[str] = field(default_factory=list)
     executed: list[str] = field(default_factory=list)  # proxy tools run for this request
+    declined: list[str] = field(default_factory=list)  # why a compress run for it folded nothing (as the model read)
     marker: str = ""  # the visibility line for this request's answer
     folded_items: int = 0
     active: bool = True  # bili shows itself in this request (lazy activation): its proxy tools are live

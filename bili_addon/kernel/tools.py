@@ -146,6 +146,9 @@ class ProxyTools:
                 done.append((key, call.result))
                 result.executed.append(call.name)
                 made = [b for b in s.blocks if b.id not in before]
+                if call.name == "compress":  # the ranges it refused, in the words the model reads
+                    refused = [ln for ln in call.result.splitlines() if not made or "not compressed" in ln]
+                    result.declined += [ln.strip() for ln in refused if ln.strip()]
                 if made:
                     saved = sum(b.folded_tokens - b.summary_tokens for b in made)
                     spans = ", ".join(f"{b.covered[0]}–{b.covered[-1]} → {b.id}" for b in made)

@@ -24,6 +24,7 @@ from bili_addon.kernel import activation, breakpoints, cache, envelope, lifetime
 from bili_addon.kernel.compaction import Epochs, asks_for_summary
 from bili_addon.kernel.fold import Block, FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
+from bili_addon.kernel.lineage import Lineage
 from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
 from bili_addon.kernel.sessions import (
     MIN_CANONICAL_BYTES,
@@ -73,6 +74,7 @@ class Engine(ProxyTools, Epochs):
         self.memos: OrderedDict[str, Memo] = OrderedDict()
         self.max_sessions = max_sessions
         self.affinity = PrefixAffinity(store.affinity())
+        self.lineage = Lineage(store)  # forks and id-less rewinds (kernel/lineage.py)
         self.fold_cfg = fold_cfg or FoldConfig()
         self.nudge_cfg = nudge.NudgeConfig()
         self.inject = inject
@@ -211,19 +213,22 @@ class Engine(ProxyTools, Epochs):
             if self.affinity.match(hashes) is None:  # another process may have seen this conversation
                 for row in self.store.affinity_of(hashes):
                     self.affinity.note(*row)
-            sid, source = self.affinity.resolve(hashes), "prefix"
-            tail = (len(hashes), hashes[-1])
+            sid, known = self.lineage.locate(self.affinity, hashes, infos[start:])
+            source, tail = "prefix", (len(hashes), hashes[-1])
         agent = agent_of(headers)
         self._turn_sid = sid
         cached = self.sessions.get(sid)
         s = self.session(sid, agent, lane.name, fresh=True)
         if s is not cached:
             memo = None  # (re)loaded: nothing of a previous pass is known to match the store
+        forked = self._lineage("before_turn", s, infos, start) if ident is not None else None
         if isinstance(top.get("model"), str):
             s.model = top["model"]
         # conversation items whose session work (refs, view, rendering) is reused as it is
         q = k - start if memo is not None and k and memo.sid == sid and memo.version == s.version else 0
         result = TurnResult(None, session=sid, lane=lane.name, messages=len(infos) - start, source=source)
+        if forked:
+            result.notes.append(forked)
 
         env, pinned, stripped = self._envelope(s, body, headers, infos, start, result)
         if result.status:
@@ -244,6 +249,9 @@ class Engine(ProxyTools, Epochs):
             self._bind_envelope(s, env, infos, start, resolved, pinned)
         if tail:
             self.affinity.note(sid, *tail)
+            self._lineage("note_points", sid, hashes, known)
+        else:
+            self._lineage("record", s, infos, start, resolved, q)
         if isinstance(top.get("previous_response_id"), str) and top["previous_response_id"]:
             if self.set_flag(sid, "delta_history", True):
                 result.notes.append(
@@ -340,6 +348,14 @@ class Engine(ProxyTools, Epochs):
             return None
         head = memo.chain[:reuse] if reuse else []
         return head + chain(canon, prev=bytes.fromhex(head[-1]) if head else b"")
+
+    def _lineage(self, hook: str, *args):
+        """A lineage hook; its failure costs the family, never the turn."""
+        try:
+            return getattr(self.lineage, hook)(*args)
+        except Exception as e:
+            log.warning("[bili] lineage %s failed (%s: %s); the session goes on on its own", hook, type(e).__name__, e)
+            return None
 
     # -- ledger --------------------------------------------------------------------------------
     def _resolve(self, s: Session, infos: list[ItemInfo], counter: Counter, cov: dict, reused: int,

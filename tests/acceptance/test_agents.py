@@ -21,6 +21,7 @@ agent's replays of its own history byte for byte until a fold takes the output i
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ import pytest
 from churn import strings
 
 from .conftest import PINS, Run, agent_bin_dir, alive, base_env, free_port, run_launcher, snapshot
-from .scripted_model import COMPRESS_STAGE, ECHO, FINAL, ScriptedModel, call_id, results_of
+from .scripted_model import COMPRESS_STAGE, ECHO, FINAL, ScriptedModel, call_id, results_of, tagged
 
 pytestmark = pytest.mark.acceptance
 
@@ -357,3 +358,118 @@ def test_hermes_mcp(model, work):
                        cwd=cwd, model=model, work=tmp, port=port)
     assert_scripted_run(run, model, "chat", before, cfg, mcp=True)
     assert_mcp_tools(model, "chat", "mcp__bili__compress")
+
+
+# -- forks (#15): the agent's own fork command, after a fold --------------------------------------
+def _header(rec, name: str) -> str | None:
+    return next((v for k, v in rec.headers.items() if k.lower() == name), None)
+
+
+def run_fork(model, first: Run, fork_cmd, lane: str, header: str) -> None:
+    """``fork_cmd(parent_id)`` runs the agent's fork of the conversation ``first`` ran.  The fork's
+    first request carries the parent's fold, the parent's compress result byte for byte and the
+    parent's refs; the proxy logs it as a fork of the parent."""
+    assert first.rc == 0 and FINAL in first.stdout, _report(first, model)
+    parent_last = model.by_stage(COMPRESS_STAGE + 2)[-1]  # the final turn: the fold, the result, the refs
+    parent_id = _header(parent_last, header)
+    assert parent_id, f"no {header} header"
+    n = len(model.seen)
+    fork = fork_cmd(parent_id)
+    info = _report(fork, model)
+    assert fork.rc == 0, info
+    mine = [r for r in model.seen[n:] if r.action is not None and r.action.stage == COMPRESS_STAGE + 2]
+    assert mine, info
+    child = mine[0]
+    child_id = _header(child, header)
+    assert child_id and child_id != parent_id, "the fork kept the parent's conversation id"
+    text = child.body.decode()
+    assert "[Compressed conversation section b1 · " in text and SUMMARY_MARK in text, info
+    assert "alpha-row-" not in text and "gamma-row-001" in text
+    cid = call_id(lane, COMPRESS_STAGE)
+    result = results_of(lane, child.json).get(cid, "")
+    assert result.startswith("Compressed ") and result == results_of(lane, parent_last.json)[cid]
+    parent_refs, child_refs = tagged(parent_last.json), tagged(child.json)
+    assert parent_refs and all(child_refs.get(t) == r for t, r in parent_refs.items()), (parent_refs, child_refs)
+    assert f"session={child_id}: a fork of {parent_id}" in fork.proxy_log, fork.proxy_log[-3000:]
+
+
+def test_claude_code_fork_keeps_the_fold(model, work):
+    """``claude -p --resume <id> --fork-session``: a new conversation id with the stored history."""
+    tmp, home, cwd = work
+    bins = agent_bin_dir(PINS["claude"], tmp)
+    env = base_env(home, bins, ANTHROPIC_API_KEY="sk-ant-api03-fake-bili-acceptance")
+    first = run_launcher("claude", ["-p", PROMPT, "--allowedTools", "Bash"], env=env, cwd=cwd, model=model, work=tmp)
+    run_fork(model, first, lambda pid: run_launcher(
+        "claude", ["-p", "--resume", pid, "--fork-session", "Now say it once more.", "--allowedTools", "Bash"],
+        env=env, cwd=cwd, model=model, work=tmp), "anthropic", "x-claude-code-session-id")
+
+
+def test_codex_fork_keeps_the_fold(model, work):
+    """``codex exec fork <id>``: a new session with the stored history."""
+    tmp, home, cwd = work
+    bins = agent_bin_dir(PINS["codex"], tmp)
+    _write(home / ".codex" / "config.toml", 'model = "gpt-5.1-codex"\n')
+    env = base_env(home, bins, CODEX_API_KEY="sk-fake-bili-acceptance", CODEX_HOME=str(home / ".codex"))
+    flags = ["--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
+    first = run_launcher("codex", ["exec", *flags, PROMPT], env=env, cwd=cwd, model=model, work=tmp)
+    run_fork(model, first, lambda pid: run_launcher(
+        "codex", ["exec", *flags, "fork", pid, "Now say it once more."], env=env, cwd=cwd, model=model, work=tmp),
+        "responses", "session-id")
+
+
+def test_opencode_fork_keeps_the_fold(model, work):
+    """``opencode run --continue --fork``: the last session forked into a new one."""
+    tmp, home, cwd = work
+    bins = agent_bin_dir(PINS["opencode"], tmp)
+    git_init(cwd)
+    conf = {"$schema": "https://opencode.ai/config.json",
+            "provider": {"anthropic": {"options": {"baseURL": "https://anthropic.oc.bili-test.invalid/v1",
+                                                   "apiKey": "sk-ant-fake-opencode"}}},
+            "model": "anthropic/claude-sonnet-4-5"}
+    _write(cwd / "opencode.json", json.dumps(conf, indent=2) + "\n")
+    env = base_env(home, bins)
+    first = run_launcher("opencode", ["run", PROMPT], env=env, cwd=cwd, model=model, work=tmp)
+    run_fork(model, first, lambda _pid: run_launcher(
+        "opencode", ["run", "--continue", "--fork", "Now say it once more."], env=env, cwd=cwd, model=model,
+        work=tmp), "anthropic", "x-session-affinity")
+
+
+def test_pi_fork_and_return_keep_the_idless_session(model, work):
+    """pi's Chat lane carries no conversation id (#20): ``pi --fork`` continues the folded history,
+    and going back to the original session afterwards (an earlier point of the same history) keeps
+    the session, its fold, its compress result and its refs."""
+    tmp, home, cwd = work
+    bins = agent_bin_dir(PINS["pi"], tmp)
+    models = {"providers": {"scripted": {
+        "baseUrl": "https://llm.pi.bili-test.invalid/v1", "api": "openai-completions", "apiKey": "sk-fake-pi",
+        "models": [{"id": "gpt-scripted", "contextWindow": 200000, "maxTokens": 8000}]}}}
+    _write(home / ".pi" / "agent" / "models.json", json.dumps(models, indent=2) + "\n")
+    env = base_env(home, bins)
+    sessions = tmp / "pi-sessions"
+    base = ["--session-dir", str(sessions), "--model", "scripted/gpt-scripted"]
+    first = run_launcher("pi", [*base, "-p", PROMPT], env=env, cwd=cwd, model=model, work=tmp)
+    assert first.rc == 0 and FINAL in first.stdout, _report(first, model)
+    files = sorted(sessions.rglob("*.jsonl"))
+    assert len(files) == 1, files
+    parent_last = model.by_stage(COMPRESS_STAGE + 2)[-1]
+    runs = []
+    for args in (["--fork", str(files[0]), "-p", "Now say it once more."],
+                 ["--session", str(files[0]), "-p", "And once again, in the original session."]):
+        n = len(model.seen)
+        run = run_launcher("pi", [*base, *args], env=env, cwd=cwd, model=model, work=tmp)
+        assert run.rc == 0, _report(run, model)
+        got = [r for r in model.seen[n:] if r.action is not None and r.action.stage == COMPRESS_STAGE + 2]
+        assert got, _report(run, model)
+        runs.append((run, got[0]))
+    cid = call_id("chat", COMPRESS_STAGE)
+    parent_refs = tagged(parent_last.json)
+    for run, req in runs:
+        text = req.body.decode()
+        assert "[Compressed conversation section b1 · " in text and SUMMARY_MARK in text, _report(run, model)
+        assert "alpha-row-" not in text
+        assert results_of("chat", req.json).get(cid) == results_of("chat", parent_last.json)[cid]
+        refs = tagged(req.json)
+        assert all(refs.get(t) == r for t, r in parent_refs.items()), (parent_refs, refs)
+    # the original session's request goes back to a point before the fork's turn: the same session
+    sids = [set(re.findall(r"\[bili\] session=(\S+) lane=chat", run.proxy_log)) for run in (first, *[r for r, _ in runs])]
+    assert len(sids[0]) == 1 and all(s == sids[0] for s in sids), sids

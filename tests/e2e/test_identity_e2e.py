@@ -207,6 +207,9 @@ class Session:
         self.fake, self.proxy, self.lane, self.sid = fake, proxy, lane, sid
         self.key = key or sid
         self.ts = ts if ts is not None else C.turns(12, reasoning=reasoning, images=images)
+        # a conversation of its own: the same words and call ids under another id would be a fork
+        # of an earlier test's session (kernel/lineage.py), as it is with real agents
+        self.ts[0] = dataclasses.replace(self.ts[0], user=f"{self.ts[0].user} (conversation {sid})")
         self.tail: list[dict] = []
         self.turn = 0
         self.calls: list[Call] = []

@@ -1,0 +1,279 @@
+"""Lineage: conversations that share verified history.
+
+A conversation with a new id whose history begins with another session's history (an agent's
+fork: ``claude --resume <id> --fork-session``, ``codex exec fork``) is that session's **child**.
+On its first request that carries model-authored history, the child's parts are compared position
+by position with the history the parent recorded on its own last request (its self-stored
+canonical copy: per part the ref and the full content hash, tool-call ids included).  Up to the
+first difference the histories are the same; from there the child inherits, as of that point:
+
+- the parent's refs for those messages (its ledger view), while new refs come from a counter the
+  whole family shares, so no ref is ever given twice;
+- the blocks whose every covered message lies in the verified history and whose compress call
+  does too (a fold made after the histories parted is not the child's), with their originals;
+- the proxy calls made in the verified history, with their results, byte for byte.
+
+The copies are the child's own: a fold in one never changes the other.  Nothing is inherited
+without verification: a shared opening (the same first message, even the same first reply) is no
+history, so the verified part must hold a tool call the model made, under its provider-minted id, and a session whose
+history goes on from its own earlier request is never anyone's child.
+
+Id-less conversations (no session id; matched by the hash chain of their history) keep their
+session when the agent goes back to an earlier point of it (a dropped turn, another branch): every
+point of a session's chain is recorded, and a request that extends no session's latest tail is
+matched against them under the same rule (see :meth:`PrefixAffinity.locate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+
+from bili_addon.kernel.fold import Block
+from bili_addon.kernel.identity import InstanceCounter, count_tokens
+from bili_addon.kernel.reconcile import SIDE_REQUEST_MAX_ITEMS, canonical_text
+from bili_addon.kernel.sessions import PrefixAffinity
+from bili_addon.kernel.state import Call, Entry, ItemInfo, Part, Resolved, Session
+from bili_addon.kernel.tags import ref_of
+from bili_addon.kernel.tools import call_key
+from bili_addon.store import LedgerRow, Store
+from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, Core
+
+log = logging.getLogger("bili")
+
+MAX_CANDIDATES = 64  # sessions opening with the same message that a new one is compared with
+MAX_RECORDS = 256
+# learned facts a child takes as they are, and per-ref ones it takes for the refs it inherits
+INHERITED_FLAGS = ("strict_reasoning", "learned_windows")
+INHERITED_REF_FLAGS = ("nudges", "truncated")
+
+
+class Lineage:
+    """Families of sessions over a :class:`Store` (which alone says who belongs to one); the Engine
+    calls the hooks below."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.records: OrderedDict[str, list[tuple[str, str, str]]] = OrderedDict()
+        self.whole: dict[str, bool] = {}  # the record is exactly the session's last pass
+        self.checked: set[str] = set()  # sessions compared once, found to be nobody's fork
+
+    # -- sessions with an id of their own --------------------------------------------------------
+    def before_turn(self, s: Session, infos: list[ItemInfo], start: int) -> str | None:
+        """Before refs are given: a fresh session may turn out to be a fork (returns the note
+        saying so); a family member's next ref is the family's."""
+        sid = s.row.id
+        note = None
+        family = self.store.family(sid)  # from the store: another proxy on it may have made one
+        if family is None and sid not in self.checked and self._fresh(s):
+            conv = infos[start:]
+            if any(p.core.role == "assistant" for info in conv for p in info.parts):
+                # a history that goes on from the session's own earlier request is its own, even
+                # where another conversation said the same (a fork's first request carries the
+                # parent's history; at most a side request of other words comes before it)
+                own = self._record(sid)
+                parts = [p for info in conv for p in info.parts]
+                continues = bool(own) and len(parts) >= len(own) and all(
+                    o[1] == p.chash for o, p in zip(own, parts))
+                note = None if continues else self._adopt(s, parts)
+                self.checked.add(sid)  # never compared again (after a restart: its own record says it)
+        if family is not None:
+            s.row.next_ref = max(s.row.next_ref, family[3])
+        return note
+
+    def record(self, s: Session, infos: list[ItemInfo], start: int, resolved: list[list[Resolved]],
+               reused: int = 0) -> None:
+        """Keep the session's history (per part: ref, content hash, verification fingerprint) for
+        the forks to come.  A request that only repeats a prefix of it (a side request, a retry of
+        an older turn) keeps the longer record.  ``reused``: leading items this pass shares with
+        the session's previous one, unchanged (not compared again when that pass was recorded)."""
+        sid = s.row.id
+        old = self._record(sid)
+        first = reused if reused and self.whole.get(sid) else 0
+        off = min(sum(map(len, resolved[:first])), len(old)) if first else 0
+        parts = [(r.entry.ref, p) for info, rs in zip(infos[start + first:], resolved[first:])
+                 for p, r in zip(info.parts, rs)]
+        k, n = off, min(len(old), off + len(parts))
+        while k < n and old[k][0] == parts[k - off][0] and old[k][1] == parts[k - off][1].chash:
+            k += 1
+        total = off + len(parts)
+        if k == total or (total < len(old) and len(resolved) < SIDE_REQUEST_MAX_ITEMS):
+            self.whole[sid] = k == total == len(old)
+            return
+        tail = [(ref, p.chash, fingerprint(p.core)) for ref, p in parts[k - off:]]
+        self.store.save_lineage_parts(sid, k, tail)
+        self.records[sid] = old[:k] + tail
+        self.whole[sid] = True
+
+    # -- id-less sessions ------------------------------------------------------------------------
+    def locate(self, affinity: PrefixAffinity, hashes: list[str], conv: list[ItemInfo]) -> tuple[str, int]:
+        """The session of an id-less history and how deep it already knew it (0: new)."""
+
+        def points(hs: list[str]) -> dict:
+            try:
+                return self.store.affinity_points(hs)
+            except Exception as e:  # an unreadable store: no earlier points, as before
+                log.warning("[bili] earlier points of id-less sessions unreadable (%s)", e)
+                return {}
+
+        def verified(depth: int) -> bool:
+            return any(p.core.role == "assistant" for info in conv[:depth] for p in info.parts)
+
+        return affinity.locate(hashes, points, verified)
+
+    def note_points(self, sid: str, hashes: list[str], known: int) -> None:
+        self.store.add_affinity_points(sid, [(d, hashes[d - 1]) for d in range(known + 1, len(hashes) + 1)])
+
+    # -- stats -----------------------------------------------------------------------------------
+    def families(self) -> dict[str, dict]:
+        """Every session in a family, as the store has them: ``{root, parent, fork_at, children}``."""
+        rows = self.store.lineage()
+        out = {sid: {"root": root, "parent": parent or None, "fork_at": fork_at, "children": []}
+               for sid, parent, root, fork_at in rows}
+        for sid, parent, _root, _fork_at in rows:
+            if parent in out:
+                out[parent]["children"].append(sid)
+        return out
+
+    def family_of(self, sid: str) -> dict | None:
+        return self.families().get(sid)
+
+    # -- adoption --------------------------------------------------------------------------------
+    @staticmethod
+    def _fresh(s: Session) -> bool:
+        return (not s.blocks and not s.calls and
+                not any(k in s.flags for k in ("envelope", "nudges", "truncated")))
+
+    def _record(self, sid: str) -> list[tuple[str, str, str]]:
+        rec = self.records.get(sid)
+        if rec is None:
+            rec = [tuple(r) for r in self.store.lineage_parts(sid)]
+            self.records[sid] = rec
+            while len(self.records) > MAX_RECORDS:
+                self.whole.pop(self.records.popitem(last=False)[0], None)
+        else:
+            self.records.move_to_end(sid)
+        return rec
+
+    def _adopt(self, s: Session, parts: list[Part]) -> str | None:
+        sid = s.row.id
+        if not parts:
+            return None
+        fps: list[str] = []
+
+        def fp(i: int) -> str:  # the child's fingerprints, computed as far as they are compared
+            while len(fps) <= i:
+                fps.append(fingerprint(parts[len(fps)].core))
+            return fps[i]
+
+        best, best_rec, best_n = None, [], 0
+        for cand in self.store.lineage_candidates(fp(0), s.row.lane)[-MAX_CANDIDATES:]:  # a fork is the same agent's
+            if cand == sid:
+                continue
+            rec = [tuple(r) for r in self.store.lineage_parts(cand)]  # as the store has it now
+            n = 0
+            for (_ref, chash, pfp), p in zip(rec, parts):
+                if chash != p.chash and pfp != fp(n):
+                    break
+                n += 1
+            if n > best_n:
+                best, best_rec, best_n = cand, rec, n
+        if best is None:
+            return None
+        # the verified history: the same message at the same position (byte for byte, or as the
+        # churn rules compare: canonical text, the same call ids), one ref per message, and no tag
+        # of ours to strip first
+        count = InstanceCounter()
+        ledger: list[LedgerRow] = []
+        seen: set[str] = set()
+        called = False
+        for p, (ref, _chash, _fp) in zip(parts[:best_n], best_rec):
+            core = p.core
+            key = (count(p.base), p.chash)
+            if ref in seen or (core.ctype == TEXT and core.role != "assistant" and core.text.startswith("<acp ")):
+                break
+            seen.add(ref)
+            called = called or (core.ctype == TOOL_CALL and bool(core.tool_call_id))
+            ledger.append(LedgerRow(key[0], p.chash, ref, core.role, core.ctype, count_tokens(core.text)))
+        if not called:
+            # an opening in common is not a history in common, nor is a short first reply the
+            # model may give twice: the provider's call ids are unique to one conversation
+            return None
+        fork_at = len(ledger)
+        verified = parts[:fork_at]
+        refs = {r.ref for r in ledger}
+        keys = {call_key(p.core.tool_call_id, p.core.tool_name, p.core.text)
+                for p in verified if p.core.ctype == TOOL_CALL}
+        keys.discard("")
+
+        parent = self.store.session(best)
+        calls = [c for c in self.store.calls(best) if c[0] in keys]
+        blocks = []
+        for doc in self.store.blocks(best):
+            b = Block(**json.loads(doc))
+            if (b.call_id and b.call_id not in keys) or not b.covered:
+                continue  # folded after the histories parted (or a block of no messages)
+            if all(r in refs or b.claimed.get(r) in refs for r in b.covered):
+                blocks.append(b)
+        covered = sorted({r for b in blocks for r in b.covered})
+        originals = self.store.originals(best, covered) if covered else []
+        pflags = json.loads(parent.flags or "{}") if parent is not None else {}
+        flags = {k: pflags[k] for k in INHERITED_FLAGS if k in pflags}
+        for k in INHERITED_REF_FLAGS:
+            kept = {ref: v for ref, v in (pflags.get(k) or {}).items() if ref in refs}
+            if kept:
+                flags[k] = kept
+        family = self.store.family(best)
+        root = family[0] if family is not None else best
+        next_ref = max(s.row.next_ref, parent.next_ref if parent is not None else 1, self.store.family_next_ref(root))
+
+        # what the child gave before it was recognised (a side request's message, on its own
+        # counter) and now collides with an inherited ref takes a new one: a ref names one message
+        inherited = {(r.msg_id, r.content_hash) for r in ledger}
+        retired = []
+        for key, entry in s.refs.items():
+            if key not in inherited and entry.ref in refs:
+                retired.append((key, Entry(ref_of(next_ref), entry.tokens)))
+                next_ref += 1
+
+        merged = {**s.flags, **flags}
+        row = dataclasses.replace(s.row, flags=json.dumps(merged, sort_keys=True), next_ref=next_ref)
+        s.stored = self.store.adopt(row, best, root, fork_at, ledger,
+                                    [(b.id, json.dumps(b.__dict__), b.active) for b in blocks], originals, calls,
+                                    [(k[0], k[1], e.ref) for k, e in retired], expect=s.stored)
+        # the store has it all; now the live session
+        s.row = row
+        s.flags.clear()
+        s.flags.update(merged)
+        for key, entry in retired:
+            s.refs[key] = entry
+        for r in ledger:
+            s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
+        s.owners.clear()
+        for (_msg_id, chash), entry in s.refs.items():
+            s.owners.setdefault(entry.ref, chash)
+        s.blocks = sorted(blocks, key=lambda b: b.number)
+        s.calls.update({k: Call(n, a, res) for k, n, a, res in calls})
+        s.version += 1
+        done = sum(1 for c in calls if c[3] is not None)
+        note = (f"a fork of {best}: {fork_at} message part(s) verified in its history; inherits their refs, "
+                f"{len(blocks)} block(s) and {done} call result(s)")
+        if retired:
+            note += f"; {len(retired)} ref(s) it gave before it was recognised are given anew"
+        return note
+
+
+def fingerprint(core: Core) -> str:
+    """What verifies a message at its position when the bytes differ: the churn rules' canonical
+    text (JSON key-sorted and compacted, prose whitespace-normalised), with its call id and kind;
+    reasoning on its role alone, as the fold-coverage layer does (providers re-mint what stands
+    for it)."""
+    text = "" if core.ctype == REASONING else canonical_text(core.text)
+    seed = "\x00".join((core.role, core.ctype, core.tool_call_id, core.tool_name, text, core.media or ""))
+    return hashlib.sha256(seed.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+__all__ = ["Lineage"]

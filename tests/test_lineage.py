@@ -1,0 +1,321 @@
+"""Lineage through the kernel: forks keep their parent's folds, results and refs (#15); id-less
+sessions keep their session when their history goes back to an earlier point (#20)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_fold import TAG, agent_answers_unknown, body, conversation, refs_in, roundtrip_call
+
+from bili_addon.kernel.fold import FoldConfig
+from bili_addon.kernel.turn import Engine
+from bili_addon.store import Store
+from bili_addon.wire import LANES
+
+ANTH = LANES["anthropic"]
+P = {"x-claude-code-session-id": "parent"}
+F = {"x-claude-code-session-id": "fork"}
+SUMMARY = "Read modules 1 to 4: nothing unusual; mod3.py defines load_config()."
+
+
+@pytest.fixture
+def engine(tmp_path):
+    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    yield e
+    e.store.close()
+
+
+def ref_for(payload: dict, prefix: str) -> str:
+    return next(r for r, t in refs_in(payload).items() if t.startswith(prefix))
+
+
+def send(engine, msgs, headers) -> dict:
+    res = engine.process(body(msgs), ANTH, headers, render=True)
+    assert res.status == 0
+    return json.loads(res.body if res.body is not None else body(msgs))
+
+
+def fold(engine, sid, headers, msgs, first, last, call_id, summary=SUMMARY):
+    """The model folds steps first..last (by the refs it was shown); returns the history after the
+    request that ran the compress call, and that request's upstream body."""
+    shown = send(engine, msgs, headers)
+    args = {"content": [{"startId": ref_for(shown, f"Step {first}:"), "endId": ref_for(shown, f"Step {last}:"),
+                         "topic": f"steps {first}-{last}", "summary": summary}]}
+    roundtrip_call(engine, sid, "compress", args, call_id)
+    msgs = agent_answers_unknown(msgs, "compress", args, call_id)
+    res = engine.process(body(msgs), ANTH, headers, render=True)
+    assert res.executed == ["compress"], res.notes
+    return msgs, json.loads(res.body)
+
+
+def has_block(payload, block: str) -> bool:
+    """The block's summary stands in the body (the system prompt only names the format)."""
+    return f"[Compressed conversation section {block} \\u00b7 " in json.dumps(payload)
+
+
+def more(msgs, text):
+    return msgs + [{"role": "assistant", "content": f"Noted: {text}."}, {"role": "user", "content": text}]
+
+
+def result_of(payload: dict, call_id: str) -> str:
+    for m in payload["messages"]:
+        for b in m["content"] if isinstance(m["content"], list) else []:
+            if b.get("type") == "tool_result" and b.get("tool_use_id") == call_id:
+                return b["content"] if isinstance(b["content"], str) else json.dumps(b["content"])
+    raise LookupError(call_id)
+
+
+def folded_parent(engine):
+    msgs, _ = fold(engine, "parent", P, conversation(8), 1, 4, "toolu_c1")
+    msgs = more(msgs, "go on")
+    return msgs, send(engine, msgs, P)
+
+
+def test_a_fork_after_a_fold_keeps_the_fold_the_result_and_the_refs(engine):
+    msgs, last = folded_parent(engine)
+    fork = more(msgs, "continue in the fork")
+    res = engine.process(body(fork), ANTH, F, render=True)
+    out = json.loads(res.body)
+    text = json.dumps(out)
+    assert any("a fork of parent" in n for n in res.notes), res.notes
+    assert has_block(out, "b1") and "load_config()" in text
+    for t in range(1, 5):
+        assert f"file-{t}-row-" not in text, f"step {t} is folded in the parent, so in the fork"
+    assert result_of(out, "toolu_c1") == result_of(last, "toolu_c1")
+    assert result_of(out, "toolu_c1").startswith("Compressed m")
+    # the parent's refs for the parent's messages, and the same bytes for everything they share
+    parent_refs, fork_refs = refs_in(last), refs_in(out)
+    for ref, t in parent_refs.items():
+        assert fork_refs.get(ref) == t
+    assert out["messages"][: len(last["messages"])] == last["messages"]
+    new = set(fork_refs) - set(parent_refs)
+    assert new and min(new) > max(parent_refs)
+    assert res.refs_known >= len(parent_refs)
+
+    # decompress and search reach the inherited block and its originals
+    roundtrip_call(engine, "fork", "decompress", {"blockId": "b1"}, "toolu_f1")
+    fork = agent_answers_unknown(fork, "decompress", {"blockId": "b1"}, "toolu_f1")
+    got = result_of(send(engine, fork, F), "toolu_f1")
+    assert got.startswith("b1 (tier 1) replaced original messages")
+    for t in range(1, 5):
+        assert json.dumps(conversation(8)[2 + 2 * t]["content"][0]["content"])[1:-1] in json.dumps(got)
+    roundtrip_call(engine, "fork", "search_context", {"query": "file-2-row-7"}, "toolu_f2")
+    fork = agent_answers_unknown(fork, "search_context", {"query": "file-2-row-7"}, "toolu_f2")
+    assert "(inside b1)" in result_of(send(engine, fork, F), "toolu_f2")
+    # the parent's own decompress says the same, byte for byte
+    roundtrip_call(engine, "parent", "decompress", {"blockId": "b1"}, "toolu_p1")
+    pmsgs = agent_answers_unknown(msgs, "decompress", {"blockId": "b1"}, "toolu_p1")
+    assert result_of(send(engine, pmsgs, P), "toolu_p1") == got
+
+    fam = engine.lineage.family_of("fork")
+    assert fam == {"root": "parent", "parent": "parent", "fork_at": fam["fork_at"], "children": []}
+    assert fam["fork_at"] == sum(len(m["content"]) if isinstance(m["content"], list) else 1 for m in msgs)
+    assert engine.lineage.family_of("parent")["children"] == ["fork"]
+
+
+def test_folds_after_the_fork_stay_in_their_own_session(engine):
+    msgs, last = folded_parent(engine)
+    parent_bytes = engine.process(body(msgs), ANTH, P, render=True).body
+    fork = more(msgs, "continue in the fork")
+    send(engine, fork, F)
+    # the fork folds steps 5-6: the parent's next request is what it was
+    fork, out = fold(engine, "fork", F, more(fork, "fold more"), 5, 6, "toolu_f9", "Steps 5 and 6: the fork read both modules and found nothing to change.")
+    assert has_block(out, "b2") and "file-5-row-" not in json.dumps(out)
+    assert engine.process(body(msgs), ANTH, P, render=True).body == parent_bytes
+    pnext = send(engine, more(msgs, "parent goes on"), P)
+    assert not has_block(pnext, "b2") and "file-5-row-" in json.dumps(pnext)
+    fork_bytes = engine.process(body(fork), ANTH, F, render=True).body
+    # ... and the other way round
+    pm, pout = fold(engine, "parent", P, more(msgs, "parent folds"), 5, 7, "toolu_p9", "Steps 5 to 7, read in the parent: plain data classes, nothing to fix.")
+    assert "file-7-row-" not in json.dumps(pout)
+    assert engine.process(body(fork), ANTH, F, render=True).body == fork_bytes
+    # no ref names two messages anywhere in the family
+    owners: dict[str, str] = {}
+    for sid in ("parent", "fork"):
+        for r in engine.store.ledger(sid):
+            assert owners.setdefault(r.ref, r.content_hash) == r.content_hash, r.ref
+
+
+def test_a_fork_from_before_the_fold_inherits_refs_but_not_the_fold(engine):
+    first = send(engine, conversation(8), P)  # the refs the parent showed before it folded
+    folded_parent(engine)
+    early = conversation(8) + [{"role": "assistant", "content": "Let me look at something else."},
+                               {"role": "user", "content": "branch from here"}]
+    out = send(engine, early, F)
+    text = json.dumps(out)
+    assert not has_block(out, "b1") and "file-2-row-" in text
+    assert out["messages"][:-2] == first["messages"]
+    assert engine.sessions["fork"].blocks == [] and engine.sessions["fork"].calls == {}
+    assert engine.lineage.family_of("fork")["parent"] == "parent"
+
+
+def test_a_fork_that_re_serialises_its_history_is_verified_as_churn_is(engine):
+    base = conversation(8)
+    base[11]["content"][1]["input"] = {"cmd": "cat mod5.py", "timeout": 5}
+    msgs, _ = fold(engine, "parent", P, base, 1, 4, "toolu_c1")
+    msgs = more(msgs, "go on")
+    last = send(engine, msgs, P)
+    fork = json.loads(json.dumps(msgs))
+    fork[11]["content"][1]["input"] = {"timeout": 5, "cmd": "cat mod5.py"}  # keys in another order
+    fork[13]["content"][0]["text"] += "\n"  # a layout change in the prose
+    out = send(engine, more(fork, "continue"), F)
+    assert has_block(out, "b1") and "file-2-row-" not in json.dumps(out)
+    assert result_of(out, "toolu_c1") == result_of(last, "toolu_c1")
+    assert ref_for(out, "Step 6:") == ref_for(last, "Step 6:") and ref_for(out, "Step 7:") == ref_for(last, "Step 7:")
+    # a call id the parent never had ends the verified history: nothing after it is inherited
+    other = json.loads(json.dumps(msgs))
+    other[13]["content"][1]["id"] = other[14]["content"][0]["tool_use_id"] = "toolu_other"
+    out = send(engine, more(other, "continue"), {"x-claude-code-session-id": "fork2"})
+    assert not has_block(out, "b1") and "file-2-row-" in json.dumps(out)
+    assert ref_for(out, "Step 5:") == ref_for(last, "Step 5:")
+    assert ref_for(out, "Step 7:") != ref_for(last, "Step 7:")
+
+
+def test_conversations_sharing_only_their_opening_stay_apart(engine):
+    folded_parent(engine)
+    other = {"x-claude-code-session-id": "other"}
+    send(engine, conversation(0), other)  # the same first message
+    mine = conversation(0) + [{"role": "assistant", "content": "I will start with the README."},
+                              {"role": "user", "content": "fine, go ahead"}]
+    out = send(engine, mine, other)
+    s = engine.sessions["other"]
+    assert engine.lineage.family_of("other") is None
+    assert s.blocks == [] and s.calls == {} and "other" in engine.lineage.checked
+    assert sorted(refs_in(out)) == ["m00001", "m00002", "m00003"]
+    # even where the model's first reply was word for word the parent's
+    twin = {"x-claude-code-session-id": "twin"}
+    same = conversation(1)[:2] + [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_twin", "content": "denied"},
+        {"type": "text", "text": "do not run commands, just read"}]}]
+    same[1] = {"role": "assistant", "content": [same[1]["content"][0],
+                                                {**same[1]["content"][1], "id": "toolu_twin"}]}
+    send(engine, same, twin)
+    assert engine.lineage.family_of("twin") is None and engine.sessions["twin"].blocks == []
+
+
+def test_a_session_that_grew_its_own_history_is_no_fork_even_where_it_matches(engine):
+    """A deterministic model gives the same answers, call ids included, to two conversations
+    started alike; the second grew its history request by request, so it is its own."""
+    msgs, _ = folded_parent(engine)
+    twin = {"x-claude-code-session-id": "twin"}
+    for n in (0, 2, 4):
+        send(engine, conversation(n), twin)
+    assert engine.lineage.family_of("twin") is None and "twin" in engine.lineage.checked
+    # a fork may send a side request of other words (a title) before its first turn
+    title = {"x-claude-code-session-id": "titled"}
+    ask = json.dumps({"model": "m", "max_tokens": 20, "messages": [
+        {"role": "user", "content": "Write a title for: Please audit the repository."}]}).encode()
+    assert TAG.match(json.loads(engine.process(ask, ANTH, title, render=True).body)["messages"][0]["content"]).group(1) == "m00001"
+    out = send(engine, more(msgs, "continue"), title)
+    assert has_block(out, "b1") and engine.lineage.family_of("titled")["parent"] == "parent"
+    assert ref_for(out, "Please audit") == "m00001"  # the parent's ref for the parent's message
+    # the title's own m00001 was given anew: a ref names one message in the session
+    again = TAG.match(json.loads(engine.process(ask, ANTH, title, render=True).body)["messages"][0]["content"])
+    assert again.group(1) != "m00001"
+    owners: dict[str, str] = {}
+    for r in engine.store.ledger("titled"):
+        assert owners.setdefault(r.ref, r.content_hash) == r.content_hash, r.ref
+
+
+def test_a_block_is_inherited_only_where_all_it_covers_is_verified(engine):
+    msgs = conversation(8)
+    shown = send(engine, msgs, P)
+    args = {"content": [{"startId": ref_for(shown, "Step 1:"), "endId": ref_for(shown, "Step 4:"), "summary": SUMMARY}]}
+    engine.plugin_tool("parent", "compress", args)  # natively: the block has no call in the history
+    msgs = more(msgs, "go on")
+    assert has_block(send(engine, msgs, P), "b1")
+    # a fork whose step 3 output differs: the verified history ends before it, the block stays home
+    bad = json.loads(json.dumps(msgs))
+    bad[8]["content"][0]["content"] += " (edited)"
+    out = send(engine, more(bad, "fork"), F)
+    assert not has_block(out, "b1") and engine.sessions["fork"].blocks == []
+    assert engine.lineage.family_of("fork")["parent"] == "parent"
+    # the same history exactly: the block comes along
+    out = send(engine, more(msgs, "fork"), {"x-claude-code-session-id": "fork2"})
+    assert has_block(out, "b1")
+
+
+def test_a_fork_survives_a_restart(tmp_path):
+    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    msgs, last = folded_parent(e)
+    e.store.close()
+    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    fork = more(msgs, "continue in the fork")
+    first = e.process(body(fork), ANTH, F, render=True).body
+    assert has_block(json.loads(first), "b1")
+    e.store.close()
+    e = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    assert e.process(body(fork), ANTH, F, render=True).body == first
+    assert e.lineage.family_of("fork")["parent"] == "parent"
+    e.store.close()
+
+
+# -- id-less sessions (#20) -----------------------------------------------------------------------
+
+def chat(n: int, branch: str = "") -> list[dict]:
+    out = []
+    for i in range(n):
+        role = "user" if i % 2 == 0 else "assistant"
+        out.append({"role": role, "content": f"{role} message {i}{branch}: " + "words " * 8})
+    return out
+
+
+def tags(payload: dict) -> dict[str, str]:
+    out = {}
+    for m in payload["messages"]:
+        t = TAG.match(m["content"]) if isinstance(m["content"], str) else None
+        if t:
+            out[m["content"][t.end():]] = t.group(1)
+    return out
+
+
+def test_an_idless_rewind_keeps_its_session_and_refs(engine):
+    seen = []
+    for n in (1, 3, 5):
+        res = engine.process(body(chat(n)), ANTH, {}, render=True)
+        seen.append((res.session, tags(json.loads(res.body))))
+    sid = seen[0][0]
+    assert {s for s, _ in seen} == {sid}
+    refs = seen[-1][1]
+    rewind = chat(3) + [{"role": "assistant", "content": "a different reply " * 4}, {"role": "user", "content": "ok"}]
+    res = engine.process(body(rewind), ANTH, {}, render=True)
+    assert res.session == sid and res.source == "prefix"
+    got = tags(json.loads(res.body))
+    for text, ref in got.items():
+        if text in refs:
+            assert refs[text] == ref
+    assert len(set(got.values()) & set(refs.values())) == 3
+    # back to the first branch: still the same session, the same refs
+    res = engine.process(body(chat(7)), ANTH, {}, render=True)
+    assert res.session == sid
+    got = tags(json.loads(res.body))
+    assert all(got[t] == r for t, r in refs.items())
+    # after a restart, too
+    engine.store.close()
+    e2 = Engine(Store(engine.store.path.parent))
+    assert e2.process(body(rewind[:4]), ANTH, {}, render=True).session == sid
+
+
+def test_idless_conversations_sharing_only_their_opening_stay_apart(engine):
+    a = engine.process(body(chat(5)), ANTH, {}, render=True).session
+    b1 = engine.process(body(chat(1)), ANTH, {}, render=True).session
+    b = engine.process(body(chat(1) + chat(3, "-b")[1:]), ANTH, {}, render=True).session
+    assert b1 == b != a
+
+
+def test_two_proxies_on_one_store_share_the_family_counter(tmp_path):
+    """A fork made by another proxy on the same store: this one's parent still never gives a ref
+    the fork gave."""
+    one = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    two = Engine(Store(tmp_path), fold_cfg=FoldConfig(min_compress_chars=2000))
+    msgs, last = folded_parent(one)
+    fork = send(two, more(msgs, "continue in the fork"), F)
+    assert two.lineage.family_of("fork")["parent"] == "parent"
+    fork_new = set(refs_in(fork)) - set(refs_in(last))
+    parent_new = set(refs_in(send(one, more(msgs, "the parent goes on"), P))) - set(refs_in(last))
+    assert fork_new and parent_new and not fork_new & parent_new
+    assert min(parent_new) > max(fork_new)
+    assert one.lineage.family_of("parent")["root"] == "parent"
+    one.store.close()
+    two.store.close()
