@@ -179,7 +179,7 @@ def test_a_compress_that_folds_nothing_shows_the_reason_the_model_got(tmp_path):
         w = io.FlowWriter(f)
         w.add(_flow(msgs, _answer([call])))
         w.add(_flow(after, _answer([{"type": "text", "text": "Done."}])))
-    rep = replay.replay_file(path, min_compress_chars=10**6)  # every range is too small
+    rep = replay.replay_file(path, min_compress_chars=10**6, activate="always")  # every range is too small
     second = rep.turns[1]
     assert second.executed == ["compress"] and second.blocks == 0
     assert "m00002–m00008 not compressed: too small to be worth a fold" in second.reason
@@ -190,7 +190,7 @@ def test_a_compress_that_folds_nothing_shows_the_reason_the_model_got(tmp_path):
     header = next(ln for ln in replay.table(rep) if "turn  lane" in ln)
     assert header.split()[-1] == "reason"
     assert not rep.turns[0].reason
-    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--json", "--min-compress-chars",
+    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", "--json", "--min-compress-chars",
                           "1000000", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "too small to be worth a fold" in json.loads(out.stdout)[0]["turns"][1]["reason"]
 
