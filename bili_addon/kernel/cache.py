@@ -452,11 +452,13 @@ class Clocks:
     def __init__(self, max_sessions: int = 256):
         self.by_session: dict[str, Clock] = {}
         self.pending: dict[str, list[tuple[str, bytes, float]]] = {}
+        self.last: dict[str, float] = {}  # when each session's latest request left
         self.max_sessions = max_sessions
 
     def sent(self, sid: str, lane: str, body: bytes, now: float) -> None:
         queue = self.pending.setdefault(sid, [])
         queue.append((lane, body, now))
+        self.last[sid] = now
         if len(queue) > self.MAX_PENDING:  # answers that never came: bill them now
             self._flush(sid)
 
@@ -469,6 +471,7 @@ class Clocks:
                     old = next(iter(self.by_session))
                     self.by_session.pop(old)
                     self.pending.pop(old, None)
+                    self.last.pop(old, None)
             try:
                 clk.send(body, now)
             except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
@@ -482,6 +485,12 @@ class Clocks:
             clk.report(read, write)
 
     def cold(self, sid: str, now: float) -> bool:
+        last = self.last.get(sid)
+        if last is None:
+            return False
+        clk = self.by_session.get(sid)
+        if now - last <= (clk.cache.ttl_cap or clk.rules.ttl if clk is not None else rules_for("").ttl):
+            return False  # the latest request wrote or read an entry that lives this long at least: warm
         clk = self._flush(sid)
         return clk is not None and clk.cold(now)
 
