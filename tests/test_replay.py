@@ -204,3 +204,25 @@ def test_unreadable_input_is_an_error(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert replay.run(cli.build_parser().parse_args(["replay", str(empty)])) == 1
+
+
+@needs_captures
+def test_replay_cost_of_the_captured_agents(tmp_path):
+    """``bili replay --cost``: per session the input billed under the provider's cache model with and
+    without the addon.  The captured sessions are short: with lazy activation they cost what they cost
+    without it (target: total <= x1.02, no session over x1.05); injecting from the first request costs more."""
+    from bili_addon.replay_cost import session_costs
+
+    reports = [replay.replay_file(p) for p in replay.find_flow_files([str(CAPTURES)])]  # lazy, the default
+    costs = session_costs(reports)
+    assert len(costs) >= 30 and {c.lane for c in costs} == {"anthropic", "chat", "responses"}
+    total = sum(c.with_addon for c in costs) / sum(c.without for c in costs)
+    assert total <= 1.02 and max(c.ratio for c in costs) <= 1.05
+    files = replay.find_flow_files([str(CAPTURES)])
+    always = session_costs([replay.replay_file(p, activate="always") for p in files])
+    assert sum(c.with_addon for c in always) > sum(c.without for c in always)  # the injection is billed
+    assert any(c.bill_without.read for c in costs) and any(c.bill_without.write for c in costs)
+    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--cost", str(CAPTURES / "pi")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1].startswith("total: 3 sessions")
+    assert "x1.000" in out.stdout.splitlines()[-1]
