@@ -106,11 +106,11 @@ class Bili:
         self.first_party = "fold"
         self.data_dir = ""
         self._flows: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDictionary()
+        self.token: str | None = None  # the admin token (``/__bili/`` but health needs it)
 
     @property
     def engine(self) -> Engine | None:
         return self.keeper.engine
-        self.token: str | None = None  # the admin token (``/__bili/`` but health needs it)
 
     @property
     def store_ok(self) -> bool:

@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from bili_addon.kernel import tags
 from bili_addon.kernel.fold import Block, PartView, View
@@ -37,7 +37,8 @@ from bili_addon.kernel.state import Session, TurnResult
 from bili_addon.wire.base import OTHER, TEXT
 
 if TYPE_CHECKING:
-    from bili_addon.kernel.turn import Engine
+    from bili_addon.kernel.registry import Sessions
+    from bili_addon.store import Store
 
 log = logging.getLogger("bili")
 
@@ -197,11 +198,20 @@ def free_summary(view: View, s: Session) -> None:
         view.first_free = True
 
 
-class Epochs:
-    """Mixed into :class:`~bili_addon.kernel.turn.Engine`: the hook of a turn, and what a new
-    epoch changes in the session."""
+class EpochHost(Protocol):
+    """What :class:`Epochs` needs of the engine it is mixed into (and its own step)."""
 
-    def _compaction(self: "Engine", s: Session, lane: str, view: View, minted_from: int,
+    store: Store
+    sessions: Sessions
+
+    def _begin_epoch(self, s: Session, found: Found, result: TurnResult) -> None: ...
+
+
+class Epochs:
+    """Mixed into the :class:`Engine`: the hook of a turn, and what a new epoch changes in the
+    session.  What it uses of the engine is :class:`EpochHost`."""
+
+    def _compaction(self: EpochHost, s: Session, lane: str, view: View, minted_from: int,
                     result: TurnResult) -> None:
         if s.row.requests > 1:  # a first request has nothing to have compacted
             found = detect(lane, view, s.copy.refs, {e["marker"] for e in epochs(s)}, minted_from)
@@ -209,14 +219,14 @@ class Epochs:
                 self._begin_epoch(s, found, result)
         free_summary(view, s)
 
-    def _begin_epoch(self: "Engine", s: Session, found: Found, result: TurnResult) -> None:
+    def _begin_epoch(self: EpochHost, s: Session, found: Found, result: TurnResult) -> None:
         sid = s.row.id
         retired: list[Block] = [b for b in s.blocks if b.active]
         for b in retired:
             b.active = False
             b.retired = True
         if retired:
-            self.save_blocks(s, retired)
+            self.sessions.save_blocks(s, retired)
         was_latched = s.copy.latched
         s.copy = Copy()  # the new history is the pass drift is checked against from now on
         s.stored = self.store.save_copy(sid, s.copy.to_json(), expect=s.stored)
@@ -226,8 +236,8 @@ class Epochs:
             "usage_turns": self.store.usage(sid).turns, "retired_blocks": [b.id for b in retired],
             "gone": found.gone, "kept": found.kept, "at": round(time.time(), 3),
         }
-        self.set_flag(sid, "epochs", [*epochs(s), entry])
-        self.set_flag(sid, "last_nudge_at", 0)  # reminders count from the new base
+        self.sessions.set_flag(sid, "epochs", [*epochs(s), entry])
+        self.sessions.set_flag(sid, "last_nudge_at", 0)  # reminders count from the new base
         result.epoch = n
         ids = f" ({', '.join(b.id for b in retired)})" if retired else ""
         log.warning(
@@ -239,7 +249,7 @@ class Epochs:
         if was_latched:
             log.warning("[bili] session=%s: the pause ends with the new epoch", sid)
 
-    def _reported_usage(self: "Engine", s: Session) -> tuple[int, int, int, int] | None:
+    def _reported_usage(self: EpochHost, s: Session) -> tuple[int, int, int, int] | None:
         """The last usage the provider reported, unless it was for the history before the current
         epoch (the compaction request itself reports the whole old history)."""
         last = self.store.last_usage(s.row.id)
@@ -251,5 +261,5 @@ class Epochs:
         return last
 
 
-__all__ = ["Epochs", "Found", "SHAPES", "SUMMARY_ASKS", "Shape", "asks_for_summary", "detect", "epochs",
-           "free_summary", "marker_in_head"]
+__all__ = ["EpochHost", "Epochs", "Found", "SHAPES", "SUMMARY_ASKS", "Shape", "asks_for_summary", "detect",
+           "epochs", "free_summary", "marker_in_head"]

@@ -280,19 +280,7 @@ def search(query: str, docs: Sequence[Doc], limit: int = 5) -> list[Hit]:
         if total > 0:
             scored[i] = (total, best)
 
-    phrase = _phrase_pattern(query)
-    spans: dict[int, tuple[int, int]] = {}
-    if phrase is not None:
-        candidates = scored if terms else range(n_docs)
-        for i in candidates:
-            m = phrase.search(docs[i].text)
-            if m:
-                spans[i] = m.span()
-        if spans:
-            bonus = max((s for s, _ in scored.values()), default=0.0) + 1.0
-            for i in spans:
-                base, best = scored.get(i, (0.0, None))
-                scored[i] = (base + bonus, best)
+    spans = _phrase_bonus(query, docs, scored, bool(terms))
 
     if not scored:
         vocab = index.vocabulary()
@@ -312,6 +300,32 @@ def search(query: str, docs: Sequence[Doc], limit: int = 5) -> list[Hit]:
             if total > 0:
                 scored[i] = (total * FUZZY_SCALE, best)
 
+    return _hits(docs, scored, spans, limit)
+
+
+def _phrase_bonus(query: str, docs: Sequence[Doc], scored: dict[int, tuple[float, str | None]],
+                  any_terms: bool) -> dict[int, tuple[int, int]]:
+    """Docs holding the query as an exact phrase rank above every other (``scored`` is updated);
+    returns where the phrase stands in each of them.  Without terms every doc is a candidate."""
+    phrase = _phrase_pattern(query)
+    spans: dict[int, tuple[int, int]] = {}
+    if phrase is None:
+        return spans
+    for i in (list(scored) if any_terms else range(len(docs))):
+        m = phrase.search(docs[i].text)
+        if m:
+            spans[i] = m.span()
+    if spans:
+        bonus = max((sc for sc, _ in scored.values()), default=0.0) + 1.0
+        for i in spans:
+            base, best = scored.get(i, (0.0, None))
+            scored[i] = (base + bonus, best)
+    return spans
+
+
+def _hits(docs: Sequence[Doc], scored: dict[int, tuple[float, str | None]], spans: dict[int, tuple[int, int]],
+          limit: int) -> list[Hit]:
+    """The best ``limit`` docs, each with a snippet around its phrase or its best term."""
     ranked = sorted(scored, key=lambda i: (-scored[i][0], i))[:limit]
     hits = []
     for i in ranked:
@@ -375,18 +389,7 @@ class FtsIndex:
                     best = t
                 scored[i] = (total + x, best)
 
-        phrase = _phrase_pattern(query)
-        spans: dict[int, tuple[int, int]] = {}
-        if phrase is not None:
-            for i in (scored if terms else range(len(docs))):
-                m = phrase.search(docs[i].text)
-                if m:
-                    spans[i] = m.span()
-            if spans:
-                bonus = max((s for s, _ in scored.values()), default=0.0) + 1.0
-                for i in spans:
-                    base, best = scored.get(i, (0.0, None))
-                    scored[i] = (base + bonus, best)
+        spans = _phrase_bonus(query, docs, scored, bool(terms))
 
         if not scored:
             expansions = [(t, _fuzzy_terms(t, self.vocab)) for t in terms]
@@ -403,14 +406,7 @@ class FtsIndex:
                     acc[i] = (total + x, v if x > best_w else best, max(x, best_w))
             scored = {i: (total * FUZZY_SCALE, best) for i, (total, best, _w) in acc.items()}
 
-        ranked = sorted(scored, key=lambda i: (-scored[i][0], i))[:limit]
-        hits = []
-        for i in ranked:
-            score, best = scored[i]
-            text = docs[i].text
-            span = spans.get(i) or (_find(text, best) if best else None)
-            hits.append(Hit(docs[i].key, docs[i].kind, score, snippet(text, span)))
-        return hits
+        return _hits(docs, scored, spans, limit)
 
 
 def search_fts5(query: str, docs: Sequence[Doc], limit: int = 5) -> list[Hit]:

@@ -9,7 +9,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from bili_addon import private
 from bili_addon.kernel import fold, surfaces, tags
@@ -20,7 +20,10 @@ from bili_addon.wire import Lane
 from bili_addon.wire.base import TOOL_CALL, TOOL_RESULT, idless_call_key
 
 if TYPE_CHECKING:
-    from bili_addon.kernel.turn import Engine
+    from bili_addon.kernel.fold import FoldConfig
+    from bili_addon.kernel.nudge import NudgeConfig
+    from bili_addon.kernel.registry import Sessions
+    from bili_addon.store import Store
 
 
 @functools.lru_cache(maxsize=4096)
@@ -49,20 +52,36 @@ def export_dir(data_dir: Path, sid: str) -> Path:
     return folder
 
 
-class ProxyTools:
-    """Mixed into :class:`~bili_addon.kernel.turn.Engine`."""
+class ToolHost(Protocol):
+    """What the proxy tools need of the engine they are mixed into (and their own entry points,
+    which call each other)."""
 
-    def record_calls(self: "Engine", sid: str, calls: list[tuple[str, str, str]]) -> None:
+    store: Store
+    sessions: Sessions
+    fold_cfg: FoldConfig
+    nudge_cfg: NudgeConfig
+
+    def window_for(self, s: Session) -> int: ...
+
+    def record_calls(self, sid: str, calls: list[tuple[str, str, str]]) -> None: ...
+
+    def run_tool(self, s: Session, name: str, args: Any, view: View | None, call_id: str = "") -> str: ...
+
+
+class ProxyTools:
+    """Mixed into the :class:`Engine`; what it uses of it is :class:`ToolHost`."""
+
+    def record_calls(self: ToolHost, sid: str, calls: list[tuple[str, str, str]]) -> None:
         """Proxy tool calls seen in an answer; each runs once, when the next request carries it."""
         for attempt in range(2):
-            s = self.session(sid, fresh=True)
+            s = self.sessions.load(sid, fresh=True)
             fresh = [c for c in calls if c[0] not in s.calls]
             if not fresh:
                 return
             try:
                 s.stored = self.store.record_calls(sid, fresh, expect=s.stored)
             except StaleSession:  # another process wrote the session meanwhile: reload, record again
-                self.forget(sid)
+                self.sessions.forget(sid)
                 if attempt:
                     raise
                 continue
@@ -70,7 +89,7 @@ class ProxyTools:
                 s.calls[key] = Call(name, args)
             return
 
-    def record_answer(self: "Engine", sid: str, lane: str, rw: Any) -> list[str]:
+    def record_answer(self: ToolHost, sid: str, lane: str, rw: Any) -> list[str]:
         """What one model answer leaves behind (``rw``: its ResponseRewriter, once the answer is
         complete): the proxy tool calls it made, when they reached the agent through the addon,
         and the usage it reported.  Returns the names of the calls recorded."""
@@ -85,7 +104,7 @@ class ProxyTools:
         self.clocks.report(sid, u.cache_read if u.seen else None, u.cache_write if u.seen else None)
         return called
 
-    def run_tool(self: "Engine", s: Session, name: str, args: Any, view: View | None, call_id: str = "") -> str:
+    def run_tool(self: ToolHost, s: Session, name: str, args: Any, view: View | None, call_id: str = "") -> str:
         """Execute one proxy tool against the conversation as this request shows it."""
         if isinstance(args, str):
             try:
@@ -98,8 +117,8 @@ class ProxyTools:
             out = fold.compress(args, view, s.blocks, self.fold_cfg, call_id)
             if out.blocks:
                 s.blocks.extend(out.blocks)
-                self.save_blocks(s, out.blocks + out.deactivated, out.originals,
-                                 [(call_id, out.text)] if call_id in s.calls else [])
+                self.sessions.save_blocks(s, out.blocks + out.deactivated, out.originals,
+                                          [(call_id, out.text)] if call_id in s.calls else [])
             return out.text
         originals = lambda refs: self.store.originals(sid, refs)  # noqa: E731
         if name == "decompress":
@@ -114,7 +133,7 @@ class ProxyTools:
                                    self.nudge_cfg)
         return f"Unknown bili tool {name!r}."
 
-    def plugin_tool(self: "Engine", sid: str | None, tool: str, args: Any) -> tuple[str, str]:
+    def plugin_tool(self: ToolHost, sid: str | None, tool: str, args: Any) -> tuple[str, str]:
         """A tool called natively (MCP) rather than on the wire: ``(session id, result)``.
 
         Without a session id the most recently active session is used.  Ranges resolve against the
@@ -127,10 +146,10 @@ class ProxyTools:
             sid = rows[0].id
         elif self.store.session(sid) is None and sid not in self.sessions:
             raise LookupError(f"unknown conversation {sid!r}")
-        s = self.session(sid, fresh=True)
+        s = self.sessions.load(sid, fresh=True)
         return sid, self.run_tool(s, tool, args, s.last_view)
 
-    def _run_calls(self: "Engine", s: Session, view: View, first: int, result: TurnResult) -> None:
+    def _run_calls(self: ToolHost, s: Session, view: View, first: int, result: TurnResult) -> None:
         """Execute the recorded calls this request carries (from view item ``first`` on)."""
         done: list[tuple[str, str]] = []
         for it in view.items[first:]:
@@ -217,4 +236,4 @@ class ProxyTools:
                 if (call_key(p.tool_call_id, p.tool_name, p.text) if p.ctype == TOOL_CALL else p.tool_call_id) in keys}
 
 
-__all__ = ["ProxyTools", "call_key"]
+__all__ = ["ProxyTools", "ToolHost", "call_key"]

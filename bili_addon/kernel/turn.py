@@ -12,20 +12,19 @@ not parsed, hashed, resolved or rendered again: a turn costs its new suffix plus
 from __future__ import annotations
 
 import gc
-import json
 import logging
-import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any, Mapping
 
 import msgspec
 
 from bili_addon.kernel import activation, breakpoints, cache, envelope, lifetime, fold, nudge, reconcile, tags
 from bili_addon.kernel.compaction import Epochs, asks_for_summary
-from bili_addon.kernel.fold import Block, FoldConfig, PartView, View, ViewItem
+from bili_addon.kernel.fold import FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
 from bili_addon.kernel.lineage import Lineage
 from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
+from bili_addon.kernel.registry import Sessions
 from bili_addon.kernel.sessions import (
     MIN_CANONICAL_BYTES,
     PrefixAffinity,
@@ -35,7 +34,6 @@ from bili_addon.kernel.sessions import (
     session_from_request,
 )
 from bili_addon.kernel.state import (
-    Call,
     Entry,
     ItemCache,
     ItemInfo,
@@ -56,7 +54,6 @@ log = logging.getLogger("bili")
 
 PROSE_ROLES = ("user", "assistant")
 _SMALL_TOP_KEYS = ("session_id", "metadata", "prompt_cache_key", "model", "previous_response_id")
-MAX_MEMOS = 32
 STALE_RETRIES = 2  # a turn computed from a session another process changed meanwhile is computed again
 
 __all__ = ["Engine", "TurnResult", "clean_replayed_prose"]
@@ -70,9 +67,7 @@ class Engine(ProxyTools, Epochs):
                  activate: str = "always"):
         self.store = store
         self.items = ItemCache()
-        self.sessions: OrderedDict[str, Session] = OrderedDict()
-        self.memos: OrderedDict[str, Memo] = OrderedDict()
-        self.max_sessions = max_sessions
+        self.sessions = Sessions(store, max_sessions)  # cached sessions and previous passes (kernel/registry.py)
         self.affinity = PrefixAffinity(store.affinity())
         self.lineage = Lineage(store)  # forks and id-less rewinds (kernel/lineage.py)
         self.fold_cfg = fold_cfg or FoldConfig()
@@ -86,67 +81,15 @@ class Engine(ProxyTools, Epochs):
         self.clocks = cache.Clocks(max_sessions)  # each session's provider cache, as the model predicts it
         self.now = time.time  # when a request leaves (replay: the recorded time)
 
-    # -- sessions ------------------------------------------------------------------------------
+    # -- sessions: kernel/registry.py; these two are the way in for the shell, the admin endpoints
+    # -- and the tests (and, until they are next edited, for _process and _pressure)
     def session(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False) -> Session:
-        """The session's state, loaded from the store once and cached.  ``fresh``: first check that
-        no other process has changed it since (one indexed read); if one has, reload it."""
-        s = seen = self.sessions.get(sid)
-        if s is not None:
-            if fresh and self.store.version(sid) != s.stored:
-                self.forget(sid)
-            else:
-                self.sessions.move_to_end(sid)
-                return s
-        with self.store.snapshot():
-            row = self.store.session(sid)
-            if row is None:
-                now = time.time()
-                row = SessionRow(sid, agent, lane, now, now, 0, 0, 1)
-            s = Session(row, flags=json.loads(row.flags or "{}"), stored=row.version)
-            for r in self.store.ledger(sid):
-                s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
-                s.owners[r.ref] = r.content_hash
-            s.blocks = sorted((Block(**json.loads(doc)) for doc in self.store.blocks(sid)), key=lambda b: b.number)
-            s.calls = {k: Call(n, a, r) for k, n, a, r in self.store.calls(sid)}
-            s.copy = reconcile.Copy.from_json(self.store.copy(sid))
-        if seen is not None:  # what this process saw of the conversation stays true (refs never change meaning)
-            s.model, s.last_view, s.sent_tokens, s.unfolded_tokens = (
-                seen.model, seen.last_view, seen.sent_tokens, seen.unfolded_tokens)
-        self.sessions[sid] = s
-        while len(self.sessions) > self.max_sessions:
-            old, _ = self.sessions.popitem(last=False)
-            self.memos.pop(old, None)
-        return s
-
-    def forget(self, sid: str) -> None:
-        """Drop the cached state of a session (and its previous pass): the store is the truth."""
-        self.sessions.pop(sid, None)
-        self.memos.pop(sid, None)
-
-    _RENDER_FLAGS = ("truncated", "strict_reasoning", activation.FLAG)
+        """:meth:`Sessions.load <bili_addon.kernel.registry.Sessions.load>`."""
+        return self.sessions.load(sid, agent, lane, fresh=fresh)
 
     def set_flag(self, sid: str, key: str, value: Any) -> bool:
-        """Persist a learned per-session fact; True when it changed."""
-        s = self.session(sid)
-        if s.flags.get(key) == value:
-            return False
-        s.flags[key] = value
-        s.row.flags = json.dumps(s.flags, sort_keys=True)
-        s.stored = self.store.set_flags(s.row, expect=s.stored)
-        if key in self._RENDER_FLAGS:
-            s.version += 1  # old items render differently now
-        return True
-
-    def save_blocks(self, s: Session, blocks: list[Block], originals=(), results=()) -> None:
-        """``results``: ``(call key, result)`` of the call that made the blocks, in the same
-        transaction (a turn computed again never runs that call twice)."""
-        s.stored = self.store.commit_fold(
-            s.row.id,
-            [(b.id, json.dumps(b.__dict__), b.active) for b in blocks],
-            [(p.ref, p.role, p.ctype, p.tool_name, p.tool_call_id, p.text, p.tokens) for p in originals],
-            list(results),
-            expect=s.stored,
-        )
+        """:meth:`Sessions.set_flag <bili_addon.kernel.registry.Sessions.set_flag>`."""
+        return self.sessions.set_flag(sid, key, value)
 
     def window_for(self, s: Session) -> int:
         learned = s.flags.get("learned_windows", {}).get(s.model)
@@ -174,12 +117,12 @@ class Engine(ProxyTools, Epochs):
                 except StaleSession as e:
                     # another process advanced the session while this turn was computed: nothing
                     # of it left (the store refused it); compute it again from the store's state
-                    self.forget(e.session_id)
+                    self.sessions.forget(e.session_id)
                     if attempt == STALE_RETRIES:
                         raise
                 except StoreError:
                     if self._turn_sid is not None:  # what this process holds may differ from the store
-                        self.forget(self._turn_sid)
+                        self.sessions.forget(self._turn_sid)
                     raise
             raise AssertionError("unreachable")
         finally:
@@ -319,11 +262,11 @@ class Engine(ProxyTools, Epochs):
     # -- identity ------------------------------------------------------------------------------
     def _memo_for(self, sid: str | None, lane: Lane, raws: list) -> Memo | None:
         if sid is not None:
-            memo = self.memos.get(sid)
+            memo = self.sessions.memos.get(sid)
             return memo if memo is not None and memo.lane == lane.name else None
         # anonymous: the session is not known yet; the memo sharing the longest head is the candidate
         best, best_k = None, 0
-        for memo in reversed(self.memos.values()):
+        for memo in reversed(self.sessions.memos.values()):
             if memo.lane != lane.name or memo.chain is None or not memo.raws or not raws:
                 continue
             if memo.raws[0] != raws[0]:
@@ -438,7 +381,7 @@ class Engine(ProxyTools, Epochs):
         except Exception:
             for r in new_rows:  # nothing of this turn is kept
                 s.refs.pop((r.msg_id, r.content_hash), None)
-            self.memos.pop(row.id, None)
+            self.sessions.memos.pop(row.id, None)
             raise
         s.row = staged
         for r in new_rows:
@@ -485,7 +428,7 @@ class Engine(ProxyTools, Epochs):
                 bound[cid] = value
                 changed = True
         if changed:
-            self.set_flag(s.row.id, "envelope", bound)
+            self.sessions.set_flag(s.row.id, "envelope", bound)
 
     def _strip_own_tag(self, s: Session, part: Part) -> tuple[Core, str, str, bool]:
         """Remove the message's own stale tag (idempotent); a foreign tag is content and stays."""
@@ -515,7 +458,7 @@ class Engine(ProxyTools, Epochs):
                 if b.claimed.get(old) != new:
                     b.claimed[old] = new
                     by_block.setdefault(b.id, []).append(new)
-            self.save_blocks(s, [b for b in s.blocks if b.id in by_block])
+            self.sessions.save_blocks(s, [b for b in s.blocks if b.id in by_block])
         was_latched = s.copy.latched
         reconcile.verdict(out, view, s.blocks, s.copy, lambda refs: self.store.originals(sid, refs))
         if out.drifted:
@@ -566,7 +509,7 @@ class Engine(ProxyTools, Epochs):
         counts["suspects"] = counts.get("suspects", 0) + out.suspects
         if out.verdict:
             counts[out.verdict] = counts.get(out.verdict, 0) + 1
-        self.set_flag(s.row.id, "drift", counts)
+        self.sessions.set_flag(s.row.id, "drift", counts)
 
     # -- rendering -----------------------------------------------------------------------------
     def _render(self, s: Session, lane: Lane, raws: list, infos: list[ItemInfo], start: int, q: int,
@@ -788,11 +731,8 @@ class Engine(ProxyTools, Epochs):
         else:
             rendered_items, changed_cum, tagged_cum = rendered
         version = s.version
-        self.memos[sid] = Memo(lane.name, sid, version, raws, infos, start, hashes, resolved, view_items,
-                               rendered_items, changed_cum, tagged_cum, counter)
-        self.memos.move_to_end(sid)
-        while len(self.memos) > MAX_MEMOS:
-            self.memos.popitem(last=False)
+        self.sessions.remember(Memo(lane.name, sid, version, raws, infos, start, hashes, resolved, view_items,
+                                    rendered_items, changed_cum, tagged_cum, counter))
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""The sessions this process holds: each loaded from the store once, cached, written back through it.
+
+:class:`Sessions` is a read-only mapping ``session id -> Session`` of what is cached (least recently
+used first; at most ``max_sessions``), plus the previous pass of each session
+(:class:`~bili_addon.kernel.state.Memo`, at most ``MAX_MEMOS``).  The store is the truth: a session
+another process changed is reloaded (``load(..., fresh=True)``), and one whose write the store
+refused is forgotten.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from bili_addon.kernel import reconcile
+from bili_addon.kernel.activation import FLAG as ACTIVE
+from bili_addon.kernel.fold import Block
+from bili_addon.kernel.state import Call, Entry, Memo, Session
+from bili_addon.store import SessionRow, Store
+
+MAX_MEMOS = 32
+# flags that change how old items render (activation: tags appear on every prose part)
+RENDER_FLAGS = ("truncated", "strict_reasoning", ACTIVE)
+
+
+class Sessions(Mapping[str, Session]):
+    """The cached sessions and their previous passes, over a :class:`Store`."""
+
+    def __init__(self, store: Store, max_sessions: int = 256):
+        self.store = store
+        self.max_sessions = max_sessions
+        self._cache: OrderedDict[str, Session] = OrderedDict()
+        self.memos: OrderedDict[str, Memo] = OrderedDict()
+
+    # -- the mapping of what is cached (no store read) --------------------------------------------
+    def __getitem__(self, sid: str) -> Session:
+        return self._cache[sid]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._cache)
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self._cache
+
+    def get(self, sid: str, default: Session | None = None) -> Session | None:  # type: ignore[override]
+        return self._cache.get(sid, default)
+
+    # -- loading and forgetting ------------------------------------------------------------------
+    def load(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False) -> Session:
+        """The session's state, loaded from the store once and cached.  ``fresh``: first check that
+        no other process has changed it since (one indexed read); if one has, reload it."""
+        s = seen = self._cache.get(sid)
+        if s is not None:
+            if fresh and self.store.version(sid) != s.stored:
+                self.forget(sid)
+            else:
+                self._cache.move_to_end(sid)
+                return s
+        with self.store.snapshot():
+            row = self.store.session(sid)
+            if row is None:
+                now = time.time()
+                row = SessionRow(sid, agent, lane, now, now, 0, 0, 1)
+            s = Session(row, flags=json.loads(row.flags or "{}"), stored=row.version)
+            for r in self.store.ledger(sid):
+                s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
+                s.owners[r.ref] = r.content_hash
+            s.blocks = sorted((Block(**json.loads(doc)) for doc in self.store.blocks(sid)), key=lambda b: b.number)
+            s.calls = {k: Call(n, a, r) for k, n, a, r in self.store.calls(sid)}
+            s.copy = reconcile.Copy.from_json(self.store.copy(sid))
+        if seen is not None:  # what this process saw of the conversation stays true (refs never change meaning)
+            s.model, s.last_view, s.sent_tokens, s.unfolded_tokens = (
+                seen.model, seen.last_view, seen.sent_tokens, seen.unfolded_tokens)
+        self._cache[sid] = s
+        while len(self._cache) > self.max_sessions:
+            old, _ = self._cache.popitem(last=False)
+            self.memos.pop(old, None)
+        return s
+
+    def forget(self, sid: str) -> None:
+        """Drop the cached state of a session (and its previous pass): the store is the truth."""
+        self._cache.pop(sid, None)
+        self.memos.pop(sid, None)
+
+    def remember(self, memo: Memo) -> None:
+        """Keep ``memo`` as its session's previous pass (the most recent ``MAX_MEMOS`` are kept)."""
+        self.memos[memo.sid] = memo
+        self.memos.move_to_end(memo.sid)
+        while len(self.memos) > MAX_MEMOS:
+            self.memos.popitem(last=False)
+
+    # -- writes ----------------------------------------------------------------------------------
+    def set_flag(self, sid: str, key: str, value: Any) -> bool:
+        """Persist a learned per-session fact; True when it changed."""
+        s = self.load(sid)
+        if s.flags.get(key) == value:
+            return False
+        s.flags[key] = value
+        s.row.flags = json.dumps(s.flags, sort_keys=True)
+        s.stored = self.store.set_flags(s.row, expect=s.stored)
+        if key in RENDER_FLAGS:
+            s.version += 1  # old items render differently now
+        return True
+
+    def save_blocks(self, s: Session, blocks: list[Block], originals=(), results=()) -> None:
+        """``results``: ``(call key, result)`` of the call that made the blocks, in the same
+        transaction (a turn computed again never runs that call twice)."""
+        s.stored = self.store.commit_fold(
+            s.row.id,
+            [(b.id, json.dumps(b.__dict__), b.active) for b in blocks],
+            [(p.ref, p.role, p.ctype, p.tool_name, p.tool_call_id, p.text, p.tokens) for p in originals],
+            list(results),
+            expect=s.stored,
+        )
+
+
+__all__ = ["MAX_MEMOS", "RENDER_FLAGS", "Sessions"]
