@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections import Counter
 from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import activation, breakpoints, cache, envelope, lifetime, fold, nudge, reconcile, tags
+from bili_addon.kernel import activation, breakpoints, cache, envelope, fold, lifetime, nudge, reconcile, tags
 from bili_addon.kernel.compaction import Epochs, asks_for_summary
 from bili_addon.kernel.fold import FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
