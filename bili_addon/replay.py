@@ -58,6 +58,8 @@ class Turn:
     note: str = ""
     live: dict[str, Any] | None = None  # what the live proxy recorded for this request (a capture with bili loaded)
     body: bytes = b""  # what would have been sent upstream (not in --json)
+    raw: bytes = b""  # the agent's own body (not in --json)
+    at: float = 0.0  # when the request was sent (the flow's timestamp; for --cost)
 
     @property
     def tokens_in(self) -> int:
@@ -70,6 +72,7 @@ class Turn:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("body")
+        d.pop("raw")
         d["tokens_in"], d["tokens_out"] = self.tokens_in, self.tokens_out
         return d
 
@@ -93,7 +96,7 @@ def _decode(message) -> bytes:
 
 class Replayer:
     def __init__(self, store_dir: Path, *, first_party: str = "fold", min_compress_chars: int | None = None,
-                 marker: bool = True):
+                 marker: bool = True, activate: str = "lazy"):
         from bili_addon.kernel.fold import FoldConfig
         from bili_addon.kernel.turn import Engine
         from bili_addon.store import Store
@@ -101,7 +104,9 @@ class Replayer:
         cfg = FoldConfig()
         if min_compress_chars is not None:
             cfg.min_compress_chars = min_compress_chars
-        self.engine = Engine(Store(store_dir), fold_cfg=cfg)
+        self.engine = Engine(Store(store_dir), fold_cfg=cfg, activate=activate)
+        self.at = 0.0  # the recorded time of the request being replayed
+        self.engine.now = lambda: self.at
         self.first_party = first_party
         self.marker = marker
         self.turns: dict[str, int] = {}
@@ -132,7 +137,7 @@ class Replayer:
         turn = Turn(
             report.path, index, res.session, n, lane.name, via, host, res.messages, res.refs_new, res.refs_known,
             len(raw), len(body), sum(b.active for b in s.blocks) if s else 0, res.folded_items, list(res.executed),
-            first_party=fp, changed=res.body is not None and res.body != raw, body=body,
+            first_party=fp, changed=res.body is not None and res.body != raw, body=body, raw=raw, at=self.at,
             reason=" ".join(res.declined),
         )
         if fp:
@@ -147,7 +152,7 @@ class Replayer:
             if differs:
                 turn.note = "; ".join(x for x in (turn.note, "live: " + ", ".join(differs)) if x)
         report.turns.append(turn)
-        return turn, res.marker if render and self.marker else "", render
+        return turn, res.marker if render and self.marker else "", render and res.active
 
     # -- its recorded answer -------------------------------------------------------------------------
     def account(self, turn: Turn, rw) -> None:
@@ -199,6 +204,7 @@ class Replayer:
             if lane is None or not raw:
                 report.other += 1
                 continue
+            self.at = req.timestamp_start or 0.0
             got = self.request(report, index, raw, lane, req.headers, host, "http", live)
             if got is None:
                 continue
@@ -217,8 +223,9 @@ class Replayer:
                 raw = flowmeta.original_request(live) or msg.content
                 if b'"response.create"' not in raw:
                     continue
+                self.at = msg.timestamp or 0.0
                 got = self.request(report, index, raw, lane, flow.request.headers, host, "ws", live)
-                turn, rw = (got[0], rewriter_cls("responses", True)) if got is not None else (None, None)
+                turn, rw = (got[0], rewriter_cls("responses", got[2])) if got is not None else (None, None)
             elif turn is not None and rw is not None:
                 rw.ws_frame(msg.content)
                 if rw.finished:
@@ -283,13 +290,13 @@ def find_flow_files(paths: Iterable[str]) -> list[Path]:
 
 
 def replay_file(path: Path, *, first_party: str = "fold", min_compress_chars: int | None = None,
-                label: str | None = None) -> FileReport:
+                label: str | None = None, activate: str = "lazy") -> FileReport:
     from mitmproxy import io
     from mitmproxy.exceptions import FlowReadException
 
     report = FileReport(label or str(path))
     with tempfile.TemporaryDirectory(prefix="bili-replay-") as tmp:
-        rep = Replayer(Path(tmp), first_party=first_party, min_compress_chars=min_compress_chars)
+        rep = Replayer(Path(tmp), first_party=first_party, min_compress_chars=min_compress_chars, activate=activate)
         try:
             with open(path, "rb") as f:
                 rep.run(report, io.FlowReader(f).stream())
@@ -344,8 +351,13 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="as the proxy's bili_first_party option (default: fold)")
     p.add_argument("--min-compress-chars", type=int, default=None, metavar="N",
                    help="as the proxy's bili_min_compress_chars option")
+    p.add_argument("--activate", choices=("lazy", "always"), default="lazy",
+                   help="as the proxy's bili_activate option (default: lazy)")
     p.add_argument("--json", action="store_true", help="one JSON document: every file's turns")
     p.add_argument("--bodies", metavar="DIR", help="write each upstream body to DIR/<file>-<flow>-<turn>.json")
+    p.add_argument("--cost", action="store_true",
+                   help="per session, the cost billed under the provider's cache rules with and without the "
+                        "addon, and a total")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -355,7 +367,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     reports = []
     for path in files:
-        report = replay_file(path, first_party=args.first_party, min_compress_chars=args.min_compress_chars)
+        report = replay_file(path, first_party=args.first_party, min_compress_chars=args.min_compress_chars,
+                             activate=args.activate)
         reports.append(report)
         if args.bodies:
             out = Path(args.bodies)
@@ -363,11 +376,15 @@ def run(args: argparse.Namespace) -> int:
             stem = "_".join(path.parts[-3:]).replace(".mitm", "").replace("/", "_")
             for t in report.turns:
                 (out / f"{stem}-{t.flow:03d}-{t.session[:12]}-{t.turn}.json").write_bytes(t.body)
-        if not args.json:
+        if not args.json and not args.cost:
             print("\n".join(table(report)))
             print(flush=True)
     if args.json:
         print(json.dumps([{"path": r.path, "flows": r.flows, "other": r.other, "unidentified": r.unidentified,
                            "errors": r.errors, "turns": [t.to_json() for t in r.turns]} for r in reports], indent=2))
+    if args.cost:
+        from bili_addon.replay_cost import cost_table, session_costs
+
+        print("\n".join(cost_table(session_costs(reports))))
     unreadable = [r for r in reports if any(e.startswith("cannot read") for e in r.errors)]
     return 1 if unreadable else 0

@@ -15,6 +15,7 @@ from mitmproxy import ctx, exceptions, http
 
 from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, mitmview, prices, private
 from bili_addon.kernel import envelope
+from bili_addon.kernel.activation import MODES as ACTIVATE
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.turn import Engine, TurnResult
@@ -162,6 +163,13 @@ class Bili:
             "the window is nearly full.",
         )
         loader.add_option(
+            "bili_activate", str, "lazy",
+            "lazy: a session carries no tools, prompt or tags until folding is about to pay (its foldable "
+            "work passes bili_remind_at, or half of it when the prompt cache has expired anyway); until "
+            "then it is forwarded as the agent sent it. always: from the first request.",
+            choices=ACTIVATE,
+        )
+        loader.add_option(
             "bili_context_window", int, 0,
             "The context window in tokens for every model (0: from the built-in table, or learned from "
             "the provider's overflow errors).",
@@ -225,6 +233,7 @@ class Bili:
         engine.nudge_cfg.batch_tokens = remind if remind > 0 else never
         engine.nudge_cfg.distil_tokens = NudgeConfig.distil_tokens if remind > 0 else never
         engine.reconcile = ctx.options.bili_fold_reconcile
+        engine.activate = ctx.options.bili_activate
         engine.snapshot = ctx.options.bili_snapshot_render
         return engine
 
@@ -311,7 +320,7 @@ class Bili:
             return
         if res.body is not None:
             req.content = res.body  # re-encoded with the request's own content-encoding
-        rewrite = fold
+        rewrite = fold and res.active  # an inactive session offered no tools: its answers are the agent's
         if rewrite:
             # a compressed stream cannot be filtered event by event
             req.headers["accept-encoding"] = "identity"
@@ -516,7 +525,7 @@ class Bili:
             return
         record["message"] = len(flow.websocket.messages) - 1
         flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
-        self._flows[flow] = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold"),
+        self._flows[flow] = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold" and res.active),
                                       record)
 
     # -- admin ---------------------------------------------------------------------------------
@@ -559,6 +568,13 @@ class Bili:
                 "sent_tokens": live.sent_tokens if live is not None else None,
                 "unfolded_tokens": live.unfolded_tokens if live is not None else None,
             }
+            # lazy activation (kernel/activation.py): why bili shows itself in this session, or null
+            entry["active"] = flags.get("active") or ("always" if eng.activate == "always" else None)
+            # the provider cache model of this process: predicted vs reported cache reads per request,
+            # and what the reports taught (a shorter lifetime, no cache)
+            entry["cache"] = eng.clocks.stats(r.id)
+            # the cache lifetime decision (kernel/lifetime.py): 5m or 1h, with the expected costs per request
+            entry["lifetime"] = flags.get("ttl")
             family = families.get(r.id)
             if family is not None:  # forks: {root, parent, fork_at, children}
                 entry["lineage"] = family

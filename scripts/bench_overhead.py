@@ -235,13 +235,16 @@ class DigestCounter:
             m.digest = self.orig
 
 
+ACTIVATE = "always"
+
+
 def first_turn(case: Case, raw: bytes, reps: int) -> tuple[float, float, float, bytes]:
     """Median ms of a first turn, of the floor measured right before each one, and the median of the
     per-pair ratios (robust to a host whose load drifts during the run)."""
     samples, floors, out = [], [], b""
     for _ in range(reps):
         with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
-            eng = Engine(bench_store(d), fold_cfg=FoldConfig())
+            eng = Engine(bench_store(d), fold_cfg=FoldConfig(), activate=ACTIVATE)
             res = None
 
             def run():
@@ -260,7 +263,7 @@ def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, floa
     """Median ms of a follow-up turn, the median ratio to its own floor (measured right before it),
     digests computed per turn (max), new parts per turn, and a profile report when asked."""
     with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
-        eng = Engine(bench_store(d), fold_cfg=FoldConfig())
+        eng = Engine(bench_store(d), fold_cfg=FoldConfig(), activate=ACTIVATE)
         msgs = list(case.msgs)
         eng.process(case.body(msgs), case.lane, HEADERS, render=True)  # the history, processed before
         samples, floors, digests = [], [], []
@@ -312,7 +315,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the follow-up turn of the largest case")
     ap.add_argument("--postgresql", metavar="URL|auto",
                     help="also measure a PostgreSQL store (auto: start a throw-away server, as the tests do)")
+    ap.add_argument("--activate", choices=("always", "lazy"), default="always",
+                    help="always (default): a session bili shows itself in, the full work; lazy: a session "
+                         "that has not reached folding yet (its bodies go upstream as sent)")
     args = ap.parse_args()
+    global ACTIVATE
+    ACTIVATE = args.activate
     server = None
     backends = [("sqlite", "")]
     if args.postgresql:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import random
 import re
 import statistics
@@ -55,6 +56,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bili_addon.kernel.cache import Bill, Clock  # noqa: E402
 from bili_addon.kernel.nudge import NudgeConfig  # noqa: E402
 from bili_addon.kernel.turn import Engine  # noqa: E402
 from bili_addon.store import Store  # noqa: E402
@@ -228,7 +230,34 @@ class Script:
             "required": ["arg"], "additionalProperties": False}} for n in names]
         system = "You are Claude Code, an interactive CLI tool for software engineering tasks.\n\n" + "\n\n".join(
             self.prose(300, 900) for _ in range(22))
-        return {"model": "claude-sonnet-4-5", "max_tokens": 32000, "system": system, "tools": tools}
+        # Claude Code's cache breakpoints: two in system (the last message carries the third, encode_body)
+        cut = system.index("\n\n", len(system) // 8)
+        eph = {"type": "ephemeral"}
+        return {"model": "claude-sonnet-4-5", "max_tokens": 32000, "tools": tools, "system": [
+            {"type": "text", "text": system[:cut], "cache_control": eph},
+            {"type": "text", "text": system[cut:], "cache_control": eph}]}
+
+
+# -- time: the gap model ------------------------------------------------------------------------
+
+TOOL_GAP = (6.0, 0.6)  # seconds between the requests of a tool loop: lognormal (median, sigma)
+HUMAN_GAP = (90.0, 1.5)  # seconds before a human's next task: lognormal (median, sigma); ~21% over 5 min
+NO_PAUSE_HUMAN = 20.0  # the timeline without pauses: a human answers in 20 s
+
+
+def timeline(steps: list[tuple[dict, dict]], seed: int, pauses: bool) -> list[float]:
+    """When the request of each scripted step leaves.  After a tool result the model's next request
+    follows within seconds; after a final answer the human's next task comes after a heavy-tailed
+    pause (``pauses``) or after 20 s."""
+    r = random.Random(seed * 104_729 + 7)
+    at, out = 0.0, []
+    for t in range(len(steps)):
+        human = t > 0 and isinstance(steps[t - 1][1]["content"], str)
+        tool_gap = r.lognormvariate(math.log(TOOL_GAP[0]), TOOL_GAP[1])
+        human_gap = r.lognormvariate(math.log(HUMAN_GAP[0]), HUMAN_GAP[1])
+        at += (human_gap if pauses else NO_PAUSE_HUMAN) if human else tool_gap
+        out.append(at)
+    return out
 
 
 # -- the runs ----------------------------------------------------------------------------------
@@ -246,7 +275,14 @@ class Request:
 @dataclass
 class Run:
     name: str
+    times: list[float] = field(default_factory=list)  # when each step's request leaves (the gap model)
     requests: list[Request] = field(default_factory=list)
+    # the same requests under the providers' cache rules (kernel/cache.py): Anthropic's breakpoints
+    # and lifetimes, and OpenAI's automatic prefix caching of the same bytes
+    anth: Clock = field(default_factory=lambda: Clock("anthropic", "claude-sonnet-4-5"))
+    oai: Clock = field(default_factory=lambda: Clock("responses", "gpt-5"))
+    anth_bills: list[Bill] = field(default_factory=list)
+    oai_bills: list[Bill] = field(default_factory=list)
     prev: bytes = b""
     events: list[str] = field(default_factory=list)
     folds_ok: int = 0
@@ -263,7 +299,16 @@ class Run:
     def folds_after_compaction(self) -> int:
         return sum(1 for k in self.fold_at if self.compacted_at and k > self.compacted_at[0])
 
+    def at(self, step: int, kind: str) -> float:
+        """The time of a request: its step's, plus a few seconds for each extra request of the step."""
+        base = self.times[step] if self.times else float(step)
+        same = sum(1 for q in self.requests if q.step == step)
+        return base + (30.0 if kind == "compaction" else 3.0) * same
+
     def bill(self, step: int, kind: str, sent: bytes) -> Request:
+        at = self.at(step, kind)
+        self.anth_bills.append(self.anth.send(sent, at))
+        self.oai_bills.append(self.oai.send(sent, at))
         pre = common_prefix(self.prev, sent)
         self.prev = sent
         total = tokens(len(sent))
@@ -276,6 +321,28 @@ class Run:
     @property
     def cost(self) -> float:
         return sum(PRICE_READ * q.read + PRICE_WRITE * q.write for q in self.requests)
+
+    @property
+    def anth_cost(self) -> float:
+        return sum(b.cost(self.anth.rules) for b in self.anth_bills)
+
+    @property
+    def oai_cost(self) -> float:
+        return sum(b.cost(self.oai.rules) for b in self.oai_bills)
+
+    @property
+    def anth_read_share(self) -> float:
+        return sum(b.read for b in self.anth_bills) / max(1, sum(b.total for b in self.anth_bills))
+
+    def anth_writes(self) -> int:
+        return sum(b.write + b.write_long for b in self.anth_bills)
+
+    def after_fold_hit(self) -> float | None:
+        """The Anthropic cache-read share of the first request that carries each fold (the request that
+        executed the compress call and left the range off the wire), on average."""
+        hits = [self.anth_bills[k - 1].read / max(1, self.anth_bills[k - 1].total) for k in self.fold_at
+                if 0 < k <= len(self.anth_bills)]
+        return sum(hits) / len(hits) if hits else None
 
     @property
     def uncached(self) -> float:
@@ -299,14 +366,22 @@ class Run:
 
 
 def encode_body(env: dict, msgs: list[dict]) -> bytes:
+    """The agent's request, with Claude Code's third breakpoint on the last block of the last message."""
+    if msgs:
+        last = msgs[-1]
+        content = last["content"]
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+        if blocks:
+            blocks[-1] = {**blocks[-1], "cache_control": {"type": "ephemeral"}}
+            msgs = msgs[:-1] + [{**last, "content": blocks}]
     return msgspec.json.encode({**env, "messages": msgs})
 
 
 def run_without(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Script, keep: int = 6,
-                marathon: bool = False) -> Run:
+                marathon: bool = False, times: list[float] | None = None) -> Run:
     """``marathon``: the agent compacts like Claude Code, from the usage reported for its last
     request, and keeps nothing of the old history but the summary."""
-    run = Run("agent alone" if marathon else "without addon")
+    run = Run("agent alone" if marathon else "without addon", times or [])
     msgs = [first]
     r = random.Random(1_000_003)
     if marathon:
@@ -372,23 +447,27 @@ class Model:
 
 def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Script, seed: int,
              style: str = "parallel", batch: int | None = None,
-             share: tuple[float, float] = (0.01, 0.02), obey: float = 1.0, marathon: bool = False) -> Run:
+             share: tuple[float, float] = (0.01, 0.02), obey: float = 1.0, marathon: bool = False,
+             times: list[float] | None = None, activate: str = "lazy") -> Run:
     """``style``: "parallel", the model calls compress alongside the tool call of its next step (one
     response, as the reminder suggests); "turn", compress is a response of its own (an extra request).
     ``marathon``: the agent compacts like Claude Code when the usage reported for the (folded)
     request it sent last reaches its threshold."""
     cfg = NudgeConfig() if batch is None else NudgeConfig(batch_tokens=batch)
-    run = Run(f"with addon ({style}, reminders at {cfg.batch_tokens // 1000}K)")
+    run = Run(f"with addon ({style}, reminders at {cfg.batch_tokens // 1000}K)", times or [])
     r = random.Random(1_000_003)
     model = Model(seed, script, share, obey)
     with tempfile.TemporaryDirectory(prefix="bili-bench-session-") as d:
-        engine = Engine(Store(d), window=WINDOW)
+        engine = Engine(Store(d), window=WINDOW, activate=activate)
         engine.nudge_cfg = cfg
+        clock = {"now": 0.0}
+        engine.now = lambda: clock["now"]
         msgs = [first]
         ask: dict | None = None  # compress arguments the model answers the last reminder with
 
         def send(t: int, kind: str, out_tokens: int) -> dict:
             raw = encode_body(env, msgs)
+            clock["now"] = run.at(t, kind)
             res = engine.process(raw, ANTH, HEADERS, render=True)
             sent = res.body if res.body is not None else raw
             req = run.bill(t, kind, sent)
@@ -396,6 +475,7 @@ def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Scr
             run.invalid += not valid_anthropic(payload)
             # the response path records the usage the provider reports
             engine.store.record_usage(SID, "anthropic", (req.tokens, req.read, req.write, out_tokens))
+            engine.clocks.report(SID, run.anth_bills[-1].read)  # the provider's figures calibrate the clock
             return payload
 
         def outcome(t: int, payload: dict, call_id: str) -> None:
@@ -562,6 +642,43 @@ def report(base: Run, addon: Run, turns: int, seed: int, verbose: bool) -> None:
           f"{ktok(WINDOW)}; {len(over)} request(s) over)")
 
 
+TARGET_ANTH_FLAT = 0.45
+TARGET_ANTH_GAPS = 0.40
+
+
+def report_provider(pairs: list[tuple[str, Run, Run]]) -> None:
+    """The same runs billed under the providers' cache rules (kernel/cache.py), beside the old figure."""
+    print("billed under the providers' cache rules (kernel/cache.py), the old byte-prefix figure beside it")
+    print(f"  gap model: tool loop lognormal median {TOOL_GAP[0]:.0f} s sigma {TOOL_GAP[1]}; a human's next task "
+          f"lognormal median {HUMAN_GAP[0]:.0f} s sigma {HUMAN_GAP[1]} (no pauses: {NO_PAUSE_HUMAN:.0f} s)")
+    head = (f"  {'timeline':<18}{'billing':<30}{'without':>10}{'with':>10}{'ratio':>8}{'read share':>12}"
+            f"{'writes w/o→with':>20}{'1st after fold':>16}")
+    print(head)
+    for label, base, addon in pairs:
+        pauses = sum(1 for a, b in zip(base.times, base.times[1:]) if b - a > 300)
+        name = f"{label} ({pauses}>5m)"
+        hit = addon.after_fold_hit()
+        rows = [
+            ("byte prefix (old)", base.cost, addon.cost, addon.cache_share, "", ""),
+            ("Anthropic breakpoints, TTL", base.anth_cost, addon.anth_cost, addon.anth_read_share,
+             f"{ktok(base.anth_writes())}→{ktok(addon.anth_writes())}", f"{hit:.0%}" if hit is not None else "-"),
+            ("OpenAI prefix (same bytes)", base.oai_cost, addon.oai_cost,
+             sum(b.read for b in addon.oai_bills) / max(1, sum(b.total for b in addon.oai_bills)), "", ""),
+        ]
+        for how, b, a, share, writes, first in rows:
+            print(f"  {name:<18}{how:<30}{ktok(b):>10}{ktok(a):>10}{a / b:>8.1%}{share:>12.1%}{writes:>20}{first:>16}")
+            name = ""
+    print("  (ratio: with the addon against without; read share: cache reads of the input with the addon;")
+    print("  1st after fold: the Anthropic read share of the first request after each fold, on average)")
+    print()
+    print("targets (Anthropic breakpoint rules)")
+    for (label, base, addon), target in zip(pairs, (TARGET_ANTH_FLAT, TARGET_ANTH_GAPS)):
+        ratio = addon.anth_cost / base.anth_cost
+        print(f"  {label}: billed <= {target:.0%} of without: {'met' if ratio <= target else 'MISSED'} ({ratio:.1%}); "
+              f"cache-read share >= {TARGET_CACHE:.0%}: {'met' if addon.anth_read_share >= TARGET_CACHE else 'MISSED'} "
+              f"({addon.anth_read_share:.1%})")
+
+
 def report_marathon(base: Run, runs: list[tuple[str, Run]], turns: int, seed: int) -> None:
     """The agent with the addon against the agent alone, both compacting like Claude Code."""
     print(f"marathon: {turns} scripted turns, seed {seed}, window {WINDOW:,} tokens; the agent auto-compacts like "
@@ -617,6 +734,8 @@ def main() -> None:
     ap.add_argument("--marathon", action="store_true",
                     help=f"both agents compact like Claude Code, from the reported usage ({MARATHON_TURNS} turns "
                          "unless --turns is given)")
+    ap.add_argument("--activate", choices=("lazy", "always"), default="lazy",
+                    help="the addon's bili_activate option (default lazy)")
     ap.set_defaults(turns=None)
     args = ap.parse_args()
     if args.turns is None:
@@ -643,9 +762,14 @@ def main() -> None:
                     print(f"  {e}")
         print(f"\ntotal runtime {time.perf_counter() - t0:.1f} s")
         return
-    base = run_without(env, first, steps, script)
-    addon = run_with(env, first, steps, script, args.seed, args.style)
+    flat, gaps = timeline(steps, args.seed, False), timeline(steps, args.seed, True)
+    base = run_without(env, first, steps, script, times=flat)
+    addon = run_with(env, first, steps, script, args.seed, args.style, times=flat, activate=args.activate)
     report(base, addon, args.turns, args.seed, args.verbose)
+    print()
+    base_g = run_without(env, first, steps, script, times=gaps)
+    addon_g = run_with(env, first, steps, script, args.seed, args.style, times=gaps, activate=args.activate)
+    report_provider([("no pauses", base, addon), ("gap model", base_g, addon_g)])
     if args.sweep:
         default = NudgeConfig().batch_tokens
         print()

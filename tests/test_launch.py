@@ -739,7 +739,8 @@ def test_bili_run_as_a_system_proxy_intercepts_only_model_hosts(lab):
         run = subprocess.Popen(
             [sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir", str(lab.confdir),
              "--data-dir", str(lab.tmp / "data"), "--", "-s", str(ROUTE_ADDON), "--set",
-             f"test_route=127.0.0.1:{fake.server_address[1]}", "--set", "connection_strategy=lazy"],
+             f"test_route=127.0.0.1:{fake.server_address[1]}", "--set", "connection_strategy=lazy",
+             "--set", "bili_activate=always"],  # tags from the first request: the addon saw it
             env=lab.env(), cwd=lab.project, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)
     lab.procs.append(run)

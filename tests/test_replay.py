@@ -21,8 +21,9 @@ needs_captures = pytest.mark.skipif(not CAPTURES.is_dir(), reason=f"no captured 
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", *args], capture_output=True, text=True,
-                          timeout=300)
+    # these tests replay the fold path: bili shows itself from the first request (--activate always)
+    return subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", *args],
+                          capture_output=True, text=True, timeout=300)
 
 
 @needs_captures
@@ -74,7 +75,7 @@ def test_replay_json_per_session_and_turn():
 @needs_captures
 def test_replayed_bodies_show_the_real_tool_result(tmp_path):
     path = CAPTURES / "omp" / "omp_unk" / "flows.mitm"
-    rep = replay.replay_file(path)
+    rep = replay.replay_file(path, activate="always")
     ran = [t for t in rep.turns if t.executed == ["compress"]]
     assert ran
     for t in ran:
@@ -82,14 +83,14 @@ def test_replayed_bodies_show_the_real_tool_result(tmp_path):
         assert "Tool compress not found" not in body  # the agent's error, replaced upstream
         assert "not compressed" in body or "Compressed " in body
     # deterministic: the same bytes on every replay (usable as a regression fixture)
-    assert [t.body for t in replay.replay_file(path).turns] == [t.body for t in rep.turns]
+    assert [t.body for t in replay.replay_file(path, activate="always").turns] == [t.body for t in rep.turns]
 
 
 @needs_captures
 def test_first_party_observe_leaves_bodies_unchanged(tmp_path):
-    rep = replay.replay_file(CAPTURES / "claude-code" / "claude_fwd" / "flows.mitm", first_party="observe")
+    rep = replay.replay_file(CAPTURES / "claude-code" / "claude_fwd" / "flows.mitm", first_party="observe", activate="always")
     assert rep.turns and all(not t.changed and t.bytes_in == t.bytes_out for t in rep.turns)
-    rev = replay.replay_file(CAPTURES / "claude-code" / "claude_rev" / "flows.mitm", first_party="observe")
+    rev = replay.replay_file(CAPTURES / "claude-code" / "claude_rev" / "flows.mitm", first_party="observe", activate="always")
     assert all(t.changed for t in rev.turns)  # only first-party traffic is left alone
 
 
@@ -149,7 +150,7 @@ def test_a_recorded_compress_call_folds_the_next_request(tmp_path):
         w = io.FlowWriter(f)
         w.add(_flow(msgs, _answer([call])))
         w.add(_flow(after, _answer([{"type": "text", "text": "Done."}])))
-    rep = replay.replay_file(path)
+    rep = replay.replay_file(path, activate="always")
     first, second = rep.turns
     assert first.called == ["compress"] and first.blocks == 0
     assert second.executed == ["compress"] and second.blocks == 1 and second.folded > 0
@@ -160,7 +161,7 @@ def test_a_recorded_compress_call_folds_the_next_request(tmp_path):
     rows = [ln.split() for ln in replay.table(rep) if ln.startswith("    2 ")]
     assert len(rows) == 1 and rows[0][:3] == ["2", "anthropic", "http"]
     assert rows[0][7:10] == ["1", str(second.folded), "compress"]  # blocks, folded, ran
-    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", str(path)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", str(path)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "(answer calls compress)" in out.stdout
 
@@ -178,7 +179,7 @@ def test_a_compress_that_folds_nothing_shows_the_reason_the_model_got(tmp_path):
         w = io.FlowWriter(f)
         w.add(_flow(msgs, _answer([call])))
         w.add(_flow(after, _answer([{"type": "text", "text": "Done."}])))
-    rep = replay.replay_file(path, min_compress_chars=10**6)  # every range is too small
+    rep = replay.replay_file(path, min_compress_chars=10**6, activate="always")  # every range is too small
     second = rep.turns[1]
     assert second.executed == ["compress"] and second.blocks == 0
     assert "m00002–m00008 not compressed: too small to be worth a fold" in second.reason
@@ -189,7 +190,7 @@ def test_a_compress_that_folds_nothing_shows_the_reason_the_model_got(tmp_path):
     header = next(ln for ln in replay.table(rep) if "turn  lane" in ln)
     assert header.split()[-1] == "reason"
     assert not rep.turns[0].reason
-    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--json", "--min-compress-chars",
+    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", "--json", "--min-compress-chars",
                           "1000000", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "too small to be worth a fold" in json.loads(out.stdout)[0]["turns"][1]["reason"]
 
@@ -203,3 +204,25 @@ def test_unreadable_input_is_an_error(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert replay.run(cli.build_parser().parse_args(["replay", str(empty)])) == 1
+
+
+@needs_captures
+def test_replay_cost_of_the_captured_agents(tmp_path):
+    """``bili replay --cost``: per session the input billed under the provider's cache model with and
+    without the addon.  The captured sessions are short: with lazy activation they cost what they cost
+    without it (target: total <= x1.02, no session over x1.05); injecting from the first request costs more."""
+    from bili_addon.replay_cost import session_costs
+
+    reports = [replay.replay_file(p) for p in replay.find_flow_files([str(CAPTURES)])]  # lazy, the default
+    costs = session_costs(reports)
+    assert len(costs) >= 30 and {c.lane for c in costs} == {"anthropic", "chat", "responses"}
+    total = sum(c.with_addon for c in costs) / sum(c.without for c in costs)
+    assert total <= 1.02 and max(c.ratio for c in costs) <= 1.05
+    files = replay.find_flow_files([str(CAPTURES)])
+    always = session_costs([replay.replay_file(p, activate="always") for p in files])
+    assert sum(c.with_addon for c in always) > sum(c.without for c in always)  # the injection is billed
+    assert any(c.bill_without.read for c in costs) and any(c.bill_without.write for c in costs)
+    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--cost", str(CAPTURES / "pi")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1].startswith("total: 3 sessions")
+    assert "x1.000" in out.stdout.splitlines()[-1]

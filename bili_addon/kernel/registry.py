@@ -16,12 +16,14 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from bili_addon.kernel import reconcile
+from bili_addon.kernel.activation import FLAG as ACTIVE
 from bili_addon.kernel.fold import Block
 from bili_addon.kernel.state import Call, Entry, Memo, Session
 from bili_addon.store import SessionRow, Store
 
 MAX_MEMOS = 32
-RENDER_FLAGS = ("truncated", "strict_reasoning")  # flags that change how old items render
+# flags that change how old items render (activation: tags appear on every prose part)
+RENDER_FLAGS = ("truncated", "strict_reasoning", ACTIVE)
 
 
 class Sessions(Mapping[str, Session]):

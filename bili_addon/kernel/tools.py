@@ -100,6 +100,8 @@ class ProxyTools:
         u = rw.usage
         if u.seen:
             self.store.record_usage(sid, lane, (u.input, u.cache_read, u.cache_write, u.output))
+        # the cache model bills the request now (off its path), calibrated by the reported usage
+        self.clocks.report(sid, u.cache_read if u.seen else None, u.cache_write if u.seen else None)
         return called
 
     def run_tool(self: ToolHost, s: Session, name: str, args: Any, view: View | None, call_id: str = "") -> str:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections import Counter
 from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import envelope, fold, nudge, reconcile, tags
+from bili_addon.kernel import activation, breakpoints, cache, envelope, fold, lifetime, nudge, reconcile, tags
 from bili_addon.kernel.compaction import Epochs, asks_for_summary
 from bili_addon.kernel.fold import FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
@@ -63,7 +64,8 @@ class Engine(ProxyTools, Epochs):
     """The kernel side of the addon: sessions, ledger, tags and folds over a :class:`Store`."""
 
     def __init__(self, store: Store, max_sessions: int = 256, fold_cfg: FoldConfig | None = None,
-                 inject: bool = True, window: int = 0, reconcile: bool = True, snapshot: bool = False):
+                 inject: bool = True, window: int = 0, reconcile: bool = True, snapshot: bool = False,
+                 activate: str = "always"):
         self.store = store
         self.items = ItemCache()
         self.sessions = Sessions(store, max_sessions)  # cached sessions and previous passes (kernel/registry.py)
@@ -76,6 +78,9 @@ class Engine(ProxyTools, Epochs):
         self.reconcile = reconcile  # re-anchor fold coverage under churn (off: a control for tests)
         self.snapshot = snapshot  # render the folded prefix from the session's own transcript
         self._turn_sid: str | None = None  # the session of the turn being computed
+        self.activate = activate  # lazy: nothing injected until folding is about to pay (kernel/activation.py)
+        self.clocks = cache.Clocks(max_sessions)  # each session's provider cache, as the model predicts it
+        self.now = time.time  # when a request leaves (replay: the recorded time)
 
     # -- sessions: kernel/registry.py; these two are the way in for the shell, the admin endpoints
     # -- and the tests (and, until they are next edited, for _process and _pressure)
@@ -103,7 +108,13 @@ class Engine(ProxyTools, Epochs):
             for attempt in range(STALE_RETRIES + 1):
                 self._turn_sid = None
                 try:
-                    return self._process(raw, lane, headers, render=render, origin=origin)
+                    res = self._process(raw, lane, headers, render=render, origin=origin)
+                    if res.session and not res.status:
+                        if res.active and lane.name == "anthropic" and render:
+                            res.body = self._lifetime(res.session, raw if res.body is None else res.body) or res.body
+                        # noted only; billed off the request's path
+                        self.clocks.sent(res.session, lane.name, raw if res.body is None else res.body, self.now())
+                    return res
                 except StaleSession as e:
                     # another process advanced the session while this turn was computed: nothing
                     # of it left (the store refused it); compute it again from the store's state
@@ -213,7 +224,8 @@ class Engine(ProxyTools, Epochs):
             self._run_calls(s, view, q, result)
         if s.blocks and self.reconcile:
             self._roll_copy(s, view, resolved, drift)
-        if self.inject:
+        active = result.active = self._active(s, view)
+        if self.inject and active:
             self._pressure(s, view, resolved)
         if s.version != version or (memo is not None and memo.rendered is None):
             q = 0  # this turn changed how old items render (a truncation, a learned flag), or the
@@ -226,7 +238,7 @@ class Engine(ProxyTools, Epochs):
         else:
             rendered = [bytes(r) for r in raws[:start]]
             changed_cum, tagged_cum = [0] * (start + 1), [0] * (start + 1)
-        self._render(s, lane, raws, infos, start, q, resolved, rendered, changed_cum, tagged_cum, top, origin)
+        self._render(s, lane, raws, infos, start, q, resolved, rendered, changed_cum, tagged_cum, top, origin, active)
         result.tagged = tagged_cum[-1]
         self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter,
                        (rendered, changed_cum, tagged_cum))
@@ -237,7 +249,9 @@ class Engine(ProxyTools, Epochs):
             changed |= self._snapshot_render(s, snap, lane, raws, items_out, start, view)
         pre = self._strict_inserts(s, lane.name, infos, top, origin)
         changed |= self._assemble(s, lane, items_out, start, view, result, snoozed, pre)
-        if self.inject and len(raws) > start:  # no conversation (``input: []``): nothing to add tools to
+        if active and s.blocks:  # the agent's free cache breakpoint, at the end of the folded head
+            changed |= breakpoints.mark_head(lane.name, items_out, start, raw)
+        if self.inject and active and len(raws) > start:  # no conversation (``input: []``): nothing to add tools to
             names = lane.tool_names(body) or []
             native = any("bili" in n and n.endswith("compress") for n in names)
             if native and self.set_flag(sid, "native_tools", True):
@@ -502,7 +516,7 @@ class Engine(ProxyTools, Epochs):
     # -- rendering -----------------------------------------------------------------------------
     def _render(self, s: Session, lane: Lane, raws: list, infos: list[ItemInfo], start: int, q: int,
                 resolved: list[list[Resolved]], rendered: list[bytes], changed_cum: list[int],
-                tagged_cum: list[int], top: dict, origin: str) -> None:
+                tagged_cum: list[int], top: dict, origin: str, active: bool = True) -> None:
         """Per-item transforms of the items from ``start + q`` on: tags (with any reminder they
         carry), restored proxy calls and their real results, truncations, id hygiene."""
         last = len(infos) - 1
@@ -530,7 +544,7 @@ class Engine(ProxyTools, Epochs):
             tagged = 0
             for r in resolved[k]:
                 core = r.core
-                if _taggable(core, prefill=i == last and core.role == "assistant"):
+                if active and _taggable(core, prefill=i == last and core.role == "assistant"):
                     entry = r.entry
                     text = render_tag(entry.ref, entry.tokens, core.ctype, core.text)
                     suffix = nudges.get(entry.ref) if nudges else None
@@ -607,6 +621,31 @@ class Engine(ProxyTools, Epochs):
             return {}
         at = hygiene.strict_responses_inserts([info.obj for info in infos])
         return {i: [hygiene.EMPTY_REASONING] for i in at}
+
+    def _lifetime(self, sid: str, body: bytes) -> bytes | None:
+        """The body with 1-hour cache entries where the session chose them (kernel/lifetime.py)."""
+        s = self.sessions.get(sid)
+        if s is None:
+            return None
+        chosen = (s.flags.get(lifetime.FLAG) or {}).get("choice")
+        if chosen != "1h" and self.clocks.cold(sid, self.now()):  # decided at a cold moment only
+            h = self.clocks.history(sid)
+            pick = lifetime.choose(h[1], h[2], h[3], h[0]) if h and h[0].family == "anthropic" else None
+            if pick is not None:
+                self.set_flag(sid, lifetime.FLAG, pick.to_flag())
+                chosen = pick.choice
+        return lifetime.upgrade(body) if chosen == "1h" else None
+
+    def _active(self, s: Session, view: View) -> bool:
+        """Whether bili shows itself in this request (tools, prompt, tags); see kernel/activation.py."""
+        if self.activate == "always" or s.flags.get(activation.FLAG):
+            return True
+        why = activation.decide(s, view, self.fold_cfg, self.nudge_cfg, self.window_for(s),
+                                lambda: self.clocks.cold(s.row.id, self.now()))
+        if why:
+            self.set_flag(s.row.id, activation.FLAG, why)
+            log.info("[bili] session=%s: active from now on (%s)", s.row.id, why)
+        return bool(why)
 
     def _pressure(self, s: Session, view: View, resolved: list[list[Resolved]]) -> None:
         """Nudge and emergency truncation, decided from the usage the last answer reported."""

@@ -245,6 +245,9 @@ def run_launcher(agent: str, agent_args: list[str], *, env: dict[str, str], cwd:
            "--confdir", str(work / "ca"), "--data-dir", str(work / "data"),
            "-s", str(ROUTE_ADDON), "--set", f"test_route=127.0.0.1:{model.port}",
            "--set", "connection_strategy=lazy", "--set", "bili_min_compress_chars=1000",
+           # the scripted model calls compress at a fixed stage of a short session: bili must show itself
+           # from the first request, unless a test is about lazy activation (its own bili_activate)
+           *([] if any("bili_activate" in a for a in launcher_args) else ["--set", "bili_activate=always"]),
            *launcher_args, "--", *agent_args]
     t0 = time.monotonic()
     env = dict(env, PWD=str(cwd))  # Bun agents (opencode) take their directory from $PWD

@@ -21,7 +21,8 @@ from .marathon_model import TASK, MarathonModel
 
 pytestmark = pytest.mark.acceptance
 
-REMIND = ["--set", "bili_remind_at=3000"]
+# lazy activation (the default) with real agents: bili's tools arrive with its first reminder
+REMIND = ["--set", "bili_remind_at=3000", "--set", "bili_activate=lazy"]
 
 
 @pytest.fixture

@@ -78,7 +78,9 @@ class Mitmdump:
         options: dict[str, str] | None = None,
     ):
         assert kind in ("reverse", "forward")
-        self.options = dict(options or {})
+        # the e2e tests exercise what bili does once a session is active; lazy activation is pinned
+        # explicitly where it is what a test is about (options={"bili_activate": "lazy"})
+        self.options = {"bili_activate": "always", **(options or {})}
         self.workdir = workdir
         self.kind = kind
         self.bili_mode = bili_mode

@@ -1,0 +1,513 @@
+"""The providers' prompt caches, modelled: what a request reads, writes and pays, and when it expires.
+
+Pure code (no store, no engine).  One model per lane family, on each provider's documented rules:
+
+- **Anthropic** (Messages): explicit ``cache_control`` breakpoints, at most 4 per request.  A request
+  writes an entry for the prefix ending at each breakpoint (tools, then system, then messages, block
+  by block) and reads the longest entry found at a breakpoint or at one of the ~20 block boundaries
+  before it (the lookback).  An entry lives 5 minutes (or 1 hour with ``"ttl": "1h"``) from its last
+  write or read: a hit refreshes it.  Writes bill 1.25x the input price (2x for 1 hour), reads 0.1x,
+  the rest 1x.  A prefix shorter than the model's minimum (1024 tokens; 2048 or 4096 on some models)
+  is never cached.  ``cache_control`` itself is not part of what is matched (it moves every turn).
+- **OpenAI** (Chat, Responses): automatic prefix caching of prompts from 1024 tokens on, in steps of
+  128 tokens; an entry lives ~5 minutes of idle (24 hours with ``prompt_cache_retention: "24h"``).
+  No write premium; reads bill 0.5x to 0.1x depending on the model family.
+- **Gemini**: implicit prefix caching from 1024 tokens (Flash) or 4096 (Pro); reads bill 0.25x
+  (2.x) or 0.1x (3.x); no write premium.  Its lifetime is not documented: modelled as 5 minutes idle.
+
+Token counts are estimated as bytes / 4 (the same estimate the rest of the kernel uses).  Costs are
+in *input-token units* (1.0 = one uncached input token of the model); absolute prices live elsewhere.
+
+:class:`Clock` is one session's cache: fed with the bodies it sends and their times, it predicts each
+request's bill, and it is calibrated by what the provider reports (a shorter lifetime, or no cache at
+all, is learned).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+BYTES_PER_TOKEN = 4
+MINUTES = 60.0
+
+
+@dataclass(frozen=True)
+class Rules:
+    """One provider family's cache rules (for one model)."""
+
+    family: str  # anthropic | openai | gemini
+    read: float  # multiplier of a cached read
+    write: float = 1.0  # multiplier of a cache write (default lifetime)
+    write_long: float = 1.0  # multiplier of a cache write with the long lifetime (Anthropic 1 h)
+    ttl: float = 5 * MINUTES  # default lifetime, refreshed on a hit
+    ttl_long: float = 60 * MINUTES
+    min_tokens: int = 1024  # shorter prefixes are never cached
+    step: int = 1  # cached lengths are multiples of this (OpenAI 128 tokens)
+    max_breakpoints: int = 4
+    lookback: int = 20  # block boundaries checked before a breakpoint
+
+
+def anthropic_rules(model: str = "") -> Rules:
+    m = model.lower()
+    minimum = 1024
+    if "haiku-4-5" in m or "haiku-4.5" in m or "opus-4-5" in m or "opus-4.5" in m:
+        minimum = 4096
+    elif "haiku" in m:
+        minimum = 2048
+    return Rules("anthropic", read=0.1, write=1.25, write_long=2.0, min_tokens=minimum)
+
+
+def openai_rules(model: str = "") -> Rules:
+    m = model.lower()
+    if m.startswith(("gpt-4o", "o1")):
+        read = 0.5
+    elif m.startswith(("gpt-4.1", "o3", "o4")):
+        read = 0.25
+    else:  # gpt-5 family (codex) and unknown: the current discount
+        read = 0.1
+    return Rules("openai", read=read, min_tokens=1024, step=128, ttl_long=24 * 60 * MINUTES)
+
+
+def gemini_rules(model: str = "") -> Rules:
+    m = model.lower()
+    read = 0.1 if "gemini-3" in m else 0.25
+    minimum = 4096 if "pro" in m else 1024
+    return Rules("gemini", read=read, min_tokens=minimum, step=128)  # granularity undocumented: as OpenAI
+
+
+def rules_for(lane: str, model: str = "") -> Rules:
+    if lane == "anthropic":
+        return anthropic_rules(model)
+    if lane == "gemini":
+        return gemini_rules(model)
+    return openai_rules(model)  # chat, responses
+
+
+@dataclass
+class Bill:
+    """What one request costs, by kind of input token."""
+
+    input: int = 0  # uncached
+    read: int = 0
+    write: int = 0  # default lifetime
+    write_long: int = 0  # long lifetime (Anthropic 1 h)
+
+    @property
+    def total(self) -> int:
+        return self.input + self.read + self.write + self.write_long
+
+    def cost(self, r: Rules) -> float:
+        return self.input + r.read * self.read + r.write * self.write + r.write_long * self.write_long
+
+    def __iadd__(self, o: "Bill") -> "Bill":
+        self.input += o.input
+        self.read += o.read
+        self.write += o.write
+        self.write_long += o.write_long
+        return self
+
+
+# -- the prompt as the cache sees it -----------------------------------------------------------------
+
+@dataclass
+class Segment:
+    """One cacheable unit: an Anthropic content block (or tool definition, or system block)."""
+
+    tokens: int
+    ttl: float | None = None  # a breakpoint on it: the lifetime it asks for; None: no breakpoint
+    key: bytes = b""  # digest of the prefix ending here (filled by :func:`chain`)
+
+
+def chain(segments: list[Segment], blobs: list[bytes]) -> list[Segment]:
+    h = hashlib.blake2b(digest_size=16)
+    for seg, blob in zip(segments, blobs, strict=True):
+        h.update(len(blob).to_bytes(8, "little"))
+        h.update(blob)
+        seg.key = h.copy().digest()
+    return segments
+
+
+class _Msg(msgspec.Struct):
+    role: str = ""
+    content: msgspec.Raw = msgspec.Raw(b"null")
+
+
+class _Body(msgspec.Struct):
+    tools: list[msgspec.Raw] = []
+    system: msgspec.Raw = msgspec.Raw(b"null")
+    messages: list[_Msg] = []
+
+
+_raws = msgspec.json.Decoder(list[msgspec.Raw])
+_CC = b'"cache_control"'
+
+
+def _tok(blob: bytes) -> int:
+    return max(1, len(blob) // BYTES_PER_TOKEN)
+
+
+_CC_AFTER = re.compile(rb',\s*"cache_control"\s*:\s*\{[^{}]*\}')
+_CC_FIRST = re.compile(rb'"cache_control"\s*:\s*\{[^{}]*\}\s*,\s*')
+
+
+def _block(raw: bytes, rules: Rules) -> tuple[bytes, float | None]:
+    """A block's bytes as the cache matches them (its ``cache_control`` cut out, the rest byte for
+    byte) and the lifetime its breakpoint asks for (None: no breakpoint).  Only blocks that mention
+    cache_control are parsed."""
+    if _CC not in raw:
+        return raw, None
+    try:
+        obj = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return raw, None
+    if not isinstance(obj, dict) or not isinstance(obj.get("cache_control"), dict):
+        return raw, None
+    ttl = rules.ttl_long if obj["cache_control"].get("ttl") == "1h" else rules.ttl
+    stripped, n = _CC_AFTER.subn(b"", raw)
+    if not n:
+        stripped = _CC_FIRST.sub(b"", raw)
+    return stripped, ttl
+
+
+def anthropic_segments(body: bytes, rules: Rules | None = None) -> list[Segment]:
+    """An Anthropic Messages body as its cacheable blocks, in cache order (tools, system, messages).
+    Parsed down to raw blocks only (msgspec.Raw): what is hashed are the blocks' own bytes."""
+    rules = rules or anthropic_rules()
+    b = msgspec.json.decode(body, type=_Body)
+    segs: list[Segment] = []
+    blobs: list[bytes] = []
+
+    def add(raw: bytes, head: bytes) -> None:
+        blob, ttl = _block(raw, rules)
+        blob = head + blob
+        segs.append(Segment(_tok(blob), ttl))
+        blobs.append(blob)
+
+    for t in b.tools:
+        add(bytes(t), b"T")
+    system = bytes(b.system)
+    if system.startswith(b"["):
+        for blk in _raws.decode(system):
+            add(bytes(blk), b"S")
+    elif system != b"null":
+        add(system, b"S")
+    for m in b.messages:
+        content = bytes(m.content)
+        role = m.role.encode()
+        if content.startswith(b"[") and content != b"[]":
+            for i, blk in enumerate(_raws.decode(content)):
+                add(bytes(blk), b"M" + role if i == 0 else b"C")
+        else:
+            add(content, b"M" + role)
+    return chain(segs, blobs)
+
+
+# -- the models ------------------------------------------------------------------------------------
+
+@dataclass
+class Entry:
+    tokens: int
+    last: float  # last written or read
+    ttl: float
+
+
+@dataclass
+class Cache:
+    """One provider cache, as seen by one session: entries by prefix key, with their lifetimes."""
+
+    rules: Rules
+    entries: dict[bytes, Entry] = field(default_factory=dict)
+    ttl_cap: float | None = None  # a lifetime learned from the provider's reports (shorter than documented)
+    disabled: bool = False  # learned: the provider reports no cache at all
+
+    def _live(self, key: bytes, now: float) -> Entry | None:
+        e = self.entries.get(key)
+        if e is None:
+            return None
+        ttl = min(e.ttl, self.ttl_cap) if self.ttl_cap else e.ttl
+        if now - e.last > ttl:
+            del self.entries[key]
+            return None
+        return e
+
+    def warm(self, now: float) -> bool:
+        """Whether any entry is still alive."""
+        return any(self._live(k, now) is not None for k in list(self.entries))
+
+    # Anthropic ---------------------------------------------------------------------------------
+    def send_segments(self, segs: list[Segment], now: float) -> Bill:
+        r = self.rules
+        cum: list[int] = []
+        n = 0
+        for s in segs:
+            n += s.tokens
+            cum.append(n)
+        total = n
+        bps = [i for i, s in enumerate(segs) if s.ttl is not None][: r.max_breakpoints]
+        if self.disabled or not bps:
+            return Bill(input=total)
+        hit, hit_at = 0, -1
+        for b in bps:
+            for j in range(b, max(-1, b - r.lookback), -1):
+                if j <= hit_at:
+                    break
+                e = self._live(segs[j].key, now)
+                if e is not None:
+                    if cum[j] > hit:
+                        hit, hit_at = cum[j], j
+                    break
+        if hit_at >= 0:
+            # a hit refreshes the entry, and every entry at a breakpoint of the prefix it read (their
+            # content was used too)
+            self.entries[segs[hit_at].key].last = now
+            for b in bps:
+                if b < hit_at:
+                    e = self._live(segs[b].key, now)
+                    if e is not None:
+                        e.last = now
+        bill = Bill(read=hit)
+        done = hit
+        for b in bps:
+            if b <= hit_at or cum[b] < r.min_tokens:
+                continue
+            seg = segs[b]
+            e = self._live(seg.key, now)
+            if e is None:
+                self.entries[seg.key] = Entry(cum[b], now, seg.ttl or r.ttl)
+            else:
+                e.last, e.ttl = now, max(e.ttl, seg.ttl or r.ttl)
+            if cum[b] > done:
+                if (seg.ttl or r.ttl) > r.ttl:
+                    bill.write_long += cum[b] - done
+                else:
+                    bill.write += cum[b] - done
+                done = cum[b]
+        bill.input = total - done
+        return bill
+
+    # OpenAI / Gemini: automatic prefix caching ------------------------------------------------
+    def send_prefix(self, body: bytes, now: float, ttl: float | None = None) -> Bill:
+        r = self.rules
+        step_bytes = max(1, r.step) * BYTES_PER_TOKEN
+        total = _tok(body)
+        if self.disabled or total < r.min_tokens:
+            return Bill(input=total)
+        h = hashlib.blake2b(digest_size=16)
+        keys: list[tuple[bytes, int]] = []
+        first = r.min_tokens * BYTES_PER_TOKEN
+        pos = 0
+        edge = first
+        while edge <= len(body):
+            h.update(body[pos:edge])
+            pos = edge
+            keys.append((h.copy().digest(), edge // BYTES_PER_TOKEN))
+            edge += step_bytes
+        hit = 0
+        for key, tokens in reversed(keys):
+            e = self._live(key, now)
+            if e is not None:
+                hit = tokens
+                break
+        life = ttl or r.ttl
+        for key, tokens in keys:
+            e = self.entries.get(key)
+            if e is None:
+                self.entries[key] = Entry(tokens, now, life)
+            else:
+                e.last, e.ttl = now, max(e.ttl, life)
+        return Bill(input=total - hit, read=hit)
+
+
+class _OpenAITop(msgspec.Struct):
+    model: Any = None
+    prompt_cache_retention: Any = None
+
+
+def bill_request(cache: Cache, body: bytes, now: float) -> Bill:
+    """One request body through its session's cache."""
+    if cache.rules.family == "anthropic":
+        return cache.send_segments(anthropic_segments(body, cache.rules), now)
+    ttl = None
+    if cache.rules.family == "openai":
+        try:
+            top = msgspec.json.decode(body, type=_OpenAITop)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            top = _OpenAITop()
+        if top.prompt_cache_retention == "24h":
+            ttl = cache.rules.ttl_long
+    return cache.send_prefix(body, now, ttl)
+
+
+class _Model(msgspec.Struct):
+    model: Any = None
+
+
+def model_of(body: bytes) -> str:
+    try:
+        m = msgspec.json.decode(body, type=_Model).model
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""
+    return m if isinstance(m, str) else ""
+
+
+# -- one session's clock ---------------------------------------------------------------------------
+
+@dataclass
+class Turn:
+    at: float
+    predicted: Bill
+    reported_read: int | None = None
+    reported_write: int | None = None
+
+
+class Clock:
+    """One session's cache over time: what each request is predicted to read, what the provider
+    said it read, and what that teaches (a shorter lifetime, no cache at all)."""
+
+    CONTRADICTIONS = 3  # reports of no read at all where the model predicted one, in a row: no cache
+    KEEP = 200  # turns kept for the stats
+
+    def __init__(self, lane: str, model: str = ""):
+        self.lane = lane
+        self.cache = Cache(rules_for(lane, model))
+        self.turns: list[Turn] = []
+        self.last: float | None = None
+        self._misses = 0
+        self._ever_read = False  # the provider reported a cache read at least once
+
+    @property
+    def rules(self) -> Rules:
+        return self.cache.rules
+
+    def send(self, body: bytes, now: float) -> Bill:
+        """A request leaves at ``now``: its predicted bill (and the cache updated as the provider would)."""
+        if not self.turns and self.lane == "anthropic" and self.rules.min_tokens == 1024:
+            model = model_of(body)
+            if model:
+                self.cache.rules = rules_for(self.lane, model)
+        bill = bill_request(self.cache, body, now)
+        self.turns.append(Turn(now, bill))
+        del self.turns[: -self.KEEP]
+        self.last = now
+        return bill
+
+    def gap(self, now: float) -> float | None:
+        return None if self.last is None else now - self.last
+
+    def cold(self, now: float) -> bool:
+        """Whether the session's cache has expired by ``now`` (a rewrite costs nothing extra then)."""
+        return self.last is not None and not self.cache.warm(now)
+
+    def report(self, read: int, write: int | None = None) -> None:
+        """The usage the provider reported for the last request sent: calibrates the model."""
+        if not self.turns:
+            return
+        t = self.turns[-1]
+        t.reported_read, t.reported_write = read, write
+        predicted = t.predicted.read
+        if predicted > 0 and read == 0:
+            self._misses += 1
+            prev = self.turns[-2].at if len(self.turns) > 1 else None
+            gap = t.at - prev if prev is not None else None
+            if gap is not None and gap > 1.0:
+                # the entry was gone after ``gap``: the provider keeps it shorter than documented
+                cap = self.cache.ttl_cap or self.rules.ttl
+                self.cache.ttl_cap = min(cap, gap * 0.9)
+            if self._misses >= self.CONTRADICTIONS and not self._ever_read:
+                self.cache.disabled = True
+        elif read > 0:
+            self._misses = 0
+            self._ever_read = True
+            self.cache.disabled = False
+
+    def learned(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.cache.ttl_cap:
+            out["ttl"] = round(self.cache.ttl_cap, 1)
+        if self.cache.disabled:
+            out["no_cache"] = True
+        return out
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Predicted vs reported cache reads per request."""
+        return [{"at": t.at, "predicted_read": t.predicted.read, "predicted_write": t.predicted.write
+                 + t.predicted.write_long, "reported_read": t.reported_read, "reported_write": t.reported_write}
+                for t in self.turns]
+
+
+class Clocks:
+    """The clocks of the sessions one process has seen (in memory: after a restart a session's
+    clock starts again, and nothing is cold until it has seen a request).
+
+    A request is only noted when it leaves (its body and time: no work on the request's path); the
+    model bills it when the answer's usage arrives, or when a decision or the stats need the clock."""
+
+    MAX_PENDING = 4
+
+    def __init__(self, max_sessions: int = 256):
+        self.by_session: dict[str, Clock] = {}
+        self.pending: dict[str, list[tuple[str, bytes, float]]] = {}
+        self.last: dict[str, float] = {}  # when each session's latest request left
+        self.max_sessions = max_sessions
+
+    def sent(self, sid: str, lane: str, body: bytes, now: float) -> None:
+        queue = self.pending.setdefault(sid, [])
+        queue.append((lane, body, now))
+        self.last[sid] = now
+        if len(queue) > self.MAX_PENDING:  # answers that never came: bill them now
+            self._flush(sid)
+
+    def _flush(self, sid: str) -> Clock | None:
+        for lane, body, now in self.pending.pop(sid, ()):
+            clk = self.by_session.get(sid)
+            if clk is None or clk.lane != lane:
+                clk = self.by_session[sid] = Clock(lane, model_of(body))
+                while len(self.by_session) > self.max_sessions:
+                    old = next(iter(self.by_session))
+                    self.by_session.pop(old)
+                    self.pending.pop(old, None)
+                    self.last.pop(old, None)
+            try:
+                clk.send(body, now)
+            except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
+                pass  # a body the model cannot read: no prediction for it
+        return self.by_session.get(sid)
+
+    def report(self, sid: str, read: int | None, write: int | None = None) -> None:
+        """An answer came (``read``: the cache read it reported; None: it reported no usage)."""
+        clk = self._flush(sid)
+        if clk is not None and read is not None:
+            clk.report(read, write)
+
+    def cold(self, sid: str, now: float) -> bool:
+        last = self.last.get(sid)
+        if last is None:
+            return False
+        clk = self.by_session.get(sid)
+        if now - last <= (clk.cache.ttl_cap or clk.rules.ttl if clk is not None else rules_for("").ttl):
+            return False  # the latest request wrote or read an entry that lives this long at least: warm
+        clk = self._flush(sid)
+        return clk is not None and clk.cold(now)
+
+    def history(self, sid: str) -> tuple[Rules, list[float], int, int] | None:
+        """``(rules, gaps between requests, the last request's size, the median of what a request writes
+        on top of a warm cache)``."""
+        clk = self._flush(sid)
+        if clk is None or not clk.turns:
+            return None
+        ats = [t.at for t in clk.turns]
+        warm = [t for t, prev in zip(clk.turns[1:], ats) if t.at - prev <= clk.rules.ttl] or clk.turns
+        writes = sorted(t.predicted.write + t.predicted.write_long + t.predicted.input for t in warm)
+        return (clk.rules, [b - a for a, b in zip(ats, ats[1:])], clk.turns[-1].predicted.total,
+                writes[len(writes) // 2])
+
+    def stats(self, sid: str) -> dict[str, Any] | None:
+        clk = self._flush(sid)
+        if clk is None:
+            return None
+        return {"family": clk.rules.family, "learned": clk.learned(), "turns": clk.rows()[-50:]}

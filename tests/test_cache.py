@@ -1,0 +1,182 @@
+"""The provider cache models against hand-worked cases (bili_addon/kernel/cache.py)."""
+
+import json
+
+import pytest
+
+from bili_addon.kernel import cache
+from bili_addon.kernel.cache import Bill, Cache, Clock, Segment, anthropic_rules, chain, openai_rules
+
+A = anthropic_rules("claude-sonnet-4-5")
+
+
+def segs(sizes, bps, names=None, ttl=300.0):
+    """Segments of the given token sizes; ``bps``: indices carrying a breakpoint (ttl per index or one)."""
+    out = [Segment(n, (bps[i] if isinstance(bps, dict) else ttl) if i in bps else None) for i, n in enumerate(sizes)]
+    return chain(out, [(names or [f"b{i}" for i in range(len(sizes))])[i].encode() for i in range(len(sizes))])
+
+
+def test_anthropic_first_request_writes_up_to_last_breakpoint():
+    c = Cache(A)
+    bill = c.send_segments(segs([1000, 500, 300], {1}), now=0)
+    assert bill == Bill(input=300, read=0, write=1500)
+    assert bill.cost(A) == 300 + 1.25 * 1500
+
+
+def test_anthropic_hit_reads_prefix_and_writes_the_extension():
+    c = Cache(A)
+    c.send_segments(segs([1000, 500, 300], {1}), now=0)
+    # next turn: same prefix, one more block, breakpoint moved to the new last block
+    bill = c.send_segments(segs([1000, 500, 300, 200], {3}), now=10)
+    assert bill == Bill(input=0, read=1500, write=500)
+
+
+def test_anthropic_below_minimum_is_not_cached():
+    c = Cache(A)
+    assert c.send_segments(segs([600, 300], {1}), now=0) == Bill(input=900)
+    assert c.send_segments(segs([600, 300], {1}), now=1) == Bill(input=900)
+    haiku = Cache(anthropic_rules("claude-3-5-haiku"))
+    assert haiku.rules.min_tokens == 2048
+    assert haiku.send_segments(segs([1500], {0}), now=0) == Bill(input=1500)
+
+
+def test_anthropic_at_most_four_breakpoints():
+    c = Cache(A)
+    bill = c.send_segments(segs([2000] * 6, {0, 1, 2, 3, 4, 5}), now=0)
+    # only the first four breakpoints count: blocks 4 and 5 are plain input
+    assert bill == Bill(input=4000, write=8000)
+    assert len(c.entries) == 4
+
+
+def test_anthropic_lookback_is_twenty_blocks():
+    names = [f"b{i}" for i in range(40)]
+    c = Cache(A)
+    c.send_segments(segs([100] * 11, {10}, names[:11]), now=0)  # entry at block 10 (1100 tokens)
+    # 20 blocks later, breakpoint at block 30: lookback 30..11 does not reach block 10
+    far = c.send_segments(segs([100] * 31, {30}, names[:31]), now=1)
+    assert far.read == 0 and far.write == 3100
+    c2 = Cache(A)
+    c2.send_segments(segs([100] * 11, {10}, names[:11]), now=0)
+    near = c2.send_segments(segs([100] * 30, {29}, names[:30]), now=1)  # lookback 29..10 reaches it
+    assert near == Bill(read=1100, write=1900)
+
+
+def test_anthropic_changed_block_breaks_the_prefix():
+    c = Cache(A)
+    c.send_segments(segs([1100, 500, 300], {0, 2}, ["a", "b", "c"]), now=0)
+    bill = c.send_segments(segs([1100, 500, 300], {0, 2}, ["a", "X", "c"]), now=1)  # a fold changed block 1
+    assert bill == Bill(read=1100, write=800)
+
+
+def test_anthropic_ttl_expiry_and_refresh_on_hit():
+    c = Cache(A)
+    s = segs([2000, 100], {1})
+    c.send_segments(s, now=0)
+    assert c.send_segments(s, now=299).read == 2100  # hit at 4:59 refreshes
+    assert c.send_segments(s, now=299 + 299).read == 2100  # so 4:59 after that still hits
+    miss = c.send_segments(s, now=598 + 301)  # 5:01 idle: expired
+    assert miss == Bill(write=2100)
+
+
+def test_anthropic_one_hour_ttl_writes_at_2x():
+    c = Cache(A)
+    s = segs([2000, 100], {1: 3600.0})
+    first = c.send_segments(s, now=0)
+    assert first == Bill(write_long=2100) and first.cost(A) == 4200
+    assert c.send_segments(s, now=1800).read == 2100  # 30 min later: still warm
+    assert c.send_segments(s, now=1800 + 3601).read == 0
+
+
+def test_anthropic_segments_ignore_moving_cache_control():
+    def body(n, cc_on):
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": [{"type": "text", "text": "x" * 3000}]}
+                for i in range(n)]
+        msgs[cc_on]["content"][0]["cache_control"] = {"type": "ephemeral"}
+        return json.dumps({"model": "claude-sonnet-4-5", "system": "s" * 100, "messages": msgs}).encode()
+
+    c = Cache(A)
+    first = cache.bill_request(c, body(3, 2), now=0)
+    assert first.read == 0 and first.write > 0
+    second = cache.bill_request(c, body(5, 4), now=5)  # breakpoint moved two messages on
+    assert second.read == first.write  # the old entry (without its cache_control) is found by lookback
+
+
+def test_openai_prefix_from_1024_in_128_steps():
+    r = openai_rules("gpt-5-codex")
+    c = Cache(r)
+    small = b"a" * (1000 * 4)
+    assert c.send_prefix(small, now=0) == Bill(input=1000)
+    base = b"a" * (1200 * 4)
+    assert c.send_prefix(base, now=1) == Bill(input=1200)  # first time: nothing cached
+    longer = base + b"b" * (500 * 4)
+    bill = c.send_prefix(longer, now=2)
+    assert bill.read == 1152  # 1024 + 128, the last full step inside the shared 1200 tokens
+    assert bill.input == 1700 - 1152
+    assert bill.cost(r) == pytest.approx(548 + 0.1 * 1152)
+
+
+def test_openai_idle_expiry_and_retention():
+    r = openai_rules("gpt-4.1")
+    assert r.read == 0.25
+    c = Cache(r)
+    body = b"z" * (2048 * 4)
+    c.send_prefix(body, now=0)
+    assert c.send_prefix(body, now=200).read == 2048
+    assert c.send_prefix(body, now=200 + 301).read == 0
+    long = Cache(r)
+    retained = json.dumps({"model": "gpt-4.1", "prompt_cache_retention": "24h", "input": "q" * 9000}).encode()
+    cache.bill_request(long, retained, now=0)
+    assert cache.bill_request(long, retained, now=3 * 3600).read > 0
+
+
+def test_gemini_minimums():
+    pro = Cache(cache.gemini_rules("gemini-2.5-pro"))
+    body = b"g" * (2000 * 4)
+    pro.send_prefix(body, now=0)
+    assert pro.send_prefix(body, now=1).read == 0  # under Pro's 4096
+    flash = Cache(cache.gemini_rules("gemini-2.5-flash"))
+    flash.send_prefix(body, now=0)
+    assert flash.send_prefix(body, now=1).read == 1920  # 1024 + 7 steps of 128
+    assert flash.rules.read == 0.25
+
+
+def test_clock_learns_a_shorter_ttl_and_no_cache():
+    clk = Clock("anthropic", "claude-sonnet-4-5")
+    body = json.dumps({"model": "claude-sonnet-4-5", "system": [{"type": "text", "text": "s" * 8000,
+                                                                  "cache_control": {"type": "ephemeral"}}],
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    clk.send(body, 0)
+    clk.report(read=0)
+    assert clk.send(body, 120).read > 0  # the model says: warm after 2 minutes
+    clk.report(read=0)  # the provider says: gone
+    assert clk.learned()["ttl"] == pytest.approx(108)
+    assert clk.cold(120 + 109)
+    assert clk.send(body, 120 + 109).read == 0  # predicted a miss now
+    clk.report(read=0)
+    assert clk.send(body, 240).read > 0
+    clk.report(read=2000)  # a hit after a short gap: the cache exists
+    assert "no_cache" not in clk.learned()
+    rows = clk.rows()
+    assert rows[1]["predicted_read"] > 0 and rows[1]["reported_read"] == 0
+
+
+def test_clock_learns_no_cache():
+    clk = Clock("chat", "gpt-5")
+    body = b'{"model":"gpt-5","messages":[{"role":"user","content":"' + b"x" * 9000 + b'"}]}'
+    for t in range(5):
+        clk.send(body, t * 0.5)
+        clk.report(read=0)
+    assert clk.learned().get("no_cache") is True
+    assert clk.send(body, 10).read == 0
+
+
+def test_anthropic_blocks_match_byte_for_byte_without_their_cache_control():
+    r = anthropic_rules("claude-sonnet-4-5")
+    a = b'{"type": "text", "text": "' + b"y" * 5000 + b'", "cache_control": {"type": "ephemeral"}}'
+    b = b'{"type": "text", "text": "' + b"y" * 5000 + b'"}'
+    first = b'{"cache_control":{"type":"ephemeral","ttl":"1h"},"type":"text","text":"z"}'
+    assert cache._block(a, r) == (b, 300.0)
+    assert cache._block(first, r) == (b'{"type":"text","text":"z"}', 3600.0)
+    assert cache._block(b, r) == (b, None)
+    quoted = b'{"type":"text","text":"\\"cache_control\\" is a key"}'  # mentioned, not set: no breakpoint
+    assert cache._block(quoted, r) == (quoted, None)
