@@ -572,15 +572,15 @@ class PgStore:
     def record_wire(self, session_id: str, row: WireTurn) -> int:
         """As :meth:`bili_addon.store.Store.record_wire`: the turn's number is the session's next.
 
-        Numbering ``n`` with several instances (or pooled connections of one): under READ COMMITTED
-        two transactions would both read the same ``MAX(n)`` and the second insert would fail on
-        the primary key.  So the transaction first takes a transaction-scoped advisory lock of the
-        session's wire rows, then numbers and inserts in one statement, which (a new snapshot per
-        statement) sees every turn committed before the lock was granted; the lock goes with the
-        commit.  Not the session's row lock: an answer may come for a session without a row yet,
-        and ``commit_turn`` holds that row for a whole turn.  Not :meth:`hold`'s key either: this
-        instance may hold that one on its lock connection while it records the answer (a second
-        connection waiting on it would wait on itself)."""
+        Numbering ``n`` with several instances: under READ COMMITTED two transactions would both
+        read the same ``MAX(n)`` and the second insert would fail on the primary key.  So the
+        transaction first takes a transaction-scoped advisory lock of the session's wire rows, then
+        numbers and inserts in one statement, which (a new snapshot per statement) sees every turn
+        committed before the lock was granted; the lock goes with the commit.  Not the session's
+        row lock: the SQLite store numbers answers of a session that has no row too, and a lock on
+        nothing serialises nothing.  Not :meth:`hold`'s key either: this instance may hold that one
+        on its lock connection while it records the answer (a pooled connection waiting on it
+        would wait on itself, with no timeout)."""
         with self._tx() as conn:
             self.round_trips += 2
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (self.wire_lock_key(session_id),))
