@@ -29,7 +29,7 @@ import msgspec
 
 from bili_addon import private
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: the wire table (its PostgreSQL migration: store_pg._MIGRATIONS[3])
 BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
 
 _SCHEMA = """
@@ -447,22 +447,29 @@ class Store:
     def _migrate(self) -> None:
         """Bring a store of an older schema up to date (idempotent; one transaction)."""
         row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        if row is not None and int(row[0]) >= SCHEMA_VERSION:
+        have = int(row[0]) if row is not None else 0
+        if have >= SCHEMA_VERSION:
             return
         with self._tx():
-            cols = {r[1] for r in self.db.execute("PRAGMA table_info(sessions)")}
-            if "version" not in cols:
-                self.db.execute("ALTER TABLE sessions ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
-            # each ref names the text it was first given (a store written by two processes before
-            # this schema may hold a ref twice); allocation continues after every ref ever given
-            self.db.execute("INSERT OR IGNORE INTO refs(session_id, ref, content_hash) "
-                            "SELECT session_id, ref, content_hash FROM ledger ORDER BY first_seen")
-            self.db.execute(
-                "UPDATE sessions SET next_ref=given + 1, version=version + 1 FROM (SELECT session_id, "
-                "MAX(CAST(substr(ref, 2) AS INTEGER)) AS given FROM refs GROUP BY session_id) AS r "
-                "WHERE r.session_id=sessions.id AND sessions.next_ref <= r.given")
+            # 3: the wire table, made by _SCHEMA like every table; nothing to move
+            if have < 2:
+                self._repair_refs()
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES('schema_version', ?)",
                             (str(SCHEMA_VERSION),))
+
+    def _repair_refs(self) -> None:
+        """Schema 2: a ``version`` per session and the ``refs`` table filled from the ledger."""
+        cols = {r[1] for r in self.db.execute("PRAGMA table_info(sessions)")}
+        if "version" not in cols:
+            self.db.execute("ALTER TABLE sessions ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
+        # each ref names the text it was first given (a store written by two processes before
+        # this schema may hold a ref twice); allocation continues after every ref ever given
+        self.db.execute("INSERT OR IGNORE INTO refs(session_id, ref, content_hash) "
+                        "SELECT session_id, ref, content_hash FROM ledger ORDER BY first_seen")
+        self.db.execute(
+            "UPDATE sessions SET next_ref=given + 1, version=version + 1 FROM (SELECT session_id, "
+            "MAX(CAST(substr(ref, 2) AS INTEGER)) AS given FROM refs GROUP BY session_id) AS r "
+            "WHERE r.session_id=sessions.id AND sessions.next_ref <= r.given")
 
     def close(self) -> None:
         try:

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bili_addon.store import (
-    DB_NAME, SCHEMA_VERSION, LedgerRow, SessionBusy, SessionRow, StaleSession, StoreError, UsageTotals,
+    DB_NAME, SCHEMA_VERSION, LedgerRow, SessionBusy, SessionRow, StaleSession, StoreError, UsageTotals, WireTurn,
 )
 
 try:
@@ -148,6 +148,26 @@ _MIGRATIONS: dict[int, list[str]] = {
             created DOUBLE PRECISION NOT NULL,
             executed DOUBLE PRECISION,
             PRIMARY KEY(session_id, call_key))""",
+    ],
+    # the per-answered-turn figures (meter, bili stats, the page)
+    3: [
+        """CREATE TABLE IF NOT EXISTS wire(
+            session_id TEXT NOT NULL,
+            n BIGINT NOT NULL,
+            ts DOUBLE PRECISION NOT NULL,
+            request BIGINT NOT NULL,
+            model TEXT NOT NULL,
+            agent_tokens BIGINT NOT NULL,
+            sent_tokens BIGINT NOT NULL,
+            predicted DOUBLE PRECISION,
+            blocks BIGINT NOT NULL,
+            folded BIGINT NOT NULL,
+            executed TEXT NOT NULL,
+            input_tokens BIGINT NOT NULL,
+            cache_read BIGINT NOT NULL,
+            cache_write BIGINT NOT NULL,
+            output_tokens BIGINT NOT NULL,
+            PRIMARY KEY(session_id, n))""",
     ],
 }
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
@@ -538,6 +558,69 @@ class PgStore:
                     "cache_write=excluded.cache_write, output_tokens=excluded.output_tokens",
                     (session_id, cur[0], time.time(), lane, inp, read, write, out),
                 )
+
+    # -- what went on the wire, per answered turn (stats, the page, the log line) ---------------
+    _WIRE_COLS = ("n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, folded, executed, "
+                  "input_tokens, cache_read, cache_write, output_tokens")
+
+    @staticmethod
+    def wire_lock_key(session_id: str) -> int:
+        import hashlib
+
+        return int.from_bytes(hashlib.sha256(b"bili-wire:" + session_id.encode()).digest()[:8], "big", signed=True)
+
+    def record_wire(self, session_id: str, row: WireTurn) -> int:
+        """As :meth:`bili_addon.store.Store.record_wire`: the turn's number is the session's next.
+
+        Numbering ``n`` with several instances: under READ COMMITTED two transactions would both
+        read the same ``MAX(n)`` and the second insert would fail on the primary key.  So the
+        transaction first takes a transaction-scoped advisory lock of the session's wire rows, then
+        numbers and inserts in one statement, which (a new snapshot per statement) sees every turn
+        committed before the lock was granted; the lock goes with the commit.  Not the session's
+        row lock: the SQLite store numbers answers of a session that has no row too, and a lock on
+        nothing serialises nothing.  Not :meth:`hold`'s key either: this instance may hold that one
+        on its lock connection while it records the answer (a pooled connection waiting on it
+        would wait on itself, with no timeout)."""
+        with self._tx() as conn:
+            self.round_trips += 2
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (self.wire_lock_key(session_id),))
+            n = conn.execute(
+                "INSERT INTO wire(session_id, n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, "
+                "folded, executed, input_tokens, cache_read, cache_write, output_tokens) "
+                "SELECT %s, COALESCE(MAX(n), 0) + 1, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s "
+                "FROM wire WHERE session_id=%s RETURNING n",
+                (session_id, row.ts or time.time(), row.request, row.model, row.agent_tokens, row.sent_tokens,
+                 row.predicted, row.blocks, row.folded, ",".join(row.executed), row.input_tokens, row.cache_read,
+                 row.cache_write, row.output_tokens, session_id),
+            ).fetchone()[0]
+        return int(n)
+
+    @staticmethod
+    def _wire_turn(r: tuple) -> WireTurn:
+        return WireTurn(*r[:9], [x for x in r[9].split(",") if x], *r[10:])
+
+    @_reads
+    def wire_totals(self, session_id: str) -> tuple[int, WireTurn | None, int, int, list[tuple]]:
+        """As :meth:`bili_addon.store.Store.wire_totals` (sums cast back to integers: PostgreSQL
+        sums BIGINTs as NUMERIC; models in byte order, as SQLite sorts them)."""
+        with self.snapshot():
+            n, peak_a, peak_s = self._one(
+                "SELECT COUNT(*), COALESCE(MAX(agent_tokens), 0), COALESCE(MAX(sent_tokens), 0) FROM wire "
+                "WHERE session_id=%s", (session_id,))
+            if not n:
+                return 0, None, 0, 0, []
+            last = self._one(f"SELECT {self._WIRE_COLS} FROM wire WHERE session_id=%s ORDER BY n DESC LIMIT 1",
+                             (session_id,))
+            models = self._q(
+                "SELECT model, SUM(input_tokens)::bigint, SUM(cache_read)::bigint, SUM(cache_write)::bigint, "
+                "SUM(output_tokens)::bigint, SUM(agent_tokens - sent_tokens)::bigint FROM wire WHERE session_id=%s "
+                "GROUP BY model ORDER BY model COLLATE \"C\"", (session_id,))
+        return n, self._wire_turn(last), peak_a, peak_s, models
+
+    @_reads
+    def wire(self, session_id: str) -> list[WireTurn]:
+        return [self._wire_turn(r) for r in self._q(
+            f"SELECT {self._WIRE_COLS} FROM wire WHERE session_id=%s ORDER BY n", (session_id,))]
 
     # -- folding -------------------------------------------------------------------------------
     @_reads

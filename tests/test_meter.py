@@ -58,11 +58,10 @@ def test_summary_over_turns():
     assert tokens(999) == "999" and tokens(1_000) == "1.0K" and tokens(2_500_000) == "2.5M"
 
 
-def test_totals_from_the_store_equal_the_turn_by_turn_summary(tmp_path):
+def test_totals_from_the_store_equal_the_turn_by_turn_summary(backend):
     from bili_addon.meter import totals
-    from bili_addon.store import Store
 
-    store = Store(tmp_path)
+    store = backend()
     rows = [WireTurn(0, 0, 1, "gpt-5", 1000, 1200, None, 0, 0, [], 1200, 0, 0, 10),
             WireTurn(0, 0, 2, "claude-sonnet-4-5", 9000, 3000, 0.5, 1, 4, ["compress"], 3000, 2000, 500, 10),
             WireTurn(0, 0, 3, "gpt-5", 9500, 3300, 0.9, 1, 4, [], 3300, 2900, 0, 20)]
@@ -74,4 +73,31 @@ def test_totals_from_the_store_equal_the_turn_by_turn_summary(tmp_path):
     for k, v in by_turn.items():
         assert by_sums[k] == (round(v, 6) if isinstance(v, float) and k in ("cost", "saved") else v), k
     assert totals(store, "none")["turns"] == 0
-    store.close()
+    # what the page and /__bili/stats read back: the same turns, field for field, from a second opening
+    again = backend()
+    assert again.wire("s") == store.wire("s") and again.wire("s")[1].executed == ["compress"]
+    assert again.wire("s")[0].predicted is None and again.wire("none") == []
+    n, last, peak_a, peak_s, models = again.wire_totals("s")
+    assert (n, last, peak_a, peak_s) == (3, store.wire("s")[-1], 9500, 3300)
+    assert models == [("claude-sonnet-4-5", 3000, 2000, 500, 10, 6000), ("gpt-5", 4500, 2900, 0, 30, 6000)]
+    assert all(type(v) is int for m in models for v in m[1:])
+
+
+def test_turns_recorded_at_once_by_several_instances_are_numbered_once_each(backend):
+    """Four instances (four openings of one store, each used by its own thread, as a store is)
+    answering turns of one session at the same time: every turn gets its own number, 1..N."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    instances, each = [backend() for _ in range(4)], 10
+
+    def answer(k: int) -> list[int]:
+        return [instances[k].record_wire("busy", WireTurn(0, 0, k * each + i, "gpt-5", 100, 90, None, 0, 0, [],
+                                                          90, 0, 0, 1)) for i in range(each)]
+
+    with ThreadPoolExecutor(len(instances)) as pool:
+        given = [n for ns in pool.map(answer, range(len(instances))) for n in ns]
+    total = len(instances) * each
+    assert sorted(given) == list(range(1, total + 1))
+    turns = backend().wire("busy")
+    assert [w.n for w in turns] == list(range(1, total + 1))
+    assert sorted(w.request for w in turns) == list(range(total))

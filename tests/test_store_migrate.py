@@ -10,7 +10,7 @@ import pytest
 from bili_addon import cli
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
-from bili_addon.store import Store
+from bili_addon.store import Store, WireTurn
 from bili_addon.stores import TABLES, open_store
 from test_fold import ANTH, H, agent_answers_unknown, body, conversation, refs_in, roundtrip_call
 
@@ -29,6 +29,11 @@ def folded_store(path) -> tuple[Engine, list[dict]]:
     msgs = agent_answers_unknown(msgs, "compress", args, "toolu_c1")
     assert e.process(body(msgs), ANTH, H, render=True).executed == ["compress"]
     e.store.record_usage("fold-1", "anthropic", (1000, 800, 100, 50))
+    for i, (model, predicted, executed) in enumerate([("claude-sonnet-4-5", None, []),
+                                                       ("claude-sonnet-4-5", 0.8125, ["compress"]),
+                                                       ("claude-opus-4-1", 0.5, ["compress", "decompress"])]):
+        e.store.record_wire("fold-1", WireTurn(0, 1_700_000_000.25 + i, i + 1, model, 9000 + i, 3000 - i, predicted,
+                                               i, 4 * i, executed, 3000 - i, 800 * i, 100, 50 + i))
     msgs = msgs + [{"role": "assistant", "content": "Audit continues."}, {"role": "user", "content": "go on"}]
     e.process(body(msgs), ANTH, H, render=True)
     return e, msgs
@@ -41,12 +46,18 @@ def dump_all(store) -> dict[str, list[tuple]]:
 def test_a_store_with_folds_round_trips_sqlite_postgresql_sqlite_unchanged(tmp_path, pg_url, capsys):
     e, msgs = folded_store(tmp_path / "a")
     before = dump_all(e.store)
-    for table in ("sessions", "ledger", "refs", "blocks", "originals", "calls", "turns", "copies", "transcript"):
+    for table in ("sessions", "ledger", "refs", "blocks", "originals", "calls", "turns", "copies", "transcript",
+                  "wire"):
         assert before[table], f"the fixture should fill {table}"
+    wire_before = (e.store.wire("fold-1"), e.store.wire_totals("fold-1"))
+    assert len(wire_before[0]) == 3
     e.store.close()
 
     assert cli.main(["store", "migrate", "--from", str(tmp_path / "a"), "--to", pg_url]) == 0
     assert "verified equal" in capsys.readouterr().out
+    pg = open_store(pg_url, str(tmp_path))
+    assert (pg.wire("fold-1"), pg.wire_totals("fold-1")) == wire_before  # the meter and stats read the same
+    pg.close()
     assert cli.main(["store", "migrate", "--from", pg_url, "--to", str(tmp_path / "b")]) == 0
 
     back = Store(tmp_path / "b")

@@ -65,7 +65,44 @@ def test_doctor_checks_the_shared_store(pg_url, tmp_path):
     assert not store.ok and "cannot open the store" in store.detail
 
 
+def test_a_schema_2_store_gets_the_wire_table_on_open_and_keeps_its_sessions(backend):
+    """A store written by the bili before the wire table (schema 2) is brought to schema 3 when opened:
+    the wire table appears, the sessions are untouched (their versions too: no cached copy goes stale)."""
+    from bili_addon.store import LedgerRow, SessionRow, WireTurn
+
+    s = backend()
+    v = s.commit_turn(SessionRow("old", "", "", 0.0, 0.0, 1, 1, 2), [LedgerRow("h", "aa", "m00001", "user", "text", 1)],
+                      expect=0, minted=[("m00001", "aa")])
+    raw = s.db.execute if s.backend == "sqlite" else s._q
+    raw("DROP TABLE wire")
+    raw("UPDATE meta SET value='2' WHERE key='schema_version'")
+    s.close()
+    s = backend()
+    assert s.schema_version() == SCHEMA_VERSION == 3
+    assert s.version("old") == v and [r.ref for r in s.ledger("old")] == ["m00001"]
+    assert s.wire("old") == [] and s.wire_totals("old") == (0, None, 0, 0, [])
+    assert s.record_wire("old", WireTurn(0, 0, 1, "m", 10, 8, None, 0, 0, [], 8, 0, 0, 1)) == 1
+
+
 # -- per-session serialisation across instances ---------------------------------------------------
+def test_an_answer_is_recorded_whoever_holds_its_session(pg_url, tmp_path):
+    """The turn numbers' lock is not the session's: an instance records an answer of a session it
+    holds itself (no wait on its own lock) or that another instance is working on."""
+    from bili_addon.store import WireTurn
+    from bili_addon.store_pg import PgStore
+
+    a, b = PgStore(pg_url, str(tmp_path), lock_wait=0.2), PgStore(pg_url, str(tmp_path), lock_wait=0.2)
+    w = WireTurn(0, 0, 1, "m", 10, 8, None, 0, 0, [], 8, 0, 0, 1)
+    try:
+        a.hold("x")
+        assert a.record_wire("x", w) == 1
+        assert b.record_wire("x", w) == 2
+        assert [t.n for t in b.wire("x")] == [1, 2]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_session_is_worked_on_by_one_instance_at_a_time(pg_url, tmp_path):
     from bili_addon.store import SessionBusy
     from bili_addon.store_pg import PgStore

@@ -27,13 +27,17 @@ LINE = re.compile(r"bili (\S+) (\S{1,8}) t(\d+) (\w+): (\S+) -> (\S+) tok(?: \((
                   r"\(reported (\S+)\), (\d+) blocks?(?:, (-?\$[\d.,]+) \(saved (-?\$[\d.,]+)\))?")
 
 
-@pytest.fixture(scope="module")
-def session(fake, tmp_path_factory):
-    """A proxy with the price file, and one scripted session run through it: (proxy, sid)."""
-    proxy = Mitmdump(tmp_path_factory.mktemp("see"), fake.port)
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def session(fake, tmp_path_factory, request):
+    """A proxy with the price file, and one scripted session run through it: (proxy, sid).  Once per
+    store backend: the figures live in the store's wire table (SQLite, or a shared PostgreSQL)."""
+    options = {"bili_store": request.getfixturevalue("pg_server").fresh()} if request.param == "postgresql" else {}
+    proxy = Mitmdump(tmp_path_factory.mktemp("see"), fake.port, options=options)
     proxy.data_dir.mkdir(parents=True)
     (proxy.data_dir / "prices.json").write_text(json.dumps({"as_of": "2026-12-01", "models": {"claude-fake-1": PRICE}}))
     proxy.start()
+    status, health = proxy.admin("/__bili/health")
+    assert status == 200 and health["store"] is True and health["store_backend"] == request.param, health
     sid = f"e2e-see-{uuid.uuid4().hex[:8]}"
     fake.script(sid, session_script(), real_usage=True)
     agent = make_agent("anthropic", proxy, sid, sid)
