@@ -354,6 +354,16 @@ class WireTurn:
     output_tokens: int
 
 
+# the columns of ``wire`` in WireTurn's order (both backends read them so)
+WIRE_COLS = ("n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, folded, executed, "
+             "input_tokens, cache_read, cache_write, output_tokens")
+
+
+def wire_turn(r: tuple) -> WireTurn:
+    """A ``wire`` row (:data:`WIRE_COLS`) as a :class:`WireTurn`."""
+    return WireTurn(*r[:9], [x for x in r[9].split(",") if x], *r[10:])
+
+
 DB_NAME = "bili.sqlite3"
 
 
@@ -681,11 +691,8 @@ class Store:
             "WHERE session_id=?", (session_id,)).fetchone()
         if not n:
             return 0, None, 0, 0, []
-        r = self.db.execute(
-            "SELECT n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, folded, executed, "
-            "input_tokens, cache_read, cache_write, output_tokens FROM wire WHERE session_id=? ORDER BY n DESC "
-            "LIMIT 1", (session_id,)).fetchone()
-        last = WireTurn(*r[:9], [x for x in r[9].split(",") if x], *r[10:])
+        last = wire_turn(self.db.execute(
+            f"SELECT {WIRE_COLS} FROM wire WHERE session_id=? ORDER BY n DESC LIMIT 1", (session_id,)).fetchone())
         models = self.db.execute(
             "SELECT model, SUM(input_tokens), SUM(cache_read), SUM(cache_write), SUM(output_tokens), "
             "SUM(agent_tokens - sent_tokens) FROM wire WHERE session_id=? GROUP BY model ORDER BY model",
@@ -694,12 +701,8 @@ class Store:
 
     @_reads
     def wire(self, session_id: str) -> list["WireTurn"]:
-        rows = self.db.execute(
-            "SELECT n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, folded, executed, "
-            "input_tokens, cache_read, cache_write, output_tokens FROM wire WHERE session_id=? ORDER BY n",
-            (session_id,),
-        ).fetchall()
-        return [WireTurn(*r[:9], [x for x in r[9].split(",") if x], *r[10:]) for r in rows]
+        rows = self.db.execute(f"SELECT {WIRE_COLS} FROM wire WHERE session_id=? ORDER BY n", (session_id,)).fetchall()
+        return [wire_turn(r) for r in rows]
 
     # -- folding -------------------------------------------------------------------------------
     @_reads

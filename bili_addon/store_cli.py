@@ -34,10 +34,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     mig.add_argument("--data-dir", metavar="DIR", help="the data dir (default: $XDG_DATA_HOME/bili-addon)")
 
 
-def _open(spec: str, data_dir: str):
-    return open_store(spec, data_dir)
-
-
 def run(args: argparse.Namespace) -> int:
     data_dir = str(args.data_dir or default_data_dir())
     try:
@@ -50,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _info(spec: str, data_dir: str, as_json: bool) -> int:
-    s = _open(spec, data_dir)
+    s = open_store(spec, data_dir)
     try:
         doc = {"backend": s.backend, "at": s.where, "schema_version": s.schema_version(),
                "conversations": len(s.sessions()), "latency_ms": round(s.ping() * 1000, 3)}
@@ -68,9 +64,9 @@ def _migrate(source: str, target: str, data_dir: str) -> int:
     if describe(source, data_dir) == describe(target, data_dir):
         print("bili: error: --to names the source store itself", file=sys.stderr)
         return 2
-    src = _open(source, data_dir)
+    src = open_store(source, data_dir)
     try:
-        dst = _open(target, data_dir)
+        dst = open_store(target, data_dir)
         try:
             counts = copy_store(src, dst)
             differ = [t for t, (cols, key) in TABLES.items() if src.dump(t, cols, key) != dst.dump(t, cols, key)]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from bili_addon.store import (
     DB_NAME, SCHEMA_VERSION, LedgerRow, SessionBusy, SessionRow, StaleSession, StoreError, UsageTotals, WireTurn,
+    WIRE_COLS, wire_turn,
 )
 
 try:
@@ -560,9 +561,6 @@ class PgStore:
                 )
 
     # -- what went on the wire, per answered turn (stats, the page, the log line) ---------------
-    _WIRE_COLS = ("n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, folded, executed, "
-                  "input_tokens, cache_read, cache_write, output_tokens")
-
     @staticmethod
     def wire_lock_key(session_id: str) -> int:
         import hashlib
@@ -595,10 +593,6 @@ class PgStore:
             ).fetchone()[0]
         return int(n)
 
-    @staticmethod
-    def _wire_turn(r: tuple) -> WireTurn:
-        return WireTurn(*r[:9], [x for x in r[9].split(",") if x], *r[10:])
-
     @_reads
     def wire_totals(self, session_id: str) -> tuple[int, WireTurn | None, int, int, list[tuple]]:
         """As :meth:`bili_addon.store.Store.wire_totals` (sums cast back to integers: PostgreSQL
@@ -609,18 +603,18 @@ class PgStore:
                 "WHERE session_id=%s", (session_id,))
             if not n:
                 return 0, None, 0, 0, []
-            last = self._one(f"SELECT {self._WIRE_COLS} FROM wire WHERE session_id=%s ORDER BY n DESC LIMIT 1",
+            last = self._one(f"SELECT {WIRE_COLS} FROM wire WHERE session_id=%s ORDER BY n DESC LIMIT 1",
                              (session_id,))
             models = self._q(
                 "SELECT model, SUM(input_tokens)::bigint, SUM(cache_read)::bigint, SUM(cache_write)::bigint, "
                 "SUM(output_tokens)::bigint, SUM(agent_tokens - sent_tokens)::bigint FROM wire WHERE session_id=%s "
                 "GROUP BY model ORDER BY model COLLATE \"C\"", (session_id,))
-        return n, self._wire_turn(last), peak_a, peak_s, models
+        return n, wire_turn(last), peak_a, peak_s, models
 
     @_reads
     def wire(self, session_id: str) -> list[WireTurn]:
-        return [self._wire_turn(r) for r in self._q(
-            f"SELECT {self._WIRE_COLS} FROM wire WHERE session_id=%s ORDER BY n", (session_id,))]
+        return [wire_turn(r) for r in self._q(
+            f"SELECT {WIRE_COLS} FROM wire WHERE session_id=%s ORDER BY n", (session_id,))]
 
     # -- folding -------------------------------------------------------------------------------
     @_reads
