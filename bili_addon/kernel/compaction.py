@@ -252,13 +252,13 @@ class Epochs:
     def _reported_usage(self: EpochHost, s: Session) -> tuple[int, int, int, int] | None:
         """The last usage the provider reported, unless it was for the history before the current
         epoch (the compaction request itself reports the whole old history)."""
-        last = self.store.last_usage(s.row.id)
         eps = epochs(s)
-        if last is None or not eps:
-            return last
-        if self.store.usage(s.row.id).turns <= int(eps[-1].get("usage_turns", 0)):
+        if not eps:
+            return self.store.last_usage(s.row.id)
+        usage = self.store.usage(s.row.id)  # its ``last`` is last_usage: one read of it, not two
+        if usage.last is None or usage.turns <= int(eps[-1].get("usage_turns", 0)):
             return None
-        return last
+        return usage.last
 
 
 __all__ = ["EpochHost", "Epochs", "Found", "SHAPES", "SUMMARY_ASKS", "Shape", "asks_for_summary", "detect",
