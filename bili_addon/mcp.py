@@ -27,14 +27,14 @@ import urllib.request
 from http.client import HTTPException
 from typing import IO, Any
 
-from bili_addon import __version__, private
+from bili_addon import DEFAULT_HOST, DEFAULT_PORT, __version__, private
 from bili_addon.kernel.prompts import TOOLS
 
 log = logging.getLogger("bili.mcp")
 
 PROTOCOL_VERSIONS = ("2025-06-18", "2025-03-26", "2024-11-05")
 LATEST_PROTOCOL = PROTOCOL_VERSIONS[0]
-DEFAULT_PROXY = "http://127.0.0.1:8787"
+DEFAULT_PROXY = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
 TOOL_PATH = "/__bili/plugin/tool"
 DEFAULT_TIMEOUT = 60.0
 

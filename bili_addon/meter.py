@@ -97,8 +97,9 @@ class Meter:
     def request(self, session: Any, raw: bytes, sent: bytes) -> dict[str, Any]:
         """The request's figures for its flow record (``session``: the kernel's live Session; ``raw``:
         the agent's body, ``sent``: what goes upstream)."""
+        agent = estimate(raw)
         return {"agent": session.row.agent, "model": session.model, "turn": session.row.requests,
-                "agent_tokens": estimate(raw), "sent_tokens": estimate(sent),
+                "agent_tokens": agent, "sent_tokens": agent if sent == raw else estimate(sent),
                 "predicted": self.predict(session.row.id, sent)}
 
     @staticmethod

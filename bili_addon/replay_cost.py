@@ -38,7 +38,7 @@ def session_costs(reports: Iterable) -> list[SessionCost]:
     for report in reports:
         clocks: dict[str, tuple[SessionCost, Clock, Clock]] = {}
         for t in report.turns:
-            if t.lane == "anthropic" or t.lane in ("chat", "responses", "gemini"):
+            if t.lane in ("anthropic", "chat", "responses", "gemini"):
                 raw = t.raw or t.body
                 got = clocks.get(t.session)
                 if got is None:
@@ -51,7 +51,7 @@ def session_costs(reports: Iterable) -> list[SessionCost]:
                     a = orig.send(raw, t.at)
                     b = sent.send(t.body, t.at)
                 except Exception:  # a body the cache model cannot read (not JSON): both as plain input
-                    a = b = Bill(input=len(raw) // 4)
+                    a = Bill(input=len(raw) // 4)
                     b = Bill(input=len(t.body) // 4)
                 sc.requests += 1
                 sc.bill_without += a
