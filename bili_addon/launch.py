@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import http.client
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, private
+from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, adminclient, private
 from bili_addon.agents import AGENTS, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex, intercept_plan
 from bili_addon.store import DB_NAME, SCHEMA_VERSION, StoreError, default_data_dir
 from bili_addon.stores import is_url, open_store, store_spec
@@ -246,29 +245,20 @@ def probe(port: int, host: str = DEFAULT_HOST, timeout: float = 2.0, token: str 
     a forward proxy in mitmproxy answers itself) and, failing that, in proxy form.  With ``token``
     the answer's ``authenticated`` says whether that proxy is this install's."""
     detail = ""
-    headers = {"accept": "application/json", "connection": "close"}
-    if token:
-        headers[private.TOKEN_HEADER] = token
-    for target in ("/__bili/health", f"http://{host}:{port}/__bili/health"):
-        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    for proxy_form in (False, True):
         try:
-            conn.request("GET", target, headers=headers)
-            resp = conn.getresponse()
-            body = resp.read(65536)
-        except ConnectionRefusedError:
-            return Probe("free")
-        except (OSError, http.client.HTTPException) as e:
-            detail = f"{type(e).__name__}: {e}"
+            got = adminclient.call(address, "/__bili/health", token=token, timeout=timeout,
+                                   proxy_form=proxy_form, limit=65536)
+        except adminclient.Unreachable as e:
+            if e.refused:
+                return Probe("free")
+            detail = e.reason
             continue
-        finally:
-            conn.close()
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            doc = None
-        if resp.status == 200 and isinstance(doc, dict) and doc.get("ok") is True and "version" in doc:
+        doc = got.doc
+        if got.status == 200 and isinstance(doc, dict) and doc.get("ok") is True and "version" in doc:
             return Probe("bili", doc)
-        detail = f"HTTP {resp.status}: {body[:120]!r}"
+        detail = f"HTTP {got.status}: {got.raw[:120]!r}"
     return Probe("other", detail=detail)
 
 
@@ -276,26 +266,15 @@ def request_intercept(port: int, hosts: list[tuple[str, int]], host: str = DEFAU
                       timeout: float = 5.0, token: str | None = None) -> dict | str:
     """Ask a running bili proxy to decrypt ``hosts`` too (``POST /__bili/intercept``): its answer, or
     why it did not take them."""
-    body = json.dumps({"hosts": [f"{h}:{p}" for h, p in hosts]}).encode()
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        conn.request("POST", "http://bili.proxy/__bili/intercept", body=body,
-                     headers={"content-type": "application/json", "connection": "close",
-                              private.TOKEN_HEADER: token or ""})
-        resp = conn.getresponse()
-        raw = resp.read(65536)
-    except (OSError, http.client.HTTPException) as e:
-        return f"{type(e).__name__}: {e}"
-    finally:
-        conn.close()
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        doc = None
-    if resp.status == 200 and isinstance(doc, dict) and doc.get("ok"):
-        return doc
-    why = doc.get("error") if isinstance(doc, dict) else raw[:120]
-    return f"HTTP {resp.status}: {why}"
+        got = adminclient.call(address, "/__bili/intercept", method="POST", token=token or "",
+                               body={"hosts": [f"{h}:{p}" for h, p in hosts]}, timeout=timeout, limit=65536)
+    except adminclient.Unreachable as e:
+        return e.reason
+    if got.status == 200 and isinstance(got.doc, dict) and got.doc.get("ok"):
+        return got.doc
+    return f"HTTP {got.status}: {got.error[:120]}"
 
 
 # -- the shared proxy, with a lease per launcher ---------------------------------------------------------

@@ -22,12 +22,9 @@ import json
 import logging
 import os
 import sys
-import urllib.error
-import urllib.request
-from http.client import HTTPException
 from typing import IO, Any
 
-from bili_addon import DEFAULT_HOST, DEFAULT_PORT, __version__, private
+from bili_addon import DEFAULT_HOST, DEFAULT_PORT, __version__, adminclient, private
 from bili_addon.kernel.prompts import TOOLS
 
 log = logging.getLogger("bili.mcp")
@@ -83,8 +80,6 @@ class Server:
         self.timeout = timeout
         self.tools = tool_list()
         self.names = {t["name"] for t in self.tools}
-        # the proxy is always dialled directly, whatever HTTP(S)_PROXY the agent runs with
-        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     # -- dispatch ------------------------------------------------------------------------------
     def handle_line(self, line: bytes | str) -> Any:
@@ -169,27 +164,15 @@ class Server:
 
     def call_proxy(self, tool: str, args: dict[str, Any]) -> tuple[bool, str]:
         """``(ok, text)``: the tool's result, or why it could not run (said to the model)."""
-        url = self.proxy + TOOL_PATH
-        body = json.dumps({"conversationId": self.conversation, "tool": tool, "args": args}).encode()
-        headers = {"content-type": "application/json", "accept": "application/json"}
-        if self.token:
-            headers[private.TOKEN_HEADER] = self.token
-        req = urllib.request.Request(url, data=body, method="POST", headers=headers)
+        body = {"conversationId": self.conversation, "tool": tool, "args": args}
         try:
-            with self.opener.open(req, timeout=self.timeout) as resp:
-                status, raw = resp.status, resp.read()
-        except urllib.error.HTTPError as e:
-            status, raw = e.code, e.read()
-            e.close()
-        except (urllib.error.URLError, OSError, HTTPException) as e:
-            reason = getattr(e, "reason", None) or e
-            log.warning("bili mcp: %s: the proxy at %s is not reachable: %s", tool, self.proxy, reason)
-            return False, (f"{tool} did not run: the bili proxy at {self.proxy} is not reachable: {reason}. "
+            got = adminclient.call(self.proxy, TOOL_PATH, method="POST", body=body, token=self.token,
+                                   timeout=self.timeout)
+        except adminclient.Unreachable as e:
+            log.warning("bili mcp: %s: the proxy at %s is not reachable: %s", tool, self.proxy, e.reason)
+            return False, (f"{tool} did not run: the bili proxy at {self.proxy} is not reachable: {e.reason}. "
                            "Is `bili run` running? Point `bili mcp` at it with --proxy or BILI_PROXY.")
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            doc = None
+        status, raw, doc = got.status, got.raw, got.doc
         if not isinstance(doc, dict):
             snippet = raw[:200].decode("utf-8", "replace")
             return False, f"{tool} did not run: {self.proxy} answered HTTP {status}, not bili: {snippet!r}"

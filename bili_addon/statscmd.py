@@ -17,13 +17,10 @@ import json
 import os
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
-from http.client import HTTPException
 from typing import Any
 
-from bili_addon import private
+from bili_addon import adminclient
 from bili_addon.mcp import DEFAULT_PROXY, find_token, normalize_proxy
 from bili_addon.meter import pct, tokens
 from bili_addon.prices import money
@@ -36,29 +33,16 @@ class ProxyError(Exception):
 
 
 def fetch(proxy: str, path: str, token: str | None, *, method: str = "GET", timeout: float = 10) -> Any:
-    headers = {"accept": "application/json"}
-    if token:
-        headers[private.TOKEN_HEADER] = token
-    req = urllib.request.Request(proxy + path, method=method, headers=headers, data=b"" if method == "POST" else None)
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(req, timeout=timeout) as resp:
-            raw = resp.read()
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        e.close()
-        try:
-            err = json.loads(raw).get("error")
-        except (ValueError, AttributeError):
-            err = raw[:200].decode("utf-8", "replace")
-        raise ProxyError(f"the proxy at {proxy} answered HTTP {e.code}: {err}") from None
-    except (urllib.error.URLError, OSError, HTTPException) as e:
-        raise ProxyError(f"the bili proxy at {proxy} is not reachable: {getattr(e, 'reason', None) or e} "
+        got = adminclient.call(proxy, path, method=method, token=token, timeout=timeout)
+    except adminclient.Unreachable as e:
+        raise ProxyError(f"the bili proxy at {proxy} is not reachable: {e.reason} "
                          "(is `bili run` running? --proxy or $BILI_PROXY point elsewhere)") from None
-    try:
-        return json.loads(raw)
-    except ValueError:
-        raise ProxyError(f"{proxy} answered something that is not bili's JSON: {raw[:120]!r}") from None
+    if got.status >= 400:
+        raise ProxyError(f"the proxy at {proxy} answered HTTP {got.status}: {got.error}")
+    if got.doc is None:
+        raise ProxyError(f"{proxy} answered something that is not bili's JSON: {got.raw[:120]!r}")
+    return got.doc
 
 
 # -- rendering ---------------------------------------------------------------------------------------
