@@ -768,6 +768,18 @@ class Store:
         return [CalibrationRow(*r) for r in reversed(rows)]
 
     @_reads
+    def calibration_totals(self, session_id: str) -> tuple[int, int, int, int, int, int, int]:
+        """A session's observations summed without reading each: ``(count, predicted read, reported
+        read, predicted write and reported write where writes are reported, how many report writes,
+        how many the provider confirmed read-or-not)``."""
+        return tuple(self.db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(predicted_read), 0), COALESCE(SUM(reported_read), 0), "
+            "COALESCE(SUM(CASE WHEN reported_write IS NOT NULL THEN predicted_write END), 0), "
+            "COALESCE(SUM(reported_write), 0), COUNT(reported_write), "
+            "COALESCE(SUM(CASE WHEN (predicted_read > 0) = (reported_read > 0) THEN 1 ELSE 0 END), 0) "
+            "FROM calibration WHERE session_id=?", (session_id,)).fetchone())
+
+    @_reads
     def host_calibration(self, host: str, family: str, limit: int) -> list[CalibrationRow]:
         """The newest ``limit`` observations of every session at ``host`` (one cache family), oldest first."""
         rows = self.db.execute(f"SELECT {CALIBRATION_COLS} FROM calibration WHERE host=? AND family=? "

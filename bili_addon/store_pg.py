@@ -662,6 +662,15 @@ class PgStore:
         return [CalibrationRow(*r) for r in reversed(rows)]
 
     @_reads
+    def calibration_totals(self, session_id: str) -> tuple[int, int, int, int, int, int, int]:
+        return tuple(int(x) for x in self._one(
+            "SELECT COUNT(*), COALESCE(SUM(predicted_read), 0), COALESCE(SUM(reported_read), 0), "
+            "COALESCE(SUM(CASE WHEN reported_write IS NOT NULL THEN predicted_write END), 0), "
+            "COALESCE(SUM(reported_write), 0), COUNT(reported_write), "
+            "COALESCE(SUM(CASE WHEN (predicted_read > 0) = (reported_read > 0) THEN 1 ELSE 0 END), 0) "
+            "FROM calibration WHERE session_id=%s", (session_id,)))
+
+    @_reads
     def host_calibration(self, host: str, family: str, limit: int) -> list[CalibrationRow]:
         rows = self._q(f"SELECT {CALIBRATION_COLS} FROM calibration WHERE host=%s AND family=%s "
                        "ORDER BY ts DESC LIMIT %s", (host, family, limit))

@@ -525,7 +525,7 @@ class Clocks:
         if clk is None or not clk.turns:
             return None
         ats = [t.at for t in clk.turns]
-        warm = [t for t, prev in zip(clk.turns[1:], ats) if t.at - prev <= clk.rules.ttl] or clk.turns
+        warm = [t for t, prev in zip(clk.turns[1:], ats) if t.at - prev <= clk.ttl] or clk.turns
         writes = sorted(t.predicted.write + t.predicted.write_long + t.predicted.input for t in warm)
         return (clk.rules, [b - a for a, b in zip(ats, ats[1:])], clk.turns[-1].predicted.total,
                 writes[len(writes) // 2])

@@ -238,21 +238,19 @@ class Calibration:
     # -- stats -------------------------------------------------------------------------------------
     def summary(self, sid: str, recent: int = 10) -> dict[str, Any] | None:
         """A session's predicted vs reported cache figures, from its stored observations (None: none)."""
-        rows = self.store.calibration(sid, 0)
-        if not rows:
+        n, pr, rr, pw, rw, writes, agree = self.store.calibration_totals(sid)
+        if not n:
             return None
+        rows = self.store.calibration(sid, KEEP)
         last = rows[-1]
         facts, source = self.facts(sid, last.host, last.family)
-        own = learn([observation(r) for r in rows[-KEEP:]])
-        pr, rr = sum(r.predicted_read for r in rows), sum(r.reported_read for r in rows)
-        writes = [r for r in rows if r.reported_write is not None]
+        own = learn([observation(r) for r in rows])
         return {
-            "host": last.host, "family": last.family, "turns": len(rows),
+            "host": last.host, "family": last.family, "turns": n,
             "predicted_read": pr, "reported_read": rr,
-            "predicted_write": sum(r.predicted_write for r in writes) if writes else None,
-            "reported_write": sum(r.reported_write for r in writes) if writes else None,
+            "predicted_write": pw if writes else None, "reported_write": rw if writes else None,
             # the model's read/no-read verdict confirmed by the provider, per answered request
-            "agree": round(sum(observation(r).verdict in ("hit", "none") for r in rows) / len(rows), 4),
+            "agree": round(agree / n, 4),
             "read_ratio": round(pr / rr, 4) if rr else None,
             "hits": own.hits, "misses": own.misses, "extra": own.extra,
             "learned": own.to_dict() if own.learned else {},
