@@ -125,9 +125,9 @@ def sessions_table(doc: dict[str, Any], now: float | None = None) -> str:
     if calibrated:
         lines.append("CACHE MODEL vs PROVIDER")
         for s in calibrated:
-            lines.append(f"{s['id'][:10]:<10} {calibration_line(s['calibration'])}"[:WIDTH])
+            lines.append(f"  {s['id'][:10]:<10} {calibration_line(s['calibration'])}"[:WIDTH])
     for h in doc.get("hosts") or []:
-        lines.append(f"host {h['host']} ({h['family']}): {h['observations']} answers, "
+        lines.append(f"  host {h['host']} ({h['family']}): {h['observations']} answers, "
                      f"{facts_text(h.get('learned'))}"[:WIDTH])
     status = doc.get("store_status") or {}
     if doc.get("store") is False or status.get("ok") is False:

@@ -65,10 +65,10 @@ def test_the_cache_model_against_the_provider_is_shown_per_session_and_per_host(
                      {"host": "127.0.0.1", "family": "openai", "observations": 5, "learned": {"no_cache": True}}]}
     out = statscmd.sessions_table(doc, now=1000.0)
     assert all(len(ln) <= 80 for ln in out.splitlines()), out
-    assert ("0123456789 read 123.4K pred / 119.0K rep, agree 90% of 10; ttl 90s (session)"
+    assert ("  0123456789 read 123.4K pred / 119.0K rep, agree 90% of 10; ttl 90s (session)"
             in out.splitlines())
-    assert "host api.anthropic.com (anthropic): 24 answers, ttl 90s" in out
-    assert "host 127.0.0.1 (openai): 5 answers, no cache" in out
+    assert "  host api.anthropic.com (anthropic): 24 answers, ttl 90s" in out
+    assert "  host 127.0.0.1 (openai): 5 answers, no cache" in out
     one = {"session": {"id": "s", "calibration": {**CALIB, "effective": {"source": "documented"}}}, "turns": [],
            "calibration": [{"n": 1, "gap": None, "age": None, "predicted_read": 0, "reported_read": 0,
                             "predicted_write": 5000, "reported_write": 5100, "verdict": "none"},

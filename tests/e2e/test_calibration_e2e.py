@@ -103,8 +103,8 @@ def test_a_one_minute_cache_is_learned_and_shown_and_kept_for_the_host(tmp_path,
             from bili_addon import statscmd
 
             table = statscmd.sessions_table(proxy.stats())
-            assert f"{other[:10]} read 0 pred / 0 rep, agree 100% of 1; ttl 90s (host)" in table
-            assert "host 127.0.0.1 (anthropic): 10 answers, ttl 90s" in table
+            assert f"  {other[:10]} read 0 pred / 0 rep, agree 100% of 1; ttl 90s (host)" in table
+            assert "  host 127.0.0.1 (anthropic): 10 answers, ttl 90s" in table
         finally:
             proxy.stop()
 
