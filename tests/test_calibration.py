@@ -112,6 +112,10 @@ def test_a_one_minute_cache_is_learned_for_the_session_then_shared_with_the_host
     _turn(cal, "b", t + 1, q)
     assert cal.effective_ttl("b", "api.example.com") == 90.0
     assert cal.clocks.by_session["b"].learned()["source"] == "host"
+    for gap in (10, 20, 30):  # reads after short gaps: nothing against the host's lifetime
+        _turn(cal, "b", t + 1 + gap, q)
+        t += gap
+    assert cal.effective_ttl("b") == 90.0 and cal.summary("b")["hits"] == 3
     # ... another host does not
     _turn(cal, "c", t + 1, Provider(60), host="other.example.com")
     assert cal.effective_ttl("c") is None and cal.clocks.by_session["c"].learned() == {}
@@ -129,7 +133,7 @@ def test_a_one_minute_cache_is_learned_for_the_session_then_shared_with_the_host
     assert cal2.effective_ttl("d") == 90.0 and cal2.clocks.cold("d", 5000.0 + 91)
     assert cal2.effective_ttl("a") == 90.0  # the session's own observations, read back
     hosts = {h["host"]: h for h in cal2.host_facts()}
-    assert hosts["api.example.com"]["learned"] == {"ttl": 90.0} and hosts["api.example.com"]["observations"] == 9
+    assert hosts["api.example.com"]["learned"] == {"ttl": 90.0} and hosts["api.example.com"]["observations"] == 12
     assert hosts["other.example.com"]["learned"] == {}
     store2.close()
 
@@ -188,3 +192,16 @@ def test_providers_without_write_figures_store_none(tmp_path, lane, family):
     assert [r.family for r in rows] == [family, family] and [r.reported_write for r in rows] == [None, None]
     assert rows[1].predicted_read > 0 and rows[1].age == 1.0 and rows[1].reported_input == 2300
     store.close()
+
+
+def test_a_session_takes_its_hosts_facts_unless_its_own_reports_contradict_them():
+    from bili_addon.kernel.calibration import Facts, contradicts
+
+    host = Facts(ttl=90.0)
+    assert not contradicts(host, obs((20, HIT), (30, HIT), (5, MISS)))  # short hits say nothing of 90 s
+    assert contradicts(host, obs((20, HIT), (120, HIT)))  # an entry lived 120 s here
+    assert contradicts(host, [Observation(0, 800, 95.0)])  # a read the model did not expect, after 95 s
+    assert contradicts(Facts(no_cache=True), obs((3, HIT)))
+    assert not contradicts(Facts(no_cache=True), obs((3, MISS), (4, MISS)))
+    assert contradicts(Facts(min_tokens=3000), [Observation(2000, 1900, 2.0)])
+    assert not contradicts(Facts(min_tokens=3000), [Observation(5000, 4900, 2.0)])

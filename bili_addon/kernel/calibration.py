@@ -22,8 +22,9 @@ observations there; new sessions start from what the host taught):
   shorter than every prefix the provider did read: at :data:`EVIDENCE` of them, prefixes up to the
   longest of those are taken as too short to be cached there.
 
-A session's own facts apply once it has :data:`EVIDENCE` informative observations (hits, misses,
-unexpected reads) of its own; until then its host's do.  The facts are applied to the session's
+A session's own facts apply where its observations taught something; otherwise its host's do,
+unless the session's own reports contradict them (a read older than the host's lifetime, any read
+where the host has no cache, a read of a prefix under the host's minimum).  The facts are applied to the session's
 clock (:meth:`Clock.apply <bili_addon.kernel.cache.Clock.apply>`), so every warm/cold judgement
 (lazy activation, the lifetime decision, deferred rewrites) uses them; :meth:`Calibration.effective_ttl`
 says the lifetime in force.  Learning is fail-safe in the cheap direction: a lifetime is only ever
@@ -126,6 +127,20 @@ def learn(obs: list[Observation]) -> Facts:
     return f
 
 
+def contradicts(f: Facts, obs: list[Observation]) -> bool:
+    """Whether a session's observations contradict facts learned elsewhere (its host's)."""
+    for o in obs:
+        if o.verdict not in ("hit", "extra"):
+            continue
+        if f.no_cache:
+            return True
+        if f.ttl and o.age is not None and o.age >= f.ttl:
+            return True
+        if f.min_tokens and 0 < o.predicted < f.min_tokens:
+            return True
+    return False
+
+
 @dataclass
 class _Session:
     host: str = ""
@@ -147,16 +162,17 @@ class Calibration:
 
     # -- the narrow interface for decisions --------------------------------------------------------
     def facts(self, sid: str, host: str = "", family: str = "") -> tuple[Facts, str]:
-        """``(facts in force, their source)`` for a session: its own once it has :data:`EVIDENCE`
-        informative observations, else its host's; source ``session``, ``host`` or ``""``."""
+        """``(facts in force, their source)`` for a session: what its own observations taught, else
+        its host's facts where the session's reports do not contradict them; source ``session``,
+        ``host`` or ``""`` (the documented rules)."""
         s = self._session(sid)
         host, family = host or s.host, family or s.family
         own = learn(s.obs[-KEEP:])
-        if own.informative >= EVIDENCE:
-            return own, "session" if own.learned else ""
+        if own.learned:
+            return own, "session"
         if host and family:
             pooled = learn(self._host(host, family))
-            if pooled.learned:
+            if pooled.learned and not contradicts(pooled, s.obs[-KEEP:]):
                 return pooled, "host"
         return own, ""
 
@@ -288,4 +304,5 @@ def row_dict(r: CalibrationRow) -> dict[str, Any]:
             "reported_write": r.reported_write, "verdict": observation(r).verdict}
 
 
-__all__ = ["EVIDENCE", "KEEP", "SHORT", "Calibration", "Facts", "Observation", "learn", "observation", "row_dict"]
+__all__ = ["EVIDENCE", "KEEP", "SHORT", "Calibration", "Facts", "Observation", "contradicts", "learn", "observation",
+           "row_dict"]
