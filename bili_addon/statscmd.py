@@ -175,7 +175,8 @@ def session_view(doc: dict[str, Any], now: float | None = None) -> str:
         for r in rows[-20:]:
             out.append((f"{r['n']:>4} {_secs(r['gap']):>6} {_secs(r['age']):>6} {tokens(r['predicted_read']):>8} "
                         f"{tokens(r['reported_read']):>8} {tokens(r['predicted_write']):>8} "
-                        f"{'-' if r['reported_write'] is None else tokens(r['reported_write']):>8} {r['verdict']}")[:WIDTH])
+                        f"{'-' if r['reported_write'] is None else tokens(r['reported_write']):>8} "
+                        f"{r['verdict']}")[:WIDTH])
     return "\n".join(out)
 
 

@@ -763,8 +763,9 @@ class Store:
     @_reads
     def calibration(self, session_id: str, limit: int = 0) -> list[CalibrationRow]:
         """A session's observations, oldest first (``limit``: only the newest so many)."""
-        rows = self.db.execute(f"SELECT {CALIBRATION_COLS} FROM calibration WHERE session_id=? ORDER BY n DESC"
-                               + (" LIMIT ?" if limit else ""), (session_id, limit) if limit else (session_id,)).fetchall()
+        sql = f"SELECT {CALIBRATION_COLS} FROM calibration WHERE session_id=? ORDER BY n DESC"
+        rows = self.db.execute(sql + (" LIMIT ?" if limit else ""),
+                               (session_id, limit) if limit else (session_id,)).fetchall()
         return [CalibrationRow(*r) for r in reversed(rows)]
 
     @_reads

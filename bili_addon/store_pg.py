@@ -642,7 +642,8 @@ class PgStore:
         (a transaction-scoped advisory lock of the session's observations, then one statement)."""
         import hashlib
 
-        key = int.from_bytes(hashlib.sha256(b"bili-calibration:" + session_id.encode()).digest()[:8], "big", signed=True)
+        key = int.from_bytes(hashlib.sha256(b"bili-calibration:" + session_id.encode()).digest()[:8], "big",
+                             signed=True)
         with self._tx() as conn:
             self.round_trips += 2
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (key,))

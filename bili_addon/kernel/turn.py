@@ -81,7 +81,7 @@ class Engine(ProxyTools, Epochs):
         self._turn_sid: str | None = None  # the session of the turn being computed
         self.activate = activate  # lazy: nothing injected until folding is about to pay (kernel/activation.py)
         self.clocks = cache.Clocks(max_sessions)  # each session's provider cache, as the model predicts it
-        self.calibration = Calibration(store, self.clocks)  # ... checked against the provider's reports (kernel/calibration.py)
+        self.calibration = Calibration(store, self.clocks)  # ... against the provider's reports
         self.now = time.time  # when a request leaves (replay: the recorded time)
 
     # -- sessions: kernel/registry.py; these two are the way in for the shell, the admin endpoints
