@@ -187,3 +187,21 @@ def test_anthropic_blocks_match_byte_for_byte_without_their_cache_control():
     assert cache._block(b, r) == (b, None)
     quoted = b'{"type":"text","text":"\\"cache_control\\" is a key"}'  # mentioned, not set: no breakpoint
     assert cache._block(quoted, r) == (quoted, None)
+
+
+def test_the_lifetime_decision_sees_the_lifetimes_in_force():
+    from bili_addon.kernel.cache import Clocks
+
+    clocks = Clocks()
+    body = json.dumps({"model": "claude-sonnet-4-5", "system": [{"type": "text", "text": "s" * 8000,
+                                                                  "cache_control": {"type": "ephemeral"}}],
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    for t in (0, 10, 400):
+        clocks.sent("s", "anthropic", body, t)
+    rules, gaps, _size, _new = clocks.history("s")
+    assert (rules.ttl, rules.ttl_long, gaps) == (300, 3600, [10, 390])
+    clocks.by_session["s"].apply(ttl=90.0)
+    rules = clocks.history("s")[0]
+    assert (rules.ttl, rules.ttl_long) == (90, 90)  # a 1-hour entry would not outlive it either
+    clocks.by_session["s"].apply(no_cache=True)
+    assert clocks.history("s") is None  # no cache: no lifetime to choose

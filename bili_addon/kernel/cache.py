@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import msgspec
@@ -520,14 +520,18 @@ class Clocks:
 
     def history(self, sid: str) -> tuple[Rules, list[float], int, int] | None:
         """``(rules, gaps between requests, the last request's size, the median of what a request writes
-        on top of a warm cache)``."""
+        on top of a warm cache)``.  The rules carry the lifetimes in force: a lifetime learned from the
+        provider's reports caps both (the model caps every entry so); None where it keeps no cache."""
         clk = self._flush(sid)
-        if clk is None or not clk.turns:
+        if clk is None or not clk.turns or clk.cache.disabled:
             return None
         ats = [t.at for t in clk.turns]
         warm = [t for t, prev in zip(clk.turns[1:], ats) if t.at - prev <= clk.ttl] or clk.turns
         writes = sorted(t.predicted.write + t.predicted.write_long + t.predicted.input for t in warm)
-        return (clk.rules, [b - a for a, b in zip(ats, ats[1:])], clk.turns[-1].predicted.total,
+        rules = clk.rules
+        if clk.cache.ttl_cap:
+            rules = replace(rules, ttl=clk.ttl, ttl_long=min(rules.ttl_long, clk.ttl))
+        return (rules, [b - a for a, b in zip(ats, ats[1:])], clk.turns[-1].predicted.total,
                 writes[len(writes) // 2])
 
     def stats(self, sid: str) -> dict[str, Any] | None:
