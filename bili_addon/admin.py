@@ -143,7 +143,8 @@ def _session(bili: Host, eng: Engine, sid: str) -> http.Response:
     if turns is None:
         return _fail(404, f"no session {sid!r}")
     entry = next((s for s in bili.stats(eng)["sessions"] if s["id"] == sid), {})
-    return _json(200, {"ok": True, "session": entry, "turns": turns["turns"]})
+    return _json(200, {"ok": True, "session": entry, "turns": turns["turns"],
+                       "calibration": turns.get("calibration", [])})
 
 
 def _with_store(flow: http.HTTPFlow, bili: Host, answer, without):

@@ -16,6 +16,7 @@ from mitmproxy import ctx, exceptions, http
 from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, mitmview, prices, private
 from bili_addon.kernel import envelope
 from bili_addon.kernel.activation import MODES as ACTIVATE
+from bili_addon.kernel.calibration import row_dict
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.turn import Engine, TurnResult
@@ -573,6 +574,9 @@ class Bili:
             # the provider cache model of this process: predicted vs reported cache reads per request,
             # and what the reports taught (a shorter lifetime, no cache)
             entry["cache"] = eng.clocks.stats(r.id)
+            # the same, stored per answered request (survives restarts): totals, agreement, what was learned
+            # for the session and what is in force (its own facts, its host's, or the documented rules)
+            entry["calibration"] = eng.calibration.summary(r.id)
             # the cache lifetime decision (kernel/lifetime.py): 5m or 1h, with the expected costs per request
             entry["lifetime"] = flags.get("ttl")
             family = families.get(r.id)
@@ -583,10 +587,13 @@ class Bili:
                 entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"
             sessions.append(entry)
         return {"sessions": sessions, "store": True, "store_status": self.keeper.status(),
-                "prices": {"as_of": self.meter.table.as_of, "source": self.meter.table.source}}
+                "prices": {"as_of": self.meter.table.as_of, "source": self.meter.table.source},
+                # what each host's cache reports taught (kernel/calibration.py), shared by its sessions
+                "hosts": eng.calibration.host_facts()}
 
     def session_turns(self, eng: Engine, sid: str) -> dict | None:
         """One session's answered turns (``/__bili/stats?session=ID``); None: no such session."""
         if eng.store.session(sid) is None:
             return None
-        return {"id": sid, "turns": [meter.turn_dict(w, self.meter.table) for w in eng.store.wire(sid)]}
+        return {"id": sid, "turns": [meter.turn_dict(w, self.meter.table) for w in eng.store.wire(sid)],
+                "calibration": [row_dict(r) for r in eng.store.calibration(sid)]}

@@ -62,6 +62,29 @@ def _saving(w: dict[str, Any]) -> str:
     return f"{(w['sent_now'] - w['agent_now']) / w['agent_now']:+.0%}"
 
 
+def facts_text(f: dict[str, Any] | None) -> str:
+    """What the calibration learned (or has in force), in words: ``ttl 90s``, ``no cache``, ``min 2.0K``."""
+    f = f or {}
+    out = []
+    if f.get("no_cache"):
+        out.append("no cache")
+    elif f.get("ttl"):
+        out.append(f"ttl {f['ttl']:g}s")
+    if f.get("min_tokens"):
+        out.append(f"min {tokens(f['min_tokens'])}")
+    return ", ".join(out) or "documented rules"
+
+
+def calibration_line(c: dict[str, Any]) -> str:
+    """A session's cache model against its provider: reads predicted and reported, how often the
+    read/no-read verdict agreed, and the lifetime in force with its source."""
+    eff = c.get("effective") or {}
+    src = eff.get("source", "documented")
+    return (f"read {tokens(c.get('predicted_read', 0))} pred / {tokens(c.get('reported_read', 0))} rep, "
+            f"agree {pct(c.get('agree'))} of {c.get('turns', 0)}; {facts_text(eff)}"
+            + (f" ({src})" if src != "documented" else ""))
+
+
 def sessions_table(doc: dict[str, Any], now: float | None = None) -> str:
     """Every session, one line each, at most 80 columns."""
     rows = doc.get("sessions") or []
@@ -82,6 +105,14 @@ def sessions_table(doc: dict[str, Any], now: float | None = None) -> str:
         lines.append(line[:WIDTH])
     if not rows:
         lines.append("(no sessions yet)")
+    calibrated = [s for s in rows if s.get("calibration")]
+    if calibrated:
+        lines.append("CACHE MODEL vs PROVIDER")
+        for s in calibrated:
+            lines.append(f"  {s['id'][:10]:<10} {calibration_line(s['calibration'])}"[:WIDTH])
+    for h in doc.get("hosts") or []:
+        lines.append(f"  host {h['host']} ({h['family']}): {h['observations']} answers, "
+                     f"{facts_text(h.get('learned'))}"[:WIDTH])
     status = doc.get("store_status") or {}
     if doc.get("store") is False or status.get("ok") is False:
         lines.append(f"store unusable: {status.get('reason', 'unknown')}")
@@ -109,6 +140,9 @@ def session_view(doc: dict[str, Any], now: float | None = None) -> str:
         out.append(f"cost {money(w.get('cost'))}, saved {money(w.get('saved'))} (agent minus bili tokens as cache reads)")
     else:
         out.append("cost: no price for this model (tokens only; add it to prices.json in the data dir)")
+    c = s.get("calibration")
+    if c:
+        out.append(f"cache model: {calibration_line(c)}"[:WIDTH])
     out.append("")
     out.append(f"{'T':>4} {'REQ':>4} {'AGENT':>7} {'SENT':>7} {'READ':>7} {'WRITE':>7} {'OUT':>6} {'PRED':>4} "
                f"{'REP':>4} {'B':>2} {'COST':>7} RAN")
@@ -117,7 +151,21 @@ def session_view(doc: dict[str, Any], now: float | None = None) -> str:
                     f"{tokens(t['cache_read']):>7} {tokens(t['cache_write']):>7} {tokens(t['output_tokens']):>6} "
                     f"{pct(t['predicted']):>4} {pct(t['reported']):>4} {t['blocks']:>2} "
                     f"{money(t['cost']) or '-':>7} {','.join(t['executed'])}")[:WIDTH])
+    rows = doc.get("calibration") or []
+    if rows:
+        out.append("")
+        out.append("cache model vs provider (tokens: the model's estimate / the provider's count)")
+        out.append(f"{'N':>4} {'GAP':>6} {'AGE':>6} {'PRED RD':>8} {'REP RD':>8} {'PRED WR':>8} {'REP WR':>8} VERDICT")
+        for r in rows[-20:]:
+            out.append((f"{r['n']:>4} {_secs(r['gap']):>6} {_secs(r['age']):>6} {tokens(r['predicted_read']):>8} "
+                        f"{tokens(r['reported_read']):>8} {tokens(r['predicted_write']):>8} "
+                        f"{'-' if r['reported_write'] is None else tokens(r['reported_write']):>8} "
+                        f"{r['verdict']}")[:WIDTH])
     return "\n".join(out)
+
+
+def _secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}s"
 
 
 # -- the command ---------------------------------------------------------------------------------------

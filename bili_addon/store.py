@@ -29,7 +29,7 @@ import msgspec
 
 from bili_addon import private
 
-SCHEMA_VERSION = 3  # 3: the wire table (its PostgreSQL migration: store_pg._MIGRATIONS[3])
+SCHEMA_VERSION = 4  # 3: the wire table; 4: the calibration table (their PostgreSQL migrations: store_pg._MIGRATIONS)
 BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
 
 _SCHEMA = """
@@ -168,6 +168,25 @@ CREATE TABLE IF NOT EXISTS calls(
     executed REAL,
     PRIMARY KEY(session_id, call_key)
 ) WITHOUT ROWID;
+-- schema 4: the cache model's prediction vs the provider's report, per answered request (kernel/calibration.py)
+CREATE TABLE IF NOT EXISTS calibration(
+    session_id TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    ts REAL NOT NULL,
+    host TEXT NOT NULL,
+    family TEXT NOT NULL,
+    lane TEXT NOT NULL,
+    gap REAL,
+    age REAL,
+    predicted_input INTEGER NOT NULL,
+    predicted_read INTEGER NOT NULL,
+    predicted_write INTEGER NOT NULL,
+    reported_input INTEGER,
+    reported_read INTEGER NOT NULL,
+    reported_write INTEGER,
+    PRIMARY KEY(session_id, n)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS calibration_host ON calibration(host, family, ts);
 """
 
 
@@ -359,6 +378,31 @@ WIRE_COLS = ("n, ts, request, model, agent_tokens, sent_tokens, predicted, block
              "input_tokens, cache_read, cache_write, output_tokens")
 
 
+@dataclass(slots=True)
+class CalibrationRow:
+    """One answered request as the cache model predicted it and the provider reported it (table
+    ``calibration``; tokens: the model's estimate for ``predicted_*``, the provider's count for
+    ``reported_*``)."""
+
+    n: int  # the session's n-th observation (0: not numbered yet)
+    ts: float  # when the request left
+    host: str  # where it went
+    family: str  # the cache model: anthropic | openai | gemini
+    lane: str
+    gap: float | None  # seconds since the session's previous request (None: its first seen)
+    age: float | None  # seconds the entry the model expected to read had been unused (None: no read expected)
+    predicted_input: int  # every prompt token
+    predicted_read: int
+    predicted_write: int
+    reported_input: int | None
+    reported_read: int
+    reported_write: int | None  # None: the provider does not report writes (OpenAI, Gemini)
+
+
+CALIBRATION_COLS = ("n, ts, host, family, lane, gap, age, predicted_input, predicted_read, predicted_write, "
+                    "reported_input, reported_read, reported_write")
+
+
 def wire_turn(r: tuple) -> WireTurn:
     """A ``wire`` row (:data:`WIRE_COLS`) as a :class:`WireTurn`."""
     return WireTurn(*r[:9], [x for x in r[9].split(",") if x], *r[10:])
@@ -461,7 +505,7 @@ class Store:
         if have >= SCHEMA_VERSION:
             return
         with self._tx():
-            # 3: the wire table, made by _SCHEMA like every table; nothing to move
+            # 3: the wire table, 4: the calibration table, made by _SCHEMA like every table; nothing to move
             if have < 2:
                 self._repair_refs()
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES('schema_version', ?)",
@@ -703,6 +747,51 @@ class Store:
     def wire(self, session_id: str) -> list["WireTurn"]:
         rows = self.db.execute(f"SELECT {WIRE_COLS} FROM wire WHERE session_id=? ORDER BY n", (session_id,)).fetchall()
         return [wire_turn(r) for r in rows]
+
+    # -- the cache model's calibration (kernel/calibration.py) -------------------------------------
+    def record_calibration(self, session_id: str, row: CalibrationRow) -> int:
+        """One observation; returns its number in the session."""
+        with self._tx():
+            n = self.db.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM calibration WHERE session_id=?",
+                                (session_id,)).fetchone()[0]
+            self.db.execute(
+                f"INSERT INTO calibration(session_id, {CALIBRATION_COLS}) VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (session_id, n, row.ts, row.host, row.family, row.lane, row.gap, row.age, row.predicted_input,
+                 row.predicted_read, row.predicted_write, row.reported_input, row.reported_read, row.reported_write))
+        return n
+
+    @_reads
+    def calibration(self, session_id: str, limit: int = 0) -> list[CalibrationRow]:
+        """A session's observations, oldest first (``limit``: only the newest so many)."""
+        sql = f"SELECT {CALIBRATION_COLS} FROM calibration WHERE session_id=? ORDER BY n DESC"
+        rows = self.db.execute(sql + (" LIMIT ?" if limit else ""),
+                               (session_id, limit) if limit else (session_id,)).fetchall()
+        return [CalibrationRow(*r) for r in reversed(rows)]
+
+    @_reads
+    def calibration_totals(self, session_id: str) -> tuple[int, int, int, int, int, int, int]:
+        """A session's observations summed without reading each: ``(count, predicted read, reported
+        read, predicted write and reported write where writes are reported, how many report writes,
+        how many the provider confirmed read-or-not)``."""
+        return tuple(self.db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(predicted_read), 0), COALESCE(SUM(reported_read), 0), "
+            "COALESCE(SUM(CASE WHEN reported_write IS NOT NULL THEN predicted_write END), 0), "
+            "COALESCE(SUM(reported_write), 0), COUNT(reported_write), "
+            "COALESCE(SUM(CASE WHEN (predicted_read > 0) = (reported_read > 0) THEN 1 ELSE 0 END), 0) "
+            "FROM calibration WHERE session_id=?", (session_id,)).fetchone())
+
+    @_reads
+    def host_calibration(self, host: str, family: str, limit: int) -> list[CalibrationRow]:
+        """The newest ``limit`` observations of every session at ``host`` (one cache family), oldest first."""
+        rows = self.db.execute(f"SELECT {CALIBRATION_COLS} FROM calibration WHERE host=? AND family=? "
+                               "ORDER BY ts DESC LIMIT ?", (host, family, limit)).fetchall()
+        return [CalibrationRow(*r) for r in reversed(rows)]
+
+    @_reads
+    def calibration_hosts(self) -> list[tuple[str, str, int]]:
+        """``(host, family, observations)`` of every host observed."""
+        return self.db.execute("SELECT host, family, COUNT(*) FROM calibration WHERE host != '' "
+                               "GROUP BY host, family ORDER BY host, family").fetchall()
 
     # -- folding -------------------------------------------------------------------------------
     @_reads

@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bili_addon.store import (
-    DB_NAME, SCHEMA_VERSION, LedgerRow, SessionBusy, SessionRow, StaleSession, StoreError, UsageTotals, WireTurn,
-    WIRE_COLS, wire_turn,
+    CALIBRATION_COLS, DB_NAME, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow, StaleSession,
+    StoreError, UsageTotals, WireTurn, WIRE_COLS, wire_turn,
 )
 
 try:
@@ -169,6 +169,26 @@ _MIGRATIONS: dict[int, list[str]] = {
             cache_write BIGINT NOT NULL,
             output_tokens BIGINT NOT NULL,
             PRIMARY KEY(session_id, n))""",
+    ],
+    # the cache model's prediction vs the provider's report, per answered request (kernel/calibration.py)
+    4: [
+        """CREATE TABLE IF NOT EXISTS calibration(
+            session_id TEXT NOT NULL,
+            n BIGINT NOT NULL,
+            ts DOUBLE PRECISION NOT NULL,
+            host TEXT NOT NULL,
+            family TEXT NOT NULL,
+            lane TEXT NOT NULL,
+            gap DOUBLE PRECISION,
+            age DOUBLE PRECISION,
+            predicted_input BIGINT NOT NULL,
+            predicted_read BIGINT NOT NULL,
+            predicted_write BIGINT NOT NULL,
+            reported_input BIGINT,
+            reported_read BIGINT NOT NULL,
+            reported_write BIGINT,
+            PRIMARY KEY(session_id, n))""",
+        "CREATE INDEX IF NOT EXISTS calibration_host ON calibration(host, family, ts)",
     ],
 }
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
@@ -615,6 +635,53 @@ class PgStore:
     def wire(self, session_id: str) -> list[WireTurn]:
         return [wire_turn(r) for r in self._q(
             f"SELECT {WIRE_COLS} FROM wire WHERE session_id=%s ORDER BY n", (session_id,))]
+
+    # -- the cache model's calibration (kernel/calibration.py) -------------------------------------
+    def record_calibration(self, session_id: str, row: CalibrationRow) -> int:
+        """As :meth:`bili_addon.store.Store.record_calibration`; numbered as :meth:`record_wire` numbers
+        (a transaction-scoped advisory lock of the session's observations, then one statement)."""
+        import hashlib
+
+        key = int.from_bytes(hashlib.sha256(b"bili-calibration:" + session_id.encode()).digest()[:8], "big",
+                             signed=True)
+        with self._tx() as conn:
+            self.round_trips += 2
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
+            n = conn.execute(
+                f"INSERT INTO calibration(session_id, {CALIBRATION_COLS}) SELECT %s, COALESCE(MAX(n), 0) + 1, "
+                "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s FROM calibration WHERE session_id=%s RETURNING n",
+                (session_id, row.ts, row.host, row.family, row.lane, row.gap, row.age, row.predicted_input,
+                 row.predicted_read, row.predicted_write, row.reported_input, row.reported_read, row.reported_write,
+                 session_id),
+            ).fetchone()[0]
+        return int(n)
+
+    @_reads
+    def calibration(self, session_id: str, limit: int = 0) -> list[CalibrationRow]:
+        rows = self._q(f"SELECT {CALIBRATION_COLS} FROM calibration WHERE session_id=%s ORDER BY n DESC"
+                       + (" LIMIT %s" if limit else ""), (session_id, limit) if limit else (session_id,))
+        return [CalibrationRow(*r) for r in reversed(rows)]
+
+    @_reads
+    def calibration_totals(self, session_id: str) -> tuple[int, int, int, int, int, int, int]:
+        return tuple(int(x) for x in self._one(
+            "SELECT COUNT(*), COALESCE(SUM(predicted_read), 0), COALESCE(SUM(reported_read), 0), "
+            "COALESCE(SUM(CASE WHEN reported_write IS NOT NULL THEN predicted_write END), 0), "
+            "COALESCE(SUM(reported_write), 0), COUNT(reported_write), "
+            "COALESCE(SUM(CASE WHEN (predicted_read > 0) = (reported_read > 0) THEN 1 ELSE 0 END), 0) "
+            "FROM calibration WHERE session_id=%s", (session_id,)))
+
+    @_reads
+    def host_calibration(self, host: str, family: str, limit: int) -> list[CalibrationRow]:
+        rows = self._q(f"SELECT {CALIBRATION_COLS} FROM calibration WHERE host=%s AND family=%s "
+                       "ORDER BY ts DESC LIMIT %s", (host, family, limit))
+        return [CalibrationRow(*r) for r in reversed(rows)]
+
+    @_reads
+    def calibration_hosts(self) -> list[tuple[str, str, int]]:
+        return [(h, f, int(n)) for h, f, n in self._q(
+            "SELECT host, family, COUNT(*) FROM calibration WHERE host != '' GROUP BY host, family "
+            "ORDER BY host COLLATE \"C\", family COLLATE \"C\"")]
 
     # -- folding -------------------------------------------------------------------------------
     @_reads

@@ -113,16 +113,20 @@ def test_a_provider_that_keeps_entries_one_minute_is_learned(tmp_path):
 
     eng = engine(tmp_path)
     last = None
-    for gap in (0, 30, 30, 120, 30):
+    for i, gap in enumerate((0, 30, 30, 120, 30, 120, 30, 120)):
         eng.t += gap
         send(eng, "ttl", body(2))
         predicted = eng.clocks.stats("ttl")["turns"][-1]["predicted_read"]
         provider_read = predicted if last is not None and eng.t - last <= 60 else 0
         eng.record_answer("ttl", "anthropic", Answer(provider_read))
         last = eng.t
+        if i == 5:  # two misses after two minutes: not yet evidence enough
+            assert eng.clocks.stats("ttl")["learned"] == {}
     learned = eng.clocks.stats("ttl")["learned"]
-    assert learned["ttl"] == 108.0  # 0.9 x the 120 s gap after which the entry was gone
+    assert learned == {"ttl": 120.0, "source": "session"}  # the entry was gone after 120 s, three times
     rows = eng.clocks.stats("ttl")["turns"]
     assert rows[3]["predicted_read"] > 0 and rows[3]["reported_read"] == 0  # the contradiction, kept for stats
-    assert not eng.clocks.cold("ttl", eng.t + 100) and eng.clocks.cold("ttl", eng.t + 109)  # (time runs forward)
+    stored = eng.store.calibration("ttl")
+    assert [eng_row.reported_read > 0 for eng_row in stored] == [False, True, True, False, True, False, True, False]
+    assert not eng.clocks.cold("ttl", eng.t + 100) and eng.clocks.cold("ttl", eng.t + 121)  # (time runs forward)
     eng.store.close()

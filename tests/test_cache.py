@@ -140,34 +140,41 @@ def test_gemini_minimums():
     assert flash.rules.read == 0.25
 
 
-def test_clock_learns_a_shorter_ttl_and_no_cache():
+def test_clock_applies_learned_facts_and_notes_each_reads_age():
+    """What the calibration learned (kernel/calibration.py) changes the clock's warm/cold judgement;
+    the clock notes how long the entry each predicted read came from had been unused."""
     clk = Clock("anthropic", "claude-sonnet-4-5")
     body = json.dumps({"model": "claude-sonnet-4-5", "system": [{"type": "text", "text": "s" * 8000,
                                                                   "cache_control": {"type": "ephemeral"}}],
                        "messages": [{"role": "user", "content": "hi"}]}).encode()
     clk.send(body, 0)
-    clk.report(read=0)
-    assert clk.send(body, 120).read > 0  # the model says: warm after 2 minutes
-    clk.report(read=0)  # the provider says: gone
-    assert clk.learned()["ttl"] == pytest.approx(108)
-    assert clk.cold(120 + 109)
-    assert clk.send(body, 120 + 109).read == 0  # predicted a miss now
-    clk.report(read=0)
-    assert clk.send(body, 240).read > 0
-    clk.report(read=2000)  # a hit after a short gap: the cache exists
-    assert "no_cache" not in clk.learned()
-    rows = clk.rows()
-    assert rows[1]["predicted_read"] > 0 and rows[1]["reported_read"] == 0
+    assert clk.turns[-1].age is None and clk.turns[-1].gap is None
+    assert clk.send(body, 120).read > 0  # documented: 5 minutes, warm after 2
+    assert clk.turns[-1].age == 120 and clk.turns[-1].gap == 120
+    assert clk.ttl == 300 and not clk.cold(120 + 299)
+    clk.apply(ttl=90.0, source="host")
+    assert clk.ttl == 90 and clk.learned() == {"ttl": 90.0, "source": "host"}
+    assert not clk.cold(120 + 89) and clk.cold(120 + 91)
+    assert clk.send(body, 120 + 91).read == 0  # predicted a miss now
+    clk.apply(no_cache=True, source="session")
+    assert clk.ttl == 0 and clk.cold(120 + 92) and clk.send(body, 120 + 92).read == 0
+    clk.apply()  # withdrawn: the documented rules again
+    assert clk.learned() == {} and clk.ttl == 300
+    clk.send(body, 300)
+    assert clk.send(body, 301).read > 0 and clk.turns[-1].age == 1
 
 
-def test_clock_learns_no_cache():
+def test_a_learned_minimum_keeps_short_prefixes_out_of_the_cache():
     clk = Clock("chat", "gpt-5")
     body = b'{"model":"gpt-5","messages":[{"role":"user","content":"' + b"x" * 9000 + b'"}]}'
-    for t in range(5):
-        clk.send(body, t * 0.5)
-        clk.report(read=0)
-    assert clk.learned().get("no_cache") is True
-    assert clk.send(body, 10).read == 0
+    clk.send(body, 0)
+    assert clk.send(body, 1).read > 0  # ~2.2K tokens: over the documented 1024
+    clk.apply(min_tokens=4000)
+    clk.send(body, 2)
+    assert clk.send(body, 3).read == 0 and clk.learned()["min_tokens"] == 4000
+    long = body.replace(b"x" * 9000, b"x" * 20000)
+    clk.send(long, 4)
+    assert clk.send(long, 5).read >= 4000
 
 
 def test_anthropic_blocks_match_byte_for_byte_without_their_cache_control():
@@ -180,3 +187,21 @@ def test_anthropic_blocks_match_byte_for_byte_without_their_cache_control():
     assert cache._block(b, r) == (b, None)
     quoted = b'{"type":"text","text":"\\"cache_control\\" is a key"}'  # mentioned, not set: no breakpoint
     assert cache._block(quoted, r) == (quoted, None)
+
+
+def test_the_lifetime_decision_sees_the_lifetimes_in_force():
+    from bili_addon.kernel.cache import Clocks
+
+    clocks = Clocks()
+    body = json.dumps({"model": "claude-sonnet-4-5", "system": [{"type": "text", "text": "s" * 8000,
+                                                                  "cache_control": {"type": "ephemeral"}}],
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    for t in (0, 10, 400):
+        clocks.sent("s", "anthropic", body, t)
+    rules, gaps, _size, _new = clocks.history("s")
+    assert (rules.ttl, rules.ttl_long, gaps) == (300, 3600, [10, 390])
+    clocks.by_session["s"].apply(ttl=90.0)
+    rules = clocks.history("s")[0]
+    assert (rules.ttl, rules.ttl_long) == (90, 90)  # a 1-hour entry would not outlive it either
+    clocks.by_session["s"].apply(no_cache=True)
+    assert clocks.history("s") is None  # no cache: no lifetime to choose

@@ -52,3 +52,29 @@ def test_unreachable_proxy_is_a_clear_error(capsys, monkeypatch):
     assert statscmd.run(args) == 1
     err = capsys.readouterr().err
     assert "not reachable" in err and "bili run" in err
+
+
+CALIB = {"host": "api.anthropic.com", "family": "anthropic", "turns": 10, "predicted_read": 123_400,
+         "reported_read": 119_000, "agree": 0.9, "hits": 6, "misses": 3, "extra": 0,
+         "learned": {"ttl": 90.0}, "effective": {"ttl": 90.0, "source": "session"}}
+
+
+def test_the_cache_model_against_the_provider_is_shown_per_session_and_per_host():
+    doc = {**DOC, "sessions": [{**DOC["sessions"][0], "calibration": CALIB}, DOC["sessions"][1]],
+           "hosts": [{"host": "api.anthropic.com", "family": "anthropic", "observations": 24, "learned": {"ttl": 90.0}},
+                     {"host": "127.0.0.1", "family": "openai", "observations": 5, "learned": {"no_cache": True}}]}
+    out = statscmd.sessions_table(doc, now=1000.0)
+    assert all(len(ln) <= 80 for ln in out.splitlines()), out
+    assert ("  0123456789 read 123.4K pred / 119.0K rep, agree 90% of 10; ttl 90s (session)"
+            in out.splitlines())
+    assert "  host api.anthropic.com (anthropic): 24 answers, ttl 90s" in out
+    assert "  host 127.0.0.1 (openai): 5 answers, no cache" in out
+    one = {"session": {"id": "s", "calibration": {**CALIB, "effective": {"source": "documented"}}}, "turns": [],
+           "calibration": [{"n": 1, "gap": None, "age": None, "predicted_read": 0, "reported_read": 0,
+                            "predicted_write": 5000, "reported_write": 5100, "verdict": "none"},
+                           {"n": 2, "gap": 95.2, "age": 95.2, "predicted_read": 5000, "reported_read": 0,
+                            "predicted_write": 0, "reported_write": None, "verdict": "miss"}]}
+    view = statscmd.session_view(one, now=1000.0)
+    assert "cache model: read 123.4K pred / 119.0K rep, agree 90% of 10; documented rules" in view
+    assert view.splitlines()[-1].split() == ["2", "95s", "95s", "5.0K", "0", "0", "-", "miss"]
+    assert view.splitlines()[-2].split() == ["1", "-", "-", "0", "0", "5.0K", "5.1K", "none"]

@@ -10,7 +10,7 @@ import pytest
 from bili_addon import cli
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
-from bili_addon.store import Store, WireTurn
+from bili_addon.store import CalibrationRow, Store, WireTurn
 from bili_addon.stores import TABLES, open_store
 from test_fold import ANTH, H, agent_answers_unknown, body, conversation, refs_in, roundtrip_call
 
@@ -34,6 +34,10 @@ def folded_store(path) -> tuple[Engine, list[dict]]:
                                                        ("claude-opus-4-1", 0.5, ["compress", "decompress"])]):
         e.store.record_wire("fold-1", WireTurn(0, 1_700_000_000.25 + i, i + 1, model, 9000 + i, 3000 - i, predicted,
                                                i, 4 * i, executed, 3000 - i, 800 * i, 100, 50 + i))
+    for n, (gap, age, write) in enumerate([(None, None, 1200), (30.5, 30.5, None)]):  # the cache model's calibration
+        e.store.record_calibration("fold-1", CalibrationRow(0, 1_700_000_000.5 + n, "api.anthropic.com", "anthropic",
+                                                            "anthropic", gap, age, 3000, 2000 * n, 1000, 3100,
+                                                            1900 * n, write))
     msgs = msgs + [{"role": "assistant", "content": "Audit continues."}, {"role": "user", "content": "go on"}]
     e.process(body(msgs), ANTH, H, render=True)
     return e, msgs
@@ -47,7 +51,7 @@ def test_a_store_with_folds_round_trips_sqlite_postgresql_sqlite_unchanged(tmp_p
     e, msgs = folded_store(tmp_path / "a")
     before = dump_all(e.store)
     for table in ("sessions", "ledger", "refs", "blocks", "originals", "calls", "turns", "copies", "transcript",
-                  "wire"):
+                  "wire", "calibration"):
         assert before[table], f"the fixture should fill {table}"
     wire_before = (e.store.wire("fold-1"), e.store.wire_totals("fold-1"))
     assert len(wire_before[0]) == 3

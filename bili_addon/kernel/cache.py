@@ -19,16 +19,17 @@ Token counts are estimated as bytes / 4 (the same estimate the rest of the kerne
 in *input-token units* (1.0 = one uncached input token of the model); absolute prices live elsewhere.
 
 :class:`Clock` is one session's cache: fed with the bodies it sends and their times, it predicts each
-request's bill, and it is calibrated by what the provider reports (a shorter lifetime, or no cache at
-all, is learned).
+request's bill; what the provider reports is compared with it, and what the reports teach (a shorter
+lifetime, no cache at all, a larger minimum) is learned by :mod:`bili_addon.kernel.calibration` and
+applied here (:meth:`Clock.apply`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import msgspec
 
@@ -224,6 +225,8 @@ class Cache:
     entries: dict[bytes, Entry] = field(default_factory=dict)
     ttl_cap: float | None = None  # a lifetime learned from the provider's reports (shorter than documented)
     disabled: bool = False  # learned: the provider reports no cache at all
+    min_floor: int = 0  # learned: the provider caches no prefix shorter than this (above the documented minimum)
+    hit_age: float | None = None  # the last request's read: how long its entry had been unused (None: no read)
 
     def _live(self, key: bytes, now: float) -> Entry | None:
         e = self.entries.get(key)
@@ -237,7 +240,7 @@ class Cache:
 
     def warm(self, now: float) -> bool:
         """Whether any entry is still alive."""
-        return any(self._live(k, now) is not None for k in list(self.entries))
+        return not self.disabled and any(self._live(k, now) is not None for k in list(self.entries))
 
     # Anthropic ---------------------------------------------------------------------------------
     def send_segments(self, segs: list[Segment], now: float) -> Bill:
@@ -249,6 +252,7 @@ class Cache:
             cum.append(n)
         total = n
         bps = [i for i, s in enumerate(segs) if s.ttl is not None][: r.max_breakpoints]
+        self.hit_age = None
         if self.disabled or not bps:
             return Bill(input=total)
         hit, hit_at = 0, -1
@@ -259,7 +263,7 @@ class Cache:
                 e = self._live(segs[j].key, now)
                 if e is not None:
                     if cum[j] > hit:
-                        hit, hit_at = cum[j], j
+                        hit, hit_at, self.hit_age = cum[j], j, now - e.last
                     break
         if hit_at >= 0:
             # a hit refreshes the entry, and every entry at a breakpoint of the prefix it read (their
@@ -273,7 +277,7 @@ class Cache:
         bill = Bill(read=hit)
         done = hit
         for b in bps:
-            if b <= hit_at or cum[b] < r.min_tokens:
+            if b <= hit_at or cum[b] < max(r.min_tokens, self.min_floor):
                 continue
             seg = segs[b]
             e = self._live(seg.key, now)
@@ -295,7 +299,8 @@ class Cache:
         r = self.rules
         step_bytes = max(1, r.step) * BYTES_PER_TOKEN
         total = _tok(body)
-        if self.disabled or total < r.min_tokens:
+        self.hit_age = None
+        if self.disabled or total < max(r.min_tokens, self.min_floor):
             return Bill(input=total)
         h = hashlib.blake2b(digest_size=16)
         keys: list[tuple[bytes, int]] = []
@@ -307,11 +312,13 @@ class Cache:
             pos = edge
             keys.append((h.copy().digest(), edge // BYTES_PER_TOKEN))
             edge += step_bytes
+        if self.min_floor > r.min_tokens:  # learned: shorter prefixes are not cached there
+            keys = [k for k in keys if k[1] >= self.min_floor]
         hit = 0
         for key, tokens in reversed(keys):
             e = self._live(key, now)
             if e is not None:
-                hit = tokens
+                hit, self.hit_age = tokens, now - e.last
                 break
         life = ttl or r.ttl
         for key, tokens in keys:
@@ -363,22 +370,26 @@ class Turn:
     predicted: Bill
     reported_read: int | None = None
     reported_write: int | None = None
+    gap: float | None = None  # since the session's previous request (None: its first here)
+    age: float | None = None  # how long the entry the model expected to read had been unused (None: no read)
+    host: str = ""  # where the request went
+    reported_input: int | None = None  # every prompt token, as the provider counted them
 
 
 class Clock:
     """One session's cache over time: what each request is predicted to read, what the provider
-    said it read, and what that teaches (a shorter lifetime, no cache at all)."""
+    said it read, and what the calibration learned from such reports (:meth:`apply`: a shorter
+    lifetime, no cache at all, a larger minimum; see :mod:`bili_addon.kernel.calibration`)."""
 
-    CONTRADICTIONS = 3  # reports of no read at all where the model predicted one, in a row: no cache
     KEEP = 200  # turns kept for the stats
 
-    def __init__(self, lane: str, model: str = ""):
+    def __init__(self, lane: str, model: str = "", host: str = ""):
         self.lane = lane
+        self.host = host
         self.cache = Cache(rules_for(lane, model))
         self.turns: list[Turn] = []
         self.last: float | None = None
-        self._misses = 0
-        self._ever_read = False  # the provider reported a cache read at least once
+        self.source = ""  # where the applied facts come from: "session" | "host" | "" (documented rules)
 
     @property
     def rules(self) -> Rules:
@@ -391,10 +402,26 @@ class Clock:
             if model:
                 self.cache.rules = rules_for(self.lane, model)
         bill = bill_request(self.cache, body, now)
-        self.turns.append(Turn(now, bill))
+        self.turns.append(Turn(now, bill, gap=self.gap(now), age=self.cache.hit_age if bill.read else None,
+                               host=self.host))
         del self.turns[: -self.KEEP]
         self.last = now
         return bill
+
+    @property
+    def ttl(self) -> float:
+        """The shortest lifetime an entry of this session has (0: the provider keeps no cache)."""
+        if self.cache.disabled:
+            return 0.0
+        return min(self.cache.ttl_cap, self.rules.ttl) if self.cache.ttl_cap else self.rules.ttl
+
+    def apply(self, ttl: float | None = None, no_cache: bool = False, min_tokens: int | None = None,
+              source: str = "") -> None:
+        """What the calibration learned of this session's provider (None/False: the documented rule)."""
+        self.cache.ttl_cap = ttl
+        self.cache.disabled = no_cache
+        self.cache.min_floor = min_tokens or 0
+        self.source = source if (ttl or no_cache or min_tokens) else ""
 
     def gap(self, now: float) -> float | None:
         return None if self.last is None else now - self.last
@@ -403,27 +430,14 @@ class Clock:
         """Whether the session's cache has expired by ``now`` (a rewrite costs nothing extra then)."""
         return self.last is not None and not self.cache.warm(now)
 
-    def report(self, read: int, write: int | None = None) -> None:
-        """The usage the provider reported for the last request sent: calibrates the model."""
+    def report(self, read: int, write: int | None = None, input: int | None = None) -> Turn | None:
+        """The usage the provider reported for the last request sent (what the calibration compares
+        with the prediction).  Returns that request's turn."""
         if not self.turns:
-            return
+            return None
         t = self.turns[-1]
-        t.reported_read, t.reported_write = read, write
-        predicted = t.predicted.read
-        if predicted > 0 and read == 0:
-            self._misses += 1
-            prev = self.turns[-2].at if len(self.turns) > 1 else None
-            gap = t.at - prev if prev is not None else None
-            if gap is not None and gap > 1.0:
-                # the entry was gone after ``gap``: the provider keeps it shorter than documented
-                cap = self.cache.ttl_cap or self.rules.ttl
-                self.cache.ttl_cap = min(cap, gap * 0.9)
-            if self._misses >= self.CONTRADICTIONS and not self._ever_read:
-                self.cache.disabled = True
-        elif read > 0:
-            self._misses = 0
-            self._ever_read = True
-            self.cache.disabled = False
+        t.reported_read, t.reported_write, t.reported_input = read, write, input
+        return t
 
     def learned(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -431,6 +445,10 @@ class Clock:
             out["ttl"] = round(self.cache.ttl_cap, 1)
         if self.cache.disabled:
             out["no_cache"] = True
+        if self.cache.min_floor:
+            out["min_tokens"] = self.cache.min_floor
+        if out:
+            out["source"] = self.source
         return out
 
     def rows(self) -> list[dict[str, Any]]:
@@ -451,59 +469,69 @@ class Clocks:
 
     def __init__(self, max_sessions: int = 256):
         self.by_session: dict[str, Clock] = {}
-        self.pending: dict[str, list[tuple[str, bytes, float]]] = {}
+        self.pending: dict[str, list[tuple[str, bytes, float, str]]] = {}
         self.last: dict[str, float] = {}  # when each session's latest request left
         self.max_sessions = max_sessions
+        # called with each clock made (the calibration applies what its host taught)
+        self.on_new: Callable[[str, Clock], None] | None = None
 
-    def sent(self, sid: str, lane: str, body: bytes, now: float) -> None:
+    def sent(self, sid: str, lane: str, body: bytes, now: float, host: str = "") -> None:
         queue = self.pending.setdefault(sid, [])
-        queue.append((lane, body, now))
+        queue.append((lane, body, now, host))
         self.last[sid] = now
         if len(queue) > self.MAX_PENDING:  # answers that never came: bill them now
             self._flush(sid)
 
     def _flush(self, sid: str) -> Clock | None:
-        for lane, body, now in self.pending.pop(sid, ()):
+        for lane, body, now, host in self.pending.pop(sid, ()):
             clk = self.by_session.get(sid)
-            if clk is None or clk.lane != lane:
-                clk = self.by_session[sid] = Clock(lane, model_of(body))
+            if clk is None or clk.lane != lane or clk.host != host:
+                clk = self.by_session[sid] = Clock(lane, model_of(body), host)
                 while len(self.by_session) > self.max_sessions:
                     old = next(iter(self.by_session))
                     self.by_session.pop(old)
                     self.pending.pop(old, None)
                     self.last.pop(old, None)
+                if self.on_new is not None:
+                    self.on_new(sid, clk)
             try:
                 clk.send(body, now)
             except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
                 pass  # a body the model cannot read: no prediction for it
         return self.by_session.get(sid)
 
-    def report(self, sid: str, read: int | None, write: int | None = None) -> None:
-        """An answer came (``read``: the cache read it reported; None: it reported no usage)."""
+    def report(self, sid: str, read: int | None, write: int | None = None, input: int | None = None) -> Turn | None:
+        """An answer came (``read``: the cache read it reported; None: it reported no usage).  Returns
+        the turn of the request it answered, with its prediction and the report."""
         clk = self._flush(sid)
         if clk is not None and read is not None:
-            clk.report(read, write)
+            return clk.report(read, write, input)
+        return None
 
     def cold(self, sid: str, now: float) -> bool:
         last = self.last.get(sid)
         if last is None:
             return False
         clk = self.by_session.get(sid)
-        if now - last <= (clk.cache.ttl_cap or clk.rules.ttl if clk is not None else rules_for("").ttl):
+        if now - last <= (clk.ttl if clk is not None else rules_for("").ttl):
             return False  # the latest request wrote or read an entry that lives this long at least: warm
         clk = self._flush(sid)
         return clk is not None and clk.cold(now)
 
     def history(self, sid: str) -> tuple[Rules, list[float], int, int] | None:
         """``(rules, gaps between requests, the last request's size, the median of what a request writes
-        on top of a warm cache)``."""
+        on top of a warm cache)``.  The rules carry the lifetimes in force: a lifetime learned from the
+        provider's reports caps both (the model caps every entry so); None where it keeps no cache."""
         clk = self._flush(sid)
-        if clk is None or not clk.turns:
+        if clk is None or not clk.turns or clk.cache.disabled:
             return None
         ats = [t.at for t in clk.turns]
-        warm = [t for t, prev in zip(clk.turns[1:], ats) if t.at - prev <= clk.rules.ttl] or clk.turns
+        warm = [t for t, prev in zip(clk.turns[1:], ats) if t.at - prev <= clk.ttl] or clk.turns
         writes = sorted(t.predicted.write + t.predicted.write_long + t.predicted.input for t in warm)
-        return (clk.rules, [b - a for a, b in zip(ats, ats[1:])], clk.turns[-1].predicted.total,
+        rules = clk.rules
+        if clk.cache.ttl_cap:
+            rules = replace(rules, ttl=clk.ttl, ttl_long=min(rules.ttl_long, clk.ttl))
+        return (rules, [b - a for a, b in zip(ats, ats[1:])], clk.turns[-1].predicted.total,
                 writes[len(writes) // 2])
 
     def stats(self, sid: str) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -19,7 +20,11 @@ from bili_addon.store import StaleSession
 from bili_addon.wire import Lane
 from bili_addon.wire.base import TOOL_CALL, TOOL_RESULT, idless_call_key
 
+log = logging.getLogger("bili")
+
 if TYPE_CHECKING:
+    from bili_addon.kernel.calibration import Calibration
+    from bili_addon.kernel.cache import Clocks
     from bili_addon.kernel.fold import FoldConfig
     from bili_addon.kernel.nudge import NudgeConfig
     from bili_addon.kernel.registry import Sessions
@@ -60,6 +65,8 @@ class ToolHost(Protocol):
     sessions: Sessions
     fold_cfg: FoldConfig
     nudge_cfg: NudgeConfig
+    clocks: Clocks
+    calibration: Calibration
 
     def window_for(self, s: Session) -> int: ...
 
@@ -100,8 +107,13 @@ class ProxyTools:
         u = rw.usage
         if u.seen:
             self.store.record_usage(sid, lane, (u.input, u.cache_read, u.cache_write, u.output))
-        # the cache model bills the request now (off its path), calibrated by the reported usage
-        self.clocks.report(sid, u.cache_read if u.seen else None, u.cache_write if u.seen else None)
+        # the cache model bills the request now (off its path); the reported usage calibrates it
+        turn = self.clocks.report(sid, u.cache_read if u.seen else None, u.cache_write if u.seen else None,
+                                  u.input if u.seen else None)
+        try:
+            self.calibration.observe(sid, lane, turn)
+        except Exception as e:  # the answer is accounted for all the same
+            log.warning("[bili] session=%s: cache calibration failed (%s: %s)", sid, type(e).__name__, e)
         return called
 
     def run_tool(self: ToolHost, s: Session, name: str, args: Any, view: View | None, call_id: str = "") -> str:

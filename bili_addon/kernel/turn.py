@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import msgspec
 
 from bili_addon.kernel import activation, breakpoints, cache, envelope, fold, lifetime, nudge, reconcile, tags
+from bili_addon.kernel.calibration import Calibration
 from bili_addon.kernel.compaction import Epochs, asks_for_summary
 from bili_addon.kernel.fold import FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
@@ -80,6 +81,7 @@ class Engine(ProxyTools, Epochs):
         self._turn_sid: str | None = None  # the session of the turn being computed
         self.activate = activate  # lazy: nothing injected until folding is about to pay (kernel/activation.py)
         self.clocks = cache.Clocks(max_sessions)  # each session's provider cache, as the model predicts it
+        self.calibration = Calibration(store, self.clocks)  # ... against the provider's reports
         self.now = time.time  # when a request leaves (replay: the recorded time)
 
     # -- sessions: kernel/registry.py; these two are the way in for the shell, the admin endpoints
@@ -113,7 +115,8 @@ class Engine(ProxyTools, Epochs):
                         if res.active and lane.name == "anthropic" and render:
                             res.body = self._lifetime(res.session, raw if res.body is None else res.body) or res.body
                         # noted only; billed off the request's path
-                        self.clocks.sent(res.session, lane.name, raw if res.body is None else res.body, self.now())
+                        self.clocks.sent(res.session, lane.name, raw if res.body is None else res.body, self.now(),
+                                         origin.lower())
                     return res
                 except StaleSession as e:
                     # another process advanced the session while this turn was computed: nothing

@@ -28,6 +28,7 @@ from mitmproxy import http
 
 from bili_addon import meter
 from bili_addon.kernel import surfaces
+from bili_addon.kernel.calibration import row_dict
 
 if TYPE_CHECKING:
     from bili_addon.admin import Host as Bili  # the addon, as the admin endpoints see it
@@ -184,7 +185,9 @@ def session(bili: Bili, eng: Engine, sid: str) -> http.Response:
                "last": b.end_ref, "refs": len(b.covered), "covered": b.covered, "consumed": b.consumed,
                "folded_tokens": b.folded_tokens, "active": b.active, "retired": b.retired,
                "created": round(b.created, 3)} for b in s.blocks]
-    return _json(200, {"ok": True, "session": entry, "turns": turns, "blocks": blocks, "window": window})
+    calibration = [row_dict(r) for r in eng.store.calibration(sid, 50)]  # the cache model vs the provider
+    return _json(200, {"ok": True, "session": entry, "turns": turns, "blocks": blocks, "window": window,
+                       "calibration": calibration})
 
 
 def expand(eng: Engine, sid: str, block: str) -> http.Response:

@@ -268,6 +268,11 @@ def test_the_page_in_chromium(session, tmp_path):
             [t["sent_tokens"] for t in stats["turns"]]
         assert b.js("document.querySelectorAll('#turnchart line.fold').length") == 1
         assert b.js("document.querySelectorAll('#turns tbody tr').length") == TURNS
+        # the cache model against the provider's reports: a row per answered request, and the summary line
+        assert b.js("[...document.querySelectorAll('#calibration tbody tr')].map(r => +r.dataset.n)") == \
+            [r["n"] for r in stats["calibration"]] and len(stats["calibration"]) == TURNS
+        assert float(b.js("document.getElementById('calib').dataset.agree")) == stats["session"]["calibration"]["agree"]
+        assert "answers. In force:" in b.js("document.getElementById('calib').textContent")
         # expanding b1 shows what decompress would: the folded turns' original tool output
         b.js("document.querySelector('.block[data-id=\"b1\"] button.expand').click()")
         text = b.wait("(() => { const p = document.querySelector('.block[data-id=\"b1\"] pre.original'); "
