@@ -5,6 +5,9 @@ Completions and Responses, Gemini ``generateContent``); a WebSocket upgrade arri
 port is handed to a ``websockets`` sync server (Responses over WebSocket), which also listens on
 its own second port.  Every request and every WebSocket frame from a client is recorded with its
 raw bytes, its decoded bytes and its headers, so a test can assert on exactly what the proxy sent.
+On the WebSocket the fake keeps the chains of the real API: a ``response.create`` with
+``previous_response_id`` continues a response of the same connection (``store: false``) or a stored
+one (``store: true``); an id it does not know is answered with ``previous_response_not_found``.
 
 It is picky the way the real APIs are: bodies must be JSON, conversation roles must alternate,
 tool results must answer a tool call the model made.  A violation is answered with a 400 error in
@@ -66,6 +69,7 @@ class Recorded:
     response: bytes = b""  # the entity body as sent (or the WS frames, newline-joined)
     response_encoding: str = ""  # its content-encoding, when the fake compressed it
     error: str = ""  # why the request was refused, if it was
+    conversation: Any = None  # a WS frame: the whole input the upstream answered (its chain + the frame's)
 
     def header(self, name: str, default: str | None = None) -> str | None:
         name = name.lower()
@@ -1014,6 +1018,7 @@ class FakeUpstream:
     _seq: int = 0
     _scripts: dict[str, Script] = field(default_factory=dict)
     _gates: dict[str, Gate] = field(default_factory=dict)
+    _stored_chains: dict[str, list] = field(default_factory=dict)  # WS responses with ``store: true``
 
     def start(self) -> "FakeUpstream":
         if self.host not in ("127.0.0.1", "localhost"):
@@ -1139,30 +1144,58 @@ class FakeUpstream:
         req = conn.request
         path = req.path if req is not None else "/"
         headers = list(req.headers.raw_items()) if req is not None else []
+        chains: dict[str, list] = {}  # this connection's responses (``store: false``): id -> conversation
         for frame in conn:
             if isinstance(frame, str):
                 raw = frame.encode()
             else:
                 raw = bytes(frame)
             rec = self._new_record("ws", "WS", path, headers, raw, "")
-            out = list(self._ws_answer(rec, Reply.from_headers(req.headers) if req is not None else DEFAULT_REPLY))
+            out = list(self._ws_answer(rec, Reply.from_headers(req.headers) if req is not None else DEFAULT_REPLY,
+                                       chains))
             rec.status = 200 if not rec.error else 400
             rec.response = b"\n".join(x.encode() for x in out)
             self._commit(rec)
             _send_burst(conn, out)
 
-    def _ws_answer(self, rec: Recorded, reply: Reply) -> Iterable[str]:
+    def _ws_answer(self, rec: Recorded, reply: Reply, chains: dict[str, list]) -> Iterable[str]:
+        """One ``response.create``: the conversation is the chain of ``previous_response_id`` (a response
+        of this connection, or a stored one of any) plus the frame's input, as the real API keeps it."""
         body = rec.json
+        code = None
         try:
             _need(path_is_responses(rec.route), f"no WebSocket API at {rec.route}")
             _need(isinstance(body, dict), "frame is not a JSON object")
             _need(body.get("type") == "response.create", f"unsupported event type {body.get('type')!r}")
-            check_responses(body)
+            prev = body.get("previous_response_id")
+            head: list = []
+            if prev is not None:
+                with self._lock:
+                    known = chains.get(prev, self._stored_chains.get(prev))
+                if known is None:
+                    code = "previous_response_not_found"
+                    raise BadRequest(f"Previous response with id '{prev}' not found.")
+                head = known
+            inp = body.get("input")
+            full = head + (inp if isinstance(inp, list) else [] if inp is None else
+                           [{"type": "message", "role": "user", "content": inp}])
+            rec.conversation = full
+            check_responses(dict(body, input=full, previous_response_id=None))
         except BadRequest as e:
             rec.error = str(e)
-            yield _j({"type": "error", "status": 400, "error": {"type": "invalid_request_error", "message": str(e)}})
+            err = {"type": "invalid_request_error", "message": str(e)}
+            if code:
+                err.update(code=code, param="previous_response_id")
+            yield _j({"type": "error", "status": 400, "error": err})
             return
-        for e in responses_events(rec.seq, body["model"], reply):
+        events = responses_events(rec.seq, body["model"], reply)
+        done = events[-1]["response"]
+        chain = full + [dict(o) for o in done["output"]]
+        with self._lock:
+            chains[done["id"]] = chain
+            if body.get("store") is True:
+                self._stored_chains[done["id"]] = chain
+        for e in events:
             yield _j(e)
 
 
