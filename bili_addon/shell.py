@@ -16,6 +16,7 @@ from mitmproxy import ctx, exceptions, http
 from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, mitmview, prices, private
 from bili_addon.kernel import envelope
 from bili_addon.kernel.activation import MODES as ACTIVATE
+from bili_addon.kernel.chains import Turn as ChainTurn
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.turn import Engine, TurnResult
@@ -99,6 +100,7 @@ class FlowState:
     session: str
     rewriter: ResponseRewriter
     record: dict[str, Any] = field(default_factory=dict)
+    chain: ChainTurn | None = None  # a Responses turn: its answer goes into the chains transcript
 
 
 class Bili:
@@ -289,23 +291,64 @@ class Bili:
         headers, origin = req.headers.copy(), req.pretty_host
 
         def work(eng: Engine):
-            res = self._process(eng, raw, lane, headers, where="http", origin=origin, render=fold)
-            return res, self._record(eng, res, lane.name, "http", fold, raw)
+            res, turn = self.process_chained(eng, raw, lane, headers, "http", origin, fold)
+            return res, self._record(eng, res, lane.name, "http", fold, raw), turn
 
         if self.keeper.offloading:
             return self._request_later(flow, lane, fold, work)
         self._apply(flow, lane, fold, self.keeper.run(work))
         return None
 
+    def process_chained(self, eng: Engine, raw: bytes, lane: Lane, headers, where: str, origin: str,
+                        fold: bool, conn: str = "") -> tuple[TurnResult | None, ChainTurn | None]:
+        """One turn; a Responses body goes through the chains transcript first (kernel/chains.py):
+        a delta on a known chain is rebuilt into its whole conversation for the pass, and the pass's
+        output becomes the delta or the whole folded input; an unknown chain passes observed.
+        ``conn``: the connection key (a WebSocket's; '' for HTTP)."""
+        turn = eng.chains.begin(raw, conn) if lane.name == "responses" else None
+        if turn is None:
+            return self._process(eng, raw, lane, headers, where=where, origin=origin, render=fold), None
+        res = self._process(eng, turn.body, lane, headers, where=where, origin=origin,
+                            render=fold and turn.known)
+        if res is None:  # fail open: the agent's bytes go up
+            turn.forwarded()
+            return None, turn
+        if res.status:
+            return res, None
+        res.body = turn.outgoing(res.body)
+        turn.session = res.session or ""
+        if turn.prev:
+            log.info("[bili] session=%s: chained turn on %s: %s", res.session, turn.prev, {
+                "delta": "delta forwarded on the provider's chain",
+                "full": "the sent history changed: whole input sent without previous_response_id",
+                "passthrough": "chain unknown to the transcript: passed through observed"}.get(turn.mode, turn.mode))
+        return res, turn
+
     async def _request_later(self, flow: http.HTTPFlow, lane: Lane, fold: bool, work) -> None:
         self._apply(flow, lane, fold, await self.keeper.call(work))
+
+    def chain_tap(self, turn: ChainTurn):
+        """The rewriter's tap for a chained turn: once the answer's final event is seen (before
+        it reaches the agent), its transcript entry is queued on the store's worker, so the
+        agent's next request (which may follow at once) finds it."""
+        def tap(obj: Any) -> None:
+            if turn.finished:
+                return
+            turn.observe(obj)
+            if turn.finished:
+                self.keeper.submit(lambda eng: eng.chains.record(turn))
+        return tap
 
     def _apply(self, flow: http.HTTPFlow, lane: Lane, fold: bool, out) -> None:
         """The turn's outcome (the kernel's result and the flow's record) onto the flow (on the event loop)."""
         req = flow.request
         for name in (envelope.HEADER, envelope.RESYNC_HEADER):
             req.headers.pop(name, None)  # ours: never forwarded
-        res, record = out or (None, None)
+        res, record, turn = out or (None, None, None)
+        if turn is not None and (res is None or not res.session):  # no session: the answer is still chained
+            rw = ResponseRewriter(lane.name, False)
+            rw.tap = self.chain_tap(turn)
+            self._flows[flow] = FlowState(lane.name, "", rw, {}, turn)
         if res is not None and not res.session and res.body is not None:
             req.content = res.body  # only bili's own envelope removed
         if res is None or record is None:
@@ -325,7 +368,10 @@ class Bili:
             # a compressed stream cannot be filtered event by event
             req.headers["accept-encoding"] = "identity"
         marker = res.marker if ctx.options.bili_marker else ""
-        self._flows[flow] = FlowState(lane.name, res.session, ResponseRewriter(lane.name, rewrite, marker), record)
+        rw = ResponseRewriter(lane.name, rewrite, marker)
+        if turn is not None:
+            rw.tap = self.chain_tap(turn)
+        self._flows[flow] = FlowState(lane.name, res.session, rw, record, turn)
 
     def _record(self, eng: Engine, res: TurnResult | None, lane: str, via: str, rendered: bool,
                 raw: bytes) -> dict[str, Any] | None:
@@ -418,6 +464,9 @@ class Bili:
         except Exception as e:
             log.exception("[bili] session=%s: response handling failed (%s); answer left as is", st.session, e)
             return None
+
+        if not st.session:
+            return None  # a chained turn without a session: its tap did all there is to do
 
         def job(eng: Engine) -> None:
             try:

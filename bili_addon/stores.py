@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Protocol, runtime_checkable
 
-from bili_addon.store import LedgerRow, SessionRow, Store, StoreError, UsageTotals, WireTurn
+from bili_addon.store import CHAIN_COLS, LedgerRow, SessionRow, Store, StoreError, UsageTotals, WireTurn
 
 URL_SCHEMES = ("postgresql://", "postgres://")
 
@@ -37,6 +37,7 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "affinity_points": (("hash", "session_id", "depth"), ("hash", "session_id")),
     "calls": (("session_id", "call_key", "name", "args", "result", "created", "executed"),
               ("session_id", "call_key")),
+    "chains": (CHAIN_COLS, ("id",)),
 }
 
 
@@ -93,6 +94,8 @@ class StoreProtocol(Protocol):
     def dump(self, table: str, cols: tuple[str, ...], key: tuple[str, ...]) -> list[tuple]: ...
     def load(self, table: str, cols: tuple[str, ...], rows: list[tuple]) -> None: ...
     def is_empty(self) -> bool: ...
+    def save_chain(self, row: tuple) -> None: ...
+    def chain(self, response_id: str) -> tuple | None: ...
 
 
 def is_url(spec: str | None) -> bool:

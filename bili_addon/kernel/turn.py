@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import msgspec
 
 from bili_addon.kernel import activation, breakpoints, cache, envelope, fold, lifetime, nudge, reconcile, tags
+from bili_addon.kernel.chains import Chains
 from bili_addon.kernel.compaction import Epochs, asks_for_summary
 from bili_addon.kernel.fold import FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
@@ -71,6 +72,7 @@ class Engine(ProxyTools, Epochs):
         self.sessions = Sessions(store, max_sessions)  # cached sessions and previous passes (kernel/registry.py)
         self.affinity = PrefixAffinity(store.affinity())
         self.lineage = Lineage(store)  # forks and id-less rewinds (kernel/lineage.py)
+        self.chains = Chains(store)  # server-side chains: the shell's way in (kernel/chains.py)
         self.fold_cfg = fold_cfg or FoldConfig()
         self.nudge_cfg = nudge.NudgeConfig()
         self.inject = inject
