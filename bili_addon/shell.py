@@ -107,7 +107,7 @@ class Bili:
     def __init__(self) -> None:
         self.keeper = Keeper(self._make_engine)  # the engine and its store, off the event loop
         self.mode = "fold"
-        self.refuse_ws = True
+        self.refuse_ws = False
         self.first_party = "fold"
         self.data_dir = ""
         self.store_spec = ""  # bili_store: '' (SQLite in the data dir) or a postgresql:// URL
@@ -187,9 +187,10 @@ class Bili:
             "bytes (the agent's verbatim tail takes over where its history stops matching).",
         )
         loader.add_option(
-            "bili_refuse_websocket", bool, True,
+            "bili_refuse_websocket", bool, False,
             "In fold mode, answer WebSocket upgrades on /responses with HTTP 426 so the agent "
-            "falls back to HTTP with its full history (codex).",
+            "falls back to HTTP with its full history (codex). Off: the WebSocket is kept and its "
+            "chained turns are folded like HTTP ones.",
         )
         loader.add_option(
             "bili_first_party", str, "fold",
@@ -528,20 +529,28 @@ class Bili:
         log.info("%s", self.meter.line(st.session, st.lane, str(st.record.get("agent") or ""), w))
 
     # -- WebSocket (Responses) -----------------------------------------------------------------
-    def websocket_message(self, flow: http.HTTPFlow) -> None:
+    def websocket_message(self, flow: http.HTTPFlow):
+        """Codex's transport: one ``response.create`` frame per turn (the new items, chained by
+        ``previous_response_id`` to a response of this connection), one event per server frame.
+        A client frame goes through the chains transcript like an HTTP body (the delta as the agent
+        sent it, or the whole folded input when a fold landed); the connection key is the flow's,
+        since mitmproxy gives each agent connection an upstream connection of its own.  Server
+        frames are rewritten as the HTTP stream is and feed the transcript.  Fail open per frame."""
         if not self.active or flow.websocket is None or not is_responses_websocket(flow.request.path):
-            return
+            return None
         msg = flow.websocket.messages[-1]
         if not msg.is_text:
-            return
+            return None
         if msg.from_client:
             if b'"response.create"' not in msg.content:
-                return
+                return None
             raw, headers, origin = msg.content, flow.request.headers.copy(), flow.request.pretty_host
+            fold, conn = self.mode == "fold", flow.id
+            self._flows.pop(flow, None)  # a new turn: the previous answer's state is done with
 
             def work(eng: Engine):
-                res = self._process(eng, raw, LANES["responses"], headers, where="ws", origin=origin)
-                return res, self._record(eng, res, "responses", "ws", self.mode == "fold", raw)
+                res, turn = self.process_chained(eng, raw, LANES["responses"], headers, "ws", origin, fold, conn)
+                return res, self._record(eng, res, "responses", "ws", fold, raw), turn
 
             if self.keeper.offloading:
                 return self._ws_later(flow, msg, work)
@@ -549,16 +558,18 @@ class Bili:
             return None
         st = self._flows.get(flow)
         if st is None:
-            return
+            return None
         try:
             frame = st.rewriter.ws_frame(msg.content)
             if frame is not None:
                 msg.content = frame
             if st.rewriter.finished:  # once per answer, whichever final event ends it
-                self.keeper.submit(lambda eng: self._account(eng, st))
+                if st.session:
+                    self.keeper.submit(lambda eng: self._account(eng, st))
                 self._flows.pop(flow, None)
         except Exception as e:
             log.exception("[bili] session=%s: WebSocket frame handling failed (%s); frame left as is", st.session, e)
+        return None
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
         self._flows.pop(flow, None)
@@ -567,15 +578,28 @@ class Bili:
         self._ws_apply(flow, msg, await self.keeper.call(work))
 
     def _ws_apply(self, flow: http.HTTPFlow, msg, out) -> None:
-        res, record = out or (None, None)
-        if res is not None and res.body is not None:
-            msg.content = res.body  # folded, or only bili's own envelope removed
-        if res is None or record is None:
-            return
-        record["message"] = len(flow.websocket.messages) - 1
-        flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
-        self._flows[flow] = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold" and res.active),
-                                      record)
+        """The turn's outcome onto the client frame (on the event loop); any failure leaves the
+        frame as the agent sent it."""
+        try:
+            res, record, turn = out or (None, None, None)
+            if res is not None and res.status:
+                log.warning("[bili] session=%s: %s (WebSocket frame forwarded unchanged)", res.session, res.error)
+                return
+            if res is not None and res.body is not None:
+                msg.content = res.body  # the delta (tags, a reminder), the whole folded input, or no envelope
+            session = res.session if res is not None else ""
+            rewrite = self.mode == "fold" and res is not None and bool(res.session) and res.active
+            marker = res.marker if rewrite and ctx.options.bili_marker else ""
+            rw = ResponseRewriter("responses", rewrite, marker)
+            if turn is not None:
+                rw.tap = self.chain_tap(turn)  # the answer goes into the chains transcript
+            if record is not None:
+                record["message"] = len(flow.websocket.messages) - 1
+                flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
+            if session or turn is not None:
+                self._flows[flow] = FlowState("responses", session, rw, record or {}, turn)
+        except Exception as e:  # fail open: this frame goes up as the agent sent it
+            log.exception("[bili] WebSocket frame handling failed (%s); frame forwarded unchanged", e)
 
     # -- admin ---------------------------------------------------------------------------------
     def stats(self, eng: Engine | None = None) -> dict:
