@@ -19,6 +19,7 @@ from .fake_upstream import REPLY_TEXT
 pytestmark = pytest.mark.e2e
 
 MODEL = "gpt-fake-ws"
+TOOLS = [{"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]
 
 
 def user(text: str) -> dict:
@@ -34,7 +35,7 @@ def turn(ws, frame: dict) -> dict:
 
 
 def frame(items: list, prev: str | None = None, store: bool = False) -> dict:
-    f = {"type": "response.create", "model": MODEL, "stream": True, "store": store, "input": items}
+    f = {"type": "response.create", "model": MODEL, "stream": True, "store": store, "input": items, "tools": TOOLS}
     if prev:
         f["previous_response_id"] = prev
     return f
