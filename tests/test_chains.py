@@ -4,6 +4,7 @@ delta-or-full decision, and its way through the addon's hooks."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from mitmproxy.test import tflow, tutils
@@ -266,3 +267,53 @@ def test_the_addon_chains_deltas_and_keeps_the_agent_s_ids(bili):
     f3 = flow_for(raw3)
     bili.request(f3)
     assert f3.request.content == raw3
+
+
+# -- omp's built-in OpenAI transport, as captured (store: true, turn 2 = previous_response_id + output) ---
+
+from pathlib import Path  # noqa: E402
+
+from mitmproxy import io  # noqa: E402
+from wirecases import CAPTURES  # noqa: E402
+
+OMP_FWD = Path(CAPTURES) / "omp" / "omp_fwd" / "flows.mitm"
+
+
+def replay(bili, recorded):
+    """One recorded flow through the addon's hooks: its request, then its answer as it streamed."""
+    f = tflow.tflow(req=recorded.request.copy())
+    bili.request(f)
+    f.response = recorded.response.copy()
+    content = f.response.content
+    bili.responseheaders(f)
+    if f.response.stream:
+        out = b"".join(b"".join(f.response.stream(content[i:i + 97])) for i in range(0, len(content), 97))
+        f.response.content = out + b"".join(f.response.stream(b""))
+        f.response.stream = False
+    bili.response(f)
+    return f
+
+
+@pytest.mark.skipif(not OMP_FWD.is_file(), reason=f"no captured omp flows at {OMP_FWD} (set $BILI_CAPTURES)")
+def test_omp_s_captured_chain_is_rebuilt_and_its_delta_forwarded(bili):
+    with OMP_FWD.open("rb") as fh:
+        flows = [fl for fl in io.FlowReader(fh).stream() if fl.request.path.endswith("/responses")]
+    first, second = flows
+    agent_delta = json.loads(second.request.content)
+    assert agent_delta["previous_response_id"] and agent_delta["store"] is True
+    replay(bili, first)
+    f2 = replay(bili, second)
+    sent = json.loads(f2.request.content)
+    assert sent["previous_response_id"] == agent_delta["previous_response_id"], "the delta goes up on the chain"
+    assert sent["input"] == agent_delta["input"]
+    assert "compress" in [t["name"] for t in sent["tools"]]
+    # the pass saw the whole conversation: turn 1's input, its answer (reasoning, call) and the output
+    views = bili.engine.chains.views(agent_delta["previous_response_id"])
+    kinds = [json.loads(x).get("type", "message") for x in views.agent]
+    first_input = json.loads(first.request.content)["input"]
+    assert kinds == [it.get("type", "message") for it in first_input] + ["reasoning", "function_call"]
+    s = bili.engine.sessions.get(agent_delta["prompt_cache_key"])
+    assert s is not None and not s.flags.get("delta_history"), "the history is visible: nothing to warn about"
+    # the second answer chains on too
+    second_id = re.findall(rb'"id": ?"(resp_[^"]+)"', second.response.content)[-1].decode()
+    assert second_id != agent_delta["previous_response_id"] and bili.engine.chains.views(second_id) is not None
