@@ -315,7 +315,7 @@ class Bili:
             return None, turn
         if res.status:
             return res, None
-        res.body = turn.outgoing(res.body)
+        res.body = turn.outgoing(res.body, rewrite=fold)
         turn.session = res.session or ""
         if turn.prev:
             log.info("[bili] session=%s: chained turn on %s: %s", res.session, turn.prev, {

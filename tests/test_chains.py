@@ -185,6 +185,17 @@ def test_store_false_chains_only_on_their_connection_and_its_newest_response(cha
     assert not chains.record(t)
 
 
+def test_observe_mode_forwards_the_agent_s_bytes_even_where_fold_mode_would_send_everything(chains):
+    turn(chains, req([user("task")], store=False), "r1", [said("r1", "a")], conn="ws1")
+    raw = req([user("b")], "r1", store=False)
+    t = chains.begin(raw, "ws2")  # not chainable from here: fold mode would send the whole input
+    assert t.outgoing(t.body, rewrite=False) is None and t.mode == "observed"
+    t.observe(answer("r2", [said("r2", "c")]))
+    t.session = "s1"
+    assert chains.record(t)
+    assert [json.loads(x) for x in chains.views("r2").sent][-2:] == [user("b"), {k: v for k, v in said("r2", "c").items() if k != "id"}]
+
+
 def test_full_history_agents_are_stored_as_deltas_of_their_last_turn(chains):
     """An agent that re-sends everything (store defaults to true): each row keeps only what is new."""
     h = [user("task")]
