@@ -218,6 +218,10 @@ def test_a_failed_or_unfinished_answer_is_not_recorded(chains):
     assert not chains.record(t), "no final event yet"
     t.observe({"type": "response.failed", "response": {"id": "r1", "status": "failed"}})
     assert not chains.record(t)
+    t = chains.begin(req([user("task")], background=True))
+    t.outgoing(None)
+    t.observe({"id": "r2", "object": "response", "status": "queued", "output": []})
+    assert not chains.record(t), "a background answer still to come holds nothing yet"
 
 
 def test_streamed_events_give_the_output_even_when_the_final_event_carries_none(chains):

@@ -184,8 +184,8 @@ class Turn:
     def _final(self, r: dict) -> None:
         if isinstance(r.get("id"), str):
             self.response_id = r["id"]
-        if r.get("status") == "failed" or r.get("error"):
-            self.failed = True
+        if r.get("status") not in (None, "completed", "incomplete") or r.get("error"):
+            self.failed = True  # failed, cancelled, or not done yet (background): nothing to chain on
         out = r.get("output")
         if isinstance(out, list) and out:
             self.output = [_enc.encode(x) for x in out]
