@@ -316,7 +316,7 @@ class Bili:
             return None, turn
         if res.status:
             return res, None
-        res.body = turn.outgoing(res.body)
+        res.body = turn.outgoing(res.body, rewrite=fold)
         turn.session = res.session or ""
         if turn.prev:
             log.info("[bili] session=%s: chained turn on %s: %s", res.session, turn.prev, {
@@ -653,7 +653,8 @@ class Bili:
                 entry["lineage"] = family
             entry["wire"] = meter.totals(store, r.id, self.meter.table)
             if flags.get("delta_history"):
-                entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"
+                entry["warning"] = ("a previous_response_id chain the transcript does not hold (it began before "
+                                    "bili saw it): observed until the agent sends its whole history")
             sessions.append(entry)
         return {"sessions": sessions, "store": True, "store_status": self.keeper.status(),
                 "prices": {"as_of": self.meter.table.as_of, "source": self.meter.table.source}}

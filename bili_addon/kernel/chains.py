@@ -45,7 +45,7 @@ _enc = msgspec.json.Encoder()
 _dec = msgspec.json.Decoder()
 _dec_top = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _dec_items = msgspec.json.Decoder(list[msgspec.Raw])
-CACHE = 128  # rebuilt conversations kept in memory (response id -> both views)
+CACHE = 32  # rebuilt conversations kept in memory (response id -> both views; their items shared)
 PREV = "previous_response_id"
 
 
@@ -104,16 +104,20 @@ class Turn:
     failed: bool = False
 
     # -- the way up ------------------------------------------------------------------------------
-    def outgoing(self, rendered: bytes | None) -> bytes | None:
+    def outgoing(self, rendered: bytes | None, *, rewrite: bool = True) -> bytes | None:
         """The bytes to send upstream, given the normal pass's output for :attr:`body` (None: the
-        pass left ``body`` unchanged).  Returns None when the agent's own bytes go up unchanged."""
+        pass left ``body`` unchanged).  Returns None when the agent's own bytes go up unchanged.
+        ``rewrite=False`` (observe mode): the agent's bytes always go up as they came."""
         if not self.prev:  # the agent sent its whole conversation: nothing to decide
             self.mode = "full"
-            self.sent_items = _input_items(rendered if rendered is not None else self.raw)
-            return rendered
+            self.sent_items = _input_items(rendered if rendered is not None and rewrite else self.raw)
+            return rendered if rewrite else None
         if not self.known:
             self.mode = "passthrough"
-            return rendered
+            return rendered if rewrite else None
+        if not rewrite:
+            self.mode, self.sent_prev, self.sent_items = "observed", self.prev, list(self.agent_items)
+            return None
         full = rendered if rendered is not None else self.body
         top = _dec_top.decode(full)
         items = _input_items(full)
@@ -180,8 +184,8 @@ class Turn:
     def _final(self, r: dict) -> None:
         if isinstance(r.get("id"), str):
             self.response_id = r["id"]
-        if r.get("status") == "failed" or r.get("error"):
-            self.failed = True
+        if r.get("status") not in (None, "completed", "incomplete") or r.get("error"):
+            self.failed = True  # failed, cancelled, or not done yet (background): nothing to chain on
         out = r.get("output")
         if isinstance(out, list) and out:
             self.output = [_enc.encode(x) for x in out]
@@ -244,16 +248,14 @@ class Chains:
             a_base, a_keep, agent = turn.prev, len(turn.base.agent), turn.agent_items
             a_full = turn.base.agent + agent
         else:
-            a_full = turn.agent_items
-            a_base, a_keep, agent = self._compress(session, a_full, "agent")
+            a_base, a_keep, agent, a_full = self._compress(session, turn.agent_items, "agent")
         if turn.sent_prev:
             assert turn.base is not None
             s_base, s_keep, sent = turn.sent_prev, len(turn.base.sent), turn.sent_items
             s_full = turn.base.sent + sent
             s_outputs = set(turn.base.outputs)
         else:
-            s_full = turn.sent_items
-            s_base, s_keep, sent = self._compress(session, s_full, "sent")
+            s_base, s_keep, sent, s_full = self._compress(session, turn.sent_items, "sent")
             s_outputs = set(self._outputs_of(s_base, s_keep))
         same = sent == agent and s_base == a_base and s_keep == a_keep
         link = Link(turn.response_id, session, turn.conn, turn.stored, a_base, a_keep, agent,
@@ -335,18 +337,20 @@ class Chains:
         v = self._views.get(base) if base else None
         return {i for i in v.outputs if i < keep} if v is not None else set()
 
-    def _compress(self, session: str, items: list[bytes], view: str) -> tuple[str, int, list[bytes]]:
-        """A full list stored as the longest prefix it shares with the session's newest response."""
+    def _compress(self, session: str, items: list[bytes], view: str
+                  ) -> tuple[str, int, list[bytes], list[bytes]]:
+        """A whole input stored as the longest prefix it shares with the session's newest response
+        (``base, keep, own items``), and the whole list sharing that response's item objects."""
         last = self._last_of_session.get(session) if session else None
         v = self._views.get(last) if last else None
         if v is None:
-            return "", 0, items
+            return "", 0, items, items
         have = v.agent if view == "agent" else v.sent
         k = 0
         n = min(len(have), len(items))
         while k < n and have[k] == items[k]:
             k += 1
-        return (last, k, items[k:]) if k else ("", 0, items)
+        return (last, k, items[k:], have[:k] + items[k:]) if k else ("", 0, items, items)
 
     def _link(self, rid: str) -> Link | None:
         try:

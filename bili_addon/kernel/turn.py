@@ -202,8 +202,8 @@ class Engine(ProxyTools, Epochs):
         if isinstance(top.get("previous_response_id"), str) and top["previous_response_id"]:
             if self.set_flag(sid, "delta_history", True):
                 result.notes.append(
-                    "the agent sends only new items plus previous_response_id: the proxy cannot see "
-                    "this session's history, so nothing of it will ever be folded"
+                    "the agent continues a server-side chain (previous_response_id) the proxy's transcript "
+                    "does not hold: its turns pass observed until the agent sends its whole history"
                 )
 
         view_items = (memo.view_items[:q] if q else []) + _view_items(resolved_tail, start + q)

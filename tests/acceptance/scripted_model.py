@@ -82,6 +82,7 @@ class Seen:
     transport: str = "http"  # or "ws": a response.create frame
     frame: Any = None  # ws: the frame as it came (``json`` is the conversation rebuilt from its chain)
     conversation_id: int = 0  # ws: which connection (1, 2, ...)
+    conversation: Any = None  # Responses: the whole input the model saw (a previous_response_id chain expanded)
 
 
 # -- reading a request -----------------------------------------------------------------------------
@@ -182,7 +183,31 @@ def shell_args(schema: dict, command: str) -> dict:
     return {k: v for k, v in args.items() if v is not None}
 
 
-def decide(lane: str, body: dict) -> Action:
+REMINDER_RANGE = re.compile(r"^  (m\d{5})–(m\d{5})  \d+ messages  ~", re.M)
+
+
+def offered(body: Any) -> tuple[str, str] | None:
+    """The first range bili's newest fold reminder offers, if the model was shown one."""
+    notes: list[str] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, str) and "[bili] ~" in v:
+            notes.append(v[v.index("[bili] ~"):])
+
+    walk(body)
+    found = REMINDER_RANGE.findall(notes[-1]) if notes else []
+    return found[0] if found else None
+
+
+def decide(lane: str, body: dict, chained: bool = False) -> Action:
+    """``chained``: the conversation came as a server-side chain, where the model's own earlier prose
+    carries no ref tag (bili cannot tag what the provider holds): it folds what bili's reminder offers."""
     tools = tools_of(lane, body)
     shell = next((n for n in SHELL_NAMES if n in tools), None)
     if shell is None:
@@ -192,6 +217,8 @@ def decide(lane: str, body: dict) -> Action:
         refs = tagged(body)
         start = next((r for t, r in refs.items() if t.startswith(prose_for(1))), "m00001")
         end = next((r for t, r in refs.items() if t.startswith(prose_for(2))), "m00002")
+        if chained and offered(body):
+            start, end = offered(body)
         # the agent's own copy when bili's tools come through MCP (mcp__bili__compress, bili_compress)
         name = next((n for n in tools if "bili" in n and n.endswith("compress")), "compress")
         return Action("tool", stage, prose_for(stage), name,
@@ -279,15 +306,21 @@ def chat_answer(seq: int, model: str, a: Action, stream: bool, prompt: int = 100
     return "text/event-stream", _sse(ev) + b"data: [DONE]\n\n"
 
 
+def responses_output(seq: int, a: Action) -> list[dict]:
+    message = {"type": "message", "id": f"msg_scripted{seq:05d}", "status": "completed", "role": "assistant",
+               "content": [{"type": "output_text", "text": ECHO + a.text, "annotations": []}]}
+    output = [message]
+    if a.kind == "tool":
+        output.append({"type": "function_call", "id": f"fc_scripted{seq:05d}", "call_id": call_id("responses", a.stage),
+                       "name": a.tool, "arguments": json.dumps(a.args), "status": "completed"})
+    return output
+
+
 def responses_answer(seq: int, model: str, a: Action, stream: bool, prompt: int = 100) -> tuple[str, bytes]:
     text = ECHO + a.text
     msg_id, fc_id = f"msg_scripted{seq:05d}", f"fc_scripted{seq:05d}"
-    message = {"type": "message", "id": msg_id, "status": "completed", "role": "assistant",
-               "content": [{"type": "output_text", "text": text, "annotations": []}]}
-    output = [message]
-    if a.kind == "tool":
-        output.append({"type": "function_call", "id": fc_id, "call_id": call_id("responses", a.stage),
-                       "name": a.tool, "arguments": json.dumps(a.args), "status": "completed"})
+    output = responses_output(seq, a)
+    message = output[0]
     usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 20,
              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + 20}
 
@@ -442,6 +475,7 @@ class ScriptedModel:
         self.seen: list[Seen] = []
         self.server: _Server | None = None
         self.thread: threading.Thread | None = None
+        self.chains: dict[str, list] = {}  # response id -> the conversation as of it (store: true)
 
     def start(self) -> "ScriptedModel":
         self.ws_connections = 0
@@ -483,10 +517,28 @@ class ScriptedModel:
             rec.json = json.loads(rec.body)
         except ValueError:
             return 400, "application/json", b'{"error": {"type": "invalid_request_error", "message": "not JSON"}}'
-        action = rec.action = decide(rec.lane, rec.json)
+        body = rec.json
+        if rec.lane == "responses" and isinstance(body, dict):  # server-side chains, as OpenAI keeps them
+            prev = body.get("previous_response_id")
+            with self.lock:
+                held = self.chains.get(prev) if prev else []
+            if held is None:
+                return 400, "application/json", json.dumps({"error": {
+                    "type": "invalid_request_error", "param": "previous_response_id",
+                    "code": "previous_response_not_found",
+                    "message": f"Previous response with id '{prev}' not found."}}).encode()
+            inp = body.get("input")
+            inp = [{"type": "message", "role": "user", "content": inp}] if isinstance(inp, str) else list(inp or [])
+            body = {k: v for k, v in body.items() if k != "previous_response_id"}
+            body["input"] = rec.conversation = held + inp
+        action = rec.action = decide(rec.lane, body, chained=bool(rec.json.get("previous_response_id")))
+        if rec.lane == "responses" and isinstance(body, dict) and body.get("store", True) is not False:
+            with self.lock:
+                self.chains[f"resp_scripted{rec.seq:05d}"] = body["input"] + responses_output(rec.seq, action)
         model = rec.json.get("model") or "scripted"
         # the usage reports the prompt's size (~ bytes / 4), as the real APIs do
-        ctype, body = ANSWERS[rec.lane](rec.seq, model, action, bool(rec.json.get("stream")), len(rec.body) // 4)
+        prompt = len(json.dumps(body)) if rec.conversation is not None else len(rec.body)  # a chain: all of it
+        ctype, body = ANSWERS[rec.lane](rec.seq, model, action, bool(rec.json.get("stream")), prompt // 4)
         return 200, ctype, body
 
     # -- Responses over WebSocket ------------------------------------------------------------------

@@ -5,9 +5,6 @@ Completions and Responses, Gemini ``generateContent``); a WebSocket upgrade arri
 port is handed to a ``websockets`` sync server (Responses over WebSocket), which also listens on
 its own second port.  Every request and every WebSocket frame from a client is recorded with its
 raw bytes, its decoded bytes and its headers, so a test can assert on exactly what the proxy sent.
-On the WebSocket the fake keeps the chains of the real API: a ``response.create`` with
-``previous_response_id`` continues a response of the same connection (``store: false``) or a stored
-one (``store: true``); an id it does not know is answered with ``previous_response_not_found``.
 
 It is picky the way the real APIs are: bodies must be JSON, conversation roles must alternate,
 tool results must answer a tool call the model made.  A violation is answered with a 400 error in
@@ -69,7 +66,10 @@ class Recorded:
     response: bytes = b""  # the entity body as sent (or the WS frames, newline-joined)
     response_encoding: str = ""  # its content-encoding, when the fake compressed it
     error: str = ""  # why the request was refused, if it was
-    conversation: Any = None  # a WS frame: the whole input the upstream answered (its chain + the frame's)
+    # Responses: the whole conversation the model saw (a previous_response_id chain expanded), and
+    # the id of the response it answered with
+    conversation: Any = None
+    response_id: str = ""
 
     def header(self, name: str, default: str | None = None) -> str | None:
         name = name.lower()
@@ -893,11 +893,11 @@ class _Handler(BaseHTTPRequestHandler):
         script = self.server.fake.script_of(self.headers)
         exact = script is not None  # a scripted conversation is checked exactly as the real API would
 
-        def answer(lane: str) -> Reply:
-            """What the model says, once the request passed validation."""
+        def answer(lane: str, body: Any = None) -> Reply:
+            """What the model says, once the request passed validation (``body``: what it sees)."""
             if script is None:
                 return Reply.from_headers(self.headers)
-            return script.reply(self.headers, rec.json, lane)
+            return script.reply(self.headers, rec.json if body is None else body, lane)
         if rec.method == "GET" and p.endswith("/models"):
             listing = {
                 "object": "list",
@@ -929,8 +929,13 @@ class _Handler(BaseHTTPRequestHandler):
             return 200, "application/json", [_j(chat_completion(rec.seq, body["model"], reply)).encode()]
         if p.endswith("/responses"):
             body = self._json(rec)
-            check_responses(body, api_exact=exact)
-            reply = answer("responses")
+            fake = self.server.fake
+            full = fake.chains.expand(body, None) if isinstance(body, dict) else body
+            check_responses(full, api_exact=exact)
+            rec.conversation = _input_list(full.get("input"))
+            reply = answer("responses", full)
+            rec.response_id = f"resp_fake{rec.seq:06d}"
+            fake.chains.save(rec.response_id, full, responses_output(rec.seq, reply), None)
             if body.get("stream"):
                 return 200, "text/event-stream", responses_sse(rec.seq, body["model"], reply)
             return 200, "application/json", [_j(responses_object(rec.seq, body["model"], reply)).encode()]
@@ -1007,6 +1012,50 @@ def _is_websocket_upgrade(sock: socket.socket) -> bool:
     return False
 
 
+# -- server-side chains (Responses previous_response_id) --------------------------------------------
+
+
+class ProviderChains:
+    """``previous_response_id`` the way OpenAI keeps it: a response made with ``store`` not false is
+    kept for any later request; a ``store: false`` one lives only on the WebSocket connection that
+    made it, and only while it is that connection's newest.  An id it does not hold is refused with
+    400 ``previous_response_not_found`` (as the API does)."""
+
+    def __init__(self) -> None:
+        self.stored: dict[str, list] = {}
+        self.lock = threading.Lock()
+        self.seen_prev: list[str] = []  # every previous_response_id a request carried, in order
+
+    def expand(self, body: dict, local: dict | None) -> dict:
+        """The body with its chain put in front of its input (no previous_response_id left)."""
+        prev = body.get("previous_response_id")
+        if prev is None:
+            return body
+        with self.lock:
+            self.seen_prev.append(prev)
+            conv = local["conv"] if local is not None and local.get("id") == prev else self.stored.get(prev)
+        if conv is None:
+            raise BadRequest(f"Previous response with id '{prev}' not found.")
+        full = {k: v for k, v in body.items() if k != "previous_response_id"}
+        full["input"] = list(conv) + _input_list(body.get("input"))
+        return full
+
+    def save(self, rid: str, full: dict, output: list, local: dict | None) -> None:
+        conv = _input_list(full.get("input")) + output
+        with self.lock:
+            if full.get("store", True) is not False:
+                self.stored[rid] = conv
+        if local is not None:
+            local.clear()
+            local.update(id=rid, conv=conv)
+
+
+def _input_list(inp: Any) -> list:
+    if isinstance(inp, str):
+        return [{"type": "message", "role": "user", "content": inp}]
+    return list(inp) if isinstance(inp, list) else []
+
+
 # -- the server -------------------------------------------------------------------------------------
 
 
@@ -1018,7 +1067,7 @@ class FakeUpstream:
     _seq: int = 0
     _scripts: dict[str, Script] = field(default_factory=dict)
     _gates: dict[str, Gate] = field(default_factory=dict)
-    _stored_chains: dict[str, list] = field(default_factory=dict)  # WS responses with ``store: true``
+    chains: ProviderChains = field(default_factory=ProviderChains)
 
     def start(self) -> "FakeUpstream":
         if self.host not in ("127.0.0.1", "localhost"):
@@ -1144,7 +1193,7 @@ class FakeUpstream:
         req = conn.request
         path = req.path if req is not None else "/"
         headers = list(req.headers.raw_items()) if req is not None else []
-        chains: dict[str, list] = {}  # this connection's responses (``store: false``): id -> conversation
+        local: dict = {}  # this connection's store: false chain
         for frame in conn:
             if isinstance(frame, str):
                 raw = frame.encode()
@@ -1152,50 +1201,31 @@ class FakeUpstream:
                 raw = bytes(frame)
             rec = self._new_record("ws", "WS", path, headers, raw, "")
             out = list(self._ws_answer(rec, Reply.from_headers(req.headers) if req is not None else DEFAULT_REPLY,
-                                       chains))
+                                       local, req.headers if req is not None else {}))
             rec.status = 200 if not rec.error else 400
             rec.response = b"\n".join(x.encode() for x in out)
             self._commit(rec)
             _send_burst(conn, out)
 
-    def _ws_answer(self, rec: Recorded, reply: Reply, chains: dict[str, list]) -> Iterable[str]:
-        """One ``response.create``: the conversation is the chain of ``previous_response_id`` (a response
-        of this connection, or a stored one of any) plus the frame's input, as the real API keeps it."""
+    def _ws_answer(self, rec: Recorded, reply: Reply, local: dict | None = None, headers: Any = None) -> Iterable[str]:
         body = rec.json
-        code = None
         try:
             _need(path_is_responses(rec.route), f"no WebSocket API at {rec.route}")
             _need(isinstance(body, dict), "frame is not a JSON object")
             _need(body.get("type") == "response.create", f"unsupported event type {body.get('type')!r}")
-            prev = body.get("previous_response_id")
-            head: list = []
-            if prev is not None:
-                with self._lock:
-                    known = chains.get(prev, self._stored_chains.get(prev))
-                if known is None:
-                    code = "previous_response_not_found"
-                    raise BadRequest(f"Previous response with id '{prev}' not found.")
-                head = known
-            inp = body.get("input")
-            full = head + (inp if isinstance(inp, list) else [] if inp is None else
-                           [{"type": "message", "role": "user", "content": inp}])
-            rec.conversation = full
-            check_responses(dict(body, input=full, previous_response_id=None))
+            full = self.chains.expand(body, local)
+            script = self.script_of(headers) if headers else None
+            check_responses(full, api_exact=script is not None)
+            rec.conversation = _input_list(full.get("input"))
+            if script is not None:
+                reply = script.reply(headers, full, "responses")
+            rec.response_id = f"resp_fake{rec.seq:06d}"
+            self.chains.save(rec.response_id, full, responses_output(rec.seq, reply), local)
         except BadRequest as e:
             rec.error = str(e)
-            err = {"type": "invalid_request_error", "message": str(e)}
-            if code:
-                err.update(code=code, param="previous_response_id")
-            yield _j({"type": "error", "status": 400, "error": err})
+            yield _j({"type": "error", "status": 400, "error": {"type": "invalid_request_error", "message": str(e)}})
             return
-        events = responses_events(rec.seq, body["model"], reply)
-        done = events[-1]["response"]
-        chain = full + [dict(o) for o in done["output"]]
-        with self._lock:
-            chains[done["id"]] = chain
-            if body.get("store") is True:
-                self._stored_chains[done["id"]] = chain
-        for e in events:
+        for e in responses_events(rec.seq, body["model"], reply):
             yield _j(e)
 
 
