@@ -10,7 +10,8 @@ steps and answers bili's fold reminders with ``compress``.  Asserted:
 - the upgrade is accepted (no 426) and every model turn goes over the socket (no HTTP fallback);
 - a session of 8+ turns folds; the model gets the whole folded input, without
   ``previous_response_id``, exactly on the turns where a fold landed, and the agent's delta on
-  every other turn (the first turn of a new connection excepted: its chain lives on the old one);
+  every other turn (the first turn of a new connection excepted: its chain lives on the old one;
+  with lazy activation, the default, also the turn bili activates on: its tags change the history);
 - codex exits 0 with the expected answer, with no ref tag in its output;
 - the same across a proxy restart in the middle of the session (codex sits in a tool call while the
   proxy is stopped and started again on the same port and store): codex reconnects and, its chain
@@ -90,12 +91,16 @@ def carries(rec, call_id: str) -> bool:
                for it in rec.json["input"])
 
 
-def check_run(run: Run, model: MarathonModel, connections: int) -> tuple[list, list]:
-    """The assertions every run shares; returns (the turns, the indices of the turns a fold landed on)."""
+def check_run(run: Run, model: MarathonModel, connections: int, lazy: bool = False) -> tuple[list, list]:
+    """The assertions every run shares; returns (the turns, the indices of the turns a fold landed on).
+    ``lazy``: lazy activation, whose first active turn (bili's tools, prompt and tags arrive, so the
+    history already sent changes) goes up whole too."""
     info = report(run, model)
     assert run.rc == 0, info
     assert "MARATHON-DONE" in run.stdout, info
-    for stream in (run.stdout, run.stderr):
+    # (the scripted model imitates a ref tag in all its prose; before lazy activation the answers are
+    # the agent's own business and pass unchanged: then only the final answer, on stdout, is checked)
+    for stream in (run.stdout, run.stderr) if not lazy else (run.stdout,):
         assert "<acp" not in stream and "</acp>" not in stream, "a ref tag reached the agent\n" + info
     # the socket was kept: no 426, no fallback to HTTP POST with the full history
     assert "refused a WebSocket upgrade" not in run.proxy_log, info
@@ -116,8 +121,15 @@ def check_run(run: Run, model: MarathonModel, connections: int) -> tuple[list, l
         assert "compressed" in out.lower() and "unsupported call" not in out, out
         landed.append(i)
     firsts = {next(i for i, r in enumerate(got) if r.conversation_id == c) for c in range(1, connections + 1)}
+    active = next(i for i, r in enumerate(got) if any(t.get("name") == "compress" for t in r.frame.get("tools", [])))
+    if lazy:
+        assert active > 0 and active not in landed and "active from now on" in run.proxy_log, info
+        assert got[active].frame.get("previous_response_id") is None, info  # activation re-tags the history
+        assert "[bili] " in json.dumps(got[active].frame["input"]), info  # the first reminder rides along
     for i, r in enumerate(got):
         prev = r.frame.get("previous_response_id")
+        if lazy and i == active:
+            continue
         if i in landed:
             # the whole folded input, no previous_response_id: the provider's chain starts afresh
             assert prev is None, f"turn {i}: a fold landed but a delta went up\n{info}"
@@ -132,20 +144,23 @@ def check_run(run: Run, model: MarathonModel, connections: int) -> tuple[list, l
     return got, landed
 
 
-def test_codex_keeps_its_websocket_and_folds(work):
+@pytest.mark.parametrize("activate", ["always", "lazy"])
+def test_codex_keeps_its_websocket_and_folds(work, activate):
     tmp, home, cwd = work
     model = MarathonModel(steps=10, output_kb=3).start()
     try:
         env = codex_env(home, agent_bin_dir(PINS["codex"], tmp))
-        run = run_launcher("codex", [*FLAGS, TASK], env=env, cwd=cwd, model=model, work=tmp, launcher_args=OPTS)
-        got, landed = check_run(run, model, connections=1)
+        run = run_launcher("codex", [*FLAGS, TASK], env=env, cwd=cwd, model=model, work=tmp,
+                           launcher_args=[*OPTS, "--set", f"bili_activate={activate}"])
+        got, landed = check_run(run, model, connections=1, lazy=activate == "lazy")
         info = report(run, model)
         # the warm-up went up first on the same connection, and the first turn chained onto it
         warm = [r for r in model.seen if r.transport == "ws" and r.frame.get("generate") is False]
         assert warm and warm[0].seq < got[0].seq, info
         assert got[0].frame.get("previous_response_id") == f"resp_scripted{warm[0].seq:05d}", info
         assert "chained turn on" in run.proxy_log and "delta forwarded on the provider's chain" in run.proxy_log
-        assert run.proxy_log.count("whole input sent without previous_response_id") == len(landed), info
+        whole = len(landed) + (activate == "lazy")
+        assert run.proxy_log.count("whole input sent without previous_response_id") == whole, info
         assert run.proxy_pid is not None and not alive(run.proxy_pid) and not run.leftovers
     finally:
         model.stop()
