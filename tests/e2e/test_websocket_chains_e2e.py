@@ -15,6 +15,7 @@ import pytest
 from websockets.sync.client import connect as ws_connect
 
 from .fake_upstream import REPLY_TEXT
+from .support import openai_client
 
 pytestmark = pytest.mark.e2e
 
@@ -128,3 +129,24 @@ def test_after_a_restart_the_transcript_comes_from_the_store(fake, make_proxy, s
     after = proxy.log().rsplit("==== start #2", 1)[-1]
     assert "chain unknown" not in after
     assert ("delta forwarded" if store else "whole input sent without previous_response_id") in after
+
+
+def test_the_openai_sdk_chains_its_turns_over_the_socket(fake, proxy, sid):
+    """The official SDK's Responses WebSocket (``client.responses.connect``): two turns, the second
+    chained by ``previous_response_id``, both answered; the delta went up on the SDK's chain."""
+    client, _ = openai_client(proxy.url + "/v1")
+    u1, u2 = "SDK socket: name the build tool.", "SDK socket: and its config file?"
+    done = []
+    with client.responses.connect(extra_headers={"session_id": sid}) as conn:
+        for text in (u1, u2):
+            conn.response.create(model=MODEL, input=[{"role": "user", "content": text}], store=False, tools=TOOLS,
+                                 **({"previous_response_id": done[-1].response.id} if done else {}))
+            for event in conn:
+                if event.type in ("response.completed", "error"):
+                    break
+            assert event.type == "response.completed", event
+            done.append(event)
+    assert done[-1].response.output_text == REPLY_TEXT
+    first, second = upstream(fake, sid)
+    assert second.status == 200 and second.json["previous_response_id"] == done[0].response.id
+    assert len(second.json["input"]) == 1 and second.json["input"][0]["content"].endswith(u2)
