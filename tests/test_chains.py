@@ -332,3 +332,18 @@ def test_omp_s_captured_chain_is_rebuilt_and_its_delta_forwarded(bili):
     # the second answer chains on too
     second_id = re.findall(rb'"id": ?"(resp_[^"]+)"', second.response.content)[-1].decode()
     assert second_id != agent_delta["previous_response_id"] and bili.engine.chains.views(second_id) is not None
+
+
+def test_a_schema_3_store_gets_the_chains_table_on_open(backend):
+    """A store of the bili before server-side chains (schema 3) gets the chains table when opened."""
+    from bili_addon.store import SCHEMA_VERSION
+
+    s = backend()
+    raw = s.db.execute if s.backend == "sqlite" else s._q
+    raw("DROP TABLE chains")
+    raw("UPDATE meta SET value='3' WHERE key='schema_version'")
+    s.close()
+    c = Chains(backend())
+    assert c.store.schema_version() == SCHEMA_VERSION
+    turn(c, req([user("task")]), "r1", [said("r1", "a")])
+    assert Chains(backend()).begin(req([user("b")], "r1")).known
