@@ -97,7 +97,8 @@ class Turn:
     session: str = ""
     sent_prev: str = ""  # what went up: the previous_response_id bili sent ('' none) ...
     sent_items: list[bytes] | None = None  # ... and the input items it sent (None: not decided)
-    mode: str = ""  # "delta" | "full" | "passthrough" (for logs and tests)
+    mode: str = ""  # "delta" | "full" | "passthrough" | "observed" (for logs and tests)
+    full_sent: bytes | None = None  # the whole conversation as the provider holds it after this request
     response_id: str = ""
     output: list[bytes] = field(default_factory=list)
     _items_done: dict[int, bytes] = field(default_factory=dict)
@@ -122,7 +123,7 @@ class Turn:
             if top.pop(ENVELOPE, None) is None:
                 return None
             return _enc.encode(top)  # only bili's own envelope removed
-        full = rendered if rendered is not None else self.body
+        full = self.full_sent = rendered if rendered is not None else self.body
         top = _dec_top.decode(full)
         items = _input_items(full)
         base = self.base
