@@ -347,3 +347,20 @@ def test_a_schema_3_store_gets_the_chains_table_on_open(backend):
     assert c.store.schema_version() == SCHEMA_VERSION
     turn(c, req([user("task")]), "r1", [said("r1", "a")])
     assert Chains(backend()).begin(req([user("b")], "r1")).known
+
+
+def test_before_activation_a_chained_delta_goes_up_byte_for_byte(bili):
+    bili.tctx.configure(bili, bili_activate="lazy")
+    f1 = flow_for(req([user("task")], store=True, tools=TOOLS))
+    raw1 = f1.request.content
+    bili.request(f1)
+    assert f1.request.content == raw1
+    answered(bili, f1, "r1", [said("r1", "looking"), call("r1", "c1")])
+    raw2 = json.dumps({"model": MODEL, "previous_response_id": "r1", "input": [result("c1", "x")],
+                       "store": True, "tools": TOOLS}, indent=1).encode()  # the agent's own spacing
+    f2 = flow_for(raw2)
+    bili.request(f2)
+    assert f2.request.content == raw2
+    answered(bili, f2, "r2", [said("r2", "done")])
+    v = bili.engine.chains.views("r2")
+    assert len(v.agent) == 5 and v.agent == v.sent, "what the provider holds is what the agent thinks"
