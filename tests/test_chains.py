@@ -364,3 +364,26 @@ def test_before_activation_a_chained_delta_goes_up_byte_for_byte(bili):
     answered(bili, f2, "r2", [said("r2", "done")])
     v = bili.engine.chains.views("r2")
     assert len(v.agent) == 5 and v.agent == v.sent, "what the provider holds is what the agent thinks"
+
+
+def test_activation_resends_the_history_once_then_deltas_again(bili):
+    """Lazy activation tags the history bili already sent untagged: that turn goes up whole, the
+    next ones are deltas on the response to it."""
+    bili.tctx.configure(bili, bili_activate="lazy", bili_remind_at=300)
+    f = flow_for(req([user("task: read every module")], store=True, tools=TOOLS))
+    bili.request(f)
+    answered(bili, f, "r1", [said("r1", "reading 1"), call("r1", "c1")])
+    modes = []
+    for n in range(2, 12):
+        out = "\n".join(f"module {n} line {i}: some content here" for i in range(40))
+        f = flow_for(req([result(f"c{n - 1}", out)], f"r{n - 1}", store=True, tools=TOOLS))
+        bili.request(f)
+        sent = json.loads(f.request.content)
+        modes.append("delta" if "previous_response_id" in sent else "full")
+        active = "compress" in [t["name"] for t in sent["tools"]]
+        assert active == ("full" in modes), "the whole history goes up exactly when bili shows itself"
+        answered(bili, f, f"r{n}", [said(f"r{n}", f"reading {n}"), call(f"r{n}", f"c{n}")])
+    assert "full" in modes, modes
+    first = modes.index("full")
+    assert modes[:first] == ["delta"] * first and first > 0, modes
+    assert modes[first + 1:] == ["delta"] * (len(modes) - first - 1), modes
