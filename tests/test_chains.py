@@ -387,3 +387,14 @@ def test_activation_resends_the_history_once_then_deltas_again(bili):
     first = modes.index("full")
     assert modes[:first] == ["delta"] * first and first > 0, modes
     assert modes[first + 1:] == ["delta"] * (len(modes) - first - 1), modes
+
+
+def test_a_delta_without_input_stays_one(chains):
+    turn(chains, req([user("task")]), "r1", [said("r1", "a")])
+    raw = enc({"model": MODEL, "previous_response_id": "r1", "tools": []})
+    t = chains.begin(raw)
+    assert len(items_of(t.body)) == 2
+    b = json.loads(t.body)
+    b["tools"] = TOOLS  # the pass added something at the top
+    sent = json.loads(t.outgoing(enc(b)))
+    assert t.mode == "delta" and sent["input"] == [] and sent["previous_response_id"] == "r1"

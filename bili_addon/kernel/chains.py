@@ -147,6 +147,7 @@ class Turn:
                     out[k] = v
                 elif k in top:
                     out[k] = top[k]
+            out.setdefault("input", msgspec.Raw(b"[" + b",".join(delta) + b"]"))
             for k, v in top.items():  # keys the pass added
                 if k not in out:
                     out[k] = v
