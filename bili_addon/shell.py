@@ -293,7 +293,7 @@ class Bili:
 
         def work(eng: Engine):
             res, turn = self.process_chained(eng, raw, lane, headers, "http", origin, fold)
-            return res, self._record(eng, res, lane.name, "http", fold, raw), turn
+            return res, self._record(eng, res, lane.name, "http", fold, raw, turn), turn
 
         if self.keeper.offloading:
             return self._request_later(flow, lane, fold, work)
@@ -375,7 +375,7 @@ class Bili:
         self._flows[flow] = FlowState(lane.name, res.session, rw, record, turn)
 
     def _record(self, eng: Engine, res: TurnResult | None, lane: str, via: str, rendered: bool,
-                raw: bytes) -> dict[str, Any] | None:
+                raw: bytes, turn: ChainTurn | None = None) -> dict[str, Any] | None:
         """The flow's plain record of a turn (on the worker: it reads the session's blocks)."""
         if res is None or not res.session:
             return None
@@ -384,7 +384,11 @@ class Bili:
         rec = flowmeta.request_record(res, mode=self.mode, rendered=rendered, lane=lane, via=via, raw=raw,
                                       sent=sent, blocks=s.blocks if s else [])
         if s is not None:
-            rec.update(self.meter.request(s, raw, sent))
+            if turn is not None and turn.full_sent is not None:
+                # a chained turn: the prompt is the whole chain, the agent's and the one bili keeps
+                rec.update(self.meter.request(s, turn.body, turn.full_sent))
+            else:
+                rec.update(self.meter.request(s, raw, sent))
         return rec
 
     def _process(self, eng: Engine, raw: bytes, lane: Lane, headers, where: str, origin: str = "",

@@ -332,3 +332,69 @@ def test_omp_s_captured_chain_is_rebuilt_and_its_delta_forwarded(bili):
     # the second answer chains on too
     second_id = re.findall(rb'"id": ?"(resp_[^"]+)"', second.response.content)[-1].decode()
     assert second_id != agent_delta["previous_response_id"] and bili.engine.chains.views(second_id) is not None
+
+
+def test_a_schema_3_store_gets_the_chains_table_on_open(backend):
+    """A store of the bili before server-side chains (schema 3) gets the chains table when opened."""
+    from bili_addon.store import SCHEMA_VERSION
+
+    s = backend()
+    raw = s.db.execute if s.backend == "sqlite" else s._q
+    raw("DROP TABLE chains")
+    raw("UPDATE meta SET value='3' WHERE key='schema_version'")
+    s.close()
+    c = Chains(backend())
+    assert c.store.schema_version() == SCHEMA_VERSION
+    turn(c, req([user("task")]), "r1", [said("r1", "a")])
+    assert Chains(backend()).begin(req([user("b")], "r1")).known
+
+
+def test_before_activation_a_chained_delta_goes_up_byte_for_byte(bili):
+    bili.tctx.configure(bili, bili_activate="lazy")
+    f1 = flow_for(req([user("task")], store=True, tools=TOOLS))
+    raw1 = f1.request.content
+    bili.request(f1)
+    assert f1.request.content == raw1
+    answered(bili, f1, "r1", [said("r1", "looking"), call("r1", "c1")])
+    raw2 = json.dumps({"model": MODEL, "previous_response_id": "r1", "input": [result("c1", "x")],
+                       "store": True, "tools": TOOLS}, indent=1).encode()  # the agent's own spacing
+    f2 = flow_for(raw2)
+    bili.request(f2)
+    assert f2.request.content == raw2
+    answered(bili, f2, "r2", [said("r2", "done")])
+    v = bili.engine.chains.views("r2")
+    assert len(v.agent) == 5 and v.agent == v.sent, "what the provider holds is what the agent thinks"
+
+
+def test_activation_resends_the_history_once_then_deltas_again(bili):
+    """Lazy activation tags the history bili already sent untagged: that turn goes up whole, the
+    next ones are deltas on the response to it."""
+    bili.tctx.configure(bili, bili_activate="lazy", bili_remind_at=300)
+    f = flow_for(req([user("task: read every module")], store=True, tools=TOOLS))
+    bili.request(f)
+    answered(bili, f, "r1", [said("r1", "reading 1"), call("r1", "c1")])
+    modes = []
+    for n in range(2, 12):
+        out = "\n".join(f"module {n} line {i}: some content here" for i in range(40))
+        f = flow_for(req([result(f"c{n - 1}", out)], f"r{n - 1}", store=True, tools=TOOLS))
+        bili.request(f)
+        sent = json.loads(f.request.content)
+        modes.append("delta" if "previous_response_id" in sent else "full")
+        active = "compress" in [t["name"] for t in sent["tools"]]
+        assert active == ("full" in modes), "the whole history goes up exactly when bili shows itself"
+        answered(bili, f, f"r{n}", [said(f"r{n}", f"reading {n}"), call(f"r{n}", f"c{n}")])
+    assert "full" in modes, modes
+    first = modes.index("full")
+    assert modes[:first] == ["delta"] * first and first > 0, modes
+    assert modes[first + 1:] == ["delta"] * (len(modes) - first - 1), modes
+
+
+def test_a_delta_without_input_stays_one(chains):
+    turn(chains, req([user("task")]), "r1", [said("r1", "a")])
+    raw = enc({"model": MODEL, "previous_response_id": "r1", "tools": []})
+    t = chains.begin(raw)
+    assert len(items_of(t.body)) == 2
+    b = json.loads(t.body)
+    b["tools"] = TOOLS  # the pass added something at the top
+    sent = json.loads(t.outgoing(enc(b)))
+    assert t.mode == "delta" and sent["input"] == [] and sent["previous_response_id"] == "r1"

@@ -36,7 +36,7 @@ from typing import Any
 
 import msgspec
 
-from bili_addon.kernel import tags
+from bili_addon.kernel import envelope, tags
 from bili_addon.kernel.state import clean_replayed_prose
 
 log = logging.getLogger("bili")
@@ -47,6 +47,7 @@ _dec_top = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _dec_items = msgspec.json.Decoder(list[msgspec.Raw])
 CACHE = 32  # rebuilt conversations kept in memory (response id -> both views; their items shared)
 PREV = "previous_response_id"
+ENVELOPE = envelope.FIELD
 
 
 class Link(msgspec.Struct, gc=False):
@@ -96,7 +97,8 @@ class Turn:
     session: str = ""
     sent_prev: str = ""  # what went up: the previous_response_id bili sent ('' none) ...
     sent_items: list[bytes] | None = None  # ... and the input items it sent (None: not decided)
-    mode: str = ""  # "delta" | "full" | "passthrough" (for logs and tests)
+    mode: str = ""  # "delta" | "full" | "passthrough" | "observed" (for logs and tests)
+    full_sent: bytes | None = None  # the whole conversation as the provider holds it after this request
     response_id: str = ""
     output: list[bytes] = field(default_factory=list)
     _items_done: dict[int, bytes] = field(default_factory=dict)
@@ -110,15 +112,18 @@ class Turn:
         ``rewrite=False`` (observe mode): the agent's bytes always go up as they came."""
         if not self.prev:  # the agent sent its whole conversation: nothing to decide
             self.mode = "full"
-            self.sent_items = _input_items(rendered if rendered is not None and rewrite else self.raw)
-            return rendered if rewrite else None
-        if not self.known:
+            self.sent_items = _input_items(rendered if rendered is not None else self.raw)
+            return rendered
+        if not self.known:  # the pass ran on the agent's body as it came
             self.mode = "passthrough"
-            return rendered if rewrite else None
+            return rendered
         if not rewrite:
             self.mode, self.sent_prev, self.sent_items = "observed", self.prev, list(self.agent_items)
-            return None
-        full = rendered if rendered is not None else self.body
+            top = _dec_top.decode(self.raw)
+            if top.pop(ENVELOPE, None) is None:
+                return None
+            return _enc.encode(top)  # only bili's own envelope removed
+        full = self.full_sent = rendered if rendered is not None else self.body
         top = _dec_top.decode(full)
         items = _input_items(full)
         base = self.base
@@ -135,13 +140,14 @@ class Turn:
             ) and len(top) + 1 == len(agent_top):
                 return None  # the agent's own bytes, byte for byte
             out: dict[str, msgspec.Raw] = {}
-            for k, v in agent_top.items():  # the agent's key order; the pass's values
+            for k, v in agent_top.items():  # the agent's key order; the pass's values (bili's envelope goes)
                 if k == "input":
                     out[k] = msgspec.Raw(b"[" + b",".join(delta) + b"]")
                 elif k == PREV:
                     out[k] = v
                 elif k in top:
                     out[k] = top[k]
+            out.setdefault("input", msgspec.Raw(b"[" + b",".join(delta) + b"]"))
             for k, v in top.items():  # keys the pass added
                 if k not in out:
                     out[k] = v
@@ -226,7 +232,7 @@ class Chains:
         )
         full: dict[str, msgspec.Raw] = {}
         for k, v in top.items():
-            if k == PREV:
+            if k in (PREV, ENVELOPE):  # vouched ids name the delta's items only: not used for the whole
                 continue
             full[k] = msgspec.Raw(b"[" + b",".join(base.agent + agent_items) + b"]") if k == "input" else v
         if "input" not in full:

@@ -191,3 +191,26 @@ def test_the_fake_refuses_a_previous_response_id_it_never_issued(fake, sid):
     body = {"model": "gpt-fake-1", "input": "again", "previous_response_id": rid}
     reply = request(fake.url + "/v1/responses", json.dumps(body).encode(), headers={"content-type": "application/json"})
     assert reply.status == 400, "a store: false response is not kept for HTTP"
+
+
+def test_the_fake_keeps_store_false_chains_on_their_websocket_only(fake, sid):
+    from websockets.sync.client import connect as ws_connect
+
+    def create(ws, **body) -> dict:
+        ws.send(json.dumps({"type": "response.create", "model": "m", "store": False, **body}))
+        while True:
+            event = json.loads(ws.recv(timeout=10))
+            if event["type"] in ("response.completed", "error"):
+                return event
+
+    url = f"ws://127.0.0.1:{fake.ws_port}/v1/responses"
+    with ws_connect(url, proxy=None) as one, ws_connect(url, proxy=None) as two:
+        first = create(one, input="hi")["response"]["id"]
+        second = create(one, input="more", previous_response_id=first)
+        assert second["type"] == "response.completed", second
+        assert create(two, input="x", previous_response_id=second["response"]["id"])["type"] == "error", \
+            "another connection does not have it"
+        assert create(one, input="y", previous_response_id=first)["type"] == "error", "only the newest one"
+        assert create(one, input="z", previous_response_id=second["response"]["id"])["type"] == "response.completed"
+    seen = fake.find(lambda r: r.transport == "ws" and r.response_id)[-1].conversation
+    assert [it["content"] for it in seen if it.get("role") == "user"] == ["hi", "more", "z"]
