@@ -554,7 +554,7 @@ class Bili:
 
             def work(eng: Engine):
                 res, turn = self.process_chained(eng, raw, LANES["responses"], headers, "ws", origin, fold, conn)
-                return res, self._record(eng, res, "responses", "ws", fold, raw), turn
+                return res, self._record(eng, res, "responses", "ws", fold, raw, turn), turn
 
             if self.keeper.offloading:
                 return self._ws_later(flow, msg, work)
