@@ -30,7 +30,10 @@ import msgspec
 
 from bili_addon import FIRST_PARTY, flowmeta
 
-WS_NOTE = "live fold mode refuses this WebSocket (426); the agent then resends over HTTP with full history"
+# a Responses WebSocket frame continuing a chain (previous_response_id): what went up
+CHAIN_NOTES = {"delta": "chained: the delta on the provider's chain",
+               "full": "chained: the whole input without previous_response_id",
+               "passthrough": "chained on a response bili never saw: passed through observed"}
 
 
 @dataclass
@@ -110,24 +113,31 @@ class Replayer:
         self.first_party = first_party
         self.marker = marker
         self.turns: dict[str, int] = {}
+        self.chain = None  # the chains turn of the last WebSocket frame (kernel/chains.py), for its answer
 
     def close(self) -> None:
         self.engine.store.close()
 
     # -- one request -------------------------------------------------------------------------------
     def request(self, report: FileReport, index: int, raw: bytes, lane, headers, host: str, via: str,
-                live: dict[str, Any] | None = None):
-        """Process one model request (``live``: the proxy's record of it, from the file); returns
-        ``(turn, marker, render)``, or None."""
+                live: dict[str, Any] | None = None, conn: str | None = None):
+        """Process one model request (``live``: the proxy's record of it, from the file; ``conn``: a
+        WebSocket frame's connection key, its turn then goes through the chains transcript as live);
+        returns ``(turn, marker, render)``, or None."""
         from bili_addon.shell import first_party_claude
 
         fp = lane.name == "anthropic" and first_party_claude(raw, host)
         render = not (fp and self.first_party == "observe")
+        chain = self.chain = self.engine.chains.begin(raw, conn) if conn is not None else None
         try:
-            res = self.engine.process(raw, lane, headers, render=render, origin=host)
+            res = self.engine.process(raw if chain is None else chain.body, lane, headers,
+                                      render=render and (chain is None or chain.known), origin=host)
         except (msgspec.DecodeError, ValueError) as e:
             report.errors.append(f"flow {index}: {lane.name} body not understood ({e}); live it is forwarded unchanged")
             return None
+        if chain is not None and not res.status:
+            res.body = chain.outgoing(res.body)  # the delta, the whole folded input, or the agent's bytes
+            chain.session = res.session or ""
         if not res.session:
             report.unidentified += 1
             return None
@@ -144,8 +154,8 @@ class Replayer:
             turn.first_block_kept = _system_head(body) == _system_head(raw)
         if fp and not render:
             turn.note = "first-party, observe: unchanged"
-        if via == "ws" and live is None:  # with a record, the proxy took the WebSocket (bili_refuse_websocket off)
-            turn.note = WS_NOTE
+        if chain is not None and chain.prev:
+            turn.note = CHAIN_NOTES.get(chain.mode, chain.mode)
         if live is not None:
             turn.live = {k: live.get(k) for k in ("mode", "rendered", "session", *flowmeta.FIGURES)}
             differs = _live_differs(turn, render)
@@ -224,13 +234,26 @@ class Replayer:
                 if b'"response.create"' not in raw:
                     continue
                 self.at = msg.timestamp or 0.0
-                got = self.request(report, index, raw, lane, flow.request.headers, host, "ws", live)
+                got = self.request(report, index, raw, lane, flow.request.headers, host, "ws", live,
+                                   conn=f"replay:{report.path}:{index}")
                 turn, rw = (got[0], rewriter_cls("responses", got[2])) if got is not None else (None, None)
+                if rw is not None and self.chain is not None:
+                    rw.tap = self._chain_tap(self.chain)
             elif turn is not None and rw is not None:
                 rw.ws_frame(msg.content)
                 if rw.finished:
                     self.account(turn, rw)
                     rw = None
+
+    def _chain_tap(self, chain):
+        """The answer's events into the chains transcript (as the live tap does), so the next frame's
+        delta is rebuilt on it."""
+        def tap(obj: Any) -> None:
+            if not chain.finished:
+                chain.observe(obj)
+                if chain.finished:
+                    self.engine.chains.record(chain)
+        return tap
 
 
 class _RecordedAnswer:

@@ -17,6 +17,7 @@ from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, mitmview, price
 from bili_addon.kernel import envelope
 from bili_addon.kernel.activation import MODES as ACTIVATE
 from bili_addon.kernel.calibration import row_dict
+from bili_addon.kernel.chains import Turn as ChainTurn
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.turn import Engine, TurnResult
@@ -100,13 +101,14 @@ class FlowState:
     session: str
     rewriter: ResponseRewriter
     record: dict[str, Any] = field(default_factory=dict)
+    chain: ChainTurn | None = None  # a Responses turn: its answer goes into the chains transcript
 
 
 class Bili:
     def __init__(self) -> None:
         self.keeper = Keeper(self._make_engine)  # the engine and its store, off the event loop
         self.mode = "fold"
-        self.refuse_ws = True
+        self.refuse_ws = False
         self.first_party = "fold"
         self.data_dir = ""
         self.store_spec = ""  # bili_store: '' (SQLite in the data dir) or a postgresql:// URL
@@ -186,9 +188,10 @@ class Bili:
             "bytes (the agent's verbatim tail takes over where its history stops matching).",
         )
         loader.add_option(
-            "bili_refuse_websocket", bool, True,
+            "bili_refuse_websocket", bool, False,
             "In fold mode, answer WebSocket upgrades on /responses with HTTP 426 so the agent "
-            "falls back to HTTP with its full history (codex).",
+            "falls back to HTTP with its full history (codex). Off: the WebSocket is kept and its "
+            "chained turns are folded like HTTP ones.",
         )
         loader.add_option(
             "bili_first_party", str, "fold",
@@ -290,23 +293,64 @@ class Bili:
         headers, origin = req.headers.copy(), req.pretty_host
 
         def work(eng: Engine):
-            res = self._process(eng, raw, lane, headers, where="http", origin=origin, render=fold)
-            return res, self._record(eng, res, lane.name, "http", fold, raw)
+            res, turn = self.process_chained(eng, raw, lane, headers, "http", origin, fold)
+            return res, self._record(eng, res, lane.name, "http", fold, raw, turn), turn
 
         if self.keeper.offloading:
             return self._request_later(flow, lane, fold, work)
         self._apply(flow, lane, fold, self.keeper.run(work))
         return None
 
+    def process_chained(self, eng: Engine, raw: bytes, lane: Lane, headers, where: str, origin: str,
+                        fold: bool, conn: str = "") -> tuple[TurnResult | None, ChainTurn | None]:
+        """One turn; a Responses body goes through the chains transcript first (kernel/chains.py):
+        a delta on a known chain is rebuilt into its whole conversation for the pass, and the pass's
+        output becomes the delta or the whole folded input; an unknown chain passes observed.
+        ``conn``: the connection key (a WebSocket's; '' for HTTP)."""
+        turn = eng.chains.begin(raw, conn) if lane.name == "responses" else None
+        if turn is None:
+            return self._process(eng, raw, lane, headers, where=where, origin=origin, render=fold), None
+        res = self._process(eng, turn.body, lane, headers, where=where, origin=origin,
+                            render=fold and turn.known)
+        if res is None:  # fail open: the agent's bytes go up
+            turn.forwarded()
+            return None, turn
+        if res.status:
+            return res, None
+        res.body = turn.outgoing(res.body, rewrite=fold)
+        turn.session = res.session or ""
+        if turn.prev:
+            log.info("[bili] session=%s: chained turn on %s: %s", res.session, turn.prev, {
+                "delta": "delta forwarded on the provider's chain",
+                "full": "the sent history changed: whole input sent without previous_response_id",
+                "passthrough": "chain unknown to the transcript: passed through observed"}.get(turn.mode, turn.mode))
+        return res, turn
+
     async def _request_later(self, flow: http.HTTPFlow, lane: Lane, fold: bool, work) -> None:
         self._apply(flow, lane, fold, await self.keeper.call(work))
+
+    def chain_tap(self, turn: ChainTurn):
+        """The rewriter's tap for a chained turn: once the answer's final event is seen (before
+        it reaches the agent), its transcript entry is queued on the store's worker, so the
+        agent's next request (which may follow at once) finds it."""
+        def tap(obj: Any) -> None:
+            if turn.finished:
+                return
+            turn.observe(obj)
+            if turn.finished:
+                self.keeper.submit(lambda eng: eng.chains.record(turn))
+        return tap
 
     def _apply(self, flow: http.HTTPFlow, lane: Lane, fold: bool, out) -> None:
         """The turn's outcome (the kernel's result and the flow's record) onto the flow (on the event loop)."""
         req = flow.request
         for name in (envelope.HEADER, envelope.RESYNC_HEADER):
             req.headers.pop(name, None)  # ours: never forwarded
-        res, record = out or (None, None)
+        res, record, turn = out or (None, None, None)
+        if turn is not None and (res is None or not res.session):  # no session: the answer is still chained
+            rw = ResponseRewriter(lane.name, False)
+            rw.tap = self.chain_tap(turn)
+            self._flows[flow] = FlowState(lane.name, "", rw, {}, turn)
         if res is not None and not res.session and res.body is not None:
             req.content = res.body  # only bili's own envelope removed
         if res is None or record is None:
@@ -326,10 +370,13 @@ class Bili:
             # a compressed stream cannot be filtered event by event
             req.headers["accept-encoding"] = "identity"
         marker = res.marker if ctx.options.bili_marker else ""
-        self._flows[flow] = FlowState(lane.name, res.session, ResponseRewriter(lane.name, rewrite, marker), record)
+        rw = ResponseRewriter(lane.name, rewrite, marker)
+        if turn is not None:
+            rw.tap = self.chain_tap(turn)
+        self._flows[flow] = FlowState(lane.name, res.session, rw, record, turn)
 
     def _record(self, eng: Engine, res: TurnResult | None, lane: str, via: str, rendered: bool,
-                raw: bytes) -> dict[str, Any] | None:
+                raw: bytes, turn: ChainTurn | None = None) -> dict[str, Any] | None:
         """The flow's plain record of a turn (on the worker: it reads the session's blocks)."""
         if res is None or not res.session:
             return None
@@ -338,7 +385,11 @@ class Bili:
         rec = flowmeta.request_record(res, mode=self.mode, rendered=rendered, lane=lane, via=via, raw=raw,
                                       sent=sent, blocks=s.blocks if s else [])
         if s is not None:
-            rec.update(self.meter.request(s, raw, sent))
+            if turn is not None and turn.full_sent is not None:
+                # a chained turn: the prompt is the whole chain, the agent's and the one bili keeps
+                rec.update(self.meter.request(s, turn.body, turn.full_sent))
+            else:
+                rec.update(self.meter.request(s, raw, sent))
         return rec
 
     def _process(self, eng: Engine, raw: bytes, lane: Lane, headers, where: str, origin: str = "",
@@ -420,6 +471,9 @@ class Bili:
             log.exception("[bili] session=%s: response handling failed (%s); answer left as is", st.session, e)
             return None
 
+        if not st.session:
+            return None  # a chained turn without a session: its tap did all there is to do
+
         def job(eng: Engine) -> None:
             try:
                 if status >= 400:
@@ -480,20 +534,28 @@ class Bili:
         log.info("%s", self.meter.line(st.session, st.lane, str(st.record.get("agent") or ""), w))
 
     # -- WebSocket (Responses) -----------------------------------------------------------------
-    def websocket_message(self, flow: http.HTTPFlow) -> None:
+    def websocket_message(self, flow: http.HTTPFlow):
+        """Codex's transport: one ``response.create`` frame per turn (the new items, chained by
+        ``previous_response_id`` to a response of this connection), one event per server frame.
+        A client frame goes through the chains transcript like an HTTP body (the delta as the agent
+        sent it, or the whole folded input when a fold landed); the connection key is the flow's,
+        since mitmproxy gives each agent connection an upstream connection of its own.  Server
+        frames are rewritten as the HTTP stream is and feed the transcript.  Fail open per frame."""
         if not self.active or flow.websocket is None or not is_responses_websocket(flow.request.path):
-            return
+            return None
         msg = flow.websocket.messages[-1]
         if not msg.is_text:
-            return
+            return None
         if msg.from_client:
             if b'"response.create"' not in msg.content:
-                return
+                return None
             raw, headers, origin = msg.content, flow.request.headers.copy(), flow.request.pretty_host
+            fold, conn = self.mode == "fold", flow.id
+            self._flows.pop(flow, None)  # a new turn: the previous answer's state is done with
 
             def work(eng: Engine):
-                res = self._process(eng, raw, LANES["responses"], headers, where="ws", origin=origin)
-                return res, self._record(eng, res, "responses", "ws", self.mode == "fold", raw)
+                res, turn = self.process_chained(eng, raw, LANES["responses"], headers, "ws", origin, fold, conn)
+                return res, self._record(eng, res, "responses", "ws", fold, raw, turn), turn
 
             if self.keeper.offloading:
                 return self._ws_later(flow, msg, work)
@@ -501,16 +563,18 @@ class Bili:
             return None
         st = self._flows.get(flow)
         if st is None:
-            return
+            return None
         try:
             frame = st.rewriter.ws_frame(msg.content)
             if frame is not None:
                 msg.content = frame
             if st.rewriter.finished:  # once per answer, whichever final event ends it
-                self.keeper.submit(lambda eng: self._account(eng, st))
+                if st.session:
+                    self.keeper.submit(lambda eng: self._account(eng, st))
                 self._flows.pop(flow, None)
         except Exception as e:
             log.exception("[bili] session=%s: WebSocket frame handling failed (%s); frame left as is", st.session, e)
+        return None
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
         self._flows.pop(flow, None)
@@ -519,15 +583,28 @@ class Bili:
         self._ws_apply(flow, msg, await self.keeper.call(work))
 
     def _ws_apply(self, flow: http.HTTPFlow, msg, out) -> None:
-        res, record = out or (None, None)
-        if res is not None and res.body is not None:
-            msg.content = res.body  # folded, or only bili's own envelope removed
-        if res is None or record is None:
-            return
-        record["message"] = len(flow.websocket.messages) - 1
-        flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
-        self._flows[flow] = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold" and res.active),
-                                      record)
+        """The turn's outcome onto the client frame (on the event loop); any failure leaves the
+        frame as the agent sent it."""
+        try:
+            res, record, turn = out or (None, None, None)
+            if res is not None and res.status:
+                log.warning("[bili] session=%s: %s (WebSocket frame forwarded unchanged)", res.session, res.error)
+                return
+            if res is not None and res.body is not None:
+                msg.content = res.body  # the delta (tags, a reminder), the whole folded input, or no envelope
+            session = res.session if res is not None else ""
+            rewrite = self.mode == "fold" and res is not None and bool(res.session) and res.active
+            marker = res.marker if rewrite and ctx.options.bili_marker else ""
+            rw = ResponseRewriter("responses", rewrite, marker)
+            if turn is not None:
+                rw.tap = self.chain_tap(turn)  # the answer goes into the chains transcript
+            if record is not None:
+                record["message"] = len(flow.websocket.messages) - 1
+                flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
+            if session or turn is not None:
+                self._flows[flow] = FlowState("responses", session, rw, record or {}, turn)
+        except Exception as e:  # fail open: this frame goes up as the agent sent it
+            log.exception("[bili] WebSocket frame handling failed (%s); frame forwarded unchanged", e)
 
     # -- admin ---------------------------------------------------------------------------------
     def stats(self, eng: Engine | None = None) -> dict:
@@ -584,7 +661,8 @@ class Bili:
                 entry["lineage"] = family
             entry["wire"] = meter.totals(store, r.id, self.meter.table)
             if flags.get("delta_history"):
-                entry["warning"] = "history not visible to the proxy (previous_response_id deltas); never folded"
+                entry["warning"] = ("a previous_response_id chain the transcript does not hold (it began before "
+                                    "bili saw it): observed until the agent sends its whole history")
             sessions.append(entry)
         return {"sessions": sessions, "store": True, "store_status": self.keeper.status(),
                 "prices": {"as_of": self.meter.table.as_of, "source": self.meter.table.source},

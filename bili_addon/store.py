@@ -29,7 +29,8 @@ import msgspec
 
 from bili_addon import private
 
-SCHEMA_VERSION = 4  # 3: the wire table; 4: the calibration table (their PostgreSQL migrations: store_pg._MIGRATIONS)
+SCHEMA_VERSION = 5  # 3: the wire table; 4: the calibration table; 5: the chains table
+# (their PostgreSQL migrations: store_pg._MIGRATIONS[3], [4], [5])
 BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
 
 _SCHEMA = """
@@ -187,7 +188,26 @@ CREATE TABLE IF NOT EXISTS calibration(
     PRIMARY KEY(session_id, n)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS calibration_host ON calibration(host, family, ts);
+-- schema 5: server-side chains (#13, kernel/chains.py): per response id, both views as base[:keep] + items + output
+CREATE TABLE IF NOT EXISTS chains(
+    id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    conn TEXT NOT NULL,
+    stored INTEGER NOT NULL,
+    agent_base TEXT NOT NULL,
+    agent_keep INTEGER NOT NULL,
+    agent BLOB NOT NULL,
+    sent_base TEXT NOT NULL,
+    sent_keep INTEGER NOT NULL,
+    sent BLOB,
+    output BLOB NOT NULL,
+    created REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS chains_session ON chains(session_id);
 """
+# the columns of a chains row, in the order save_chain takes and chain returns them
+CHAIN_COLS = ("id", "session_id", "conn", "stored", "agent_base", "agent_keep", "agent", "sent_base", "sent_keep",
+              "sent", "output", "created")
 
 
 class StoreError(RuntimeError):
@@ -505,7 +525,8 @@ class Store:
         if have >= SCHEMA_VERSION:
             return
         with self._tx():
-            # 3: the wire table, 4: the calibration table, made by _SCHEMA like every table; nothing to move
+            # 3: the wire table, 4: the calibration table, 5: the chains table, made by _SCHEMA like
+            # every table; nothing to move
             if have < 2:
                 self._repair_refs()
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES('schema_version', ?)",
@@ -888,6 +909,18 @@ class Store:
                 [(session_id, keep + i, sig, json.dumps(refs), item) for i, (sig, refs, item) in enumerate(rows)],
             )
         return version
+
+    # -- server-side chains (#13, kernel/chains.py) ------------------------------------------------
+    def save_chain(self, row: tuple) -> None:
+        """One response of a server-side chain (a row in :data:`CHAIN_COLS` order); written once."""
+        with self._tx():
+            self.db.execute(f"INSERT OR REPLACE INTO chains({', '.join(CHAIN_COLS)}) VALUES({', '.join('?' * len(CHAIN_COLS))})",
+                            row)
+
+    @_reads
+    def chain(self, response_id: str) -> tuple | None:
+        r = self.db.execute(f"SELECT {', '.join(CHAIN_COLS)} FROM chains WHERE id=?", (response_id,)).fetchone()
+        return None if r is None else tuple(bytes(v) if isinstance(v, memoryview) else v for v in r)
 
     # -- operations: health, doctor, and copying a whole store (bili store migrate) ---------------
     backend = "sqlite"

@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bili_addon.store import (
-    CALIBRATION_COLS, DB_NAME, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow, StaleSession,
-    StoreError, UsageTotals, WireTurn, WIRE_COLS, wire_turn,
+    CALIBRATION_COLS, CHAIN_COLS, DB_NAME, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
+    StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, wire_turn,
 )
 
 try:
@@ -189,6 +189,23 @@ _MIGRATIONS: dict[int, list[str]] = {
             reported_write BIGINT,
             PRIMARY KEY(session_id, n))""",
         "CREATE INDEX IF NOT EXISTS calibration_host ON calibration(host, family, ts)",
+    ],
+    # server-side chains (#13, kernel/chains.py)
+    5: [
+        """CREATE TABLE IF NOT EXISTS chains(
+            id TEXT PRIMARY KEY,
+            session_id TEXT NOT NULL,
+            conn TEXT NOT NULL,
+            stored BIGINT NOT NULL,
+            agent_base TEXT NOT NULL,
+            agent_keep BIGINT NOT NULL,
+            agent BYTEA NOT NULL,
+            sent_base TEXT NOT NULL,
+            sent_keep BIGINT NOT NULL,
+            sent BYTEA,
+            output BYTEA NOT NULL,
+            created DOUBLE PRECISION NOT NULL)""",
+        "CREATE INDEX IF NOT EXISTS chains_session ON chains(session_id)",
     ],
 }
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
@@ -756,6 +773,18 @@ class PgStore:
             self._many("INSERT INTO transcript(session_id, seq, sig, refs, item) VALUES(%s,%s,%s,%s,%s)",
                        [(session_id, keep + i, sig, json.dumps(refs), item) for i, (sig, refs, item) in enumerate(rows)])
         return version
+
+    # -- server-side chains (#13, kernel/chains.py) ------------------------------------------------
+    def save_chain(self, row: tuple) -> None:
+        with self._tx() as conn:
+            self.round_trips += 1
+            conn.execute(f"INSERT INTO chains({', '.join(CHAIN_COLS)}) VALUES({', '.join(['%s'] * len(CHAIN_COLS))}) "
+                         "ON CONFLICT(id) DO NOTHING", row)
+
+    @_reads
+    def chain(self, response_id: str) -> tuple | None:
+        r = self._one(f"SELECT {', '.join(CHAIN_COLS)} FROM chains WHERE id=%s", (response_id,))
+        return None if r is None else tuple(bytes(v) if isinstance(v, memoryview) else v for v in r)
 
     # -- lineage (#15, #20): the SQLite store's queries, spelled for PostgreSQL -------------------
     @_reads

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Protocol, runtime_checkable
 
-from bili_addon.store import CalibrationRow, LedgerRow, SessionRow, Store, StoreError, UsageTotals, WireTurn
+from bili_addon.store import CHAIN_COLS, CalibrationRow, LedgerRow, SessionRow, Store, StoreError, UsageTotals, WireTurn
 
 URL_SCHEMES = ("postgresql://", "postgres://")
 
@@ -40,6 +40,7 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "calibration": (("session_id", "n", "ts", "host", "family", "lane", "gap", "age", "predicted_input",
                      "predicted_read", "predicted_write", "reported_input", "reported_read", "reported_write"),
                     ("session_id", "n")),
+    "chains": (CHAIN_COLS, ("id",)),
 }
 
 
@@ -101,6 +102,8 @@ class StoreProtocol(Protocol):
     def dump(self, table: str, cols: tuple[str, ...], key: tuple[str, ...]) -> list[tuple]: ...
     def load(self, table: str, cols: tuple[str, ...], rows: list[tuple]) -> None: ...
     def is_empty(self) -> bool: ...
+    def save_chain(self, row: tuple) -> None: ...
+    def chain(self, response_id: str) -> tuple | None: ...
 
 
 def is_url(spec: str | None) -> bool:

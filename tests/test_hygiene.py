@@ -151,11 +151,14 @@ def test_a_400_naming_reasoning_content_teaches_the_session(tmp_path):
     addon.done()
 
 
-@pytest.mark.parametrize("mode,refused", [("fold", True), ("observe", False)])
-def test_websocket_upgrade_on_responses_is_refused_in_fold_mode(tmp_path, mode, refused):
+@pytest.mark.parametrize("mode,refuse,refused", [("fold", None, False), ("fold", True, True), ("observe", True, False)])
+def test_websocket_upgrade_on_responses_is_refused_in_fold_mode_when_asked(tmp_path, mode, refuse, refused):
+    """By default the upgrade goes through (chained turns are folded); ``bili_refuse_websocket``
+    answers it with 426 in fold mode, so the agent falls back to HTTP."""
     addon = Bili()
     with taddons.context(addon) as tctx:
-        tctx.configure(addon, bili_data_dir=str(tmp_path), bili_mode=mode)
+        opts = {} if refuse is None else {"bili_refuse_websocket": refuse}
+        tctx.configure(addon, bili_data_dir=str(tmp_path), bili_mode=mode, **opts)
         req = tutils.treq(method=b"GET", path=b"/v1/responses", host="api.openai.com", port=443, scheme=b"https",
                           headers=http.Headers(host="api.openai.com", upgrade="websocket", connection="Upgrade"),
                           content=b"")

@@ -55,8 +55,12 @@ def test_replay_json_per_session_and_turn():
     assert [t["turn"] for t in fp] == [1, 2, 3] and len({t["session"] for t in fp}) == 1
     assert all(t["first_party"] and t["first_block_kept"] and t["changed"] for t in fp)
     assert not any(t["first_party"] for t in docs["claude_rev"]["turns"])  # a custom base URL is not first-party
-    # codex's WebSocket frames are replayed, and flagged: live, fold mode refuses the upgrade
-    assert {t["via"] for t in docs["codex_fwd"]["turns"]} == {"ws"}
+    # codex's WebSocket frames are replayed as live: a delta on a chain is rebuilt from the transcript
+    # of the answers before it (the whole conversation for the ledger) and goes up as a delta
+    ws = docs["codex_fwd"]["turns"]
+    assert {t["via"] for t in ws} == {"ws"}
+    assert ws[-1]["note"] == "chained: the delta on the provider's chain"
+    assert ws[-1]["messages"] > ws[-2]["messages"] and ws[-1]["refs_known"] == ws[-2]["refs_new"]
     assert {t["via"] for t in docs["codex_fwd_blk"]["turns"]} == {"http"}
     # the unknown-tool runs: the recorded answer calls compress, the next request runs it
     for name in ("omp_unk", "hermes_unk"):

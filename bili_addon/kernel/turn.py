@@ -21,6 +21,7 @@ import msgspec
 
 from bili_addon.kernel import activation, breakpoints, cache, envelope, fold, lifetime, nudge, reconcile, tags
 from bili_addon.kernel.calibration import Calibration
+from bili_addon.kernel.chains import Chains
 from bili_addon.kernel.compaction import Epochs, asks_for_summary
 from bili_addon.kernel.fold import FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
@@ -72,6 +73,7 @@ class Engine(ProxyTools, Epochs):
         self.sessions = Sessions(store, max_sessions)  # cached sessions and previous passes (kernel/registry.py)
         self.affinity = PrefixAffinity(store.affinity())
         self.lineage = Lineage(store)  # forks and id-less rewinds (kernel/lineage.py)
+        self.chains = Chains(store)  # server-side chains: the shell's way in (kernel/chains.py)
         self.fold_cfg = fold_cfg or FoldConfig()
         self.nudge_cfg = nudge.NudgeConfig()
         self.inject = inject
@@ -203,8 +205,8 @@ class Engine(ProxyTools, Epochs):
         if isinstance(top.get("previous_response_id"), str) and top["previous_response_id"]:
             if self.set_flag(sid, "delta_history", True):
                 result.notes.append(
-                    "the agent sends only new items plus previous_response_id: the proxy cannot see "
-                    "this session's history, so nothing of it will ever be folded"
+                    "the agent continues a server-side chain (previous_response_id) the proxy's transcript "
+                    "does not hold: its turns pass observed until the agent sends its whole history"
                 )
 
         view_items = (memo.view_items[:q] if q else []) + _view_items(resolved_tail, start + q)

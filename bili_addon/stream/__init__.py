@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -29,6 +29,17 @@ class ResponseRewriter:
         self.rewrite = rewrite
         self._events: dict[int, SSEEvent] = {}
         self.broken = False  # an internal error: the rest of the stream passes as it comes
+        # sees every decoded event (or the whole JSON answer) as the upstream sent it, before any
+        # rewriting (server-side chains: kernel/chains.py); its failure is logged, never the answer's
+        self.tap: Callable[[Any], None] | None = None
+
+    def _tap(self, obj: Any) -> None:
+        if self.tap is not None:
+            try:
+                self.tap(obj)
+            except Exception as e:
+                log.exception("[bili] %s answer: tap failed (%s); answer unaffected", self.lane.lane, e)
+                self.tap = None
 
     @property
     def usage(self) -> Usage:
@@ -91,6 +102,7 @@ class ResponseRewriter:
             return [raw]
         if not isinstance(obj, dict):
             return [raw]
+        self._tap(obj)
         outs = self.lane.event(obj)
         if not self.rewrite:
             return [raw]
@@ -139,6 +151,7 @@ class ResponseRewriter:
             return None
         if not isinstance(obj, dict):
             return None
+        self._tap(obj)
         self.lane.hold_events = False
         outs = self.lane.event(obj)
         if not self.rewrite or outs == [KEEP]:
@@ -152,5 +165,6 @@ class ResponseRewriter:
             obj: Any = _dec.decode(content)
         except msgspec.DecodeError:
             return None
+        self._tap(obj)
         changed = self.lane.body(obj)
         return _enc.encode(obj) if changed and self.rewrite else None

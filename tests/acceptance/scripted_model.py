@@ -14,16 +14,27 @@ requests do not derail it): the model
 Every piece of prose starts with an imitation of a ref tag, which the proxy must strip before the
 agent sees it.  A request without tools (a title or summary side request) gets a short JSON text.
 Every other path answers 404, which the agents tolerate.  All requests are recorded.
+
+Responses over WebSocket (codex's default transport) is spoken too, with the chains of the real API:
+each connection keeps the conversations of its responses (``store: false``), a ``response.create``
+with ``previous_response_id`` continues one of them (an id this connection never answered gets
+``previous_response_not_found``), and the script decides on the whole conversation so rebuilt.  A
+frame's record keeps the frame as sent (``Seen.frame``); ``Seen.json`` is the conversation answered.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from websockets.sync.server import ServerConnection
+from websockets.sync.server import serve as ws_serve
 
 FINAL = "All five listings are done. FINAL-ANSWER-7f3a"
 SIDE_TEXT = '{"title": "Scripted run"}'
@@ -68,6 +79,10 @@ class Seen:
     lane: str = ""
     action: Action | None = None
     status: int = 0
+    transport: str = "http"  # or "ws": a response.create frame
+    frame: Any = None  # ws: the frame as it came (``json`` is the conversation rebuilt from its chain)
+    conversation_id: int = 0  # ws: which connection (1, 2, ...)
+    conversation: Any = None  # Responses: the whole input the model saw (a previous_response_id chain expanded)
 
 
 # -- reading a request -----------------------------------------------------------------------------
@@ -168,7 +183,31 @@ def shell_args(schema: dict, command: str) -> dict:
     return {k: v for k, v in args.items() if v is not None}
 
 
-def decide(lane: str, body: dict) -> Action:
+REMINDER_RANGE = re.compile(r"^  (m\d{5})–(m\d{5})  \d+ messages  ~", re.M)
+
+
+def offered(body: Any) -> tuple[str, str] | None:
+    """The first range bili's newest fold reminder offers, if the model was shown one."""
+    notes: list[str] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, str) and "[bili] ~" in v:
+            notes.append(v[v.index("[bili] ~"):])
+
+    walk(body)
+    found = REMINDER_RANGE.findall(notes[-1]) if notes else []
+    return found[0] if found else None
+
+
+def decide(lane: str, body: dict, chained: bool = False) -> Action:
+    """``chained``: the conversation came as a server-side chain, where the model's own earlier prose
+    carries no ref tag (bili cannot tag what the provider holds): it folds what bili's reminder offers."""
     tools = tools_of(lane, body)
     shell = next((n for n in SHELL_NAMES if n in tools), None)
     if shell is None:
@@ -178,6 +217,8 @@ def decide(lane: str, body: dict) -> Action:
         refs = tagged(body)
         start = next((r for t, r in refs.items() if t.startswith(prose_for(1))), "m00001")
         end = next((r for t, r in refs.items() if t.startswith(prose_for(2))), "m00002")
+        if chained and offered(body):
+            start, end = offered(body)
         # the agent's own copy when bili's tools come through MCP (mcp__bili__compress, bili_compress)
         name = next((n for n in tools if "bili" in n and n.endswith("compress")), "compress")
         return Action("tool", stage, prose_for(stage), name,
@@ -265,15 +306,21 @@ def chat_answer(seq: int, model: str, a: Action, stream: bool, prompt: int = 100
     return "text/event-stream", _sse(ev) + b"data: [DONE]\n\n"
 
 
+def responses_output(seq: int, a: Action) -> list[dict]:
+    message = {"type": "message", "id": f"msg_scripted{seq:05d}", "status": "completed", "role": "assistant",
+               "content": [{"type": "output_text", "text": ECHO + a.text, "annotations": []}]}
+    output = [message]
+    if a.kind == "tool":
+        output.append({"type": "function_call", "id": f"fc_scripted{seq:05d}", "call_id": call_id("responses", a.stage),
+                       "name": a.tool, "arguments": json.dumps(a.args), "status": "completed"})
+    return output
+
+
 def responses_answer(seq: int, model: str, a: Action, stream: bool, prompt: int = 100) -> tuple[str, bytes]:
     text = ECHO + a.text
     msg_id, fc_id = f"msg_scripted{seq:05d}", f"fc_scripted{seq:05d}"
-    message = {"type": "message", "id": msg_id, "status": "completed", "role": "assistant",
-               "content": [{"type": "output_text", "text": text, "annotations": []}]}
-    output = [message]
-    if a.kind == "tool":
-        output.append({"type": "function_call", "id": fc_id, "call_id": call_id("responses", a.stage),
-                       "name": a.tool, "arguments": json.dumps(a.args), "status": "completed"})
+    output = responses_output(seq, a)
+    message = output[0]
     usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 20,
              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + 20}
 
@@ -373,6 +420,54 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     model: "ScriptedModel"
 
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        # a WebSocket upgrade goes to the websockets handler, everything else is HTTP
+        if _is_websocket_upgrade(request):
+            try:
+                self.model.ws_server.handler(request, client_address)
+            finally:
+                self.shutdown_request(request)
+            return
+        super().process_request_thread(request, client_address)
+
+
+def _is_websocket_upgrade(sock: socket.socket) -> bool:
+    """Peek (without consuming) at the request head of a fresh connection."""
+    deadline, seen = time.monotonic() + 5, b""
+    sock.settimeout(5)
+    try:
+        while b"\r\n\r\n" not in seen and len(seen) < 65536 and time.monotonic() < deadline:
+            data = sock.recv(65536, socket.MSG_PEEK)
+            if not data:
+                return False
+            if len(data) == len(seen):
+                time.sleep(0.005)
+            seen = data
+    except OSError:
+        return False
+    finally:
+        sock.settimeout(None)
+    head = seen.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
+    return any(n.strip() == "upgrade" and "websocket" in v
+               for n, _, v in (line.partition(":") for line in head.split("\r\n")[1:]))
+
+
+def sse_events(body: bytes) -> list[dict]:
+    """The JSON events of an SSE body (as written by ``_sse``)."""
+    out = []
+    for block in body.decode().split("\n\n"):
+        for line in block.split("\n"):
+            if line.startswith("data: ") and line[6:].strip() != "[DONE]":
+                out.append(json.loads(line[6:]))
+    return out
+
+
+def _ws_error(message: str, code: str | None = None) -> dict:
+    err: dict[str, Any] = {"type": "invalid_request_error", "message": message}
+    if code:
+        err.update(code=code, param="previous_response_id")
+    return {"type": "error", "status": 400, "error": err}
+
 
 class ScriptedModel:
     def __init__(self) -> None:
@@ -380,8 +475,11 @@ class ScriptedModel:
         self.seen: list[Seen] = []
         self.server: _Server | None = None
         self.thread: threading.Thread | None = None
+        self.chains: dict[str, list] = {}  # response id -> the conversation as of it (store: true)
 
     def start(self) -> "ScriptedModel":
+        self.ws_connections = 0
+        self.ws_server = ws_serve(self._ws_session, "127.0.0.1", 0, compression=None)  # its own port stays idle
         self.server = _Server(("127.0.0.1", 0), _Handler)
         self.server.model = self
         self.thread = threading.Thread(target=self.server.serve_forever, name="scripted-model", daemon=True)
@@ -393,6 +491,7 @@ class ScriptedModel:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
+            self.ws_server.socket.close()
 
     @property
     def port(self) -> int:
@@ -418,11 +517,88 @@ class ScriptedModel:
             rec.json = json.loads(rec.body)
         except ValueError:
             return 400, "application/json", b'{"error": {"type": "invalid_request_error", "message": "not JSON"}}'
-        action = rec.action = decide(rec.lane, rec.json)
+        body = rec.json
+        if rec.lane == "responses" and isinstance(body, dict):  # server-side chains, as OpenAI keeps them
+            prev = body.get("previous_response_id")
+            with self.lock:
+                held = self.chains.get(prev) if prev else []
+            if held is None:
+                return 400, "application/json", json.dumps({"error": {
+                    "type": "invalid_request_error", "param": "previous_response_id",
+                    "code": "previous_response_not_found",
+                    "message": f"Previous response with id '{prev}' not found."}}).encode()
+            inp = body.get("input")
+            inp = [{"type": "message", "role": "user", "content": inp}] if isinstance(inp, str) else list(inp or [])
+            body = {k: v for k, v in body.items() if k != "previous_response_id"}
+            body["input"] = rec.conversation = held + inp
+        action = rec.action = decide(rec.lane, body, chained=bool(rec.json.get("previous_response_id")))
+        if rec.lane == "responses" and isinstance(body, dict) and body.get("store", True) is not False:
+            with self.lock:
+                self.chains[f"resp_scripted{rec.seq:05d}"] = body["input"] + responses_output(rec.seq, action)
         model = rec.json.get("model") or "scripted"
         # the usage reports the prompt's size (~ bytes / 4), as the real APIs do
-        ctype, body = ANSWERS[rec.lane](rec.seq, model, action, bool(rec.json.get("stream")), len(rec.body) // 4)
+        prompt = len(json.dumps(body)) if rec.conversation is not None else len(rec.body)  # a chain: all of it
+        ctype, body = ANSWERS[rec.lane](rec.seq, model, action, bool(rec.json.get("stream")), prompt // 4)
         return 200, ctype, body
+
+    # -- Responses over WebSocket ------------------------------------------------------------------
+    def _ws_session(self, conn: ServerConnection) -> None:
+        req = conn.request
+        path = req.path if req is not None else "/v1/responses"
+        # the handshake's headers but its own (a frame is recorded like a POST of its conversation)
+        headers = {k: v for k, v in (req.headers.raw_items() if req is not None else [])
+                   if k.lower() not in ("upgrade", "connection") and not k.lower().startswith("sec-websocket")}
+        with self.lock:
+            self.ws_connections += 1
+            number = self.ws_connections
+        chains: dict[str, list] = {}  # this connection's responses: id -> the conversation incl. the output
+        for frame in conn:
+            raw = frame.encode() if isinstance(frame, str) else bytes(frame)
+            for event in self.ws_answer(number, path, headers, raw, chains):
+                conn.send(json.dumps(event))
+
+    def ws_answer(self, number: int, path: str, headers: dict[str, str], raw: bytes,
+                  chains: dict[str, list]) -> list[dict]:
+        """The events answering one client frame; a ``response.create`` is recorded as a POST of the
+        whole conversation it continues (so the script and the assertions read it like HTTP)."""
+        try:
+            frame = json.loads(raw)
+        except ValueError:
+            frame = None
+        if not isinstance(frame, dict) or frame.get("type") != "response.create":
+            return [_ws_error("unsupported frame")]
+        prev = frame.get("previous_response_id")
+        if prev is not None and prev not in chains:
+            rec = self.record("WS", path, headers.get("host", headers.get("Host", "")), headers, raw)
+            rec.transport, rec.frame, rec.conversation_id, rec.status = "ws", frame, number, 400
+            return [_ws_error(f"Previous response with id '{prev}' not found.", "previous_response_not_found")]
+        items = frame.get("input")
+        items = items if isinstance(items, list) else [{"role": "user", "content": items}] if items else []
+        body = {k: v for k, v in frame.items() if k not in ("type", "previous_response_id", "generate")}
+        body["input"] = (chains[prev] if prev else []) + items
+        host = headers.get("host", headers.get("Host", ""))
+        rec = self.record("POST", path, host, headers, json.dumps(body).encode())
+        rec.transport, rec.frame, rec.conversation_id = "ws", frame, number
+        if frame.get("generate") is False:  # codex's warm-up: a response with no output
+            rec.lane, rec.json, rec.status = "responses", body, 200
+            done = {"id": f"resp_scripted{rec.seq:05d}", "object": "response", "status": "completed",
+                    "model": body.get("model"), "output": [], "usage": {
+                        "input_tokens": len(rec.body) // 4, "input_tokens_details": {"cached_tokens": 0},
+                        "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0},
+                        "total_tokens": len(rec.body) // 4}}
+            chains[done["id"]] = body["input"]
+            return [{"type": "response.created", "response": dict(done, status="in_progress", usage=None)},
+                    {"type": "response.completed", "response": done}]
+        body["stream"] = True
+        rec.body = json.dumps(body).encode()
+        status, _ctype, out = self.answer(rec)
+        rec.status = status
+        if status != 200:
+            return [_ws_error(out.decode(errors="replace"))]
+        events = sse_events(out)
+        done = events[-1]["response"]
+        chains[done["id"]] = body["input"] + done["output"]
+        return events
 
     # -- for the assertions ----------------------------------------------------------------------
     def model_requests(self) -> list[Seen]:

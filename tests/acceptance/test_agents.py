@@ -133,6 +133,11 @@ def test_claude_code(model, work, remind):
 
 
 REMIND = ["--set", "bili_remind_at=1500"]  # early reminders: the listings are ~1.2K tokens each
+# codex's built-in provider keeps its WebSocket through bili (tests/acceptance/test_codex_websocket.py);
+# this script picks its compress range from the ref tags on the model's own earlier prose, which a
+# chained turn never shows (the provider holds the answers as the model wrote them), so codex runs
+# it on the HTTP fallback the option forces (426, then the full history every turn)
+HTTP_FALLBACK = ["--set", "bili_refuse_websocket=true"]
 CONV_KEY = {"anthropic": "messages", "chat": "messages", "responses": "input"}
 
 
@@ -201,12 +206,13 @@ def test_codex(model, work, remind):
     before = snapshot(cfg)
     env = base_env(home, bins, CODEX_API_KEY="sk-fake-bili-acceptance", CODEX_HOME=str(home / ".codex"))
     run = run_launcher("codex", ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", PROMPT],
-                       env=env, cwd=cwd, model=model, work=tmp, launcher_args=REMIND if remind else ())
+                       env=env, cwd=cwd, model=model, work=tmp,
+                       launcher_args=[*HTTP_FALLBACK, *(REMIND if remind else ())])
     assert_scripted_run(run, model, "responses", before, cfg)
     if remind:
         assert_reminders(run, model, "responses")
-    # the WebSocket was refused by the proxy (426) and never reached the model; codex fell back to
-    # HTTP POST with its full history every turn
+    # asked to (bili_refuse_websocket), the proxy refused the WebSocket (426) and it never reached
+    # the model; codex fell back to HTTP POST with its full history every turn
     assert "refused a WebSocket upgrade" in run.proxy_log, _report(run, model)
     assert not any("upgrade" in {k.lower() for k in r.headers} for r in model.seen)
     for r in model.model_requests():
@@ -315,7 +321,7 @@ def test_codex_mcp(model, work):
     before = snapshot(cfg)
     env = base_env(home, bins, CODEX_API_KEY="sk-fake-bili-acceptance", CODEX_HOME=str(home / ".codex"))
     run = run_launcher("codex", ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", PROMPT],
-                       env=env, cwd=cwd, model=model, work=tmp)
+                       env=env, cwd=cwd, model=model, work=tmp, launcher_args=HTTP_FALLBACK)
     assert_scripted_run(run, model, "responses", before, cfg)
     tools = model.by_stage(COMPRESS_STAGE)[-1].json["tools"]
     spaces = {t.get("name"): [x.get("name") for x in t.get("tools", [])] for t in tools if t.get("type") == "namespace"}
@@ -411,10 +417,11 @@ def test_codex_fork_keeps_the_fold(model, work):
     _write(home / ".codex" / "config.toml", 'model = "gpt-5.1-codex"\n')
     env = base_env(home, bins, CODEX_API_KEY="sk-fake-bili-acceptance", CODEX_HOME=str(home / ".codex"))
     flags = ["--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"]
-    first = run_launcher("codex", ["exec", *flags, PROMPT], env=env, cwd=cwd, model=model, work=tmp)
+    first = run_launcher("codex", ["exec", *flags, PROMPT], env=env, cwd=cwd, model=model, work=tmp,
+                         launcher_args=HTTP_FALLBACK)
     run_fork(model, first, lambda pid: run_launcher(
-        "codex", ["exec", *flags, "fork", pid, "Now say it once more."], env=env, cwd=cwd, model=model, work=tmp),
-        "responses", "session-id")
+        "codex", ["exec", *flags, "fork", pid, "Now say it once more."], env=env, cwd=cwd, model=model, work=tmp,
+        launcher_args=HTTP_FALLBACK), "responses", "session-id")
 
 
 def test_opencode_fork_keeps_the_fold(model, work):

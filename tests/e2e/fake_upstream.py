@@ -66,6 +66,10 @@ class Recorded:
     response: bytes = b""  # the entity body as sent (or the WS frames, newline-joined)
     response_encoding: str = ""  # its content-encoding, when the fake compressed it
     error: str = ""  # why the request was refused, if it was
+    # Responses: the whole conversation the model saw (a previous_response_id chain expanded), and
+    # the id of the response it answered with
+    conversation: Any = None
+    response_id: str = ""
 
     def header(self, name: str, default: str | None = None) -> str | None:
         name = name.lower()
@@ -889,11 +893,11 @@ class _Handler(BaseHTTPRequestHandler):
         script = self.server.fake.script_of(self.headers)
         exact = script is not None  # a scripted conversation is checked exactly as the real API would
 
-        def answer(lane: str) -> Reply:
-            """What the model says, once the request passed validation."""
+        def answer(lane: str, body: Any = None) -> Reply:
+            """What the model says, once the request passed validation (``body``: what it sees)."""
             if script is None:
                 return Reply.from_headers(self.headers)
-            return script.reply(self.headers, rec.json, lane)
+            return script.reply(self.headers, rec.json if body is None else body, lane)
         if rec.method == "GET" and p.endswith("/models"):
             listing = {
                 "object": "list",
@@ -925,8 +929,13 @@ class _Handler(BaseHTTPRequestHandler):
             return 200, "application/json", [_j(chat_completion(rec.seq, body["model"], reply)).encode()]
         if p.endswith("/responses"):
             body = self._json(rec)
-            check_responses(body, api_exact=exact)
-            reply = answer("responses")
+            fake = self.server.fake
+            full = fake.chains.expand(body, None) if isinstance(body, dict) else body
+            check_responses(full, api_exact=exact)
+            rec.conversation = _input_list(full.get("input"))
+            reply = answer("responses", full)
+            rec.response_id = f"resp_fake{rec.seq:06d}"
+            fake.chains.save(rec.response_id, full, responses_output(rec.seq, reply), None)
             if body.get("stream"):
                 return 200, "text/event-stream", responses_sse(rec.seq, body["model"], reply)
             return 200, "application/json", [_j(responses_object(rec.seq, body["model"], reply)).encode()]
@@ -1003,6 +1012,50 @@ def _is_websocket_upgrade(sock: socket.socket) -> bool:
     return False
 
 
+# -- server-side chains (Responses previous_response_id) --------------------------------------------
+
+
+class ProviderChains:
+    """``previous_response_id`` the way OpenAI keeps it: a response made with ``store`` not false is
+    kept for any later request; a ``store: false`` one lives only on the WebSocket connection that
+    made it, and only while it is that connection's newest.  An id it does not hold is refused with
+    400 ``previous_response_not_found`` (as the API does)."""
+
+    def __init__(self) -> None:
+        self.stored: dict[str, list] = {}
+        self.lock = threading.Lock()
+        self.seen_prev: list[str] = []  # every previous_response_id a request carried, in order
+
+    def expand(self, body: dict, local: dict | None) -> dict:
+        """The body with its chain put in front of its input (no previous_response_id left)."""
+        prev = body.get("previous_response_id")
+        if prev is None:
+            return body
+        with self.lock:
+            self.seen_prev.append(prev)
+            conv = local["conv"] if local is not None and local.get("id") == prev else self.stored.get(prev)
+        if conv is None:
+            raise BadRequest(f"Previous response with id '{prev}' not found.")
+        full = {k: v for k, v in body.items() if k != "previous_response_id"}
+        full["input"] = list(conv) + _input_list(body.get("input"))
+        return full
+
+    def save(self, rid: str, full: dict, output: list, local: dict | None) -> None:
+        conv = _input_list(full.get("input")) + output
+        with self.lock:
+            if full.get("store", True) is not False:
+                self.stored[rid] = conv
+        if local is not None:
+            local.clear()
+            local.update(id=rid, conv=conv)
+
+
+def _input_list(inp: Any) -> list:
+    if isinstance(inp, str):
+        return [{"type": "message", "role": "user", "content": inp}]
+    return list(inp) if isinstance(inp, list) else []
+
+
 # -- the server -------------------------------------------------------------------------------------
 
 
@@ -1014,6 +1067,7 @@ class FakeUpstream:
     _seq: int = 0
     _scripts: dict[str, Script] = field(default_factory=dict)
     _gates: dict[str, Gate] = field(default_factory=dict)
+    chains: ProviderChains = field(default_factory=ProviderChains)
 
     def start(self) -> "FakeUpstream":
         if self.host not in ("127.0.0.1", "localhost"):
@@ -1139,25 +1193,34 @@ class FakeUpstream:
         req = conn.request
         path = req.path if req is not None else "/"
         headers = list(req.headers.raw_items()) if req is not None else []
+        local: dict = {}  # this connection's store: false chain
         for frame in conn:
             if isinstance(frame, str):
                 raw = frame.encode()
             else:
                 raw = bytes(frame)
             rec = self._new_record("ws", "WS", path, headers, raw, "")
-            out = list(self._ws_answer(rec, Reply.from_headers(req.headers) if req is not None else DEFAULT_REPLY))
+            out = list(self._ws_answer(rec, Reply.from_headers(req.headers) if req is not None else DEFAULT_REPLY,
+                                       local, req.headers if req is not None else {}))
             rec.status = 200 if not rec.error else 400
             rec.response = b"\n".join(x.encode() for x in out)
             self._commit(rec)
             _send_burst(conn, out)
 
-    def _ws_answer(self, rec: Recorded, reply: Reply) -> Iterable[str]:
+    def _ws_answer(self, rec: Recorded, reply: Reply, local: dict | None = None, headers: Any = None) -> Iterable[str]:
         body = rec.json
         try:
             _need(path_is_responses(rec.route), f"no WebSocket API at {rec.route}")
             _need(isinstance(body, dict), "frame is not a JSON object")
             _need(body.get("type") == "response.create", f"unsupported event type {body.get('type')!r}")
-            check_responses(body)
+            full = self.chains.expand(body, local)
+            script = self.script_of(headers) if headers else None
+            check_responses(full, api_exact=script is not None)
+            rec.conversation = _input_list(full.get("input"))
+            if script is not None:
+                reply = script.reply(headers, full, "responses")
+            rec.response_id = f"resp_fake{rec.seq:06d}"
+            self.chains.save(rec.response_id, full, responses_output(rec.seq, reply), local)
         except BadRequest as e:
             rec.error = str(e)
             yield _j({"type": "error", "status": 400, "error": {"type": "invalid_request_error", "message": str(e)}})

@@ -95,3 +95,32 @@ def test_websocket_on_both_ports(fake, which):
     assert event["response"]["output"][0]["content"][0]["text"] == REPLY_TEXT
     recs = fake.find(lambda r: r.transport == "ws" and r.header("x-case") == which)
     assert [r.status for r in recs] == [200, 400]
+
+
+def _ws_create(ws, **frame) -> dict:
+    ws.send(json.dumps({"type": "response.create", "model": "m", **frame}))
+    while (event := json.loads(ws.recv(timeout=10)))["type"] not in ("response.completed", "error"):
+        pass
+    return event
+
+
+def test_websocket_chains_live_on_their_connection_unless_stored(fake):
+    url = f"ws://127.0.0.1:{fake.ws_port}/v1/responses"
+    with ws_connect(url, proxy=None, additional_headers={"x-case": "chains"}) as ws:
+        first = _ws_create(ws, input=[U], store=False)["response"]
+        nxt = _ws_create(ws, previous_response_id=first["id"], input=[{"role": "user", "content": "and?"}], store=False)
+        assert nxt["type"] == "response.completed"
+        kept = _ws_create(ws, input=[U], store=True)["response"]
+        unknown = _ws_create(ws, previous_response_id="resp_never_made", input=[U])
+        assert unknown["type"] == "error" and "not found" in unknown["error"]["message"]
+    with ws_connect(url, proxy=None, additional_headers={"x-case": "chains"}) as ws:
+        # another connection: the store: false chain is gone, the stored one is not
+        gone = _ws_create(ws, previous_response_id=nxt["response"]["id"], input=[U])
+        assert gone["type"] == "error" and "not found" in gone["error"]["message"]
+        assert _ws_create(ws, previous_response_id=kept["id"], input=[U])["type"] == "response.completed"
+    recs = fake.find(lambda r: r.transport == "ws" and r.header("x-case") == "chains")
+    assert [r.status for r in recs] == [200, 200, 200, 400, 400, 200]
+    # the conversation the fake answered: the chain (input + output) plus the frame's items
+    second = recs[1].conversation
+    assert second[0] == U and second[1]["role"] == "assistant" and second[1]["content"][0]["text"] == REPLY_TEXT
+    assert second[2] == {"role": "user", "content": "and?"}

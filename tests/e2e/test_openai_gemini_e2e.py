@@ -169,15 +169,16 @@ def test_responses_streaming(fake, reverse_proxy, sid):
 
 
 @pytest.fixture(scope="module")
-def ws_proxy(make_proxy):
-    """Fold mode with WebSocket upgrades let through (by default the addon refuses them with 426)."""
-    return make_proxy("reverse", "fold", bili_refuse_websocket="false")
+def ws_proxy(reverse_proxy):
+    """Fold mode lets WebSocket upgrades through (the default; ``bili_refuse_websocket`` refuses them)."""
+    return reverse_proxy
 
 
-def test_fold_mode_refuses_responses_websocket_by_default(fake, reverse_proxy, sid):
+def test_fold_mode_refuses_responses_websocket_when_asked(fake, make_proxy, sid):
+    proxy = make_proxy("reverse", "fold", bili_refuse_websocket="true")
     with pytest.raises(InvalidStatus) as e:
         with ws_connect(
-            f"ws://127.0.0.1:{reverse_proxy.port}/v1/responses", additional_headers={"session_id": sid}, proxy=None
+            f"ws://127.0.0.1:{proxy.port}/v1/responses", additional_headers={"session_id": sid}, proxy=None
         ):
             pass
     assert e.value.response.status_code == 426
