@@ -271,13 +271,16 @@ def _run_transparent(args: argparse.Namespace) -> int:
     if not args.extra:
         _err("--transparent runs a program: give it after --, e.g. bili run --transparent -- node app.js")
         return 2
-    sets = list(args.set or [])
+    sets, scripts = [], []  # the launcher takes scripts as -s (a --set scripts= beside -s would be a second value)
+    for spec in args.set or []:
+        name, _, value = spec.partition("=")
+        (scripts.append(value) if name.strip() == "scripts" and value else sets.append(spec))
     if args.store:
         sets.append(f"bili_store={args.store}")
     agent = launch.program_agent(args.extra[0])
     ns = argparse.Namespace(
         port=args.listen_port, bili_mode=args.bili_mode, first_party=args.first_party, data_dir=args.data_dir,
-        confdir=args.confdir, intercept_host=args.intercept_host, script=[], set=sets, dry_run=False,
+        confdir=args.confdir, intercept_host=args.intercept_host, script=scripts, set=sets, dry_run=False,
         quiet=args.quiet, verbose=args.verbose, extra=args.extra[1:], transparent=args.transparent,
         transparent_port=args.transparent_port, redirect=args.redirect, install_deps=args.install_deps)
     return launch.launch(agent, ns)
