@@ -1,6 +1,7 @@
 """``bili``: the command line.
 
     bili run [options] [-- extra mitmdump args]   start the proxy (mitmdump with the addon)
+    bili run --transparent [options] -- PROGRAM   run PROGRAM with its model traffic redirected to bili
     bili ca [--confdir DIR] [--json]              create the CA if needed and print its paths
     bili mcp [--proxy URL] [--conversation ID]    bili's tools as a stdio MCP server
     bili claude|codex|pi|omp|hermes|opencode [options] [-- agent args]

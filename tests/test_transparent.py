@@ -315,3 +315,29 @@ def test_health_lists_the_proxy_modes(bili):
     bili.request(f)
     doc = json.loads(f.response.content)
     assert doc["ok"] is True and doc["modes"] == ["regular"]
+
+
+def test_the_refresher_adds_addresses_the_model_hosts_moved_to(tmp_path, monkeypatch):
+    ns = transparent.Namespace([("api.example", 443)], 9001, 9000, state=tmp_path, refresh=0.01)
+    ns.net, ns.redirect = Net(4), Redirect([("1.1.1.1", 443)], 9001, 9000)
+    answers = iter([([("1.1.1.1", 443)], []), ([("1.1.1.1", 443), ("1.1.1.9", 443)], [])])
+    monkeypatch.setattr(transparent, "resolve", lambda hosts: next(answers, ([("1.1.1.1", 443), ("1.1.1.9", 443)], [])))
+    applied: list[str] = []
+
+    def fake_run(cmd, *, input=None, check=True):
+        applied.append(input)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(ns, "_run", fake_run)
+    import threading
+
+    t = threading.Thread(target=ns._refresher, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not applied and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    ns._stop.set()
+    t.join(5)
+    assert applied == ["add element ip bili_4 models { 1.1.1.9 . 443 }\n"]  # once, only the new address
+    assert ns.redirect.dests == [("1.1.1.1", 443), ("1.1.1.9", 443)]
