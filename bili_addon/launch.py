@@ -721,6 +721,9 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
         upstream_ca=system_roots_for_upstream(ca.roots_source), lazy=False, allow_hosts=allow,
         first_party=args.first_party, scripts=args.script or [], sets=sets,
     )
+    if mechanism == "local":
+        local = {m.name: m for m in transparent.support(env, probe_nft=False)}["local"]
+        command = transparent.local_proxy_command(command, local.cgroup_bind)
     return Plan(agent, binary, [binary or agent.binary, *args.extra], hosts, allow, proxy_url,
                 agent_env(agent, env, proxy_url, ca, args.data_dir), command, ca, mechanism, tmode,
                 override or list(hosts.hosts))

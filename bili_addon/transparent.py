@@ -319,12 +319,29 @@ def cgroup2_root(mountinfo: str | None = None) -> str | None:
     return fstype
 
 
+def cgroup2_elsewhere(mountinfo: str | None = None) -> str | None:
+    """Where the root of the cgroup v2 hierarchy is mounted when it is not at /sys/fs/cgroup (a
+    hybrid layout: /sys/fs/cgroup/unified), or None."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
+    for line in mountinfo.splitlines():
+        left, _, right = line.partition(" - ")
+        f = left.split()
+        if len(f) >= 5 and right.split()[:1] == [CGROUP2_FS] and f[3] == "/" and f[4] != "/sys/fs/cgroup":
+            return f[4]
+    return None
+
+
 @dataclass
 class Mechanism:
     name: str
     ok: bool
     why: str
     missing: list[str] = field(default_factory=list)  # Debian packages that would help
+    cgroup_bind: str | None = None  # local: the cgroup2 mount to bind over /sys/fs/cgroup for the proxy
 
     @property
     def fix(self) -> str:
@@ -375,27 +392,37 @@ def support(env: Mapping[str, str] | None = None, *, euid: int | None = None, ca
     except ImportError:
         why.append("the mitmproxy-linux package is not installed")
     fstype = cgroup2_root(mountinfo)
+    bind = None
+    how = "cgroup v2 at /sys/fs/cgroup"
     if fstype != CGROUP2_FS:
-        where = ""
-        if mountinfo is None:
-            with contextlib.suppress(OSError):
-                mountinfo = Path("/proc/self/mountinfo").read_text()
-        for line in (mountinfo or "").splitlines():
-            left, _, right = line.partition(" - ")
-            f = left.split()
-            if len(f) >= 5 and right.split()[:1] == [CGROUP2_FS]:
-                where = f" (cgroup2 is at {f[4]})"
-                break
-        why.append(f"/sys/fs/cgroup is {fstype or 'not mounted'}, not cgroup2{where}: the redirector attaches "
-                   "its eBPF program to the cgroup v2 root there (boot with systemd.unified_cgroup_hierarchy=1)")
+        other = cgroup2_elsewhere(mountinfo)
+        if other and which("unshare", env) and which("mount", env):
+            bind = other
+            how = (f"/sys/fs/cgroup is {fstype or 'not mounted'}, but the cgroup v2 root is at {other}: bili runs "
+                   f"that proxy in a mount namespace of its own with {other} bound over /sys/fs/cgroup, where "
+                   "the redirector attaches its eBPF program")
+        else:
+            where = f" (cgroup2 is at {other}; unshare and mount would bind it there)" if other else ""
+            why.append(f"/sys/fs/cgroup is {fstype or 'not mounted'}, not cgroup2{where}: the redirector attaches "
+                       "its eBPF program to the cgroup v2 root there (boot with systemd.unified_cgroup_hierarchy=1)")
     if not os.path.exists("/sys/kernel/btf/vmlinux"):
         why.append("the kernel exposes no BTF (/sys/kernel/btf/vmlinux)")
     if not which("sudo", env) and euid != 0:
         missing.append(APT["sudo"])
     out.append(Mechanism("local", not why, "; ".join(why) if why else
-                         "root, cgroup v2 at /sys/fs/cgroup, kernel BTF and the mitmproxy-linux redirector: "
-                         "mitmproxy's local mode can capture the program by name", missing))
+                         f"root, kernel BTF, the mitmproxy-linux redirector, {how}: mitmproxy's local mode "
+                         "captures the program's sockets by its process name", missing, bind))
     return out
+
+
+def local_proxy_command(command: list[str], bind: str | None) -> list[str]:
+    """The proxy's command for local mode: as it is, or (``bind``: a hybrid cgroup layout) run in a
+    private mount namespace with the cgroup v2 root ``bind`` mounted over /sys/fs/cgroup, the one
+    place mitmproxy's redirector attaches to.  unshare and sh exec, so the pid stays the proxy's."""
+    if not bind:
+        return list(command)
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+            'mount --bind "$0" /sys/fs/cgroup && exec "$@"', bind, *command]
 
 
 def install(packages: Iterable[str], say: Callable[[str], None]) -> None:
@@ -449,7 +476,8 @@ def transparent_mode(tport: int) -> str:
 
 
 def local_mode(program: str) -> str:
-    return f"local:{Path(program).name}"
+    """mitmproxy's local mode for a program: by process name, as the kernel keeps it (15 characters)."""
+    return f"local:{Path(program).name[:15]}"
 
 
 def proxy_lacks(health: Mapping, mode: str) -> str | None:
@@ -684,7 +712,8 @@ def child(mechanism: str | None, mode: str, health: Mapping, redirect: Sequence[
     if why:
         raise TransparentError(why)
     if mechanism == "local":
-        say(f"mitmproxy's local mode ({mode}) hands {Path(argv[0]).name}'s connections to the proxy")
+        say(f"mitmproxy's local mode ({mode}) hands the connections of every process named "
+            f"{mode.split(':', 1)[1]} on this machine to the proxy (model hosts decrypted, the rest relayed as is)")
         yield argv, dict(env)
         return
     tport = int(mode.rsplit(":", 1)[1])

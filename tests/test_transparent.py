@@ -183,7 +183,17 @@ def test_local_mode_needs_cgroup2_at_the_root_and_root(tmp_path, monkeypatch):
     hybrid = {m.name: m for m in transparent.support(env, euid=0, caps=ROOT_CAPS, mountinfo=MOUNTS_HYBRID,
                                                      run=_ok_run)}["local"]
     assert not hybrid.ok
-    assert "/sys/fs/cgroup is tmpfs, not cgroup2 (cgroup2 is at /sys/fs/cgroup/unified)" in hybrid.why
+    assert ("/sys/fs/cgroup is tmpfs, not cgroup2 (cgroup2 is at /sys/fs/cgroup/unified; unshare and mount would "
+            "bind it there)") in hybrid.why
+    # with unshare and mount, a hybrid layout will do: the proxy gets the cgroup2 root bound over /sys/fs/cgroup
+    bound = {m.name: m for m in transparent.support(_tools(tmp_path, "unshare", "mount"), euid=0, caps=ROOT_CAPS,
+                                                    mountinfo=MOUNTS_HYBRID, run=_ok_run)}["local"]
+    assert bound.cgroup_bind == "/sys/fs/cgroup/unified"
+    assert "bound over /sys/fs/cgroup" in bound.why
+    assert transparent.cgroup2_elsewhere(MOUNTS_HYBRID) == "/sys/fs/cgroup/unified"
+    assert transparent.cgroup2_elsewhere(MOUNTS_V2) is None
+    # a cgroup2 mount of a sub-cgroup (a container's view) is not the root the redirector needs
+    assert transparent.cgroup2_elsewhere("36 35 0:31 /user.slice /mnt/cg rw - cgroup2 cgroup2 rw\n") is None
     user = {m.name: m for m in transparent.support(env, euid=1000, caps=USER_CAPS, mountinfo=MOUNTS_V2,
                                                    run=_ok_run)}["local"]
     assert not user.ok and "needs root" in user.why and user.missing == ["sudo"]
@@ -222,6 +232,23 @@ def test_a_reused_proxy_must_have_the_listener():
         {"modes": ["regular"]}, mode)
     assert "does not say its modes" in transparent.proxy_lacks({}, mode)
     assert transparent.local_mode("/usr/bin/node") == "local:node"
+    assert transparent.local_mode("/opt/a-very-long-program-name") == "local:a-very-long-pro"  # the kernel's comm
+
+
+def test_the_local_proxy_command_binds_the_cgroup2_root_in_its_own_mount_namespace(tmp_path):
+    cmd = ["mitmdump", "-s", "addon.py"]
+    assert transparent.local_proxy_command(cmd, None) == cmd
+    wrapped = transparent.local_proxy_command(cmd, "/sys/fs/cgroup/unified")
+    assert wrapped[:5] == ["unshare", "--mount", "--propagation", "private", "--"]
+    assert wrapped[-4:] == ["/sys/fs/cgroup/unified", "mitmdump", "-s", "addon.py"]
+    # the shell line binds $0 and execs the rest, arguments intact (a stand-in for mount shows it)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "mount").write_text("#!/bin/sh\necho \"mount $*\"\n")
+    (fake / "mount").chmod(0o755)
+    out = subprocess.run(["sh", "-c", wrapped[7], wrapped[8], "printf", "%s|", "a b", "c"], capture_output=True,
+                         text=True, env={"PATH": f"{fake}:/usr/bin:/bin"})
+    assert out.stdout == "mount --bind /sys/fs/cgroup/unified /sys/fs/cgroup\na b|c|"
 
 
 def test_the_namespace_env_points_the_proxy_variables_at_the_host_end():

@@ -144,7 +144,26 @@ def network(tmp_path_factory):
     subprocess.run(["ip", "addr", "del", f"{other_ip}/32", "dev", "lo"], capture_output=True)
 
 
-def test_a_client_that_ignores_proxies_is_folded_and_other_traffic_is_untouched(fake, network, sid, tmp_path):
+def _client_command(mechanism: str, tmp_path: Path, cfg: Path) -> list[str]:
+    """The client's command line.  For local mode (which captures processes by name) it runs under a
+    name of this test's own: a script's process is named after the script."""
+    if mechanism != "local":
+        return [sys.executable, str(CLIENT), str(cfg)]
+    name = f"blc{os.getpid() % 100000}"
+    wrapper = tmp_path / name
+    wrapper.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.argv = [{str(CLIENT)!r}, {str(cfg)!r}]\n"
+                       f"runpy.run_path({str(CLIENT)!r}, run_name='__main__')\n")
+    wrapper.chmod(0o755)
+    return [str(wrapper)]
+
+
+@pytest.mark.parametrize("mechanism", transparent.MECHANISMS)
+def test_a_client_that_ignores_proxies_is_folded_and_other_traffic_is_untouched(fake, network, sid, tmp_path,
+                                                                                 mechanism):
+    if mechanism == "local":
+        local = {m.name: m for m in transparent.support()}["local"]
+        if not local.ok:
+            pytest.skip(f"--transparent=local does not work here: {local.why}")
     fake.script(sid, session_script()[: TURNS - 1] + [session_script()[-1]])
     port, tport = free_port(), free_port()
     forward_before = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
@@ -156,23 +175,20 @@ def test_a_client_that_ignores_proxies_is_folded_and_other_traffic_is_untouched(
     run = tmp_path / "run"
     run.mkdir()
     env = clean_env(XDG_RUNTIME_DIR=str(run), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "bili_addon.cli", "run", "--transparent", "--listen-port", str(port),
+    cmd = [sys.executable, "-m", "bili_addon.cli", "run", f"--transparent={mechanism}", "--listen-port", str(port),
            "--transparent-port", str(tport), "--data-dir", str(tmp_path / "data"), "--confdir", str(tmp_path / "conf"),
            "--redirect", network["model_ip"],
            "--set", f"scripts={ROUTE_ADDON}", "--set", f"test_route=127.0.0.1:{fake.port}",
            "--set", "connection_strategy=lazy", "--set", "bili_activate=always",
-           "--", sys.executable, str(CLIENT), str(cfg)]
+           "--", *_client_command(mechanism, tmp_path, cfg)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
     log = (run / "bili-addon" / f"proxy-{port}.log")
     proxy_log = log.read_text() if log.exists() else ""
     assert r.returncode == 0, f"stderr:\n{r.stderr[-3000:]}\nproxy log:\n{proxy_log[-3000:]}"
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    m = re.search(r"runs in network namespace (bili-\d+) \((10\.231\.[\d.]+)\)", r.stderr)
-    assert m, r.stderr
-    netns, ns_ip = m.groups()
 
-    # the client was told about the proxy and ignored it: every request came by the redirect
-    assert out["https_proxy"] and out["https_proxy"].startswith("http://10.231."), out["https_proxy"]
+    # the client was given a proxy and ignored it (trust_env=False): every request came by the redirect
+    assert out["https_proxy"]
     up = Turns(fake, sid)
     for t in range(1, TURNS + 1):
         assert up[t].header("host") == network["model_ip"]
@@ -182,10 +198,21 @@ def test_a_client_that_ignores_proxies_is_folded_and_other_traffic_is_untouched(
     assert "[bili] compressed" not in up[10].body.decode()
     assert f"session={sid} " in proxy_log
 
-    # the non-model host: reached directly from the namespace's address, with its own certificate
+    # the non-model host: its own certificate reached the client (nothing decrypted it)
     assert out["other"] == {"status": 200, "body": "other-ok"}
+    assert f"https://{network['other_ip']}/" not in proxy_log, "no HTTP flow of the non-model host in the proxy"
+    if mechanism == "local":
+        assert "Local redirector started" in proxy_log
+        assert f"local:{_client_command(mechanism, tmp_path, cfg)[0].rsplit('/', 1)[1]}" in r.stderr
+        return
+
+    m = re.search(r"runs in network namespace (bili-\d+) \((10\.231\.[\d.]+)\)", r.stderr)
+    assert m, r.stderr
+    netns, ns_ip = m.groups()
+    assert out["https_proxy"].startswith("http://10.231."), out["https_proxy"]  # the proxy as seen from there
+    # reached directly from the namespace's address: mitmproxy never saw the connection
     assert network["server"].peers[-1] == ns_ip
-    assert network["other_ip"] not in proxy_log, "mitmproxy never saw the non-model connection"
+    assert network["other_ip"] not in proxy_log
 
     # nothing is left behind: the namespace, its table, ip_forward as it was
     assert netns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
