@@ -368,3 +368,35 @@ def test_the_refresher_adds_addresses_the_model_hosts_moved_to(tmp_path, monkeyp
     t.join(5)
     assert applied == ["add element ip bili_4 models { 1.1.1.9 . 443 }\n"]  # once, only the new address
     assert ns.redirect.dests == [("1.1.1.1", 443), ("1.1.1.9", 443)]
+
+
+def test_packages_are_installed_only_when_asked(tmp_path, monkeypatch):
+    if os.geteuid() != 0:
+        pytest.skip("install() refuses without root; this checks what it runs as root")
+    log = tmp_path / "apt.log"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "apt-get").write_text(f"#!/bin/sh\necho \"$*\" >> {log}\n")
+    (fake / "apt-get").chmod(0o755)
+    monkeypatch.setenv("PATH", str(fake))
+    monkeypatch.setattr(transparent, "SBIN", ())
+    state = {"installed": False}
+
+    def support(*a, **kw):
+        ok = state["installed"]
+        return [transparent.Mechanism("netns", ok, "ok" if ok else "nft is not installed", [] if ok else ["nftables"]),
+                transparent.Mechanism("local", False, "no")]
+
+    monkeypatch.setattr(transparent, "support", support)
+    with pytest.raises(transparent.TransparentError, match=r"install with: apt-get install -y nftables, or give "
+                                                           r"--install-deps"):
+        transparent.require("netns", install_deps=False, say=print)
+    assert not log.exists(), "nothing is installed unless the user asks"
+    said: list[str] = []
+    with pytest.raises(transparent.TransparentError, match="nft is not installed"):  # the fake installs nothing
+        transparent.require("netns", install_deps=True, say=said.append)
+    assert log.read_text().splitlines() == ["update", "install -y --no-install-recommends nftables"]
+    assert said == ["installing nftables with apt-get"]
+    state["installed"] = True
+    transparent.require("netns", install_deps=True, say=said.append)  # works: nothing more to do
+    assert len(log.read_text().splitlines()) == 2
