@@ -730,9 +730,11 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
 
 
 def program_agent(program: str) -> Agent:
-    """Any program, for ``bili run --transparent -- PROGRAM``: no configuration of its own to read,
-    every agent's model hosts intercepted, both CA variables set."""
-    return Agent("run", Path(program).name, program, ANY_CA, (), lambda env, cwd: [])
+    """Any program, for ``bili run --transparent -- PROGRAM``: the model hosts of every agent (built-in
+    and configured, as ``bili run`` intercepts them), both CA variables set."""
+    return Agent("run", Path(program).name, program, ANY_CA, (),
+                 lambda env, cwd: [f for a in AGENTS.values() for f in a.config_files(env, cwd)],
+                 env_base_urls=tuple(dict.fromkeys(v for a in AGENTS.values() for v in a.env_base_urls)))
 
 
 def default_port() -> int:

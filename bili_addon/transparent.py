@@ -319,6 +319,20 @@ def cgroup2_root(mountinfo: str | None = None) -> str | None:
     return fstype
 
 
+def redirector_path(env: Mapping[str, str] | None = None) -> Path | None:
+    """mitmproxy's local redirector, where mitmproxy-linux installs it (the scripts directory of this
+    Python, as ``mitmproxy_linux.executable_path`` finds it), else on PATH."""
+    import sys
+    import sysconfig
+
+    name = "mitmproxy-linux-redirector"
+    for d in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+        if d and (Path(d) / name).is_file():
+            return Path(d) / name
+    found = shutil.which(name, path=(env or os.environ).get("PATH"))
+    return Path(found) if found else None
+
+
 def cgroup2_elsewhere(mountinfo: str | None = None) -> str | None:
     """Where the root of the cgroup v2 hierarchy is mounted when it is not at /sys/fs/cgroup (a
     hybrid layout: /sys/fs/cgroup/unified), or None."""
@@ -383,14 +397,9 @@ def support(env: Mapping[str, str] | None = None, *, euid: int | None = None, ca
     why, missing = [], []
     if euid != 0:
         why.append("needs root (mitmproxy starts its eBPF redirector with sudo)")
-    try:
-        import mitmproxy_linux
-
-        exe = mitmproxy_linux.executable_path()
-        if not exe.is_file():
-            why.append(f"the mitmproxy-linux redirector is missing ({exe})")
-    except ImportError:
-        why.append("the mitmproxy-linux package is not installed")
+    if redirector_path(env) is None:
+        why.append("mitmproxy's redirector (mitmproxy-linux-redirector, from the mitmproxy-linux package that "
+                   "mitmproxy brings on Linux) is not installed next to mitmproxy")
     fstype = cgroup2_root(mountinfo)
     bind = None
     how = "cgroup v2 at /sys/fs/cgroup"
@@ -726,6 +735,13 @@ def child(mechanism: str | None, mode: str, health: Mapping, redirect: Sequence[
         say(f"{Path(argv[0]).name} runs in network namespace {ns.net.netns} ({ns.net.ns_ip}); its TCP to "
             f"{len(ns.redirect.dests)} model host address(es) goes to bili's transparent listener "
             f"127.0.0.1:{tport}, everything else leaves untouched")
-        yield ns.prefix(env) + argv, namespace_env(env, ns.proxy_url)
+        prefix, child_env = ns.prefix(env), namespace_env(env, ns.proxy_url)
+        if "setpriv" in prefix:  # run as the user behind sudo: with that user's home, not root's
+            import pwd
+
+            with contextlib.suppress(KeyError, ValueError):
+                user = pwd.getpwuid(int(env["SUDO_UID"]))
+                child_env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+        yield prefix + argv, child_env
     finally:
         ns.close()

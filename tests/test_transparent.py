@@ -400,3 +400,11 @@ def test_packages_are_installed_only_when_asked(tmp_path, monkeypatch):
     state["installed"] = True
     transparent.require("netns", install_deps=True, say=said.append)  # works: nothing more to do
     assert len(log.read_text().splitlines()) == 2
+
+
+def test_a_program_intercepts_what_bili_run_intercepts(tmp_path):
+    env = {"HOME": str(tmp_path), "OPENAI_BASE_URL": "https://gw.corp.example/v1"}
+    (tmp_path / ".codex").mkdir()
+    (tmp_path / ".codex" / "config.toml").write_text('[model_providers.x]\nbase_url = "https://codex-gw.example/v1"\n')
+    hosts = set(launch.program_agent("./client").model_hosts(env, tmp_path).hosts)
+    assert {("gw.corp.example", 443), ("codex-gw.example", 443)} <= hosts
