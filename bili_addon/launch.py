@@ -851,8 +851,7 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
                      f"{', '.join(sorted({e.host for e in plan.hosts.endpoints}))} may not be decrypted", args.quiet)
         try:
             with transparent.child(plan.transparent, plan.transparent_mode, proxy.health, plan.redirect,
-                                   args.port, plan.argv, plan.env, state_dir(),
-                                   lambda m: _say(m, args.quiet)) as (argv, env):
+                                   args.port, plan.argv, plan.env, lambda m: _say(m, args.quiet)) as (argv, env):
                 rc = run_child(argv, env, on_start=(
                     (lambda pid: _say(f"running {plan.argv[0]} (pid {pid})")) if args.verbose and not args.quiet else None))
             if args.verbose:

@@ -48,6 +48,7 @@ SUBNET = ipaddress.ip_network("10.231.0.0/16")  # one /30 per namespace
 MAX_INDEX = SUBNET.num_addresses // 4 - 1
 REFRESH = 60.0  # seconds between re-resolutions of the model hosts (CDN addresses move)
 RESOLVE_TIMEOUT = 5.0
+STATE = Path("/run/bili-addon/transparent")  # machine-wide: namespaces, addresses and ip_forward are
 APT = {"nft": "nftables", "ip": "iproute2", "sudo": "sudo"}
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 
@@ -505,11 +506,12 @@ def proxy_lacks(health: Mapping, mode: str) -> str | None:
 class Namespace:
     """Set up (``open``) and remove (``close``) one namespace; ``prefix`` runs a program in it.
 
-    Bookkeeping in ``state`` (the launcher's state directory): ``transparent-<index>.json`` per live
-    namespace (with the launcher's pid: a namespace whose launcher died is removed by the next
-    launch) and ``transparent-forward`` holding ``ip_forward``'s value before bili switched it on."""
+    Bookkeeping in ``state`` (:data:`STATE`, one for the machine, as namespaces, their addresses and
+    ``ip_forward`` are): ``transparent-<index>.json`` per live namespace (with the launcher's pid: a
+    namespace whose launcher died is removed by the next launch) and ``transparent-forward`` holding
+    ``ip_forward``'s value before bili switched it on (restored when the last namespace goes)."""
 
-    def __init__(self, hosts: Sequence[tuple[str, int]], tport: int, proxy_port: int, *, state: Path,
+    def __init__(self, hosts: Sequence[tuple[str, int]], tport: int, proxy_port: int, *, state: Path = STATE,
                  say: Callable[[str], None] = lambda m: None, resolv_conf: Path = Path("/etc/resolv.conf"),
                  proc_sys: Path = Path("/proc/sys"), refresh: float = REFRESH):
         self.hosts = list(hosts)
@@ -519,7 +521,6 @@ class Namespace:
         self.net: Net | None = None
         self.redirect: Redirect | None = None
         self.notes: list[str] = []
-        self._done: list[list[str]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._etc: Path | None = None
@@ -710,8 +711,8 @@ def proxy_env(mechanism: str, env: Mapping[str, str], state: Path) -> dict[str, 
 
 @contextlib.contextmanager
 def child(mechanism: str | None, mode: str, health: Mapping, redirect: Sequence[tuple[str, int]], proxy_port: int,
-          argv: list[str], env: Mapping[str, str], state: Path,
-          say: Callable[[str], None]) -> Iterator[tuple[list[str], dict[str, str]]]:
+          argv: list[str], env: Mapping[str, str], say: Callable[[str], None],
+          state: Path = STATE) -> Iterator[tuple[list[str], dict[str, str]]]:
     """The program's command line and environment for ``mechanism`` (as they are without one), with
     the namespace set up around the ``with`` block."""
     if not mechanism:

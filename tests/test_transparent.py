@@ -261,11 +261,11 @@ def test_the_namespace_env_points_the_proxy_variables_at_the_host_end():
 
 
 def test_the_child_without_a_mechanism_is_unchanged(tmp_path):
-    with transparent.child(None, "", {}, [], 8787, ["prog", "a"], {"X": "1"}, tmp_path, print) as (argv, env):
+    with transparent.child(None, "", {}, [], 8787, ["prog", "a"], {"X": "1"}, print, tmp_path) as (argv, env):
         assert argv == ["prog", "a"] and env == {"X": "1"}
     with pytest.raises(transparent.TransparentError, match="no transparent@127.0.0.1:9 listener"):
         with transparent.child("netns", "transparent@127.0.0.1:9", {"modes": ["regular"]}, [], 8787, ["p"], {},
-                               tmp_path, print):
+                               print, tmp_path):
             pass
 
 
@@ -408,3 +408,32 @@ def test_a_program_intercepts_what_bili_run_intercepts(tmp_path):
     (tmp_path / ".codex" / "config.toml").write_text('[model_providers.x]\nbase_url = "https://codex-gw.example/v1"\n')
     hosts = set(launch.program_agent("./client").model_hosts(env, tmp_path).hosts)
     assert {("gw.corp.example", 443), ("codex-gw.example", 443)} <= hosts
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or transparent.which("nft") is None, reason="needs root and nftables")
+def test_a_namespace_left_by_a_killed_launcher_is_removed_by_the_next(tmp_path):
+    forward = transparent.Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
+    first = transparent.Namespace([("10.232.255.9", 443)], 1, 2, state=tmp_path, refresh=0).open()
+    gone = first.net
+    assert gone.netns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert transparent.Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() == "1"
+    # a mark inside the first namespace: the next launch may re-use the name, not the namespace
+    subprocess.run(["ip", "-n", gone.netns, "addr", "add", "10.99.99.99/32", "dev", "lo"], check=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    record = tmp_path / f"transparent-{gone.index}.json"
+    record.write_text(json.dumps({"index": gone.index, "pid": dead.pid}))  # its launcher was killed
+    second = transparent.Namespace([("10.232.255.9", 443)], 1, 2, state=tmp_path, refresh=0).open()
+    try:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert second.net.netns in listed
+        assert json.loads((tmp_path / f"transparent-{second.net.index}.json").read_text())["pid"] == os.getpid()
+        if second.net.index == gone.index:
+            assert "10.99.99.99" not in subprocess.run(["ip", "-n", gone.netns, "addr", "show", "lo"],
+                                                       capture_output=True, text=True).stdout
+        else:
+            assert gone.netns not in listed and not record.exists()
+    finally:
+        second.close()
+    assert second.net is None and not list(tmp_path.glob("transparent-*.json"))
+    assert transparent.Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() == forward
