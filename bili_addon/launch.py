@@ -777,7 +777,8 @@ def configure_transparent(p: argparse.ArgumentParser) -> None:
                    help="for programs that ignore HTTPS_PROXY (Linux, root): netns (the default) runs it in a "
                         "network namespace whose TCP to the model hosts is redirected to mitmproxy's "
                         "transparent mode, everything else untouched; local uses mitmproxy's local redirect "
-                        "mode (see bili doctor for what this machine supports)")
+                        "mode (see bili doctor for what this machine supports). bili run --transparent -- "
+                        "PROGRAM ARGS runs any program so")
     p.add_argument("--transparent-port", type=int, metavar="PORT",
                    help="the transparent listener's port on 127.0.0.1 (default: the proxy's port + 1)")
     p.add_argument("--redirect", action="append", metavar="HOST[:PORT]",
