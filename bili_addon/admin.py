@@ -104,7 +104,9 @@ def handle(flow: http.HTTPFlow, bili: Host):
     method = flow.request.method
     if path == PREFIX + "health" and method in ("GET", "HEAD"):
         flow.response = _json(200, {"ok": True, "version": __version__, "mode": bili.mode, **bili.store_status(),
-                                    "authenticated": authenticated(flow, bili)})
+                                    "authenticated": authenticated(flow, bili),
+                                    # the proxy's listeners: a launcher re-using it checks for the one it needs
+                                    "modes": list(getattr(ctx.options, "mode", None) or [])})
     elif page.sign_in(flow, bili):  # GET /__bili/?code=...: the one-time code of `bili page`
         return None
     elif not (authenticated(flow, bili) or (page.readable(path, method) and page.auth(bili).cookie_ok(flow))):

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 NODE_CA = "NODE_EXTRA_CA_CERTS"  # added to Node's/Bun's built-in roots
 BUNDLE_CA = "SSL_CERT_FILE"  # one bundle instead of the system roots (Rust, Python)
+ANY_CA = "any"  # a program bili does not know (bili run --transparent): both of the above
 
 # model API hosts of the providers the agents ship with (HTTPS, port 443)
 ANTHROPIC = "api.anthropic.com"

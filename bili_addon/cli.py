@@ -1,6 +1,7 @@
 """``bili``: the command line.
 
     bili run [options] [-- extra mitmdump args]   start the proxy (mitmdump with the addon)
+    bili run --transparent [options] -- PROGRAM   run PROGRAM with its model traffic redirected to bili
     bili ca [--confdir DIR] [--json]              create the CA if needed and print its paths
     bili mcp [--proxy URL] [--conversation ID]    bili's tools as a stdio MCP server
     bili claude|codex|pi|omp|hermes|opencode [options] [-- agent args]
@@ -114,6 +115,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
                         "bili run's own value of that option (allow_hosts: adds to it). A --set after -- is "
                         "treated the same way")
     p.add_argument("--quiet", action="store_true", help="do not print the set-up instructions")
+    p.add_argument("-v", "--verbose", action="store_true", help="with --transparent: say the program's pid and exit")
+    launch.configure_transparent(p)
 
 
 def _display_host(host: str) -> str:
@@ -257,8 +260,41 @@ def _serve(cmd: list[str], target: tuple[str, int] | None, ready: Callable[[dict
     return launch._exit_like(rc)
 
 
+def _run_transparent(args: argparse.Namespace) -> int:
+    """``bili run --transparent -- PROGRAM ARGS``: PROGRAM through bili as the agent launchers run
+    theirs (a proxy re-used or started, with its transparent listener), exit code PROGRAM's."""
+    refused = [flag for flag, given in (("--mode", args.mode), ("--intercept all", args.intercept == "all"),
+                                        ("--listen-host", args.listen_host != DEFAULT_HOST)) if given]
+    if refused:
+        _err(f"{', '.join(refused)} cannot be combined with --transparent (the program's traffic reaches the "
+             f"proxy on {DEFAULT_HOST} through the redirect)")
+        return 2
+    if not args.extra:
+        _err("--transparent runs a program: give it after --, e.g. bili run --transparent -- node app.js")
+        return 2
+    sets, scripts = [], []  # the launcher takes scripts as -s (a --set scripts= beside -s would be a second value)
+    for spec in args.set or []:
+        name, _, value = spec.partition("=")
+        (scripts.append(value) if name.strip() == "scripts" and value else sets.append(spec))
+    if args.store:
+        sets.append(f"bili_store={args.store}")
+    agent = launch.program_agent(args.extra[0])
+    ns = argparse.Namespace(
+        port=args.listen_port, bili_mode=args.bili_mode, first_party=args.first_party, data_dir=args.data_dir,
+        confdir=args.confdir, intercept_host=args.intercept_host, script=scripts, set=sets, dry_run=False,
+        quiet=args.quiet, verbose=args.verbose, extra=args.extra[1:], transparent=args.transparent,
+        transparent_port=args.transparent_port, redirect=args.redirect, install_deps=args.install_deps)
+    return launch.launch(agent, ns)
+
+
 def _run(args: argparse.Namespace) -> int:
     from mitmproxy.proxy.mode_specs import ProxyMode
+
+    if args.transparent:
+        return _run_transparent(args)
+    if args.redirect or args.transparent_port or args.install_deps:
+        _err("--redirect, --transparent-port and --install-deps go with --transparent")
+        return 2
 
     from bili_addon.agents import allow_hosts_regex, intercept_plan
     from bili_addon.certs import CertError, ensure_ca

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, adminclient, private
-from bili_addon.agents import AGENTS, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex, intercept_plan
+from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, adminclient, private, transparent
+from bili_addon.agents import (AGENTS, ANY_CA, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex,
+                               intercept_plan)
 from bili_addon.store import DB_NAME, SCHEMA_VERSION, StoreError, default_data_dir
 from bili_addon.stores import is_url, open_store, store_spec
 
@@ -514,9 +515,9 @@ def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca, data_dir
     out["HTTPS_PROXY"] = out["https_proxy"] = proxy_url
     for var in agent.proxy_vars:
         out[var] = proxy_url
-    if agent.ca_var == NODE_CA:
+    if agent.ca_var in (NODE_CA, ANY_CA):
         out[NODE_CA] = node_ca_file(ca, env)
-    else:
+    if agent.ca_var != NODE_CA:
         out[BUNDLE_CA] = str(ca.combined)
         out["REQUESTS_CA_BUNDLE"] = str(ca.combined)
     out["BILI_PROXY"] = proxy_url  # where `bili mcp`, started by the agent, finds this proxy
@@ -664,6 +665,9 @@ class Plan:
     env: dict[str, str]
     command: list[str]
     ca: object
+    transparent: str | None = None  # the mechanism (transparent.MECHANISMS), or None
+    transparent_mode: str = ""  # the proxy mode it needs (transparent@127.0.0.1:PORT, local:NAME)
+    redirect: list[tuple[str, int]] = field(default_factory=list)  # what the namespace sends to it
 
 
 def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] | None = None,
@@ -674,20 +678,42 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
     cwd = cwd or Path.cwd()
     binary = shutil.which(agent.binary, path=env.get("PATH"))
     ca = ensure_ca(args.confdir)
-    hosts = intercept_plan(agent, env, cwd, args.intercept_host or [])
+    mechanism = getattr(args, "transparent", None)
+    override = [transparent.parse_dest(d) for d in getattr(args, "redirect", None) or []]
+    hosts = intercept_plan(agent, env, cwd, [*(args.intercept_host or []), *(f"{h}:{p}" for h, p in override)])
     allow = allow_hosts_regex(hosts.hosts)
+    modes = ["regular"]
+    tmode = ""
+    if mechanism == "netns":
+        tmode = transparent.transparent_mode(getattr(args, "transparent_port", None) or args.port + 1)
+    elif mechanism == "local":
+        tmode = transparent.local_mode(binary or agent.binary)
+    if tmode:
+        modes.append(tmode)
     proxy_url = f"http://{DEFAULT_HOST}:{args.port}"
     mitmdump = find_mitmdump() or Path("mitmdump")
     sets, _ = user_options(args.set, flags={"--bili-mode": args.bili_mode, "--first-party": args.first_party,
                                             "--data-dir": args.data_dir})
     command = mitmdump_command(
-        mitmdump, listen_host=DEFAULT_HOST, listen_port=args.port, modes=["regular"], confdir=ca.confdir,
+        mitmdump, listen_host=DEFAULT_HOST, listen_port=args.port, modes=modes, confdir=ca.confdir,
         data_dir=args.data_dir, bili_mode=args.bili_mode or "fold",
         upstream_ca=system_roots_for_upstream(ca.roots_source), lazy=False, allow_hosts=allow,
         first_party=args.first_party, scripts=args.script or [], sets=sets,
     )
+    if mechanism == "local":
+        local = {m.name: m for m in transparent.support(env, probe_nft=False)}["local"]
+        command = transparent.local_proxy_command(command, local.cgroup_bind)
     return Plan(agent, binary, [binary or agent.binary, *args.extra], hosts, allow, proxy_url,
-                agent_env(agent, env, proxy_url, ca, args.data_dir), command, ca)
+                agent_env(agent, env, proxy_url, ca, args.data_dir), command, ca, mechanism, tmode,
+                override or list(hosts.hosts))
+
+
+def program_agent(program: str) -> Agent:
+    """Any program, for ``bili run --transparent -- PROGRAM``: the model hosts of every agent (built-in
+    and configured, as ``bili run`` intercepts them), both CA variables set."""
+    return Agent("run", Path(program).name, program, ANY_CA, (),
+                 lambda env, cwd: [f for a in AGENTS.values() for f in a.config_files(env, cwd)],
+                 env_base_urls=tuple(dict.fromkeys(v for a in AGENTS.values() for v in a.env_base_urls)))
 
 
 def default_port() -> int:
@@ -721,6 +747,24 @@ def configure_agent(p: argparse.ArgumentParser) -> None:
                    help="print the hosts, the agent's environment and the proxy command, run nothing")
     p.add_argument("-q", "--quiet", action="store_true", help="no bili: lines on stderr (errors excepted)")
     p.add_argument("-v", "--verbose", action="store_true", help="also say which pid the agent runs as, and how it exited")
+    configure_transparent(p)
+
+
+def configure_transparent(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transparent", nargs="?", const="netns", choices=transparent.MECHANISMS, default=None,
+                   metavar="MECHANISM",
+                   help="for programs that ignore HTTPS_PROXY (Linux, root): netns (the default) runs it in a "
+                        "network namespace whose TCP to the model hosts is redirected to mitmproxy's "
+                        "transparent mode, everything else untouched; local uses mitmproxy's local redirect "
+                        "mode (see bili doctor for what this machine supports). bili run --transparent -- "
+                        "PROGRAM ARGS runs any program so")
+    p.add_argument("--transparent-port", type=int, metavar="PORT",
+                   help="the transparent listener's port on 127.0.0.1 (default: the proxy's port + 1)")
+    p.add_argument("--redirect", action="append", metavar="HOST[:PORT]",
+                   help="with --transparent: redirect these destinations (repeatable; names are resolved, "
+                        "IPv4 addresses taken as they are) instead of every intercepted model host")
+    p.add_argument("--install-deps", action="store_true",
+                   help="with --transparent: install what the mechanism needs (nftables) with apt-get")
 
 
 def launch(agent: Agent, args: argparse.Namespace) -> int:
@@ -750,11 +794,20 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
     for pid, theirs in stale_daemons(agent, plan.proxy_url):
         _say(f"note: {_daemon_note(agent, pid, theirs)}", args.quiet)
 
+    proxy_env = None
+    if plan.transparent:
+        try:
+            transparent.require(plan.transparent, install_deps=args.install_deps, say=lambda m: _say(m, args.quiet))
+        except transparent.TransparentError as e:
+            _say(f"error: {e}")
+            return 1
+        proxy_env = transparent.proxy_env(plan.transparent, os.environ, state_dir())
+
     try:  # created now if this is the first run, so that racing launchers agree on it
         token = private.ensure_token(Path(args.data_dir).expanduser() if args.data_dir else default_data_dir())
     except OSError:
         token = None
-    proxy = SharedProxy(args.port, plan.command, quiet=args.quiet, token=token)
+    proxy = SharedProxy(args.port, plan.command, quiet=args.quiet, token=token, env=proxy_env)
     old = {s: signal.signal(s, _raise_on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     rc = 1
     try:
@@ -777,10 +830,15 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
                 _say(f"note: the running proxy did not take this agent's model hosts ({got}); "
                      f"{', '.join(sorted({e.host for e in plan.hosts.endpoints}))} may not be decrypted", args.quiet)
         try:
-            rc = run_child(plan.argv, plan.env, on_start=(
-                (lambda pid: _say(f"running {plan.argv[0]} (pid {pid})")) if args.verbose and not args.quiet else None))
+            with transparent.child(plan.transparent, plan.transparent_mode, proxy.health, plan.redirect,
+                                   args.port, plan.argv, plan.env, lambda m: _say(m, args.quiet)) as (argv, env):
+                rc = run_child(argv, env, on_start=(
+                    (lambda pid: _say(f"running {plan.argv[0]} (pid {pid})")) if args.verbose and not args.quiet else None))
             if args.verbose:
                 _say(f"{agent.binary} exited with {'signal ' + str(-rc) if rc < 0 else 'code ' + str(rc)}", args.quiet)
+        except transparent.TransparentError as e:
+            _say(f"error: {e}")
+            rc = 1
         except OSError as e:
             _say(f"error: cannot run {plan.argv[0]}: {e}")
             rc = 126
@@ -823,6 +881,10 @@ def _print_plan(plan: Plan) -> int:
     for k in sorted(changed):
         print(f"env        {k}={changed[k]}", file=out)
     print(f"allow      {plan.allow}", file=out)
+    if plan.transparent:
+        what = ", ".join(h if p == 443 else f"{h}:{p}" for h, p in plan.redirect)
+        print(f"transparent {plan.transparent}: {plan.transparent_mode}" +
+              (f"; redirects {what}" if plan.transparent == "netns" else ""), file=out)
     print(f"command    {' '.join(plan.command)}", file=out)
     return 0
 
@@ -954,6 +1016,7 @@ def doctor_checks(args: argparse.Namespace, env: Mapping[str, str] | None = None
 
     mitm = find_mitmdump()
     checks.append(Check("mitmdump", mitm is not None, str(mitm) if mitm else "not found: is mitmproxy installed?"))
+    checks += transparent_checks(env)
 
     for a in AGENTS.values():
         binary = shutil.which(a.binary, path=env.get("PATH"))
@@ -972,6 +1035,19 @@ def doctor_checks(args: argparse.Namespace, env: Mapping[str, str] | None = None
             line += f"; note: {n}"
         checks.append(Check(f"agent {a.name}", True, line, required=False))
     return checks
+
+
+def transparent_checks(env: Mapping[str, str], **kw) -> list[Check]:
+    """``--transparent``: which mechanism works on this machine, and why (not required checks)."""
+    if not sys.platform.startswith("linux"):
+        return [Check("transparent", False, "Linux only (network namespaces, nftables, eBPF)", required=False)]
+    out = []
+    for m in transparent.support(env, **kw):
+        detail = f"--transparent={m.name}: " + ("works here: " if m.ok else "not here: ") + m.why
+        if m.fix:
+            detail += f"; install with: {m.fix} (or let bili do it: --transparent={m.name} --install-deps)"
+        out.append(Check(f"{m.name} redirect", m.ok, detail, required=False))
+    return out
 
 
 def doctor(args: argparse.Namespace) -> int:
