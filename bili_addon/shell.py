@@ -223,7 +223,9 @@ class Bili:
         store = open_store(self.store_spec, data_dir)
         for path in store.tightened:
             log.warning("[bili] %s was readable by other users; now %s", path, "0700" if os.path.isdir(path) else "0600")
-        return self._tune(Engine(store))
+        engine = self._tune(Engine(store))
+        engine.lineage.defer = True  # a pass's lineage is stored after the answer (_settle), off the request's path
+        return engine
 
     def _tune(self, engine: Engine) -> Engine:
         engine.fold_cfg.min_compress_chars = ctx.options.bili_min_compress_chars
@@ -251,7 +253,7 @@ class Bili:
         return self.token
 
     def done(self) -> None:
-        self.keeper.stop()
+        self.keeper.stop(last=lambda eng: eng.lineage.flush())  # what no answer settled
 
     @property
     def active(self) -> bool:
@@ -435,7 +437,20 @@ class Bili:
         return None
 
     def error(self, flow: http.HTTPFlow) -> None:
-        self._flows.pop(flow, None)  # no answer comes; mitmweb keeps the flow, not our state
+        st = self._flows.pop(flow, None)  # no answer comes; mitmweb keeps the flow, not our state
+        if st is not None:
+            self.keeper.submit(lambda eng: self._settle(eng, st.session))
+
+    @staticmethod
+    def _settle(eng: Engine, sid: str) -> None:
+        """The lineage the request kept back (fingerprints of its new parts), stored now that the
+        answer is in: off the request's path, before the agent can fork from it.  A failure costs
+        the family, never the answer."""
+        try:
+            eng.lineage.flush(sid)
+        except Exception as e:
+            log.warning("[bili] session=%s: lineage not stored (%s: %s); a fork of this turn may not be "
+                        "recognised", sid, type(e).__name__, e)
 
     def _learn_from_error(self, eng: Engine, st: FlowState, status: int, text: str) -> None:
         if is_overflow(status, text):
@@ -456,6 +471,7 @@ class Bili:
                 )
 
     def _account(self, eng: Engine, st: FlowState) -> None:
+        self._settle(eng, st.session)
         rw = st.rewriter
         called = eng.record_answer(st.session, st.lane, rw)
         flowmeta.record_answer(st.record, rw, called)
@@ -512,7 +528,9 @@ class Bili:
             log.exception("[bili] session=%s: WebSocket frame handling failed (%s); frame left as is", st.session, e)
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
-        self._flows.pop(flow, None)
+        st = self._flows.pop(flow, None)
+        if st is not None:
+            self.keeper.submit(lambda eng: self._settle(eng, st.session))
 
     async def _ws_later(self, flow: http.HTTPFlow, msg, work) -> None:
         self._ws_apply(flow, msg, await self.keeper.call(work))

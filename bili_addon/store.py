@@ -29,7 +29,8 @@ import msgspec
 
 from bili_addon import private
 
-SCHEMA_VERSION = 3  # 3: the wire table (its PostgreSQL migration: store_pg._MIGRATIONS[3])
+SCHEMA_VERSION = 4  # 3: the wire table (its PostgreSQL migration: store_pg._MIGRATIONS[3]); 4: PostgreSQL's
+# one-statement turn commit (store_pg._MIGRATIONS[4], a function; nothing changes in SQLite's tables)
 BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
 
 _SCHEMA = """
@@ -462,6 +463,7 @@ class Store:
             return
         with self._tx():
             # 3: the wire table, made by _SCHEMA like every table; nothing to move
+            # 4: nothing in SQLite (PostgreSQL's turn commit became one function)
             if have < 2:
                 self._repair_refs()
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES('schema_version', ?)",

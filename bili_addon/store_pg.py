@@ -171,6 +171,71 @@ _MIGRATIONS: dict[int, list[str]] = {
             PRIMARY KEY(session_id, n))""",
     ],
 }
+_STALE = "BL001"  # bili_commit_turn's refusal: the session changed meanwhile (StaleSession)
+# 4: a turn's commit in one statement (one round trip): PL/pgSQL doing what Store.commit_turn does
+_MIGRATIONS[4] = [
+    """CREATE OR REPLACE FUNCTION bili_commit_turn(
+        p_id TEXT, p_expect BIGINT, p_agent TEXT, p_lane TEXT, p_created DOUBLE PRECISION, p_now DOUBLE PRECISION,
+        p_requests BIGINT, p_messages BIGINT, p_next_ref BIGINT, p_flags TEXT,
+        p_minted TEXT[], p_minted_hashes TEXT[],
+        p_msg_ids TEXT[], p_hashes TEXT[], p_refs TEXT[], p_roles TEXT[], p_ctypes TEXT[], p_tokens BIGINT[],
+        p_depth BIGINT, p_tail TEXT) RETURNS BIGINT LANGUAGE plpgsql AS $$
+    DECLARE
+        v BIGINT;
+        first BIGINT;
+        fam BIGINT;
+        n BIGINT;
+    BEGIN
+        -- the session's version must still be the one the turn was computed from (its row lock
+        -- makes a second instance wait here, then find the version moved)
+        UPDATE sessions SET version = version + 1 WHERE id = p_id AND version = p_expect RETURNING version INTO v;
+        IF v IS NULL AND p_expect = 0 THEN
+            INSERT INTO sessions(id, created, last_seen, version) VALUES(p_id, p_now, p_now, 1)
+                ON CONFLICT(id) DO NOTHING RETURNING version INTO v;
+        END IF;
+        IF v IS NULL THEN
+            SELECT version INTO v FROM sessions WHERE id = p_id;
+            RAISE EXCEPTION 'session % was changed by another instance', p_id
+                USING ERRCODE = 'BL001', DETAIL = COALESCE(v, 0)::TEXT;
+        END IF;
+        -- refs: the session's next free numbers (a family shares one counter), each given once
+        IF cardinality(p_minted) > 0 THEN
+            SELECT (SELECT next_ref FROM sessions WHERE id = p_id),
+                   (SELECT MAX(s.next_ref) FROM lineage m JOIN sessions s ON s.id = m.session_id
+                     WHERE m.root = (SELECT root FROM lineage WHERE session_id = p_id))
+              INTO first, fam;
+            first := GREATEST(COALESCE(first, 1), COALESCE(fam, 0));
+            IF first + cardinality(p_minted) <> p_next_ref THEN
+                RAISE EXCEPTION 'refs of session % were given by another instance', p_id
+                    USING ERRCODE = 'BL001', DETAIL = first::TEXT;
+            END IF;
+            INSERT INTO refs(session_id, ref, content_hash)
+                SELECT p_id, r, h FROM unnest(p_minted, p_minted_hashes) AS u(r, h) ON CONFLICT DO NOTHING;
+            GET DIAGNOSTICS n = ROW_COUNT;
+            IF n <> cardinality(p_minted) THEN
+                RAISE EXCEPTION 'refs of session % were given by another instance', p_id
+                    USING ERRCODE = 'BL001', DETAIL = first::TEXT;
+            END IF;
+        END IF;
+        INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, version)
+            VALUES(p_id, p_agent, p_lane, p_created, p_now, p_requests, p_messages, p_next_ref, p_flags, v)
+            ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, lane=excluded.lane, last_seen=excluded.last_seen,
+                requests=excluded.requests, messages=excluded.messages, next_ref=excluded.next_ref,
+                flags=excluded.flags, version=excluded.version;
+        IF cardinality(p_msg_ids) > 0 THEN
+            INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen)
+                SELECT p_id, m, h, r, ro, c, t, p_now
+                FROM unnest(p_msg_ids, p_hashes, p_refs, p_roles, p_ctypes, p_tokens) AS u(m, h, r, ro, c, t);
+        END IF;
+        IF p_tail IS NOT NULL THEN
+            INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(p_id, p_depth, p_tail, p_now)
+                ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail,
+                    last_seen=excluded.last_seen;
+        END IF;
+        RETURN v;
+    END
+    $$""",
+]
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
 
 
@@ -241,6 +306,10 @@ class PgStore:
         self.lock_wait = lock_wait
         self._lock_conn: psycopg.Connection | None = None  # holds the sessions' advisory locks
         self._held: set[str] = set()
+        # what :meth:`hold` read right after the session's lock was granted (its version, family and
+        # last usage), answering :meth:`version`, :meth:`family` and :meth:`last_usage` until this
+        # instance writes or lets go of the session: one round trip instead of four
+        self._state: dict[str, tuple[int, tuple | None, tuple | None]] = {}
         try:
             # one direct connection first: a server that is down or refuses us fails at once, with its
             # own words (the pool would retry until its timeout while requests wait on the worker)
@@ -293,6 +362,7 @@ class PgStore:
         if self._conn is not None:  # nested: part of the enclosing transaction
             yield self._conn
             return
+        self._state.clear()  # this instance writes: what hold read may not hold any more
         try:
             with self.pool.connection() as conn:
                 self._conn = conn
@@ -350,11 +420,20 @@ class PgStore:
 
         return int.from_bytes(hashlib.sha256(b"bili-session:" + session_id.encode()).digest()[:8], "big", signed=True)
 
+    _STATE_SQL = (
+        "SELECT (SELECT version FROM sessions WHERE id=%(s)s), "
+        "(SELECT ARRAY[l.root, l.parent, l.fork_at::text, (SELECT MAX(s.next_ref) FROM sessions s JOIN lineage m "
+        "ON m.session_id=s.id WHERE m.root=l.root)::text] FROM lineage l WHERE l.session_id=%(s)s), "
+        "(SELECT ARRAY[input_tokens, cache_read, cache_write, output_tokens] FROM turns WHERE session_id=%(s)s "
+        "ORDER BY n DESC LIMIT 1)")
+
     def hold(self, session_id: str) -> None:
         """The session's advisory lock, held until :meth:`release`: one instance at a time works on
         a session (join, fold decisions, commit).  Waits at most ``lock_wait`` seconds, then
         :class:`SessionBusy` (the request passes through unchanged).  The server drops the lock
-        of an instance that dies (its connection closes)."""
+        of an instance that dies (its connection closes).  The session's version, family and last
+        usage are read in the same round trip (pipelined after the lock: the read's snapshot is
+        taken once the lock is granted, so it sees every turn committed before)."""
         if session_id in self._held:
             return
         try:
@@ -362,14 +441,24 @@ class PgStore:
                 self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
                 self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
             self.round_trips += 1
-            self._lock_conn.execute("SELECT pg_advisory_lock(%s)", (self.lock_key(session_id),))
+            conn = self._lock_conn
+            with conn.pipeline():
+                conn.execute("SELECT pg_advisory_lock(%s)", (self.lock_key(session_id),))
+                cur = conn.execute(self._STATE_SQL, {"s": session_id})
+            version, fam, last = cur.fetchone()
         except pg_errors.LockNotAvailable as e:
             raise SessionBusy(session_id, self.lock_wait) from e
         except psycopg.Error as e:
             raise pg_error("lock a session in", self.url, e) from e
         self._held.add(session_id)
+        self._state[session_id] = (
+            int(version or 0),
+            (fam[0], fam[1], int(fam[2]), int(fam[3] or 1)) if fam is not None else None,
+            tuple(int(x) for x in last) if last is not None else None,
+        )
 
     def release(self) -> None:
+        self._state.clear()
         if not self._held:
             return
         self._held.clear()
@@ -389,6 +478,7 @@ class PgStore:
 
     def close(self) -> None:
         self._held = set()
+        self._state = {}
         self._drop_lock_conn()
         pool = getattr(self, "pool", None)
         if pool is not None:
@@ -429,6 +519,8 @@ class PgStore:
 
     @_reads
     def version(self, session_id: str) -> int:
+        if session_id in self._state:
+            return self._state[session_id][0]
         row = self._one("SELECT version FROM sessions WHERE id=%s", (session_id,))
         return row[0] if row else 0
 
@@ -460,6 +552,8 @@ class PgStore:
 
     @_reads
     def last_usage(self, session_id: str) -> tuple[int, int, int, int] | None:
+        if session_id in self._state:
+            return self._state[session_id][2]
         row = self._one("SELECT input_tokens, cache_read, cache_write, output_tokens FROM turns WHERE session_id=%s "
                         "ORDER BY n DESC LIMIT 1", (session_id,))
         return tuple(row) if row else None
@@ -477,58 +571,37 @@ class PgStore:
     # -- writes --------------------------------------------------------------------------------
     def commit_turn(self, row: SessionRow, new_refs: list[LedgerRow], chain: tuple[int, str] | None = None, *,
                     expect: int, minted: list[tuple[str, str]] = ()) -> int:
+        """As :meth:`bili_addon.store.Store.commit_turn`, in one round trip: ``bili_commit_turn`` (schema
+        4) checks and advances the version, allocates the minted refs, writes the session row, the
+        ledger rows and the prefix chain in one statement (its own transaction); a refusal rolls it
+        all back and names itself (:data:`_STALE`)."""
         now = time.time()
-        with self._tx() as conn:
-            version = self._advance(conn, row.id, expect)
-            self._allocate(conn, row.id, list(minted), row.next_ref)
-            self.round_trips += 1
-            conn.execute(
-                "INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, "
-                "version) VALUES(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, "
-                "lane=excluded.lane, last_seen=excluded.last_seen, requests=excluded.requests, "
-                "messages=excluded.messages, next_ref=excluded.next_ref, flags=excluded.flags, "
-                "version=excluded.version",
-                (row.id, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref,
-                 row.flags, version),
-            )
-            if new_refs:  # one statement for the turn's rows, however many
+        minted = list(minted)
+        try:
+            with self._use() as conn:
                 self.round_trips += 1
-                conn.execute(
-                    "INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen) "
-                    "SELECT %s, m, h, r, ro, c, t, %s FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], "
-                    "%s::text[], %s::bigint[]) AS u(m, h, r, ro, c, t)",
-                    (row.id, now, [r.msg_id for r in new_refs], [r.content_hash for r in new_refs],
-                     [r.ref for r in new_refs], [r.role for r in new_refs], [r.ctype for r in new_refs],
-                     [r.tokens for r in new_refs]),
-                )
-            if chain is not None:
-                self.round_trips += 1
-                conn.execute(
-                    "INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(%s,%s,%s,%s) "
-                    "ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail, "
-                    "last_seen=excluded.last_seen",
-                    (row.id, chain[0], chain[1], now),
-                )
-        return version
-
-    def _allocate(self, conn, session_id: str, minted: list[tuple[str, str]], next_ref: int) -> None:
-        """As :meth:`bili_addon.store.Store._allocate`: the session row is locked by ``_advance``."""
-        if not minted:
-            return
-        self.round_trips += 2
-        # the session's counter and its family's (a family shares one: a ref is never given twice in it)
-        have, family = conn.execute(
-            "SELECT (SELECT next_ref FROM sessions WHERE id=%s), (SELECT MAX(s.next_ref) FROM lineage m JOIN "
-            "sessions s ON s.id=m.session_id WHERE m.root=(SELECT root FROM lineage WHERE session_id=%s))",
-            (session_id, session_id)).fetchone()
-        first = max(have or 1, family or 0)
-        if first + len(minted) != next_ref:
-            raise StaleSession(session_id, next_ref - len(minted), first)
-        given = conn.execute("INSERT INTO refs(session_id, ref, content_hash) SELECT %s, r, h FROM "
-                             "unnest(%s::text[], %s::text[]) AS u(r, h) ON CONFLICT DO NOTHING RETURNING ref",
-                             (session_id, [r for r, _ in minted], [h for _, h in minted])).fetchall()
-        if len(given) != len(minted):  # given already: another instance got there first (the tx rolls back)
-            raise StaleSession(session_id, next_ref - len(minted), first)
+                version = conn.execute(
+                    "SELECT bili_commit_turn(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s::text[],%s::text[],%s::text[],%s::text[],"
+                    "%s::text[],%s::text[],%s::text[],%s::bigint[],%s,%s)",
+                    (row.id, expect, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref,
+                     row.flags, [r for r, _ in minted], [h for _, h in minted],
+                     [r.msg_id for r in new_refs], [r.content_hash for r in new_refs], [r.ref for r in new_refs],
+                     [r.role for r in new_refs], [r.ctype for r in new_refs], [r.tokens for r in new_refs],
+                     chain[0] if chain is not None else None, chain[1] if chain is not None else None),
+                ).fetchone()[0]
+        except psycopg.Error as e:
+            self._state.pop(row.id, None)
+            if getattr(e, "sqlstate", None) == _STALE:  # the version moved, or a ref was given meanwhile
+                found = int((getattr(e.diag, "message_detail", None) or "0").strip() or 0)
+                raise StaleSession(row.id, expect, found) from e
+            raise pg_error("write", self.url, e) from e
+        except PoolTimeout as e:
+            raise pg_error("write", self.url, e) from e
+        self.writes += 1
+        held = self._state.get(row.id)
+        if held is not None:  # the turn moved the version; its family and last usage are as they were
+            self._state[row.id] = (int(version), *held[1:])
+        return int(version)
 
     def set_flags(self, row: SessionRow, *, expect: int) -> int:
         with self._tx() as conn:
@@ -700,11 +773,22 @@ class PgStore:
         return self._q("SELECT ref, chash, fp FROM lineage_parts WHERE session_id=%s ORDER BY seq", (session_id,))
 
     def save_lineage_parts(self, session_id: str, keep: int, rows: list[tuple[str, str, str]]) -> None:
-        with self._tx() as conn:
-            self.round_trips += 1
-            conn.execute("DELETE FROM lineage_parts WHERE session_id=%s AND seq>=%s", (session_id, keep))
-            self._many("INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) VALUES(%s,%s,%s,%s,%s)",
-                       [(session_id, keep + i, *row) for i, row in enumerate(rows)])
+        """Parts from ``keep`` on replaced by ``rows``, in one statement (its own transaction)."""
+        end = keep + len(rows)
+        try:
+            with self._use() as conn:
+                self.round_trips += 1
+                conn.execute(
+                    "WITH gone AS (DELETE FROM lineage_parts WHERE session_id=%(s)s AND seq>=%(end)s) "
+                    "INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) "
+                    "SELECT %(s)s, %(keep)s + u.i - 1, u.r, u.h, u.f FROM unnest(%(r)s::text[], %(h)s::text[], "
+                    "%(f)s::text[]) WITH ORDINALITY AS u(r, h, f, i) "
+                    "ON CONFLICT(session_id, seq) DO UPDATE SET ref=excluded.ref, chash=excluded.chash, fp=excluded.fp",
+                    {"s": session_id, "end": end, "keep": keep, "r": [r[0] for r in rows], "h": [r[1] for r in rows],
+                     "f": [r[2] for r in rows]})
+        except (psycopg.Error, PoolTimeout) as e:
+            raise pg_error("write", self.url, e) from e
+        self.writes += 1
 
     @_reads
     def lineage_candidates(self, first_fp: str, lane: str) -> list[str]:
@@ -720,6 +804,8 @@ class PgStore:
 
     @_reads
     def family(self, session_id: str) -> tuple[str, str, int, int] | None:
+        if session_id in self._state:
+            return self._state[session_id][1]
         row = self._one(
             "SELECT l.root, l.parent, l.fork_at, (SELECT MAX(s.next_ref) FROM sessions s JOIN lineage m "
             "ON m.session_id=s.id WHERE m.root=l.root) FROM lineage l WHERE l.session_id=%s", (session_id,))

@@ -78,10 +78,41 @@ def test_a_schema_2_store_gets_the_wire_table_on_open_and_keeps_its_sessions(bac
     raw("UPDATE meta SET value='2' WHERE key='schema_version'")
     s.close()
     s = backend()
-    assert s.schema_version() == SCHEMA_VERSION == 3
+    assert s.schema_version() == SCHEMA_VERSION >= 3
     assert s.version("old") == v and [r.ref for r in s.ledger("old")] == ["m00001"]
     assert s.wire("old") == [] and s.wire_totals("old") == (0, None, 0, 0, [])
     assert s.record_wire("old", WireTurn(0, 0, 1, "m", 10, 8, None, 0, 0, [], 8, 0, 0, 1)) == 1
+
+
+def test_a_schema_3_postgresql_store_gets_the_one_statement_commit(pg_url, tmp_path):
+    """Schema 4 (PostgreSQL only): the turn's commit is one function call; a store of schema 3 gets
+    the function when opened and its sessions go on where they were."""
+    from bili_addon.store import LedgerRow, SessionRow, StaleSession
+    from bili_addon.store_pg import PgStore
+
+    s = PgStore(pg_url, str(tmp_path))
+    v = s.commit_turn(SessionRow("s3", "", "", 0.0, 0.0, 1, 1, 2), [LedgerRow("h", "aa", "m00001", "user", "text", 1)],
+                      expect=0, minted=[("m00001", "aa")])
+    s._q("DROP FUNCTION bili_commit_turn")
+    s._q("UPDATE meta SET value='3' WHERE key='schema_version'")
+    s.close()
+    s = PgStore(pg_url, str(tmp_path))
+    try:
+        assert s.schema_version() == SCHEMA_VERSION
+        row = SessionRow("s3", "", "", 0.0, 0.0, 2, 2, 3)
+        with pytest.raises(StaleSession):  # the version it was computed from moved
+            s.commit_turn(row, [LedgerRow("h2", "bb", "m00002", "user", "text", 1)], expect=v - 1,
+                          minted=[("m00002", "bb")])
+        with pytest.raises(StaleSession):  # a counter that is not the store's (another instance gave refs)
+            s.commit_turn(SessionRow("s3", "", "", 0.0, 0.0, 2, 2, 4), [LedgerRow("h2", "bb", "m00003", "user", "text", 1)],
+                          expect=v, minted=[("m00003", "bb")])
+        assert s.version("s3") == v and [r.ref for r in s.ledger("s3")] == ["m00001"]  # nothing of them kept
+        assert s.commit_turn(row, [LedgerRow("h2", "bb", "m00002", "user", "text", 1)], expect=v,
+                             minted=[("m00002", "bb")], chain=(2, "tail")) == v + 1
+        assert sorted(r.ref for r in s.ledger("s3")) == ["m00001", "m00002"]
+        assert s.session("s3").next_ref == 3 and ("s3", 2, "tail") in s.affinity()
+    finally:
+        s.close()
 
 
 # -- per-session serialisation across instances ---------------------------------------------------
