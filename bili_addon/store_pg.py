@@ -581,8 +581,9 @@ class PgStore:
             with self._use() as conn:
                 self.round_trips += 1
                 version = conn.execute(
-                    "SELECT bili_commit_turn(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s::text[],%s::text[],%s::text[],%s::text[],"
-                    "%s::text[],%s::text[],%s::text[],%s::bigint[],%s,%s)",
+                    # the arrays in binary (%b): no per-element quoting on the way (a first turn sends thousands)
+                    "SELECT bili_commit_turn(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%b::text[],%b::text[],%b::text[],%b::text[],"
+                    "%b::text[],%b::text[],%b::text[],%b::bigint[],%s,%s)",
                     (row.id, expect, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref,
                      row.flags, [r for r, _ in minted], [h for _, h in minted],
                      [r.msg_id for r in new_refs], [r.content_hash for r in new_refs], [r.ref for r in new_refs],
@@ -604,6 +605,21 @@ class PgStore:
         return int(version)
 
     def set_flags(self, row: SessionRow, *, expect: int) -> int:
+        """A learned fact of an existing session: one statement (its own transaction); a new session
+        or a version that moved takes the general path (which raises :class:`StaleSession`)."""
+        try:
+            with self._use() as conn:
+                self.round_trips += 1
+                done = conn.execute("UPDATE sessions SET version=version+1, flags=%s WHERE id=%s AND version=%s "
+                                    "RETURNING version", (row.flags, row.id, expect)).fetchone()
+        except (psycopg.Error, PoolTimeout) as e:
+            raise pg_error("write", self.url, e) from e
+        if done is not None:
+            self.writes += 1
+            held = self._state.get(row.id)
+            if held is not None:
+                self._state[row.id] = (int(done[0]), *held[1:])
+            return int(done[0])
         with self._tx() as conn:
             version = self._advance(conn, row.id, expect)
             self.round_trips += 1
