@@ -20,6 +20,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import msgspec
+
 from bili_addon.store import (
     DB_NAME, SCHEMA_VERSION, LedgerRow, SessionBusy, SessionRow, StaleSession, StoreError, UsageTotals, WireTurn,
     WIRE_COLS, wire_turn,
@@ -177,14 +179,13 @@ _MIGRATIONS[4] = [
     """CREATE OR REPLACE FUNCTION bili_commit_turn(
         p_id TEXT, p_expect BIGINT, p_agent TEXT, p_lane TEXT, p_created DOUBLE PRECISION, p_now DOUBLE PRECISION,
         p_requests BIGINT, p_messages BIGINT, p_next_ref BIGINT, p_flags TEXT,
-        p_minted TEXT[], p_minted_hashes TEXT[],
-        p_msg_ids TEXT[], p_hashes TEXT[], p_refs TEXT[], p_roles TEXT[], p_ctypes TEXT[], p_tokens BIGINT[],
-        p_depth BIGINT, p_tail TEXT) RETURNS BIGINT LANGUAGE plpgsql AS $$
+        p_minted JSON, p_rows JSON, p_depth BIGINT, p_tail TEXT) RETURNS BIGINT LANGUAGE plpgsql AS $$
     DECLARE
         v BIGINT;
         first BIGINT;
         fam BIGINT;
         n BIGINT;
+        k BIGINT := json_array_length(p_minted);
     BEGIN
         -- the session's version must still be the one the turn was computed from (its row lock
         -- makes a second instance wait here, then find the version moved)
@@ -199,20 +200,20 @@ _MIGRATIONS[4] = [
                 USING ERRCODE = 'BL001', DETAIL = COALESCE(v, 0)::TEXT;
         END IF;
         -- refs: the session's next free numbers (a family shares one counter), each given once
-        IF cardinality(p_minted) > 0 THEN
+        IF k > 0 THEN
             SELECT (SELECT next_ref FROM sessions WHERE id = p_id),
                    (SELECT MAX(s.next_ref) FROM lineage m JOIN sessions s ON s.id = m.session_id
                      WHERE m.root = (SELECT root FROM lineage WHERE session_id = p_id))
               INTO first, fam;
             first := GREATEST(COALESCE(first, 1), COALESCE(fam, 0));
-            IF first + cardinality(p_minted) <> p_next_ref THEN
+            IF first + k <> p_next_ref THEN
                 RAISE EXCEPTION 'refs of session % were given by another instance', p_id
                     USING ERRCODE = 'BL001', DETAIL = first::TEXT;
             END IF;
             INSERT INTO refs(session_id, ref, content_hash)
-                SELECT p_id, r, h FROM unnest(p_minted, p_minted_hashes) AS u(r, h) ON CONFLICT DO NOTHING;
+                SELECT p_id, e->>0, e->>1 FROM json_array_elements(p_minted) AS e ON CONFLICT DO NOTHING;
             GET DIAGNOSTICS n = ROW_COUNT;
-            IF n <> cardinality(p_minted) THEN
+            IF n <> k THEN
                 RAISE EXCEPTION 'refs of session % were given by another instance', p_id
                     USING ERRCODE = 'BL001', DETAIL = first::TEXT;
             END IF;
@@ -222,11 +223,10 @@ _MIGRATIONS[4] = [
             ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, lane=excluded.lane, last_seen=excluded.last_seen,
                 requests=excluded.requests, messages=excluded.messages, next_ref=excluded.next_ref,
                 flags=excluded.flags, version=excluded.version;
-        IF cardinality(p_msg_ids) > 0 THEN
-            INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen)
-                SELECT p_id, m, h, r, ro, c, t, p_now
-                FROM unnest(p_msg_ids, p_hashes, p_refs, p_roles, p_ctypes, p_tokens) AS u(m, h, r, ro, c, t);
-        END IF;
+        INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen)
+            SELECT p_id, x.msg_id, x.content_hash, x.ref, x.role, x.ctype, x.tokens, p_now
+            FROM json_to_recordset(p_rows) AS x(msg_id TEXT, content_hash TEXT, ref TEXT, role TEXT, ctype TEXT,
+                                                 tokens BIGINT);
         IF p_tail IS NOT NULL THEN
             INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(p_id, p_depth, p_tail, p_now)
                 ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail,
@@ -581,13 +581,11 @@ class PgStore:
             with self._use() as conn:
                 self.round_trips += 1
                 version = conn.execute(
-                    # the arrays in binary (%b): no per-element quoting on the way (a first turn sends thousands)
-                    "SELECT bili_commit_turn(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%b::text[],%b::text[],%b::text[],%b::text[],"
-                    "%b::text[],%b::text[],%b::text[],%b::bigint[],%s,%s)",
+                    # the rows as one JSON text each (msgspec encodes thousands at C speed; psycopg's
+                    # array dumper works element by element in Python)
+                    "SELECT bili_commit_turn(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s::json,%s::json,%s,%s)",
                     (row.id, expect, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref,
-                     row.flags, [r for r, _ in minted], [h for _, h in minted],
-                     [r.msg_id for r in new_refs], [r.content_hash for r in new_refs], [r.ref for r in new_refs],
-                     [r.role for r in new_refs], [r.ctype for r in new_refs], [r.tokens for r in new_refs],
+                     row.flags, msgspec.json.encode(minted).decode(), msgspec.json.encode(new_refs).decode(),
                      chain[0] if chain is not None else None, chain[1] if chain is not None else None),
                 ).fetchone()[0]
         except psycopg.Error as e:
