@@ -99,6 +99,7 @@ class FlowState:
     session: str
     rewriter: ResponseRewriter
     record: dict[str, Any] = field(default_factory=dict)
+    sent: bytes = b""  # what went upstream: its predicted cache-read share is computed with the answer
 
 
 class Bili:
@@ -327,7 +328,8 @@ class Bili:
             # a compressed stream cannot be filtered event by event
             req.headers["accept-encoding"] = "identity"
         marker = res.marker if ctx.options.bili_marker else ""
-        self._flows[flow] = FlowState(lane.name, res.session, ResponseRewriter(lane.name, rewrite, marker), record)
+        self._flows[flow] = FlowState(lane.name, res.session, ResponseRewriter(lane.name, rewrite, marker), record,
+                                      req.get_content(strict=False) or b"")
 
     def _record(self, eng: Engine, res: TurnResult | None, lane: str, via: str, rendered: bool,
                 raw: bytes) -> dict[str, Any] | None:
@@ -472,6 +474,9 @@ class Bili:
 
     def _account(self, eng: Engine, st: FlowState) -> None:
         self._settle(eng, st.session)
+        if st.sent and "agent_tokens" in st.record:  # the request's predicted cache-read share, off its path
+            st.record["predicted"] = self.meter.predict(st.session, st.sent)
+            st.sent = b""
         rw = st.rewriter
         called = eng.record_answer(st.session, st.lane, rw)
         flowmeta.record_answer(st.record, rw, called)
@@ -544,7 +549,7 @@ class Bili:
         record["message"] = len(flow.websocket.messages) - 1
         flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
         self._flows[flow] = FlowState("responses", res.session, ResponseRewriter("responses", self.mode == "fold" and res.active),
-                                      record)
+                                      record, msg.content)
 
     # -- admin ---------------------------------------------------------------------------------
     def stats(self, eng: Engine | None = None) -> dict:

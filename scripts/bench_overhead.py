@@ -203,6 +203,14 @@ class Case:
     def body(self, msgs: list[dict]) -> bytes:
         return msgspec.json.encode({**self.top, "messages": msgs})
 
+    def unique_body(self) -> bytes:
+        """The conversation with a first message of its own: a new conversation every time, never
+        a fork of one measured before on the same (PostgreSQL) database (a fork is adopted, work a
+        first turn does not do)."""
+        first = dict(self.msgs[0])
+        first["content"] = f"[run {time.time_ns()}] {first['content']}"
+        return self.body([first] + self.msgs[1:])
+
 
 # -- measurement ---------------------------------------------------------------------------------
 
@@ -253,6 +261,7 @@ def first_turn(case: Case, raw: bytes, reps: int) -> tuple[float, float, float, 
     work the proxy does after the answer (the lineage it kept back)."""
     samples, floors, settles, out = [], [], [], b""
     for _ in range(reps):
+        raw = case.unique_body()  # the same size, a conversation of its own
         with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
             eng = bench_engine(d)
             res = None
