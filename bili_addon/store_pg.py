@@ -449,6 +449,7 @@ class PgStore:
         except pg_errors.LockNotAvailable as e:
             raise SessionBusy(session_id, self.lock_wait) from e
         except psycopg.Error as e:
+            self._drop_lock_conn()  # whatever it may hold goes with it (the read after the lock failed)
             raise pg_error("lock a session in", self.url, e) from e
         self._held.add(session_id)
         self._state[session_id] = (

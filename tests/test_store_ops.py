@@ -221,3 +221,68 @@ def test_bili_run_store_sets_bili_store_once(tmp_path, monkeypatch, capsys):
     n = len(seen)
     assert cli.main(["run", *ca, "--store", url, "--", "--set", "bili_store=postgresql://other/db"]) == 2
     assert len(seen) == n and "--store" in capsys.readouterr().err
+
+
+def test_a_follow_up_turn_on_postgresql_takes_three_round_trips(pg_url, tmp_path, monkeypatch):
+    """Issue #11's "a few round trips": the session's lock and its state (version, family, last
+    usage) in one pipelined round trip, the turn's commit in one statement, the lock's release; the
+    lineage of the turn is stored after the answer, in one statement more."""
+    import psycopg
+
+    from bili_addon.kernel.turn import Engine
+    from bili_addon.store_pg import PgStore
+    from bili_addon.wire import LANES
+
+    store = PgStore(pg_url, str(tmp_path))
+    eng = Engine(store)
+    eng.lineage.defer = True
+    msgs = [{"role": "user", "content": "Look at the parser."},
+            {"role": "assistant", "content": [{"type": "text", "text": "Reading it."},
+                                              {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"p": "a"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "def parse(): ..."}]}]
+    turn = lambda: eng.process(json.dumps({"model": "m", "messages": msgs}).encode(), LANES["anthropic"],  # noqa: E731
+                               {"x-acp-session": "rt"}, render=True)
+    sent: list[str] = []
+    execute = psycopg.Connection.execute
+    monkeypatch.setattr(psycopg.Connection, "execute", lambda self, q, *a, **k: sent.append(str(q)) or execute(self, q, *a, **k))
+    try:
+        turn()
+        eng.lineage.flush()
+        msgs.append({"role": "assistant", "content": "It splits on commas."})
+        msgs.append({"role": "user", "content": "Now fix the quoting."})
+        before, sent[:] = store.round_trips, []
+        res = turn()
+        assert res.refs_new == 2 and res.refs_known == 4
+        assert store.round_trips - before == 3, sent
+        assert [q.split("(")[0] for q in sent] == ["SELECT pg_advisory_lock", "SELECT ", "SELECT bili_commit_turn",
+                                                    "SELECT pg_advisory_unlock_all"], sent
+        before = store.round_trips
+        eng.lineage.flush()  # after the answer
+        assert store.round_trips - before == 1 and len(store.lineage_parts("rt")) == 6
+    finally:
+        store.close()
+
+
+def test_what_the_lock_read_answers_until_the_session_is_let_go(pg_url, tmp_path):
+    """The version, family and last usage read with the session's lock answer this instance until it
+    writes or lets go; then the store is read again."""
+    from bili_addon.store import LedgerRow, SessionRow
+    from bili_addon.store_pg import PgStore
+
+    a, b = PgStore(pg_url, str(tmp_path)), PgStore(pg_url, str(tmp_path))
+    try:
+        v = a.commit_turn(SessionRow("x", "", "", 0.0, 0.0, 1, 1, 2), [LedgerRow("h", "aa", "m00001", "user", "text", 1)],
+                          expect=0, minted=[("m00001", "aa")])
+        a.hold("x")
+        assert (a.version("x"), a.family("x"), a.last_usage("x")) == (v, None, None)
+        b.record_usage("x", "anthropic", (10, 5, 2, 1))  # an answer's bookkeeping (no lock)
+        assert a.last_usage("x") is None  # as read with the lock
+        v2 = a.set_flags(SessionRow("x", "", "", 0.0, 0.0, 1, 1, 2, '{"k": 1}'), expect=v)
+        assert v2 == v + 1 and a.version("x") == v2  # its own write moves what it holds
+        a.release()
+        a.hold("x")
+        assert a.last_usage("x") == (10, 5, 2, 1) and a.version("x") == v2
+        a.release()
+    finally:
+        a.close()
+        b.close()
