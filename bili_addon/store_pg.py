@@ -235,6 +235,20 @@ _MIGRATIONS[4] = [
         RETURN v;
     END
     $$""",
+    # the session's lock, then (a fresh snapshot per statement: VOLATILE) its version, family and
+    # last usage, in one statement; the lock is the session's (it outlives the statement)
+    """CREATE OR REPLACE FUNCTION bili_hold(p_key BIGINT, p_id TEXT)
+        RETURNS TABLE(o_version BIGINT, o_family TEXT[], o_last BIGINT[]) LANGUAGE plpgsql VOLATILE AS $$
+    BEGIN
+        PERFORM pg_advisory_lock(p_key);
+        RETURN QUERY SELECT
+            (SELECT s.version FROM sessions s WHERE s.id = p_id),
+            (SELECT ARRAY[l.root, l.parent, l.fork_at::TEXT, (SELECT MAX(s.next_ref) FROM sessions s JOIN lineage m
+                ON m.session_id = s.id WHERE m.root = l.root)::TEXT] FROM lineage l WHERE l.session_id = p_id),
+            (SELECT ARRAY[t.input_tokens, t.cache_read, t.cache_write, t.output_tokens] FROM turns t
+                WHERE t.session_id = p_id ORDER BY t.n DESC LIMIT 1);
+    END
+    $$""",
 ]
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
 
@@ -420,20 +434,13 @@ class PgStore:
 
         return int.from_bytes(hashlib.sha256(b"bili-session:" + session_id.encode()).digest()[:8], "big", signed=True)
 
-    _STATE_SQL = (
-        "SELECT (SELECT version FROM sessions WHERE id=%(s)s), "
-        "(SELECT ARRAY[l.root, l.parent, l.fork_at::text, (SELECT MAX(s.next_ref) FROM sessions s JOIN lineage m "
-        "ON m.session_id=s.id WHERE m.root=l.root)::text] FROM lineage l WHERE l.session_id=%(s)s), "
-        "(SELECT ARRAY[input_tokens, cache_read, cache_write, output_tokens] FROM turns WHERE session_id=%(s)s "
-        "ORDER BY n DESC LIMIT 1)")
-
     def hold(self, session_id: str) -> None:
         """The session's advisory lock, held until :meth:`release`: one instance at a time works on
         a session (join, fold decisions, commit).  Waits at most ``lock_wait`` seconds, then
         :class:`SessionBusy` (the request passes through unchanged).  The server drops the lock
         of an instance that dies (its connection closes).  The session's version, family and last
-        usage are read in the same round trip (pipelined after the lock: the read's snapshot is
-        taken once the lock is granted, so it sees every turn committed before)."""
+        usage are read in the same statement (``bili_hold``, schema 4: its read takes its snapshot
+        once the lock is granted, so it sees every turn committed before)."""
         if session_id in self._held:
             return
         try:
@@ -441,15 +448,12 @@ class PgStore:
                 self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
                 self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
             self.round_trips += 1
-            conn = self._lock_conn
-            with conn.pipeline():
-                conn.execute("SELECT pg_advisory_lock(%s)", (self.lock_key(session_id),))
-                cur = conn.execute(self._STATE_SQL, {"s": session_id})
-            version, fam, last = cur.fetchone()
+            version, fam, last = self._lock_conn.execute(
+                "SELECT * FROM bili_hold(%s, %s)", (self.lock_key(session_id), session_id)).fetchone()
         except pg_errors.LockNotAvailable as e:
             raise SessionBusy(session_id, self.lock_wait) from e
         except psycopg.Error as e:
-            self._drop_lock_conn()  # whatever it may hold goes with it (the read after the lock failed)
+            self._drop_lock_conn()  # whatever it may hold goes with it (a lock outlives a failed statement)
             raise pg_error("lock a session in", self.url, e) from e
         self._held.add(session_id)
         self._state[session_id] = (

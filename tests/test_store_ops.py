@@ -94,11 +94,15 @@ def test_a_schema_3_postgresql_store_gets_the_one_statement_commit(pg_url, tmp_p
     v = s.commit_turn(SessionRow("s3", "", "", 0.0, 0.0, 1, 1, 2), [LedgerRow("h", "aa", "m00001", "user", "text", 1)],
                       expect=0, minted=[("m00001", "aa")])
     s._q("DROP FUNCTION bili_commit_turn")
+    s._q("DROP FUNCTION bili_hold")
     s._q("UPDATE meta SET value='3' WHERE key='schema_version'")
     s.close()
     s = PgStore(pg_url, str(tmp_path))
     try:
         assert s.schema_version() == SCHEMA_VERSION
+        s.hold("s3")
+        assert s.version("s3") == v  # read with the lock (bili_hold)
+        s.release()
         row = SessionRow("s3", "", "", 0.0, 0.0, 2, 2, 3)
         with pytest.raises(StaleSession):  # the version it was computed from moved
             s.commit_turn(row, [LedgerRow("h2", "bb", "m00002", "user", "text", 1)], expect=v - 1,
@@ -225,7 +229,7 @@ def test_bili_run_store_sets_bili_store_once(tmp_path, monkeypatch, capsys):
 
 def test_a_follow_up_turn_on_postgresql_takes_three_round_trips(pg_url, tmp_path, monkeypatch):
     """Issue #11's "a few round trips": the session's lock and its state (version, family, last
-    usage) in one pipelined round trip, the turn's commit in one statement, the lock's release; the
+    usage) in one statement, the turn's commit in one statement, the lock's release; the
     lineage of the turn is stored after the answer, in one statement more."""
     import psycopg
 
@@ -254,7 +258,7 @@ def test_a_follow_up_turn_on_postgresql_takes_three_round_trips(pg_url, tmp_path
         res = turn()
         assert res.refs_new == 2 and res.refs_known == 4
         assert store.round_trips - before == 3, sent
-        assert [q.split("(")[0] for q in sent] == ["SELECT pg_advisory_lock", "SELECT ", "SELECT bili_commit_turn",
+        assert [q.split("(")[0] for q in sent] == ["SELECT * FROM bili_hold", "SELECT bili_commit_turn",
                                                     "SELECT pg_advisory_unlock_all"], sent
         before = store.round_trips
         eng.lineage.flush()  # after the answer
