@@ -293,7 +293,7 @@ class Bili:
 
         def work(eng: Engine):
             res = self._process(eng, raw, lane, headers, where="http", origin=origin, render=fold)
-            return res, self._record(eng, res, lane.name, "http", fold, raw)
+            return res, self._record(eng, res, lane.name, "http", fold, raw), raw
 
         if self.keeper.offloading:
             return self._request_later(flow, lane, fold, work)
@@ -308,7 +308,7 @@ class Bili:
         req = flow.request
         for name in (envelope.HEADER, envelope.RESYNC_HEADER):
             req.headers.pop(name, None)  # ours: never forwarded
-        res, record = out or (None, None)
+        res, record, raw = out or (None, None, b"")
         if res is not None and not res.session and res.body is not None:
             req.content = res.body  # only bili's own envelope removed
         if res is None or record is None:
@@ -329,7 +329,7 @@ class Bili:
             req.headers["accept-encoding"] = "identity"
         marker = res.marker if ctx.options.bili_marker else ""
         self._flows[flow] = FlowState(lane.name, res.session, ResponseRewriter(lane.name, rewrite, marker), record,
-                                      req.get_content(strict=False) or b"")
+                                      raw if res.body is None else res.body)
 
     def _record(self, eng: Engine, res: TurnResult | None, lane: str, via: str, rendered: bool,
                 raw: bytes) -> dict[str, Any] | None:
