@@ -207,9 +207,10 @@ class Case:
         """The conversation with a first message of its own: a new conversation every time, never
         a fork of one measured before on the same (PostgreSQL) database (a fork is adopted, work a
         first turn does not do)."""
-        first = dict(self.msgs[0])
+        i = next(i for i, m in enumerate(self.msgs) if m["role"] != "system")
+        first = dict(self.msgs[i])
         first["content"] = f"[run {time.time_ns()}] {first['content']}"
-        return self.body([first] + self.msgs[1:])
+        return self.body(self.msgs[:i] + [first] + self.msgs[i + 1:])
 
 
 # -- measurement ---------------------------------------------------------------------------------
