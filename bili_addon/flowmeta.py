@@ -14,7 +14,8 @@ stays in the addon, keyed weakly by the flow.
   ``bytes_out``;
 - what went on the wire (:mod:`bili_addon.meter`): ``agent``, ``model``, ``turn`` (the session's
   request count), ``agent_tokens`` / ``sent_tokens`` (estimated tokens as the agent sent it and as
-  bili did), ``predicted`` (cache-read share predicted from the previous request; None on the first);
+  bili did), ``predicted`` (cache-read share predicted from the previous request, filled in when the answer
+  arrives; None on the first);
 - ``request``: the agent's own body (content-decoded) when the addon changed it; the flow's request
   then holds what went upstream;
 - ``answered``: the status the addon answered with itself, if it did;

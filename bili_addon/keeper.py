@@ -72,10 +72,13 @@ class Keeper:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bili-store")
 
-    def stop(self) -> None:
+    def stop(self, last: Callable[["Engine"], Any] | None = None) -> None:
+        """Stop the worker; ``last``: work to run on the engine before its store closes."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        if last is not None and self.ok:
+            self.run(last, DROPPED)
         self._close()
 
     def open(self, data_dir: str) -> None:

@@ -96,11 +96,13 @@ class Meter:
 
     def request(self, session: Any, raw: bytes, sent: bytes) -> dict[str, Any]:
         """The request's figures for its flow record (``session``: the kernel's live Session; ``raw``:
-        the agent's body, ``sent``: what goes upstream)."""
+        the agent's body, ``sent``: what goes upstream).  ``predicted`` is filled in with the answer
+        (:meth:`predict`, on the worker after the answer: it parses and hashes the whole body, work
+        kept off the request's path)."""
         agent = estimate(raw)
         return {"agent": session.row.agent, "model": session.model, "turn": session.row.requests,
                 "agent_tokens": agent, "sent_tokens": agent if sent == raw else estimate(sent),
-                "predicted": self.predict(session.row.id, sent)}
+                "predicted": None}
 
     @staticmethod
     def row(record: dict[str, Any], usage: Any) -> WireTurn:

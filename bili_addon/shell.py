@@ -92,6 +92,14 @@ def check_deferred(options) -> None:
 
 
 @dataclass
+def _sent(raw: bytes, res: TurnResult | None, turn: ChainTurn | None) -> bytes:
+    """The whole prompt the provider reads for this turn: for a chained turn the chain bili keeps,
+    else the body that goes upstream (the agent's when the turn changed nothing)."""
+    if turn is not None and turn.full_sent is not None:
+        return turn.full_sent
+    return raw if res is None or res.body is None else res.body
+
+
 class FlowState:
     """What the request side learned about a flow, for its response.  Live objects: kept by the addon
     (weakly keyed by the flow), never in ``flow.metadata``, which mitmproxy serialises; ``record`` is
@@ -102,6 +110,7 @@ class FlowState:
     rewriter: ResponseRewriter
     record: dict[str, Any] = field(default_factory=dict)
     chain: ChainTurn | None = None  # a Responses turn: its answer goes into the chains transcript
+    sent: bytes = b""  # what went upstream: its predicted cache-read share is computed with the answer
 
 
 class Bili:
@@ -227,7 +236,9 @@ class Bili:
         store = open_store(self.store_spec, data_dir)
         for path in store.tightened:
             log.warning("[bili] %s was readable by other users; now %s", path, "0700" if os.path.isdir(path) else "0600")
-        return self._tune(Engine(store))
+        engine = self._tune(Engine(store))
+        engine.lineage.defer = True  # a pass's lineage is stored after the answer (_settle), off the request's path
+        return engine
 
     def _tune(self, engine: Engine) -> Engine:
         engine.fold_cfg.min_compress_chars = ctx.options.bili_min_compress_chars
@@ -255,7 +266,7 @@ class Bili:
         return self.token
 
     def done(self) -> None:
-        self.keeper.stop()
+        self.keeper.stop(last=lambda eng: eng.lineage.flush())  # what no answer settled
 
     @property
     def active(self) -> bool:
@@ -294,7 +305,7 @@ class Bili:
 
         def work(eng: Engine):
             res, turn = self.process_chained(eng, raw, lane, headers, "http", origin, fold)
-            return res, self._record(eng, res, lane.name, "http", fold, raw, turn), turn
+            return res, self._record(eng, res, lane.name, "http", fold, raw, turn), turn, _sent(raw, res, turn)
 
         if self.keeper.offloading:
             return self._request_later(flow, lane, fold, work)
@@ -346,7 +357,7 @@ class Bili:
         req = flow.request
         for name in (envelope.HEADER, envelope.RESYNC_HEADER):
             req.headers.pop(name, None)  # ours: never forwarded
-        res, record, turn = out or (None, None, None)
+        res, record, turn, sent = out or (None, None, None, b"")
         if turn is not None and (res is None or not res.session):  # no session: the answer is still chained
             rw = ResponseRewriter(lane.name, False)
             rw.tap = self.chain_tap(turn)
@@ -373,7 +384,7 @@ class Bili:
         rw = ResponseRewriter(lane.name, rewrite, marker)
         if turn is not None:
             rw.tap = self.chain_tap(turn)
-        self._flows[flow] = FlowState(lane.name, res.session, rw, record, turn)
+        self._flows[flow] = FlowState(lane.name, res.session, rw, record, turn, sent)
 
     def _record(self, eng: Engine, res: TurnResult | None, lane: str, via: str, rendered: bool,
                 raw: bytes, turn: ChainTurn | None = None) -> dict[str, Any] | None:
@@ -490,7 +501,20 @@ class Bili:
         return None
 
     def error(self, flow: http.HTTPFlow) -> None:
-        self._flows.pop(flow, None)  # no answer comes; mitmweb keeps the flow, not our state
+        st = self._flows.pop(flow, None)  # no answer comes; mitmweb keeps the flow, not our state
+        if st is not None:
+            self.keeper.submit(lambda eng: self._settle(eng, st.session))
+
+    @staticmethod
+    def _settle(eng: Engine, sid: str) -> None:
+        """The lineage the request kept back (fingerprints of its new parts), stored now that the
+        answer is in: off the request's path, before the agent can fork from it.  A failure costs
+        the family, never the answer."""
+        try:
+            eng.lineage.flush(sid)
+        except Exception as e:
+            log.warning("[bili] session=%s: lineage not stored (%s: %s); a fork of this turn may not be "
+                        "recognised", sid, type(e).__name__, e)
 
     def _learn_from_error(self, eng: Engine, st: FlowState, status: int, text: str) -> None:
         if is_overflow(status, text):
@@ -511,6 +535,10 @@ class Bili:
                 )
 
     def _account(self, eng: Engine, st: FlowState) -> None:
+        self._settle(eng, st.session)
+        if st.sent and "agent_tokens" in st.record:  # the request's predicted cache-read share, off its path
+            st.record["predicted"] = self.meter.predict(st.session, st.sent)
+            st.sent = b""
         rw = st.rewriter
         called = eng.record_answer(st.session, st.lane, rw)
         flowmeta.record_answer(st.record, rw, called)
@@ -555,7 +583,7 @@ class Bili:
 
             def work(eng: Engine):
                 res, turn = self.process_chained(eng, raw, LANES["responses"], headers, "ws", origin, fold, conn)
-                return res, self._record(eng, res, "responses", "ws", fold, raw, turn), turn
+                return res, self._record(eng, res, "responses", "ws", fold, raw, turn), turn, _sent(raw, res, turn)
 
             if self.keeper.offloading:
                 return self._ws_later(flow, msg, work)
@@ -577,7 +605,9 @@ class Bili:
         return None
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
-        self._flows.pop(flow, None)
+        st = self._flows.pop(flow, None)
+        if st is not None:
+            self.keeper.submit(lambda eng: self._settle(eng, st.session))
 
     async def _ws_later(self, flow: http.HTTPFlow, msg, work) -> None:
         self._ws_apply(flow, msg, await self.keeper.call(work))
@@ -586,7 +616,7 @@ class Bili:
         """The turn's outcome onto the client frame (on the event loop); any failure leaves the
         frame as the agent sent it."""
         try:
-            res, record, turn = out or (None, None, None)
+            res, record, turn, sent = out or (None, None, None, b"")
             if res is not None and res.status:
                 log.warning("[bili] session=%s: %s (WebSocket frame forwarded unchanged)", res.session, res.error)
                 return
@@ -602,7 +632,7 @@ class Bili:
                 record["message"] = len(flow.websocket.messages) - 1
                 flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
             if session or turn is not None:
-                self._flows[flow] = FlowState("responses", session, rw, record or {}, turn)
+                self._flows[flow] = FlowState("responses", session, rw, record or {}, turn, sent)
         except Exception as e:  # fail open: this frame goes up as the agent sent it
             log.exception("[bili] WebSocket frame handling failed (%s); frame forwarded unchanged", e)
 

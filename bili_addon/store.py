@@ -29,8 +29,8 @@ import msgspec
 
 from bili_addon import private
 
-SCHEMA_VERSION = 5  # 3: the wire table; 4: the calibration table; 5: the chains table
-# (their PostgreSQL migrations: store_pg._MIGRATIONS[3], [4], [5])
+SCHEMA_VERSION = 6  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
+# turn commit and session hold (functions, nothing in SQLite). PostgreSQL migrations: store_pg._MIGRATIONS[3..6]
 BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
 
 _SCHEMA = """
@@ -526,7 +526,7 @@ class Store:
             return
         with self._tx():
             # 3: the wire table, 4: the calibration table, 5: the chains table, made by _SCHEMA like
-            # every table; nothing to move
+            # every table; nothing to move. 6: nothing in SQLite (PostgreSQL's turn commit became functions)
             if have < 2:
                 self._repair_refs()
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES('schema_version', ?)",

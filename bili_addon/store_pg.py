@@ -20,6 +20,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import msgspec
+
 from bili_addon.store import (
     CALIBRATION_COLS, CHAIN_COLS, DB_NAME, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
     StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, wire_turn,
@@ -208,6 +210,83 @@ _MIGRATIONS: dict[int, list[str]] = {
         "CREATE INDEX IF NOT EXISTS chains_session ON chains(session_id)",
     ],
 }
+_STALE = "BL001"  # bili_commit_turn's refusal: the session changed meanwhile (StaleSession)
+# 6: a turn's commit in one statement (one round trip): PL/pgSQL doing what Store.commit_turn does
+_MIGRATIONS[6] = [
+    """CREATE OR REPLACE FUNCTION bili_commit_turn(
+        p_id TEXT, p_expect BIGINT, p_agent TEXT, p_lane TEXT, p_created DOUBLE PRECISION, p_now DOUBLE PRECISION,
+        p_requests BIGINT, p_messages BIGINT, p_next_ref BIGINT, p_flags TEXT,
+        p_minted JSON, p_rows JSON, p_depth BIGINT, p_tail TEXT) RETURNS BIGINT LANGUAGE plpgsql AS $$
+    DECLARE
+        v BIGINT;
+        first BIGINT;
+        fam BIGINT;
+        n BIGINT;
+        k BIGINT := json_array_length(p_minted);
+    BEGIN
+        -- the session's version must still be the one the turn was computed from (its row lock
+        -- makes a second instance wait here, then find the version moved)
+        UPDATE sessions SET version = version + 1 WHERE id = p_id AND version = p_expect RETURNING version INTO v;
+        IF v IS NULL AND p_expect = 0 THEN
+            INSERT INTO sessions(id, created, last_seen, version) VALUES(p_id, p_now, p_now, 1)
+                ON CONFLICT(id) DO NOTHING RETURNING version INTO v;
+        END IF;
+        IF v IS NULL THEN
+            SELECT version INTO v FROM sessions WHERE id = p_id;
+            RAISE EXCEPTION 'session % was changed by another instance', p_id
+                USING ERRCODE = 'BL001', DETAIL = COALESCE(v, 0)::TEXT;
+        END IF;
+        -- refs: the session's next free numbers (a family shares one counter), each given once
+        IF k > 0 THEN
+            SELECT (SELECT next_ref FROM sessions WHERE id = p_id),
+                   (SELECT MAX(s.next_ref) FROM lineage m JOIN sessions s ON s.id = m.session_id
+                     WHERE m.root = (SELECT root FROM lineage WHERE session_id = p_id))
+              INTO first, fam;
+            first := GREATEST(COALESCE(first, 1), COALESCE(fam, 0));
+            IF first + k <> p_next_ref THEN
+                RAISE EXCEPTION 'refs of session % were given by another instance', p_id
+                    USING ERRCODE = 'BL001', DETAIL = first::TEXT;
+            END IF;
+            INSERT INTO refs(session_id, ref, content_hash)
+                SELECT p_id, e->>0, e->>1 FROM json_array_elements(p_minted) AS e ON CONFLICT DO NOTHING;
+            GET DIAGNOSTICS n = ROW_COUNT;
+            IF n <> k THEN
+                RAISE EXCEPTION 'refs of session % were given by another instance', p_id
+                    USING ERRCODE = 'BL001', DETAIL = first::TEXT;
+            END IF;
+        END IF;
+        INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, version)
+            VALUES(p_id, p_agent, p_lane, p_created, p_now, p_requests, p_messages, p_next_ref, p_flags, v)
+            ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, lane=excluded.lane, last_seen=excluded.last_seen,
+                requests=excluded.requests, messages=excluded.messages, next_ref=excluded.next_ref,
+                flags=excluded.flags, version=excluded.version;
+        INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen)
+            SELECT p_id, x.msg_id, x.content_hash, x.ref, x.role, x.ctype, x.tokens, p_now
+            FROM json_to_recordset(p_rows) AS x(msg_id TEXT, content_hash TEXT, ref TEXT, role TEXT, ctype TEXT,
+                                                 tokens BIGINT);
+        IF p_tail IS NOT NULL THEN
+            INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(p_id, p_depth, p_tail, p_now)
+                ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail,
+                    last_seen=excluded.last_seen;
+        END IF;
+        RETURN v;
+    END
+    $$""",
+    # the session's lock, then (a fresh snapshot per statement: VOLATILE) its version, family and
+    # last usage, in one statement; the lock is the session's (it outlives the statement)
+    """CREATE OR REPLACE FUNCTION bili_hold(p_key BIGINT, p_id TEXT)
+        RETURNS TABLE(o_version BIGINT, o_family TEXT[], o_last BIGINT[]) LANGUAGE plpgsql VOLATILE AS $$
+    BEGIN
+        PERFORM pg_advisory_lock(p_key);
+        RETURN QUERY SELECT
+            (SELECT s.version FROM sessions s WHERE s.id = p_id),
+            (SELECT ARRAY[l.root, l.parent, l.fork_at::TEXT, (SELECT MAX(s.next_ref) FROM sessions s JOIN lineage m
+                ON m.session_id = s.id WHERE m.root = l.root)::TEXT] FROM lineage l WHERE l.session_id = p_id),
+            (SELECT ARRAY[t.input_tokens, t.cache_read, t.cache_write, t.output_tokens] FROM turns t
+                WHERE t.session_id = p_id ORDER BY t.n DESC LIMIT 1);
+    END
+    $$""",
+]
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
 
 
@@ -278,6 +357,10 @@ class PgStore:
         self.lock_wait = lock_wait
         self._lock_conn: psycopg.Connection | None = None  # holds the sessions' advisory locks
         self._held: set[str] = set()
+        # what :meth:`hold` read right after the session's lock was granted (its version, family and
+        # last usage), answering :meth:`version`, :meth:`family` and :meth:`last_usage` until this
+        # instance writes or lets go of the session: one round trip instead of four
+        self._state: dict[str, tuple[int, tuple | None, tuple | None]] = {}
         try:
             # one direct connection first: a server that is down or refuses us fails at once, with its
             # own words (the pool would retry until its timeout while requests wait on the worker)
@@ -330,6 +413,7 @@ class PgStore:
         if self._conn is not None:  # nested: part of the enclosing transaction
             yield self._conn
             return
+        self._state.clear()  # this instance writes: what hold read may not hold any more
         try:
             with self.pool.connection() as conn:
                 self._conn = conn
@@ -391,7 +475,9 @@ class PgStore:
         """The session's advisory lock, held until :meth:`release`: one instance at a time works on
         a session (join, fold decisions, commit).  Waits at most ``lock_wait`` seconds, then
         :class:`SessionBusy` (the request passes through unchanged).  The server drops the lock
-        of an instance that dies (its connection closes)."""
+        of an instance that dies (its connection closes).  The session's version, family and last
+        usage are read in the same statement (``bili_hold``, schema 6: its read takes its snapshot
+        once the lock is granted, so it sees every turn committed before)."""
         if session_id in self._held:
             return
         try:
@@ -399,14 +485,22 @@ class PgStore:
                 self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
                 self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
             self.round_trips += 1
-            self._lock_conn.execute("SELECT pg_advisory_lock(%s)", (self.lock_key(session_id),))
+            version, fam, last = self._lock_conn.execute(
+                "SELECT * FROM bili_hold(%s, %s)", (self.lock_key(session_id), session_id)).fetchone()
         except pg_errors.LockNotAvailable as e:
             raise SessionBusy(session_id, self.lock_wait) from e
         except psycopg.Error as e:
+            self._drop_lock_conn()  # whatever it may hold goes with it (a lock outlives a failed statement)
             raise pg_error("lock a session in", self.url, e) from e
         self._held.add(session_id)
+        self._state[session_id] = (
+            int(version or 0),
+            (fam[0], fam[1], int(fam[2]), int(fam[3] or 1)) if fam is not None else None,
+            tuple(int(x) for x in last) if last is not None else None,
+        )
 
     def release(self) -> None:
+        self._state.clear()
         if not self._held:
             return
         self._held.clear()
@@ -426,6 +520,7 @@ class PgStore:
 
     def close(self) -> None:
         self._held = set()
+        self._state = {}
         self._drop_lock_conn()
         pool = getattr(self, "pool", None)
         if pool is not None:
@@ -466,6 +561,8 @@ class PgStore:
 
     @_reads
     def version(self, session_id: str) -> int:
+        if session_id in self._state:
+            return self._state[session_id][0]
         row = self._one("SELECT version FROM sessions WHERE id=%s", (session_id,))
         return row[0] if row else 0
 
@@ -497,6 +594,8 @@ class PgStore:
 
     @_reads
     def last_usage(self, session_id: str) -> tuple[int, int, int, int] | None:
+        if session_id in self._state:
+            return self._state[session_id][2]
         row = self._one("SELECT input_tokens, cache_read, cache_write, output_tokens FROM turns WHERE session_id=%s "
                         "ORDER BY n DESC LIMIT 1", (session_id,))
         return tuple(row) if row else None
@@ -514,60 +613,53 @@ class PgStore:
     # -- writes --------------------------------------------------------------------------------
     def commit_turn(self, row: SessionRow, new_refs: list[LedgerRow], chain: tuple[int, str] | None = None, *,
                     expect: int, minted: list[tuple[str, str]] = ()) -> int:
+        """As :meth:`bili_addon.store.Store.commit_turn`, in one round trip: ``bili_commit_turn`` (schema
+        4) checks and advances the version, allocates the minted refs, writes the session row, the
+        ledger rows and the prefix chain in one statement (its own transaction); a refusal rolls it
+        all back and names itself (:data:`_STALE`)."""
         now = time.time()
-        with self._tx() as conn:
-            version = self._advance(conn, row.id, expect)
-            self._allocate(conn, row.id, list(minted), row.next_ref)
-            self.round_trips += 1
-            conn.execute(
-                "INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, "
-                "version) VALUES(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, "
-                "lane=excluded.lane, last_seen=excluded.last_seen, requests=excluded.requests, "
-                "messages=excluded.messages, next_ref=excluded.next_ref, flags=excluded.flags, "
-                "version=excluded.version",
-                (row.id, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref,
-                 row.flags, version),
-            )
-            if new_refs:  # one statement for the turn's rows, however many
+        minted = list(minted)
+        try:
+            with self._use() as conn:
                 self.round_trips += 1
-                conn.execute(
-                    "INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen) "
-                    "SELECT %s, m, h, r, ro, c, t, %s FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], "
-                    "%s::text[], %s::bigint[]) AS u(m, h, r, ro, c, t)",
-                    (row.id, now, [r.msg_id for r in new_refs], [r.content_hash for r in new_refs],
-                     [r.ref for r in new_refs], [r.role for r in new_refs], [r.ctype for r in new_refs],
-                     [r.tokens for r in new_refs]),
-                )
-            if chain is not None:
-                self.round_trips += 1
-                conn.execute(
-                    "INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(%s,%s,%s,%s) "
-                    "ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail, "
-                    "last_seen=excluded.last_seen",
-                    (row.id, chain[0], chain[1], now),
-                )
-        return version
-
-    def _allocate(self, conn, session_id: str, minted: list[tuple[str, str]], next_ref: int) -> None:
-        """As :meth:`bili_addon.store.Store._allocate`: the session row is locked by ``_advance``."""
-        if not minted:
-            return
-        self.round_trips += 2
-        # the session's counter and its family's (a family shares one: a ref is never given twice in it)
-        have, family = conn.execute(
-            "SELECT (SELECT next_ref FROM sessions WHERE id=%s), (SELECT MAX(s.next_ref) FROM lineage m JOIN "
-            "sessions s ON s.id=m.session_id WHERE m.root=(SELECT root FROM lineage WHERE session_id=%s))",
-            (session_id, session_id)).fetchone()
-        first = max(have or 1, family or 0)
-        if first + len(minted) != next_ref:
-            raise StaleSession(session_id, next_ref - len(minted), first)
-        given = conn.execute("INSERT INTO refs(session_id, ref, content_hash) SELECT %s, r, h FROM "
-                             "unnest(%s::text[], %s::text[]) AS u(r, h) ON CONFLICT DO NOTHING RETURNING ref",
-                             (session_id, [r for r, _ in minted], [h for _, h in minted])).fetchall()
-        if len(given) != len(minted):  # given already: another instance got there first (the tx rolls back)
-            raise StaleSession(session_id, next_ref - len(minted), first)
+                version = conn.execute(
+                    # the rows as one JSON text each (msgspec encodes thousands at C speed; psycopg's
+                    # array dumper works element by element in Python)
+                    "SELECT bili_commit_turn(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s::json,%s::json,%s,%s)",
+                    (row.id, expect, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref,
+                     row.flags, msgspec.json.encode(minted).decode(), msgspec.json.encode(new_refs).decode(),
+                     chain[0] if chain is not None else None, chain[1] if chain is not None else None),
+                ).fetchone()[0]
+        except psycopg.Error as e:
+            self._state.pop(row.id, None)
+            if getattr(e, "sqlstate", None) == _STALE:  # the version moved, or a ref was given meanwhile
+                found = int((getattr(e.diag, "message_detail", None) or "0").strip() or 0)
+                raise StaleSession(row.id, expect, found) from e
+            raise pg_error("write", self.url, e) from e
+        except PoolTimeout as e:
+            raise pg_error("write", self.url, e) from e
+        self.writes += 1
+        held = self._state.get(row.id)
+        if held is not None:  # the turn moved the version; its family and last usage are as they were
+            self._state[row.id] = (int(version), *held[1:])
+        return int(version)
 
     def set_flags(self, row: SessionRow, *, expect: int) -> int:
+        """A learned fact of an existing session: one statement (its own transaction); a new session
+        or a version that moved takes the general path (which raises :class:`StaleSession`)."""
+        try:
+            with self._use() as conn:
+                self.round_trips += 1
+                done = conn.execute("UPDATE sessions SET version=version+1, flags=%s WHERE id=%s AND version=%s "
+                                    "RETURNING version", (row.flags, row.id, expect)).fetchone()
+        except (psycopg.Error, PoolTimeout) as e:
+            raise pg_error("write", self.url, e) from e
+        if done is not None:
+            self.writes += 1
+            held = self._state.get(row.id)
+            if held is not None:
+                self._state[row.id] = (int(done[0]), *held[1:])
+            return int(done[0])
         with self._tx() as conn:
             version = self._advance(conn, row.id, expect)
             self.round_trips += 1
@@ -796,11 +888,22 @@ class PgStore:
         return self._q("SELECT ref, chash, fp FROM lineage_parts WHERE session_id=%s ORDER BY seq", (session_id,))
 
     def save_lineage_parts(self, session_id: str, keep: int, rows: list[tuple[str, str, str]]) -> None:
-        with self._tx() as conn:
-            self.round_trips += 1
-            conn.execute("DELETE FROM lineage_parts WHERE session_id=%s AND seq>=%s", (session_id, keep))
-            self._many("INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) VALUES(%s,%s,%s,%s,%s)",
-                       [(session_id, keep + i, *row) for i, row in enumerate(rows)])
+        """Parts from ``keep`` on replaced by ``rows``, in one statement (its own transaction)."""
+        end = keep + len(rows)
+        try:
+            with self._use() as conn:
+                self.round_trips += 1
+                conn.execute(
+                    "WITH gone AS (DELETE FROM lineage_parts WHERE session_id=%(s)s AND seq>=%(end)s) "
+                    "INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) "
+                    "SELECT %(s)s, %(keep)s + u.i - 1, u.r, u.h, u.f FROM unnest(%(r)s::text[], %(h)s::text[], "
+                    "%(f)s::text[]) WITH ORDINALITY AS u(r, h, f, i) "
+                    "ON CONFLICT(session_id, seq) DO UPDATE SET ref=excluded.ref, chash=excluded.chash, fp=excluded.fp",
+                    {"s": session_id, "end": end, "keep": keep, "r": [r[0] for r in rows], "h": [r[1] for r in rows],
+                     "f": [r[2] for r in rows]})
+        except (psycopg.Error, PoolTimeout) as e:
+            raise pg_error("write", self.url, e) from e
+        self.writes += 1
 
     @_reads
     def lineage_candidates(self, first_fp: str, lane: str) -> list[str]:
@@ -816,6 +919,8 @@ class PgStore:
 
     @_reads
     def family(self, session_id: str) -> tuple[str, str, int, int] | None:
+        if session_id in self._state:
+            return self._state[session_id][1]
         row = self._one(
             "SELECT l.root, l.parent, l.fork_at, (SELECT MAX(s.next_ref) FROM sessions s JOIN lineage m "
             "ON m.session_id=s.id WHERE m.root=l.root) FROM lineage l WHERE l.session_id=%s", (session_id,))

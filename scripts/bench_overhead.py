@@ -62,7 +62,16 @@ def bench_store(d: str):
     global HEADERS
     HEADERS = {"x-acp-session": f"bench-overhead-{time.time_ns()}"}
     return open_store(STORE_URL, d) if STORE_URL else Store(d)
-TARGET_RATIO = 3.0
+TARGET_RATIO = 3.0  # the first turn (issues #2, #11)
+FOLLOW_TARGET = 2.0  # a follow-up turn (issue #11)
+
+
+def bench_engine(d: str) -> Engine:
+    """An engine as the proxy runs it: its lineage (fingerprints of a pass's new parts) is stored
+    after the answer, on the worker, not on the request's path (timed apart: ``settle``)."""
+    eng = Engine(bench_store(d), fold_cfg=FoldConfig(), activate=ACTIVATE)
+    eng.lineage.defer = True
+    return eng
 
 # -- synthetic conversations ---------------------------------------------------------------------
 
@@ -194,6 +203,15 @@ class Case:
     def body(self, msgs: list[dict]) -> bytes:
         return msgspec.json.encode({**self.top, "messages": msgs})
 
+    def unique_body(self) -> bytes:
+        """The conversation with a first message of its own: a new conversation every time, never
+        a fork of one measured before on the same (PostgreSQL) database (a fork is adopted, work a
+        first turn does not do)."""
+        i = next(i for i, m in enumerate(self.msgs) if m["role"] != "system")
+        first = dict(self.msgs[i])
+        first["content"] = f"[run {time.time_ns()}] {first['content']}"
+        return self.body(self.msgs[:i] + [first] + self.msgs[i + 1:])
+
 
 # -- measurement ---------------------------------------------------------------------------------
 
@@ -238,13 +256,15 @@ class DigestCounter:
 ACTIVATE = "always"
 
 
-def first_turn(case: Case, raw: bytes, reps: int) -> tuple[float, float, float, bytes]:
-    """Median ms of a first turn, of the floor measured right before each one, and the median of the
-    per-pair ratios (robust to a host whose load drifts during the run)."""
-    samples, floors, out = [], [], b""
+def first_turn(case: Case, raw: bytes, reps: int) -> tuple[float, float, float, float, bytes]:
+    """Median ms of a first turn, of the floor measured right before each one, the median of the
+    per-pair ratios (robust to a host whose load drifts during the run), and the median ms of the
+    work the proxy does after the answer (the lineage it kept back)."""
+    samples, floors, settles, out = [], [], [], b""
     for _ in range(reps):
+        raw = case.unique_body()  # the same size, a conversation of its own
         with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
-            eng = Engine(bench_store(d), fold_cfg=FoldConfig(), activate=ACTIVATE)
+            eng = bench_engine(d)
             res = None
 
             def run():
@@ -253,22 +273,24 @@ def first_turn(case: Case, raw: bytes, reps: int) -> tuple[float, float, float, 
 
             floors.append(cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw))))
             samples.append(cpu(run))
+            settles.append(cpu(eng.lineage.flush))
             out = res.body or raw
             eng.store.close()
     ratio = statistics.median(a / b for a, b in zip(samples, floors))
-    return median_ms(samples), median_ms(floors), ratio, out
+    return median_ms(samples), median_ms(floors), ratio, median_ms(settles), out
 
 
 def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, float, int, int, str]:
     """Median ms of a follow-up turn, the median ratio to its own floor (measured right before it),
     digests computed per turn (max), new parts per turn, and a profile report when asked."""
     with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
-        eng = Engine(bench_store(d), fold_cfg=FoldConfig(), activate=ACTIVATE)
+        eng = bench_engine(d)
         msgs = list(case.msgs)
         eng.process(case.body(msgs), case.lane, HEADERS, render=True)  # the history, processed before
+        eng.lineage.flush()  # ... and answered
         samples, floors, digests = [], [], []
-        global LAST_TRIPS, LAST_WALL
-        trips, walls = [], []
+        global LAST_TRIPS, LAST_WALL, LAST_SETTLE_TRIPS
+        trips, walls, settle_trips = [], [], []
         for i in range(reps):
             msgs.append(case.new(i))
             raw = case.body(msgs)
@@ -279,7 +301,10 @@ def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, floa
             walls.append(time.perf_counter() - w)
             trips.append(getattr(eng.store, "round_trips", 0) - before)
             digests.append(dc.n)
-        LAST_TRIPS, LAST_WALL = max(trips), median_ms(walls)
+            before = getattr(eng.store, "round_trips", 0)
+            eng.lineage.flush()  # after the answer, as the proxy does
+            settle_trips.append(getattr(eng.store, "round_trips", 0) - before)
+        LAST_TRIPS, LAST_WALL, LAST_SETTLE_TRIPS = max(trips), median_ms(walls), max(settle_trips)
         prof = cProfile.Profile() if profile else None
         if prof is not None:  # separate, untimed follow-up turns under the profiler
             for i in range(reps, reps + 5):
@@ -289,6 +314,7 @@ def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, floa
                 prof.enable()
                 eng.process(raw, case.lane, HEADERS, render=True)
                 prof.disable()
+                eng.lineage.flush()
         eng.store.close()
     report = ""
     if prof is not None:
@@ -302,7 +328,9 @@ def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, floa
     return median_ms(samples), ratio, max(digests), 1, report
 
 
-LAST_TRIPS, LAST_WALL = 0, 0.0  # of the last follow-up measurement: round trips (max), wall ms (median)
+# of the last follow-up measurement: round trips on the request's path (max), wall ms (median), and
+# round trips of the work after the answer (max)
+LAST_TRIPS, LAST_WALL, LAST_SETTLE_TRIPS = 0, 0.0, 0
 
 
 def fmt_size(n: int) -> str:
@@ -350,7 +378,7 @@ def run(args, backends) -> None:
           f"(CPU time, median); python {sys.version.split()[0]}, msgspec {msgspec.__version__}")
     print()
     head = (f"{'store':<7}{'lane':<10}{'msgs':>7}{'body':>10}{'floor ms':>10}{'first ms':>10}{'x floor':>9}"
-            f"{'follow ms':>11}{'x floor':>9}{'hashed':>8}{'trips':>7}{'wall ms':>9}")
+            f"{'settle ms':>10}{'follow ms':>11}{'x floor':>9}{'hashed':>8}{'trips':>8}{'wall ms':>9}")
     print(head)
     print("-" * len(head))
     rows = []
@@ -360,14 +388,15 @@ def run(args, backends) -> None:
         raw = case.body(case.msgs)
         for backend, url in backends:
             STORE_URL = url
-            first, floor, r1, _ = first_turn(case, raw, first_reps)
+            first, floor, r1, settle, _ = first_turn(case, raw, first_reps)
             profile = args.profile and backend == "sqlite" and (lane, n) == max(
                 ((lane_, n_) for lane_, n_, *_ in plan if lane_ == "anthropic"), key=lambda x: x[1])
             fol, r2, hashed, new_parts, report = follow_up(case, follow_reps, profile=profile)
             rows.append((backend, lane, n, r1, r2, hashed, new_parts))
-            trips = f"{LAST_TRIPS:>7}{LAST_WALL:>9.2f}" if url else f"{'':>7}{LAST_WALL:>9.2f}"
+            trips = (f"{f'{LAST_TRIPS}+{LAST_SETTLE_TRIPS}':>8}{LAST_WALL:>9.2f}" if url
+                     else f"{'':>8}{LAST_WALL:>9.2f}")
             print(f"{backend:<7}{lane:<10}{n:>7,}{fmt_size(len(raw)):>10}{floor:>10.2f}{first:>10.2f}{r1:>8.1f}x"
-                  f"{fol:>11.2f}{r2:>8.1f}x{hashed:>8}{trips}", flush=True)
+                  f"{settle:>10.2f}{fol:>11.2f}{r2:>8.1f}x{hashed:>8}{trips}", flush=True)
             if report:
                 print("\n" + report)
     STORE_URL = ""
@@ -376,13 +405,16 @@ def run(args, backends) -> None:
     print("x floor: the median of the ratios of each run to the floor measured right before it;")
     print("follow: same Engine, one new message appended (its own floor, the body one message longer);")
     print("hashed: message parts content-hashed (identity.digest) during one follow-up turn (max over runs);")
-    print("trips: statements sent to PostgreSQL in one follow-up turn (max); wall ms: its wall time (median).")
+    print("settle: the first turn's work after the answer (its lineage fingerprints stored, on the proxy's worker,")
+    print("  off the request's path; CPU ms, median);")
+    print("trips: round trips to PostgreSQL in one follow-up turn (max; pipelined statements count once), on the")
+    print("  request's path + after the answer; wall ms: the follow-up's wall time (median).")
     print()
     print("targets")
     for backend, lane, n, r1, r2, hashed, new_parts in rows:
-        ok1, ok2, ok3 = r1 <= TARGET_RATIO, r2 <= TARGET_RATIO, hashed <= new_parts
+        ok1, ok2, ok3 = r1 <= TARGET_RATIO, r2 <= FOLLOW_TARGET, hashed <= new_parts
         print(f"  {backend:<7}{lane:<10}{n:>7,} msgs: first turn <= {TARGET_RATIO:.0f}x floor: {'met' if ok1 else 'MISSED'} "
-              f"({r1:.1f}x); follow-up <= {TARGET_RATIO:.0f}x floor: {'met' if ok2 else 'MISSED'} ({r2:.1f}x); "
+              f"({r1:.1f}x); follow-up <= {FOLLOW_TARGET:.0f}x floor: {'met' if ok2 else 'MISSED'} ({r2:.1f}x); "
               f"follow-up re-hashes no unchanged history: {'met' if ok3 else 'MISSED'} "
               f"({hashed} hashed for {new_parts} new part)")
     print(f"\ntotal runtime {time.perf_counter() - t0:.1f} s")

@@ -318,3 +318,38 @@ def test_two_proxies_on_one_store_share_the_family_counter(backend):
     assert one.lineage.family_of("parent")["root"] == "parent"
     one.store.close()
     two.store.close()
+
+
+# -- lineage stored after the answer (the proxy's way: Lineage.defer) ------------------------------
+
+def test_a_deferred_record_is_the_same_record_stored_after_the_answer(backend):
+    """The proxy fingerprints a pass's new parts after the answer (off the request's path): until
+    then they wait in memory; once flushed the store holds exactly what an immediate record holds,
+    and a fork made through another proxy on the same store is verified against it."""
+    now = Engine(backend("immediate"), fold_cfg=FoldConfig(min_compress_chars=2000))  # a store of its own
+    msgs, last = folded_parent(now)
+    want = now.store.lineage_parts("parent")
+
+    one = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
+    one.lineage.defer = True
+    msgs2, last2 = folded_parent(one)
+    assert last2 == last  # the wire does not depend on when lineage is stored
+    k, kept = one.lineage.pending["parent"]  # the last pass's new parts wait for its answer
+    assert kept and len(one.store.lineage_parts("parent")) == k < len(want)
+    one.lineage.flush("parent")  # the answer came
+    assert one.store.lineage_parts("parent") == want and not one.lineage.pending
+    assert all(fp for _ref, _chash, fp in want)
+
+    two = Engine(one.store, fold_cfg=FoldConfig(min_compress_chars=2000))  # another proxy, the same store
+    out = send(two, more(msgs2, "continue in the fork"), F)
+    assert has_block(out, "b1") and two.lineage.family_of("fork")["parent"] == "parent"
+
+
+def test_a_fork_through_the_same_proxy_before_the_answer_is_settled(engine):
+    """What this process kept back is stored before it compares a new session with the others."""
+    engine.lineage.defer = True
+    msgs, last = folded_parent(engine)
+    assert "parent" in engine.lineage.pending
+    res = engine.process(body(more(msgs, "continue in the fork")), ANTH, F, render=True)
+    assert any("a fork of parent" in n for n in res.notes), res.notes
+    assert has_block(json.loads(res.body), "b1") and not engine.lineage.pending.get("parent")

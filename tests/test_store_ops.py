@@ -84,6 +84,41 @@ def test_a_schema_2_store_gets_the_wire_table_on_open_and_keeps_its_sessions(bac
     assert s.record_wire("old", WireTurn(0, 0, 1, "m", 10, 8, None, 0, 0, [], 8, 0, 0, 1)) == 1
 
 
+def test_a_schema_3_postgresql_store_gets_the_one_statement_commit(pg_url, tmp_path):
+    """Schema 4 (PostgreSQL only): the turn's commit is one function call; a store of schema 3 gets
+    the function when opened and its sessions go on where they were."""
+    from bili_addon.store import LedgerRow, SessionRow, StaleSession
+    from bili_addon.store_pg import PgStore
+
+    s = PgStore(pg_url, str(tmp_path))
+    v = s.commit_turn(SessionRow("s3", "", "", 0.0, 0.0, 1, 1, 2), [LedgerRow("h", "aa", "m00001", "user", "text", 1)],
+                      expect=0, minted=[("m00001", "aa")])
+    s._q("DROP FUNCTION bili_commit_turn")
+    s._q("DROP FUNCTION bili_hold")
+    s._q("UPDATE meta SET value='3' WHERE key='schema_version'")
+    s.close()
+    s = PgStore(pg_url, str(tmp_path))
+    try:
+        assert s.schema_version() == SCHEMA_VERSION
+        s.hold("s3")
+        assert s.version("s3") == v  # read with the lock (bili_hold)
+        s.release()
+        row = SessionRow("s3", "", "", 0.0, 0.0, 2, 2, 3)
+        with pytest.raises(StaleSession):  # the version it was computed from moved
+            s.commit_turn(row, [LedgerRow("h2", "bb", "m00002", "user", "text", 1)], expect=v - 1,
+                          minted=[("m00002", "bb")])
+        with pytest.raises(StaleSession):  # a counter that is not the store's (another instance gave refs)
+            s.commit_turn(SessionRow("s3", "", "", 0.0, 0.0, 2, 2, 4), [LedgerRow("h2", "bb", "m00003", "user", "text", 1)],
+                          expect=v, minted=[("m00003", "bb")])
+        assert s.version("s3") == v and [r.ref for r in s.ledger("s3")] == ["m00001"]  # nothing of them kept
+        assert s.commit_turn(row, [LedgerRow("h2", "bb", "m00002", "user", "text", 1)], expect=v,
+                             minted=[("m00002", "bb")], chain=(2, "tail")) == v + 1
+        assert sorted(r.ref for r in s.ledger("s3")) == ["m00001", "m00002"]
+        assert s.session("s3").next_ref == 3 and ("s3", 2, "tail") in s.affinity()
+    finally:
+        s.close()
+
+
 # -- per-session serialisation across instances ---------------------------------------------------
 def test_an_answer_is_recorded_whoever_holds_its_session(pg_url, tmp_path):
     """The turn numbers' lock is not the session's: an instance records an answer of a session it
@@ -190,3 +225,68 @@ def test_bili_run_store_sets_bili_store_once(tmp_path, monkeypatch, capsys):
     n = len(seen)
     assert cli.main(["run", *ca, "--store", url, "--", "--set", "bili_store=postgresql://other/db"]) == 2
     assert len(seen) == n and "--store" in capsys.readouterr().err
+
+
+def test_a_follow_up_turn_on_postgresql_takes_three_round_trips(pg_url, tmp_path, monkeypatch):
+    """Issue #11's "a few round trips": the session's lock and its state (version, family, last
+    usage) in one statement, the turn's commit in one statement, the lock's release; the
+    lineage of the turn is stored after the answer, in one statement more."""
+    import psycopg
+
+    from bili_addon.kernel.turn import Engine
+    from bili_addon.store_pg import PgStore
+    from bili_addon.wire import LANES
+
+    store = PgStore(pg_url, str(tmp_path))
+    eng = Engine(store)
+    eng.lineage.defer = True
+    msgs = [{"role": "user", "content": "Look at the parser."},
+            {"role": "assistant", "content": [{"type": "text", "text": "Reading it."},
+                                              {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"p": "a"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "def parse(): ..."}]}]
+    turn = lambda: eng.process(json.dumps({"model": "m", "messages": msgs}).encode(), LANES["anthropic"],  # noqa: E731
+                               {"x-acp-session": "rt"}, render=True)
+    sent: list[str] = []
+    execute = psycopg.Connection.execute
+    monkeypatch.setattr(psycopg.Connection, "execute", lambda self, q, *a, **k: sent.append(str(q)) or execute(self, q, *a, **k))
+    try:
+        turn()
+        eng.lineage.flush()
+        msgs.append({"role": "assistant", "content": "It splits on commas."})
+        msgs.append({"role": "user", "content": "Now fix the quoting."})
+        before, sent[:] = store.round_trips, []
+        res = turn()
+        assert res.refs_new == 2 and res.refs_known == 4
+        assert store.round_trips - before == 3, sent
+        assert [q.split("(")[0] for q in sent] == ["SELECT * FROM bili_hold", "SELECT bili_commit_turn",
+                                                    "SELECT pg_advisory_unlock_all"], sent
+        before = store.round_trips
+        eng.lineage.flush()  # after the answer
+        assert store.round_trips - before == 1 and len(store.lineage_parts("rt")) == 6
+    finally:
+        store.close()
+
+
+def test_what_the_lock_read_answers_until_the_session_is_let_go(pg_url, tmp_path):
+    """The version, family and last usage read with the session's lock answer this instance until it
+    writes or lets go; then the store is read again."""
+    from bili_addon.store import LedgerRow, SessionRow
+    from bili_addon.store_pg import PgStore
+
+    a, b = PgStore(pg_url, str(tmp_path)), PgStore(pg_url, str(tmp_path))
+    try:
+        v = a.commit_turn(SessionRow("x", "", "", 0.0, 0.0, 1, 1, 2), [LedgerRow("h", "aa", "m00001", "user", "text", 1)],
+                          expect=0, minted=[("m00001", "aa")])
+        a.hold("x")
+        assert (a.version("x"), a.family("x"), a.last_usage("x")) == (v, None, None)
+        b.record_usage("x", "anthropic", (10, 5, 2, 1))  # an answer's bookkeeping (no lock)
+        assert a.last_usage("x") is None  # as read with the lock
+        v2 = a.set_flags(SessionRow("x", "", "", 0.0, 0.0, 1, 1, 2, '{"k": 1}'), expect=v)
+        assert v2 == v + 1 and a.version("x") == v2  # its own write moves what it holds
+        a.release()
+        a.hold("x")
+        assert a.last_usage("x") == (10, 5, 2, 1) and a.version("x") == v2
+        a.release()
+    finally:
+        a.close()
+        b.close()

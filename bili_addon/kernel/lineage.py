@@ -60,6 +60,10 @@ class Lineage:
         self.records: OrderedDict[str, list[tuple[str, str, str]]] = OrderedDict()
         self.whole: dict[str, bool] = {}  # the record is exactly the session's last pass
         self.checked: set[str] = set()  # sessions compared once, found to be nobody's fork
+        # ``defer``: a pass's new parts are fingerprinted and stored by :meth:`flush` (the proxy calls
+        # it on its worker after the answer), not on the request's path; off, :meth:`record` stores them
+        self.defer = False
+        self.pending: dict[str, tuple[int, list[tuple[str, Part]]]] = {}  # sid -> (from seq, new parts)
 
     # -- sessions with an id of their own --------------------------------------------------------
     def before_turn(self, s: Session, infos: list[ItemInfo], start: int) -> str | None:
@@ -91,6 +95,8 @@ class Lineage:
         an older turn) keeps the longer record.  ``reused``: leading items this pass shares with
         the session's previous one, unchanged (not compared again when that pass was recorded)."""
         sid = s.row.id
+        if sid in self.pending:  # the previous pass's parts were not stored yet (no answer came)
+            self.flush(sid)
         old = self._record(sid)
         first = reused if reused and self.whole.get(sid) else 0
         off = min(sum(map(len, resolved[:first])), len(old)) if first else 0
@@ -103,10 +109,27 @@ class Lineage:
         if k == total or (total < len(old) and len(resolved) < SIDE_REQUEST_MAX_ITEMS):
             self.whole[sid] = k == total == len(old)
             return
-        tail = [(ref, p.chash, fingerprint(p.core)) for ref, p in parts[k - off:]]
-        self.store.save_lineage_parts(sid, k, tail)
-        self.records[sid] = old[:k] + tail
+        new = parts[k - off:]
+        # compared on refs and content hashes only: the fingerprints are for the forks to come
+        self.records[sid] = old[:k] + [(ref, p.chash, "") for ref, p in new]
         self.whole[sid] = True
+        self.pending[sid] = (k, new)
+        if not self.defer:
+            self.flush(sid)
+
+    def flush(self, sid: str | None = None) -> None:
+        """Fingerprint and store the parts :meth:`record` kept back (of ``sid``, or of every
+        session): the proxy runs this on its worker after the answer, before the agent can fork."""
+        for key in ([sid] if sid is not None else list(self.pending)):
+            job = self.pending.pop(key, None)
+            if job is None:
+                continue
+            k, new = job
+            tail = [(ref, p.chash, fingerprint(p.core)) for ref, p in new]
+            self.store.save_lineage_parts(key, k, tail)
+            rec = self.records.get(key)
+            if rec is not None and len(rec) == k + len(tail):
+                rec[k:] = tail
 
     # -- id-less sessions ------------------------------------------------------------------------
     def locate(self, affinity: PrefixAffinity, hashes: list[str], conv: list[ItemInfo]) -> tuple[str, int]:
@@ -162,6 +185,7 @@ class Lineage:
         sid = s.row.id
         if not parts:
             return None
+        self.flush()  # what this process holds back is part of the candidates' records
         fps: list[str] = []
 
         def fp(i: int) -> str:  # the child's fingerprints, computed as far as they are compared
