@@ -91,7 +91,6 @@ def check_deferred(options) -> None:
             log.error("[bili] %s; mitmproxy would drop the bili addon and forward everything unchanged", e)
 
 
-@dataclass
 def _sent(raw: bytes, res: TurnResult | None, turn: ChainTurn | None) -> bytes:
     """The whole prompt the provider reads for this turn: for a chained turn the chain bili keeps,
     else the body that goes upstream (the agent's when the turn changed nothing)."""
@@ -100,6 +99,7 @@ def _sent(raw: bytes, res: TurnResult | None, turn: ChainTurn | None) -> bytes:
     return raw if res is None or res.body is None else res.body
 
 
+@dataclass
 class FlowState:
     """What the request side learned about a flow, for its response.  Live objects: kept by the addon
     (weakly keyed by the flow), never in ``flow.metadata``, which mitmproxy serialises; ``record`` is
