@@ -18,6 +18,7 @@ from bili_addon.kernel import envelope
 from bili_addon.kernel.activation import MODES as ACTIVATE
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
+from bili_addon.kernel.pending import MODES as MATERIALIZE
 from bili_addon.kernel.turn import Engine, TurnResult
 from bili_addon.kernel.windows import is_overflow, learned_window
 from bili_addon.keeper import DROPPED, Keeper
@@ -170,6 +171,14 @@ class Bili:
             choices=ACTIVATE,
         )
         loader.add_option(
+            "bili_materialize", str, "cost",
+            "cost: a compress is executed at once (its result, search and decompress work), but its range "
+            "leaves the wire when that pays: at the next moment the prompt cache is cold, when the window "
+            "fills, or when the reads it saves outweigh rewriting the cache; held folds land together. "
+            "now: every fold leaves the wire with the next request.",
+            choices=MATERIALIZE,
+        )
+        loader.add_option(
             "bili_context_window", int, 0,
             "The context window in tokens for every model (0: from the built-in table, or learned from "
             "the provider's overflow errors).",
@@ -234,6 +243,7 @@ class Bili:
         engine.nudge_cfg.distil_tokens = NudgeConfig.distil_tokens if remind > 0 else never
         engine.reconcile = ctx.options.bili_fold_reconcile
         engine.activate = ctx.options.bili_activate
+        engine.materialize = ctx.options.bili_materialize
         engine.snapshot = ctx.options.bili_snapshot_render
         return engine
 

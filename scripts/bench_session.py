@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bili_addon.kernel.cache import Bill, Clock  # noqa: E402
 from bili_addon.kernel.nudge import NudgeConfig  # noqa: E402
+from bili_addon.kernel.pending import SENTENCE as HELD  # noqa: E402
 from bili_addon.kernel.turn import Engine  # noqa: E402
 from bili_addon.store import Store  # noqa: E402
 from bili_addon.wire import LANES  # noqa: E402
@@ -71,6 +72,7 @@ ANTH = LANES["anthropic"]
 UNKNOWN_TOOL = "<tool_use_error>Error: No such tool available: compress</tool_use_error>"
 
 TARGET_COST = 0.50
+MATERIALIZE = "cost"  # the addon's bili_materialize option (--materialize)
 TARGET_CACHE = 0.90
 
 # Claude Code's auto-compact: effective window (the window minus up to 20K output tokens reserved for
@@ -294,7 +296,9 @@ class Run:
     summary_tokens: int = 0  # output tokens the model spent on summaries
     compacted_at: list[int] = field(default_factory=list)  # request index after each compaction
     epochs: int = 0  # compactions the addon recognised as new epochs
-    fold_at: list[int] = field(default_factory=list)  # request index of each executed fold
+    fold_at: list[int] = field(default_factory=list)  # request index of each fold leaving the wire
+    held: int = 0  # folds executed but held off the wire until it paid (bili_materialize=cost)
+    landings: int = 0  # requests that landed held folds
 
     def folds_after_compaction(self) -> int:
         return sum(1 for k in self.fold_at if self.compacted_at and k > self.compacted_at[0])
@@ -448,7 +452,7 @@ class Model:
 def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Script, seed: int,
              style: str = "parallel", batch: int | None = None,
              share: tuple[float, float] = (0.01, 0.02), obey: float = 1.0, marathon: bool = False,
-             times: list[float] | None = None, activate: str = "lazy") -> Run:
+             times: list[float] | None = None, activate: str = "lazy", materialize: str | None = None) -> Run:
     """``style``: "parallel", the model calls compress alongside the tool call of its next step (one
     response, as the reminder suggests); "turn", compress is a response of its own (an extra request).
     ``marathon``: the agent compacts like Claude Code when the usage reported for the (folded)
@@ -458,7 +462,7 @@ def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Scr
     r = random.Random(1_000_003)
     model = Model(seed, script, share, obey)
     with tempfile.TemporaryDirectory(prefix="bili-bench-session-") as d:
-        engine = Engine(Store(d), window=WINDOW, activate=activate)
+        engine = Engine(Store(d), window=WINDOW, activate=activate, materialize=materialize or MATERIALIZE)
         engine.nudge_cfg = cfg
         clock = {"now": 0.0}
         engine.now = lambda: clock["now"]
@@ -471,6 +475,9 @@ def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Scr
             res = engine.process(raw, ANTH, HEADERS, render=True)
             sent = res.body if res.body is not None else raw
             req = run.bill(t, kind, sent)
+            if res.landed:  # held folds left the wire with this request
+                run.landings += 1
+                run.fold_at.append(len(run.requests))
             payload = msgspec.json.decode(sent)
             run.invalid += not valid_anthropic(payload)
             # the response path records the usage the provider reports
@@ -482,7 +489,10 @@ def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Scr
             text = _call_result(payload, call_id)
             ok, bad = text.count("Compressed "), text.count(" not compressed: ")
             run.folds_ok += ok
-            run.fold_at += [len(run.requests)] * ok
+            if HELD in text:
+                run.held += ok
+            else:
+                run.fold_at += [len(run.requests)] * ok
             run.folds_refused += bad
             run.distils += text.count("(tier 2") + text.count("(tier 3")
             run.events.append(f"step {t}: compress executed: {ok} range(s) folded, {bad} refused; context now "
@@ -601,6 +611,7 @@ def report(base: Run, addon: Run, turns: int, seed: int, verbose: bool) -> None:
          f"{ktok(addon.peak)} ({addon.peak / WINDOW:.0%} of window)"),
         ("compactions / folds", f"{base.compactions} compactions",
          f"{addon.folds_ok} ranges folded ({addon.distils} of them distils), {addon.folds_refused} refused"),
+        ("folds held off the wire", "-", f"{addon.held} ranges held, landed in {addon.landings} rewrite(s)"),
         ("summaries written (output)", f"{ktok(base.summary_tokens)} tokens",
          f"{ktok(addon.summary_tokens)} tokens (not billed above)"),
     ]
@@ -736,8 +747,12 @@ def main() -> None:
                          "unless --turns is given)")
     ap.add_argument("--activate", choices=("lazy", "always"), default="lazy",
                     help="the addon's bili_activate option (default lazy)")
+    ap.add_argument("--materialize", choices=("cost", "now"), default="cost",
+                    help="the addon's bili_materialize option (default cost: folds leave the wire when it pays)")
     ap.set_defaults(turns=None)
     args = ap.parse_args()
+    global MATERIALIZE
+    MATERIALIZE = args.materialize
     if args.turns is None:
         args.turns = MARATHON_TURNS if args.marathon else 300
 
