@@ -113,39 +113,50 @@ class Deferred:
     """Mixed into the :class:`Engine`: holding folds and landing them.  What it uses of the engine
     is :class:`DeferHost`."""
 
-    def wire_blocks(self: DeferHost, s: Session) -> list[Block]:
-        """The session's blocks as the wire shows them (held ones inactive)."""
-        return on_wire(s.blocks, *held(s)) if s.flags.get(FLAG) else s.blocks
+    def wire_blocks(self: DeferHost, s: Session) -> tuple[list[Block], list[Block]]:
+        """The session's blocks as the wire shows them (held ones inactive), and as the compress
+        calls on the wire see them (a held block is not spent; one it absorbed is not yet)."""
+        if not s.flags.get(FLAG):
+            return s.blocks, s.blocks
+        hold, keep = held(s)
+        return on_wire(s.blocks, hold, keep), on_wire(s.blocks, set(), keep)
 
     def defer_fold(self: DeferHost, s: Session, made: list[Block], gone: list[Block],
                    view: View) -> dict[str, Any] | None:
-        """Whether the fold that made ``made`` (already in ``s.blocks``) is held: the ``pending`` flag
-        to store with it, or None when everything held lands with this request."""
+        """What is held once the fold that made ``made`` (already in ``s.blocks``) is: the ``pending``
+        flag to store with it (``land``: everything held leaves the wire with this request), or None
+        (``bili_materialize=now``)."""
         if self.materialize == "now" or not made:
             return None
         hold, keep = after_fold(*held(s), made, gone)
         d = self._weigh(s, view, hold, keep)
-        if d.now:
-            return None
-        return {"blocks": sorted(hold), "wire": sorted(keep), "since": s.row.requests, "last": d.to_flag()}
+        return {"blocks": sorted(hold), "wire": sorted(keep), "since": s.row.requests, "land": d.now,
+                "last": d.to_flag()}
 
     def _land(self: DeferHost, s: Session, view: View, result: TurnResult) -> None:
         """Land everything held when the decision says so (one rewrite)."""
         if not s.flags.get(FLAG):
             return
         hold, keep = held(s)
-        d = rewrite.Decision(True, "now") if self.materialize == "now" else self._weigh(s, view, hold, keep)
+        landing = [b.id for b in s.blocks if b.id in hold and b.active and not b.retired]
+        if not landing:  # what was held was retired (a new epoch) or absorbed: nothing waits any more
+            self.sessions.set_flag(s.row.id, FLAG, {})
+            return
+        flag = s.flags[FLAG]
+        if self.materialize == "now" or flag.get("land"):  # decided when the fold was made
+            d = rewrite.Decision(True, "now" if self.materialize == "now" else flag["last"]["why"])
+        else:
+            d = self._weigh(s, view, hold, keep)
         if not d.now:
             return
         self.sessions.set_flag(s.row.id, FLAG, {})
-        landing = [b.id for b in s.blocks if b.id in hold and b.active and not b.retired]
         result.landed = len(landing)
-        if landing:
-            log.info("[bili] session=%s: held fold(s) %s land in one rewrite (%s)", s.row.id, ", ".join(landing), d.why)
+        log.info("[bili] session=%s: held fold(s) %s land in one rewrite (%s)", s.row.id, ", ".join(landing), d.why)
 
     def _weigh(self: DeferHost, s: Session, view: View, hold: set[str], keep: set[str]) -> rewrite.Decision:
         wire = on_wire(s.blocks, hold, keep)
-        change = measure(view, wire, s.blocks, self.spent_calls(s, view, blocks=wire) if s.calls else set(),
+        calls = on_wire(s.blocks, set(), keep)
+        change = measure(view, wire, s.blocks, self.spent_calls(s, view, blocks=calls) if s.calls else set(),
                          self.spent_calls(s, view) if s.calls else set())
         return rewrite.decide(change, self._moment(s))
 

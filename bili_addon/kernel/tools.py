@@ -121,12 +121,12 @@ class ProxyTools:
             if out.blocks:
                 s.blocks.extend(out.blocks)
                 held = self.defer_fold(s, out.blocks, out.deactivated, view)  # kernel/pending.py
-                if held is not None:
+                if held is not None and not held["land"]:
                     text += " " + pending.SENTENCE
                 self.sessions.save_blocks(s, out.blocks + out.deactivated, out.originals,
                                           [(call_id, text)] if call_id in s.calls else [])
-                if held is not None or s.flags.get(pending.FLAG):  # (stored after the blocks: a failure lands them)
-                    self.sessions.set_flag(sid, pending.FLAG, held or {})
+                if held is not None:  # stored after the blocks: a failure in between lands them
+                    self.sessions.set_flag(sid, pending.FLAG, held)
             return text
         originals = lambda refs: self.store.originals(sid, refs)  # noqa: E731
         if name == "decompress":
@@ -180,7 +180,7 @@ class ProxyTools:
                     saved = sum(b.folded_tokens - b.summary_tokens for b in made)
                     spans = ", ".join(f"{b.covered[0]}–{b.covered[-1]} → {b.id}" for b in made)
                     result.marker = f"[bili] compressed {spans}, ~{tags.format_tokens(max(0, saved))} tokens saved"
-                    if any(b.id in pending.held(s)[0] for b in made):
+                    if any(b.id in pending.held(s)[0] for b in made) and not s.flags[pending.FLAG]["land"]:
                         result.marker += " (the range leaves when the prompt cache is cold)"
         if done:
             s.stored = self.store.commit_fold(s.row.id, [], [], done, expect=s.stored)

@@ -693,8 +693,8 @@ class Engine(ProxyTools, Epochs, Deferred):
         a reminder that needs an item of its own follows the item it was given after."""
         unfolded = sum(it.tokens for it in view.items) if s.blocks else 0
         s.unfolded_tokens = s.sent_tokens = unfolded
-        blocks = self.wire_blocks(s)  # held folds are not on the wire yet
-        hidden = self.spent_calls(s, view, blocks=blocks) if s.calls else set()
+        blocks, calls = self.wire_blocks(s)  # held folds are not on the wire yet (kernel/pending.py)
+        hidden = self.spent_calls(s, view, blocks=calls) if s.calls else set()
         active = any(b.active for b in blocks)
         plan = fold.plan(view, blocks, hidden, snoozed) if hidden or active else fold.Plan(set(), {}, [])
         after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
