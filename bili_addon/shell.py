@@ -585,6 +585,9 @@ class Bili:
             entry["cache"] = eng.clocks.stats(r.id)
             # the cache lifetime decision (kernel/lifetime.py): 5m or 1h, with the expected costs per request
             entry["lifetime"] = flags.get("ttl")
+            # held folds (kernel/pending.py): made, not yet off the wire, and the last decision on them
+            held = flags.get("pending") or {}
+            entry["held"] = {"blocks": held.get("blocks", []), "decision": held.get("last")} if held else None
             family = families.get(r.id)
             if family is not None:  # forks: {root, parent, fork_at, children}
                 entry["lineage"] = family

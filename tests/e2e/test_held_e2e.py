@@ -64,6 +64,9 @@ def test_a_held_fold_stays_until_the_window_forces_it_then_leaves_in_one_rewrite
     holder, result = agent.result_of(rec.json, agent.answers[COMPRESS_TURN].call)
     assert "→ b1" in result and SENTENCE in result, result
     assert set(FOLDED) <= on_wire(rec.body) and summary_head("b1") not in rec.body.decode()
+    held = held_proxy.session(sid)["held"]  # /__bili/stats shows what waits, and why
+    assert held["blocks"] == ["b1"] and held["decision"]["why"] == "pending"
+    assert held["decision"]["cost"] > held["decision"]["benefit"] > 0
 
     prev, landed_at = rec.body, None
     for t in range(COMPRESS_TURN + 2, TURNS + 1):
@@ -91,3 +94,4 @@ def test_a_held_fold_stays_until_the_window_forces_it_then_leaves_in_one_rewrite
     assert ran(fake, held_proxy, sid, "compress") == 1
     held_proxy.wait_bili_lines(len(fake.find(lambda r: r.header("x-claude-code-session-id") == sid)), session=sid)
     assert f"session={sid}: held fold(s) b1 land in one rewrite (window)" in held_proxy.log()
+    assert held_proxy.session(sid)["held"] is None
