@@ -218,3 +218,24 @@ def test_a_compaction_retires_a_held_fold(backend):
     _, text = e.plugin_tool(SID, "decompress", {"blockId": "b1"})
     assert "file-1-row-" in text
     e.store.close()
+
+
+def test_a_fork_holds_what_its_parent_held(backend):
+    """A fork (another session id over the same verified history) inherits the held block and the
+    holding: the shared history keeps the parent's bytes; each lands on its own."""
+    e = make(backend())
+    msgs, res, parent_out = held_fold(e)
+    assert res.landed == 0
+    fork = go_on(msgs, 1)
+    e.t += 10
+    res = e.process(body(fork), ANTH, {"x-acp-session": "fork-1"}, render=True)
+    out = json.loads(res.body)
+    assert any("a fork of " + SID in n for n in res.notes), res.notes
+    assert res.landed == 0 and not SUMMARY_AT.search(json.dumps(out)) and steps_on_wire(out) == set(range(8))
+    assert out["messages"][: len(parent_out["messages"])] == parent_out["messages"]
+    assert e.sessions["fork-1"].flags[pending.FLAG]["blocks"] == ["b1"]
+    e.t += 400  # the fork's own cold moment lands its copy
+    res = e.process(body(go_on(fork, 2)), ANTH, {"x-acp-session": "fork-1"}, render=True)
+    assert res.landed == 1 and SECTION + "b1" in res.body.decode()
+    assert e.sessions[SID].flags[pending.FLAG]["blocks"] == ["b1"]  # the parent's is its own
+    e.store.close()

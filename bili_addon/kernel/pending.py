@@ -12,8 +12,8 @@ What is held is a session flag (``pending``), persisted with the session's versi
 (restarts, several instances): ``blocks``, the ids of active blocks not on the wire yet, and
 ``wire``, the ids of blocks a held block absorbed (a held distillation) whose summaries stay on the
 wire until it lands.  A retired block (the agent compacted: a new epoch) is never on the wire; a fork
-does not inherit the flag, so what a child inherits is on its wire from its first request (always
-correct: landing early only costs a rewrite).  ``bili_materialize=now`` lands every fold at once.
+inherits the flag with the blocks (kernel/lineage.py): what the parent held, the child holds, so the
+history they share keeps its bytes (ids of blocks the child did not inherit mean nothing to it).  ``bili_materialize=now`` lands every fold at once.
 """
 
 from __future__ import annotations
