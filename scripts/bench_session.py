@@ -25,6 +25,10 @@ output tokens the model spends on summaries (compaction or compress calls) are l
     python scripts/bench_session.py --turns 600 --seed 3
     python scripts/bench_session.py --no-sweep      # without the runs at other reminder sizes
     python scripts/bench_session.py --marathon      # 600 turns; both agents compact like Claude Code
+    python scripts/bench_session.py --materialize now   # every fold leaves the wire at once
+
+The addon runs as shipped: lazy activation, and folds held off the wire until the rewrite decision
+(kernel/rewrite.py) lands them; the report counts the folds held and the requests that landed them.
 
 **Marathon mode** (``--marathon``, 600 turns by default): the agent compacts the way Claude Code
 does, in both runs: when the usage the provider reported for its last request (input + cache read
@@ -475,7 +479,7 @@ def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Scr
             res = engine.process(raw, ANTH, HEADERS, render=True)
             sent = res.body if res.body is not None else raw
             req = run.bill(t, kind, sent)
-            if res.landed:  # held folds left the wire with this request
+            if res.landed and "compress" not in res.executed:  # held folds left the wire with this request
                 run.landings += 1
                 run.fold_at.append(len(run.requests))
             payload = msgspec.json.decode(sent)
@@ -611,7 +615,8 @@ def report(base: Run, addon: Run, turns: int, seed: int, verbose: bool) -> None:
          f"{ktok(addon.peak)} ({addon.peak / WINDOW:.0%} of window)"),
         ("compactions / folds", f"{base.compactions} compactions",
          f"{addon.folds_ok} ranges folded ({addon.distils} of them distils), {addon.folds_refused} refused"),
-        ("folds held off the wire", "-", f"{addon.held} ranges held, landed in {addon.landings} rewrite(s)"),
+        ("folds held off the wire", "-", f"{addon.held} of them held until it paid, landed by "
+                                         f"{addon.landings} later request(s)"),
         ("summaries written (output)", f"{ktok(base.summary_tokens)} tokens",
          f"{ktok(addon.summary_tokens)} tokens (not billed above)"),
     ]
