@@ -89,6 +89,8 @@ def test_the_fold_is_made_at_once_and_its_range_leaves_at_the_cold_moment(backen
     assert got.startswith("b1 (tier 1) replaced original messages") and "file-1-row-3" in got
     msgs, got = call(e, msgs, "search_context", {"query": "file-2-row-7"}, "c3")
     assert "(inside b1)" in got
+    _, got = e.plugin_tool(SID, "acp_status", {})
+    assert "b1  tier 1" in got and "(held: the originals stay visible" in got
 
     # warm requests: nothing moves; each extends the previous byte for byte
     prev = e.process(body(msgs), ANTH, H, render=True).body

@@ -138,7 +138,7 @@ class ProxyTools:
             usage = self.store.last_usage(sid)
             window = self.window_for(s)
             return surfaces.status(view, s.blocks, self.fold_cfg, (usage[0], window) if usage else None,
-                                   self.nudge_cfg)
+                                   self.nudge_cfg, pending.held(s)[0])
         return f"Unknown bili tool {name!r}."
 
     def plugin_tool(self: ToolHost, sid: str | None, tool: str, args: Any) -> tuple[str, str]:
