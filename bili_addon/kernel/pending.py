@@ -144,7 +144,7 @@ class Deferred:
             return
         flag = s.flags[FLAG]
         if self.materialize == "now" or flag.get("land"):  # decided when the fold was made
-            d = rewrite.Decision(True, "now" if self.materialize == "now" else flag["last"]["why"])
+            d = rewrite.Decision(True, "now" if self.materialize == "now" else (flag.get("last") or {}).get("why", "pays"))
         else:
             d = self._weigh(s, view, hold, keep)
         if not d.now:
