@@ -737,6 +737,34 @@ def report_marathon(base: Run, runs: list[tuple[str, Run]], turns: int, seed: in
               f"{run.folds_after_compaction()} fold(s) after the first")
 
 
+def sweep_holding(env: dict, first: dict, steps: list, script: Script, seed: int, style: str, *timelines) -> None:
+    """What holding folds longer would cost: the rewrite decision's horizon (the requests a held fold
+    would wait for) capped, so that folds which pay over the session are held and batched instead."""
+    from bili_addon.kernel import rewrite
+
+    print()
+    print("sweep: folds held longer (the rewrite decision's horizon capped at N requests), Anthropic rules")
+    print(f"  {'horizon':>9}{'held':>7}{'no pauses':>11}{'gap model':>11}")
+    saved = rewrite.MAX_HORIZON, rewrite.MIN_REST
+    try:
+        for cap in (None, 8, 5, 3):
+            cells, held = [], ""
+            for times, base, shipped in timelines:
+                if cap is None:
+                    run = shipped
+                else:
+                    rewrite.MAX_HORIZON, rewrite.MIN_REST = cap, min(saved[1], cap)
+                    run = run_with(env, first, steps, script, seed, style, times=times)
+                    rewrite.MAX_HORIZON, rewrite.MIN_REST = saved
+                cells.append(f"{run.anth_cost / base.anth_cost:.1%}")
+                held = held or f"{run.held}/{run.folds_ok}"
+            print(f"  {'as shipped' if cap is None else f'<= {cap}':>9}{held:>7}{cells[0]:>11}{cells[1]:>11}")
+    finally:
+        rewrite.MAX_HORIZON, rewrite.MIN_REST = saved
+    print("  (held: folds held off the wire when executed, of all; they land with a later fold, a cold moment")
+    print("  or the window)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=1)
@@ -810,6 +838,7 @@ def main() -> None:
                   f"{ktok(statistics.median(q.tokens for q in run.requests)):>9}{ktok(run.summary_tokens):>11}")
         print("  (summary: a fold's summary against the range it replaces; answers: the share of reminders the")
         print("  model answers, the rest it ignores; summaries: the output tokens it spent on them)")
+        sweep_holding(env, first, steps, script, args.seed, args.style, (flat, base, addon), (gaps, base_g, addon_g))
     print(f"\ntotal runtime {time.perf_counter() - t0:.1f} s")
 
 
