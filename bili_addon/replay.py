@@ -99,7 +99,7 @@ def _decode(message) -> bytes:
 
 class Replayer:
     def __init__(self, store_dir: Path, *, first_party: str = "fold", min_compress_chars: int | None = None,
-                 marker: bool = True, activate: str = "lazy"):
+                 marker: bool = True, activate: str = "lazy", materialize: str = "cost"):
         from bili_addon.kernel.fold import FoldConfig
         from bili_addon.kernel.turn import Engine
         from bili_addon.store import Store
@@ -107,7 +107,7 @@ class Replayer:
         cfg = FoldConfig()
         if min_compress_chars is not None:
             cfg.min_compress_chars = min_compress_chars
-        self.engine = Engine(Store(store_dir), fold_cfg=cfg, activate=activate)
+        self.engine = Engine(Store(store_dir), fold_cfg=cfg, activate=activate, materialize=materialize)
         self.at = 0.0  # the recorded time of the request being replayed
         self.engine.now = lambda: self.at
         self.first_party = first_party
@@ -313,13 +313,14 @@ def find_flow_files(paths: Iterable[str]) -> list[Path]:
 
 
 def replay_file(path: Path, *, first_party: str = "fold", min_compress_chars: int | None = None,
-                label: str | None = None, activate: str = "lazy") -> FileReport:
+                label: str | None = None, activate: str = "lazy", materialize: str = "cost") -> FileReport:
     from mitmproxy import io
     from mitmproxy.exceptions import FlowReadException
 
     report = FileReport(label or str(path))
     with tempfile.TemporaryDirectory(prefix="bili-replay-") as tmp:
-        rep = Replayer(Path(tmp), first_party=first_party, min_compress_chars=min_compress_chars, activate=activate)
+        rep = Replayer(Path(tmp), first_party=first_party, min_compress_chars=min_compress_chars, activate=activate,
+                       materialize=materialize)
         try:
             with open(path, "rb") as f:
                 rep.run(report, io.FlowReader(f).stream())
@@ -376,6 +377,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="as the proxy's bili_min_compress_chars option")
     p.add_argument("--activate", choices=("lazy", "always"), default="lazy",
                    help="as the proxy's bili_activate option (default: lazy)")
+    p.add_argument("--materialize", choices=("cost", "now"), default="cost",
+                   help="as the proxy's bili_materialize option (default: cost)")
     p.add_argument("--json", action="store_true", help="one JSON document: every file's turns")
     p.add_argument("--bodies", metavar="DIR", help="write each upstream body to DIR/<file>-<flow>-<turn>.json")
     p.add_argument("--cost", action="store_true",
@@ -391,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     reports = []
     for path in files:
         report = replay_file(path, first_party=args.first_party, min_compress_chars=args.min_compress_chars,
-                             activate=args.activate)
+                             activate=args.activate, materialize=args.materialize)
         reports.append(report)
         if args.bodies:
             out = Path(args.bodies)

@@ -20,6 +20,7 @@ from bili_addon.kernel.calibration import row_dict
 from bili_addon.kernel.chains import Turn as ChainTurn
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
+from bili_addon.kernel.pending import MODES as MATERIALIZE
 from bili_addon.kernel.turn import Engine, TurnResult
 from bili_addon.kernel.windows import is_overflow, learned_window
 from bili_addon.keeper import DROPPED, Keeper
@@ -182,6 +183,14 @@ class Bili:
             choices=ACTIVATE,
         )
         loader.add_option(
+            "bili_materialize", str, "cost",
+            "cost: a compress is executed at once (its result, search and decompress work), but its range "
+            "leaves the wire when that pays: at the next moment the prompt cache is cold, when the window "
+            "fills, or when the reads it saves outweigh rewriting the cache; held folds land together. "
+            "now: every fold leaves the wire with the next request.",
+            choices=MATERIALIZE,
+        )
+        loader.add_option(
             "bili_context_window", int, 0,
             "The context window in tokens for every model (0: from the built-in table, or learned from "
             "the provider's overflow errors).",
@@ -249,6 +258,7 @@ class Bili:
         engine.nudge_cfg.distil_tokens = NudgeConfig.distil_tokens if remind > 0 else never
         engine.reconcile = ctx.options.bili_fold_reconcile
         engine.activate = ctx.options.bili_activate
+        engine.materialize = ctx.options.bili_materialize
         engine.snapshot = ctx.options.bili_snapshot_render
         return engine
 
@@ -686,6 +696,9 @@ class Bili:
             entry["calibration"] = eng.calibration.summary(r.id)
             # the cache lifetime decision (kernel/lifetime.py): 5m or 1h, with the expected costs per request
             entry["lifetime"] = flags.get("ttl")
+            # held folds (kernel/pending.py): made, not yet off the wire, and the last decision on them
+            held = flags.get("pending") or {}
+            entry["held"] = {"blocks": held.get("blocks", []), "decision": held.get("last")} if held else None
             family = families.get(r.id)
             if family is not None:  # forks: {root, parent, fork_at, children}
                 entry["lineage"] = family

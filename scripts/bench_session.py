@@ -25,6 +25,10 @@ output tokens the model spends on summaries (compaction or compress calls) are l
     python scripts/bench_session.py --turns 600 --seed 3
     python scripts/bench_session.py --no-sweep      # without the runs at other reminder sizes
     python scripts/bench_session.py --marathon      # 600 turns; both agents compact like Claude Code
+    python scripts/bench_session.py --materialize now   # every fold leaves the wire at once
+
+The addon runs as shipped: lazy activation, and folds held off the wire until the rewrite decision
+(kernel/rewrite.py) lands them; the report counts the folds held and the requests that landed them.
 
 **Marathon mode** (``--marathon``, 600 turns by default): the agent compacts the way Claude Code
 does, in both runs: when the usage the provider reported for its last request (input + cache read
@@ -58,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bili_addon.kernel.cache import Bill, Clock  # noqa: E402
 from bili_addon.kernel.nudge import NudgeConfig  # noqa: E402
+from bili_addon.kernel.pending import SENTENCE as HELD  # noqa: E402
 from bili_addon.kernel.turn import Engine  # noqa: E402
 from bili_addon.store import Store  # noqa: E402
 from bili_addon.wire import LANES  # noqa: E402
@@ -71,6 +76,7 @@ ANTH = LANES["anthropic"]
 UNKNOWN_TOOL = "<tool_use_error>Error: No such tool available: compress</tool_use_error>"
 
 TARGET_COST = 0.50
+MATERIALIZE = "cost"  # the addon's bili_materialize option (--materialize)
 TARGET_CACHE = 0.90
 
 # Claude Code's auto-compact: effective window (the window minus up to 20K output tokens reserved for
@@ -294,7 +300,9 @@ class Run:
     summary_tokens: int = 0  # output tokens the model spent on summaries
     compacted_at: list[int] = field(default_factory=list)  # request index after each compaction
     epochs: int = 0  # compactions the addon recognised as new epochs
-    fold_at: list[int] = field(default_factory=list)  # request index of each executed fold
+    fold_at: list[int] = field(default_factory=list)  # request index of each fold leaving the wire
+    held: int = 0  # folds executed but held off the wire until it paid (bili_materialize=cost)
+    landings: int = 0  # requests that landed held folds
 
     def folds_after_compaction(self) -> int:
         return sum(1 for k in self.fold_at if self.compacted_at and k > self.compacted_at[0])
@@ -448,7 +456,7 @@ class Model:
 def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Script, seed: int,
              style: str = "parallel", batch: int | None = None,
              share: tuple[float, float] = (0.01, 0.02), obey: float = 1.0, marathon: bool = False,
-             times: list[float] | None = None, activate: str = "lazy") -> Run:
+             times: list[float] | None = None, activate: str = "lazy", materialize: str | None = None) -> Run:
     """``style``: "parallel", the model calls compress alongside the tool call of its next step (one
     response, as the reminder suggests); "turn", compress is a response of its own (an extra request).
     ``marathon``: the agent compacts like Claude Code when the usage reported for the (folded)
@@ -458,7 +466,7 @@ def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Scr
     r = random.Random(1_000_003)
     model = Model(seed, script, share, obey)
     with tempfile.TemporaryDirectory(prefix="bili-bench-session-") as d:
-        engine = Engine(Store(d), window=WINDOW, activate=activate)
+        engine = Engine(Store(d), window=WINDOW, activate=activate, materialize=materialize or MATERIALIZE)
         engine.nudge_cfg = cfg
         clock = {"now": 0.0}
         engine.now = lambda: clock["now"]
@@ -471,6 +479,9 @@ def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Scr
             res = engine.process(raw, ANTH, HEADERS, render=True)
             sent = res.body if res.body is not None else raw
             req = run.bill(t, kind, sent)
+            if res.landed and "compress" not in res.executed:  # held folds left the wire with this request
+                run.landings += 1
+                run.fold_at.append(len(run.requests))
             payload = msgspec.json.decode(sent)
             run.invalid += not valid_anthropic(payload)
             # the response path records the usage the provider reports
@@ -482,7 +493,10 @@ def run_with(env: dict, first: dict, steps: list[tuple[dict, dict]], script: Scr
             text = _call_result(payload, call_id)
             ok, bad = text.count("Compressed "), text.count(" not compressed: ")
             run.folds_ok += ok
-            run.fold_at += [len(run.requests)] * ok
+            if HELD in text:
+                run.held += ok
+            else:
+                run.fold_at += [len(run.requests)] * ok
             run.folds_refused += bad
             run.distils += text.count("(tier 2") + text.count("(tier 3")
             run.events.append(f"step {t}: compress executed: {ok} range(s) folded, {bad} refused; context now "
@@ -601,6 +615,8 @@ def report(base: Run, addon: Run, turns: int, seed: int, verbose: bool) -> None:
          f"{ktok(addon.peak)} ({addon.peak / WINDOW:.0%} of window)"),
         ("compactions / folds", f"{base.compactions} compactions",
          f"{addon.folds_ok} ranges folded ({addon.distils} of them distils), {addon.folds_refused} refused"),
+        ("folds held off the wire", "-", f"{addon.held} of them held until it paid, landed by "
+                                         f"{addon.landings} later request(s)"),
         ("summaries written (output)", f"{ktok(base.summary_tokens)} tokens",
          f"{ktok(addon.summary_tokens)} tokens (not billed above)"),
     ]
@@ -721,6 +737,34 @@ def report_marathon(base: Run, runs: list[tuple[str, Run]], turns: int, seed: in
               f"{run.folds_after_compaction()} fold(s) after the first")
 
 
+def sweep_holding(env: dict, first: dict, steps: list, script: Script, seed: int, style: str, *timelines) -> None:
+    """What holding folds longer would cost: the rewrite decision's horizon (the requests a held fold
+    would wait for) capped, so that folds which pay over the session are held and batched instead."""
+    from bili_addon.kernel import rewrite
+
+    print()
+    print("sweep: folds held longer (the rewrite decision's horizon capped at N requests), Anthropic rules")
+    print(f"  {'horizon':>9}{'held':>7}{'no pauses':>11}{'gap model':>11}")
+    saved = rewrite.MAX_HORIZON, rewrite.MIN_REST
+    try:
+        for cap in (None, 8, 5, 3):
+            cells, held = [], ""
+            for times, base, shipped in timelines:
+                if cap is None:
+                    run = shipped
+                else:
+                    rewrite.MAX_HORIZON, rewrite.MIN_REST = cap, min(saved[1], cap)
+                    run = run_with(env, first, steps, script, seed, style, times=times)
+                    rewrite.MAX_HORIZON, rewrite.MIN_REST = saved
+                cells.append(f"{run.anth_cost / base.anth_cost:.1%}")
+                held = held or f"{run.held}/{run.folds_ok}"
+            print(f"  {'as shipped' if cap is None else f'<= {cap}':>9}{held:>7}{cells[0]:>11}{cells[1]:>11}")
+    finally:
+        rewrite.MAX_HORIZON, rewrite.MIN_REST = saved
+    print("  (held: folds held off the wire when executed, of all; they land with a later fold, a cold moment")
+    print("  or the window)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=1)
@@ -736,8 +780,12 @@ def main() -> None:
                          "unless --turns is given)")
     ap.add_argument("--activate", choices=("lazy", "always"), default="lazy",
                     help="the addon's bili_activate option (default lazy)")
+    ap.add_argument("--materialize", choices=("cost", "now"), default="cost",
+                    help="the addon's bili_materialize option (default cost: folds leave the wire when it pays)")
     ap.set_defaults(turns=None)
     args = ap.parse_args()
+    global MATERIALIZE
+    MATERIALIZE = args.materialize
     if args.turns is None:
         args.turns = MARATHON_TURNS if args.marathon else 300
 
@@ -790,6 +838,7 @@ def main() -> None:
                   f"{ktok(statistics.median(q.tokens for q in run.requests)):>9}{ktok(run.summary_tokens):>11}")
         print("  (summary: a fold's summary against the range it replaces; answers: the share of reminders the")
         print("  model answers, the rest it ignores; summaries: the output tokens it spent on them)")
+        sweep_holding(env, first, steps, script, args.seed, args.style, (flat, base, addon), (gaps, base_g, addon_g))
     print(f"\ntotal runtime {time.perf_counter() - t0:.1f} s")
 
 

@@ -14,7 +14,7 @@ def bili(tmp_path):
     addon = Bili()
     with taddons.context(addon) as tctx:
         # the unit tests exercise what bili does once a session is active (lazy activation has its own tests)
-        tctx.configure(addon, bili_data_dir=str(tmp_path / "data"), bili_activate="always")
+        tctx.configure(addon, bili_data_dir=str(tmp_path / "data"), bili_activate="always", bili_materialize="now")
         addon.tctx = tctx
         yield addon
     addon.done()

@@ -69,7 +69,7 @@ def test_fold_mode_flows_serialise_copy_and_replay(bili, tmp_path):
         w = io.FlowWriter(fh)
         w.add(first)
         w.add(second)
-    turns = replay.replay_file(path, activate="always").turns
+    turns = replay.replay_file(path, activate="always", materialize="now").turns
     assert [(t.messages, t.refs_new, t.refs_known, t.blocks, t.folded, t.executed) for t in turns] == [
         (r["messages"], r["refs_new"], r["refs_known"], r["blocks"], r["folded"], r["executed"]) for r in (rec1, rec2)]
     assert turns[1].body == second.request.content  # the bytes the proxy sent
@@ -94,7 +94,7 @@ def test_a_streamed_answer_replays_from_the_record(bili, tmp_path):
         w = io.FlowWriter(fh)
         w.add(first)
         w.add(second)
-    turns = replay.replay_file(path, activate="always").turns
+    turns = replay.replay_file(path, activate="always", materialize="now").turns
     assert turns[0].called == ["compress"] and turns[1].executed == ["compress"] and turns[1].blocks == 1
     assert turns[1].body == second.request.content
 
@@ -108,7 +108,7 @@ def test_replay_notes_where_the_live_proxy_differed(bili, tmp_path):
     path = tmp_path / "flows.mitm"
     with open(path, "wb") as fh:
         io.FlowWriter(fh).add(f)
-    [turn] = replay.replay_file(path, activate="always").turns
+    [turn] = replay.replay_file(path, activate="always", materialize="now").turns
     assert "live: msgs" in turn.note and turn.live["refs_known"] == f.metadata["bili"]["refs_known"]
 
 

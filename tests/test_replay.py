@@ -22,7 +22,7 @@ needs_captures = pytest.mark.skipif(not CAPTURES.is_dir(), reason=f"no captured 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     # these tests replay the fold path: bili shows itself from the first request (--activate always)
-    return subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", *args],
+    return subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", "--materialize", "now", *args],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -79,7 +79,7 @@ def test_replay_json_per_session_and_turn():
 @needs_captures
 def test_replayed_bodies_show_the_real_tool_result(tmp_path):
     path = CAPTURES / "omp" / "omp_unk" / "flows.mitm"
-    rep = replay.replay_file(path, activate="always")
+    rep = replay.replay_file(path, activate="always", materialize="now")
     ran = [t for t in rep.turns if t.executed == ["compress"]]
     assert ran
     for t in ran:
@@ -87,14 +87,14 @@ def test_replayed_bodies_show_the_real_tool_result(tmp_path):
         assert "Tool compress not found" not in body  # the agent's error, replaced upstream
         assert "not compressed" in body or "Compressed " in body
     # deterministic: the same bytes on every replay (usable as a regression fixture)
-    assert [t.body for t in replay.replay_file(path, activate="always").turns] == [t.body for t in rep.turns]
+    assert [t.body for t in replay.replay_file(path, activate="always", materialize="now").turns] == [t.body for t in rep.turns]
 
 
 @needs_captures
 def test_first_party_observe_leaves_bodies_unchanged(tmp_path):
-    rep = replay.replay_file(CAPTURES / "claude-code" / "claude_fwd" / "flows.mitm", first_party="observe", activate="always")
+    rep = replay.replay_file(CAPTURES / "claude-code" / "claude_fwd" / "flows.mitm", first_party="observe", activate="always", materialize="now")
     assert rep.turns and all(not t.changed and t.bytes_in == t.bytes_out for t in rep.turns)
-    rev = replay.replay_file(CAPTURES / "claude-code" / "claude_rev" / "flows.mitm", first_party="observe", activate="always")
+    rev = replay.replay_file(CAPTURES / "claude-code" / "claude_rev" / "flows.mitm", first_party="observe", activate="always", materialize="now")
     assert all(t.changed for t in rev.turns)  # only first-party traffic is left alone
 
 
@@ -154,7 +154,7 @@ def test_a_recorded_compress_call_folds_the_next_request(tmp_path):
         w = io.FlowWriter(f)
         w.add(_flow(msgs, _answer([call])))
         w.add(_flow(after, _answer([{"type": "text", "text": "Done."}])))
-    rep = replay.replay_file(path, activate="always")
+    rep = replay.replay_file(path, activate="always", materialize="now")
     first, second = rep.turns
     assert first.called == ["compress"] and first.blocks == 0
     assert second.executed == ["compress"] and second.blocks == 1 and second.folded > 0
@@ -165,7 +165,7 @@ def test_a_recorded_compress_call_folds_the_next_request(tmp_path):
     rows = [ln.split() for ln in replay.table(rep) if ln.startswith("    2 ")]
     assert len(rows) == 1 and rows[0][:3] == ["2", "anthropic", "http"]
     assert rows[0][7:10] == ["1", str(second.folded), "compress"]  # blocks, folded, ran
-    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", str(path)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", "--materialize", "now", str(path)], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "(answer calls compress)" in out.stdout
 
@@ -183,7 +183,7 @@ def test_a_compress_that_folds_nothing_shows_the_reason_the_model_got(tmp_path):
         w = io.FlowWriter(f)
         w.add(_flow(msgs, _answer([call])))
         w.add(_flow(after, _answer([{"type": "text", "text": "Done."}])))
-    rep = replay.replay_file(path, min_compress_chars=10**6, activate="always")  # every range is too small
+    rep = replay.replay_file(path, min_compress_chars=10**6, activate="always", materialize="now")  # every range is too small
     second = rep.turns[1]
     assert second.executed == ["compress"] and second.blocks == 0
     assert "m00002–m00008 not compressed: too small to be worth a fold" in second.reason
@@ -194,7 +194,7 @@ def test_a_compress_that_folds_nothing_shows_the_reason_the_model_got(tmp_path):
     header = next(ln for ln in replay.table(rep) if "turn  lane" in ln)
     assert header.split()[-1] == "reason"
     assert not rep.turns[0].reason
-    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", "--json", "--min-compress-chars",
+    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", "--materialize", "now", "--json", "--min-compress-chars",
                           "1000000", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "too small to be worth a fold" in json.loads(out.stdout)[0]["turns"][1]["reason"]
 
@@ -223,7 +223,7 @@ def test_replay_cost_of_the_captured_agents(tmp_path):
     total = sum(c.with_addon for c in costs) / sum(c.without for c in costs)
     assert total <= 1.02 and max(c.ratio for c in costs) <= 1.05
     files = replay.find_flow_files([str(CAPTURES)])
-    always = session_costs([replay.replay_file(p, activate="always") for p in files])
+    always = session_costs([replay.replay_file(p, activate="always", materialize="now") for p in files])
     assert sum(c.with_addon for c in always) > sum(c.without for c in always)  # the injection is billed
     assert any(c.bill_without.read for c in costs) and any(c.bill_without.write for c in costs)
     out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--cost", str(CAPTURES / "pi")],

@@ -13,6 +13,10 @@ never flicker: that would rewrite the cache each time), at the first of:
 - a cold moment: the session's cache has expired (the clock says so), so the next request is
   written in full anyway, and there is already half a threshold of foldable work.
 
+Bringing the tools in rewrites the whole prompt, so this is a rewrite like any other
+(:mod:`~bili_addon.kernel.rewrite`): its cold and window rules are that module's; its "pays" rule is
+the reminder threshold, since the tools pay only through the folds they make possible.
+
 ``bili_activate=always`` restores injection from the first turn.
 """
 
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from bili_addon.kernel import nudge
+from bili_addon.kernel import nudge, rewrite
 from bili_addon.kernel.fold import FoldConfig, View
 from bili_addon.kernel.state import Session
 
@@ -35,7 +39,7 @@ def decide(s: Session, view: View, fold_cfg: FoldConfig, cfg: nudge.NudgeConfig,
     if s.blocks or any(c.result is not None for c in s.calls.values()):
         return "folds"
     total = sum(it.tokens for it in view.items)
-    if window > 0 and total >= cfg.pressure * window:
+    if rewrite.window_forces(total, window, cfg.pressure):  # the rewrite decision's window rule
         return "pressure"
     threshold = cfg.batch_tokens
     floor = threshold // 2

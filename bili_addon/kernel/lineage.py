@@ -47,7 +47,7 @@ log = logging.getLogger("bili")
 MAX_CANDIDATES = 64  # sessions opening with the same message that a new one is compared with
 MAX_RECORDS = 256
 # learned facts a child takes as they are, and per-ref ones it takes for the refs it inherits
-INHERITED_FLAGS = ("strict_reasoning", "learned_windows")
+INHERITED_FLAGS = ("strict_reasoning", "learned_windows", "pending")  # pending: held folds (kernel/pending.py)
 INHERITED_REF_FLAGS = ("nudges", "truncated")
 
 

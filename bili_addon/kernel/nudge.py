@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bili_addon.kernel import rewrite
 from bili_addon.kernel.fold import Block, FoldConfig, View, anchors, coverage
 from bili_addon.kernel.tags import format_tokens
 from bili_addon.wire.base import TOOL_RESULT
@@ -116,7 +117,7 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
 def truncations(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, used: int,
                 window: int) -> dict[str, str]:
     """Emergency: the biggest old tool outputs, cut to head and tail until the context fits again."""
-    if window <= 0 or used < cfg.truncate_at * window:
+    if not rewrite.window_forces(used, window, cfg.truncate_at):  # the rewrite decision's window rule, at 95%
         return {}
     cov = coverage(blocks)
     protected = view.protected(fold_cfg)

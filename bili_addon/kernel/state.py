@@ -163,6 +163,7 @@ class TurnResult:
     declined: list[str] = field(default_factory=list)  # why a compress run for it folded nothing (as the model read)
     marker: str = ""  # the visibility line for this request's answer
     folded_items: int = 0
+    landed: int = 0  # held folds whose ranges left the wire with this request (kernel/pending.py)
     active: bool = True  # bili shows itself in this request (lazy activation): its proxy tools are live
     reused: int = 0  # items whose work came from the previous pass
     drift: str = ""  # the fold-coverage verdict, when covered refs went missing

@@ -138,8 +138,9 @@ def search_context(args: Any, blocks: list[Block], originals) -> str:
 
 
 def status(view: View, blocks: list[Block], cfg: FoldConfig, usage: tuple[int, int] | None,
-           nudge_cfg: nudge.NudgeConfig | None = None) -> str:
-    """``usage``: (tokens the last answer reported as input, the model's window)."""
+           nudge_cfg: nudge.NudgeConfig | None = None, held: set[str] = frozenset()) -> str:
+    """``usage``: (tokens the last answer reported as input, the model's window); ``held``: blocks
+    whose originals are still on the wire (kernel/pending.py)."""
     lines = []
     if usage and usage[0]:
         used, window = usage
@@ -155,7 +156,8 @@ def status(view: View, blocks: list[Block], cfg: FoldConfig, usage: tuple[int, i
     for b in active:
         topic = f'  "{b.topic}"' if b.topic else ""
         lines.append(f"  {b.id}  tier {b.tier}  {b.covered[0]}–{b.covered[-1]}  {len(b.covered)} parts  "
-                     f"{format_tokens(b.folded_tokens)}→{format_tokens(b.summary_tokens)}{topic}")
+                     f"{format_tokens(b.folded_tokens)}→{format_tokens(b.summary_tokens)}{topic}"
+                     + ("  (held: the originals stay visible until the prompt cache goes cold)" if b.id in held else ""))
     ranges = nudge.compressible(view, blocks, cfg)
     if ranges:
         lines.append("Compressible ranges (oldest first):")

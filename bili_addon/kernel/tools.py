@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from bili_addon import private
-from bili_addon.kernel import fold, surfaces, tags
+from bili_addon.kernel import fold, pending, surfaces, tags
 from bili_addon.kernel.fold import View
 from bili_addon.kernel.state import Call, ItemInfo, Session, TurnResult
 from bili_addon.store import StaleSession
@@ -74,6 +74,8 @@ class ToolHost(Protocol):
 
     def run_tool(self, s: Session, name: str, args: Any, view: View | None, call_id: str = "") -> str: ...
 
+    def defer_fold(self, s: Session, made: list, gone: list, view: View) -> dict | None: ...
+
 
 class ProxyTools:
     """Mixed into the :class:`Engine`; what it uses of it is :class:`ToolHost`."""
@@ -127,11 +129,17 @@ class ProxyTools:
         sid = s.row.id
         if name == "compress":
             out = fold.compress(args, view, s.blocks, self.fold_cfg, call_id)
+            text = out.text
             if out.blocks:
                 s.blocks.extend(out.blocks)
+                held = self.defer_fold(s, out.blocks, out.deactivated, view)  # kernel/pending.py
+                if held is not None and not held["land"]:
+                    text += " " + pending.SENTENCE
                 self.sessions.save_blocks(s, out.blocks + out.deactivated, out.originals,
-                                          [(call_id, out.text)] if call_id in s.calls else [])
-            return out.text
+                                          [(call_id, text)] if call_id in s.calls else [])
+                if held is not None:  # stored after the blocks: a failure in between lands them
+                    self.sessions.set_flag(sid, pending.FLAG, held)
+            return text
         originals = lambda refs: self.store.originals(sid, refs)  # noqa: E731
         if name == "decompress":
             return surfaces.decompress(args, s.blocks, originals,
@@ -142,7 +150,7 @@ class ProxyTools:
             usage = self.store.last_usage(sid)
             window = self.window_for(s)
             return surfaces.status(view, s.blocks, self.fold_cfg, (usage[0], window) if usage else None,
-                                   self.nudge_cfg)
+                                   self.nudge_cfg, pending.held(s)[0])
         return f"Unknown bili tool {name!r}."
 
     def plugin_tool(self: ToolHost, sid: str | None, tool: str, args: Any) -> tuple[str, str]:
@@ -184,6 +192,8 @@ class ProxyTools:
                     saved = sum(b.folded_tokens - b.summary_tokens for b in made)
                     spans = ", ".join(f"{b.covered[0]}–{b.covered[-1]} → {b.id}" for b in made)
                     result.marker = f"[bili] compressed {spans}, ~{tags.format_tokens(max(0, saved))} tokens saved"
+                    if any(b.id in pending.held(s)[0] for b in made) and not s.flags[pending.FLAG]["land"]:
+                        result.marker += " (the range leaves when the prompt cache is cold)"
         if done:
             s.stored = self.store.commit_fold(s.row.id, [], [], done, expect=s.stored)
 
@@ -228,14 +238,16 @@ class ProxyTools:
         return edits
 
     @staticmethod
-    def spent_calls(s: Session, view: View, keep_failed: int = 2) -> set[str]:
+    def spent_calls(s: Session, view: View, keep_failed: int = 2, blocks: list | None = None) -> set[str]:
         """Refs of compress calls (and their results) that no longer say anything: their blocks
-        were all distilled into later ones, or they failed and newer failures exist."""
+        were all distilled into later ones, or they failed and newer failures exist.  ``blocks``:
+        the blocks as the wire shows them (default: the session's)."""
         failed, spent = [], []
+        blocks = s.blocks if blocks is None else blocks
         for key, call in s.calls.items():
             if call.name != "compress" or call.result is None:
                 continue
-            made = [b for b in s.blocks if b.call_id == key]
+            made = [b for b in blocks if b.call_id == key]
             if not made:
                 failed.append(key)
             elif not any(b.active for b in made):

@@ -26,6 +26,7 @@ from bili_addon.kernel.compaction import Epochs, asks_for_summary
 from bili_addon.kernel.fold import FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
 from bili_addon.kernel.lineage import Lineage
+from bili_addon.kernel.pending import Deferred
 from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
 from bili_addon.kernel.registry import Sessions
 from bili_addon.kernel.sessions import (
@@ -62,12 +63,12 @@ STALE_RETRIES = 2  # a turn computed from a session another process changed mean
 __all__ = ["Engine", "TurnResult", "clean_replayed_prose"]
 
 
-class Engine(ProxyTools, Epochs):
+class Engine(ProxyTools, Epochs, Deferred):
     """The kernel side of the addon: sessions, ledger, tags and folds over a :class:`Store`."""
 
     def __init__(self, store: Store, max_sessions: int = 256, fold_cfg: FoldConfig | None = None,
                  inject: bool = True, window: int = 0, reconcile: bool = True, snapshot: bool = False,
-                 activate: str = "always"):
+                 activate: str = "always", materialize: str = "now"):
         self.store = store
         self.items = ItemCache()
         self.sessions = Sessions(store, max_sessions)  # cached sessions and previous passes (kernel/registry.py)
@@ -82,6 +83,7 @@ class Engine(ProxyTools, Epochs):
         self.snapshot = snapshot  # render the folded prefix from the session's own transcript
         self._turn_sid: str | None = None  # the session of the turn being computed
         self.activate = activate  # lazy: nothing injected until folding is about to pay (kernel/activation.py)
+        self.materialize = materialize  # cost: folds land when it pays (kernel/pending.py); now: at once
         self.clocks = cache.Clocks(max_sessions)  # each session's provider cache, as the model predicts it
         self.calibration = Calibration(store, self.clocks)  # ... against the provider's reports
         self.now = time.time  # when a request leaves (replay: the recorded time)
@@ -232,6 +234,7 @@ class Engine(ProxyTools, Epochs):
         active = result.active = self._active(s, view)
         if self.inject and active:
             self._pressure(s, view, resolved)
+        self._land(s, view, result)  # held folds leave the wire when it pays (kernel/pending.py)
         if s.version != version or (memo is not None and memo.rendered is None):
             q = 0  # this turn changed how old items render (a truncation, a learned flag), or the
             # previous pass rendered nothing (observe mode)
@@ -695,9 +698,10 @@ class Engine(ProxyTools, Epochs):
         a reminder that needs an item of its own follows the item it was given after."""
         unfolded = sum(it.tokens for it in view.items) if s.blocks else 0
         s.unfolded_tokens = s.sent_tokens = unfolded
-        hidden = self.spent_calls(s, view) if s.calls else set()
-        active = any(b.active for b in s.blocks)
-        plan = fold.plan(view, s.blocks, hidden, snoozed) if hidden or active else fold.Plan(set(), {}, [])
+        blocks, calls = self.wire_blocks(s)  # held folds are not on the wire yet (kernel/pending.py)
+        hidden = self.spent_calls(s, view, blocks=calls) if s.calls else set()
+        active = any(b.active for b in blocks)
+        plan = fold.plan(view, blocks, hidden, snoozed) if hidden or active else fold.Plan(set(), {}, [])
         after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
         nudge_at = {k for k, it in enumerate(view.items) for p in it.parts if p.ref in after} if after else set()
         if not plan.drop and not plan.inserts and not nudge_at and not pre:

@@ -248,6 +248,8 @@ def run_launcher(agent: str, agent_args: list[str], *, env: dict[str, str], cwd:
            # the scripted model calls compress at a fixed stage of a short session: bili must show itself
            # from the first request, unless a test is about lazy activation (its own bili_activate)
            *([] if any("bili_activate" in a for a in launcher_args) else ["--set", "bili_activate=always"]),
+           # and its fold leaves the wire with the next request, unless a test is about held folds
+           *([] if any("bili_materialize" in a for a in launcher_args) else ["--set", "bili_materialize=now"]),
            *launcher_args, "--", *agent_args]
     t0 = time.monotonic()
     env = dict(env, PWD=str(cwd))  # Bun agents (opencode) take their directory from $PWD

@@ -80,7 +80,7 @@ class Mitmdump:
         assert kind in ("reverse", "forward")
         # the e2e tests exercise what bili does once a session is active; lazy activation is pinned
         # explicitly where it is what a test is about (options={"bili_activate": "lazy"})
-        self.options = {"bili_activate": "always", **(options or {})}
+        self.options = {"bili_activate": "always", "bili_materialize": "now", **(options or {})}
         self.workdir = workdir
         self.kind = kind
         self.bili_mode = bili_mode

@@ -102,7 +102,7 @@ def test_a_folding_session_captured_replays_turn_by_turn(fake, make_proxy, tmp_p
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("POST http://") == TURNS and r.stdout.count("<< 200 OK") >= TURNS, r.stdout[-2000:]
 
-    rep = replay.replay_file(path, activate="always")
+    rep = replay.replay_file(path, activate="always", materialize="now")
     assert not rep.errors
     turns = replayed_turns(rep, sid)
     assert [(t.messages, t.refs_new, t.refs_known, t.blocks, t.folded, t.executed) for t in turns] == \
@@ -115,7 +115,7 @@ def test_a_folding_session_captured_replays_turn_by_turn(fake, make_proxy, tmp_p
         assert t.body == up[t.turn].body, f"turn {t.turn}: the replay sends other bytes than the proxy did"
 
     # and the command: the table shows the fold where the proxy ran it
-    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", str(path)],
+    out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "replay", "--activate", "always", "--materialize", "now", str(path)],
                          capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -140,7 +140,7 @@ def test_observe_mode_is_captured(fake, make_proxy, tmp_path, sid):
         assert rec["mode"] == "observe" and rec["rendered"] is False and "request" not in rec  # body unchanged
         assert rec["usage"]["output"] > 0  # the streamed answer's usage, recorded
     assert read_back(path).returncode == 0
-    turns = replayed_turns(replay.replay_file(path, activate="always"), sid)
+    turns = replayed_turns(replay.replay_file(path, activate="always", materialize="now"), sid)
     assert [(t.messages, t.refs_new, t.refs_known) for t in turns] == [x[:3] for x in live_turns(proxy, sid)]
     assert not any("live:" in t.note for t in turns)
 
@@ -156,7 +156,7 @@ def test_passthrough_mode_is_captured(fake, make_proxy, tmp_path, sid):
     flows = flows_of(path)
     assert len(flows) == 2 and not any("bili" in f.metadata for f in flows)  # nothing recorded, as promised
     assert read_back(path).returncode == 0
-    turns = replayed_turns(replay.replay_file(path, activate="always"), sid)
+    turns = replayed_turns(replay.replay_file(path, activate="always", materialize="now"), sid)
     assert [t.turn for t in turns] == [1, 2] and turns[0].live is None
 
 
@@ -186,7 +186,7 @@ def test_a_responses_websocket_is_captured_with_its_frames_records(fake, make_pr
     records = flow.metadata["bili_ws"]
     assert [r["request"] for r in records] == frames and all(r["via"] == "ws" for r in records)
     assert [flow.websocket.messages[r["message"]].content for r in records] == upstream
-    turns = replayed_turns(replay.replay_file(path, activate="always"), sid)
+    turns = replayed_turns(replay.replay_file(path, activate="always", materialize="now"), sid)
     assert [(t.messages, t.refs_new, t.refs_known) for t in turns] == [x[:3] for x in live_turns(proxy, sid)]
     assert [t.body for t in turns] == upstream and all(t.via == "ws" for t in turns)
     assert [t.note for t in turns] == ["", ""]  # the proxy took this socket: no "refused" note, no difference
