@@ -218,3 +218,18 @@ def test_observe_mode_never_refuses_and_records(bili, refuse):
     raw2 = json.dumps(create([result(1)], prev="resp_o")).encode()
     assert send(bili, f, raw2) == raw2
     assert [s["id"] for s in bili.stats()["sessions"]] == ["ws-observe"]
+
+
+def test_a_closed_connection_leaves_nothing_behind_in_the_transcript_s_memory(bili):
+    """Each WebSocket (its flow id) is a key of the transcript's newest-response-per-connection map; a
+    connection that ended can never be chained on again (``store: false`` responses die with it), so
+    its key goes with it: a proxy that runs for weeks does not keep one entry per connection ever made."""
+    chains = bili.keeper.run(lambda eng: eng.chains)
+    for i in range(3):
+        f = ws_flow(f"ws-gone-{i}")
+        send(bili, f, create([user(f"Conversation {i}.")]))
+        answer(bili, f, f"resp_gone_{i}", step(1))
+        assert chains._last_on_conn.get(f.id) == f"resp_gone_{i}"
+        bili.websocket_end(f)
+        assert f.id not in chains._last_on_conn
+    assert chains._last_on_conn == {}
