@@ -618,6 +618,9 @@ class Bili:
         st = self._flows.pop(flow, None)
         if st is not None:
             self.keeper.submit(lambda eng: self._settle(eng, st.session))
+        if self.active and is_responses_websocket(flow.request.path):
+            conn = flow.id  # after any answer's transcript entry queued before it
+            self.keeper.submit(lambda eng: eng.chains.end(conn))
 
     async def _ws_later(self, flow: http.HTTPFlow, msg, work) -> None:
         self._ws_apply(flow, msg, await self.keeper.call(work))

@@ -276,6 +276,10 @@ class Chains:
             self._last_on_conn[turn.conn] = turn.response_id
         return True
 
+    def end(self, conn: str) -> None:
+        """The connection ``conn`` closed: nothing can chain on its ``store: false`` responses any more."""
+        self._last_on_conn.pop(conn, None)
+
     # -- the transcript -------------------------------------------------------------------------
     def views(self, rid: str) -> Views | None:
         """Both views of the conversation as of response ``rid``; None when it cannot be rebuilt."""
