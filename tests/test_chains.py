@@ -398,3 +398,22 @@ def test_a_delta_without_input_stays_one(chains):
     b["tools"] = TOOLS  # the pass added something at the top
     sent = json.loads(t.outgoing(enc(b)))
     assert t.mode == "delta" and sent["input"] == [] and sent["previous_response_id"] == "r1"
+
+
+def test_a_response_id_given_twice_is_never_rebuilt_with_the_other_conversation_s_content(chains):
+    """A server that numbers its responses (a local one restarted, a test double) gives the same id to
+    two conversations.  The transcript must not rebuild one conversation's delta with the other's
+    history (in this process or after a restart, on either backend): the id becomes unknown, and a
+    delta on it passes through observed (a cold cache at worst, never the wrong content)."""
+    turn(chains, req([user("first conversation: the secret plan")], store=True), "resp_1",
+         [said("resp_1", "noted")], session="conv-a")
+    t = chains.begin(req([user("second conversation: the weather")], store=True))
+    t.outgoing(None)
+    t.observe(answer("resp_1", [said("resp_1", "sunny")]))
+    t.session = "conv-b"
+    assert not chains.record(t)  # not kept: the id names two conversations now
+    for c in (chains, Chains(chains.make_store())):  # this process, and one started afresh
+        t = c.begin(req([user("and then?")], "resp_1", store=True))
+        assert t is not None
+        assert b"secret plan" not in t.body and b"the weather" not in t.body
+        assert not t.known
