@@ -871,7 +871,8 @@ class PgStore:
         with self._tx() as conn:
             self.round_trips += 1
             conn.execute(f"INSERT INTO chains({', '.join(CHAIN_COLS)}) VALUES({', '.join(['%s'] * len(CHAIN_COLS))}) "
-                         "ON CONFLICT(id) DO NOTHING", row)
+                         "ON CONFLICT(id) DO UPDATE SET "
+                         + ", ".join(f"{c}=excluded.{c}" for c in CHAIN_COLS[1:]), row)
 
     @_reads
     def chain(self, response_id: str) -> tuple | None:

@@ -266,6 +266,12 @@ class Chains:
         same = sent == agent and s_base == a_base and s_keep == a_keep
         link = Link(turn.response_id, session, turn.conn, turn.stored, a_base, a_keep, agent,
                     s_base, s_keep, None if same else sent, output)
+        had = self._link(turn.response_id)
+        if had is not None:  # an id is written once: given again, it names two conversations
+            if had.agent_base != had.id and _row(had)[:-1] == _row(link)[:-1]:
+                return True  # the same response recorded again
+            self._ambiguous(turn.response_id)
+            return False
         self.store.save_chain(_row(link))
         n = len(s_full)
         views = Views(a_full + output, s_full + output, frozenset(s_outputs | set(range(n, n + len(output)))))
@@ -275,6 +281,14 @@ class Chains:
         if turn.conn:
             self._last_on_conn[turn.conn] = turn.response_id
         return True
+
+    def _ambiguous(self, rid: str) -> None:
+        """``rid`` was given to two different responses (a server that numbers them): it is
+        stored as a tombstone (its own base: :meth:`views` finds a cycle), so no delta on it, in any
+        process, is rebuilt with either conversation; they pass through observed."""
+        log.warning("[bili] chain %s: the server gave this response id twice; chains on it pass observed", rid)
+        self._views.pop(rid, None)
+        self.store.save_chain(_row(Link(rid, "", "", False, rid, 0, [], rid, 0, None, [])))
 
     def end(self, conn: str) -> None:
         """The connection ``conn`` closed: nothing can chain on its ``store: false`` responses any more."""
