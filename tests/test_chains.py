@@ -417,3 +417,26 @@ def test_a_response_id_given_twice_is_never_rebuilt_with_the_other_conversation_
         assert t is not None
         assert b"secret plan" not in t.body and b"the weather" not in t.body
         assert not t.known
+
+
+def test_full_history_rows_stay_deltas_with_more_live_sessions_than_the_cache_and_after_a_restart(chains):
+    """The row of a full-history turn is its session's previous response plus what is new, however
+    many sessions run at once (more than the rebuilt-views cache holds): never the whole conversation
+    again (the table would grow with the square of each session's length).  After a restart, one
+    whole row per session, then deltas again."""
+    from bili_addon.kernel.chains import CACHE
+
+    sessions = [f"s{i}" for i in range(CACHE + 3)]
+    hist = {s: [user(f"task of {s} " + "x" * 200)] for s in sessions}
+    for n in range(4):
+        if n == 2:  # a restart: the transcript is read back from the store
+            chains = Chains(chains.make_store())
+        for s in sessions:  # round robin: each session's last response has left the cache meanwhile
+            rid = f"{s}-r{n}"
+            turn(chains, req(hist[s]), rid, [said(rid, f"answer {n}")], session=s)
+            hist[s] = hist[s] + [said(rid, f"answer {n}"), user(f"next {n}")]
+            if n in (1, 3):
+                row = dict(zip(("id", "session_id", "conn", "stored", "agent_base", "agent_keep", "agent"),
+                               chains.store.chain(rid)))
+                assert row["agent_base"] == f"{s}-r{n - 1}", (n, s)
+                assert b"x" * 200 not in row["agent"]  # the first message is not stored again
