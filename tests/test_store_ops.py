@@ -85,7 +85,7 @@ def test_a_schema_2_store_gets_the_wire_table_on_open_and_keeps_its_sessions(bac
 
 
 def test_a_schema_3_postgresql_store_gets_the_one_statement_commit(pg_url, tmp_path):
-    """Schema 4 (PostgreSQL only): the turn's commit is one function call; a store of schema 3 gets
+    """Schema 6 (PostgreSQL only): the turn's commit is one function call; a store of schema 3 gets
     the function when opened and its sessions go on where they were."""
     from bili_addon.store import LedgerRow, SessionRow, StaleSession
     from bili_addon.store_pg import PgStore
