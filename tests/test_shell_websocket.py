@@ -233,3 +233,20 @@ def test_a_closed_connection_leaves_nothing_behind_in_the_transcript_s_memory(bi
         bili.websocket_end(f)
         assert f.id not in chains._last_on_conn
     assert chains._last_on_conn == {}
+
+
+@pytest.mark.parametrize("mode", ["fold", "observe"])
+def test_a_chained_turn_s_predicted_cache_share_is_of_the_whole_chain(bili, mode):
+    """The provider reads the whole chain (its history plus the delta), in observe mode as in fold
+    mode: the flow record's predicted cache-read share compares whole prompts, not two deltas."""
+    from bili_addon import flowmeta
+
+    bili.tctx.configure(bili, bili_mode=mode)
+    f = ws_flow(f"ws-predict-{mode}")
+    send(bili, f, create([user("Work through the listings.")]))
+    answer(bili, f, "resp_p0", step(1))
+    for n in range(1, 4):
+        send(bili, f, create([result(n)], prev=f"resp_p{n - 1}"))
+        answer(bili, f, f"resp_p{n}", step(n + 1))
+    rec = f.metadata[flowmeta.WS_KEY][-1]
+    assert rec["predicted"] is not None and rec["predicted"] > 0.6, rec.get("predicted")
