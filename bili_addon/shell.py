@@ -95,8 +95,9 @@ def check_deferred(options) -> None:
 def _sent(raw: bytes, res: TurnResult | None, turn: ChainTurn | None) -> bytes:
     """The whole prompt the provider reads for this turn: for a chained turn the chain bili keeps,
     else the body that goes upstream (the agent's when the turn changed nothing)."""
-    if turn is not None and turn.full_sent is not None:
-        return turn.full_sent
+    whole = turn.prompt() if turn is not None else None
+    if whole is not None:
+        return whole
     return raw if res is None or res.body is None else res.body
 
 

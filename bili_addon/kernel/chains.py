@@ -156,6 +156,18 @@ class Turn:
         self.mode, self.sent_prev, self.sent_items = "full", "", items
         return full
 
+    def prompt(self) -> bytes | None:
+        """The whole prompt the provider reads for this turn (None: the bytes that went up are it):
+        :attr:`full_sent`, or, when the agent's delta went up on its chain (observe mode, fail
+        open), the chain's history as the provider holds it plus that delta."""
+        if self.full_sent is not None:
+            return self.full_sent
+        if not self.sent_prev or self.base is None or self.sent_items is None:
+            return None
+        top = _dec_top.decode(self.body)
+        top["input"] = msgspec.Raw(_pack(self.base.sent + self.sent_items))
+        return _enc.encode(top)
+
     def forwarded(self) -> None:
         """The pass failed and the agent's bytes went up unchanged (fail open)."""
         self.sent_prev, self.sent_items = self.prev, list(self.agent_items)
