@@ -95,8 +95,9 @@ def check_deferred(options) -> None:
 def _sent(raw: bytes, res: TurnResult | None, turn: ChainTurn | None) -> bytes:
     """The whole prompt the provider reads for this turn: for a chained turn the chain bili keeps,
     else the body that goes upstream (the agent's when the turn changed nothing)."""
-    if turn is not None and turn.full_sent is not None:
-        return turn.full_sent
+    whole = turn.prompt() if turn is not None else None
+    if whole is not None:
+        return whole
     return raw if res is None or res.body is None else res.body
 
 
@@ -618,6 +619,9 @@ class Bili:
         st = self._flows.pop(flow, None)
         if st is not None:
             self.keeper.submit(lambda eng: self._settle(eng, st.session))
+        if self.active and is_responses_websocket(flow.request.path):
+            conn = flow.id  # after any answer's transcript entry queued before it
+            self.keeper.submit(lambda eng: eng.chains.end(conn))
 
     async def _ws_later(self, flow: http.HTTPFlow, msg, work) -> None:
         self._ws_apply(flow, msg, await self.keeper.call(work))

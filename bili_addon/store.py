@@ -912,7 +912,8 @@ class Store:
 
     # -- server-side chains (#13, kernel/chains.py) ------------------------------------------------
     def save_chain(self, row: tuple) -> None:
-        """One response of a server-side chain (a row in :data:`CHAIN_COLS` order); written once."""
+        """One response of a server-side chain (a row in :data:`CHAIN_COLS` order); written once (an id
+        given twice is replaced by a tombstone: kernel/chains.py)."""
         with self._tx():
             self.db.execute(f"INSERT OR REPLACE INTO chains({', '.join(CHAIN_COLS)}) VALUES({', '.join('?' * len(CHAIN_COLS))})",
                             row)

@@ -614,7 +614,7 @@ class PgStore:
     def commit_turn(self, row: SessionRow, new_refs: list[LedgerRow], chain: tuple[int, str] | None = None, *,
                     expect: int, minted: list[tuple[str, str]] = ()) -> int:
         """As :meth:`bili_addon.store.Store.commit_turn`, in one round trip: ``bili_commit_turn`` (schema
-        4) checks and advances the version, allocates the minted refs, writes the session row, the
+        6) checks and advances the version, allocates the minted refs, writes the session row, the
         ledger rows and the prefix chain in one statement (its own transaction); a refusal rolls it
         all back and names itself (:data:`_STALE`)."""
         now = time.time()
@@ -871,7 +871,8 @@ class PgStore:
         with self._tx() as conn:
             self.round_trips += 1
             conn.execute(f"INSERT INTO chains({', '.join(CHAIN_COLS)}) VALUES({', '.join(['%s'] * len(CHAIN_COLS))}) "
-                         "ON CONFLICT(id) DO NOTHING", row)
+                         "ON CONFLICT(id) DO UPDATE SET "
+                         + ", ".join(f"{c}=excluded.{c}" for c in CHAIN_COLS[1:]), row)
 
     @_reads
     def chain(self, response_id: str) -> tuple | None:

@@ -398,3 +398,45 @@ def test_a_delta_without_input_stays_one(chains):
     b["tools"] = TOOLS  # the pass added something at the top
     sent = json.loads(t.outgoing(enc(b)))
     assert t.mode == "delta" and sent["input"] == [] and sent["previous_response_id"] == "r1"
+
+
+def test_a_response_id_given_twice_is_never_rebuilt_with_the_other_conversation_s_content(chains):
+    """A server that numbers its responses (a local one restarted, a test double) gives the same id to
+    two conversations.  The transcript must not rebuild one conversation's delta with the other's
+    history (in this process or after a restart, on either backend): the id becomes unknown, and a
+    delta on it passes through observed (a cold cache at worst, never the wrong content)."""
+    turn(chains, req([user("first conversation: the secret plan")], store=True), "resp_1",
+         [said("resp_1", "noted")], session="conv-a")
+    t = chains.begin(req([user("second conversation: the weather")], store=True))
+    t.outgoing(None)
+    t.observe(answer("resp_1", [said("resp_1", "sunny")]))
+    t.session = "conv-b"
+    assert not chains.record(t)  # not kept: the id names two conversations now
+    for c in (chains, Chains(chains.make_store())):  # this process, and one started afresh
+        t = c.begin(req([user("and then?")], "resp_1", store=True))
+        assert t is not None
+        assert b"secret plan" not in t.body and b"the weather" not in t.body
+        assert not t.known
+
+
+def test_full_history_rows_stay_deltas_with_more_live_sessions_than_the_cache_and_after_a_restart(chains):
+    """The row of a full-history turn is its session's previous response plus what is new, however
+    many sessions run at once (more than the rebuilt-views cache holds): never the whole conversation
+    again (the table would grow with the square of each session's length).  After a restart, one
+    whole row per session, then deltas again."""
+    from bili_addon.kernel.chains import CACHE
+
+    sessions = [f"s{i}" for i in range(CACHE + 3)]
+    hist = {s: [user(f"task of {s} " + "x" * 200)] for s in sessions}
+    for n in range(4):
+        if n == 2:  # a restart: the transcript is read back from the store
+            chains = Chains(chains.make_store())
+        for s in sessions:  # round robin: each session's last response has left the cache meanwhile
+            rid = f"{s}-r{n}"
+            turn(chains, req(hist[s]), rid, [said(rid, f"answer {n}")], session=s)
+            hist[s] = hist[s] + [said(rid, f"answer {n}"), user(f"next {n}")]
+            if n in (1, 3):
+                row = dict(zip(("id", "session_id", "conn", "stored", "agent_base", "agent_keep", "agent"),
+                               chains.store.chain(rid)))
+                assert row["agent_base"] == f"{s}-r{n - 1}", (n, s)
+                assert b"x" * 200 not in row["agent"]  # the first message is not stored again

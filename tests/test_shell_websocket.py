@@ -218,3 +218,35 @@ def test_observe_mode_never_refuses_and_records(bili, refuse):
     raw2 = json.dumps(create([result(1)], prev="resp_o")).encode()
     assert send(bili, f, raw2) == raw2
     assert [s["id"] for s in bili.stats()["sessions"]] == ["ws-observe"]
+
+
+def test_a_closed_connection_leaves_nothing_behind_in_the_transcript_s_memory(bili):
+    """Each WebSocket (its flow id) is a key of the transcript's newest-response-per-connection map; a
+    connection that ended can never be chained on again (``store: false`` responses die with it), so
+    its key goes with it: a proxy that runs for weeks does not keep one entry per connection ever made."""
+    chains = bili.keeper.run(lambda eng: eng.chains)
+    for i in range(3):
+        f = ws_flow(f"ws-gone-{i}")
+        send(bili, f, create([user(f"Conversation {i}.")]))
+        answer(bili, f, f"resp_gone_{i}", step(1))
+        assert chains._last_on_conn.get(f.id) == f"resp_gone_{i}"
+        bili.websocket_end(f)
+        assert f.id not in chains._last_on_conn
+    assert chains._last_on_conn == {}
+
+
+@pytest.mark.parametrize("mode", ["fold", "observe"])
+def test_a_chained_turn_s_predicted_cache_share_is_of_the_whole_chain(bili, mode):
+    """The provider reads the whole chain (its history plus the delta), in observe mode as in fold
+    mode: the flow record's predicted cache-read share compares whole prompts, not two deltas."""
+    from bili_addon import flowmeta
+
+    bili.tctx.configure(bili, bili_mode=mode)
+    f = ws_flow(f"ws-predict-{mode}")
+    send(bili, f, create([user("Work through the listings.")]))
+    answer(bili, f, "resp_p0", step(1))
+    for n in range(1, 4):
+        send(bili, f, create([result(n)], prev=f"resp_p{n - 1}"))
+        answer(bili, f, f"resp_p{n}", step(n + 1))
+    rec = f.metadata[flowmeta.WS_KEY][-1]
+    assert rec["predicted"] is not None and rec["predicted"] > 0.6, rec.get("predicted")

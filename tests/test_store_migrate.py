@@ -38,6 +38,10 @@ def folded_store(path) -> tuple[Engine, list[dict]]:
         e.store.record_calibration("fold-1", CalibrationRow(0, 1_700_000_000.5 + n, "api.anthropic.com", "anthropic",
                                                             "anthropic", gap, age, 3000, 2000 * n, 1000, 3100,
                                                             1900 * n, write))
+    # server-side chains (kernel/chains.py): a base response and one chained on it (blobs, a NULL view)
+    e.store.save_chain(("resp_base", "fold-1", "", 1, "", 0, b'[{"role":"user"}]', "", 0, None, b'[{"x":1}]', 1.5))
+    e.store.save_chain(("resp_next", "fold-1", "ws-1", 0, "resp_base", 2, b"[]", "resp_base", 2, b'[{"t":"\xc3\xa9"}]',
+                        b"[]", 2.5))
     msgs = msgs + [{"role": "assistant", "content": "Audit continues."}, {"role": "user", "content": "go on"}]
     e.process(body(msgs), ANTH, H, render=True)
     return e, msgs
@@ -51,7 +55,7 @@ def test_a_store_with_folds_round_trips_sqlite_postgresql_sqlite_unchanged(tmp_p
     e, msgs = folded_store(tmp_path / "a")
     before = dump_all(e.store)
     for table in ("sessions", "ledger", "refs", "blocks", "originals", "calls", "turns", "copies", "transcript",
-                  "wire", "calibration"):
+                  "wire", "calibration", "chains"):
         assert before[table], f"the fixture should fill {table}"
     wire_before = (e.store.wire("fold-1"), e.store.wire_totals("fold-1"))
     assert len(wire_before[0]) == 3

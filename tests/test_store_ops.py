@@ -85,7 +85,7 @@ def test_a_schema_2_store_gets_the_wire_table_on_open_and_keeps_its_sessions(bac
 
 
 def test_a_schema_3_postgresql_store_gets_the_one_statement_commit(pg_url, tmp_path):
-    """Schema 4 (PostgreSQL only): the turn's commit is one function call; a store of schema 3 gets
+    """Schema 6 (PostgreSQL only): the turn's commit is one function call; a store of schema 3 gets
     the function when opened and its sessions go on where they were."""
     from bili_addon.store import LedgerRow, SessionRow, StaleSession
     from bili_addon.store_pg import PgStore
@@ -290,3 +290,35 @@ def test_what_the_lock_read_answers_until_the_session_is_let_go(pg_url, tmp_path
     finally:
         a.close()
         b.close()
+
+
+def test_a_schema_3_store_of_either_backend_gets_calibration_and_chains(backend):
+    """A store written before calibration (4), chains (5) and the PostgreSQL functions (6) is brought
+    to the newest schema when opened: both tables appear and take rows, its sessions are untouched."""
+    from bili_addon.store import CHAIN_COLS, CalibrationRow, LedgerRow, SessionRow
+
+    s = backend()
+    v = s.commit_turn(SessionRow("old3", "", "", 0.0, 0.0, 1, 1, 2), [LedgerRow("h", "aa", "m00001", "user", "text", 1)],
+                      expect=0, minted=[("m00001", "aa")])
+    raw = s.db.execute if s.backend == "sqlite" else s._q
+    raw("DROP TABLE calibration")
+    raw("DROP TABLE chains")
+    if s.backend != "sqlite":
+        raw("DROP FUNCTION bili_commit_turn")
+        raw("DROP FUNCTION bili_hold")
+    raw("UPDATE meta SET value='3' WHERE key='schema_version'")
+    s.close()
+    s = backend()
+    try:
+        assert s.schema_version() == SCHEMA_VERSION == 6
+        assert s.version("old3") == v and [r.ref for r in s.ledger("old3")] == ["m00001"]
+        assert s.record_calibration("old3", CalibrationRow(0, 1.0, "h", "anthropic", "anthropic", None, None,
+                                                           10, 0, 10, 10, 0, 10)) == 1
+        row = dict(zip(CHAIN_COLS, ("resp_1", "old3", "", 1, "", 0, b"[]", "", 0, None, b"[]", 1.0)))
+        s.save_chain(tuple(row[c] for c in CHAIN_COLS))
+        assert s.chain("resp_1") == tuple(row[c] for c in CHAIN_COLS)
+        s.hold("old3")
+        assert s.version("old3") == v
+        s.release()
+    finally:
+        s.close()

@@ -46,6 +46,7 @@ _dec = msgspec.json.Decoder()
 _dec_top = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _dec_items = msgspec.json.Decoder(list[msgspec.Raw])
 CACHE = 32  # rebuilt conversations kept in memory (response id -> both views; their items shared)
+SESSIONS = 256  # sessions whose newest response's views are kept (the base of their next full-history row)
 PREV = "previous_response_id"
 ENVELOPE = envelope.FIELD
 
@@ -155,6 +156,18 @@ class Turn:
         self.mode, self.sent_prev, self.sent_items = "full", "", items
         return full
 
+    def prompt(self) -> bytes | None:
+        """The whole prompt the provider reads for this turn (None: the bytes that went up are it):
+        :attr:`full_sent`, or, when the agent's delta went up on its chain (observe mode, fail
+        open), the chain's history as the provider holds it plus that delta."""
+        if self.full_sent is not None:
+            return self.full_sent
+        if not self.sent_prev or self.base is None or self.sent_items is None:
+            return None
+        top = _dec_top.decode(self.body)
+        top["input"] = msgspec.Raw(_pack(self.base.sent + self.sent_items))
+        return _enc.encode(top)
+
     def forwarded(self) -> None:
         """The pass failed and the agent's bytes went up unchanged (fail open)."""
         self.sent_prev, self.sent_items = self.prev, list(self.agent_items)
@@ -206,7 +219,9 @@ class Chains:
     def __init__(self, store: Any):
         self.store = store
         self._views: OrderedDict[str, Views] = OrderedDict()
-        self._last_of_session: dict[str, str] = {}  # session -> its newest response id (full-history bases)
+        # session -> its newest response id and views (full-history bases: kept apart from the
+        # cache, which more live sessions than it holds would empty before each one's next turn)
+        self._last_of_session: OrderedDict[str, tuple[str, Views]] = OrderedDict()
         self._last_on_conn: dict[str, str] = {}  # connection -> its newest response id (store: false)
 
     # -- a request ------------------------------------------------------------------------------
@@ -262,19 +277,42 @@ class Chains:
             s_outputs = set(turn.base.outputs)
         else:
             s_base, s_keep, sent, s_full = self._compress(session, turn.sent_items, "sent")
-            s_outputs = set(self._outputs_of(s_base, s_keep))
+            s_outputs = set(self._outputs_of(session, s_base, s_keep))
         same = sent == agent and s_base == a_base and s_keep == a_keep
         link = Link(turn.response_id, session, turn.conn, turn.stored, a_base, a_keep, agent,
                     s_base, s_keep, None if same else sent, output)
+        had = self._link(turn.response_id)
+        if had is not None:  # an id is written once: given again, it names two conversations
+            if had.agent_base != had.id and _row(had)[:-1] == _row(link)[:-1]:
+                return True  # the same response recorded again
+            self._ambiguous(turn.response_id)
+            return False
         self.store.save_chain(_row(link))
         n = len(s_full)
         views = Views(a_full + output, s_full + output, frozenset(s_outputs | set(range(n, n + len(output)))))
         self._remember(turn.response_id, views)
         if session:
-            self._last_of_session[session] = turn.response_id
+            self._last_of_session[session] = (turn.response_id, views)
+            self._last_of_session.move_to_end(session)
+            while len(self._last_of_session) > SESSIONS:
+                self._last_of_session.popitem(last=False)
         if turn.conn:
             self._last_on_conn[turn.conn] = turn.response_id
         return True
+
+    def _ambiguous(self, rid: str) -> None:
+        """``rid`` was given to two different responses (a server that numbers them): it is
+        stored as a tombstone (its own base: :meth:`views` finds a cycle), so no delta on it, in any
+        process, is rebuilt with either conversation; they pass through observed."""
+        log.warning("[bili] chain %s: the server gave this response id twice; chains on it pass observed", rid)
+        self._views.pop(rid, None)
+        for session in [k for k, (r, _v) in self._last_of_session.items() if r == rid]:
+            del self._last_of_session[session]  # its next row is not based on the tombstone
+        self.store.save_chain(_row(Link(rid, "", "", False, rid, 0, [], rid, 0, None, [])))
+
+    def end(self, conn: str) -> None:
+        """The connection ``conn`` closed: nothing can chain on its ``store: false`` responses any more."""
+        self._last_on_conn.pop(conn, None)
 
     # -- the transcript -------------------------------------------------------------------------
     def views(self, rid: str) -> Views | None:
@@ -339,18 +377,19 @@ class Chains:
         outs = {i for i in v.outputs if i < keep} if view == "sent" else set()
         return items[:keep], outs
 
-    def _outputs_of(self, base: str, keep: int) -> set[int]:
-        v = self._views.get(base) if base else None
+    def _outputs_of(self, session: str, base: str, keep: int) -> set[int]:
+        last = self._last_of_session.get(session) if session and base else None
+        v = last[1] if last is not None and last[0] == base else None
         return {i for i in v.outputs if i < keep} if v is not None else set()
 
     def _compress(self, session: str, items: list[bytes], view: str
                   ) -> tuple[str, int, list[bytes], list[bytes]]:
         """A whole input stored as the longest prefix it shares with the session's newest response
         (``base, keep, own items``), and the whole list sharing that response's item objects."""
-        last = self._last_of_session.get(session) if session else None
-        v = self._views.get(last) if last else None
-        if v is None:
+        got = self._last_of_session.get(session) if session else None
+        if got is None:
             return "", 0, items, items
+        last, v = got
         have = v.agent if view == "agent" else v.sent
         k = 0
         n = min(len(have), len(items))
