@@ -29,6 +29,7 @@ from typing import Any, Iterable
 import msgspec
 
 from bili_addon import FIRST_PARTY, flowmeta
+from bili_addon.kernel.chains import owner_of
 
 # a Responses WebSocket frame continuing a chain (previous_response_id): what went up
 CHAIN_NOTES = {"delta": "chained: the delta on the provider's chain",
@@ -128,7 +129,8 @@ class Replayer:
 
         fp = lane.name == "anthropic" and first_party_claude(raw, host)
         render = not (fp and self.first_party == "observe")
-        chain = self.chain = self.engine.chains.begin(raw, conn) if conn is not None else None
+        chain = self.chain = (self.engine.chains.begin(raw, conn, owner_of(host, headers))
+                              if conn is not None else None)
         try:
             res = self.engine.process(raw if chain is None else chain.body, lane, headers,
                                       render=render and (chain is None or chain.known), origin=host)

@@ -17,7 +17,7 @@ from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, mitmview, price
 from bili_addon.kernel import envelope
 from bili_addon.kernel.activation import MODES as ACTIVATE
 from bili_addon.kernel.calibration import row_dict
-from bili_addon.kernel.chains import Turn as ChainTurn
+from bili_addon.kernel.chains import Turn as ChainTurn, owner_of
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.pending import MODES as MATERIALIZE
@@ -329,7 +329,7 @@ class Bili:
         a delta on a known chain is rebuilt into its whole conversation for the pass, and the pass's
         output becomes the delta or the whole folded input; an unknown chain passes observed.
         ``conn``: the connection key (a WebSocket's; '' for HTTP)."""
-        turn = eng.chains.begin(raw, conn) if lane.name == "responses" else None
+        turn = eng.chains.begin(raw, conn, owner_of(origin, headers)) if lane.name == "responses" else None
         if turn is None:
             return self._process(eng, raw, lane, headers, where=where, origin=origin, render=fold), None
         res = self._process(eng, turn.body, lane, headers, where=where, origin=origin,

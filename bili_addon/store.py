@@ -201,13 +201,14 @@ CREATE TABLE IF NOT EXISTS chains(
     sent_keep INTEGER NOT NULL,
     sent BLOB,
     output BLOB NOT NULL,
+    owner TEXT NOT NULL DEFAULT '',
     created REAL NOT NULL
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS chains_session ON chains(session_id);
 """
 # the columns of a chains row, in the order save_chain takes and chain returns them
 CHAIN_COLS = ("id", "session_id", "conn", "stored", "agent_base", "agent_keep", "agent", "sent_base", "sent_keep",
-              "sent", "output", "created")
+              "sent", "output", "owner", "created")
 
 
 class StoreError(RuntimeError):

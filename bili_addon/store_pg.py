@@ -206,6 +206,7 @@ _MIGRATIONS: dict[int, list[str]] = {
             sent_keep BIGINT NOT NULL,
             sent BYTEA,
             output BYTEA NOT NULL,
+            owner TEXT NOT NULL DEFAULT '',
             created DOUBLE PRECISION NOT NULL)""",
         "CREATE INDEX IF NOT EXISTS chains_session ON chains(session_id)",
     ],

@@ -440,3 +440,34 @@ def test_full_history_rows_stay_deltas_with_more_live_sessions_than_the_cache_an
                                chains.store.chain(rid)))
                 assert row["agent_base"] == f"{s}-r{n - 1}", (n, s)
                 assert b"x" * 200 not in row["agent"]  # the first message is not stored again
+
+
+def test_a_chain_is_rebuilt_only_for_the_host_and_credential_that_made_it(chains):
+    """A team's instances share one transcript: a response id learned from someone else's traffic
+    rebuilds nothing of theirs (the provider scopes ids to the credential, so does bili)."""
+    from bili_addon.kernel.chains import owner_of
+
+    alice = owner_of("api.openai.com", {"authorization": "Bearer sk-alice"})
+    bob = owner_of("api.openai.com", {"authorization": "Bearer sk-bob"})
+    elsewhere = owner_of("llm.corp.example", {"authorization": "Bearer sk-alice"})
+    assert len({alice, bob, elsewhere}) == 3 and "sk-alice" not in alice
+    assert owner_of("API.openai.com", {"authorization": "Bearer sk-alice"}) == alice
+    t = chains.begin(req([user("alice's secret plan")]), "", alice)
+    t.outgoing(None)
+    t.observe(answer("r1", [said("r1", "noted")]))
+    t.session = "s-alice"
+    assert chains.record(t)
+    for who in (bob, elsewhere):
+        stolen = req([user("what did we say?")], "r1")
+        t = Chains(chains.make_store()).begin(stolen, "", who)
+        assert not t.known and t.body == stolen, "another owner's delta passes through as sent"
+        assert b"secret plan" not in t.body
+    again = Chains(chains.make_store()).begin(req([user("go on")], "r1"), "", alice)
+    assert again.known and b"secret plan" in again.body
+    # a store: false chain on its own WebSocket connection belongs to that connection
+    t = chains.begin(req([user("ws task")], store=False), "ws1", alice)
+    t.outgoing(None)
+    t.observe(answer("r2", [said("r2", "ok")]))
+    t.session = "s-ws"
+    assert chains.record(t)
+    assert chains.begin(req([user("next")], "r2", store=False), "ws1", bob).known

@@ -39,9 +39,9 @@ def folded_store(path) -> tuple[Engine, list[dict]]:
                                                             "anthropic", gap, age, 3000, 2000 * n, 1000, 3100,
                                                             1900 * n, write))
     # server-side chains (kernel/chains.py): a base response and one chained on it (blobs, a NULL view)
-    e.store.save_chain(("resp_base", "fold-1", "", 1, "", 0, b'[{"role":"user"}]', "", 0, None, b'[{"x":1}]', 1.5))
+    e.store.save_chain(("resp_base", "fold-1", "", 1, "", 0, b'[{"role":"user"}]', "", 0, None, b'[{"x":1}]', "own3r", 1.5))
     e.store.save_chain(("resp_next", "fold-1", "ws-1", 0, "resp_base", 2, b"[]", "resp_base", 2, b'[{"t":"\xc3\xa9"}]',
-                        b"[]", 2.5))
+                        b"[]", "", 2.5))
     msgs = msgs + [{"role": "assistant", "content": "Audit continues."}, {"role": "user", "content": "go on"}]
     e.process(body(msgs), ANTH, H, render=True)
     return e, msgs

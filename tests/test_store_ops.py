@@ -314,7 +314,7 @@ def test_a_schema_3_store_of_either_backend_gets_calibration_and_chains(backend)
         assert s.version("old3") == v and [r.ref for r in s.ledger("old3")] == ["m00001"]
         assert s.record_calibration("old3", CalibrationRow(0, 1.0, "h", "anthropic", "anthropic", None, None,
                                                            10, 0, 10, 10, 0, 10)) == 1
-        row = dict(zip(CHAIN_COLS, ("resp_1", "old3", "", 1, "", 0, b"[]", "", 0, None, b"[]", 1.0)))
+        row = dict(zip(CHAIN_COLS, ("resp_1", "old3", "", 1, "", 0, b"[]", "", 0, None, b"[]", "o1", 1.0)))
         s.save_chain(tuple(row[c] for c in CHAIN_COLS))
         assert s.chain("resp_1") == tuple(row[c] for c in CHAIN_COLS)
         s.hold("old3")

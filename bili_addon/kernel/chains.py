@@ -28,6 +28,7 @@ goes up on them only from the connection that made them, and only for the newest
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -66,6 +67,7 @@ class Link(msgspec.Struct, gc=False):
     sent: list[bytes] | None  # None: the same items as ``agent`` over the same base
     output: list[bytes]
     created: float = 0.0
+    owner: str = ""  # who may chain on it: the host and credential it was made with (:func:`owner_of`)
 
 
 @dataclass
@@ -105,6 +107,7 @@ class Turn:
     _items_done: dict[int, bytes] = field(default_factory=dict)
     finished: bool = False
     failed: bool = False
+    owner: str = ""  # the host and credential of the request (:func:`owner_of`)
 
     # -- the way up ------------------------------------------------------------------------------
     def outgoing(self, rendered: bytes | None, *, rewrite: bool = True) -> bytes | None:
@@ -225,9 +228,11 @@ class Chains:
         self._last_on_conn: dict[str, str] = {}  # connection -> its newest response id (store: false)
 
     # -- a request ------------------------------------------------------------------------------
-    def begin(self, raw: bytes, conn: str = "") -> Turn | None:
-        """A Responses request body as the agent sent it, and its connection key (the WebSocket's;
-        '' for HTTP).  None: not a body this handles (not a JSON object)."""
+    def begin(self, raw: bytes, conn: str = "", owner: str = "") -> Turn | None:
+        """A Responses request body as the agent sent it, its connection key (the WebSocket's; ''
+        for HTTP) and its owner (:func:`owner_of`).  None: not a body this handles (not a JSON
+        object).  A chain made by another owner is not rebuilt: the provider scopes response ids to
+        the host and credential, and so does the transcript (one store may serve a whole team)."""
         try:
             top = _dec_top.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -237,11 +242,14 @@ class Chains:
         stored = _dec.decode(top["store"]) is not False if "store" in top else True
         agent_items = _input_items(raw, top)
         if not isinstance(prev, str) or not prev:
-            return Turn(raw, raw, "", True, conn, stored, agent_items)
+            return Turn(raw, raw, "", True, conn, stored, agent_items, owner=owner)
+        link = self._link(prev)
+        if link is not None and link.owner != owner and not (conn and link.conn == conn):
+            log.warning("[bili] chain %s was made with another host or credential: passed through observed", prev)
+            return Turn(raw, raw, prev, False, conn, stored, agent_items, owner=owner)
         base = self.views(prev)
         if base is None:
-            return Turn(raw, raw, prev, False, conn, stored, agent_items)
-        link = self._link(prev)
+            return Turn(raw, raw, prev, False, conn, stored, agent_items, owner=owner)
         chainable = link is not None and (
             link.stored or (bool(conn) and link.conn == conn and self._last_on_conn.get(conn) == prev)
         )
@@ -252,7 +260,7 @@ class Chains:
             full[k] = msgspec.Raw(b"[" + b",".join(base.agent + agent_items) + b"]") if k == "input" else v
         if "input" not in full:
             full["input"] = msgspec.Raw(b"[" + b",".join(base.agent) + b"]")
-        return Turn(raw, _enc.encode(full), prev, True, conn, stored, agent_items, base, chainable)
+        return Turn(raw, _enc.encode(full), prev, True, conn, stored, agent_items, base, chainable, owner=owner)
 
     # -- its answer -----------------------------------------------------------------------------
     def record(self, turn: Turn, session: str = "") -> bool:
@@ -280,7 +288,7 @@ class Chains:
             s_outputs = set(self._outputs_of(session, s_base, s_keep))
         same = sent == agent and s_base == a_base and s_keep == a_keep
         link = Link(turn.response_id, session, turn.conn, turn.stored, a_base, a_keep, agent,
-                    s_base, s_keep, None if same else sent, output)
+                    s_base, s_keep, None if same else sent, output, owner=turn.owner)
         had = self._link(turn.response_id)
         if had is not None:  # an id is written once: given again, it names two conversations
             if had.agent_base != had.id and _row(had)[:-1] == _row(link)[:-1]:
@@ -426,13 +434,31 @@ def _row(link: Link) -> tuple:
     """The store's row (``store.CHAIN_COLS`` order)."""
     return (link.id, link.session, link.conn, int(link.stored), link.agent_base, link.agent_keep, _pack(link.agent),
             link.sent_base, link.sent_keep, None if link.sent is None else _pack(link.sent), _pack(link.output),
-            link.created or time.time())
+            link.owner, link.created or time.time())
 
 
 def _link_of(row: tuple) -> Link:
-    (rid, session, conn, stored, a_base, a_keep, agent, s_base, s_keep, sent, output, created) = row
+    (rid, session, conn, stored, a_base, a_keep, agent, s_base, s_keep, sent, output, owner, created) = row
     return Link(rid, session, conn, bool(stored), a_base, int(a_keep), _unpack(agent), s_base, int(s_keep),
-                None if sent is None else _unpack(sent), _unpack(output), float(created))
+                None if sent is None else _unpack(sent), _unpack(output), float(created), owner or "")
+
+
+# the headers that carry a provider credential, in the order they are looked for
+CREDENTIAL_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
+
+
+def owner_of(host: str, headers: Any) -> str:
+    """Who a chain belongs to: a digest of the host and the first credential header (never the
+    credential itself).  Providers scope response ids to the credential's account, so a
+    transcript shared by a team's instances must too: a response id learned from someone else
+    rebuilds nothing."""
+    cred = ""
+    for name in CREDENTIAL_HEADERS:
+        value = headers.get(name) if headers is not None else None
+        if value:
+            cred = f"{name}:{value}"
+            break
+    return hashlib.sha256(f"bili-chain-owner\0{host.lower()}\0{cred}".encode()).hexdigest()[:32]
 
 
 def _input_items(raw: bytes, top: dict[str, msgspec.Raw] | None = None) -> list[bytes]:
