@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import operator
 import os
 import sqlite3
 import time
@@ -350,6 +351,9 @@ class LedgerRow(msgspec.Struct, gc=False):
     tokens: int
 
 
+_BY_MSG_ID = operator.attrgetter("msg_id")
+
+
 @dataclass(slots=True)
 class SessionRow:
     id: str
@@ -668,10 +672,15 @@ class Store:
                  row.flags, version),
             )
             if new_refs:
+                # in key order: content-hash ids are random, and SQLite appends sorted keys to the
+                # B-tree far cheaper than it scatters them (a first turn of 10,000 messages: ~25%
+                # less time in this statement, bench_overhead.py); the table has no other order
+                sid = row.id
                 self.db.executemany(
                     "INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen) "
                     "VALUES(?,?,?,?,?,?,?,?)",
-                    [(row.id, r.msg_id, r.content_hash, r.ref, r.role, r.ctype, r.tokens, now) for r in new_refs],
+                    [(sid, r.msg_id, r.content_hash, r.ref, r.role, r.ctype, r.tokens, now)
+                     for r in sorted(new_refs, key=_BY_MSG_ID)],
                 )
             if chain is not None:
                 self.db.execute(

@@ -54,6 +54,7 @@ def test_media_payload_separates_images_but_not_text():
     a = Core("user", "image", "[image]", media="sha256:aa")
     b = Core("user", "image", "[image]", media="sha256:bb")
     assert digest(a)[0] != digest(b)[0]
+    assert digest(a)[0] == "h_c62e0f8d456b87ee"  # the sixth slot, as persisted ledgers have it
     # text cores never carry the slot, so their ids are the plain five-slot hash
     assert digest(Core("user", "text", "[image]"))[0] == "h_88b5433245c4751e"
 
@@ -72,9 +73,11 @@ def test_token_estimate(text, n):
 
 
 def test_token_figures_render_like_the_reference():
-    assert [tags.format_tokens(t) for t in (999, 1000, 1250, 2149, 10000, 12500)] == [
-        "999", "1.0K", "1.3K", "2.1K", "10K", "13K",
-    ]
+    for _ in range(2):  # computed, then from the cache: the same figures
+        assert [tags.format_tokens(t) for t in (999, 1000, 1250, 2149, 10000, 12500)] == [
+            "999", "1.0K", "1.3K", "2.1K", "10K", "13K",
+        ]
+    assert tags.render("m00007", 1250, "text", "hi") == '<acp tokens="1.3K" type="text">m00007</acp>\nhi'
 
 
 def test_ref_bounds():

@@ -13,6 +13,7 @@ import re
 
 from bili_addon.wire.base import Core
 
+_sha256 = hashlib.sha256
 _CJK = re.compile("[\u4e00-\u9fff\u3040-\u30ff\uac00-\ud7af]")
 
 
@@ -26,7 +27,10 @@ def seed(core: Core) -> str:
 def digest(core: Core) -> tuple[str, str]:
     """``(base id, content hash)``: the id is ``h_`` + the first 16 hex of the content hash, which
     the ledger keeps in full beside it as the safety belt against a wrong join."""
-    h = hashlib.sha256(seed(core).encode("utf-8", "surrogatepass")).hexdigest()
+    s = f"{core.role}|{core.ctype}|{core.tool_call_id}|{core.tool_name}|{core.text}"  # seed(core), inlined
+    if core.media:
+        s += "|" + core.media
+    h = _sha256(s.encode("utf-8", "surrogatepass")).hexdigest()
     return "h_" + h[:16], h
 
 

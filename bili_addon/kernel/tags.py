@@ -25,6 +25,18 @@ def index_of(ref: str) -> int | None:
 
 
 def format_tokens(t: int) -> str:
+    text = _FORMATTED.get(t)
+    if text is None:
+        text = _format_tokens(t)
+        if len(_FORMATTED) < 65536:  # token counts of prose repeat: a tag costs one dict lookup
+            _FORMATTED[t] = text
+    return text
+
+
+_FORMATTED: dict[int, str] = {}
+
+
+def _format_tokens(t: int) -> str:
     if t < 1000:
         return str(t)
     if t < 10000:
@@ -38,7 +50,7 @@ def tag(ref: str, tokens: int, kind: str) -> str:
 
 
 def render(ref: str, tokens: int, kind: str, clean: str) -> str:
-    return tag(ref, tokens, kind) + clean
+    return f'<acp tokens="{format_tokens(tokens)}" type="{kind}">{ref}</acp>\n{clean}'
 
 
 def split_own_tag(text: str) -> tuple[str, str] | None:
