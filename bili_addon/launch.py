@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, adminclient, private, transparent
+from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, adminclient, private, procs, transparent
 from bili_addon.agents import (AGENTS, ANY_CA, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex,
                                intercept_plan)
 from bili_addon.store import DB_NAME, SCHEMA_VERSION, StoreError, default_data_dir
@@ -287,18 +287,7 @@ def state_dir(env: Mapping[str, str] | None = None) -> Path:
     return default_data_dir(env) / "run"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not reaped by its parent) is not alive
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except OSError:
-        return True
+_alive = procs.alive  # the name cli.py and the tests know
 
 
 def _is_mitmdump(pid: int) -> bool:

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
+from bili_addon import procs
+
 MECHANISMS = ("netns", "local")
 SUBNET = ipaddress.ip_network("10.231.0.0/16")  # one /30 per namespace
 MAX_INDEX = SUBNET.num_addresses // 4 - 1
@@ -554,20 +556,10 @@ class Namespace:
                 continue
         return out
 
-    @staticmethod
-    def _alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
     def _sweep(self) -> None:
         """Remove the namespaces whose launcher is gone (killed before it could clean up)."""
         for index, pid in self._records().items():
-            if not self._alive(pid):
+            if not procs.alive(pid):
                 net = Net(index)
                 for cmd in teardown_commands(net):
                     self._run(cmd, check=False)
@@ -661,7 +653,7 @@ class Namespace:
         self._remove_etc(net)
         (self.state / f"transparent-{net.index}.json").unlink(missing_ok=True)
         forward = self.state / "transparent-forward"
-        if forward.exists() and not any(self._alive(pid) for i, pid in self._records().items() if i != net.index):
+        if forward.exists() and not any(procs.alive(pid) for i, pid in self._records().items() if i != net.index):
             with contextlib.suppress(OSError):
                 self._sysctl("net/ipv4/ip_forward", forward.read_text().strip() or "0")
             forward.unlink(missing_ok=True)
