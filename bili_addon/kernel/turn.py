@@ -19,10 +19,10 @@ from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import activation, breakpoints, cache, envelope, fold, lifetime, nudge, reconcile, tags
+from bili_addon.kernel import breakpoints, cache, envelope, fold, nudge, pressure, reconcile, tags
 from bili_addon.kernel.calibration import Calibration
 from bili_addon.kernel.chains import Chains
-from bili_addon.kernel.compaction import Epochs, asks_for_summary
+from bili_addon.kernel.compaction import Epochs
 from bili_addon.kernel.fold import FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
 from bili_addon.kernel.lineage import Lineage
@@ -89,7 +89,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         self.now = time.time  # when a request leaves (replay: the recorded time)
 
     # -- sessions: kernel/registry.py; these two are the way in for the shell, the admin endpoints
-    # -- and the tests (and, until they are next edited, for _process and _pressure)
+    # -- and the tests (and, until they are next edited, for _process and kernel/pressure.py)
     def session(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False) -> Session:
         """:meth:`Sessions.load <bili_addon.kernel.registry.Sessions.load>`."""
         return self.sessions.load(sid, agent, lane, fresh=fresh)
@@ -117,7 +117,8 @@ class Engine(ProxyTools, Epochs, Deferred):
                     res = self._process(raw, lane, headers, render=render, origin=origin)
                     if res.session and not res.status:
                         if res.active and lane.name == "anthropic" and render:
-                            res.body = self._lifetime(res.session, raw if res.body is None else res.body) or res.body
+                            sent = raw if res.body is None else res.body
+                            res.body = pressure.upgrade_lifetime(self, res.session, sent) or res.body
                         # noted only; billed off the request's path
                         self.clocks.sent(res.session, lane.name, raw if res.body is None else res.body, self.now(),
                                          origin.lower())
@@ -231,9 +232,9 @@ class Engine(ProxyTools, Epochs, Deferred):
             self._run_calls(s, view, q, result)
         if s.blocks and self.reconcile:
             self._roll_copy(s, view, resolved, drift)
-        active = result.active = self._active(s, view)
+        active = result.active = pressure.is_active(self, s, view)
         if self.inject and active:
-            self._pressure(s, view, resolved)
+            pressure.apply(self, s, view, resolved)
         self._land(s, view, result)  # held folds leave the wire when it pays (kernel/pending.py)
         if s.version != version or (memo is not None and memo.rendered is None):
             q = 0  # this turn changed how old items render (a truncation, a learned flag), or the
@@ -520,68 +521,6 @@ class Engine(ProxyTools, Epochs, Deferred):
         if out.verdict:
             counts[out.verdict] = counts.get(out.verdict, 0) + 1
         self.sessions.set_flag(s.row.id, "drift", counts)
-
-    def _lifetime(self, sid: str, body: bytes) -> bytes | None:
-        """The body with 1-hour cache entries where the session chose them (kernel/lifetime.py)."""
-        s = self.sessions.get(sid)
-        if s is None:
-            return None
-        chosen = (s.flags.get(lifetime.FLAG) or {}).get("choice")
-        if chosen != "1h" and self.clocks.cold(sid, self.now()):  # decided at a cold moment only
-            h = self.clocks.history(sid)
-            pick = lifetime.choose(h[1], h[2], h[3], h[0]) if h and h[0].family == "anthropic" else None
-            if pick is not None:
-                self.set_flag(sid, lifetime.FLAG, pick.to_flag())
-                chosen = pick.choice
-        return lifetime.upgrade(body) if chosen == "1h" else None
-
-    def _active(self, s: Session, view: View) -> bool:
-        """Whether bili shows itself in this request (tools, prompt, tags); see kernel/activation.py."""
-        if self.activate == "always" or s.flags.get(activation.FLAG):
-            return True
-        why = activation.decide(s, view, self.fold_cfg, self.nudge_cfg, self.window_for(s),
-                                lambda: self.clocks.cold(s.row.id, self.now()))
-        if why:
-            self.set_flag(s.row.id, activation.FLAG, why)
-            log.info("[bili] session=%s: active from now on (%s)", s.row.id, why)
-        return bool(why)
-
-    def _pressure(self, s: Session, view: View, resolved: list[list[Resolved]]) -> None:
-        """Nudge and emergency truncation, decided from the usage the last answer reported."""
-        if not view.items:
-            return
-        last = self._reported_usage(s)
-        # the size the provider reported for the last request; without one (a Chat stream without
-        # include_usage), the conversation's own estimate
-        if last:
-            used = last[0]
-        else:
-            cov = fold.coverage(s.blocks)
-            used = (sum(p.tokens for it in view.items for p in it.parts if p.ref not in cov)
-                    + sum(b.summary_tokens for b in s.blocks if b.active))
-        window = self.window_for(s)
-        if used < int(s.flags.get("last_nudge_at", 0)):
-            # a fold (or the host's own compaction) shrank the context: growth counts from here
-            self.set_flag(s.row.id, "last_nudge_at", used)
-        cfg = self.nudge_cfg
-        if used < min(cfg.batch_tokens, cfg.distil_tokens, cfg.pressure * window, cfg.truncate_at * window):
-            return  # not even the whole context would be worth a fold, and the window is far
-        nudges = dict(s.flags.get("nudges", {}))
-        newest = resolved[-1]
-        if newest and not any(r.entry.ref in nudges for r in newest) and not asks_for_summary(view):
-            text = nudge.decide(view, s.blocks, self.fold_cfg, self.nudge_cfg, used, window,
-                                int(s.flags.get("last_nudge_at", 0)))
-            if text:
-                prose = [r for r in newest if r.core.role == "user" and r.core.ctype == TEXT and r.core.path
-                         and r.core.text.strip()]
-                ref = (prose[-1] if prose else newest[-1]).entry.ref
-                nudges[ref] = {"text": text, "how": "suffix" if prose else "item"}
-                self.set_flag(s.row.id, "nudges", nudges)
-                self.set_flag(s.row.id, "last_nudge_at", used)
-        cut = nudge.truncations(view, s.blocks, self.fold_cfg, self.nudge_cfg, used, window)
-        known = s.flags.get("truncated", {})
-        if any(ref not in known for ref in cut):
-            self.set_flag(s.row.id, "truncated", {**cut, **known})
 
     def _remember(self, lane: Lane, sid: str, s: Session, raws, infos, start, hashes, resolved, view_items,
                   counter: Counter, rendered) -> None:
