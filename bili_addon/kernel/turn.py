@@ -183,7 +183,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         if forked:
             result.notes.append(forked)
 
-        env, pinned, stripped = self._envelope(s, body, headers, infos, start, result)
+        env, pinned, stripped = envelope.pins(s, body, headers, infos, start, result)
         if result.status:
             return result
         if env is not None:
@@ -199,7 +199,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         result.refs_new = s.row.next_ref - minted
         result.refs_known -= result.refs_new
         if env is not None:
-            self._bind_envelope(s, env, infos, start, resolved, pinned)
+            envelope.bind(self.sessions, s, env, infos, start, resolved, pinned)
         if tail:
             self.affinity.note(sid, *tail)
             self._lineage("note_points", sid, hashes, known)
@@ -397,49 +397,6 @@ class Engine(ProxyTools, Epochs, Deferred):
         s.row = staged
         for r in new_rows:
             s.owners.setdefault(r.ref, r.content_hash)
-
-    def _envelope(self, s: Session, body: Body, headers, infos: list[ItemInfo], start: int,
-                  result: TurnResult) -> tuple[envelope.Envelope | None, dict[int, list[Entry]], bool]:
-        """The host-vouched ids of this request, and the refs they pin (by conversation item)."""
-        stripped = envelope.FIELD in body.top
-        field = body.top.pop(envelope.FIELD, None)
-        try:
-            env = envelope.parse(msgspec.json.decode(field) if field is not None else None, headers, len(infos))
-        except envelope.EnvelopeRejected as e:
-            result.notes.append(f"message ids ignored for this turn ({e}); content identity applies")
-            return None, {}, stripped
-        if env is None:
-            return None, {}, stripped
-        bound = s.flags.get("envelope", {})
-        pinned: dict[int, list[Entry]] = {}
-        for i in range(start, len(infos)):
-            stored = bound.get(env.ids[i])
-            if stored is None:
-                continue
-            shape, refs = stored
-            if shape == envelope.shape_of(infos[i].parts) and len(refs) == len(infos[i].parts):
-                pinned[i - start] = [Entry(r, t) for r, t in refs]
-            elif not env.resync:
-                result.status = 400
-                result.error = (f"message id {env.ids[i]!r} is already bound to a different message; "
-                                f"send resync: true to re-claim the whole set")
-                return env, {}, stripped
-        return env, pinned, stripped
-
-    def _bind_envelope(self, s: Session, env: envelope.Envelope, infos: list[ItemInfo], start: int,
-                       resolved: list[list[Resolved]], pinned: dict[int, list[Entry]]) -> None:
-        bound = dict(s.flags.get("envelope", {}))
-        changed = False
-        for k, parts in enumerate(resolved):
-            if k in pinned:
-                continue
-            cid = env.ids[start + k]
-            value = [envelope.shape_of(infos[start + k].parts), [[r.entry.ref, r.entry.tokens] for r in parts]]
-            if bound.get(cid) != value:
-                bound[cid] = value
-                changed = True
-        if changed:
-            self.sessions.set_flag(s.row.id, "envelope", bound)
 
     def _strip_own_tag(self, s: Session, part: Part) -> tuple[Core, str, str, bool]:
         """Remove the message's own stale tag (idempotent); a foreign tag is content and stays."""
