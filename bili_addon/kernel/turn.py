@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import breakpoints, cache, envelope, fold, nudge, pressure, reconcile, tags
+from bili_addon.kernel import breakpoints, cache, coverage, envelope, fold, nudge, pressure, tags
 from bili_addon.kernel.calibration import Calibration
 from bili_addon.kernel.chains import Chains
 from bili_addon.kernel.compaction import Epochs
@@ -217,7 +217,8 @@ class Engine(ProxyTools, Epochs, Deferred):
         view = View(snap[2] if snap else view_items)
         s.last_view = view
         self._compaction(s, lane.name, view, minted, result)  # the agent's own compaction: a new epoch
-        drift = self._reconcile(s, view, resolved, result) if s.blocks and self.reconcile else None
+        drift = (coverage.check(self.store, self.sessions, s, view, resolved, result)
+                 if s.blocks and self.reconcile else None)
         snoozed = drift.snoozed if drift is not None else set()
         if s.copy.latched or not render:
             # observe mode, or a total collapse: nothing verifies the folds against this history,
@@ -231,7 +232,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         if s.calls:
             self._run_calls(s, view, q, result)
         if s.blocks and self.reconcile:
-            self._roll_copy(s, view, resolved, drift)
+            coverage.roll_copy(self.store, s, view, resolved, drift)
         active = result.active = pressure.is_active(self, s, view)
         if self.inject and active:
             pressure.apply(self, s, view, resolved)
@@ -408,76 +409,6 @@ class Engine(ProxyTools, Epochs, Deferred):
             if s.owners.get(ref) == chash:
                 return stripped, base, chash, True
         return part.core, part.base, part.chash, part.dirty
-
-    # -- fold coverage under churn ---------------------------------------------------------------
-    def _reconcile(self, s: Session, view: View, resolved: list[list[Resolved]],
-                   result: TurnResult) -> reconcile.Outcome | None:
-        """Re-anchor covered refs that went missing, and classify what cannot be verified."""
-        if len(view.items) < reconcile.SIDE_REQUEST_MAX_ITEMS:
-            return None  # side requests (titles, probes) never touch the copy
-        sid = s.row.id
-        fresh = {r.entry.ref for ps in resolved for r in ps if r.incs > 1}
-        out = reconcile.reconcile(view, s.blocks, s.copy, lambda refs: self.store.originals(sid, refs), fresh)
-        if out.claims:
-            by_block: dict[str, list[str]] = {}
-            owner = fold.coverage(s.blocks)
-            for old, new in out.claims.items():
-                b = owner[old]
-                if b.claimed.get(old) != new:
-                    b.claimed[old] = new
-                    by_block.setdefault(b.id, []).append(new)
-            self.sessions.save_blocks(s, [b for b in s.blocks if b.id in by_block])
-        was_latched = s.copy.latched
-        reconcile.verdict(out, view, s.blocks, s.copy, lambda refs: self.store.originals(sid, refs))
-        if out.drifted:
-            how = ", ".join(f"{n} by {k}" for k, n in out.by.items()) or "none"
-            msg = (f"[bili] session={sid} fold coverage: {out.missing} covered part(s) missing; re-anchored "
-                   f"{len(out.claims)} ({how}); {len(out.unmatched)} re-enter unfolded")
-            if out.suspects:
-                msg += f"; {out.suspects} suspected host-rewritten tool-call id(s), not claimed"
-            log.warning("%s; verdict: %s", msg, out.verdict or "none")
-            self._count_drift(s, out)
-        if out.verdict == "collapse" and not was_latched:
-            log.error("[bili] session=%s: the re-sent history no longer matches any fold (%d covered parts "
-                      "missing, none verifiable); folding is paused and requests pass through unchanged "
-                      "until the history aligns again", sid, out.missing)
-        if out.verdict == "recovered":
-            log.warning("[bili] session=%s: the history aligns with the folds again; folding resumes", sid)
-        result.drift = out.verdict
-        if out.drifted or was_latched:
-            s.stored = self.store.save_copy(sid, s.copy.to_json(), expect=s.stored)
-        return out
-
-    def _roll_copy(self, s: Session, view: View, resolved: list[list[Resolved]],
-                   drift: reconcile.Outcome | None) -> None:
-        """A steady (or fully verified) pass becomes the canonical copy the next drift is checked
-        against; its ids tell the next pass an echo of folded content from a new instance of it."""
-        if len(view.items) < reconcile.SIDE_REQUEST_MAX_ITEMS or s.copy.latched:
-            return
-        if drift is not None and drift.unmatched and drift.verdict != "truncated":
-            return
-        copy = s.copy
-        parts = [p for it in view.items for p in it.parts]
-        refs = [p.ref for p in parts]
-        # fingerprints are per content, so the shared head keeps its own
-        same = min(_common_prefix(refs, copy.refs), len(copy.fps))
-        copy.fps = copy.fps[:same] + [reconcile.fingerprint(p) for p in parts[same:]]
-        copy.refs = refs
-        copy.items = [k for k, it in enumerate(view.items) for _p in it.parts]
-        copy.ids = [r.msg_id for ps in resolved for r in ps]
-        s.stored = self.store.save_copy(s.row.id, copy.to_json(), expect=s.stored)
-
-    def _count_drift(self, s: Session, out) -> None:
-        counts = dict(s.flags.get("drift", {}))
-        counts["passes"] = counts.get("passes", 0) + 1
-        counts["claims"] = counts.get("claims", 0) + len(out.claims)
-        for how, n in out.by.items():
-            counts[f"by {how}"] = counts.get(f"by {how}", 0) + n
-        counts["unmatched"] = counts.get("unmatched", 0) + len(out.unmatched)
-        counts["suspects"] = counts.get("suspects", 0) + out.suspects
-        if out.verdict:
-            counts[out.verdict] = counts.get(out.verdict, 0) + 1
-        self.sessions.set_flag(s.row.id, "drift", counts)
 
     def _remember(self, lane: Lane, sid: str, s: Session, raws, infos, start, hashes, resolved, view_items,
                   counter: Counter, rendered) -> None:
