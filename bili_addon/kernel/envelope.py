@@ -8,6 +8,9 @@ an id given twice drops the whole set for that turn, and content identity applie
 wins over content churn (the message keeps its ref when the host re-encodes it); an id re-used for
 a message of another shape is refused with 400, never silently re-bound, unless ``resync`` asks to
 re-claim the whole set.
+
+:func:`pins` reads a request's set against the session's bound ids (the refs they pin); :func:`bind`
+records the ids of a turn's messages once their refs are committed (the session flag ``envelope``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,15 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+import msgspec
+
+from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session, TurnResult
+from bili_addon.wire.base import Body
+
+if TYPE_CHECKING:
+    from bili_addon.kernel.registry import Sessions
 
 FIELD = "biliMsgIds"
 HEADER = "x-bili-msg-ids"
@@ -63,3 +74,49 @@ def parse(raw_field: Any, headers: Mapping[str, str], items: int) -> Envelope | 
 def shape_of(parts) -> str:
     """What must not change under an id: the roles and kinds of the message's parts."""
     return ",".join(f"{p.core.role}/{p.core.ctype}" for p in parts)
+
+
+def pins(s: Session, body: Body, headers: Mapping[str, str], infos: list[ItemInfo], start: int,
+         result: TurnResult) -> tuple[Envelope | None, dict[int, list[Entry]], bool]:
+    """The host-vouched ids of this request, and the refs they pin (by conversation item)."""
+    stripped = FIELD in body.top
+    field = body.top.pop(FIELD, None)
+    try:
+        env = parse(msgspec.json.decode(field) if field is not None else None, headers, len(infos))
+    except EnvelopeRejected as e:
+        result.notes.append(f"message ids ignored for this turn ({e}); content identity applies")
+        return None, {}, stripped
+    if env is None:
+        return None, {}, stripped
+    bound = s.flags.get("envelope", {})
+    pinned: dict[int, list[Entry]] = {}
+    for i in range(start, len(infos)):
+        stored = bound.get(env.ids[i])
+        if stored is None:
+            continue
+        shape, refs = stored
+        if shape == shape_of(infos[i].parts) and len(refs) == len(infos[i].parts):
+            pinned[i - start] = [Entry(r, t) for r, t in refs]
+        elif not env.resync:
+            result.status = 400
+            result.error = (f"message id {env.ids[i]!r} is already bound to a different message; "
+                            f"send resync: true to re-claim the whole set")
+            return env, {}, stripped
+    return env, pinned, stripped
+
+
+def bind(sessions: Sessions, s: Session, env: Envelope, infos: list[ItemInfo], start: int,
+         resolved: list[list[Resolved]], pinned: dict[int, list[Entry]]) -> None:
+    """Bind each id of the set this turn did not pin to its message's shape and refs."""
+    bound = dict(s.flags.get("envelope", {}))
+    changed = False
+    for k, parts in enumerate(resolved):
+        if k in pinned:
+            continue
+        cid = env.ids[start + k]
+        value = [shape_of(infos[start + k].parts), [[r.entry.ref, r.entry.tokens] for r in parts]]
+        if bound.get(cid) != value:
+            bound[cid] = value
+            changed = True
+    if changed:
+        sessions.set_flag(s.row.id, "envelope", bound)

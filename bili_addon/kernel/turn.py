@@ -19,16 +19,17 @@ from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import activation, breakpoints, cache, envelope, fold, lifetime, nudge, reconcile, tags
+from bili_addon.kernel import breakpoints, cache, coverage, envelope, fold, nudge, pressure, tags
 from bili_addon.kernel.calibration import Calibration
 from bili_addon.kernel.chains import Chains
-from bili_addon.kernel.compaction import Epochs, asks_for_summary
+from bili_addon.kernel.compaction import Epochs
 from bili_addon.kernel.fold import FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens, digest
 from bili_addon.kernel.lineage import Lineage
 from bili_addon.kernel.pending import Deferred
 from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
 from bili_addon.kernel.registry import Sessions
+from bili_addon.kernel.render import assemble, render_items, snapshot_join, snapshot_render, strict_inserts
 from bili_addon.kernel.sessions import (
     MIN_CANONICAL_BYTES,
     PrefixAffinity,
@@ -48,15 +49,14 @@ from bili_addon.kernel.state import (
     TurnResult,
     clean_replayed_prose,
 )
-from bili_addon.kernel.tools import ProxyTools, call_key
+from bili_addon.kernel.tools import ProxyTools
 from bili_addon.kernel.windows import context_window
 from bili_addon.store import LedgerRow, SessionRow, StaleSession, Store, StoreError
-from bili_addon.wire import Lane, hygiene
-from bili_addon.wire.base import TEXT, TOOL_CALL, TOOL_RESULT, Body, Core, patch_many
+from bili_addon.wire import Lane
+from bili_addon.wire.base import TEXT, Body, Core
 
 log = logging.getLogger("bili")
 
-PROSE_ROLES = ("user", "assistant")
 _SMALL_TOP_KEYS = ("session_id", "metadata", "prompt_cache_key", "model", "previous_response_id")
 STALE_RETRIES = 2  # a turn computed from a session another process changed meanwhile is computed again
 
@@ -89,7 +89,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         self.now = time.time  # when a request leaves (replay: the recorded time)
 
     # -- sessions: kernel/registry.py; these two are the way in for the shell, the admin endpoints
-    # -- and the tests (and, until they are next edited, for _process and _pressure)
+    # -- and the tests (and, until they are next edited, for _process and kernel/pressure.py)
     def session(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False) -> Session:
         """:meth:`Sessions.load <bili_addon.kernel.registry.Sessions.load>`."""
         return self.sessions.load(sid, agent, lane, fresh=fresh)
@@ -117,7 +117,8 @@ class Engine(ProxyTools, Epochs, Deferred):
                     res = self._process(raw, lane, headers, render=render, origin=origin)
                     if res.session and not res.status:
                         if res.active and lane.name == "anthropic" and render:
-                            res.body = self._lifetime(res.session, raw if res.body is None else res.body) or res.body
+                            sent = raw if res.body is None else res.body
+                            res.body = pressure.upgrade_lifetime(self, res.session, sent) or res.body
                         # noted only; billed off the request's path
                         self.clocks.sent(res.session, lane.name, raw if res.body is None else res.body, self.now(),
                                          origin.lower())
@@ -182,7 +183,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         if forked:
             result.notes.append(forked)
 
-        env, pinned, stripped = self._envelope(s, body, headers, infos, start, result)
+        env, pinned, stripped = envelope.pins(s, body, headers, infos, start, result)
         if result.status:
             return result
         if env is not None:
@@ -198,7 +199,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         result.refs_new = s.row.next_ref - minted
         result.refs_known -= result.refs_new
         if env is not None:
-            self._bind_envelope(s, env, infos, start, resolved, pinned)
+            envelope.bind(self.sessions, s, env, infos, start, resolved, pinned)
         if tail:
             self.affinity.note(sid, *tail)
             self._lineage("note_points", sid, hashes, known)
@@ -212,11 +213,12 @@ class Engine(ProxyTools, Epochs, Deferred):
                 )
 
         view_items = (memo.view_items[:q] if q else []) + _view_items(resolved_tail, start + q)
-        snap = self._snapshot_join(s, view_items) if self.snapshot and s.blocks and render else None
+        snap = snapshot_join(self.store, s, view_items) if self.snapshot and s.blocks and render else None
         view = View(snap[2] if snap else view_items)
         s.last_view = view
         self._compaction(s, lane.name, view, minted, result)  # the agent's own compaction: a new epoch
-        drift = self._reconcile(s, view, resolved, result) if s.blocks and self.reconcile else None
+        drift = (coverage.check(self.store, self.sessions, s, view, resolved, result)
+                 if s.blocks and self.reconcile else None)
         snoozed = drift.snoozed if drift is not None else set()
         if s.copy.latched or not render:
             # observe mode, or a total collapse: nothing verifies the folds against this history,
@@ -230,10 +232,10 @@ class Engine(ProxyTools, Epochs, Deferred):
         if s.calls:
             self._run_calls(s, view, q, result)
         if s.blocks and self.reconcile:
-            self._roll_copy(s, view, resolved, drift)
-        active = result.active = self._active(s, view)
+            coverage.roll_copy(self.store, s, view, resolved, drift)
+        active = result.active = pressure.is_active(self, s, view)
         if self.inject and active:
-            self._pressure(s, view, resolved)
+            pressure.apply(self, s, view, resolved)
         self._land(s, view, result)  # held folds leave the wire when it pays (kernel/pending.py)
         if s.version != version or (memo is not None and memo.rendered is None):
             q = 0  # this turn changed how old items render (a truncation, a learned flag), or the
@@ -246,7 +248,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         else:
             rendered = [bytes(r) for r in raws[:start]]
             changed_cum, tagged_cum = [0] * (start + 1), [0] * (start + 1)
-        self._render(s, lane, raws, infos, start, q, resolved, rendered, changed_cum, tagged_cum, top, origin, active)
+        render_items(s, lane, raws, infos, start, q, resolved, rendered, changed_cum, tagged_cum, top, origin, active)
         result.tagged = tagged_cum[-1]
         self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter,
                        (rendered, changed_cum, tagged_cum))
@@ -254,9 +256,9 @@ class Engine(ProxyTools, Epochs, Deferred):
         items_out = list(rendered)
         changed = changed_cum[-1] > 0 or stripped
         if snap:
-            changed |= self._snapshot_render(s, snap, lane, raws, items_out, start, view)
-        pre = self._strict_inserts(s, lane.name, infos, top, origin)
-        changed |= self._assemble(s, lane, items_out, start, view, result, snoozed, pre)
+            changed |= snapshot_render(self.store, s, snap, lane, raws, items_out, start, view)
+        pre = strict_inserts(s, lane.name, infos, top, origin)
+        changed |= assemble(self, s, lane, items_out, start, view, result, snoozed, pre)
         if active and s.blocks:  # the agent's free cache breakpoint, at the end of the folded head
             changed |= breakpoints.mark_head(lane.name, items_out, start, raw)
         if self.inject and active and len(raws) > start:  # no conversation (``input: []``): nothing to add tools to
@@ -397,49 +399,6 @@ class Engine(ProxyTools, Epochs, Deferred):
         for r in new_rows:
             s.owners.setdefault(r.ref, r.content_hash)
 
-    def _envelope(self, s: Session, body: Body, headers, infos: list[ItemInfo], start: int,
-                  result: TurnResult) -> tuple[envelope.Envelope | None, dict[int, list[Entry]], bool]:
-        """The host-vouched ids of this request, and the refs they pin (by conversation item)."""
-        stripped = envelope.FIELD in body.top
-        field = body.top.pop(envelope.FIELD, None)
-        try:
-            env = envelope.parse(msgspec.json.decode(field) if field is not None else None, headers, len(infos))
-        except envelope.EnvelopeRejected as e:
-            result.notes.append(f"message ids ignored for this turn ({e}); content identity applies")
-            return None, {}, stripped
-        if env is None:
-            return None, {}, stripped
-        bound = s.flags.get("envelope", {})
-        pinned: dict[int, list[Entry]] = {}
-        for i in range(start, len(infos)):
-            stored = bound.get(env.ids[i])
-            if stored is None:
-                continue
-            shape, refs = stored
-            if shape == envelope.shape_of(infos[i].parts) and len(refs) == len(infos[i].parts):
-                pinned[i - start] = [Entry(r, t) for r, t in refs]
-            elif not env.resync:
-                result.status = 400
-                result.error = (f"message id {env.ids[i]!r} is already bound to a different message; "
-                                f"send resync: true to re-claim the whole set")
-                return env, {}, stripped
-        return env, pinned, stripped
-
-    def _bind_envelope(self, s: Session, env: envelope.Envelope, infos: list[ItemInfo], start: int,
-                       resolved: list[list[Resolved]], pinned: dict[int, list[Entry]]) -> None:
-        bound = dict(s.flags.get("envelope", {}))
-        changed = False
-        for k, parts in enumerate(resolved):
-            if k in pinned:
-                continue
-            cid = env.ids[start + k]
-            value = [envelope.shape_of(infos[start + k].parts), [[r.entry.ref, r.entry.tokens] for r in parts]]
-            if bound.get(cid) != value:
-                bound[cid] = value
-                changed = True
-        if changed:
-            self.sessions.set_flag(s.row.id, "envelope", bound)
-
     def _strip_own_tag(self, s: Session, part: Part) -> tuple[Core, str, str, bool]:
         """Remove the message's own stale tag (idempotent); a foreign tag is content and stays."""
         split = tags.split_own_tag(part.core.text)
@@ -450,288 +409,6 @@ class Engine(ProxyTools, Epochs, Deferred):
             if s.owners.get(ref) == chash:
                 return stripped, base, chash, True
         return part.core, part.base, part.chash, part.dirty
-
-    # -- fold coverage under churn ---------------------------------------------------------------
-    def _reconcile(self, s: Session, view: View, resolved: list[list[Resolved]],
-                   result: TurnResult) -> reconcile.Outcome | None:
-        """Re-anchor covered refs that went missing, and classify what cannot be verified."""
-        if len(view.items) < reconcile.SIDE_REQUEST_MAX_ITEMS:
-            return None  # side requests (titles, probes) never touch the copy
-        sid = s.row.id
-        fresh = {r.entry.ref for ps in resolved for r in ps if r.incs > 1}
-        out = reconcile.reconcile(view, s.blocks, s.copy, lambda refs: self.store.originals(sid, refs), fresh)
-        if out.claims:
-            by_block: dict[str, list[str]] = {}
-            owner = fold.coverage(s.blocks)
-            for old, new in out.claims.items():
-                b = owner[old]
-                if b.claimed.get(old) != new:
-                    b.claimed[old] = new
-                    by_block.setdefault(b.id, []).append(new)
-            self.sessions.save_blocks(s, [b for b in s.blocks if b.id in by_block])
-        was_latched = s.copy.latched
-        reconcile.verdict(out, view, s.blocks, s.copy, lambda refs: self.store.originals(sid, refs))
-        if out.drifted:
-            how = ", ".join(f"{n} by {k}" for k, n in out.by.items()) or "none"
-            msg = (f"[bili] session={sid} fold coverage: {out.missing} covered part(s) missing; re-anchored "
-                   f"{len(out.claims)} ({how}); {len(out.unmatched)} re-enter unfolded")
-            if out.suspects:
-                msg += f"; {out.suspects} suspected host-rewritten tool-call id(s), not claimed"
-            log.warning("%s; verdict: %s", msg, out.verdict or "none")
-            self._count_drift(s, out)
-        if out.verdict == "collapse" and not was_latched:
-            log.error("[bili] session=%s: the re-sent history no longer matches any fold (%d covered parts "
-                      "missing, none verifiable); folding is paused and requests pass through unchanged "
-                      "until the history aligns again", sid, out.missing)
-        if out.verdict == "recovered":
-            log.warning("[bili] session=%s: the history aligns with the folds again; folding resumes", sid)
-        result.drift = out.verdict
-        if out.drifted or was_latched:
-            s.stored = self.store.save_copy(sid, s.copy.to_json(), expect=s.stored)
-        return out
-
-    def _roll_copy(self, s: Session, view: View, resolved: list[list[Resolved]],
-                   drift: reconcile.Outcome | None) -> None:
-        """A steady (or fully verified) pass becomes the canonical copy the next drift is checked
-        against; its ids tell the next pass an echo of folded content from a new instance of it."""
-        if len(view.items) < reconcile.SIDE_REQUEST_MAX_ITEMS or s.copy.latched:
-            return
-        if drift is not None and drift.unmatched and drift.verdict != "truncated":
-            return
-        copy = s.copy
-        parts = [p for it in view.items for p in it.parts]
-        refs = [p.ref for p in parts]
-        # fingerprints are per content, so the shared head keeps its own
-        same = min(_common_prefix(refs, copy.refs), len(copy.fps))
-        copy.fps = copy.fps[:same] + [reconcile.fingerprint(p) for p in parts[same:]]
-        copy.refs = refs
-        copy.items = [k for k, it in enumerate(view.items) for _p in it.parts]
-        copy.ids = [r.msg_id for ps in resolved for r in ps]
-        s.stored = self.store.save_copy(s.row.id, copy.to_json(), expect=s.stored)
-
-    def _count_drift(self, s: Session, out) -> None:
-        counts = dict(s.flags.get("drift", {}))
-        counts["passes"] = counts.get("passes", 0) + 1
-        counts["claims"] = counts.get("claims", 0) + len(out.claims)
-        for how, n in out.by.items():
-            counts[f"by {how}"] = counts.get(f"by {how}", 0) + n
-        counts["unmatched"] = counts.get("unmatched", 0) + len(out.unmatched)
-        counts["suspects"] = counts.get("suspects", 0) + out.suspects
-        if out.verdict:
-            counts[out.verdict] = counts.get(out.verdict, 0) + 1
-        self.sessions.set_flag(s.row.id, "drift", counts)
-
-    # -- rendering -----------------------------------------------------------------------------
-    def _render(self, s: Session, lane: Lane, raws: list, infos: list[ItemInfo], start: int, q: int,
-                resolved: list[list[Resolved]], rendered: list[bytes], changed_cum: list[int],
-                tagged_cum: list[int], top: dict, origin: str, active: bool = True) -> None:
-        """Per-item transforms of the items from ``start + q`` on: tags (with any reminder they
-        carry), restored proxy calls and their real results, truncations, id hygiene."""
-        last = len(infos) - 1
-        nudges = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "suffix"}
-        model = top.get("model") if isinstance(top.get("model"), str) else ""
-        strict_chat = lane.name == "chat" and (s.flags.get("strict_reasoning") or hygiene.strict_by_name(origin, model))
-        idless: dict[str, list[str]] = {}
-        if q and lane.name == "gemini":  # id-less calls answered further on: pair from the start
-            for parts in resolved[:q]:
-                for r in parts:
-                    if r.core.ctype == TOOL_CALL and not r.core.tool_call_id and r.core.tool_name:
-                        idless.setdefault(r.core.tool_name, []).append(
-                            call_key("", r.core.tool_name, r.core.text))
-                    elif r.core.ctype == TOOL_RESULT and idless.get(r.core.tool_name):
-                        if not (r.core.tool_call_id and r.core.tool_call_id in s.calls):
-                            idless[r.core.tool_name].pop(0)
-        call_edits = bool(s.calls or s.flags.get("truncated"))
-        responses = lane.name == "responses"
-        render_tag = tags.render
-        for k in range(q, len(resolved)):
-            i = start + k
-            info = infos[i]
-            src = info.raw  # the item's bytes (infos[i] was looked up by exactly these)
-            edits = []
-            tagged = 0
-            for r in resolved[k]:
-                core = r.core
-                if active and _taggable(core, prefill=i == last and core.role == "assistant"):
-                    entry = r.entry
-                    text = render_tag(entry.ref, entry.tokens, core.ctype, core.text)
-                    suffix = nudges.get(entry.ref) if nudges else None
-                    edits.append((core.path, text + "\n\n" + suffix if suffix else text))
-                    tagged += 1
-                elif r.dirty and core.path:
-                    edits.append((core.path, core.text))
-            if call_edits:
-                edits += self._call_edits(s, lane, info, resolved[k], idless)
-            if responses and b'"msg-proxy-' in src:
-                edits += hygiene.proxy_id_edits("responses", info.obj)
-            if strict_chat and b'"tool_calls"' in src:
-                edits += hygiene.strict_chat_edits(info.obj)
-            if edits:
-                out = patch_many(src, edits)
-                changed_cum.append(changed_cum[-1] + (out != src))
-            else:
-                out = src
-                changed_cum.append(changed_cum[-1])
-            rendered.append(out)
-            tagged_cum.append(tagged_cum[-1] + tagged)
-
-    # -- snapshot render -------------------------------------------------------------------------
-    def _snapshot_join(self, s: Session, items: list[ViewItem]):
-        """Where the agent's verbatim tail takes over from the session's own transcript: items
-        whose canonical signature matches the transcript row at their position take the row's
-        refs (and, when rendered, its bytes).  ``(join, rows, view items)`` or None (any doubt)."""
-        try:
-            if s.transcript is None:
-                s.transcript = self.store.transcript(s.row.id)
-        except Exception as e:  # the store cannot be read: the normal path
-            log.warning("[bili] session=%s: transcript unreadable (%s); normal render", s.row.id, e)
-            return None
-        rows = s.transcript
-        j = 0
-        while j < min(len(rows), len(items)) and rows[j][0] == _sig(items[j]) and len(rows[j][1]) == len(items[j].parts):
-            j += 1
-        while j > 0:  # never split a tool call from its result
-            calls = {p.tool_call_id for it in items[:j] for p in it.parts if p.ctype == TOOL_CALL and p.tool_call_id}
-            if not calls & {p.tool_call_id for it in items[j:] for p in it.parts if p.ctype == TOOL_RESULT}:
-                break
-            j -= 1
-        if j == 0:  # nothing links: this turn renders normally, and its items start the transcript anew
-            return (0, rows, items)
-        joined = [
-            ViewItem(it.index, [PartView(ref, p.role, p.ctype, p.tool_name, p.tool_call_id, p.text, p.tokens)
-                                for ref, p in zip(rows[k][1], it.parts)], it.sig)
-            for k, it in enumerate(items[:j])
-        ]
-        return (j, rows, joined + items[j:])
-
-    def _snapshot_render(self, s: Session, snap, lane: Lane, raws: list, items_out: list[bytes], start: int,
-                         view: View) -> bool:
-        """Rows up to the join are sent as the transcript has them, with the agent's current
-        transport hints (cache breakpoints move every turn); the transcript takes this pass's tail as
-        its new rows."""
-        j, rows, _joined = snap
-        changed = False
-        for k in range(j):
-            row = lane.transplant_hints(rows[k][2], bytes(raws[start + k]))
-            if items_out[start + k] != row:
-                items_out[start + k] = row
-                changed = True
-        tail = [(_sig(it), [p.ref for p in it.parts], items_out[it.index]) for it in view.items[j:]]
-        s.stored = self.store.save_transcript(s.row.id, j, tail, expect=s.stored)
-        s.transcript = rows[:j] + tail
-        return changed
-
-    def _strict_inserts(self, s: Session, lane: str, infos: list[ItemInfo], top: dict, origin: str) -> dict:
-        if lane != "responses":
-            return {}
-        model = top.get("model") if isinstance(top.get("model"), str) else ""
-        if not (s.flags.get("strict_reasoning") or hygiene.strict_by_name(origin, model)):
-            return {}
-        at = hygiene.strict_responses_inserts([info.obj for info in infos])
-        return {i: [hygiene.EMPTY_REASONING] for i in at}
-
-    def _lifetime(self, sid: str, body: bytes) -> bytes | None:
-        """The body with 1-hour cache entries where the session chose them (kernel/lifetime.py)."""
-        s = self.sessions.get(sid)
-        if s is None:
-            return None
-        chosen = (s.flags.get(lifetime.FLAG) or {}).get("choice")
-        if chosen != "1h" and self.clocks.cold(sid, self.now()):  # decided at a cold moment only
-            h = self.clocks.history(sid)
-            pick = lifetime.choose(h[1], h[2], h[3], h[0]) if h and h[0].family == "anthropic" else None
-            if pick is not None:
-                self.set_flag(sid, lifetime.FLAG, pick.to_flag())
-                chosen = pick.choice
-        return lifetime.upgrade(body) if chosen == "1h" else None
-
-    def _active(self, s: Session, view: View) -> bool:
-        """Whether bili shows itself in this request (tools, prompt, tags); see kernel/activation.py."""
-        if self.activate == "always" or s.flags.get(activation.FLAG):
-            return True
-        why = activation.decide(s, view, self.fold_cfg, self.nudge_cfg, self.window_for(s),
-                                lambda: self.clocks.cold(s.row.id, self.now()))
-        if why:
-            self.set_flag(s.row.id, activation.FLAG, why)
-            log.info("[bili] session=%s: active from now on (%s)", s.row.id, why)
-        return bool(why)
-
-    def _pressure(self, s: Session, view: View, resolved: list[list[Resolved]]) -> None:
-        """Nudge and emergency truncation, decided from the usage the last answer reported."""
-        if not view.items:
-            return
-        last = self._reported_usage(s)
-        # the size the provider reported for the last request; without one (a Chat stream without
-        # include_usage), the conversation's own estimate
-        if last:
-            used = last[0]
-        else:
-            cov = fold.coverage(s.blocks)
-            used = (sum(p.tokens for it in view.items for p in it.parts if p.ref not in cov)
-                    + sum(b.summary_tokens for b in s.blocks if b.active))
-        window = self.window_for(s)
-        if used < int(s.flags.get("last_nudge_at", 0)):
-            # a fold (or the host's own compaction) shrank the context: growth counts from here
-            self.set_flag(s.row.id, "last_nudge_at", used)
-        cfg = self.nudge_cfg
-        if used < min(cfg.batch_tokens, cfg.distil_tokens, cfg.pressure * window, cfg.truncate_at * window):
-            return  # not even the whole context would be worth a fold, and the window is far
-        nudges = dict(s.flags.get("nudges", {}))
-        newest = resolved[-1]
-        if newest and not any(r.entry.ref in nudges for r in newest) and not asks_for_summary(view):
-            text = nudge.decide(view, s.blocks, self.fold_cfg, self.nudge_cfg, used, window,
-                                int(s.flags.get("last_nudge_at", 0)))
-            if text:
-                prose = [r for r in newest if r.core.role == "user" and r.core.ctype == TEXT and r.core.path
-                         and r.core.text.strip()]
-                ref = (prose[-1] if prose else newest[-1]).entry.ref
-                nudges[ref] = {"text": text, "how": "suffix" if prose else "item"}
-                self.set_flag(s.row.id, "nudges", nudges)
-                self.set_flag(s.row.id, "last_nudge_at", used)
-        cut = nudge.truncations(view, s.blocks, self.fold_cfg, self.nudge_cfg, used, window)
-        known = s.flags.get("truncated", {})
-        if any(ref not in known for ref in cut):
-            self.set_flag(s.row.id, "truncated", {**cut, **known})
-
-    def _assemble(self, s: Session, lane: Lane, items_out: list[bytes], start: int, view: View,
-                  result: TurnResult, snoozed: set[str], pre: dict) -> bool:
-        """Covered items leave the wire; each active block's summary stands where its range began;
-        a reminder that needs an item of its own follows the item it was given after."""
-        unfolded = sum(it.tokens for it in view.items) if s.blocks else 0
-        s.unfolded_tokens = s.sent_tokens = unfolded
-        blocks, calls = self.wire_blocks(s)  # held folds are not on the wire yet (kernel/pending.py)
-        hidden = self.spent_calls(s, view, blocks=calls) if s.calls else set()
-        active = any(b.active for b in blocks)
-        plan = fold.plan(view, blocks, hidden, snoozed) if hidden or active else fold.Plan(set(), {}, [])
-        after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
-        nudge_at = {k for k, it in enumerate(view.items) for p in it.parts if p.ref in after} if after else set()
-        if not plan.drop and not plan.inserts and not nudge_at and not pre:
-            return False
-        out: list[bytes] = items_out[:start]
-        ours: dict[int, str] = {}  # positions in ``out`` of the items the addon added, with their text
-        for k, it in enumerate(view.items):
-            out.extend(pre.get(it.index, ()))
-            for b in plan.inserts.get(k, ()):
-                ours[len(out)] = b.text()
-                out.append(lane.summary_item(ours[len(out)]))
-            if k in plan.drop:
-                continue
-            item, notes = items_out[it.index], []
-            if k in nudge_at:  # a reminder goes into the item it was given to, or right after it
-                for text in (after[r] for r in it.refs if r in after):
-                    merged = lane.note_in_item(item, text)
-                    if merged is None:
-                        ours[len(out) + 1 + len(notes)] = text
-                        notes.append(lane.summary_item(text))
-                    else:
-                        item = merged
-            out.append(item)
-            out.extend(notes)
-        out.extend(items_out[start + len(view.items):])
-        items_out[:] = _alternate(lane, out, start, ours) if ours else out
-        result.folded_items = len(plan.drop)
-        s.sent_tokens = (unfolded - sum(view.items[k].tokens for k in plan.drop)
-                         + sum(count_tokens(b.text()) for b in plan.rendered))
-        return True
 
     def _remember(self, lane: Lane, sid: str, s: Session, raws, infos, start, hashes, resolved, view_items,
                   counter: Counter, rendered) -> None:
@@ -747,33 +424,6 @@ class Engine(ProxyTools, Epochs, Deferred):
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-def _alternate(lane: Lane, out: list[bytes], start: int, ours: dict[int, str]) -> list[bytes]:
-    """Where the lane needs user and assistant turns to alternate, an item the addon added joins
-    the user message before it (or else the one after it) instead of standing as a second user
-    turn in a row."""
-    res = out[:start]
-    for i in range(start, len(out)):
-        text = ours.get(i)
-        if text is not None:
-            joined = lane.join_user(res[-1], text, before=False) if len(res) > start else None
-            if joined is not None:
-                res[-1] = joined
-                continue
-            if i + 1 < len(out) and i + 1 not in ours:
-                joined = lane.join_user(out[i + 1], text, before=True)
-                if joined is not None:
-                    out[i + 1] = joined
-                    continue
-        res.append(out[i])
-    return res
-
-
-def _sig(item: ViewItem) -> str:
-    if not item.sig:
-        item.sig = ",".join(reconcile.fingerprint(p) for p in item.parts)
-    return item.sig
-
 
 def _system_run(infos: list[ItemInfo]) -> int:
     start = 0  # the leading system run is environment, not conversation
@@ -812,12 +462,3 @@ def _view_items(resolved: list[list[Resolved]], first_index: int) -> list[ViewIt
         out.append(ViewItem(k, views))
     return out
 
-
-def _taggable(core: Core, *, prefill: bool) -> bool:
-    return (
-        core.ctype == TEXT
-        and core.role in PROSE_ROLES
-        and bool(core.path)
-        and not prefill
-        and bool(core.text.strip())
-    )

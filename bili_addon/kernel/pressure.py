@@ -1,0 +1,111 @@
+"""What the context's size decides each turn: activation, reminders and truncation, cache lifetime.
+
+:func:`is_active` asks whether bili shows itself in this request (kernel/activation.py);
+:func:`apply` records the reminder (nudge) and the emergency truncations the usage calls for
+(kernel/nudge.py); :func:`upgrade_lifetime` gives an Anthropic body 1-hour cache entries where the
+session chose them (kernel/lifetime.py).  What they use of the engine is :class:`PressureHost`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from bili_addon.kernel import activation, fold, lifetime, nudge
+from bili_addon.kernel.compaction import asks_for_summary
+from bili_addon.kernel.fold import View
+from bili_addon.kernel.state import Resolved, Session
+from bili_addon.wire.base import TEXT
+
+if TYPE_CHECKING:
+    from bili_addon.kernel.cache import Clocks
+    from bili_addon.kernel.fold import FoldConfig
+    from bili_addon.kernel.nudge import NudgeConfig
+    from bili_addon.kernel.registry import Sessions
+
+log = logging.getLogger("bili")
+
+
+class PressureHost(Protocol):
+    """What these decisions need of the engine."""
+
+    activate: str
+    fold_cfg: FoldConfig
+    nudge_cfg: NudgeConfig
+    clocks: Clocks
+    sessions: Sessions
+    now: Callable[[], float]
+
+    def window_for(self, s: Session) -> int: ...
+
+    def set_flag(self, sid: str, key: str, value: Any) -> bool: ...
+
+    def _reported_usage(self, s: Session) -> tuple[int, int, int, int] | None: ...
+
+
+def is_active(host: PressureHost, s: Session, view: View) -> bool:
+    """Whether bili shows itself in this request (tools, prompt, tags); see kernel/activation.py."""
+    if host.activate == "always" or s.flags.get(activation.FLAG):
+        return True
+    why = activation.decide(s, view, host.fold_cfg, host.nudge_cfg, host.window_for(s),
+                            lambda: host.clocks.cold(s.row.id, host.now()))
+    if why:
+        host.set_flag(s.row.id, activation.FLAG, why)
+        log.info("[bili] session=%s: active from now on (%s)", s.row.id, why)
+    return bool(why)
+
+
+def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolved]]) -> None:
+    """Nudge and emergency truncation, decided from the usage the last answer reported."""
+    if not view.items:
+        return
+    last = host._reported_usage(s)
+    # the size the provider reported for the last request; without one (a Chat stream without
+    # include_usage), the conversation's own estimate
+    if last:
+        used = last[0]
+    else:
+        cov = fold.coverage(s.blocks)
+        used = (sum(p.tokens for it in view.items for p in it.parts if p.ref not in cov)
+                + sum(b.summary_tokens for b in s.blocks if b.active))
+    window = host.window_for(s)
+    if used < int(s.flags.get("last_nudge_at", 0)):
+        # a fold (or the host's own compaction) shrank the context: growth counts from here
+        host.set_flag(s.row.id, "last_nudge_at", used)
+    cfg = host.nudge_cfg
+    if used < min(cfg.batch_tokens, cfg.distil_tokens, cfg.pressure * window, cfg.truncate_at * window):
+        return  # not even the whole context would be worth a fold, and the window is far
+    nudges = dict(s.flags.get("nudges", {}))
+    newest = resolved[-1]
+    if newest and not any(r.entry.ref in nudges for r in newest) and not asks_for_summary(view):
+        text = nudge.decide(view, s.blocks, host.fold_cfg, host.nudge_cfg, used, window,
+                            int(s.flags.get("last_nudge_at", 0)))
+        if text:
+            prose = [r for r in newest if r.core.role == "user" and r.core.ctype == TEXT and r.core.path
+                     and r.core.text.strip()]
+            ref = (prose[-1] if prose else newest[-1]).entry.ref
+            nudges[ref] = {"text": text, "how": "suffix" if prose else "item"}
+            host.set_flag(s.row.id, "nudges", nudges)
+            host.set_flag(s.row.id, "last_nudge_at", used)
+    cut = nudge.truncations(view, s.blocks, host.fold_cfg, host.nudge_cfg, used, window)
+    known = s.flags.get("truncated", {})
+    if any(ref not in known for ref in cut):
+        host.set_flag(s.row.id, "truncated", {**cut, **known})
+
+
+def upgrade_lifetime(host: PressureHost, sid: str, body: bytes) -> bytes | None:
+    """The body with 1-hour cache entries where the session chose them (kernel/lifetime.py)."""
+    s = host.sessions.get(sid)
+    if s is None:
+        return None
+    chosen = (s.flags.get(lifetime.FLAG) or {}).get("choice")
+    if chosen != "1h" and host.clocks.cold(sid, host.now()):  # decided at a cold moment only
+        h = host.clocks.history(sid)
+        pick = lifetime.choose(h[1], h[2], h[3], h[0]) if h and h[0].family == "anthropic" else None
+        if pick is not None:
+            host.set_flag(sid, lifetime.FLAG, pick.to_flag())
+            chosen = pick.choice
+    return lifetime.upgrade(body) if chosen == "1h" else None
+
+
+__all__ = ["PressureHost", "apply", "is_active", "upgrade_lifetime"]

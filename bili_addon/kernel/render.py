@@ -1,0 +1,234 @@
+"""Rendering and assembly of one pass: the bytes each conversation item of a request leaves with.
+
+:func:`render_items` applies the per-item transforms (tags and the reminders they carry, restored
+proxy calls and their real results, truncations, id hygiene) to the items a pass did not reuse;
+:func:`assemble` then lays out the conversation the wire sees (covered items leave, block summaries
+stand where their ranges began, reminders of their own follow their items);
+:func:`snapshot_join` and :func:`snapshot_render` serve the folded prefix from the session's own
+transcript (``bili_snapshot_render``).  Nothing here knows the engine: the store and the two fold
+questions it answers (:class:`WireFolds`) are passed in.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+from bili_addon.kernel import fold, reconcile, tags
+from bili_addon.kernel.fold import Block, PartView, View, ViewItem
+from bili_addon.kernel.identity import count_tokens
+from bili_addon.kernel.state import ItemInfo, Resolved, Session, TurnResult
+from bili_addon.kernel.tools import ProxyTools, call_key
+from bili_addon.wire import Lane, hygiene
+from bili_addon.wire.base import TEXT, TOOL_CALL, TOOL_RESULT, Core, patch_many
+
+if TYPE_CHECKING:
+    from bili_addon.store import Store
+
+log = logging.getLogger("bili")
+
+PROSE_ROLES = ("user", "assistant")
+
+
+class WireFolds(Protocol):
+    """What :func:`assemble` asks of the engine: the blocks as the wire shows them
+    (kernel/pending.py) and the compress calls that no longer say anything (kernel/tools.py)."""
+
+    def wire_blocks(self, s: Session) -> tuple[list[Block], list[Block]]: ...
+
+    def spent_calls(self, s: Session, view: View, keep_failed: int = 2,
+                    blocks: list[Block] | None = None) -> set[str]: ...
+
+
+def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], start: int, q: int,
+                 resolved: list[list[Resolved]], rendered: list[bytes], changed_cum: list[int],
+                 tagged_cum: list[int], top: dict, origin: str, active: bool = True) -> None:
+    """Per-item transforms of the items from ``start + q`` on: tags (with any reminder they
+    carry), restored proxy calls and their real results, truncations, id hygiene."""
+    last = len(infos) - 1
+    nudges = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "suffix"}
+    model = top.get("model") if isinstance(top.get("model"), str) else ""
+    strict_chat = lane.name == "chat" and (s.flags.get("strict_reasoning") or hygiene.strict_by_name(origin, model))
+    idless: dict[str, list[str]] = {}
+    if q and lane.name == "gemini":  # id-less calls answered further on: pair from the start
+        for parts in resolved[:q]:
+            for r in parts:
+                if r.core.ctype == TOOL_CALL and not r.core.tool_call_id and r.core.tool_name:
+                    idless.setdefault(r.core.tool_name, []).append(
+                        call_key("", r.core.tool_name, r.core.text))
+                elif r.core.ctype == TOOL_RESULT and idless.get(r.core.tool_name):
+                    if not (r.core.tool_call_id and r.core.tool_call_id in s.calls):
+                        idless[r.core.tool_name].pop(0)
+    call_edits = bool(s.calls or s.flags.get("truncated"))
+    responses = lane.name == "responses"
+    render_tag = tags.render
+    for k in range(q, len(resolved)):
+        i = start + k
+        info = infos[i]
+        src = info.raw  # the item's bytes (infos[i] was looked up by exactly these)
+        edits = []
+        tagged = 0
+        for r in resolved[k]:
+            core = r.core
+            if active and taggable(core, prefill=i == last and core.role == "assistant"):
+                entry = r.entry
+                text = render_tag(entry.ref, entry.tokens, core.ctype, core.text)
+                suffix = nudges.get(entry.ref) if nudges else None
+                edits.append((core.path, text + "\n\n" + suffix if suffix else text))
+                tagged += 1
+            elif r.dirty and core.path:
+                edits.append((core.path, core.text))
+        if call_edits:
+            edits += ProxyTools._call_edits(s, lane, info, resolved[k], idless)
+        if responses and b'"msg-proxy-' in src:
+            edits += hygiene.proxy_id_edits("responses", info.obj)
+        if strict_chat and b'"tool_calls"' in src:
+            edits += hygiene.strict_chat_edits(info.obj)
+        if edits:
+            out = patch_many(src, edits)
+            changed_cum.append(changed_cum[-1] + (out != src))
+        else:
+            out = src
+            changed_cum.append(changed_cum[-1])
+        rendered.append(out)
+        tagged_cum.append(tagged_cum[-1] + tagged)
+
+
+def snapshot_join(store: Store, s: Session, items: list[ViewItem]):
+    """Where the agent's verbatim tail takes over from the session's own transcript: items
+    whose canonical signature matches the transcript row at their position take the row's
+    refs (and, when rendered, its bytes).  ``(join, rows, view items)`` or None (any doubt)."""
+    try:
+        if s.transcript is None:
+            s.transcript = store.transcript(s.row.id)
+    except Exception as e:  # the store cannot be read: the normal path
+        log.warning("[bili] session=%s: transcript unreadable (%s); normal render", s.row.id, e)
+        return None
+    rows = s.transcript
+    j = 0
+    while j < min(len(rows), len(items)) and rows[j][0] == sig(items[j]) and len(rows[j][1]) == len(items[j].parts):
+        j += 1
+    while j > 0:  # never split a tool call from its result
+        calls = {p.tool_call_id for it in items[:j] for p in it.parts if p.ctype == TOOL_CALL and p.tool_call_id}
+        if not calls & {p.tool_call_id for it in items[j:] for p in it.parts if p.ctype == TOOL_RESULT}:
+            break
+        j -= 1
+    if j == 0:  # nothing links: this turn renders normally, and its items start the transcript anew
+        return (0, rows, items)
+    joined = [
+        ViewItem(it.index, [PartView(ref, p.role, p.ctype, p.tool_name, p.tool_call_id, p.text, p.tokens)
+                            for ref, p in zip(rows[k][1], it.parts)], it.sig)
+        for k, it in enumerate(items[:j])
+    ]
+    return (j, rows, joined + items[j:])
+
+
+def snapshot_render(store: Store, s: Session, snap, lane: Lane, raws: list, items_out: list[bytes],
+                    start: int, view: View) -> bool:
+    """Rows up to the join are sent as the transcript has them, with the agent's current
+    transport hints (cache breakpoints move every turn); the transcript takes this pass's tail as
+    its new rows."""
+    j, rows, _joined = snap
+    changed = False
+    for k in range(j):
+        row = lane.transplant_hints(rows[k][2], bytes(raws[start + k]))
+        if items_out[start + k] != row:
+            items_out[start + k] = row
+            changed = True
+    tail = [(sig(it), [p.ref for p in it.parts], items_out[it.index]) for it in view.items[j:]]
+    s.stored = store.save_transcript(s.row.id, j, tail, expect=s.stored)
+    s.transcript = rows[:j] + tail
+    return changed
+
+
+def strict_inserts(s: Session, lane: str, infos: list[ItemInfo], top: dict, origin: str) -> dict:
+    if lane != "responses":
+        return {}
+    model = top.get("model") if isinstance(top.get("model"), str) else ""
+    if not (s.flags.get("strict_reasoning") or hygiene.strict_by_name(origin, model)):
+        return {}
+    at = hygiene.strict_responses_inserts([info.obj for info in infos])
+    return {i: [hygiene.EMPTY_REASONING] for i in at}
+
+
+def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], start: int, view: View,
+             result: TurnResult, snoozed: set[str], pre: dict) -> bool:
+    """Covered items leave the wire; each active block's summary stands where its range began;
+    a reminder that needs an item of its own follows the item it was given after."""
+    unfolded = sum(it.tokens for it in view.items) if s.blocks else 0
+    s.unfolded_tokens = s.sent_tokens = unfolded
+    blocks, calls = folds.wire_blocks(s)  # held folds are not on the wire yet (kernel/pending.py)
+    hidden = folds.spent_calls(s, view, blocks=calls) if s.calls else set()
+    active = any(b.active for b in blocks)
+    plan = fold.plan(view, blocks, hidden, snoozed) if hidden or active else fold.Plan(set(), {}, [])
+    after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
+    nudge_at = {k for k, it in enumerate(view.items) for p in it.parts if p.ref in after} if after else set()
+    if not plan.drop and not plan.inserts and not nudge_at and not pre:
+        return False
+    out: list[bytes] = items_out[:start]
+    ours: dict[int, str] = {}  # positions in ``out`` of the items the addon added, with their text
+    for k, it in enumerate(view.items):
+        out.extend(pre.get(it.index, ()))
+        for b in plan.inserts.get(k, ()):
+            ours[len(out)] = b.text()
+            out.append(lane.summary_item(ours[len(out)]))
+        if k in plan.drop:
+            continue
+        item, notes = items_out[it.index], []
+        if k in nudge_at:  # a reminder goes into the item it was given to, or right after it
+            for text in (after[r] for r in it.refs if r in after):
+                merged = lane.note_in_item(item, text)
+                if merged is None:
+                    ours[len(out) + 1 + len(notes)] = text
+                    notes.append(lane.summary_item(text))
+                else:
+                    item = merged
+        out.append(item)
+        out.extend(notes)
+    out.extend(items_out[start + len(view.items):])
+    items_out[:] = alternate(lane, out, start, ours) if ours else out
+    result.folded_items = len(plan.drop)
+    s.sent_tokens = (unfolded - sum(view.items[k].tokens for k in plan.drop)
+                     + sum(count_tokens(b.text()) for b in plan.rendered))
+    return True
+
+
+def alternate(lane: Lane, out: list[bytes], start: int, ours: dict[int, str]) -> list[bytes]:
+    """Where the lane needs user and assistant turns to alternate, an item the addon added joins
+    the user message before it (or else the one after it) instead of standing as a second user
+    turn in a row."""
+    res = out[:start]
+    for i in range(start, len(out)):
+        text = ours.get(i)
+        if text is not None:
+            joined = lane.join_user(res[-1], text, before=False) if len(res) > start else None
+            if joined is not None:
+                res[-1] = joined
+                continue
+            if i + 1 < len(out) and i + 1 not in ours:
+                joined = lane.join_user(out[i + 1], text, before=True)
+                if joined is not None:
+                    out[i + 1] = joined
+                    continue
+        res.append(out[i])
+    return res
+
+
+def sig(item: ViewItem) -> str:
+    if not item.sig:
+        item.sig = ",".join(reconcile.fingerprint(p) for p in item.parts)
+    return item.sig
+
+
+def taggable(core: Core, *, prefill: bool) -> bool:
+    return (
+        core.ctype == TEXT
+        and core.role in PROSE_ROLES
+        and bool(core.path)
+        and not prefill
+        and bool(core.text.strip())
+    )
+
+
+__all__ = ["PROSE_ROLES", "WireFolds", "alternate", "assemble", "render_items", "sig", "snapshot_join",
+           "snapshot_render", "strict_inserts", "taggable"]
