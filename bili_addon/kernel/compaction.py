@@ -249,7 +249,7 @@ class Epochs:
         if was_latched:
             log.warning("[bili] session=%s: the pause ends with the new epoch", sid)
 
-    def _reported_usage(self: EpochHost, s: Session) -> tuple[int, int, int, int] | None:
+    def reported_usage(self: EpochHost, s: Session) -> tuple[int, int, int, int] | None:
         """The last usage the provider reported, unless it was for the history before the current
         epoch (the compaction request itself reports the whole old history)."""
         eps = epochs(s)

@@ -73,7 +73,7 @@ def roll_copy(store: Store, s: Session, view: View, resolved: list[list[Resolved
     parts = [p for it in view.items for p in it.parts]
     refs = [p.ref for p in parts]
     # fingerprints are per content, so the shared head keeps its own
-    same = min(_common_prefix(refs, copy.refs), len(copy.fps))
+    same = min(common_prefix(refs, copy.refs), len(copy.fps))
     copy.fps = copy.fps[:same] + [reconcile.fingerprint(p) for p in parts[same:]]
     copy.refs = refs
     copy.items = [k for k, it in enumerate(view.items) for _p in it.parts]
@@ -95,7 +95,8 @@ def count(sessions: Sessions, s: Session, out: reconcile.Outcome) -> None:
     sessions.set_flag(s.row.id, "drift", counts)
 
 
-def _common_prefix(a: list, b: list) -> int:
+def common_prefix(a: list, b: list) -> int:
+    """How many leading elements ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

@@ -99,7 +99,7 @@ class DeferHost(Protocol):
 
     def window_for(self, s: Session) -> int: ...
 
-    def _reported_usage(self, s: Session) -> tuple[int, int, int, int] | None: ...
+    def reported_usage(self, s: Session) -> tuple[int, int, int, int] | None: ...
 
     def spent_calls(self, s: Session, view: View, keep_failed: int = 2,
                     blocks: list[Block] | None = None) -> set[str]: ...
@@ -168,7 +168,7 @@ class Deferred:
         rules = h[0] if h else cache.rules_for(s.row.lane, s.model)
         clk = self.clocks.by_session.get(sid)
         ttl = (clk.cache.ttl_cap or 0.0) if clk is not None else 0.0
-        last = self._reported_usage(s)
+        last = self.reported_usage(s)
         used = last[0] if last else s.sent_tokens
         return rewrite.Moment(rules, cold, used, self.window_for(s), self.nudge_cfg.pressure, s.row.requests,
                               tuple(h[1][-100:]) if h else (), ttl)

@@ -40,7 +40,7 @@ class PressureHost(Protocol):
 
     def set_flag(self, sid: str, key: str, value: Any) -> bool: ...
 
-    def _reported_usage(self, s: Session) -> tuple[int, int, int, int] | None: ...
+    def reported_usage(self, s: Session) -> tuple[int, int, int, int] | None: ...
 
 
 def is_active(host: PressureHost, s: Session, view: View) -> bool:
@@ -59,7 +59,7 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
     """Nudge and emergency truncation, decided from the usage the last answer reported."""
     if not view.items:
         return
-    last = host._reported_usage(s)
+    last = host.reported_usage(s)
     # the size the provider reported for the last request; without one (a Chat stream without
     # include_usage), the conversation's own estimate
     if last:

@@ -79,7 +79,7 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
             elif r.dirty and core.path:
                 edits.append((core.path, core.text))
         if call_edits:
-            edits += ProxyTools._call_edits(s, lane, info, resolved[k], idless)
+            edits += ProxyTools.call_edits(s, lane, info, resolved[k], idless)
         if responses and b'"msg-proxy-' in src:
             edits += hygiene.proxy_id_edits("responses", info.obj)
         if strict_chat and b'"tool_calls"' in src:

@@ -198,7 +198,7 @@ class ProxyTools:
             s.stored = self.store.commit_fold(s.row.id, [], [], done, expect=s.stored)
 
     @staticmethod
-    def _call_edits(s: Session, lane: Lane, info: ItemInfo, refs_parts, idless: dict[str, list[str]]) -> list:
+    def call_edits(s: Session, lane: Lane, info: ItemInfo, refs_parts, idless: dict[str, list[str]]) -> list:
         """Edits for one item: executed calls as the model made them, real results for the agent's
         errors, emergency-truncated tool outputs.  ``idless``: per tool name, the keys of the calls
         without ids seen so far, which results without a matching id pair with, in order."""

@@ -146,7 +146,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         raws = body.items
         ident = session_from_request(headers, top)
         memo = self._memo_for(ident[0] if ident else None, lane, raws)
-        k = _common_prefix(memo.raws, raws) if memo is not None else 0
+        k = coverage.common_prefix(memo.raws, raws) if memo is not None else 0
         if memo is not None:
             k = min(k, len(memo.raws) - 1)  # the previous last item may have been an untagged prefill
             if k <= memo.start:
@@ -283,7 +283,7 @@ class Engine(ProxyTools, Epochs, Deferred):
                 continue
             if memo.raws[0] != raws[0]:
                 continue
-            k = _common_prefix(memo.raws, raws)
+            k = coverage.common_prefix(memo.raws, raws)
             if k > best_k:
                 best, best_k = memo, k
         return best
@@ -430,14 +430,6 @@ def _system_run(infos: list[ItemInfo]) -> int:
     while start < len(infos) and infos[start].is_system:
         start += 1
     return start
-
-
-def _common_prefix(a: list, b: list) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _prefix_counter(memo: Memo | None, q: int) -> Counter:
