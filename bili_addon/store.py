@@ -921,12 +921,15 @@ class Store:
         return version
 
     # -- server-side chains (#13, kernel/chains.py) ------------------------------------------------
-    def save_chain(self, row: tuple) -> None:
-        """One response of a server-side chain (a row in :data:`CHAIN_COLS` order); written once (an id
-        given twice is replaced by a tombstone: kernel/chains.py)."""
+    def save_chain(self, row: tuple, *, replace: bool = False) -> bool:
+        """One response of a server-side chain (a row in :data:`CHAIN_COLS` order), written once:
+        False when the id is there already (another process may have written it meanwhile), unless
+        ``replace`` (the tombstone of an id given twice: kernel/chains.py)."""
+        verb = "INSERT OR REPLACE" if replace else "INSERT OR IGNORE"
         with self._tx():
-            self.db.execute(f"INSERT OR REPLACE INTO chains({', '.join(CHAIN_COLS)}) VALUES({', '.join('?' * len(CHAIN_COLS))})",
-                            row)
+            cur = self.db.execute(f"{verb} INTO chains({', '.join(CHAIN_COLS)}) "
+                                  f"VALUES({', '.join('?' * len(CHAIN_COLS))})", row)
+            return cur.rowcount == 1
 
     @_reads
     def chain(self, response_id: str) -> tuple | None:

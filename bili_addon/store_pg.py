@@ -868,12 +868,13 @@ class PgStore:
         return version
 
     # -- server-side chains (#13, kernel/chains.py) ------------------------------------------------
-    def save_chain(self, row: tuple) -> None:
+    def save_chain(self, row: tuple, *, replace: bool = False) -> bool:
+        action = ("DO UPDATE SET " + ", ".join(f"{c}=excluded.{c}" for c in CHAIN_COLS[1:])) if replace else "DO NOTHING"
         with self._tx() as conn:
             self.round_trips += 1
-            conn.execute(f"INSERT INTO chains({', '.join(CHAIN_COLS)}) VALUES({', '.join(['%s'] * len(CHAIN_COLS))}) "
-                         "ON CONFLICT(id) DO UPDATE SET "
-                         + ", ".join(f"{c}=excluded.{c}" for c in CHAIN_COLS[1:]), row)
+            cur = conn.execute(f"INSERT INTO chains({', '.join(CHAIN_COLS)}) "
+                               f"VALUES({', '.join(['%s'] * len(CHAIN_COLS))}) ON CONFLICT(id) {action}", row)
+            return cur.rowcount == 1
 
     @_reads
     def chain(self, response_id: str) -> tuple | None:

@@ -471,3 +471,32 @@ def test_a_chain_is_rebuilt_only_for_the_host_and_credential_that_made_it(chains
     t.session = "s-ws"
     assert chains.record(t)
     assert chains.begin(req([user("next")], "r2", store=False), "ws1", bob).known
+
+
+def test_an_id_another_process_writes_meanwhile_is_never_overwritten(chains, monkeypatch):
+    """Two instances record one response id for two conversations at the same moment (a server
+    that numbers its responses): whichever writes second sees the first row and leaves a tombstone,
+    so neither conversation is ever rebuilt into the other's delta."""
+    other = Chains(chains.make_store())  # a second instance over the same store
+    t_a = chains.begin(req([user("alice's plan")]))
+    t_a.outgoing(None)
+    t_a.observe(answer("r1", [said("r1", "a")]))
+    t_a.session = "sa"
+    t_b = other.begin(req([user("bob's plan")]))
+    t_b.outgoing(None)
+    t_b.observe(answer("r1", [said("r1", "b")]))
+    t_b.session = "sb"
+    real, looked = other._link, []
+
+    def racing(rid):  # the first instance writes between the second's check and its write
+        looked.append(rid)
+        if len(looked) == 1:
+            assert chains.record(t_a)
+            return None
+        return real(rid)
+
+    monkeypatch.setattr(other, "_link", racing)
+    assert not other.record(t_b)
+    for text in ("alice's plan", "bob's plan"):
+        t = Chains(chains.make_store()).begin(req([user("go on")], "r1"))
+        assert not t.known and text.encode() not in t.body

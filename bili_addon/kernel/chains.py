@@ -290,12 +290,15 @@ class Chains:
         link = Link(turn.response_id, session, turn.conn, turn.stored, a_base, a_keep, agent,
                     s_base, s_keep, None if same else sent, output, owner=turn.owner)
         had = self._link(turn.response_id)
+        if had is None and not self.store.save_chain(_row(link)):
+            # another process wrote this id meanwhile: the same response, or a second conversation
+            had = self._link(turn.response_id) or Link(turn.response_id, "", "", False, turn.response_id, 0, [],
+                                                       turn.response_id, 0, None, [])
         if had is not None:  # an id is written once: given again, it names two conversations
             if had.agent_base != had.id and _row(had)[:-1] == _row(link)[:-1]:
                 return True  # the same response recorded again
             self._ambiguous(turn.response_id)
             return False
-        self.store.save_chain(_row(link))
         n = len(s_full)
         views = Views(a_full + output, s_full + output, frozenset(s_outputs | set(range(n, n + len(output)))))
         self._remember(turn.response_id, views)
@@ -316,7 +319,7 @@ class Chains:
         self._views.pop(rid, None)
         for session in [k for k, (r, _v) in self._last_of_session.items() if r == rid]:
             del self._last_of_session[session]  # its next row is not based on the tombstone
-        self.store.save_chain(_row(Link(rid, "", "", False, rid, 0, [], rid, 0, None, [])))
+        self.store.save_chain(_row(Link(rid, "", "", False, rid, 0, [], rid, 0, None, [])), replace=True)
 
     def end(self, conn: str) -> None:
         """The connection ``conn`` closed: nothing can chain on its ``store: false`` responses any more."""
