@@ -28,12 +28,13 @@ import json
 import re
 import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from websockets.sync.server import ServerConnection
+
+from tests.e2e.fake_upstream import is_websocket_upgrade
 from websockets.sync.server import serve as ws_serve
 
 FINAL = "All five listings are done. FINAL-ANSWER-7f3a"
@@ -422,34 +423,13 @@ class _Server(ThreadingHTTPServer):
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
         # a WebSocket upgrade goes to the websockets handler, everything else is HTTP
-        if _is_websocket_upgrade(request):
+        if is_websocket_upgrade(request):
             try:
                 self.model.ws_server.handler(request, client_address)
             finally:
                 self.shutdown_request(request)
             return
         super().process_request_thread(request, client_address)
-
-
-def _is_websocket_upgrade(sock: socket.socket) -> bool:
-    """Peek (without consuming) at the request head of a fresh connection."""
-    deadline, seen = time.monotonic() + 5, b""
-    sock.settimeout(5)
-    try:
-        while b"\r\n\r\n" not in seen and len(seen) < 65536 and time.monotonic() < deadline:
-            data = sock.recv(65536, socket.MSG_PEEK)
-            if not data:
-                return False
-            if len(data) == len(seen):
-                time.sleep(0.005)
-            seen = data
-    except OSError:
-        return False
-    finally:
-        sock.settimeout(None)
-    head = seen.split(b"\r\n\r\n", 1)[0].decode("latin-1").lower()
-    return any(n.strip() == "upgrade" and "websocket" in v
-               for n, _, v in (line.partition(":") for line in head.split("\r\n")[1:]))
 
 
 def sse_events(body: bytes) -> list[dict]:

@@ -973,7 +973,7 @@ class _HTTPServer(ThreadingHTTPServer):
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
         # a WebSocket upgrade on this port goes to the websockets server, everything else is HTTP
-        if _is_websocket_upgrade(request):
+        if is_websocket_upgrade(request):
             self.fake._ws_server.handler(request, client_address)
             return
         super().process_request_thread(request, client_address)
@@ -987,7 +987,7 @@ def _accepts_gzip(accept: str) -> bool:
     return False
 
 
-def _is_websocket_upgrade(sock: socket.socket) -> bool:
+def is_websocket_upgrade(sock: socket.socket) -> bool:
     """Peek (without consuming) at the request head of a fresh connection."""
     deadline = time.monotonic() + 5
     seen = b""
