@@ -92,12 +92,8 @@ def check_deferred(options) -> None:
             log.error("[bili] %s; mitmproxy would drop the bili addon and forward everything unchanged", e)
 
 
-def _sent(raw: bytes, res: TurnResult | None, turn: ChainTurn | None) -> bytes:
-    """The whole prompt the provider reads for this turn: for a chained turn the chain bili keeps,
-    else the body that goes upstream (the agent's when the turn changed nothing)."""
-    whole = turn.prompt() if turn is not None else None
-    if whole is not None:
-        return whole
+def _sent(raw: bytes, res: TurnResult | None) -> bytes:
+    """The body that goes upstream (the agent's when the turn changed nothing)."""
     return raw if res is None or res.body is None else res.body
 
 
@@ -316,7 +312,7 @@ class Bili:
 
         def work(eng: Engine):
             res, turn = self.process_chained(eng, raw, lane, headers, "http", origin, fold)
-            return res, self._record(eng, res, lane.name, "http", fold, raw, turn), turn, _sent(raw, res, turn)
+            return res, self._record(eng, res, lane.name, "http", fold, raw, turn), turn, _sent(raw, res)
 
         if self.keeper.offloading:
             return self._request_later(flow, lane, fold, work)
@@ -548,7 +544,9 @@ class Bili:
     def _account(self, eng: Engine, st: FlowState) -> None:
         self._settle(eng, st.session)
         if st.sent and "agent_tokens" in st.record:  # the request's predicted cache-read share, off its path
-            st.record["predicted"] = self.meter.predict(st.session, st.sent)
+            # a chained turn's prompt is the whole chain the provider holds, not the delta that went up
+            whole = st.chain.prompt() if st.chain is not None else None
+            st.record["predicted"] = self.meter.predict(st.session, whole or st.sent)
             st.sent = b""
         rw = st.rewriter
         called = eng.record_answer(st.session, st.lane, rw)
@@ -594,7 +592,7 @@ class Bili:
 
             def work(eng: Engine):
                 res, turn = self.process_chained(eng, raw, LANES["responses"], headers, "ws", origin, fold, conn)
-                return res, self._record(eng, res, "responses", "ws", fold, raw, turn), turn, _sent(raw, res, turn)
+                return res, self._record(eng, res, "responses", "ws", fold, raw, turn), turn, _sent(raw, res)
 
             if self.keeper.offloading:
                 return self._ws_later(flow, msg, work)

@@ -148,21 +148,23 @@ def results_of(lane: str, body: dict) -> dict[str, str]:
 def tagged(obj: Any) -> dict[str, str]:
     """text after the tag -> ref, for every tagged string in the body."""
     out: dict[str, str] = {}
-
-    def walk(v: Any) -> None:
-        if isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, list):
-            for x in v:
-                walk(x)
-        elif isinstance(v, str):
-            m = TAG_RE.match(v)
-            if m:
-                out.setdefault(v[m.end():], m.group(1))
-
-    walk(obj)
+    for v in strings(obj):
+        m = TAG_RE.match(v)
+        if m:
+            out.setdefault(v[m.end():], m.group(1))
     return out
+
+
+def strings(v: Any):
+    """Every string in a decoded JSON value, depth first."""
+    if isinstance(v, dict):
+        for x in v.values():
+            yield from strings(x)
+    elif isinstance(v, list):
+        for x in v:
+            yield from strings(x)
+    elif isinstance(v, str):
+        yield v
 
 
 def stage_of(lane: str, body: dict) -> int:
@@ -189,19 +191,7 @@ REMINDER_RANGE = re.compile(r"^  (m\d{5})–(m\d{5})  \d+ messages  ~", re.M)
 
 def offered(body: Any) -> tuple[str, str] | None:
     """The first range bili's newest fold reminder offers, if the model was shown one."""
-    notes: list[str] = []
-
-    def walk(v: Any) -> None:
-        if isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, list):
-            for x in v:
-                walk(x)
-        elif isinstance(v, str) and "[bili] ~" in v:
-            notes.append(v[v.index("[bili] ~"):])
-
-    walk(body)
+    notes = [v[v.index("[bili] ~"):] for v in strings(body) if "[bili] ~" in v]
     found = REMINDER_RANGE.findall(notes[-1]) if notes else []
     return found[0] if found else None
 

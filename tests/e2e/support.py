@@ -764,6 +764,19 @@ class ChatAgent(Agent):
         return [t["function"]["name"] for t in body.get("tools", [])]
 
 
+
+def responses_answer(text: str, output: list[Any]) -> Answer:
+    """The agent's side of a Responses answer: its history items and the call to run, if any."""
+    items: list[Any] = []
+    call = None
+    if text:
+        items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]})
+    for it in output:
+        if it.type == "function_call":
+            call = Call(it.call_id, it.name, it.arguments)
+            items.append({"type": "function_call", "call_id": it.call_id, "name": it.name, "arguments": it.arguments})
+    return Answer(text, call, items)
+
 class ResponsesAgent(Agent):
     """Like codex over HTTP: output items stored as input items, ``function_call_output`` results."""
 
@@ -790,16 +803,7 @@ class ResponsesAgent(Agent):
         else:
             resp = self.client.responses.create(**args)
             text, output = resp.output_text, resp.output
-        items: list[Any] = []
-        call = None
-        if text:
-            items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]})
-        for it in output:
-            if it.type == "function_call":
-                call = Call(it.call_id, it.name, it.arguments)
-                items.append({"type": "function_call", "call_id": it.call_id, "name": it.name,
-                              "arguments": it.arguments})
-        return Answer(text, call, items)
+        return responses_answer(text, output)
 
     def result_items(self, call: Call, output: str) -> list[Any]:
         return [{"type": "function_call_output", "call_id": call.id, "output": output}]

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from .fake_upstream import proxy_call, say, tool
-from .support import AGENT_SYSTEM, Answer, Call, ResponsesAgent, request, strip_tags
+from .support import AGENT_SYSTEM, Answer, ResponsesAgent, request, responses_answer, strip_tags
 from .test_fold_e2e import REMIND_AT, fold_what_was_offered, reminders_in, run_bash, summary_head
 
 pytestmark = pytest.mark.e2e
@@ -51,18 +51,10 @@ class ChainedAgent(ResponsesAgent):
                 text += ev.delta
             elif ev.type == "response.completed":
                 output, rid = ev.response.output, ev.response.id
-        items: list[Any] = []
-        call = None
-        if text:
-            items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]})
-        for it in output:
-            if it.type == "function_call":
-                call = Call(it.call_id, it.name, it.arguments)
-                items.append({"type": "function_call", "call_id": it.call_id, "name": it.name,
-                              "arguments": it.arguments})
+        answer = responses_answer(text, output)
         self.prev, self.ids[self._turn] = rid, rid
-        self.upto = len(history) + len(items)
-        return Answer(text, call, items)
+        self.upto = len(history) + len(answer.items)
+        return answer
 
 
 def reading(t: int):
