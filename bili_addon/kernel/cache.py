@@ -7,7 +7,10 @@ Pure code (no store, no engine).  One model per lane family, on each provider's 
   by block) and reads the longest entry found at a breakpoint or at one of the ~20 block boundaries
   before it (the lookback).  An entry lives 5 minutes (or 1 hour with ``"ttl": "1h"``) from its last
   write or read: a hit refreshes it.  Writes bill 1.25x the input price (2x for 1 hour), reads 0.1x,
-  the rest 1x.  A prefix shorter than the model's minimum (1024 tokens; 2048 or 4096 on some models)
+  the rest 1x.  One request may mix both lifetimes when every 1-hour breakpoint comes before every
+  5-minute one (:func:`ordered`); it then pays reads up to its longest hit (A), 1-hour writes from
+  there to its last 1-hour breakpoint (B) and 5-minute writes from there to its last breakpoint (C):
+  each written segment is billed at the lifetime of the breakpoint that ends it.  A prefix shorter than the model's minimum (1024 tokens; 2048 or 4096 on some models)
   is never cached.  ``cache_control`` itself is not part of what is matched (it moves every turn).
 - **OpenAI** (Chat, Responses): automatic prefix caching of prompts from 1024 tokens on, in steps of
   128 tokens; an entry lives ~5 minutes of idle (24 hours with ``prompt_cache_retention: "24h"``).
@@ -146,6 +149,13 @@ class _Body(msgspec.Struct):
 
 _raws = msgspec.json.Decoder(list[msgspec.Raw])
 _CC = b'"cache_control"'
+
+
+def ordered(segs: list[Segment]) -> bool:
+    """Anthropic's rule for mixed lifetimes: no breakpoint asks for a longer lifetime than one
+    before it (a 1-hour entry must precede every 5-minute one; the API refuses the request else)."""
+    ttls = [s.ttl for s in segs if s.ttl is not None]
+    return all(a >= b for a, b in zip(ttls, ttls[1:]))
 
 
 def _tok(blob: bytes) -> int:
