@@ -124,6 +124,18 @@ def test_mixed_lifetimes_a_fold_after_the_head_writes_only_its_new_summary_at_2x
     assert bill == Bill(read=13_000, write_long=800, write=1_500)
 
 
+def test_a_clock_with_one_hour_on_the_head_knows_when_its_tail_is_cold():
+    body = json.dumps({"model": "claude-sonnet-4-5",
+                       "system": [{"type": "text", "text": "s" * 8000, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+                       "messages": [{"role": "user", "content": [{"type": "text", "text": "t" * 8000,
+                                                                  "cache_control": {"type": "ephemeral"}}]}]}).encode()
+    clk = Clock("anthropic", "claude-sonnet-4-5")
+    clk.send(body, 0)
+    assert not clk.cold(200) and not clk.cold(200, tail=True)
+    assert not clk.cold(600) and clk.cold(600, tail=True)  # the tail's 5-minute entry is gone, the head's not
+    assert clk.cold(3700) and clk.cold(3700, tail=True)
+
+
 def test_mixed_lifetimes_must_put_one_hour_first():
     assert cache.ordered(segs([2000, 2000, 2000], {0: HOUR, 1: HOUR, 2: FIVE}))
     assert cache.ordered(segs([2000, 2000], {0: FIVE, 1: FIVE}))

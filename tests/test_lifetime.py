@@ -183,7 +183,7 @@ def test_a_tool_loop_keeps_five_minutes(tmp_path):
     eng.store.close()
 
 
-def _cc(msgs: list[dict]) -> bytes:
+def cc_body(msgs: list[dict]) -> bytes:
     """Claude Code's shape: a ~12K-token system in two blocks with a breakpoint each, one on the last
     block of the last message."""
     msgs = [dict(m) for m in msgs]
@@ -215,7 +215,7 @@ def test_a_folding_session_that_pauses_now_and_then_keeps_its_head_for_an_hour(t
 
     def send(msgs: list[dict], gap: float) -> bytes:
         t["now"] += gap
-        body = eng.process(_cc(msgs), LANES["anthropic"], h, render=True).body
+        body = eng.process(cc_body(msgs), LANES["anthropic"], h, render=True).body
         eng.clocks.report(sid, read=eng.clocks.stats(sid)["turns"][-1]["predicted_read"])
         return body
 
@@ -244,7 +244,7 @@ def test_a_folding_session_that_pauses_now_and_then_keeps_its_head_for_an_hour(t
         # matches it, the agent's moving breakpoint aside)
         a, b = cache.anthropic_segments(prev), cache.anthropic_segments(body)
         assert [s.key for s in a] == [s.key for s in b[:len(a)]]
-    again = eng.process(_cc(msgs), LANES["anthropic"], h, render=True).body  # the same history again
+    again = eng.process(cc_body(msgs), LANES["anthropic"], h, render=True).body  # the same history again
     assert again == sent[-1]
     # the clock bills the pause after the switch as the model says: the head read, the tail written
     turns = eng.clocks.by_session[sid].turns

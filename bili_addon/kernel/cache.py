@@ -248,9 +248,11 @@ class Cache:
             return None
         return e
 
-    def warm(self, now: float) -> bool:
-        """Whether any entry is still alive."""
-        return not self.disabled and any(self._live(k, now) is not None for k in list(self.entries))
+    def warm(self, now: float, tail: bool = False) -> bool:
+        """Whether any entry is still alive (``tail``: any entry of the default lifetime, the live
+        tail's; the 1-hour entries of a stable head aside)."""
+        return not self.disabled and any((e := self._live(k, now)) is not None and (not tail or e.ttl <= self.rules.ttl)
+                                         for k in list(self.entries))
 
     # Anthropic ---------------------------------------------------------------------------------
     def send_segments(self, segs: list[Segment], now: float) -> Bill:
@@ -436,9 +438,11 @@ class Clock:
     def gap(self, now: float) -> float | None:
         return None if self.last is None else now - self.last
 
-    def cold(self, now: float) -> bool:
-        """Whether the session's cache has expired by ``now`` (a rewrite costs nothing extra then)."""
-        return self.last is not None and not self.cache.warm(now)
+    def cold(self, now: float, tail: bool = False) -> bool:
+        """Whether the session's cache has expired by ``now`` (a rewrite costs nothing extra then).
+        ``tail``: whether the entries of the default lifetime have (with 1-hour entries on the stable
+        head, kernel/lifetime.py, what follows the head is written again anyway)."""
+        return self.last is not None and not self.cache.warm(now, tail)
 
     def report(self, read: int, write: int | None = None, input: int | None = None) -> Turn | None:
         """The usage the provider reported for the last request sent (what the calibration compares
@@ -518,7 +522,8 @@ class Clocks:
             return clk.report(read, write, input)
         return None
 
-    def cold(self, sid: str, now: float) -> bool:
+    def cold(self, sid: str, now: float, tail: bool = False) -> bool:
+        """Whether the session's cache has expired (``tail``: its entries of the default lifetime)."""
         last = self.last.get(sid)
         if last is None:
             return False
@@ -526,7 +531,7 @@ class Clocks:
         if now - last <= (clk.ttl if clk is not None else rules_for("").ttl):
             return False  # the latest request wrote or read an entry that lives this long at least: warm
         clk = self._flush(sid)
-        return clk is not None and clk.cold(now)
+        return clk is not None and clk.cold(now, tail)
 
     def history(self, sid: str) -> tuple[Rules, list[float], int, int] | None:
         """``(rules, gaps between requests, the last request's size, the median of what a request writes
