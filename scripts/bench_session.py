@@ -722,10 +722,11 @@ def report_provider(pairs: list[tuple[str, Run, Run]]) -> None:
             print(f"  {name:<{w}}{how:<28}{ktok(b):>10}{ktok(a):>10}{a / b:>8.1%}{share:>12.1%}{writes:>18}"
                   f"{first:>16}{expired:>18}")
             name = ""
+        f = addon.lifetime or {}
+        costs = ", ".join(f"{k} {f[c]:,.0f}" for k, c in (("5m", "cost_5m"), ("1h head", "cost_head"), ("1h", "cost_1h"))
+                          if c in f)
         print(f"  {'':<{w}}the addon's cache lifetime: {lifetime_label(addon.lifetime)}"
-              + (f" (expected per request: 5m {addon.lifetime['cost_5m']:,.0f}, 1h head "
-                 f"{addon.lifetime.get('cost_head', float('nan')):,.0f}, 1h {addon.lifetime['cost_1h']:,.0f})"
-                 if addon.lifetime else ""))
+              + (f" (expected per request, input-token units: {costs})" if costs else ""))
     print("  (ratio: with the addon against without; read share: cache reads of the input with the addon;")
     print("  1st after fold: the Anthropic read share of the first request after each fold, on average;")
     print("  expired: the share of the Anthropic bill spent on cache writes after a gap over 5 minutes)")
