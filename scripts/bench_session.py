@@ -723,8 +723,8 @@ def report_provider(pairs: list[tuple[str, Run, Run]]) -> None:
                   f"{first:>16}{expired:>18}")
             name = ""
         f = addon.lifetime or {}
-        costs = ", ".join(f"{k} {f[c]:,.0f}" for k, c in (("5m", "cost_5m"), ("1h head", "cost_head"), ("1h", "cost_1h"))
-                          if c in f)
+        costs = ", ".join(f"{k} {f[c]:,.0f}" for k, c in
+                          (("5m", "cost_5m"), ("1h head", "cost_head"), ("1h", "cost_1h")) if c in f)
         print(f"  {'':<{w}}the addon's cache lifetime: {lifetime_label(addon.lifetime)}"
               + (f" (expected per request, input-token units: {costs})" if costs else ""))
     print("  (ratio: with the addon against without; read share: cache reads of the input with the addon;")

@@ -126,7 +126,8 @@ def test_mixed_lifetimes_a_fold_after_the_head_writes_only_its_new_summary_at_2x
 
 def test_a_clock_with_one_hour_on_the_head_knows_when_its_tail_is_cold():
     body = json.dumps({"model": "claude-sonnet-4-5",
-                       "system": [{"type": "text", "text": "s" * 8000, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+                       "system": [{"type": "text", "text": "s" * 8000,
+                                   "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
                        "messages": [{"role": "user", "content": [{"type": "text", "text": "t" * 8000,
                                                                   "cache_control": {"type": "ephemeral"}}]}]}).encode()
     clk = Clock("anthropic", "claude-sonnet-4-5")

@@ -202,7 +202,8 @@ def _step(msgs: list[dict], t: int) -> list[dict]:
         {"role": "assistant", "content": [{"type": "text", "text": f"Step {t}: reading module {t}."},
                                           {"type": "tool_use", "id": f"toolu_{t}", "name": "Bash",
                                            "input": {"cmd": f"cat mod{t}.py"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{t}", "content": filler(f"file-{t}")}]}]
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{t}",
+                                      "content": filler(f"file-{t}")}]}]
 
 
 def test_a_folding_session_that_pauses_now_and_then_keeps_its_head_for_an_hour(tmp_path):

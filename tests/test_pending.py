@@ -264,7 +264,8 @@ def test_with_the_head_kept_for_an_hour_a_held_fold_lands_when_the_tail_expires(
     msgs = ask(e, msgs, refs_in(first), "Step 0:", "Step 2:", "c1")
     res, out = send_cc(msgs)
     assert res.executed == ["compress"] and res.landed == 0 and not SUMMARY_AT.search(json.dumps(out))
-    assert [b["cache_control"] for b in out["system"] if "cache_control" in b] == [{"type": "ephemeral", "ttl": "1h"}] * 2
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    assert [b["cache_control"] for b in out["system"] if "cache_control" in b] == [hour] * 2
     msgs = go_on(msgs, 1)
     res, _ = send_cc(msgs)
     assert res.landed == 0  # warm: held

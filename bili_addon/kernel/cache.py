@@ -10,8 +10,9 @@ Pure code (no store, no engine).  One model per lane family, on each provider's 
   the rest 1x.  One request may mix both lifetimes when every 1-hour breakpoint comes before every
   5-minute one (:func:`ordered`); it then pays reads up to its longest hit (A), 1-hour writes from
   there to its last 1-hour breakpoint (B) and 5-minute writes from there to its last breakpoint (C):
-  each written segment is billed at the lifetime of the breakpoint that ends it.  A prefix shorter than the model's minimum (1024 tokens; 2048 or 4096 on some models)
-  is never cached.  ``cache_control`` itself is not part of what is matched (it moves every turn).
+  each written segment is billed at the lifetime of the breakpoint that ends it.  A prefix shorter
+  than the model's minimum (1024 tokens; 2048 or 4096 on some models) is never cached.
+  ``cache_control`` itself is not part of what is matched (it moves every turn).
 - **OpenAI** (Chat, Responses): automatic prefix caching of prompts from 1024 tokens on, in steps of
   128 tokens; an entry lives ~5 minutes of idle (24 hours with ``prompt_cache_retention: "24h"``).
   No write premium; reads bill 0.5x to 0.1x depending on the model family.
@@ -251,8 +252,8 @@ class Cache:
     def warm(self, now: float, tail: bool = False) -> bool:
         """Whether any entry is still alive (``tail``: any entry of the default lifetime, the live
         tail's; the 1-hour entries of a stable head aside)."""
-        return not self.disabled and any((e := self._live(k, now)) is not None and (not tail or e.ttl <= self.rules.ttl)
-                                         for k in list(self.entries))
+        return not self.disabled and any((e := self._live(k, now)) is not None
+                                         and (not tail or e.ttl <= self.rules.ttl) for k in list(self.entries))
 
     # Anthropic ---------------------------------------------------------------------------------
     def send_segments(self, segs: list[Segment], now: float) -> Bill:

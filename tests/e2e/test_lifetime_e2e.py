@@ -32,7 +32,8 @@ COMPRESS_TURN = 6  # folds turns 1-4
 PAUSES = (14, 20)  # the human thinks ten minutes before these turns
 DECIDED = PAUSES[0]
 EPH = {"type": "ephemeral"}
-SYSTEM = [{"type": "text", "text": "You are a coding agent working on a large repository. " * 400, "cache_control": EPH},
+SYSTEM = [{"type": "text", "text": "You are a coding agent working on a large repository. " * 400,
+           "cache_control": EPH},
           {"type": "text", "text": "Read every module before you change it; report what you find. " * 400,
            "cache_control": EPH}]
 
