@@ -44,10 +44,25 @@ def test_choose_hand_worked():
     assert lifetime.choose([600.0] * 3, context=50_000, new_per_turn=2_000, rules=R) is None  # too few gaps
 
 
-def test_a_session_only_moves_to_longer_lifetimes():
+def test_a_session_only_moves_to_longer_lifetimes(tmp_path):
     assert lifetime.keep(None, "head") == "head" and lifetime.keep("5m", "1h") == "1h"
     assert lifetime.keep("head", "5m") == "head" and lifetime.keep("1h", "head") == "1h"
     assert lifetime.keep("head", "1h") == "1h"
+    # a session that keeps its head for an hour, then pauses for over an hour: 5 minutes would be
+    # cheapest now, and the stats say so, but the head keeps its hour
+    eng = Engine(Store(tmp_path / "data"), activate="always")
+    t = {"now": 0.0}
+    eng.now = lambda: t["now"]
+    h = {"x-claude-code-session-id": "keep"}
+    eng.process(_body(0), LANES["anthropic"], h, render=True)
+    eng.set_flag("keep", "ttl", {"choice": "head"})
+    for n in range(1, 12):
+        t["now"] += 5.0 if n < 11 else 4_000.0
+        res = eng.process(_body(n), LANES["anthropic"], h, render=True)
+    flag = eng.sessions["keep"].flags["ttl"]
+    assert flag["choice"] == "head" and flag["cheapest"] == "5m" and flag["gaps"] == 11
+    assert res.body.count(b'"ttl":"1h"') == 1  # the system's breakpoint; the last message's keeps 5 minutes
+    eng.store.close()
 
 
 def test_upgrade_every_agent_breakpoint_and_nothing_else():
@@ -247,6 +262,7 @@ def test_a_folding_session_that_pauses_now_and_then_keeps_its_head_for_an_hour(t
         assert [s.key for s in a] == [s.key for s in b[:len(a)]]
     again = eng.process(cc_body(msgs), LANES["anthropic"], h, render=True).body  # the same history again
     assert again == sent[-1]
+    assert "cheapest" not in flag
     # the clock bills the pause after the switch as the model says: the head read, the tail written
     turns = eng.clocks.by_session[sid].turns
     pause = turns[-4].predicted  # k = 36

@@ -111,9 +111,11 @@ def upgrade_lifetime(host: PressureHost, sid: str, body: bytes) -> bytes | None:
             pick = lifetime.choose(gaps, h[2], h[3], h[0], head=lifetime.head_tokens(headed) if headed else 0,
                                    head_growth=growth, rest=max(rewrite.MIN_REST, s.row.requests))
             if pick is not None:
-                pick.choice = lifetime.keep(chosen, pick.choice)
-                host.set_flag(sid, lifetime.FLAG, pick.to_flag())
-                chosen = pick.choice
+                flag = pick.to_flag()
+                chosen = flag["choice"] = lifetime.keep(chosen, pick.choice)
+                if chosen != pick.choice:
+                    flag["cheapest"] = pick.choice  # kept: a session never goes back to shorter lifetimes
+                host.set_flag(sid, lifetime.FLAG, flag)
     return lifetime.apply(body, chosen)
 
 
