@@ -87,6 +87,62 @@ def test_anthropic_one_hour_ttl_writes_at_2x():
     assert c.send_segments(s, now=1800 + 3601).read == 0
 
 
+HOUR, FIVE = 3600.0, 300.0
+
+
+def test_mixed_lifetimes_bill_one_hour_writes_up_to_the_last_one_hour_breakpoint():
+    """Anthropic's A/B/C rule, hand-worked: tools 4K, system 6K (1h), a fold summary 3K (1h), the live
+    tail 2K + 1K (5m).  The head is 13K tokens, the whole prompt 16K."""
+    names = ["tools", "system", "summary", "tail-a", "tail-b", "tail-c"]
+    c = Cache(A)
+    s0 = segs([4000, 6000, 3000, 2000, 1000], {1: HOUR, 2: HOUR, 4: FIVE}, names[:5])
+    assert cache.ordered(s0)
+    first = c.send_segments(s0, now=0)
+    # A = 0 (nothing cached), B = 13K (the last 1-hour breakpoint), C = 16K (the last breakpoint)
+    assert first == Bill(write_long=13_000, write=3_000)
+    assert first.cost(A) == 2.0 * 13_000 + 1.25 * 3_000
+    # the next turn: one block more, the tail breakpoint on it; the previous entry is read
+    s1 = segs([4000, 6000, 3000, 2000, 1000, 500], {1: HOUR, 2: HOUR, 5: FIVE}, names)
+    assert c.send_segments(s1, now=10) == Bill(read=16_000, write=500)
+    # a 10-minute pause: the tail's 5-minute entries are gone, the head's 1-hour ones are not
+    # (the read at t=10 refreshed them): the head is read, only the tail written again, at 1.25
+    paused = c.send_segments(s1, now=610)
+    assert paused == Bill(read=13_000, write=3_500)
+    assert paused.cost(A) == 0.1 * 13_000 + 1.25 * 3_500  # 5,675; with 5-minute entries only: 1.25 * 16,500
+    # over an hour: everything expired, written again at its own lifetime's price
+    assert c.send_segments(s1, now=610 + 3601) == Bill(write_long=13_000, write=3_500)
+
+
+def test_mixed_lifetimes_a_fold_after_the_head_writes_only_its_new_summary_at_2x():
+    c = Cache(A)
+    c.send_segments(segs([4000, 6000, 3000, 2000, 1000], {1: HOUR, 2: HOUR, 4: FIVE},
+                         ["tools", "system", "s1", "t1", "t2"]), now=0)
+    # a fold: the tail's range becomes a second summary (the head breakpoint moves onto it)
+    folded = segs([4000, 6000, 3000, 800, 1500], {1: HOUR, 3: HOUR, 4: FIVE}, ["tools", "system", "s1", "s2", "t3"])
+    bill = c.send_segments(folded, now=20)
+    # A: the first summary is not a breakpoint any more, but the lookback from s2 finds its entry
+    assert bill == Bill(read=13_000, write_long=800, write=1_500)
+
+
+def test_a_clock_with_one_hour_on_the_head_knows_when_its_tail_is_cold():
+    body = json.dumps({"model": "claude-sonnet-4-5",
+                       "system": [{"type": "text", "text": "s" * 8000,
+                                   "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+                       "messages": [{"role": "user", "content": [{"type": "text", "text": "t" * 8000,
+                                                                  "cache_control": {"type": "ephemeral"}}]}]}).encode()
+    clk = Clock("anthropic", "claude-sonnet-4-5")
+    clk.send(body, 0)
+    assert not clk.cold(200) and not clk.cold(200, tail=True)
+    assert not clk.cold(600) and clk.cold(600, tail=True)  # the tail's 5-minute entry is gone, the head's not
+    assert clk.cold(3700) and clk.cold(3700, tail=True)
+
+
+def test_mixed_lifetimes_must_put_one_hour_first():
+    assert cache.ordered(segs([2000, 2000, 2000], {0: HOUR, 1: HOUR, 2: FIVE}))
+    assert cache.ordered(segs([2000, 2000], {0: FIVE, 1: FIVE}))
+    assert not cache.ordered(segs([2000, 2000, 2000], {0: HOUR, 1: FIVE, 2: HOUR}))
+
+
 def test_anthropic_segments_ignore_moving_cache_control():
     def body(n, cc_on):
         msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": [{"type": "text", "text": "x" * 3000}]}

@@ -241,3 +241,43 @@ def test_a_fork_holds_what_its_parent_held(backend):
     assert res.landed == 1 and SECTION + "b1" in res.body.decode()
     assert e.sessions[SID].flags[pending.FLAG]["blocks"] == ["b1"]  # the parent's is its own
     e.store.close()
+
+
+def test_with_the_head_kept_for_an_hour_a_held_fold_lands_when_the_tail_expires(backend, caplog):
+    """A session that keeps 1-hour entries on its stable head (kernel/lifetime.py) is never wholly
+    cold after a 10-minute pause, but its live tail is: the fold's range lies there, so it lands."""
+    from tests.test_lifetime import cc_body
+
+    e = make(backend())
+
+    def send_cc(msgs: list[dict], gap: float = 10.0):
+        e.t += gap
+        res = e.process(cc_body(msgs), ANTH, H, render=True)
+        e.clocks.report(SID, read=e.clocks.stats(SID)["turns"][-1]["predicted_read"])
+        return res, json.loads(res.body)
+
+    msgs = conversation(8)
+    send_cc(msgs)
+    e.set_flag(SID, "ttl", {"choice": "head"})  # as the lifetime decision would at a cold moment:
+    msgs = go_on(msgs, 0)
+    _, first = send_cc(msgs, gap=400)  # the head's 1-hour entries are written with the next cold request
+    msgs = ask(e, msgs, refs_in(first), "Step 0:", "Step 2:", "c1")
+    res, out = send_cc(msgs)
+    assert res.executed == ["compress"] and res.landed == 0 and not SUMMARY_AT.search(json.dumps(out))
+    hour = {"type": "ephemeral", "ttl": "1h"}
+    assert [b["cache_control"] for b in out["system"] if "cache_control" in b] == [hour] * 2
+    msgs = go_on(msgs, 1)
+    res, _ = send_cc(msgs)
+    assert res.landed == 0  # warm: held
+    later = e.t + 600
+    assert not e.clocks.cold(SID, later) and e.clocks.cold(SID, later, tail=True)  # the head lives on
+    msgs = go_on(msgs, 2)
+    with caplog.at_level("INFO", logger="bili"):
+        res, out = send_cc(msgs, gap=600)
+    assert res.landed == 1 and SECTION + "b1" in json.dumps(out)
+    assert f"session={SID}: held fold(s) b1 land in one rewrite (cold)" in caplog.text
+    summary = next(m for m in out["messages"] if SECTION + "b1" in json.dumps(m))
+    assert summary["content"][-1]["cache_control"] == {"type": "ephemeral", "ttl": "1h"}  # bili's, on the head
+    assert out["messages"][-1]["content"][-1]["cache_control"] == {"type": "ephemeral"}  # the agent's: 5 minutes
+    assert_valid_anthropic(out)
+    e.store.close()

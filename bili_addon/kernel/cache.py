@@ -7,8 +7,12 @@ Pure code (no store, no engine).  One model per lane family, on each provider's 
   by block) and reads the longest entry found at a breakpoint or at one of the ~20 block boundaries
   before it (the lookback).  An entry lives 5 minutes (or 1 hour with ``"ttl": "1h"``) from its last
   write or read: a hit refreshes it.  Writes bill 1.25x the input price (2x for 1 hour), reads 0.1x,
-  the rest 1x.  A prefix shorter than the model's minimum (1024 tokens; 2048 or 4096 on some models)
-  is never cached.  ``cache_control`` itself is not part of what is matched (it moves every turn).
+  the rest 1x.  One request may mix both lifetimes when every 1-hour breakpoint comes before every
+  5-minute one (:func:`ordered`); it then pays reads up to its longest hit (A), 1-hour writes from
+  there to its last 1-hour breakpoint (B) and 5-minute writes from there to its last breakpoint (C):
+  each written segment is billed at the lifetime of the breakpoint that ends it.  A prefix shorter
+  than the model's minimum (1024 tokens; 2048 or 4096 on some models) is never cached.
+  ``cache_control`` itself is not part of what is matched (it moves every turn).
 - **OpenAI** (Chat, Responses): automatic prefix caching of prompts from 1024 tokens on, in steps of
   128 tokens; an entry lives ~5 minutes of idle (24 hours with ``prompt_cache_retention: "24h"``).
   No write premium; reads bill 0.5x to 0.1x depending on the model family.
@@ -148,6 +152,13 @@ _raws = msgspec.json.Decoder(list[msgspec.Raw])
 _CC = b'"cache_control"'
 
 
+def ordered(segs: list[Segment]) -> bool:
+    """Anthropic's rule for mixed lifetimes: no breakpoint asks for a longer lifetime than one
+    before it (a 1-hour entry must precede every 5-minute one; the API refuses the request else)."""
+    ttls = [s.ttl for s in segs if s.ttl is not None]
+    return all(a >= b for a, b in zip(ttls, ttls[1:]))
+
+
 def _tok(blob: bytes) -> int:
     return max(1, len(blob) // BYTES_PER_TOKEN)
 
@@ -238,9 +249,11 @@ class Cache:
             return None
         return e
 
-    def warm(self, now: float) -> bool:
-        """Whether any entry is still alive."""
-        return not self.disabled and any(self._live(k, now) is not None for k in list(self.entries))
+    def warm(self, now: float, tail: bool = False) -> bool:
+        """Whether any entry is still alive (``tail``: any entry of the default lifetime, the live
+        tail's; the 1-hour entries of a stable head aside)."""
+        return not self.disabled and any((e := self._live(k, now)) is not None
+                                         and (not tail or e.ttl <= self.rules.ttl) for k in list(self.entries))
 
     # Anthropic ---------------------------------------------------------------------------------
     def send_segments(self, segs: list[Segment], now: float) -> Bill:
@@ -426,9 +439,11 @@ class Clock:
     def gap(self, now: float) -> float | None:
         return None if self.last is None else now - self.last
 
-    def cold(self, now: float) -> bool:
-        """Whether the session's cache has expired by ``now`` (a rewrite costs nothing extra then)."""
-        return self.last is not None and not self.cache.warm(now)
+    def cold(self, now: float, tail: bool = False) -> bool:
+        """Whether the session's cache has expired by ``now`` (a rewrite costs nothing extra then).
+        ``tail``: whether the entries of the default lifetime have (with 1-hour entries on the stable
+        head, kernel/lifetime.py, what follows the head is written again anyway)."""
+        return self.last is not None and not self.cache.warm(now, tail)
 
     def report(self, read: int, write: int | None = None, input: int | None = None) -> Turn | None:
         """The usage the provider reported for the last request sent (what the calibration compares
@@ -508,7 +523,8 @@ class Clocks:
             return clk.report(read, write, input)
         return None
 
-    def cold(self, sid: str, now: float) -> bool:
+    def cold(self, sid: str, now: float, tail: bool = False) -> bool:
+        """Whether the session's cache has expired (``tail``: its entries of the default lifetime)."""
         last = self.last.get(sid)
         if last is None:
             return False
@@ -516,7 +532,7 @@ class Clocks:
         if now - last <= (clk.ttl if clk is not None else rules_for("").ttl):
             return False  # the latest request wrote or read an entry that lives this long at least: warm
         clk = self._flush(sid)
-        return clk is not None and clk.cold(now)
+        return clk is not None and clk.cold(now, tail)
 
     def history(self, sid: str) -> tuple[Rules, list[float], int, int] | None:
         """``(rules, gaps between requests, the last request's size, the median of what a request writes

@@ -1,13 +1,26 @@
-"""The lifetime of a session's Anthropic cache entries: 5 minutes (the default) or 1 hour.
+"""The lifetime of a session's Anthropic cache entries: 5 minutes (the default), 1 hour on the
+stable head only, or 1 hour on every breakpoint.
 
-A 1-hour entry is written at 2x instead of 1.25x and read at the same 0.1x.  It pays where the
-session's pauses keep outliving 5 minutes: each such pause costs a full rewrite of the context with
-5-minute entries, and none (under an hour) with 1-hour ones; every turn's new tokens cost 0.75x more.
-:func:`choose` weighs the two on the session's own gap history and sizes; the switch is made only at
-a cold moment (the cache has expired: the request is written in full anyway), and once a session has
-1-hour entries it keeps them.  :func:`upgrade` asks for the 1-hour lifetime on every breakpoint the
-agent set (never adding, moving or dropping one); an agent that asks for lifetimes itself is left
-alone.  bili never sends requests of its own to keep a cache warm.
+A 1-hour entry is written at 2x instead of 1.25x and read at the same 0.1x.  Anthropic lets one
+request mix both, as long as every 1-hour breakpoint comes before every 5-minute one (tools, then
+system, then messages); it bills the tokens up to the last 1-hour breakpoint written at 2x, the rest
+up to the last breakpoint at 1.25x.  Three choices follow:
+
+- ``5m``: every breakpoint as the agent set it.  A pause over 5 minutes rewrites the whole context.
+- ``head``: 1 hour on the *stable head* (the agent's breakpoints in tools and system, and messages up
+  to bili's breakpoint on the last fold summary, kernel/breakpoints.py), 5 minutes on the agent's
+  breakpoints after it (the live tail: Claude Code's last message).  The head is written rarely
+  (once, then only a new summary at each fold), so its 2x premium is small, while a pause of 5 to 60
+  minutes rewrites only the live tail.
+- ``1h``: every breakpoint asks for 1 hour.  A pause under an hour rewrites nothing, but every
+  turn's new tokens cost 0.75x more.
+
+:func:`choose` weighs the three on the session's own gap history and sizes; the switch is made only
+at a cold moment (the cache has expired: the request is written in full anyway), and a session only
+ever moves towards longer lifetimes (5m -> head -> 1h: once it has 1-hour entries it keeps them).
+:func:`apply` rewrites a body for the choice: it only adds ``"ttl": "1h"`` to breakpoints that are
+there (never adding, moving or dropping one); an agent that asks for lifetimes itself is left alone.
+bili never sends requests of its own to keep a cache warm.
 """
 
 from __future__ import annotations
@@ -15,43 +28,150 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from bili_addon.kernel.cache import Rules
+import msgspec
 
-FLAG = "ttl"  # the session flag: {"choice": "5m"|"1h", "cost_5m": ..., "cost_1h": ..., "gaps": n}
+from bili_addon.kernel.breakpoints import SUMMARY_MARK
+from bili_addon.kernel.cache import Rules, anthropic_rules, anthropic_segments
+
+FLAG = "ttl"  # the session flag: Choice.to_flag()
 MIN_GAPS = 8  # the gap history a decision needs
 
+FIVE, HEAD, HOUR = "5m", "head", "1h"
+ORDER = (FIVE, HEAD, HOUR)  # a session moves only to the right
+
 _EPHEMERAL = re.compile(rb'("cache_control"\s*:\s*\{\s*"type"\s*:\s*"ephemeral"\s*)\}')
+_CC = b'"cache_control"'
+_objs = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_list = msgspec.json.Decoder(list[msgspec.Raw])
+_enc = msgspec.json.Encoder()
 
 
 @dataclass
 class Choice:
-    choice: str  # "5m" | "1h"
+    choice: str  # "5m" | "head" | "1h"
     cost_5m: float  # expected cost per request, input-token units
     cost_1h: float
     gaps: int
+    cost_head: float | None = None  # None: the request has no head breakpoint to keep
+    head: int = 0  # the head's tokens (up to its last breakpoint)
 
     def to_flag(self) -> dict:
-        return {"choice": self.choice, "cost_5m": round(self.cost_5m, 1), "cost_1h": round(self.cost_1h, 1),
-                "gaps": self.gaps}
+        out = {"choice": self.choice, "cost_5m": round(self.cost_5m, 1), "cost_1h": round(self.cost_1h, 1),
+               "gaps": self.gaps}
+        if self.cost_head is not None:
+            out["cost_head"] = round(self.cost_head, 1)
+            out["head"] = self.head
+        return out
 
 
-def choose(gaps: list[float], context: int, new_per_turn: int, rules: Rules) -> Choice | None:
+def choose(gaps: list[float], context: int, new_per_turn: int, rules: Rules, *, head: int = 0,
+           head_growth: float = 0.0, rest: float | None = None) -> Choice | None:
     """Which lifetime costs less over requests like the ones seen: ``gaps`` between requests (s),
-    ``context`` the cached prefix a request reads, ``new_per_turn`` what a request writes on top."""
+    ``context`` the cached prefix a request reads, ``new_per_turn`` what a request writes on top,
+    ``head`` the tokens up to the head's last breakpoint (0: no head breakpoint), ``head_growth``
+    what the head grows by per request (fold summaries), ``rest`` the requests left, over which the
+    switch (the prefix written once at 2x instead of 1.25x) is spread (None: not counted).
+
+    Per request, with ``w``/``W``/``r`` the 5-minute write, 1-hour write and read multipliers and
+    ``m5``/``m60`` the shares of gaps over 5 minutes / over 1 hour::
+
+        5m:   m5 (w - r) C + w n
+        1h:   m60 (W - r) C + W n + (W - w) C / rest
+        head: m5 (w - r) (C - H) + m60 (W - r) H + w n + (W - w) g + (W - w) H / rest
+    """
     if len(gaps) < MIN_GAPS or context <= 0:
         return None
     n = len(gaps)
-    miss_5m = sum(1 for g in gaps if g > rules.ttl)
-    miss_1h = sum(1 for g in gaps if g > rules.ttl_long)
-    cost_5m = (miss_5m * (rules.write - rules.read) * context + n * rules.write * new_per_turn) / n
-    cost_1h = (miss_1h * (rules.write_long - rules.read) * context + n * rules.write_long * new_per_turn) / n
-    return Choice("1h" if cost_1h < cost_5m else "5m", cost_5m, cost_1h, n)
+    w, big, r = rules.write, rules.write_long, rules.read
+    m5 = sum(1 for g in gaps if g > rules.ttl) / n
+    m60 = sum(1 for g in gaps if g > rules.ttl_long) / n
+    spread = 1.0 / rest if rest else 0.0
+    cost_5m = m5 * (w - r) * context + w * new_per_turn
+    cost_1h = m60 * (big - r) * context + big * new_per_turn + (big - w) * context * spread
+    cost_head = None
+    head = min(head, context)
+    if head > 0:
+        cost_head = (m5 * (w - r) * (context - head) + m60 * (big - r) * head + w * new_per_turn
+                     + (big - w) * head_growth + (big - w) * head * spread)
+    costs = [(cost_5m, 0, FIVE), (cost_1h, 2, HOUR)] + ([(cost_head, 1, HEAD)] if cost_head is not None else [])
+    best = min(costs)[2]  # a tie goes to the shorter lifetime
+    return Choice(best, cost_5m, cost_1h, n, cost_head, head if cost_head is not None else 0)
+
+
+def keep(previous: str | None, pick: str) -> str:
+    """The choice in force after ``pick``: a session never goes back to shorter lifetimes."""
+    if previous in ORDER and ORDER.index(previous) > ORDER.index(pick):
+        return previous
+    return pick
 
 
 def upgrade(body: bytes) -> bytes | None:
     """The body with every plain ephemeral breakpoint asking for 1 hour; None when it has none, or
     when the agent already asks for lifetimes (mixing would break the provider's ordering rule)."""
-    if b'"ttl"' in body or b'"cache_control"' not in body:
+    if b'"ttl"' in body or _CC not in body:
         return None
     out, n = _EPHEMERAL.subn(rb'\1,"ttl":"1h"}', body)
     return out if n else None
+
+
+def _one_hour(raw: bytes) -> tuple[bytes, int]:
+    return _EPHEMERAL.subn(rb'\1,"ttl":"1h"}', raw)
+
+
+def upgrade_head(body: bytes) -> bytes | None:
+    """The body with 1 hour on the breakpoints of its stable head: every one in ``tools`` and
+    ``system``, and in ``messages`` every one up to the last fold summary that carries one (bili's
+    head breakpoint), the conversation's last message excepted; the breakpoints after it keep 5
+    minutes.  The upgraded breakpoints are a prefix of all of them in cache order, so every 1-hour
+    entry precedes every 5-minute one.  None when there is nothing to upgrade, or when the agent
+    asks for lifetimes itself."""
+    if b'"ttl"' in body or _CC not in body:
+        return None
+    try:
+        top = _objs.decode(body)
+        n = 0
+        for key in ("tools", "system"):
+            raw = top.get(key)
+            if raw is not None and _CC in bytes(raw):
+                out, k = _one_hour(bytes(raw))
+                if k:
+                    top[key], n = msgspec.Raw(out), n + k
+        msgs = top.get("messages")
+        if msgs is not None and bytes(msgs)[:1] == b"[" and SUMMARY_MARK in bytes(msgs):
+            items = [bytes(i) for i in _list.decode(msgs)]
+            last = next((i for i in range(len(items) - 2, -1, -1)
+                         if SUMMARY_MARK in items[i] and _CC in items[i]), None)
+            k = 0
+            for i in range(last + 1 if last is not None else 0):
+                if _CC in items[i]:
+                    items[i], ki = _one_hour(items[i])
+                    k += ki
+            if k:
+                top["messages"], n = msgspec.Raw(b"[" + b",".join(items) + b"]"), n + k
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return _enc.encode(top) if n else None
+
+
+def apply(body: bytes, choice: str | None) -> bytes | None:
+    """The body as ``choice`` sends it (None: unchanged)."""
+    if choice == HOUR:
+        return upgrade(body)
+    if choice == HEAD:
+        return upgrade_head(body)
+    return None
+
+
+def head_tokens(body: bytes) -> int:
+    """The tokens up to the last 1-hour breakpoint of ``body`` (as :func:`upgrade_head` made it)."""
+    rules = anthropic_rules()
+    try:
+        segs = anthropic_segments(body, rules)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0
+    cum, head = 0, 0
+    for s in segs:
+        cum += s.tokens
+        if s.ttl is not None and s.ttl > rules.ttl:
+            head = cum
+    return head

@@ -163,7 +163,10 @@ class Deferred:
     def _moment(self: DeferHost, s: Session) -> rewrite.Moment:
         sid = s.row.id
         now = self.now()
-        cold = self.clocks.cold(sid, now)
+        # a fold's range starts after the last summary, where the head's 1-hour entries end (when the
+        # session keeps them, kernel/lifetime.py): once the live tail's entries have expired it
+        # rewrites nothing that is not written anyway
+        cold = self.clocks.cold(sid, now, tail=True)
         h = self.clocks.history(sid)
         rules = h[0] if h else cache.rules_for(s.row.lane, s.model)
         clk = self.clocks.by_session.get(sid)

@@ -2,8 +2,8 @@
 
 :func:`is_active` asks whether bili shows itself in this request (kernel/activation.py);
 :func:`apply` records the reminder (nudge) and the emergency truncations the usage calls for
-(kernel/nudge.py); :func:`upgrade_lifetime` gives an Anthropic body 1-hour cache entries where the
-session chose them (kernel/lifetime.py).  What they use of the engine is :class:`PressureHost`.
+(kernel/nudge.py); :func:`upgrade_lifetime` gives an Anthropic body 1-hour cache entries (on its stable head, or
+everywhere) where the session chose them (kernel/lifetime.py).  What they use of the engine is :class:`PressureHost`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from bili_addon.kernel import activation, fold, lifetime, nudge
+from bili_addon.kernel import activation, fold, lifetime, nudge, rewrite
 from bili_addon.kernel.compaction import asks_for_summary
 from bili_addon.kernel.fold import View
 from bili_addon.kernel.state import Resolved, Session
@@ -94,18 +94,29 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
 
 
 def upgrade_lifetime(host: PressureHost, sid: str, body: bytes) -> bytes | None:
-    """The body with 1-hour cache entries where the session chose them (kernel/lifetime.py)."""
+    """The body with the cache lifetimes the session chose (kernel/lifetime.py): 1 hour on the
+    stable head, or on every breakpoint; decided (again) at a cold moment only."""
     s = host.sessions.get(sid)
     if s is None:
         return None
-    chosen = (s.flags.get(lifetime.FLAG) or {}).get("choice")
-    if chosen != "1h" and host.clocks.cold(sid, host.now()):  # decided at a cold moment only
+    flag = s.flags.get(lifetime.FLAG) or {}
+    chosen = flag.get("choice")
+    now = host.now()
+    if chosen != lifetime.HOUR and host.clocks.cold(sid, now):  # decided at a cold moment only
         h = host.clocks.history(sid)
-        pick = lifetime.choose(h[1], h[2], h[3], h[0]) if h and h[0].family == "anthropic" else None
-        if pick is not None:
-            host.set_flag(sid, lifetime.FLAG, pick.to_flag())
-            chosen = pick.choice
-    return lifetime.upgrade(body) if chosen == "1h" else None
+        if h and h[0].family == "anthropic":
+            gaps = h[1] + [now - host.clocks.last[sid]]  # the pause that made it cold counts too
+            headed = lifetime.upgrade_head(body)
+            growth = sum(b.summary_tokens for b in s.blocks) / max(1, s.row.requests)
+            pick = lifetime.choose(gaps, h[2], h[3], h[0], head=lifetime.head_tokens(headed) if headed else 0,
+                                   head_growth=growth, rest=max(rewrite.MIN_REST, s.row.requests))
+            if pick is not None:
+                flag = pick.to_flag()
+                chosen = flag["choice"] = lifetime.keep(chosen, pick.choice)
+                if chosen != pick.choice:
+                    flag["cheapest"] = pick.choice  # kept: a session never goes back to shorter lifetimes
+                host.set_flag(sid, lifetime.FLAG, flag)
+    return lifetime.apply(body, chosen)
 
 
 __all__ = ["PressureHost", "apply", "is_active", "upgrade_lifetime"]

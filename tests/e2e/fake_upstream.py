@@ -382,6 +382,7 @@ class Reply:
     tool_args: str = ""  # JSON text of the arguments
     call_id: str = ""  # the tool call's id; by default derived from the request's sequence number
     input_tokens: int = 12  # the prompt size the answer reports (a scripted model can report the real one)
+    cache: tuple[int, int] | None = None  # (read, write) of a script with a prompt cache (Anthropic usage)
 
     @property
     def has_text(self) -> bool:
@@ -412,6 +413,14 @@ class Reply:
 DEFAULT_REPLY = Reply()
 
 
+def anthropic_usage(reply: Reply, output: int) -> dict:
+    if reply.cache is None:
+        return {"input_tokens": reply.input_tokens, "output_tokens": output}
+    read, write = reply.cache
+    return {"input_tokens": max(0, reply.input_tokens - read - write), "cache_read_input_tokens": read,
+            "cache_creation_input_tokens": write, "output_tokens": output}
+
+
 def anthropic_message(seq: int, model: str, reply: Reply = DEFAULT_REPLY, *, streaming_start: bool = False) -> dict:
     content: list[dict] = [{"type": "text", "text": reply.text}] if reply.has_text else []
     if reply.tool_name:
@@ -427,7 +436,7 @@ def anthropic_message(seq: int, model: str, reply: Reply = DEFAULT_REPLY, *, str
         "content": [] if streaming_start else content,
         "stop_reason": None if streaming_start else ("tool_use" if reply.tool_name else "end_turn"),
         "stop_sequence": None,
-        "usage": {"input_tokens": reply.input_tokens, "output_tokens": 1 if streaming_start else 7},
+        "usage": anthropic_usage(reply, 1 if streaming_start else 7),
     }
 
 
@@ -715,10 +724,13 @@ class Script:
     same answer as the first try.
     """
 
-    def __init__(self, acts: Iterable[Act], id_prefix: str = "s", real_usage: bool = False):
+    def __init__(self, acts: Iterable[Act], id_prefix: str = "s", real_usage: bool = False,
+                 cache: Callable[[bytes], tuple[int, int]] | None = None):
         self.acts = list(acts)
         self.id_prefix = id_prefix
         self.real_usage = real_usage  # report the prompt's size (~ JSON bytes / 4) as the real APIs do
+        # the prompt cache the script's provider keeps: (read, write) for a request body (Anthropic usage)
+        self.cache = cache
         self._next = 1
         self._lock = threading.Lock()
         self.answered: list[tuple[int, Reply]] = []  # (turn, what the model said), in order
@@ -742,7 +754,9 @@ class Script:
             name = act.tool
             call_id = f"{'toolu' if lane == 'anthropic' else 'call'}_{self.id_prefix}{turn:03d}"
         chunks = tuple(act.prose[i : i + 7] for i in range(0, len(act.prose), 7)) or ("",)
-        reply = Reply(act.prose, chunks, name, args, call_id, len(_j(body)) // 4 if self.real_usage else 12)
+        raw = _j(body)
+        reply = Reply(act.prose, chunks, name, args, call_id, len(raw) // 4 if self.real_usage else 12,
+                      self.cache(raw.encode()) if self.cache is not None and lane == "anthropic" else None)
         with self._lock:
             self.answered.append((turn, reply))
         return reply
@@ -1109,9 +1123,10 @@ class FakeUpstream:
         return f"http://127.0.0.1:{self.port}"
 
     # -- scripts and gates -----------------------------------------------------------------------
-    def script(self, key: str, acts: Iterable[Act], id_prefix: str = "s", real_usage: bool = False) -> Script:
+    def script(self, key: str, acts: Iterable[Act], id_prefix: str = "s", real_usage: bool = False,
+               cache: Callable[[bytes], tuple[int, int]] | None = None) -> Script:
         """Register a scripted model for requests carrying ``x-fake-script: <key>``."""
-        s = Script(acts, id_prefix, real_usage)
+        s = Script(acts, id_prefix, real_usage, cache)
         with self._lock:
             self._scripts[key] = s
         return s

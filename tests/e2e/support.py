@@ -626,10 +626,16 @@ class AnthropicAgent(Agent):
     def initial(self, task: str) -> list[Any]:
         return [{"role": "user", "content": task}]
 
+    system: Any = AGENT_SYSTEM
+
+    def outgoing(self, history: list[Any]) -> list[Any]:
+        """The messages as this agent sends them (a subclass may set breakpoints)."""
+        return history
+
     def send(self, history: list[Any], headers: dict[str, str]) -> Answer:
         h = {"x-claude-code-session-id": self.sid, **headers}
-        args = dict(model=self.model, max_tokens=1024, system=AGENT_SYSTEM, tools=self.tools, messages=history,
-                    extra_headers=h)
+        args = dict(model=self.model, max_tokens=1024, system=self.system, tools=self.tools,
+                    messages=self.outgoing(history), extra_headers=h)
         if self.stream:
             with self.client.messages.stream(**args) as s:
                 msg = s.get_final_message()
