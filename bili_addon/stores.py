@@ -19,9 +19,9 @@ URL_SCHEMES = ("postgresql://", "postgres://")
 TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "sessions": (("id", "agent", "lane", "created", "last_seen", "requests", "messages", "next_ref", "flags",
                   "input_tokens", "cache_read", "cache_write", "output_tokens", "turns", "version"), ("id",)),
-    "ledger": (("session_id", "msg_id", "content_hash", "ref", "role", "ctype", "tokens", "first_seen"),
-               ("session_id", "msg_id", "content_hash")),
-    "refs": (("session_id", "ref", "content_hash"), ("session_id", "ref")),
+    # schema 7: the ledger and the refs, one row per session write (``ledger`` and ``refs`` are views of them)
+    "ledger_turns": (("session_id", "seq", "first_seen", "n", "rows"), ("session_id", "seq")),
+    "refs_turns": (("session_id", "seq", "n", "given"), ("session_id", "seq")),
     "affinity": (("session_id", "depth", "tail", "last_seen"), ("session_id",)),
     "turns": (("session_id", "n", "ts", "lane", "input_tokens", "cache_read", "cache_write", "output_tokens"),
               ("session_id", "n")),

@@ -54,7 +54,7 @@ def dump_all(store) -> dict[str, list[tuple]]:
 def test_a_store_with_folds_round_trips_sqlite_postgresql_sqlite_unchanged(tmp_path, pg_url, capsys):
     e, msgs = folded_store(tmp_path / "a")
     before = dump_all(e.store)
-    for table in ("sessions", "ledger", "refs", "blocks", "originals", "calls", "turns", "copies", "transcript",
+    for table in ("sessions", "ledger_turns", "refs_turns", "blocks", "originals", "calls", "turns", "copies", "transcript",
                   "wire", "calibration", "chains"):
         assert before[table], f"the fixture should fill {table}"
     wire_before = (e.store.wire("fold-1"), e.store.wire_totals("fold-1"))
