@@ -100,13 +100,18 @@ class Sessions(Mapping[str, Session]):
     # -- writes ----------------------------------------------------------------------------------
     def set_flag(self, sid: str, key: str, value: Any) -> bool:
         """Persist a learned per-session fact; True when it changed."""
+        return self.set_flags(sid, {key: value})
+
+    def set_flags(self, sid: str, values: dict[str, Any]) -> bool:
+        """Persist learned per-session facts in one write; True when one changed."""
         s = self.load(sid)
-        if s.flags.get(key) == value:
+        changed = {k: v for k, v in values.items() if s.flags.get(k) != v}
+        if not changed:
             return False
-        s.flags[key] = value
+        s.flags.update(changed)
         s.row.flags = json.dumps(s.flags, sort_keys=True)
         s.stored = self.store.set_flags(s.row, expect=s.stored)
-        if key in RENDER_FLAGS:
+        if any(k in RENDER_FLAGS for k in changed):
             s.version += 1  # old items render differently now
         return True
 

@@ -188,7 +188,7 @@ class Body:
         self.key = key
         conv = self.top.get(key)
         # a conversation that is not an array (Responses' plain-string ``input``) has no items
-        self.array = conv is not None and bytes(conv)[:1] == b"["
+        self.array = conv is not None and memoryview(conv)[:1] == b"["  # (bytes(conv) would copy it all)
         self.items: list[msgspec.Raw] = decode_list(conv) if self.array else []
 
     def get(self, key: str, default: Any = None) -> Any:
