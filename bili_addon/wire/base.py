@@ -201,7 +201,8 @@ class Body:
     def encode(self, items: list[bytes] | None) -> bytes:
         """Re-emit the body; ``items`` replaces the conversation array when given."""
         if items is not None and self.array:
-            self.top[self.key] = msgspec.Raw(b"[" + b",".join(items) + b"]")
+            joined = b",".join(items)
+            self.top[self.key] = msgspec.Raw(b"".join((b"[", joined, b"]")))
         return _enc.encode(self.top)
 
 
