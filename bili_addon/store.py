@@ -713,6 +713,14 @@ class Store:
         return ledger_rows(r[0] for r in self.db.execute(
             "SELECT rows FROM ledger_turns WHERE session_id=? ORDER BY seq", (session_id,)))
 
+    def session_state(self, session_id: str) -> tuple[SessionRow | None, list[LedgerRow], list[str], list[tuple],
+                                                      str | None]:
+        """What loading a session reads, as one consistent state: its row, ledger, blocks, calls
+        and canonical copy (PostgreSQL: one statement)."""
+        with self.snapshot():
+            return (self.session(session_id), self.ledger(session_id), self.blocks(session_id),
+                    self.calls(session_id), self.copy(session_id))
+
     @_reads
     def ref_count(self, session_id: str) -> int:
         """The session's ledger rows (a key is in one write's row only)."""

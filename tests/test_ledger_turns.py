@@ -88,3 +88,14 @@ def test_refs_a_turn_gives_must_be_the_stores_next_numbers_in_order(backend):
                       minted=[("m00002", "aa"), ("m00003", "bb")])
     assert s.commit_turn(row, [rows[0], LedgerRow("h_b", "bb", "m00002", "user", "text", 1)], expect=0,
                          minted=[("m00001", "aa"), ("m00002", "bb")]) == 1
+
+
+def test_a_sessions_state_is_read_at_once_as_its_parts_read_it(backend):
+    e, _msgs = fold_conversation(backend())
+    s = e.store
+    s.record_calls("fold-1", [("k-wait", "search_context", '{"query": "x"}')], expect=s.version("fold-1"))
+    state = s.session_state("fold-1")
+    assert state == (s.session("fold-1"), s.ledger("fold-1"), s.blocks("fold-1"), s.calls("fold-1"),
+                     s.copy("fold-1"))
+    assert state[2] and state[4] and [c[3] for c in state[3]][-1] is None  # blocks, a copy, a call waiting
+    assert s.session_state("nobody") == (None, [], [], [], None)
