@@ -470,6 +470,9 @@ class PgStore:
             raise pg_error("open", url, e) from e
         try:
             self._migrate()
+            # the sessions' lock connection too, now: a proxy's first turn does not wait for it
+            # (hold opens it again when it is lost)
+            self._lock_connection()
         except (psycopg.Error, PoolTimeout) as e:
             self.close()
             raise pg_error("open", url, e) from e
@@ -575,9 +578,7 @@ class PgStore:
         if session_id in self._held:
             return
         try:
-            if self._lock_conn is None or self._lock_conn.closed:
-                self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
-                self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
+            self._lock_connection()
             self.round_trips += 1
             version, fam, last = self._lock_conn.execute(
                 "SELECT * FROM bili_hold(%s, %s)", (self.lock_key(session_id), session_id)).fetchone()
@@ -592,6 +593,12 @@ class PgStore:
             (fam[0], fam[1], int(fam[2]), int(fam[3] or 1)) if fam is not None else None,
             tuple(int(x) for x in last) if last is not None else None,
         )
+
+    def _lock_connection(self) -> None:
+        """The connection that holds the sessions' advisory locks (opened when missing)."""
+        if self._lock_conn is None or self._lock_conn.closed:
+            self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
+            self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
 
     def release(self) -> None:
         self._state.clear()
