@@ -1,13 +1,15 @@
 """The embedded store: SQLite in WAL mode under ``bili_data_dir``.
 
 Everything a session needs to survive a restart lives here: the ledger (``(session_id, msg_id,
-content_hash) -> ref``), the session rows, and the anonymous-conversation prefix chains.  A turn
+content_hash) -> ref``, one row per session write since schema 7), the session rows, and the
+anonymous-conversation prefix chains.  A turn
 is written in one transaction, before its bytes are forwarded, so ``kill -9`` can lose at most a
 turn that was never sent with its refs.
 
 Several processes may share one store (two proxies on one data dir).  Two rules keep them
-correct: a ref is allocated in the store, in the transaction that records it (``refs`` holds the
-one text of each ``(session, ref)``, primary key), and every write to a session's state checks
+correct: a ref is allocated in the store, in the transaction that records it (a turn's new refs
+must be the session's next numbers there, in order: the counter only grows, so none is given
+twice; ``refs`` keeps the one text of each), and every write to a session's state checks
 and advances the session's ``version``: a process whose cached copy of a session is older than
 the store's gets :class:`StaleSession` and reloads the session instead of writing over it.
 """

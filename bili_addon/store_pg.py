@@ -1,7 +1,7 @@
 """The shared store: PostgreSQL, for a team gateway (several bili instances, one database).
 
 The same tables and the same two rules as the embedded SQLite store (:mod:`bili_addon.store`):
-a ref is allocated in the transaction that records it (``refs``: primary key ``(session, ref)``),
+a ref is allocated in the transaction that records it (the session's next numbers, in order),
 and every write to a session's state checks and advances the session's ``version`` (an
 ``UPDATE ... WHERE version = expected``: under READ COMMITTED a second instance writing the same
 session waits for the first one's row lock, then finds the version moved and gets
