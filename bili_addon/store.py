@@ -1,13 +1,15 @@
 """The embedded store: SQLite in WAL mode under ``bili_data_dir``.
 
 Everything a session needs to survive a restart lives here: the ledger (``(session_id, msg_id,
-content_hash) -> ref``), the session rows, and the anonymous-conversation prefix chains.  A turn
+content_hash) -> ref``, one row per session write since schema 7), the session rows, and the
+anonymous-conversation prefix chains.  A turn
 is written in one transaction, before its bytes are forwarded, so ``kill -9`` can lose at most a
 turn that was never sent with its refs.
 
 Several processes may share one store (two proxies on one data dir).  Two rules keep them
-correct: a ref is allocated in the store, in the transaction that records it (``refs`` holds the
-one text of each ``(session, ref)``, primary key), and every write to a session's state checks
+correct: a ref is allocated in the store, in the transaction that records it (a turn's new refs
+must be the session's next numbers there, in order: the counter only grows, so none is given
+twice; ``refs`` keeps the one text of each), and every write to a session's state checks
 and advances the session's ``version``: a process whose cached copy of a session is older than
 the store's gets :class:`StaleSession` and reloads the session instead of writing over it.
 """
@@ -30,8 +32,9 @@ import msgspec
 
 from bili_addon import private
 
-SCHEMA_VERSION = 6  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
-# turn commit and session hold (functions, nothing in SQLite). PostgreSQL migrations: store_pg._MIGRATIONS[3..6]
+SCHEMA_VERSION = 7  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
+# turn commit and session hold (functions, nothing in SQLite); 7: the ledger and the refs as one row per session write
+# (``ledger_turns``, ``refs_turns``; ``ledger`` and ``refs`` are views of them). PostgreSQL: store_pg._MIGRATIONS[3..7]
 BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
 
 _SCHEMA = """
@@ -53,22 +56,25 @@ CREATE TABLE IF NOT EXISTS sessions(
     turns INTEGER NOT NULL DEFAULT 0,
     version INTEGER NOT NULL DEFAULT 0
 );
-CREATE TABLE IF NOT EXISTS ledger(
+-- schema 7 (#11): the ledger as one row per session write (a turn, a fork's adoption): its new rows
+-- ``(msg_id, content_hash) -> ref`` as one JSON array of [msg_id, content_hash, ref, role, ctype, tokens]
+-- (a key is in one row of its session only); ``seq``: the session version the write made (<= 0: rows
+-- a schema-6 store held, one per first_seen). ``refs_turns``: the refs each write gave, [[ref, content_hash]...]
+-- (a ref is in one row of its session only). The views ``ledger`` and ``refs`` show them row by row.
+CREATE TABLE IF NOT EXISTS ledger_turns(
     session_id TEXT NOT NULL,
-    msg_id TEXT NOT NULL,
-    content_hash TEXT NOT NULL,
-    ref TEXT NOT NULL,
-    role TEXT NOT NULL,
-    ctype TEXT NOT NULL,
-    tokens INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
     first_seen REAL NOT NULL,
-    PRIMARY KEY(session_id, msg_id, content_hash)
+    n INTEGER NOT NULL,
+    rows TEXT NOT NULL,
+    PRIMARY KEY(session_id, seq)
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS refs(
+CREATE TABLE IF NOT EXISTS refs_turns(
     session_id TEXT NOT NULL,
-    ref TEXT NOT NULL,
-    content_hash TEXT NOT NULL,
-    PRIMARY KEY(session_id, ref)
+    seq INTEGER NOT NULL,
+    n INTEGER NOT NULL,
+    given TEXT NOT NULL,
+    PRIMARY KEY(session_id, seq)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS affinity(
     session_id TEXT PRIMARY KEY,
@@ -207,6 +213,25 @@ CREATE TABLE IF NOT EXISTS chains(
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS chains_session ON chains(session_id);
 """
+# schema 7: the row-by-row views of the one-row-per-write ledger and refs (ad-hoc SQL, tests, operators)
+_VIEWS = """
+CREATE VIEW IF NOT EXISTS ledger AS SELECT t.session_id AS session_id, json_extract(j.value, '$[0]') AS msg_id,
+    json_extract(j.value, '$[1]') AS content_hash, json_extract(j.value, '$[2]') AS ref,
+    json_extract(j.value, '$[3]') AS role, json_extract(j.value, '$[4]') AS ctype,
+    json_extract(j.value, '$[5]') AS tokens, t.first_seen AS first_seen
+    FROM ledger_turns t, json_each(t.rows) j;
+CREATE VIEW IF NOT EXISTS refs AS SELECT t.session_id AS session_id, json_extract(j.value, '$[0]') AS ref,
+    json_extract(j.value, '$[1]') AS content_hash FROM refs_turns t, json_each(t.given) j;
+"""
+# the schema-6 tables that schema 7 replaces (a store older than 7 is read through them once, then they go)
+_LEGACY = """
+CREATE TABLE IF NOT EXISTS refs(
+    session_id TEXT NOT NULL,
+    ref TEXT NOT NULL,
+    content_hash TEXT NOT NULL,
+    PRIMARY KEY(session_id, ref)
+) WITHOUT ROWID;
+"""
 # the columns of a chains row, in the order save_chain takes and chain returns them
 CHAIN_COLS = ("id", "session_id", "conn", "stored", "agent_base", "agent_keep", "agent", "sent_base", "sent_keep",
               "sent", "output", "owner", "created")
@@ -342,7 +367,9 @@ def store_error(action: str, path: Path, e: BaseException) -> StoreError:
     return StoreError(f"cannot {action} the store at {path}: {words} ({e})", kind, _HINTS.get(kind, ""))
 
 
-class LedgerRow(msgspec.Struct, gc=False):
+class LedgerRow(msgspec.Struct, gc=False, array_like=True):
+    """One ledger row; a write's rows are stored as one JSON array of arrays (schema 7)."""
+
     msg_id: str
     content_hash: str
     ref: str
@@ -351,7 +378,64 @@ class LedgerRow(msgspec.Struct, gc=False):
     tokens: int
 
 
-_BY_MSG_ID = operator.attrgetter("msg_id")
+_LEDGER_KEY = operator.attrgetter("msg_id", "content_hash")
+_ledger_dec = msgspec.json.Decoder(list[LedgerRow])
+_given_dec = msgspec.json.Decoder(list[tuple[str, str]])
+_json = msgspec.json.Encoder()
+
+
+def ledger_rows(docs) -> list[LedgerRow]:
+    """The rows of a session's ledger from its ``ledger_turns`` documents, in key order (the order
+    the one-row-per-part table of schema 6 read them in)."""
+    rows: list[LedgerRow] = []
+    for doc in docs:
+        rows += _ledger_dec.decode(doc)
+    rows.sort(key=_LEDGER_KEY)
+    return rows
+
+
+def contiguous(minted: list[tuple[str, str]]) -> int:
+    """The number of the first of ``minted`` refs, which must be consecutive (a turn gives the
+    session's next free numbers in order; the store checks the first against its counter)."""
+    first = int(minted[0][0][1:])
+    if [r for r, _ in minted] != [f"m{i:05d}" for i in range(first, first + len(minted))]:
+        raise StoreError(f"the refs of a turn are not consecutive ({minted[0][0]}...{minted[-1][0]})")
+    return first
+
+
+def rebase(ledger_docs: list[tuple[int, str]], refs_docs: list[tuple[int, str]], inherited: list[LedgerRow],
+           retired: list[tuple[str, str, str]]):
+    """What a fork's adoption does to the child's one-row-per-write ledger and refs (both backends):
+    its rows whose keys the inherited rows take are dropped from the rows that held them, its retired
+    rows take their new refs where they are, and the refs the inherited and retired rows name are
+    dropped from the writes that gave them.  Returns ``(changed ledger docs, changed refs docs)`` as
+    ``{seq: (n, doc)}`` (``n == 0``: delete the row)."""
+    taken = {(r.msg_id, r.content_hash) for r in inherited}
+    moved = {(m, h): ref for m, h, ref in retired}
+    named = {r.ref for r in inherited} | set(moved.values())
+    led: dict[int, tuple[int, str]] = {}
+    for seq, doc in ledger_docs:
+        rows = _ledger_dec.decode(doc)
+        out = []
+        changed = False
+        for r in rows:
+            key = (r.msg_id, r.content_hash)
+            if key in taken:
+                changed = True
+                continue
+            if key in moved and moved[key] != r.ref:
+                r = msgspec.structs.replace(r, ref=moved[key])
+                changed = True
+            out.append(r)
+        if changed:
+            led[seq] = (len(out), _json.encode(out).decode())
+    refs: dict[int, tuple[int, str]] = {}
+    for seq, doc in refs_docs:
+        given = _given_dec.decode(doc)
+        kept = [g for g in given if g[0] not in named]
+        if len(kept) != len(given):
+            refs[seq] = (len(kept), _json.encode(kept).decode())
+    return led, refs
 
 
 @dataclass(slots=True)
@@ -527,18 +611,26 @@ class Store:
         """Bring a store of an older schema up to date (idempotent; one transaction)."""
         row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         have = int(row[0]) if row is not None else 0
-        if have >= SCHEMA_VERSION:
+        legacy = self.db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='ledger'").fetchone()
+        if have >= SCHEMA_VERSION and legacy is None:
             return
         with self._tx():
             # 3: the wire table, 4: the calibration table, 5: the chains table, made by _SCHEMA like
             # every table; nothing to move. 6: nothing in SQLite (PostgreSQL's turn commit became functions)
-            if have < 2:
-                self._repair_refs()
+            if legacy is not None:  # a store of schema 6 or older: its ledger and refs one row per part
+                self.db.execute(_LEGACY)  # (a store of schema 1 may have none)
+                if have < 2:
+                    self._repair_refs()
+                self._one_row_per_write()
+            for stmt in _VIEWS.split(";"):
+                if stmt.strip():
+                    self.db.execute(stmt)
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES('schema_version', ?)",
                             (str(SCHEMA_VERSION),))
 
     def _repair_refs(self) -> None:
-        """Schema 2: a ``version`` per session and the ``refs`` table filled from the ledger."""
+        """Schema 2: a ``version`` per session and the ``refs`` table filled from the ledger (the
+        tables of schema 6, before :meth:`_one_row_per_write` moves them)."""
         cols = {r[1] for r in self.db.execute("PRAGMA table_info(sessions)")}
         if "version" not in cols:
             self.db.execute("ALTER TABLE sessions ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
@@ -550,6 +642,24 @@ class Store:
             "UPDATE sessions SET next_ref=given + 1, version=version + 1 FROM (SELECT session_id, "
             "MAX(CAST(substr(ref, 2) AS INTEGER)) AS given FROM refs GROUP BY session_id) AS r "
             "WHERE r.session_id=sessions.id AND sessions.next_ref <= r.given")
+
+    def _one_row_per_write(self) -> None:
+        """Schema 7: the ledger's rows of a schema-6 store grouped into one ``ledger_turns`` row per
+        session and ``first_seen`` (the rows one write made share it: every row keeps its
+        first_seen), numbered up to 0 in that order; each session's refs into one ``refs_turns`` row
+        (seq 0); then the tables of one row per part go (their views take their names)."""
+        self.db.execute(
+            "INSERT INTO ledger_turns(session_id, seq, first_seen, n, rows) "
+            "SELECT session_id, ROW_NUMBER() OVER (PARTITION BY session_id ORDER BY first_seen) "
+            "- COUNT(*) OVER (PARTITION BY session_id), first_seen, COUNT(*), "
+            "json_group_array(json_array(msg_id, content_hash, ref, role, ctype, tokens)) "
+            "FROM (SELECT * FROM ledger ORDER BY session_id, msg_id, content_hash) GROUP BY session_id, first_seen")
+        self.db.execute(
+            "INSERT INTO refs_turns(session_id, seq, n, given) SELECT session_id, 0, COUNT(*), "
+            "json_group_array(json_array(ref, content_hash)) FROM (SELECT * FROM refs ORDER BY session_id, ref) "
+            "GROUP BY session_id")
+        self.db.execute("DROP TABLE ledger")
+        self.db.execute("DROP TABLE refs")
 
     def close(self) -> None:
         try:
@@ -602,15 +712,22 @@ class Store:
 
     @_reads
     def ledger(self, session_id: str) -> list[LedgerRow]:
-        rows = self.db.execute(
-            "SELECT msg_id, content_hash, ref, role, ctype, tokens FROM ledger WHERE session_id=?",
-            (session_id,),
-        ).fetchall()
-        return [LedgerRow(*r) for r in rows]
+        return ledger_rows(r[0] for r in self.db.execute(
+            "SELECT rows FROM ledger_turns WHERE session_id=? ORDER BY seq", (session_id,)))
+
+    def session_state(self, session_id: str) -> tuple[SessionRow | None, list[LedgerRow], list[str], list[tuple],
+                                                      str | None]:
+        """What loading a session reads, as one consistent state: its row, ledger, blocks, calls
+        and canonical copy (PostgreSQL: one statement)."""
+        with self.snapshot():
+            return (self.session(session_id), self.ledger(session_id), self.blocks(session_id),
+                    self.calls(session_id), self.copy(session_id))
 
     @_reads
     def ref_count(self, session_id: str) -> int:
-        return self.db.execute("SELECT COUNT(*) FROM ledger WHERE session_id=?", (session_id,)).fetchone()[0]
+        """The session's ledger rows (a key is in one write's row only)."""
+        return self.db.execute("SELECT COALESCE(SUM(n), 0) FROM ledger_turns WHERE session_id=?",
+                               (session_id,)).fetchone()[0]
 
     @_reads
     def usage(self, session_id: str) -> UsageTotals:
@@ -661,7 +778,7 @@ class Store:
         now = time.time()
         with self._tx():
             version = self._advance(row.id, expect)
-            self._allocate(row.id, minted, row.next_ref)
+            self._allocate(row.id, minted, row.next_ref, version)
             self.db.execute(
                 "INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, "
                 "version) VALUES(?,?,?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, "
@@ -672,16 +789,10 @@ class Store:
                  row.flags, version),
             )
             if new_refs:
-                # in key order: content-hash ids are random, and SQLite appends sorted keys to the
-                # B-tree far cheaper than it scatters them (a first turn of 10,000 messages: ~25%
-                # less time in this statement, bench_overhead.py); the table has no other order
-                sid = row.id
-                self.db.executemany(
-                    "INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen) "
-                    "VALUES(?,?,?,?,?,?,?,?)",
-                    [(sid, r.msg_id, r.content_hash, r.ref, r.role, r.ctype, r.tokens, now)
-                     for r in sorted(new_refs, key=_BY_MSG_ID)],
-                )
+                # one row for the turn's new ledger rows (schema 7): a first turn of 1,000 messages
+                # wrote ~1,500 rows one by one before (~5 ms), one JSON text now
+                self.db.execute("INSERT INTO ledger_turns(session_id, seq, first_seen, n, rows) VALUES(?,?,?,?,?)",
+                                (row.id, version, now, len(new_refs), _json.encode(new_refs).decode()))
             if chain is not None:
                 self.db.execute(
                     "INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(?,?,?,?) "
@@ -691,10 +802,11 @@ class Store:
                 )
         return version
 
-    def _allocate(self, session_id: str, minted: list[tuple[str, str]], next_ref: int) -> None:
+    def _allocate(self, session_id: str, minted: list[tuple[str, str]], next_ref: int, version: int) -> None:
         """The one place refs are given (inside the turn's transaction): ``minted`` must be the
-        session's next free numbers in the store, and each ``(session, ref)`` names one text
-        (``refs`` primary key).  ``next_ref``: the counter after them."""
+        session's next free numbers in the store, in order, so a ref is never given twice (the
+        counter only grows); they are kept as one ``refs_turns`` row of the write (``version``).
+        ``next_ref``: the counter after them."""
         if not minted:
             return
         have = self.db.execute("SELECT next_ref FROM sessions WHERE id=?", (session_id,)).fetchone()
@@ -705,13 +817,11 @@ class Store:
         ).fetchone()
         if family and family[0]:
             first = max(first, family[0])
-        if first + len(minted) != next_ref:
+        if first + len(minted) != next_ref or contiguous(minted) != first:
+            # given already: another process got there first
             raise StaleSession(session_id, next_ref - len(minted), first)
-        try:
-            self.db.executemany("INSERT INTO refs(session_id, ref, content_hash) VALUES(?,?,?)",
-                                [(session_id, ref, chash) for ref, chash in minted])
-        except sqlite3.IntegrityError as e:  # given already: another process got there first
-            raise StaleSession(session_id, next_ref - len(minted), first) from e
+        self.db.execute("INSERT INTO refs_turns(session_id, seq, n, given) VALUES(?,?,?,?)",
+                        (session_id, version, len(minted), _json.encode(minted).decode()))
 
     def set_flags(self, row: SessionRow, *, expect: int) -> int:
         with self._tx():
@@ -1027,11 +1137,24 @@ class Store:
         now = time.time()
         with self._tx():
             version = self._advance(child.id, expect)
-            self.db.executemany(  # the refs each name one text in the child from now on
-                "INSERT OR REPLACE INTO refs(session_id, ref, content_hash) VALUES(?,?,?)",
-                [(child.id, r.ref, r.content_hash) for r in ledger]
-                + [(child.id, ref, chash) for _msg_id, chash, ref in retired],
-            )
+            # the child's own rows and refs the inherited ones replace, and its retired rows' new refs
+            led, given = rebase(
+                self.db.execute("SELECT seq, rows FROM ledger_turns WHERE session_id=?", (child.id,)).fetchall(),
+                self.db.execute("SELECT seq, given FROM refs_turns WHERE session_id=?", (child.id,)).fetchall(),
+                ledger, retired)
+            for table, col, docs in (("ledger_turns", "rows", led), ("refs_turns", "given", given)):
+                for seq, (n, doc) in docs.items():
+                    if n:
+                        self.db.execute(f"UPDATE {table} SET n=?, {col}=? WHERE session_id=? AND seq=?",
+                                        (n, doc, child.id, seq))
+                    else:
+                        self.db.execute(f"DELETE FROM {table} WHERE session_id=? AND seq=?", (child.id, seq))
+            # the refs each name one text in the child from now on
+            named = [(r.ref, r.content_hash) for r in ledger] + [(ref, chash) for _msg_id, chash, ref in retired]
+            named = list(dict(named).items())
+            if named:
+                self.db.execute("INSERT INTO refs_turns(session_id, seq, n, given) VALUES(?,?,?,?)",
+                                (child.id, version, len(named), _json.encode(named).decode()))
             self.db.execute(
                 "INSERT OR IGNORE INTO lineage(session_id, parent, root, fork_at, created) VALUES(?,?,?,?,?)",
                 (root, "", root, 0, now),
@@ -1045,15 +1168,10 @@ class Store:
                 "ON CONFLICT(id) DO UPDATE SET next_ref=MAX(next_ref, excluded.next_ref), flags=excluded.flags",
                 (child.id, child.agent, child.lane, child.created, now, child.next_ref, child.flags),
             )
-            self.db.executemany(
-                "UPDATE ledger SET ref=? WHERE session_id=? AND msg_id=? AND content_hash=?",
-                [(ref, child.id, msg_id, chash) for msg_id, chash, ref in retired],
-            )
-            self.db.executemany(
-                "INSERT OR REPLACE INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, "
-                "first_seen) VALUES(?,?,?,?,?,?,?,?)",
-                [(child.id, r.msg_id, r.content_hash, r.ref, r.role, r.ctype, r.tokens, now) for r in ledger],
-            )
+            rows = list({(r.msg_id, r.content_hash): r for r in ledger}.values())
+            if rows:
+                self.db.execute("INSERT INTO ledger_turns(session_id, seq, first_seen, n, rows) VALUES(?,?,?,?,?)",
+                                (child.id, version, now, len(rows), _json.encode(rows).decode()))
             self.db.executemany(
                 "INSERT OR REPLACE INTO blocks(session_id, block_id, body, active) VALUES(?,?,?,?)",
                 [(child.id, bid, body, int(active)) for bid, body, active in blocks],

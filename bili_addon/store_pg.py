@@ -1,7 +1,7 @@
 """The shared store: PostgreSQL, for a team gateway (several bili instances, one database).
 
 The same tables and the same two rules as the embedded SQLite store (:mod:`bili_addon.store`):
-a ref is allocated in the transaction that records it (``refs``: primary key ``(session, ref)``),
+a ref is allocated in the transaction that records it (the session's next numbers, in order),
 and every write to a session's state checks and advances the session's ``version`` (an
 ``UPDATE ... WHERE version = expected``: under READ COMMITTED a second instance writing the same
 session waits for the first one's row lock, then finds the version moved and gets
@@ -24,7 +24,7 @@ import msgspec
 
 from bili_addon.store import (
     CALIBRATION_COLS, CHAIN_COLS, DB_NAME, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
-    StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, wire_turn,
+    StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, contiguous, ledger_rows, rebase, wire_turn,
 )
 
 try:
@@ -288,6 +288,99 @@ _MIGRATIONS[6] = [
     END
     $$""",
 ]
+# 7 (#11): the ledger and the refs as one row per session write (as in SQLite: store._SCHEMA), the
+# rows of a schema-6 store moved into them (every row keeps its first_seen), the tables of one row
+# per part replaced by views of the same names; the turn's commit writes one row of each
+_MIGRATIONS[7] = [
+    """CREATE TABLE IF NOT EXISTS ledger_turns(
+        session_id TEXT NOT NULL,
+        seq BIGINT NOT NULL,
+        first_seen DOUBLE PRECISION NOT NULL,
+        n BIGINT NOT NULL,
+        rows TEXT NOT NULL,
+        PRIMARY KEY(session_id, seq))""",
+    """CREATE TABLE IF NOT EXISTS refs_turns(
+        session_id TEXT NOT NULL,
+        seq BIGINT NOT NULL,
+        n BIGINT NOT NULL,
+        given TEXT NOT NULL,
+        PRIMARY KEY(session_id, seq))""",
+    """DO $$ BEGIN
+        IF (SELECT relkind FROM pg_class WHERE oid = to_regclass('ledger')) = 'r' THEN
+            INSERT INTO ledger_turns(session_id, seq, first_seen, n, rows)
+                SELECT session_id, ROW_NUMBER() OVER (PARTITION BY session_id ORDER BY first_seen)
+                    - COUNT(*) OVER (PARTITION BY session_id), first_seen, COUNT(*),
+                    json_agg(json_build_array(msg_id, content_hash, ref, role, ctype, tokens)
+                             ORDER BY msg_id COLLATE "C", content_hash COLLATE "C")::TEXT
+                FROM ledger GROUP BY session_id, first_seen;
+            DROP TABLE ledger;
+        END IF;
+        IF (SELECT relkind FROM pg_class WHERE oid = to_regclass('refs')) = 'r' THEN
+            INSERT INTO refs_turns(session_id, seq, n, given)
+                SELECT session_id, 0, COUNT(*), json_agg(json_build_array(ref, content_hash) ORDER BY ref)::TEXT
+                FROM refs GROUP BY session_id;
+            DROP TABLE refs;
+        END IF;
+    END $$""",
+    """CREATE OR REPLACE VIEW ledger AS SELECT t.session_id, e->>0 AS msg_id, e->>1 AS content_hash, e->>2 AS ref,
+        e->>3 AS role, e->>4 AS ctype, (e->>5)::BIGINT AS tokens, t.first_seen
+        FROM ledger_turns t, json_array_elements(t.rows::json) AS e""",
+    """CREATE OR REPLACE VIEW refs AS SELECT t.session_id, e->>0 AS ref, e->>1 AS content_hash
+        FROM refs_turns t, json_array_elements(t.given::json) AS e""",
+    """CREATE OR REPLACE FUNCTION bili_commit_turn(
+        p_id TEXT, p_expect BIGINT, p_agent TEXT, p_lane TEXT, p_created DOUBLE PRECISION, p_now DOUBLE PRECISION,
+        p_requests BIGINT, p_messages BIGINT, p_next_ref BIGINT, p_flags TEXT,
+        p_minted JSON, p_rows JSON, p_depth BIGINT, p_tail TEXT) RETURNS BIGINT LANGUAGE plpgsql AS $$
+    DECLARE
+        v BIGINT;
+        first BIGINT;
+        fam BIGINT;
+        k BIGINT := json_array_length(p_minted);
+        n BIGINT := json_array_length(p_rows);
+    BEGIN
+        -- the session's version must still be the one the turn was computed from (its row lock
+        -- makes a second instance wait here, then find the version moved)
+        UPDATE sessions SET version = version + 1 WHERE id = p_id AND version = p_expect RETURNING version INTO v;
+        IF v IS NULL AND p_expect = 0 THEN
+            INSERT INTO sessions(id, created, last_seen, version) VALUES(p_id, p_now, p_now, 1)
+                ON CONFLICT(id) DO NOTHING RETURNING version INTO v;
+        END IF;
+        IF v IS NULL THEN
+            SELECT version INTO v FROM sessions WHERE id = p_id;
+            RAISE EXCEPTION 'session % was changed by another instance', p_id
+                USING ERRCODE = 'BL001', DETAIL = COALESCE(v, 0)::TEXT;
+        END IF;
+        -- refs: the session's next free numbers (a family shares one counter), in order (the client
+        -- checked they are consecutive), so none is given twice: the counter only grows
+        IF k > 0 THEN
+            SELECT (SELECT next_ref FROM sessions WHERE id = p_id),
+                   (SELECT MAX(s.next_ref) FROM lineage m JOIN sessions s ON s.id = m.session_id
+                     WHERE m.root = (SELECT root FROM lineage WHERE session_id = p_id))
+              INTO first, fam;
+            first := GREATEST(COALESCE(first, 1), COALESCE(fam, 0));
+            IF first + k <> p_next_ref OR p_minted->0->>0 <> 'm' || lpad(first::TEXT, 5, '0') THEN
+                RAISE EXCEPTION 'refs of session % were given by another instance', p_id
+                    USING ERRCODE = 'BL001', DETAIL = first::TEXT;
+            END IF;
+            INSERT INTO refs_turns(session_id, seq, n, given) VALUES(p_id, v, k, p_minted::TEXT);
+        END IF;
+        INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, version)
+            VALUES(p_id, p_agent, p_lane, p_created, p_now, p_requests, p_messages, p_next_ref, p_flags, v)
+            ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, lane=excluded.lane, last_seen=excluded.last_seen,
+                requests=excluded.requests, messages=excluded.messages, next_ref=excluded.next_ref,
+                flags=excluded.flags, version=excluded.version;
+        IF n > 0 THEN
+            INSERT INTO ledger_turns(session_id, seq, first_seen, n, rows) VALUES(p_id, v, p_now, n, p_rows::TEXT);
+        END IF;
+        IF p_tail IS NOT NULL THEN
+            INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(p_id, p_depth, p_tail, p_now)
+                ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail,
+                    last_seen=excluded.last_seen;
+        END IF;
+        RETURN v;
+    END
+    $$""",
+]
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
 
 
@@ -377,6 +470,9 @@ class PgStore:
             raise pg_error("open", url, e) from e
         try:
             self._migrate()
+            # the sessions' lock connection too, now: a proxy's first turn does not wait for it
+            # (hold opens it again when it is lost)
+            self._lock_connection()
         except (psycopg.Error, PoolTimeout) as e:
             self.close()
             raise pg_error("open", url, e) from e
@@ -482,9 +578,7 @@ class PgStore:
         if session_id in self._held:
             return
         try:
-            if self._lock_conn is None or self._lock_conn.closed:
-                self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
-                self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
+            self._lock_connection()
             self.round_trips += 1
             version, fam, last = self._lock_conn.execute(
                 "SELECT * FROM bili_hold(%s, %s)", (self.lock_key(session_id), session_id)).fetchone()
@@ -499,6 +593,12 @@ class PgStore:
             (fam[0], fam[1], int(fam[2]), int(fam[3] or 1)) if fam is not None else None,
             tuple(int(x) for x in last) if last is not None else None,
         )
+
+    def _lock_connection(self) -> None:
+        """The connection that holds the sessions' advisory locks (opened when missing)."""
+        if self._lock_conn is None or self._lock_conn.closed:
+            self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
+            self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
 
     def release(self) -> None:
         self._state.clear()
@@ -580,12 +680,34 @@ class PgStore:
 
     @_reads
     def ledger(self, session_id: str) -> list[LedgerRow]:
-        return [LedgerRow(*r) for r in self._q(
-            "SELECT msg_id, content_hash, ref, role, ctype, tokens FROM ledger WHERE session_id=%s", (session_id,))]
+        return ledger_rows(r[0] for r in self._q(
+            "SELECT rows FROM ledger_turns WHERE session_id=%s ORDER BY seq", (session_id,)))
+
+    @_reads
+    def session_state(self, session_id: str) -> tuple[SessionRow | None, list[LedgerRow], list[str], list[tuple],
+                                                      str | None]:
+        """As :meth:`bili_addon.store.Store.session_state`, in one statement (one snapshot, one round
+        trip instead of eight: a session's first turn, and every reload of another instance's turn)."""
+        if self._conn is not None:  # inside a transaction or a snapshot: its reads
+            return (self.session(session_id), self.ledger(session_id), self.blocks(session_id),
+                    self.calls(session_id), self.copy(session_id))
+        cols = ", ".join(f"s.{c.strip()}" for c in self._SESSION_COLS.split(","))
+        row = self._one(
+            f"SELECT {cols}, "
+            "ARRAY(SELECT rows FROM ledger_turns WHERE session_id=%(id)s ORDER BY seq), "
+            "ARRAY(SELECT body FROM blocks WHERE session_id=%(id)s ORDER BY block_id COLLATE \"C\"), "
+            "ARRAY(SELECT json_build_array(call_key, name, args, result)::TEXT FROM calls WHERE session_id=%(id)s "
+            "ORDER BY created, call_key), "
+            "(SELECT doc FROM copies WHERE session_id=%(id)s) "
+            "FROM (SELECT 1) AS one LEFT JOIN sessions s ON s.id=%(id)s", {"id": session_id})
+        n = len(self._SESSION_COLS.split(","))
+        calls = [tuple(msgspec.json.decode(c)) for c in row[n + 2]]
+        return (SessionRow(*row[:n]) if row[0] is not None else None, ledger_rows(row[n]), list(row[n + 1]),
+                calls, row[n + 3])
 
     @_reads
     def ref_count(self, session_id: str) -> int:
-        return self._one("SELECT COUNT(*) FROM ledger WHERE session_id=%s", (session_id,))[0]
+        return int(self._one("SELECT COALESCE(SUM(n), 0) FROM ledger_turns WHERE session_id=%s", (session_id,))[0])
 
     @_reads
     def usage(self, session_id: str) -> UsageTotals:
@@ -620,12 +742,14 @@ class PgStore:
         all back and names itself (:data:`_STALE`)."""
         now = time.time()
         minted = list(minted)
+        if minted:
+            contiguous(minted)  # the server checks the first against its counter
         try:
             with self._use() as conn:
                 self.round_trips += 1
                 version = conn.execute(
                     # the rows as one JSON text each (msgspec encodes thousands at C speed; psycopg's
-                    # array dumper works element by element in Python)
+                    # array dumper works element by element in Python), kept as they are (schema 7)
                     "SELECT bili_commit_turn(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s::json,%s::json,%s,%s)",
                     (row.id, expect, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref,
                      row.flags, msgspec.json.encode(minted).decode(), msgspec.json.encode(new_refs).decode(),
@@ -936,10 +1060,32 @@ class PgStore:
         now = time.time()
         with self._tx() as conn:
             version = self._advance(conn, child.id, expect)
-            self._many("INSERT INTO refs(session_id, ref, content_hash) VALUES(%s,%s,%s) ON CONFLICT(session_id, ref) "
-                       "DO UPDATE SET content_hash=excluded.content_hash",
-                       [(child.id, r.ref, r.content_hash) for r in ledger]
-                       + [(child.id, ref, chash) for _msg_id, chash, ref in retired])
+            # the child's own rows and refs the inherited ones replace, and its retired rows' new refs
+            self.round_trips += 2
+            led, given = rebase(
+                conn.execute("SELECT seq, rows FROM ledger_turns WHERE session_id=%s", (child.id,)).fetchall(),
+                conn.execute("SELECT seq, given FROM refs_turns WHERE session_id=%s", (child.id,)).fetchall(),
+                ledger, retired)
+            for table, col, docs in (("ledger_turns", "rows", led), ("refs_turns", "given", given)):
+                for seq, (n, doc) in docs.items():
+                    self.round_trips += 1
+                    if n:
+                        conn.execute(f"UPDATE {table} SET n=%s, {col}=%s WHERE session_id=%s AND seq=%s",
+                                     (n, doc, child.id, seq))
+                    else:
+                        conn.execute(f"DELETE FROM {table} WHERE session_id=%s AND seq=%s", (child.id, seq))
+            # the refs each name one text in the child from now on
+            named = [(r.ref, r.content_hash) for r in ledger] + [(ref, chash) for _msg_id, chash, ref in retired]
+            named = list(dict(named).items())
+            rows = list({(r.msg_id, r.content_hash): r for r in ledger}.values())
+            if named:
+                self.round_trips += 1
+                conn.execute("INSERT INTO refs_turns(session_id, seq, n, given) VALUES(%s,%s,%s,%s)",
+                             (child.id, version, len(named), msgspec.json.encode(named).decode()))
+            if rows:
+                self.round_trips += 1
+                conn.execute("INSERT INTO ledger_turns(session_id, seq, first_seen, n, rows) VALUES(%s,%s,%s,%s,%s)",
+                             (child.id, version, now, len(rows), msgspec.json.encode(rows).decode()))
             self.round_trips += 3
             conn.execute("INSERT INTO lineage(session_id, parent, root, fork_at, created) VALUES(%s,%s,%s,%s,%s) "
                          "ON CONFLICT DO NOTHING", (root, "", root, 0, now))
@@ -950,13 +1096,6 @@ class PgStore:
                 "ON CONFLICT(id) DO UPDATE SET next_ref=GREATEST(sessions.next_ref, excluded.next_ref), "
                 "flags=excluded.flags",
                 (child.id, child.agent, child.lane, child.created, now, child.next_ref, child.flags))
-            self._many("UPDATE ledger SET ref=%s WHERE session_id=%s AND msg_id=%s AND content_hash=%s",
-                       [(ref, child.id, msg_id, chash) for msg_id, chash, ref in retired])
-            self._many("INSERT INTO ledger(session_id, msg_id, content_hash, ref, role, ctype, tokens, first_seen) "
-                       "VALUES(%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT(session_id, msg_id, content_hash) DO UPDATE SET "
-                       "ref=excluded.ref, role=excluded.role, ctype=excluded.ctype, tokens=excluded.tokens, "
-                       "first_seen=excluded.first_seen",
-                       [(child.id, r.msg_id, r.content_hash, r.ref, r.role, r.ctype, r.tokens, now) for r in ledger])
             self._many("INSERT INTO blocks(session_id, block_id, body, active) VALUES(%s,%s,%s,%s) "
                        "ON CONFLICT(session_id, block_id) DO UPDATE SET body=excluded.body, active=excluded.active",
                        [(child.id, bid, body, int(active)) for bid, body, active in blocks])

@@ -231,26 +231,34 @@ def median_ms(samples: list[float]) -> float:
 
 class DigestCounter:
     """Counts the content hashes the kernel computes (``identity.digest`` wherever the kernel
-    imported it: item parsing in ``state``, tag stripping in ``turn``)."""
+    imported it: item parsing in ``state``, tag stripping in ``turn``; and the SHA-256 that item
+    parsing calls where it inlines ``digest``: ``ItemCache.get_many``)."""
 
     MODULES = (state_mod, turn_mod)
 
     def __init__(self):
         self.n = 0
         self.orig = state_mod.digest
+        self.orig_sha = state_mod.sha256
 
     def __enter__(self):
         def counted(core):
             self.n += 1
             return self.orig(core)
 
+        def counted_sha(data):
+            self.n += 1
+            return self.orig_sha(data)
+
         for m in self.MODULES:
             m.digest = counted
+        state_mod.sha256 = counted_sha
         return self
 
     def __exit__(self, *exc):
         for m in self.MODULES:
             m.digest = self.orig
+        state_mod.sha256 = self.orig_sha
 
 
 ACTIVATE = "always"

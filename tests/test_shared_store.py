@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import re
-import sqlite3
 
 import pytest
 
 from bili_addon.kernel.turn import Engine
-from bili_addon.store import DB_NAME, StaleSession, Store
+from bili_addon.store import StaleSession, Store
 from bili_addon.wire import LANES
+from legacy import to_schema_6
 
 ANTH = LANES["anthropic"]
 SID = {"x-acp-session": "shared"}
@@ -102,19 +102,12 @@ def test_the_store_refuses_a_ref_given_twice(backend):
 
 def test_an_old_store_with_a_ref_given_twice_is_repaired_on_open(tmp_path):
     s = Store(tmp_path)
-    s.close()
-    db = sqlite3.connect(tmp_path / DB_NAME)
-    db.executescript("""
-        DROP TABLE refs;
-        UPDATE meta SET value='1' WHERE key='schema_version';
-        INSERT INTO sessions(id, created, last_seen, next_ref) VALUES('old', 0, 0, 3);
-        INSERT INTO ledger VALUES('old', 'h_a', 'aa', 'm00001', 'user', 'text', 1, 1.0);
-        INSERT INTO ledger VALUES('old', 'h_b', 'bb', 'm00002', 'user', 'text', 1, 2.0);
-        INSERT INTO ledger VALUES('old', 'h_c', 'cc', 'm00002', 'user', 'text', 1, 3.0);
-        INSERT INTO ledger VALUES('old', 'h_d', 'dd', 'm00003', 'user', 'text', 1, 4.0);
-    """)
-    db.commit()
-    db.close()
+    s.db.execute("INSERT INTO sessions(id, created, last_seen, next_ref) VALUES('old', 0, 0, 3)")
+    to_schema_6(s, version=1, refs=[], ledger=[  # schema 1: one row per part, no refs
+        ("old", "h_a", "aa", "m00001", "user", "text", 1, 1.0),
+        ("old", "h_b", "bb", "m00002", "user", "text", 1, 2.0),
+        ("old", "h_c", "cc", "m00002", "user", "text", 1, 3.0),
+        ("old", "h_d", "dd", "m00003", "user", "text", 1, 4.0)])
     s = Store(tmp_path)
     owners = dict(s.db.execute("SELECT ref, content_hash FROM refs WHERE session_id='old'").fetchall())
     assert owners == {"m00001": "aa", "m00002": "bb", "m00003": "dd"}

@@ -13,7 +13,7 @@ import re
 
 from bili_addon.wire.base import Core
 
-_sha256 = hashlib.sha256
+_sha256 = sha256 = hashlib.sha256
 _CJK = re.compile("[\u4e00-\u9fff\u3040-\u30ff\uac00-\ud7af]")
 
 
@@ -26,7 +26,8 @@ def seed(core: Core) -> str:
 
 def digest(core: Core) -> tuple[str, str]:
     """``(base id, content hash)``: the id is ``h_`` + the first 16 hex of the content hash, which
-    the ledger keeps in full beside it as the safety belt against a wrong join."""
+    the ledger keeps in full beside it as the safety belt against a wrong join (inlined in
+    :meth:`ItemCache.get_many <bili_addon.kernel.state.ItemCache.get_many>`: change both together)."""
     s = f"{core.role}|{core.ctype}|{core.tool_call_id}|{core.tool_name}|{core.text}"  # seed(core), inlined
     if core.media:
         s += "|" + core.media

@@ -85,8 +85,7 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
                      and r.core.text.strip()]
             ref = (prose[-1] if prose else newest[-1]).entry.ref
             nudges[ref] = {"text": text, "how": "suffix" if prose else "item"}
-            host.set_flag(s.row.id, "nudges", nudges)
-            host.set_flag(s.row.id, "last_nudge_at", used)
+            host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
     cut = nudge.truncations(view, s.blocks, host.fold_cfg, host.nudge_cfg, used, window)
     known = s.flags.get("truncated", {})
     if any(ref not in known for ref in cut):

@@ -64,18 +64,17 @@ class Sessions(Mapping[str, Session]):
             else:
                 self._cache.move_to_end(sid)
                 return s
-        with self.store.snapshot():
-            row = self.store.session(sid)
-            if row is None:
-                now = time.time()
-                row = SessionRow(sid, agent, lane, now, now, 0, 0, 1)
-            s = Session(row, flags=json.loads(row.flags or "{}"), stored=row.version)
-            for r in self.store.ledger(sid):
-                s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
-                s.owners[r.ref] = r.content_hash
-            s.blocks = sorted((Block(**json.loads(doc)) for doc in self.store.blocks(sid)), key=lambda b: b.number)
-            s.calls = {k: Call(n, a, r) for k, n, a, r in self.store.calls(sid)}
-            s.copy = reconcile.Copy.from_json(self.store.copy(sid))
+        row, ledger, blocks, calls, copy = self.store.session_state(sid)  # one consistent state
+        if row is None:
+            now = time.time()
+            row = SessionRow(sid, agent, lane, now, now, 0, 0, 1)
+        s = Session(row, flags=json.loads(row.flags or "{}"), stored=row.version)
+        for r in ledger:
+            s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
+            s.owners[r.ref] = r.content_hash
+        s.blocks = sorted((Block(**json.loads(doc)) for doc in blocks), key=lambda b: b.number)
+        s.calls = {k: Call(n, a, r) for k, n, a, r in calls}
+        s.copy = reconcile.Copy.from_json(copy)
         if seen is not None:  # what this process saw of the conversation stays true (refs never change meaning)
             s.model, s.last_view, s.sent_tokens, s.unfolded_tokens = (
                 seen.model, seen.last_view, seen.sent_tokens, seen.unfolded_tokens)
@@ -100,13 +99,18 @@ class Sessions(Mapping[str, Session]):
     # -- writes ----------------------------------------------------------------------------------
     def set_flag(self, sid: str, key: str, value: Any) -> bool:
         """Persist a learned per-session fact; True when it changed."""
+        return self.set_flags(sid, {key: value})
+
+    def set_flags(self, sid: str, values: dict[str, Any]) -> bool:
+        """Persist learned per-session facts in one write; True when one changed."""
         s = self.load(sid)
-        if s.flags.get(key) == value:
+        changed = {k: v for k, v in values.items() if s.flags.get(k) != v}
+        if not changed:
             return False
-        s.flags[key] = value
+        s.flags.update(changed)
         s.row.flags = json.dumps(s.flags, sort_keys=True)
         s.stored = self.store.set_flags(s.row, expect=s.stored)
-        if key in RENDER_FLAGS:
+        if any(k in RENDER_FLAGS for k in changed):
             s.version += 1  # old items render differently now
         return True
 

@@ -20,7 +20,7 @@ from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.state import ItemInfo, Resolved, Session, TurnResult
 from bili_addon.kernel.tools import ProxyTools, call_key
 from bili_addon.wire import Lane, hygiene
-from bili_addon.wire.base import TEXT, TOOL_CALL, TOOL_RESULT, Core, patch_many
+from bili_addon.wire.base import TEXT, TOOL_CALL, TOOL_RESULT, Core, patch_decoded, patch_many
 
 if TYPE_CHECKING:
     from bili_addon.store import Store
@@ -42,9 +42,10 @@ class WireFolds(Protocol):
 
 def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], start: int, q: int,
                  resolved: list[list[Resolved]], rendered: list[bytes], changed_cum: list[int],
-                 tagged_cum: list[int], top: dict, origin: str, active: bool = True) -> None:
+                 tagged_cum: list[int], top: dict, origin: str, active: bool = True, objs: list | None = None) -> None:
     """Per-item transforms of the items from ``start + q`` on: tags (with any reminder they
-    carry), restored proxy calls and their real results, truncations, id hygiene."""
+    carry), restored proxy calls and their real results, truncations, id hygiene.  ``objs``: the
+    items this pass decoded (None where it did not), consumed by their tags' patching."""
     last = len(infos) - 1
     nudges = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "suffix"}
     model = top.get("model") if isinstance(top.get("model"), str) else ""
@@ -78,14 +79,20 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
                 tagged += 1
             elif r.dirty and core.path:
                 edits.append((core.path, core.text))
+        more = []
         if call_edits:
-            edits += ProxyTools.call_edits(s, lane, info, resolved[k], idless)
+            more += ProxyTools.call_edits(s, lane, info, resolved[k], idless)
         if responses and b'"msg-proxy-' in src:
-            edits += hygiene.proxy_id_edits("responses", info.obj)
+            more += hygiene.proxy_id_edits("responses", info.obj)
         if strict_chat and b'"tool_calls"' in src:
-            edits += hygiene.strict_chat_edits(info.obj)
+            more += hygiene.strict_chat_edits(info.obj)
+        if more:
+            edits += more
         if edits:
-            out = patch_many(src, edits)
+            obj = objs[i] if objs is not None and not more else None
+            out = patch_decoded(src, obj, edits) if obj is not None else None
+            if out is None:
+                out = patch_many(src, edits)
             changed_cum.append(changed_cum[-1] + (out != src))
         else:
             out = src

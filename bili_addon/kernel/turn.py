@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import breakpoints, cache, coverage, envelope, fold, nudge, pressure, tags
+from bili_addon.kernel import breakpoints, cache, coverage, envelope, fold, fresh, nudge, pressure, tags
 from bili_addon.kernel.calibration import Calibration
 from bili_addon.kernel.chains import Chains
 from bili_addon.kernel.compaction import Epochs
@@ -151,7 +151,8 @@ class Engine(ProxyTools, Epochs, Deferred):
             k = min(k, len(memo.raws) - 1)  # the previous last item may have been an untagged prefill
             if k <= memo.start:
                 k = 0
-        infos = (memo.infos[:k] if k else []) + [self.items.get(lane, bytes(r)) for r in raws[k:]]
+        objs: list = [None] * k  # the items parsed in this pass, as decoded (render_items patches them)
+        infos = (memo.infos[:k] if k else []) + self.items.get_many(lane, raws[k:], objs)
         start = memo.start if k else _system_run(infos)
 
         if ident is not None:
@@ -190,12 +191,19 @@ class Engine(ProxyTools, Epochs, Deferred):
             q = 0  # a vouched set decides every item's ref anew
         cov = fold.coverage(s.blocks) if s.blocks else {}
         counter = _prefix_counter(memo, q)
-        resolved_tail, new_rows = self._resolve(s, infos[start + q:], counter, cov, q, pinned,
-                                                env.ids[start:] if env is not None else None)
+        vouched = env.ids[start:] if env is not None else None
+        # a conversation's first pass: every part new, refs, rows and view in one loop (kernel/fresh.py)
+        first = (fresh.first_pass(s, infos[start:], counter, start)
+                 if fresh.applies(s, cov, q, pinned, vouched) else None)
+        if first is not None:
+            resolved_tail, new_rows, view_tail = first
+        else:
+            resolved_tail, new_rows = self._resolve(s, infos[start + q:], counter, cov, q, pinned, vouched)
+            view_tail = None
         resolved = (memo.resolved[:q] if q else []) + resolved_tail
         minted = s.row.next_ref
         result.refs_known = sum(len(p) for p in resolved)
-        self._commit(s, agent, lane.name, len(infos) - start, new_rows, tail)
+        self._commit(s, agent, lane.name, len(infos) - start, new_rows, tail, fresh=first is not None)
         result.refs_new = s.row.next_ref - minted
         result.refs_known -= result.refs_new
         if env is not None:
@@ -212,7 +220,8 @@ class Engine(ProxyTools, Epochs, Deferred):
                     "does not hold: its turns pass observed until the agent sends its whole history"
                 )
 
-        view_items = (memo.view_items[:q] if q else []) + _view_items(resolved_tail, start + q)
+        view_items = ((memo.view_items[:q] if q else [])
+                      + (view_tail if view_tail is not None else _view_items(resolved_tail, start + q)))
         snap = snapshot_join(self.store, s, view_items) if self.snapshot and s.blocks and render else None
         view = View(snap[2] if snap else view_items)
         s.last_view = view
@@ -248,7 +257,8 @@ class Engine(ProxyTools, Epochs, Deferred):
         else:
             rendered = [bytes(r) for r in raws[:start]]
             changed_cum, tagged_cum = [0] * (start + 1), [0] * (start + 1)
-        render_items(s, lane, raws, infos, start, q, resolved, rendered, changed_cum, tagged_cum, top, origin, active)
+        render_items(s, lane, raws, infos, start, q, resolved, rendered, changed_cum, tagged_cum, top, origin, active,
+                     objs)
         result.tagged = tagged_cum[-1]
         self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter,
                        (rendered, changed_cum, tagged_cum))
@@ -378,12 +388,17 @@ class Engine(ProxyTools, Epochs, Deferred):
             out_all.append(out)
         return out_all, new_rows
 
-    def _commit(self, s: Session, agent: str, lane: str, messages: int, new_rows: list[LedgerRow], tail) -> None:
+    def _commit(self, s: Session, agent: str, lane: str, messages: int, new_rows: list[LedgerRow], tail,
+                fresh: bool = False) -> None:
+        """``fresh``: every row gives its ref for the first time (kernel/fresh.py)."""
         row = s.row
         minted: dict[str, str] = {}
-        for r in new_rows:
-            if r.ref not in s.owners:
-                minted.setdefault(r.ref, r.content_hash)
+        if fresh:
+            minted = {r.ref: r.content_hash for r in new_rows}
+        else:
+            for r in new_rows:
+                if r.ref not in s.owners:
+                    minted.setdefault(r.ref, r.content_hash)
         staged = SessionRow(
             row.id, agent, lane, row.created, row.last_seen, row.requests + 1, messages,
             row.next_ref + len(minted), row.flags,
@@ -396,8 +411,11 @@ class Engine(ProxyTools, Epochs, Deferred):
             self.sessions.memos.pop(row.id, None)
             raise
         s.row = staged
-        for r in new_rows:
-            s.owners.setdefault(r.ref, r.content_hash)
+        if fresh:
+            s.owners.update(minted)
+        else:
+            for r in new_rows:
+                s.owners.setdefault(r.ref, r.content_hash)
 
     def _strip_own_tag(self, s: Session, part: Part) -> tuple[Core, str, str, bool]:
         """Remove the message's own stale tag (idempotent); a foreign tag is content and stays."""

@@ -134,6 +134,31 @@ def patch_many(raw: bytes, edits: Iterable[tuple[Path, Any]]) -> bytes:
     return raw
 
 
+def patch_decoded(raw: bytes, obj: Any, edits: list[tuple[Path, Any]]) -> bytes | None:
+    """:func:`patch_many`'s bytes, computed from ``obj``, the item ``raw`` decoded (and no longer
+    needed: it is changed in place), when ``raw`` is exactly msgspec's encoding of ``obj``; else
+    None.  In that case every value's raw bytes are its encoding, so re-encoding the whole item
+    with the new values is what patching re-encodes along each path (an agent's compact JSON, as
+    Node's ``JSON.stringify`` writes it: one encode instead of a decode and an encode per level
+    and per edit)."""
+    if _enc.encode(obj) != raw:
+        return None
+    try:
+        for path, value in edits:
+            if not path or value is DELETE:
+                return None
+            parent = obj
+            for key in path[:-1]:
+                parent = parent[key]
+            last = path[-1]
+            if isinstance(parent, list) != isinstance(last, int) or (isinstance(parent, dict) and last not in parent):
+                return None  # patch would fail or add a key: its own path
+            parent[last] = value
+    except (KeyError, IndexError, TypeError):
+        return None
+    return _enc.encode(obj)
+
+
 class LaneDefaults:
     """What most lanes do for the optional parts of the :class:`~bili_addon.wire.Lane` protocol."""
 
@@ -163,7 +188,7 @@ class Body:
         self.key = key
         conv = self.top.get(key)
         # a conversation that is not an array (Responses' plain-string ``input``) has no items
-        self.array = conv is not None and bytes(conv)[:1] == b"["
+        self.array = conv is not None and memoryview(conv)[:1] == b"["  # (bytes(conv) would copy it all)
         self.items: list[msgspec.Raw] = decode_list(conv) if self.array else []
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -176,7 +201,8 @@ class Body:
     def encode(self, items: list[bytes] | None) -> bytes:
         """Re-emit the body; ``items`` replaces the conversation array when given."""
         if items is not None and self.array:
-            self.top[self.key] = msgspec.Raw(b"[" + b",".join(items) + b"]")
+            joined = b",".join(items)
+            self.top[self.key] = msgspec.Raw(b"".join((b"[", joined, b"]")))
         return _enc.encode(self.top)
 
 

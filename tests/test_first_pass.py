@@ -1,0 +1,88 @@
+"""#11: a conversation's first pass takes shortcuts (kernel/fresh.py, ItemCache.get_many,
+wire.base.patch_decoded); each gives exactly what the general path gives: the same bytes upstream,
+the same refs, the same ledger."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from bili_addon.kernel import fresh, render
+from bili_addon.kernel.state import ItemCache
+from bili_addon.kernel.turn import Engine
+from bili_addon.store import Store
+from bili_addon.wire import LANES
+from bili_addon.wire.base import DELETE, patch_decoded, patch_many
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_overhead  # noqa: E402  (its synthetic conversations)
+
+
+def run(tmp_path, name: str, lane: str, bodies: list[bytes]) -> tuple[list, list]:
+    e = Engine(Store(tmp_path / name))
+    outs = []
+    for raw in bodies:
+        r = e.process(raw, LANES[lane], {"x-acp-session": "fp"}, render=True)
+        outs.append((r.body, r.refs_new, r.refs_known, r.tagged))
+    ledger = e.store.ledger("fp")
+    e.store.close()
+    return outs, ledger
+
+
+def conversation(lane: str, n: int, ascii_json: bool) -> list[bytes]:
+    case = bench_overhead.Case(lane, n, seed=3)
+    msgs = list(case.msgs)
+    msgs[1 if lane == "chat" else 0] = {"role": "user", "content": "Grüße, «naïve» café: ünïcödé text. " * 3}
+    enc = (lambda m: json.dumps({**case.top, "messages": m}).encode()) if ascii_json else case.body
+    return [enc(msgs), enc(msgs + [case.new(0)])]
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat"])
+@pytest.mark.parametrize("ascii_json", [False, True], ids=["compact", "python-json"])
+def test_the_first_pass_gives_what_the_general_path_gives(tmp_path, monkeypatch, lane, ascii_json):
+    bodies = conversation(lane, 120, ascii_json)
+    fast = run(tmp_path, "fast", lane, bodies)
+    monkeypatch.setattr(fresh, "applies", lambda *a: False)  # the general path: _resolve, _view_items
+    monkeypatch.setattr(render, "patch_decoded", lambda *a: None)  # ... and patching per path
+    general = run(tmp_path, "general", lane, bodies)
+    assert fast == general
+    assert fast[0][0][0] is not None and fast[0][0][3] > 0  # tagged, changed
+
+
+def test_get_many_parses_as_get_does():
+    lane = LANES["anthropic"]
+    case = bench_overhead.Case("anthropic", 60, seed=5)
+    raws = [msgspec.json.encode(m) for m in case.msgs] + [b'{"role":"assistant","content":"[bili] folded\\nhi"}']
+    objs: list = []
+    many = ItemCache().get_many(lane, raws + raws[:3], objs)
+    one = ItemCache()
+    assert many == [one.get(lane, r) for r in raws + raws[:3]]
+    assert objs[:len(raws)] == [msgspec.json.decode(r) for r in raws] and objs[len(raws):] == [None] * 3
+
+
+def test_patch_decoded_is_patch_many_or_nothing():
+    rnd = random.Random(11)
+    text = {"type": "text", "text": "hello"}
+    items = [
+        {"role": "user", "content": "plain"},
+        {"role": "assistant", "content": [text, {"type": "tool_use", "id": "t1", "name": "Read", "input": {"a": 1.5}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "out"}, dict(text)]},
+    ]
+    tag = '<acp tokens="1" type="text">m00001</acp>\n'
+    for item in items:
+        paths = [("content",)] if isinstance(item["content"], str) else [
+            ("content", j, "text") for j, b in enumerate(item["content"]) if "text" in b]
+        edits = [(p, tag + str(rnd.random())) for p in paths]
+        canonical = msgspec.json.encode(item)
+        assert patch_decoded(canonical, msgspec.json.decode(canonical), edits) == patch_many(canonical, edits)
+        for other in (json.dumps(item).encode(), json.dumps(item, indent=1).encode()):  # not msgspec's bytes
+            assert patch_decoded(other, msgspec.json.decode(other), edits) is None
+    canonical = msgspec.json.encode(items[1])
+    for edits in ([(("content", 0, "cache_control"), DELETE)], [(("content", 5, "text"), "x")],
+                  [(("content", 0, "missing"), "x")], [(("role", 0), "x")]):
+        assert patch_decoded(canonical, msgspec.json.decode(canonical), edits) is None  # patch_many's own cases
