@@ -24,7 +24,6 @@ the clients, the fake, the instances and PostgreSQL: read the ratios, not the ab
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time

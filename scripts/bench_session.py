@@ -698,7 +698,7 @@ def report_provider(pairs: list[tuple[str, Run, Run]]) -> None:
     print(f"  gap model: tool loop lognormal median {TOOL_GAP[0]:.0f} s sigma {TOOL_GAP[1]}; the human's think-time "
           f"lognormal median {HUMAN_GAP[0]:.0f} s sigma {HUMAN_GAP[1]}, before each new task and before "
           f"{WAIT_SHARE:.0%} of the tool steps")
-    print(f"  (a permission prompt, a question), calibrated so that the agent alone spends ~24% of its bill on writes")
+    print("  (a permission prompt, a question), calibrated so that the agent alone spends ~24% of its bill on writes")
     print(f"  after an expiry, the low end of the 24-40% public reports cite; session-4 parameters: the human before "
           f"a new task only ({SESSION4_WAIT_SHARE:.0%} of tool steps); no pauses: the human answers in "
           f"{NO_PAUSE_HUMAN:.0f} s")
