@@ -110,9 +110,9 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
     listed = sorted(ranges, key=lambda r: -r[3])[:5]
     listed.sort(key=lambda r: int(r[0][1:]))
     lines = [f"  {s}–{e}  {n} messages  ~{format_tokens(t)} tokens" for s, e, n, t in listed]
-    if distil:
+    if distil:  # the pile stands before every range: oldest first, as the wire has them
         first, last, n, t = distil
-        lines.append(f"  {first}–{last}  {n} summaries  ~{format_tokens(t)} tokens (distil them into one)")
+        lines.insert(0, f"  {first}–{last}  {n} summaries  ~{format_tokens(t)} tokens (distil them into one)")
     if urgent:
         head = "[bili] The context is nearly full: fold consumed work now, oldest first."
     elif pending >= cfg.batch_tokens:
