@@ -345,6 +345,43 @@ def test_piled_up_summaries_are_offered_for_distilling(engine):
     assert re.search(r"Compressible ranges \(oldest first\):\n  m\d{5}–m\d{5}  \d+ messages", status)
 
 
+def test_a_fold_reminder_offers_the_pile_along_and_one_call_distils_it_with_the_fold(engine):
+    """A fold rewrites the cache after its start anyway: the summaries before it are offered for
+    distilling in the same reminder from a small pile (distil_along_tokens), far below the size
+    that calls for a distil on its own; one compress call does both."""
+    conv, _ = fold_two_ranges(engine, "f1")
+    for t in range(12, 20):
+        conv.step(t)
+    engine.nudge_cfg = NudgeConfig(batch_tokens=2000, regrowth_tokens=1000, distil_tokens=10_000,
+                                   distil_along_tokens=10_000)
+    usage(engine, "lanes", 8_000)
+    alone = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)["messages"][-1]["content"]
+    assert alone.startswith("[bili] ~") and "distil" not in alone  # a pile below the threshold: the fold alone
+    # the model lets it pass; the next reminder, with the pile's threshold lowered, offers the pile along
+    conv.msgs += [{"role": "assistant", "content": "Going on."}, {"role": "user", "content": "continue"}]
+    conv.step(20)
+    engine.nudge_cfg = NudgeConfig(batch_tokens=2000, regrowth_tokens=1000, distil_tokens=10_000,
+                                   distil_along_tokens=30)
+    usage(engine, "lanes", 9_500)
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    note = out["messages"][-1]["content"]
+    lines = note.splitlines()
+    assert lines[0].startswith("[bili] ~")
+    assert re.match(r"  b1–b2  2 summaries  ~\d+ tokens \(distil them into one\)$", lines[1])  # oldest first
+    start, end = re.match(r"  (m\d{5})–(m\d{5})  \d+ messages", lines[2]).groups()
+    args = {"content": [{"startId": "b1", "endId": "b2", "summary": summary(3)},
+                        {"startId": start, "endId": end, "summary": summary(4)}]}
+    engine.record_calls("lanes", [("f2", "compress", json.dumps(args))])
+    conv.proxy_call("f2", "compress", args)
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    result = out["messages"][-1]["content"]
+    assert "→ b3 (tier 2, absorbing b1, b2)" in result and "→ b4 (tier 1)" in result
+    text = json.dumps(out["messages"])
+    assert "section b1" not in text and "section b2" not in text
+    assert text.index("section b3") < text.index("section b4")
+    Chat.check(out)
+
+
 def test_nudge_after_a_tool_result_is_its_own_user_item(engine):
     engine.window = 100_000
     conv = Chat()

@@ -326,9 +326,10 @@ def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_i
             # (its summary stands earlier) keeps its messages, and they are not folded again
             nested = [b for k, b in sorted(anchors(view, live).items()) if s <= k <= e]
             if block_bounded and nested:
-                target = min(b.tier for b in nested)
-                tier = min(3, target + 1)
-                absorbed = [b for b in nested if b.tier == target]
+                # distilling: every summary standing in the range goes into the new one (bN..bM
+                # replaces everything from bN to bM), a tier above the highest it absorbs
+                tier = min(3, max(b.tier for b in nested) + 1)
+                absorbed = nested
             else:
                 tier = 1
                 absorbed = [b for b in nested if b.tier == 1]

@@ -22,7 +22,10 @@ class NudgeConfig:
     # (scripts/bench_session.py measures the trade-off).
     batch_tokens: int = 15_000  # foldable tokens (outside the protected zone) that call for a fold
     regrowth_tokens: int = 10_000  # an unanswered reminder is repeated after the context grew this much
-    distil_tokens: int = 5_000  # summaries of one tier (with strays between them) that call for distilling
+    distil_tokens: int = 5_000  # summaries on the wire (with strays between them) that call for distilling
+    # ... alongside a fold reminder: the fold rewrites the cache after its start anyway, so distilling
+    # the pile before it adds little more than the pile's own bytes (scripts/bench_session.py)
+    distil_along_tokens: int = 1_000
     pressure: float = 0.75  # from this share of the window on: a reminder every turn while anything is foldable
     truncate_at: float = 0.95  # emergency truncation of old tool outputs from this share on
     truncate_min_tokens: int = 1000
@@ -54,28 +57,37 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig) -> list[tuple
     return out
 
 
-def distillable(view: View, blocks: list[Block], fold_cfg: FoldConfig,
-                cfg: NudgeConfig) -> tuple[str, str, int, int] | None:
-    """``(first block, last block, blocks, tokens)``: the active blocks of the lowest tier whose
-    summaries, with the stray messages left between them (user turns that were protected when
-    their neighbours were folded), pass ``distil_tokens``; or None.  Distilling rewrites the cache
-    from the first of those blocks on, so it waits until there is a lot to gain."""
-    active = sorted((b for b in blocks if b.active), key=lambda b: b.number)
+def distillable(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, along: bool = False,
+                ranges: list[tuple[str, str, int, int]] | None = None) -> tuple[str, str, int, int] | None:
+    """``(first block, last block, blocks, tokens)``: the pile of summaries worth distilling into
+    one, or None.  The pile is every active block whose summary stands on the wire (whatever its
+    tier), in wire order, with the stray messages left between them (user turns that were protected
+    when their neighbours were folded), up to the first range that can be folded on its own.  It is
+    read on every request, and grows by a summary with every fold.
+
+    Distilling rewrites the cache from the pile's first summary on.  On its own, that is nearly the
+    whole conversation, so it waits for ``distil_tokens``.  ``along``: offered with a fold, which
+    rewrites everything after its own start anyway (and, on Anthropic, the head before it: the
+    breakpoint on the last summary moves), so what distilling adds is little more than the pile's
+    own bytes: it pays from ``distil_along_tokens``.  ``ranges``: the foldable ranges, when known."""
+    active = [b for b in blocks if b.active]
     placed = {b.id: k for k, b in anchors(view, active).items()}
+    if ranges is None:
+        ranges = [r for r in compressible(view, blocks, fold_cfg) if r[3] * 4 >= fold_cfg.min_compress_chars]
+    stop = min((view.pos[r[0]] for r in ranges), default=len(view.items))  # that range is a fold of its own
+    run = sorted((b for b in active if b.id in placed and placed[b.id] < stop), key=lambda b: placed[b.id])
+    if len(run) < 2:
+        return None
     cov = coverage(active)
     protected = view.protected(fold_cfg)
-    for tier in (1, 2):
-        run = [b for b in active if b.tier == tier and b.id in placed]
-        if len(run) < 2:
-            continue
-        lo = min(placed[b.id] for b in run)
-        hi = max(view.pos[r] for b in run for r in b.coverage if r in view.pos)
-        strays = sum(p.tokens for k in range(lo, hi + 1) if k not in protected
-                     for p in view.items[k].parts if p.ref not in cov)
-        tokens = sum(b.summary_tokens for b in run) + strays
-        if tokens >= cfg.distil_tokens:
-            return run[0].id, run[-1].id, len(run), tokens
-    return None
+    lo = placed[run[0].id]
+    hi = min(stop - 1, max(view.pos[r] for b in run for r in b.coverage if r in view.pos))
+    strays = sum(p.tokens for k in range(lo, hi + 1) if k not in protected
+                 for p in view.items[k].parts if p.ref not in cov)
+    tokens = sum(b.summary_tokens for b in run) + strays
+    if tokens < (cfg.distil_along_tokens if along else cfg.distil_tokens):
+        return None
+    return run[0].id, run[-1].id, len(run), tokens
 
 
 def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, used: int, window: int,
@@ -83,7 +95,7 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
     """The reminder for this turn, or None.  ``used``: the input tokens the last answer reported;
     ``last_nudge_at``: ``used`` when the last reminder was given (lowered when the context shrank)."""
     ranges = [r for r in compressible(view, blocks, fold_cfg) if r[3] * 4 >= fold_cfg.min_compress_chars]
-    distil = distillable(view, blocks, fold_cfg, cfg)
+    distil = distillable(view, blocks, fold_cfg, cfg, ranges=ranges)
     if not ranges and not distil:
         return None
     pending = sum(r[3] for r in ranges)
@@ -93,12 +105,14 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
             return None
         if last_nudge_at and used - last_nudge_at < cfg.regrowth_tokens:
             return None
+    if not distil and (urgent or pending >= cfg.batch_tokens):
+        distil = distillable(view, blocks, fold_cfg, cfg, along=True, ranges=ranges)
     listed = sorted(ranges, key=lambda r: -r[3])[:5]
     listed.sort(key=lambda r: int(r[0][1:]))
     lines = [f"  {s}–{e}  {n} messages  ~{format_tokens(t)} tokens" for s, e, n, t in listed]
-    if distil:
+    if distil:  # the pile stands before every range: oldest first, as the wire has them
         first, last, n, t = distil
-        lines.append(f"  {first}–{last}  {n} summaries  ~{format_tokens(t)} tokens (distil them into one)")
+        lines.insert(0, f"  {first}–{last}  {n} summaries  ~{format_tokens(t)} tokens (distil them into one)")
     if urgent:
         head = "[bili] The context is nearly full: fold consumed work now, oldest first."
     elif pending >= cfg.batch_tokens:
