@@ -82,7 +82,7 @@ class ItemCache:
             self.size -= len(old)
         return info
 
-    def get_many(self, lane: Lane, raws, objs: list | None = None) -> list[ItemInfo]:
+    def get_many(self, lane: Lane, raws, objs: list | None = None, whole=None) -> list[ItemInfo]:
         """:meth:`get` of each of ``raws`` (``bytes`` or ``msgspec.Raw``), in one loop: a
         conversation's first pass parses every item, and the per-call work of :meth:`get` (and of
         :func:`~bili_addon.kernel.identity.digest`, inlined here: the same seed, the same hash) was
@@ -95,7 +95,8 @@ class ItemCache:
         out: list[ItemInfo] = []
         add = out.append
         size = 0
-        for r in raws:
+        decoded = None
+        for i, r in enumerate(raws):
             raw = bytes(r)
             key = (name, raw)
             info = found(key)
@@ -105,7 +106,11 @@ class ItemCache:
                 if objs is not None:
                     objs.append(None)
                 continue
-            obj = decode(raw)
+            if i == 0 and whole is not None:
+                decoded = decode(whole)
+                if not isinstance(decoded, list) or len(decoded) != len(raws):
+                    decoded = None
+            obj = decoded[i] if decoded is not None else decode(raw)
             if objs is not None:
                 objs.append(obj)
             parts = []
