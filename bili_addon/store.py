@@ -720,8 +720,11 @@ class Store:
         """What loading a session reads, as one consistent state: its row, ledger, blocks, calls
         and canonical copy (PostgreSQL: one statement)."""
         with self.snapshot():
-            return (self.session(session_id), self.ledger(session_id), self.blocks(session_id),
-                    self.calls(session_id), self.copy(session_id))
+            row = self.session(session_id)
+            if row is None:  # a new session (its rows are written with its session row, never before)
+                return None, [], [], [], None
+            return (row, self.ledger(session_id), self.blocks(session_id), self.calls(session_id),
+                    self.copy(session_id))
 
     @_reads
     def ref_count(self, session_id: str) -> int:
