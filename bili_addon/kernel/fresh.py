@@ -15,8 +15,7 @@ from collections import Counter
 from bili_addon.kernel.fold import PartView, ViewItem
 from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session
-from bili_addon.store import MAX_REF, LedgerRow, ref_names  # MAX_REF: tags.ref_of's bound (past it
-# the general path raises as before)
+from bili_addon.store import MAX_REF, LedgerRow, ref_names  # past MAX_REF the general path raises
 
 
 def applies(s: Session, cov: dict, reused: int, pinned, vouched) -> bool:

@@ -132,13 +132,14 @@ class Lineage:
             if job is None:
                 continue
             k, new = job
-            if isinstance(new, tuple):  # a first record, kept as the pass had it (see record)
+            first = isinstance(new, tuple)
+            if first:  # a first record, kept as the pass had it (see record)
                 infos, resolved = new
                 new = [(r.entry.ref, p) for info, rs in zip(infos, resolved) for p, r in zip(info.parts, rs)]
             tail = [(ref, p.chash, fingerprint(p.core)) for ref, p in new]
             self.store.save_lineage_parts(key, k, tail)
             rec = self.records.get(key)
-            if rec is None and k == 0:
+            if rec is None and first:
                 self.records[key] = list(tail)
             elif rec is not None and len(rec) == k + len(tail):
                 rec[k:] = tail
