@@ -161,3 +161,20 @@ def test_ref_names_are_ref_of_at_every_number_whatever_the_threads():
     assert store_mod.ref_names(99998, 2) == ["m99998", "m99999"]
     assert store_mod.ref_names(99999, 2) == ["m99999", "m100000"]  # past the last: formatted, not kept
     assert len(store_mod._REF_NAMES) <= 100000
+
+
+def test_a_new_session_reads_no_family_and_no_record_and_a_known_one_does(tmp_path):
+    """A session the store had no row of has no family and no lineage record (both are written
+    after its first commit): its first turn does not read them; the next turn does again."""
+    e = Engine(Store(tmp_path / "s"))
+    reads: list[str] = []
+    for name in ("family", "lineage_parts"):
+        orig = getattr(e.store, name)
+        setattr(e.store, name, lambda sid, _o=orig, _n=name: reads.append(_n) or _o(sid))
+    bodies = conversation("anthropic", 30, False)
+    e.process(bodies[0], LANES["anthropic"], {"x-acp-session": "new"}, render=True)
+    assert reads == []
+    e.sessions.forget("new")  # loaded again from the store: a row now
+    e.process(bodies[1], LANES["anthropic"], {"x-acp-session": "new"}, render=True)
+    assert "family" in reads
+    e.store.close()

@@ -71,7 +71,13 @@ class Lineage:
         saying so); a family member's next ref is the family's."""
         sid = s.row.id
         note = None
-        family = self.store.family(sid)  # from the store: another proxy on it may have made one
+        if s.unstored:  # a new session: nothing of it in the store to read (two reads less)
+            s.unstored = False
+            family = None
+            if sid not in self.records and sid not in self.pending:
+                self.records[sid] = []
+        else:
+            family = self.store.family(sid)  # from the store: another proxy on it may have made one
         if family is None and sid not in self.checked and self._fresh(s):
             conv = infos[start:]
             if any(p.core.role == "assistant" for info in conv for p in info.parts):

@@ -199,6 +199,9 @@ class Session:
     model: str = ""
     version: int = 0  # bumped whenever something changes how old items render
     stored: int = 0  # the store's version of the session this copy reflects (another process may advance it)
+    # the store had no row of the session when it was loaded, and nothing of it since: no family, no
+    # lineage record (written after a first commit, never before); cleared once read (kernel/lineage.py)
+    unstored: bool = False
     last_view: View | None = None  # the conversation as the last request showed it
     sent_tokens: int = 0  # the last request, as sent
     unfolded_tokens: int = 0  # the last request, had nothing been folded
