@@ -86,3 +86,95 @@ def test_patch_decoded_is_patch_many_or_nothing():
     for edits in ([(("content", 0, "cache_control"), DELETE)], [(("content", 5, "text"), "x")],
                   [(("content", 0, "missing"), "x")], [(("role", 0), "x")]):
         assert patch_decoded(canonical, msgspec.json.decode(canonical), edits) is None  # patch_many's own cases
+
+
+def test_get_many_decodes_the_whole_array_as_each_item():
+    """A pass whose first item is new decodes the conversation's array in one call: the same
+    values, item for item; an array that is not the items' (or items found in the cache) changes
+    nothing of what is returned."""
+    lane = LANES["anthropic"]
+    case = bench_overhead.Case("anthropic", 40, seed=9)
+    raws = [msgspec.json.encode(m) for m in case.msgs]
+    whole = b"[" + b",".join(raws) + b"]"
+    want_objs: list = []
+    want = ItemCache().get_many(lane, raws, want_objs)
+    objs: list = []
+    assert ItemCache().get_many(lane, raws, objs, whole) == want and objs == want_objs
+    objs = []
+    assert ItemCache().get_many(lane, raws, objs, b"[1,2]") == want and objs == want_objs  # not these items
+    cache = ItemCache()
+    cache.get_many(lane, raws[:1])
+    objs = []
+    assert cache.get_many(lane, raws, objs, whole) == want and objs == [None] + want_objs[1:]
+
+
+@pytest.mark.parametrize("answered", [True, False], ids=["answered", "unanswered"])
+def test_a_first_record_kept_back_is_the_record_made_at_once(tmp_path, answered):
+    """A session's first lineage record, every part new, is listed only after the answer
+    (Lineage.defer): what the store holds then is what an immediate record stores, and a next
+    turn that comes before the answer finds it complete."""
+    bodies = conversation("anthropic", 60, False)
+    bodies.append(conversation("anthropic", 60, False)[1][:-2] + b',{"role":"user","content":"more"}]}')
+
+    def lineage(name: str, defer: bool):
+        e = Engine(Store(tmp_path / name))
+        e.lineage.defer = defer
+        outs = []
+        for i, raw in enumerate(bodies):
+            r = e.process(raw, LANES["anthropic"], {"x-acp-session": "fp"}, render=True)
+            outs.append((r.body, r.refs_new, r.refs_known))
+            if i == 0 and defer:
+                assert "fp" in e.lineage.pending and e.store.lineage_parts("fp") == []
+            if answered or i == len(bodies) - 1:
+                e.lineage.flush()
+        parts, record = e.store.lineage_parts("fp"), list(e.lineage.records["fp"])
+        e.store.close()
+        return outs, parts, record
+
+    now, later = lineage("now", False), lineage("later", True)
+    assert later == now
+    assert len(now[1]) > 60 and all(fp for _ref, _chash, fp in now[1])
+
+
+def test_ref_names_are_ref_of_at_every_number_whatever_the_threads():
+    """The refs a first pass gives and the store checks come from one list formatted once per
+    process: the name at each number is tags.ref_of's, even when threads grow the list at once."""
+    import threading
+
+    from bili_addon import store as store_mod
+    from bili_addon.kernel import tags
+
+    store_mod._REF_NAMES.clear()
+    got: dict[int, list[str]] = {}
+
+    def worker(i: int) -> None:
+        got[i] = store_mod.ref_names(1 + 37 * i, 3000 + 101 * i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, names in got.items():
+        assert names == [tags.ref_of(n) for n in range(1 + 37 * i, 1 + 37 * i + 3000 + 101 * i)]
+    assert store_mod._REF_NAMES == [f"m{n:05d}" for n in range(len(store_mod._REF_NAMES))]
+    assert store_mod.ref_names(99998, 2) == ["m99998", "m99999"]
+    assert store_mod.ref_names(99999, 2) == ["m99999", "m100000"]  # past the last: formatted, not kept
+    assert len(store_mod._REF_NAMES) <= 100000
+
+
+def test_a_new_session_reads_no_family_and_no_record_and_a_known_one_does(tmp_path):
+    """A session the store had no row of has no family and no lineage record (both are written
+    after its first commit): its first turn does not read them; the next turn does again."""
+    e = Engine(Store(tmp_path / "s"))
+    reads: list[str] = []
+    for name in ("family", "lineage_parts"):
+        orig = getattr(e.store, name)
+        setattr(e.store, name, lambda sid, _o=orig, _n=name: reads.append(_n) or _o(sid))
+    bodies = conversation("anthropic", 30, False)
+    e.process(bodies[0], LANES["anthropic"], {"x-acp-session": "new"}, render=True)
+    assert reads == []
+    e.sessions.forget("new")  # loaded again from the store: a row now
+    e.process(bodies[1], LANES["anthropic"], {"x-acp-session": "new"}, render=True)
+    assert "family" in reads
+    e.store.close()

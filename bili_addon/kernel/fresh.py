@@ -15,9 +15,7 @@ from collections import Counter
 from bili_addon.kernel.fold import PartView, ViewItem
 from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session
-from bili_addon.store import LedgerRow
-
-MAX_REF = 99999  # tags.ref_of's bound: past it the general path raises as before
+from bili_addon.store import MAX_REF, LedgerRow, ref_names  # past MAX_REF the general path raises
 
 
 def applies(s: Session, cov: dict, reused: int, pinned, vouched) -> bool:
@@ -32,8 +30,10 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
     :func:`applies`); the rows are staged in ``s.refs`` as ``_resolve`` stages them.  None when the
     refs would run past the last one (the general path says so)."""
     next_ref = s.row.next_ref
-    if next_ref + sum(len(info.parts) for info in infos) - 1 > MAX_REF:
+    total = sum(len(info.parts) for info in infos)
+    if next_ref < 1 or next_ref + total - 1 > MAX_REF:
         return None
+    names = iter(ref_names(next_ref, total))  # tags.ref_of of each number, in order
     refs = s.refs
     counter_get = counter.get
     rows: list[LedgerRow] = []
@@ -48,8 +48,7 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
             n = counter_get(base, 0)
             counter[base] = n + 1
             msg_id = base if n == 0 else f"{base}_{n}"
-            ref = f"m{next_ref:05d}"  # tags.ref_of
-            next_ref += 1
+            ref = next(names)
             text = core.text
             # identity.count_tokens (its ASCII case inlined)
             tokens = -(-len(text) // 4) if text.isascii() else count_tokens(text)

@@ -71,7 +71,13 @@ class Lineage:
         saying so); a family member's next ref is the family's."""
         sid = s.row.id
         note = None
-        family = self.store.family(sid)  # from the store: another proxy on it may have made one
+        if s.unstored:  # a new session: nothing of it in the store to read (two reads less)
+            s.unstored = False
+            family = None
+            if sid not in self.records and sid not in self.pending:
+                self.records[sid] = []
+        else:
+            family = self.store.family(sid)  # from the store: another proxy on it may have made one
         if family is None and sid not in self.checked and self._fresh(s):
             conv = infos[start:]
             if any(p.core.role == "assistant" for info in conv for p in info.parts):
@@ -99,6 +105,13 @@ class Lineage:
             self.flush(sid)
         old = self._record(sid)
         first = reused if reused and self.whole.get(sid) else 0
+        if not old and not first and self.defer and any(resolved):
+            # the session's first record, every part new: nothing to compare, and nothing read
+            # before the answer, so even the list of its parts is made after it (by :meth:`flush`)
+            self.records.pop(sid, None)
+            self.whole[sid] = True
+            self.pending[sid] = (0, (infos[start:], list(resolved)))
+            return
         off = min(sum(map(len, resolved[:first])), len(old)) if first else 0
         parts = [(r.entry.ref, p) for info, rs in zip(infos[start + first:], resolved[first:])
                  for p, r in zip(info.parts, rs)]
@@ -125,10 +138,16 @@ class Lineage:
             if job is None:
                 continue
             k, new = job
+            first = isinstance(new, tuple)
+            if first:  # a first record, kept as the pass had it (see record)
+                infos, resolved = new
+                new = [(r.entry.ref, p) for info, rs in zip(infos, resolved) for p, r in zip(info.parts, rs)]
             tail = [(ref, p.chash, fingerprint(p.core)) for ref, p in new]
             self.store.save_lineage_parts(key, k, tail)
             rec = self.records.get(key)
-            if rec is not None and len(rec) == k + len(tail):
+            if rec is None and first:
+                self.records[key] = list(tail)
+            elif rec is not None and len(rec) == k + len(tail):
                 rec[k:] = tail
 
     # -- id-less sessions ------------------------------------------------------------------------
@@ -171,6 +190,8 @@ class Lineage:
                 not any(k in s.flags for k in ("envelope", "nudges", "truncated")))
 
     def _record(self, sid: str) -> list[tuple[str, str, str]]:
+        if sid in self.pending:  # its record is complete once its kept-back parts are in
+            self.flush(sid)
         rec = self.records.get(sid)
         if rec is None:
             rec = [tuple(r) for r in self.store.lineage_parts(sid)]

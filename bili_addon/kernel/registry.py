@@ -65,10 +65,11 @@ class Sessions(Mapping[str, Session]):
                 self._cache.move_to_end(sid)
                 return s
         row, ledger, blocks, calls, copy = self.store.session_state(sid)  # one consistent state
-        if row is None:
+        new = row is None
+        if new:
             now = time.time()
             row = SessionRow(sid, agent, lane, now, now, 0, 0, 1)
-        s = Session(row, flags=json.loads(row.flags or "{}"), stored=row.version)
+        s = Session(row, flags=json.loads(row.flags or "{}"), stored=row.version, unstored=new)
         for r in ledger:
             s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
             s.owners[r.ref] = r.content_hash

@@ -62,7 +62,7 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
                         idless[r.core.tool_name].pop(0)
     call_edits = bool(s.calls or s.flags.get("truncated"))
     responses = lane.name == "responses"
-    render_tag = tags.render
+    format_tokens = tags.format_tokens
     for k in range(q, len(resolved)):
         i = start + k
         info = infos[i]
@@ -71,9 +71,11 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
         tagged = 0
         for r in resolved[k]:
             core = r.core
-            if active and taggable(core, prefill=i == last and core.role == "assistant"):
+            # taggable(core, prefill=...) and tags.render(...), inlined: they run for every part
+            if (active and core.ctype == TEXT and core.path and (core.role == "user" or (
+                    core.role == "assistant" and i != last)) and not core.text.isspace() and core.text):
                 entry = r.entry
-                text = render_tag(entry.ref, entry.tokens, core.ctype, core.text)
+                text = f'<acp tokens="{format_tokens(entry.tokens)}" type="{TEXT}">{entry.ref}</acp>\n{core.text}'
                 suffix = nudges.get(entry.ref) if nudges else None
                 edits.append((core.path, text + "\n\n" + suffix if suffix else text))
                 tagged += 1

@@ -82,7 +82,7 @@ class ItemCache:
             self.size -= len(old)
         return info
 
-    def get_many(self, lane: Lane, raws, objs: list | None = None) -> list[ItemInfo]:
+    def get_many(self, lane: Lane, raws, objs: list | None = None, whole=None) -> list[ItemInfo]:
         """:meth:`get` of each of ``raws`` (``bytes`` or ``msgspec.Raw``), in one loop: a
         conversation's first pass parses every item, and the per-call work of :meth:`get` (and of
         :func:`~bili_addon.kernel.identity.digest`, inlined here: the same seed, the same hash) was
@@ -95,7 +95,8 @@ class ItemCache:
         out: list[ItemInfo] = []
         add = out.append
         size = 0
-        for r in raws:
+        decoded = None
+        for i, r in enumerate(raws):
             raw = bytes(r)
             key = (name, raw)
             info = found(key)
@@ -105,7 +106,11 @@ class ItemCache:
                 if objs is not None:
                     objs.append(None)
                 continue
-            obj = decode(raw)
+            if i == 0 and whole is not None:
+                decoded = decode(whole)
+                if not isinstance(decoded, list) or len(decoded) != len(raws):
+                    decoded = None
+            obj = decoded[i] if decoded is not None else decode(raw)
             if objs is not None:
                 objs.append(obj)
             parts = []
@@ -194,6 +199,9 @@ class Session:
     model: str = ""
     version: int = 0  # bumped whenever something changes how old items render
     stored: int = 0  # the store's version of the session this copy reflects (another process may advance it)
+    # the store had no row of the session when it was loaded, and nothing of it since: no family, no
+    # lineage record (written after a first commit, never before); cleared once read (kernel/lineage.py)
+    unstored: bool = False
     last_view: View | None = None  # the conversation as the last request showed it
     sent_tokens: int = 0  # the last request, as sent
     unfolded_tokens: int = 0  # the last request, had nothing been folded

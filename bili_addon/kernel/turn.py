@@ -152,7 +152,8 @@ class Engine(ProxyTools, Epochs, Deferred):
             if k <= memo.start:
                 k = 0
         objs: list = [None] * k  # the items parsed in this pass, as decoded (render_items patches them)
-        infos = (memo.infos[:k] if k else []) + self.items.get_many(lane, raws[k:], objs)
+        infos = (memo.infos[:k] if k else []) + self.items.get_many(
+            lane, raws[k:], objs, body.top[lane.conv_key] if not k and raws else None)
         start = memo.start if k else _system_run(infos)
 
         if ident is not None:
@@ -392,19 +393,20 @@ class Engine(ProxyTools, Epochs, Deferred):
                 fresh: bool = False) -> None:
         """``fresh``: every row gives its ref for the first time (kernel/fresh.py)."""
         row = s.row
-        minted: dict[str, str] = {}
-        if fresh:
-            minted = {r.ref: r.content_hash for r in new_rows}
+        if fresh:  # every ref once, in order
+            given = [(r.ref, r.content_hash) for r in new_rows]
         else:
+            minted: dict[str, str] = {}
             for r in new_rows:
                 if r.ref not in s.owners:
                     minted.setdefault(r.ref, r.content_hash)
+            given = list(minted.items())
         staged = SessionRow(
             row.id, agent, lane, row.created, row.last_seen, row.requests + 1, messages,
-            row.next_ref + len(minted), row.flags,
+            row.next_ref + len(given), row.flags,
         )
         try:
-            s.stored = self.store.commit_turn(staged, new_rows, tail, expect=s.stored, minted=list(minted.items()))
+            s.stored = self.store.commit_turn(staged, new_rows, tail, expect=s.stored, minted=given)
         except Exception:
             for r in new_rows:  # nothing of this turn is kept
                 s.refs.pop((r.msg_id, r.content_hash), None)
@@ -412,7 +414,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             raise
         s.row = staged
         if fresh:
-            s.owners.update(minted)
+            s.owners.update(given)
         else:
             for r in new_rows:
                 s.owners.setdefault(r.ref, r.content_hash)

@@ -48,8 +48,21 @@ class AnthropicLane(LaneDefaults):
         if not isinstance(content, list):
             return [Core(role, OTHER, compact_json(content))]
         out: list[Core] = []
+        add = out.append
         for j, block in enumerate(content):
-            out.append(_block_core(role, j, block))
+            # the two commonest blocks read here, as _block_core reads them (it runs for every part)
+            if type(block) is dict:
+                kind = block.get("type")
+                if kind == "text":
+                    text = block.get("text")
+                    if isinstance(text, str):
+                        add(Core(role, TEXT, text, path=("content", j, "text")))
+                        continue
+                elif kind == "tool_result":
+                    text, media = _result_text(block.get("content"))
+                    add(Core("tool", TOOL_RESULT, text, tool_call_id=str(block.get("tool_use_id") or ""), media=media))
+                    continue
+            add(_block_core(role, j, block))
         return out
 
     # -- folding and proxy tools ---------------------------------------------------------------
