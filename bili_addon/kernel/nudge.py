@@ -116,15 +116,13 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
     if urgent:
         head = "[bili] The context is nearly full: fold consumed work now, oldest first."
     elif pending >= cfg.batch_tokens:
-        head = (f"[bili] ~{format_tokens(pending)} tokens of older work can be folded. If these ranges hold work "
-                "you no longer need verbatim, fold them:")
+        head = f"[bili] ~{format_tokens(pending)} tokens of older work can be folded; fold what you no longer need verbatim:"
     else:
         head = "[bili] The summaries have piled up. Fold them into one denser summary:"
     return "\n".join([
         head,
         *lines,
-        "Call compress once with one entry per range (startId, endId, summary), alongside your next step if you "
-        "like. Keep paths, names, values, errors, decisions and open tasks in the summaries.",
+        "One compress call, one entry per range, alongside your next step if you like.",
     ])
 
 
