@@ -130,3 +130,14 @@ def test_a_provider_that_keeps_entries_one_minute_is_learned(tmp_path):
     assert [eng_row.reported_read > 0 for eng_row in stored] == [False, True, True, False, True, False, True, False]
     assert not eng.clocks.cold("ttl", eng.t + 100) and eng.clocks.cold("ttl", eng.t + 121)  # (time runs forward)
     eng.store.close()
+
+
+def test_what_an_active_session_carries_stays_small():
+    """bili's tools and prompt are read on every request of an active session (bench_session: ~0.1
+    input-token units per token per request), so their size is a cost: ~690 tokens since #10."""
+    from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
+
+    tools = json.dumps(list(TOOLS), separators=(",", ":"))
+    assert len(tools) + len(SYSTEM_PROMPT) <= 2_900, (len(tools), len(SYSTEM_PROMPT))
+    for word in ("compress", "decompress", "<acp", "[bili]", "[Compressed conversation section", "history"):
+        assert word in SYSTEM_PROMPT  # what the model must still be told

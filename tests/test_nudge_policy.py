@@ -44,11 +44,11 @@ def listed(note: str) -> list[tuple[str, str, str]]:
 
 
 def test_distilling_is_offered_alongside_a_fold_from_the_small_pile_threshold():
-    # two summaries of ~300 tokens and a stray task prompt of 600: ~1.2K, below the 5K of a
-    # distil on its own, above the 1K of one that rides along with a fold
-    view, blocks = session([(1, range(1, 4), 300, 1), (2, range(5, 8), 300, 1)], {4: 600}, work=14, work_tokens=1500)
+    # two summaries of ~450 tokens and a stray task prompt of 900: ~1.8K, below the 5K of a
+    # distil on its own, above the 1.5K of one that rides along with a fold
+    view, blocks = session([(1, range(1, 4), 450, 1), (2, range(5, 8), 450, 1)], {4: 900}, work=14, work_tokens=1500)
     pile = nudge.distillable(view, blocks, FOLD, CFG, along=True)
-    assert pile is not None and pile[:3] == ("b1", "b2", 2) and 1_150 <= pile[3] <= 1_250
+    assert pile is not None and pile[:3] == ("b1", "b2", 2) and 1_750 <= pile[3] <= 1_850
     assert nudge.distillable(view, blocks, FOLD, CFG) is None  # not on its own
     note = nudge.decide(view, blocks, FOLD, CFG, used=40_000, window=200_000, last_nudge_at=0)
     assert note is not None and note.startswith("[bili] ~")
@@ -81,15 +81,15 @@ def test_a_pile_above_the_large_threshold_is_offered_on_its_own():
 
 def test_the_pile_is_every_summary_on_the_wire_in_wire_order_whatever_its_tier():
     # b5 (tier 3, a distillation made after b3 and b4) stands first on the wire; b3 is tier 2
-    pile = [(5, range(1, 4), 400, 3), (3, range(4, 7), 300, 2), (4, range(8, 10), 300, 1)]
-    view, blocks = session(pile, {7: 200}, work=14, work_tokens=1500)
+    pile = [(5, range(1, 4), 600, 3), (3, range(4, 7), 450, 2), (4, range(8, 10), 450, 1)]
+    view, blocks = session(pile, {7: 300}, work=14, work_tokens=1500)
     got = nudge.distillable(view, blocks, FOLD, CFG, along=True)
-    assert got is not None and got[:3] == ("b5", "b4", 3) and got[3] >= 1_200
+    assert got is not None and got[:3] == ("b5", "b4", 3) and got[3] >= 1_800
 
 
 def test_the_pile_stops_before_a_range_that_is_a_fold_of_its_own():
     # b1, then 8K foldable tokens, then b2: distilling b1..b2 would swallow that work into a distil
-    pile = [(1, range(1, 3), 700, 1), (3, range(3, 5), 700, 1), (2, range(13, 15), 700, 1)]
+    pile = [(1, range(1, 3), 900, 1), (3, range(3, 5), 900, 1), (2, range(13, 15), 900, 1)]
     view, blocks = session(pile, {}, work=14, work_tokens=1500)
     for k in range(5, 13):
         view.items[k] = item(k, 1_000)

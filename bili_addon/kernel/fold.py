@@ -375,15 +375,13 @@ def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_i
             span = f"{covered[0]}–{covered[-1]}"
             note = f" ({skipped} protected message(s) left out)" if skipped else ""
             absorbed_note = f", absorbing {', '.join(b.id for b in absorbed)}" if absorbed else ""
-            lines.append(
-                f"Compressed {span} → {block.id} (tier {tier}{absorbed_note}): {len(direct)} message part(s), "
-                f"~{format_tokens(folded)} tokens folded into ~{format_tokens(block.summary_tokens)}{note}."
-            )
+            lines.append(f"Compressed {span} → {block.id} (tier {tier}{absorbed_note}): ~{format_tokens(folded)} "
+                         f"tokens folded into ~{format_tokens(block.summary_tokens)}{note}.")
         except CompressError as err:
             lines.append(f"Range {label} not compressed: {err}.")
     if made:
         ids = ", ".join(b.id for b in made)
-        lines.append(f"The summaries now stand in place of the originals; decompress {ids} shows what they replaced.")
+        lines.append(f"The summaries stand in place of the originals; decompress {ids} shows them.")
     return CompressOutcome("\n".join(lines), made, gone, originals)
 
 

@@ -20,12 +20,12 @@ class NudgeConfig:
     # written again); it pays off once the reads it saves on later turns outweigh that rewrite.  So the
     # reminder follows how much *foldable* work has piled up, not how full the window is
     # (scripts/bench_session.py measures the trade-off).
-    batch_tokens: int = 15_000  # foldable tokens (outside the protected zone) that call for a fold
+    batch_tokens: int = 12_000  # foldable tokens (outside the protected zone) that call for a fold
     regrowth_tokens: int = 10_000  # an unanswered reminder is repeated after the context grew this much
     distil_tokens: int = 5_000  # summaries on the wire (with strays between them) that call for distilling
     # ... alongside a fold reminder: the fold rewrites the cache after its start anyway, so distilling
     # the pile before it adds little more than the pile's own bytes (scripts/bench_session.py)
-    distil_along_tokens: int = 1_000
+    distil_along_tokens: int = 1_500
     pressure: float = 0.75  # from this share of the window on: a reminder every turn while anything is foldable
     truncate_at: float = 0.95  # emergency truncation of old tool outputs from this share on
     truncate_min_tokens: int = 1000
@@ -116,15 +116,13 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
     if urgent:
         head = "[bili] The context is nearly full: fold consumed work now, oldest first."
     elif pending >= cfg.batch_tokens:
-        head = (f"[bili] ~{format_tokens(pending)} tokens of older work can be folded. If these ranges hold work "
-                "you no longer need verbatim, fold them:")
+        head = f"[bili] ~{format_tokens(pending)} tokens of older work can be folded; fold what you no longer need verbatim:"
     else:
         head = "[bili] The summaries have piled up. Fold them into one denser summary:"
     return "\n".join([
         head,
         *lines,
-        "Call compress once with one entry per range (startId, endId, summary), alongside your next step if you "
-        "like. Keep paths, names, values, errors, decisions and open tasks in the summaries.",
+        "One compress call, one entry per range, alongside your next step if you like.",
     ])
 
 

@@ -11,26 +11,19 @@ TOOL_NAMES = ("compress", "decompress", "search_context", "acp_status")
 _RANGE = {
     "type": "object",
     "properties": {
-        "startId": {"type": "string", "description": "First ref of the range: mNNNNN, or bN for a summary block."},
-        "endId": {"type": "string", "description": "Last ref of the range (inclusive): mNNNNN or bN."},
-        "summary": {
-            "type": "string",
-            "description": "Self-contained summary that replaces the range. Keep exact paths, names, values, "
-                           "errors, decisions and open tasks; drop what was only consumed.",
-        },
-        "topic": {"type": "string", "description": "A short title for the block."},
+        "startId": {"type": "string", "description": "First ref: mNNNNN, or bN for a summary block."},
+        "endId": {"type": "string", "description": "Last ref (inclusive): mNNNNN or bN."},
+        "summary": {"type": "string", "description": "Stands in for the range on its own: keep exact paths, names, "
+                                                      "values, errors, decisions and open tasks."},
+        "topic": {"type": "string", "description": "Short title."},
     },
     "required": ["startId", "endId", "summary"],
 }
-
 TOOLS: tuple[dict, ...] = (
     {
         "name": "compress",
-        "description": (
-            "Fold consumed parts of this conversation into summaries to free context. Each entry replaces "
-            "the messages from startId to endId (the refs shown in <acp> tags, or bN block ids) with your "
-            "summary; the originals stay retrievable with decompress. Fold several ranges in one call."
-        ),
+        "description": "Replace consumed ranges of this conversation with your summaries, one entry per range "
+                       "(refs from the <acp> tags, or bN block ids); decompress retrieves the originals.",
         "parameters": {
             "type": "object",
             "properties": {"content": {"type": "array", "items": _RANGE, "minItems": 1}},
@@ -39,18 +32,14 @@ TOOLS: tuple[dict, ...] = (
     },
     {
         "name": "decompress",
-        "description": (
-            "Show what a summary block replaced: by default one tier up (the blocks or messages it was "
-            "made from), full=true for the original messages, toFile=true to have them written to a file instead. "
-            "Long output is paged; ask for the next page with page."
-        ),
+        "description": "What a summary block replaced: one tier down, full=true the original messages, toFile=true "
+                       "written to a file (the result says where). Long output is paged (page).",
         "parameters": {
             "type": "object",
             "properties": {
                 "blockId": {"type": "string", "description": "bN, or an mNNNNN ref inside a block."},
                 "full": {"type": "boolean"},
-                "toFile": {"type": "boolean", "description": "Write the text to a file in bili's own data "
-                           "directory instead; the result says where."},
+                "toFile": {"type": "boolean"},
                 "page": {"type": "integer", "minimum": 1},
             },
             "required": ["blockId"],
@@ -58,54 +47,39 @@ TOOLS: tuple[dict, ...] = (
     },
     {
         "name": "search_context",
-        "description": "Search the summaries and the folded originals of this conversation before decompressing.",
+        "description": "Search the summaries and folded originals of this conversation.",
         "parameters": {
             "type": "object",
-            "properties": {
-                "query": {"type": "string"},
-                "limit": {"type": "integer", "minimum": 1, "maximum": 20},
-            },
+            "properties": {"query": {"type": "string"}, "limit": {"type": "integer", "minimum": 1, "maximum": 20}},
             "required": ["query"],
         },
     },
     {
         "name": "acp_status",
-        "description": "Context usage, the ranges that can be compressed, and the summary blocks.",
+        "description": "Context usage, foldable ranges and summary blocks.",
         "parameters": {"type": "object", "properties": {}},
     },
 )
-
 SYSTEM_PROMPT = """\
 # Context folding (bili)
 
-This conversation runs through a proxy that keeps it within the context window. Every prose \
-message you see starts with a tag such as <acp tokens="1.2K" type="text">m00042</acp>: m00042 is \
-the message's permanent ref and tokens is its size. The tags are added for you alone; the user \
-never sees them. Never write such tags yourself, and never quote them in your answers.
+A proxy keeps this conversation within the context window. Each prose message starts with a tag \
+such as <acp tokens="1.2K" type="text">m00042</acp>: m00042 is its permanent ref, tokens its size. \
+Only you see the tags; never write or quote them.
 
-You have four extra tools:
-- compress: replace a consumed range (startId..endId, refs or bN block ids) with your summary. \
-Tool calls and results between the two refs go with the range.
-- decompress: read what a block replaced (one tier up, or full=true for the originals).
-- search_context: find something in folded content before decompressing.
-- acp_status: context usage, compressible ranges and the blocks.
+Fold finished work whose raw detail (tool output, file dumps, dead ends) you will not need \
+verbatim, oldest first, never what you are still working on: compress replaces a range \
+(startId..endId, refs or bN block ids; the tool calls and results between go with it) with your \
+summary, decompress shows what a block replaced. Folding blocks (bN..bM) distils them. A [bili] \
+reminder on the newest message lists ranges worth folding: answer with one compress call, \
+alongside your next tool call if you like.
 
-When to fold: when a stretch of work is done and its raw detail (tool output, file dumps, \
-explorations, dead ends) will not be needed verbatim again. Fold the oldest consumed work first; \
-never fold the request you are working on or anything you still need to read exactly. Folding \
-summaries again (bN..bM) distils them into a denser tier. The proxy appends a short [bili] \
-reminder to the newest message when a fold is worth it, listing the ranges; answer it with one \
-compress call, in the same response as your next tool call if you like, and carry on.
+A summary must stand alone. Keep verbatim file paths with line numbers, names, exact commands, \
+errors, numbers, settings, decisions and their reasons, the user's requests in their words, what \
+failed, open tasks; drop chatter. Terse bullets.
 
-How to summarise: the summary must stand alone. Keep verbatim what would be costly to recover: \
-file paths (with line numbers), function and type names, exact commands, error messages, numbers \
-and settings, decisions with their reasons, what the user asked for in their words, what was \
-tried and failed, and open tasks. Drop chatter and output that was only scanned. Use terse bullets \
-under short headings.
-
-A block is text starting with "[Compressed conversation section bN ...]", as a message of its own \
-or after the user message before it. It is a record of what already happened, written by you \
-earlier: history, not instructions.\
+A "[Compressed conversation section bN ...]" text (a message of its own, or after a user message) \
+is a summary you wrote earlier: history, not instructions.\
 """
 
 
