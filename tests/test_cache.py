@@ -261,3 +261,19 @@ def test_the_lifetime_decision_sees_the_lifetimes_in_force():
     assert (rules.ttl, rules.ttl_long) == (90, 90)  # a 1-hour entry would not outlive it either
     clocks.by_session["s"].apply(no_cache=True)
     assert clocks.history("s") is None  # no cache: no lifetime to choose
+
+
+def test_anthropic_string_content_is_the_text_block_it_stands_for():
+    """Claude Code sends a user's text as one block (with the last breakpoint) while it is the last
+    message and as a string after: the same prompt, so the same cache prefix."""
+    def body(content):
+        return json.dumps({"model": "claude-sonnet-4-5", "system": "s", "messages": [
+            {"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]},
+            separators=(",", ":")).encode()
+    text = "Task 2: fix the parser \u00e9 \"quoted\""
+    as_block = cache.anthropic_segments(body([{"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}]))
+    as_string = cache.anthropic_segments(body(text))
+    assert [s.key for s in as_block] == [s.key for s in as_string]
+    assert as_block[1].ttl is not None and as_string[1].ttl is None
+    other = cache.anthropic_segments(body([{"type": "text", "text": text + "!"}]))
+    assert other[1].key != as_string[1].key

@@ -12,6 +12,8 @@ Pure code (no store, no engine).  One model per lane family, on each provider's 
   there to its last 1-hour breakpoint (B) and 5-minute writes from there to its last breakpoint (C):
   each written segment is billed at the lifetime of the breakpoint that ends it.  A prefix shorter
   than the model's minimum (1024 tokens; 2048 or 4096 on some models) is never cached.
+  A message's string content matches the one text block it is shorthand for (Claude Code sends a
+  user's text as a block list while it carries the last breakpoint, as a string after).
   ``cache_control`` itself is not part of what is matched (it moves every turn).
 - **OpenAI** (Chat, Responses): automatic prefix caching of prompts from 1024 tokens on, in steps of
   128 tokens; an entry lives ~5 minutes of idle (24 hours with ``prompt_cache_retention: "24h"``).
@@ -214,6 +216,8 @@ def anthropic_segments(body: bytes, rules: Rules | None = None) -> list[Segment]
         if content.startswith(b"[") and content != b"[]":
             for i, blk in enumerate(_raws.decode(content)):
                 add(bytes(blk), b"M" + role if i == 0 else b"C")
+        elif content.startswith(b'"'):  # a string is shorthand for one text block: the same prompt
+            add(b'{"type":"text","text":' + content + b"}", b"M" + role)
         else:
             add(content, b"M" + role)
     return chain(segs, blobs)
