@@ -99,6 +99,21 @@ def roundtrip_call(engine, sid, tool, args, call_id):
     engine.record_calls(sid, rw.calls)
 
 
+def fold_steps_1_to_4(engine, sid: str = "fold-1") -> list[dict]:
+    """Eight steps of a conversation through ``engine``, steps 1-4 folded by a compress the agent
+    answered "unknown tool" (the fold runs on the request after); returns the agent's messages."""
+    msgs = conversation(8)
+    refs = refs_in(json.loads(engine.process(body(msgs), ANTH, H, render=True).body))
+    start = next(r for r, t in refs.items() if t.startswith("Step 1:"))
+    end = next(r for r, t in refs.items() if t.startswith("Step 4:"))
+    args = {"content": [{"startId": start, "endId": end, "topic": "modules 1-4",
+                         "summary": "Read modules 1 to 4: nothing unusual; mod3.py defines load_config()."}]}
+    roundtrip_call(engine, sid, "compress", args, "toolu_c1")
+    msgs = agent_answers_unknown(msgs, "compress", args, "toolu_c1")
+    assert engine.process(body(msgs), ANTH, H, render=True).executed == ["compress"]
+    return msgs
+
+
 def test_tools_and_prompt_are_injected_after_the_agents_own(engine):
     out = json.loads(engine.process(body(conversation(1)), ANTH, H, render=True).body)
     assert [t["name"] for t in out["tools"]] == ["Bash", "compress", "decompress", "search_context", "acp_status"]

@@ -7,29 +7,19 @@ names, and the conversation goes on from it exactly as from a store that was nev
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import SCHEMA_VERSION, LedgerRow, SessionRow, StaleSession, StoreError
 from legacy import rows_of, to_schema_6
-from test_fold import ANTH, H, agent_answers_unknown, body, conversation, refs_in, roundtrip_call
+from test_fold import ANTH, H, body, fold_steps_1_to_4
 
 
 def fold_conversation(store) -> tuple[Engine, list[dict]]:
     """A conversation with a fold, over three turns (three writes of ledger rows)."""
     e = Engine(store, fold_cfg=FoldConfig(min_compress_chars=2000))
-    msgs = conversation(8)
-    refs = refs_in(json.loads(e.process(body(msgs), ANTH, H, render=True).body))
-    start = next(r for r, t in refs.items() if t.startswith("Step 1:"))
-    end = next(r for r, t in refs.items() if t.startswith("Step 4:"))
-    args = {"content": [{"startId": start, "endId": end, "topic": "modules 1-4",
-                         "summary": "Read modules 1 to 4: nothing unusual; mod3.py defines load_config()."}]}
-    roundtrip_call(e, "fold-1", "compress", args, "toolu_c1")
-    msgs = agent_answers_unknown(msgs, "compress", args, "toolu_c1")
-    assert e.process(body(msgs), ANTH, H, render=True).executed == ["compress"]
+    msgs = fold_steps_1_to_4(e)
     return e, msgs
 
 

@@ -5,29 +5,20 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from bili_addon import cli
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import CalibrationRow, Store, WireTurn
 from bili_addon.stores import TABLES, open_store
-from test_fold import ANTH, H, agent_answers_unknown, body, conversation, refs_in, roundtrip_call
+from test_fold import ANTH, H, body, fold_steps_1_to_4
 
 
 def folded_store(path) -> tuple[Engine, list[dict]]:
     """A SQLite store holding a conversation with a fold, a decompress, usage and a transcript."""
     e = Engine(Store(path), fold_cfg=FoldConfig(min_compress_chars=2000))
     e.snapshot = True  # the transcript table fills too
-    msgs = conversation(8)
-    refs = refs_in(json.loads(e.process(body(msgs), ANTH, H, render=True).body))
-    start = next(r for r, t in refs.items() if t.startswith("Step 1:"))
-    end = next(r for r, t in refs.items() if t.startswith("Step 4:"))
-    args = {"content": [{"startId": start, "endId": end, "topic": "modules 1-4",
-                         "summary": "Read modules 1 to 4: nothing unusual; mod3.py defines load_config()."}]}
-    roundtrip_call(e, "fold-1", "compress", args, "toolu_c1")
-    msgs = agent_answers_unknown(msgs, "compress", args, "toolu_c1")
-    assert e.process(body(msgs), ANTH, H, render=True).executed == ["compress"]
+    msgs = fold_steps_1_to_4(e)
     e.store.record_usage("fold-1", "anthropic", (1000, 800, 100, 50))
     for i, (model, predicted, executed) in enumerate([("claude-sonnet-4-5", None, []),
                                                        ("claude-sonnet-4-5", 0.8125, ["compress"]),
