@@ -22,7 +22,8 @@ stays in the addon, keyed weakly by the flow.
 - once the answer is through: ``called`` (``[call key, name, arguments]`` of each proxy tool call
   the answer made; streamed answers are not kept in the flow unless ``store_streamed_bodies`` is
   set, so replay needs them here), ``recorded`` (the calls were recorded to run on the next
-  request), ``usage`` (``input``, ``cache_read``, ``cache_write``, ``output``), ``stripped``.
+  request), ``usage`` (``input``, ``cache_read``, ``cache_write``, ``output``), ``stripped`` (how many tag
+  echoes were taken out of the model's prose) and ``echoes`` (the first of them, as written).
 
 ``flow.metadata["bili_ws"]``, a Responses WebSocket: a list of the same, one per
 ``response.create`` frame, each with ``message``, the frame's index in ``flow.websocket.messages``.
@@ -38,6 +39,7 @@ VERSION = 1
 
 # the per-turn figures the proxy logs, and replay compares against what it computes itself
 FIGURES = ("messages", "refs_new", "refs_known", "blocks", "folded", "executed")
+ECHOES_KEPT, ECHO_CHARS = 20, 200  # the tag echoes kept on a flow, each cut to this length
 
 
 def request_record(res: Any, *, mode: str, rendered: bool, lane: str, via: str, raw: bytes, sent: bytes,
@@ -69,6 +71,7 @@ def record_answer(rec: dict[str, Any], rw: Any, recorded: list[str]) -> None:
                         "output": u.output}
     if rw.stripped:
         rec["stripped"] = rw.stripped
+        rec["echoes"] = [e[:ECHO_CHARS] for e in rw.echoes[:ECHOES_KEPT]]
 
 
 def read(metadata: Any) -> dict[str, Any] | None:

@@ -222,6 +222,10 @@ def response_view(data: bytes, rec: dict[str, Any] | None) -> str:
     stripped = rec.get("stripped", 0)
     lines.append(f"tag echoes stripped from the model's prose: {stripped}" if stripped
                  else "no tag echoes to strip")
+    echoes = rec.get("echoes") or []
+    lines += [f"  {_short(e, WIDTH - 2)}" for e in echoes]
+    if stripped > len(echoes) and echoes:
+        lines.append(f"  (and {stripped - len(echoes)} more)")
     u = rec.get("usage")
     if u:
         share = f" ({u['cache_read'] / u['input']:.0%} read from cache)" if u.get("input") else ""

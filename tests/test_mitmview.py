@@ -30,7 +30,8 @@ def test_a_folded_request_shows_its_blocks_and_what_bili_injected(bili):
     msgs, after = _session()
     call = {"type": "tool_use", "id": "toolu_c1", "name": "compress", "input": ARGS}
     first = _flow(msgs, _answer([call]))
-    second = _flow(after, _answer([{"type": "text", "text": "Done."}]))
+    echo = '<acp tokens="40" type="text">m00003</acp>'
+    second = _flow(after, _answer([{"type": "text", "text": f"Done.\n{echo}\nNext: <acp type=\"x\">mod3</acp>."}]))
     _through(bili, first)
     _through(bili, second)
     text = view(second.request, second)
@@ -48,6 +49,10 @@ def test_a_folded_request_shows_its_blocks_and_what_bili_injected(bili):
     # the folded turns' output is not what the model received; the kept ones are
     assert "file-0" not in text and "file-7" in text
     assert "the agent sent 19" in text  # 17 items of the conversation + the call and the agent's error
+
+    answer = view(second.response, second)
+    assert "tag echoes stripped from the model's prose: 2" in answer
+    assert f"\n  {echo}\n" in answer and '\n  <acp type="x">…</acp>\n' in answer  # what went, as written
 
     answer = view(first.response, first)
     assert "the model called bili's tools" in answer and "compress" in answer and "[toolu_c1]" in answer

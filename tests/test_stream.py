@@ -102,6 +102,20 @@ def test_streamed_filter_equals_whole_text_filter(words, seed):
     out += f.flush()
     assert out == want
     assert not TAGLIKE.search(want)
+    assert bool(f.removed) == (want != text)  # what it took out is reported, and only that
+
+
+def test_the_echoes_taken_out_are_reported_as_written():
+    text = ('See <acp tokens="12" type="text">m00012</acp> and <acp type="x">the parser</acp> done.\n'
+            '<acp tokens="3" type="text">m00013</acp>\nend <acp type="t')
+    want = ['<acp tokens="12" type="text">m00012</acp>', '<acp type="x">…</acp>',
+            '<acp tokens="3" type="text">m00013</acp>', '<acp type="t']
+    removed: list[str] = []
+    assert strip_echoes(text, removed=removed) == "See  and the parser done.\nend "
+    assert removed == want
+    f = EchoFilter()
+    out = "".join(f.feed(text[i : i + 5]) for i in range(0, len(text), 5)) + f.flush()
+    assert out == "See  and the parser done.\nend " and f.removed == want
 
 
 @pytest.mark.parametrize(

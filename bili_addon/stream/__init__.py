@@ -50,6 +50,11 @@ class ResponseRewriter:
         return self.lane.stripped
 
     @property
+    def echoes(self) -> list[str]:
+        """The tag echoes taken out of the model's prose, in order."""
+        return self.lane.echoes
+
+    @property
     def finished(self) -> bool:
         """The answer's final event went through (completed, incomplete or done)."""
         return self.lane.finished

@@ -52,9 +52,9 @@ BODY_CAP = 80  # text after a complete opening tag is held this long waiting for
 HOLD_LIMIT = 128  # an ambiguous tail (``<ac``, ``m001``) is held this long at most
 
 
-def _one_pass(text: str, before: str) -> str:
+def _one_pass(text: str, before: str, removed: list[str] | None) -> str:
     """One left-to-right substitution; ``before`` is the raw text preceding ``text`` (context for
-    look-behinds and for "at the start of a line")."""
+    look-behinds and for "at the start of a line"); what goes is appended to ``removed``."""
     whole = before + text
     out: list[str] = []
     last = len(before)
@@ -65,28 +65,35 @@ def _one_pass(text: str, before: str) -> str:
             out.append(prose + (m.group("nl") or ""))
         elif not (m.start() == 0 or whole[m.start() - 1] == "\n"):
             out.append(m.group("nl") or "")
+        if removed is not None:
+            gone = m.group(0).rstrip("\n\t ")
+            if prose is not None:  # the tags went, the prose between them stayed
+                gone = m.group("open") + "…" + gone[len(m.group("open")) + len(prose):]
+            removed.append(gone)
         last = m.end()
     out.append(whole[last:])
     return "".join(out)
 
 
-def strip_echoes(text: str, *, before: str = "", final: bool = True) -> str:
+def strip_echoes(text: str, *, before: str = "", final: bool = True, removed: list[str] | None = None) -> str:
     """Remove tag echoes (and the blank lines they bring) from prose.
 
     ``before``: the raw character preceding ``text`` in its stream ("" at the start);
     ``final``: nothing follows, so an opening cut off at the very end (a stream that stopped
-    mid-tag) is dropped too.
+    mid-tag) is dropped too; ``removed``: if given, each echo removed is appended to it (around
+    prose that stays, the tags with "…" between them).
     """
     if "<" not in text:  # every echo shape has an angle bracket
         return text
     prev = None
     while prev != text and _QUICK.search(text):  # removing one echo can expose another
         prev = text
-        if final:
-            m = _TRUNCATED_TAIL.search(text)
-            if m:
-                text = text[: m.start()]
-        text = _one_pass(text, before)
+        cut = _TRUNCATED_TAIL.search(text) if final else None
+        if cut:
+            text = text[: cut.start()]
+        text = _one_pass(text, before, removed)
+        if cut and removed is not None:
+            removed.append(cut.group(0))
     return text
 
 
@@ -142,13 +149,14 @@ def _undecided_tag_at(buf: str, i: int) -> bool:
 
 
 class EchoFilter:
-    """Streams prose through :func:`strip_echoes`, holding only what may still become an echo."""
+    """Streams prose through :func:`strip_echoes`, holding only what may still become an echo.
+    ``removed``: the echoes it took out, in order."""
 
-    __slots__ = ("buf", "stripped", "before")
+    __slots__ = ("buf", "removed", "before")
 
     def __init__(self) -> None:
         self.buf = ""
-        self.stripped = 0
+        self.removed: list[str] = []
         self.before = ""  # the last raw character released
 
     def feed(self, piece: str) -> str:
@@ -163,10 +171,8 @@ class EchoFilter:
         ready, self.buf = self.buf[:cut], self.buf[cut:]
         if not ready:
             return ""
-        clean = strip_echoes(ready, before=self.before, final=final)
+        clean = strip_echoes(ready, before=self.before, final=final, removed=self.removed)
         self.before = ready[-1]
-        if clean != ready:
-            self.stripped += 1
         return clean
 
 

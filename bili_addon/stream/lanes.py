@@ -97,7 +97,7 @@ class LaneResponse:
     def __init__(self, marker: str = "") -> None:
         self.blocks: dict[Any, _Block] = {}
         self.usage = Usage()
-        self.stripped = 0
+        self.echoes: list[str] = []  # the tag echoes taken out of the model's prose, in order
         self.marker = marker  # a visibility line put before the first prose of the answer
         self.calls: list[tuple[str, str, str]] = []  # proxy tool calls: (call key, name, arguments)
         self._partial: dict[Any, list[str]] = {}
@@ -106,6 +106,11 @@ class LaneResponse:
         self.hold_events = True
         self.rest = ""
         self.finished = False  # the answer's final event came (a stream that has one: Responses)
+
+    @property
+    def stripped(self) -> int:
+        """How many tag echoes were taken out of the model's prose."""
+        return len(self.echoes)
 
     def _call(self, key: str, name: Any, args: Any) -> None:
         if isinstance(name, str) and name in TOOL_NAMES and key:
@@ -143,8 +148,8 @@ class LaneResponse:
         if b is None:
             return []
         rest = b.filter.flush()
-        self.stripped += b.filter.stripped
-        b.filter.stripped = 0
+        self.echoes += b.filter.removed
+        b.filter.removed = []
         out: list = []
         if b.held is not None:
             if rest:
@@ -171,6 +176,8 @@ class LaneResponse:
                     b = self.blocks[key] = _Block()
                 text = slot.get()
                 t = b.filter.feed(text) + b.filter.flush()
+                self.echoes += b.filter.removed
+                b.filter.removed = []
                 if t != text:
                     slot.set(t)
                     changed = True
@@ -189,7 +196,7 @@ class LaneResponse:
         v = container.get(key)
         if not isinstance(v, str):
             return False
-        c = strip_echoes(v)
+        c = strip_echoes(v, removed=self.echoes)
         if self.marker:
             c, self.marker = self.marker + "\n" + c, ""
         if c != v:
