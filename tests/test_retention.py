@@ -326,3 +326,18 @@ def test_trimming_runs_on_the_stores_worker_never_inside_a_turns_or_answers_work
     for thread, stack in calls:
         assert thread.startswith("bili-store")
         assert not {"request", "response", "_account", "_process", "process"} & set(stack), stack
+
+
+def test_bili_retention_sets_the_days_and_0_keeps_sessions_forever(bili):
+    eng = bili.engine
+    e = engine_on(eng.store)
+    folded(e)
+    age(eng.store, "fold-1", 40)
+    for i in range(3):
+        eng.store.record_usage("fold-1", "anthropic", (1, 1, 1, 1))
+    bili.tctx.configure(bili, bili_retention=0)
+    assert bili.retention.days == 0
+    out = bili.retention.run(eng)
+    assert "pruned" not in out and out["trimmed"]["turns"] >= 3 and rows_of(eng.store, "fold-1")  # trimmed, kept
+    bili.tctx.configure(bili, bili_retention=35)
+    assert bili.retention.run(eng)["pruned"] == 1 and rows_of(eng.store, "fold-1") == {}
