@@ -12,7 +12,7 @@ import time
 
 import pytest
 from test_fold import ANTH, H, agent_answers_unknown, body, conversation, refs_in, roundtrip_call
-from test_lineage import F, P, folded_parent, more, send
+from test_lineage import F, folded_parent, more
 
 from bili_addon import cli, retention
 from bili_addon.kernel.fold import FoldConfig
