@@ -40,7 +40,7 @@ DEFAULT_DAYS = 30  # bili_retention's default (Claude Code's own transcripts: 30
 CHAIN_DAYS = 30  # how long OpenAI keeps a stored response (a ``previous_response_id`` older than that is gone)
 UNSTORED_HOURS = 24  # a ``store: false`` response lives on its connection only; no connection lasts a day
 TRIM_ROWS = 500  # rows of each kind one trim pass removes at most
-PRUNE_FAMILIES = 20  # families one background pass prunes at most (the next pass goes on)
+PRUNE_FAMILIES = 5  # families one background pass prunes at most (more: the next answered turn queues another)
 RECLAIM_PAGES = 256  # SQLite pages (4 KB) a background pass gives back to the file system at most
 EVERY_TURNS = 200  # answered turns between two background passes ...
 EVERY_SECONDS = 6 * 3600.0  # ... or this long, whichever comes first
@@ -173,11 +173,15 @@ class Maintainer:
         t = time.perf_counter()
         rows, dead, self.after = trim(eng.store, after=self.after)
         forget(eng, chain_ids=dead)
+        if rows.get("turns", 0) >= TRIM_ROWS:  # a backlog (a store from before schema 8): again after the next turn
+            self.due = 0.0
         out: dict[str, Any] = {"trimmed": rows}
         if self.days > 0:
             rep = prune(eng.store, self.days * DAY, limit=PRUNE_FAMILIES)
             forget(eng, sessions=[s for fam in rep.removed for s in fam])
             out.update(pruned=sum(map(len, rep.removed)), pruned_rows=rep.rows, busy=len(rep.skipped))
+            if rep.more:  # a backlog (a store that never pruned): one pass after each answered turn until done
+                self.due = 0.0
             if rep.removed:
                 log.info("[bili] retention: pruned %d session(s) not seen for %g day(s) (%d rows)",
                          out["pruned"], self.days, sum(rep.rows.values()))

@@ -722,6 +722,9 @@ class Bili:
                                     "bili saw it): observed until the agent sends its whole history")
             sessions.append(entry)
         return {"sessions": sessions, "store": True, "store_status": self.keeper.status(),
+                # trimming and pruning (retention.py): the days kept, the passes made, the last one's figures
+                "retention": {"days": self.retention.days, "passes": self.retention.passes,
+                              "last": self.retention.last},
                 "prices": {"as_of": self.meter.table.as_of, "source": self.meter.table.source},
                 # what each host's cache reports taught (kernel/calibration.py), shared by its sessions
                 "hosts": eng.calibration.host_facts()}

@@ -341,3 +341,5 @@ def test_bili_retention_sets_the_days_and_0_keeps_sessions_forever(bili):
     assert "pruned" not in out and out["trimmed"]["turns"] >= 3 and rows_of(eng.store, "fold-1")  # trimmed, kept
     bili.tctx.configure(bili, bili_retention=35)
     assert bili.retention.run(eng)["pruned"] == 1 and rows_of(eng.store, "fold-1") == {}
+    stats = bili.stats(eng)["retention"]
+    assert stats["days"] == 35 and stats["passes"] == 2 and stats["last"]["pruned"] == 1
