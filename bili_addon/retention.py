@@ -19,6 +19,29 @@ Two kinds of removal, both off the requests' path, with the same rules on SQLite
   usage totals, so a ref is never given twice even if the conversation comes back (it then starts
   cold: new refs, no folds).  Its version moves, so a process that still holds the session reloads it.
 
+The tables, what reads them, and when their rows are dead (both backends):
+
+==================  =======================================================  ================================
+table               read by                                                  removed
+==================  =======================================================  ================================
+sessions            every turn (counter, flags, version), stats              never: a pruned one's tombstone
+ledger_turns        session load (the whole ledger: a rewind brings old      with the session
+                    keys back), adoption, ref_count
+refs_turns          adoption (rebase), the ``refs`` view                     with the session
+turns               the newest row only (last_usage, bili_hold)              trimmed: all but the newest
+blocks, originals   session load, decompress, search, the page, adoption    with the session
+calls               session load (a call runs once while in the history)     with the session
+copies, transcript  the fold coverage check, snapshot render (only the       with the session
+                    current rows exist: both are replaced, not appended)
+wire                stats, the page, the meter (all rows, summed)            with the session
+calibration         the learner (newest 64 per session and host), stats      with the session
+                    (all rows: totals, the per-turn list)
+lineage(_parts)     fork detection of any new session, the family counter    with the whole family
+affinity(_points)   id-less sessions: which one a history continues          with the session
+chains              a request continuing a chain (rebuilt through its        trimmed: past the provider's
+                    bases)                                                   retention and no row's base
+==================  =======================================================  ================================
+
 Nothing is removed that a live session, a fork, decompress, search_context, replay or stats still
 reads: a session seen since the cutoff is never pruned (checked again in the pruning transaction),
 and on PostgreSQL a session another instance is serving (it holds the session's lock) leaves its
@@ -166,7 +189,7 @@ class Maintainer:
         if not self.keeper.offloading:
             return
         self.turns, self.due = 0, time.monotonic() + EVERY_SECONDS
-        self.keeper.submit(self.run)
+        self.keeper.submit(self.run, None)  # a pass that cannot run loses nothing: the next one does it
 
     def run(self, eng: Any) -> dict[str, Any]:
         """One pass (on the worker)."""
