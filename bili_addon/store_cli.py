@@ -78,7 +78,7 @@ def _info(spec: str, data_dir: str, as_json: bool) -> int:
     s = open_store(spec, data_dir)
     try:
         doc = {"backend": s.backend, "at": s.where, "schema_version": s.schema_version(),
-               "conversations": len(s.sessions()), "latency_ms": round(s.ping() * 1000, 3)}
+               "conversations": len(s.sessions()), "size_bytes": s.size(), "latency_ms": round(s.ping() * 1000, 3)}
     finally:
         s.close()
     if as_json:
@@ -118,16 +118,20 @@ def _prune(spec: str, data_dir: str, args: argparse.Namespace) -> int:
         seen = {r.id: r.last_seen for r in s.sessions()}
         size = s.size()
         rep = retention.prune(s, args.older_than, dry_run=args.dry_run)
-        reclaimed = 0
+        reclaimed, vacuum_error = 0, ""
         if rep.removed and not args.dry_run and not args.no_vacuum:
-            reclaimed = s.reclaim()
+            try:
+                reclaimed = s.reclaim()
+            except StoreError as e:  # the prune is done; the space is reused anyway, and a later run shrinks it
+                vacuum_error = str(e)
         where, backend = s.where, s.backend
     finally:
         s.close()
     sessions = [sid for fam in rep.removed for sid in fam if sid in seen]
     doc = {"store": where, "backend": backend, "dry_run": args.dry_run, "older_than_days": args.older_than / retention.DAY,
            "sessions": sessions, "families": [f for f in rep.removed if len(f) > 1], "rows": rep.rows,
-           "skipped": [sid for fam in rep.skipped for sid in fam], "size_bytes": size, "reclaimed_bytes": reclaimed}
+           "skipped": [sid for fam in rep.skipped for sid in fam], "size_bytes": size, "reclaimed_bytes": reclaimed,
+           "vacuum_error": vacuum_error or None}
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
@@ -140,6 +144,9 @@ def _prune(spec: str, data_dir: str, args: argparse.Namespace) -> int:
         print(f"  {table:16} {n}")
     if rep.skipped:
         print(f"left alone (seen meanwhile, or served by another instance): {', '.join(doc['skipped'])}")
+    if vacuum_error:
+        print(f"VACUUM skipped ({vacuum_error}); the freed space is reused, a later prune shrinks the file",
+              file=sys.stderr)
     if reclaimed:
         print(f"VACUUM: the store shrank by {reclaimed / 1e6:.1f} MB (it was {size / 1e6:.1f} MB)")
     return 0
