@@ -1215,8 +1215,9 @@ class PgStore:
             if n:
                 out["turns"] = n
             page = conn.execute(
-                "SELECT id, agent_base, sent_base, stored, created FROM chains WHERE id COLLATE \"C\" > %s "
-                "ORDER BY id COLLATE \"C\" LIMIT %s", (after, limit)).fetchall()
+                # the primary key's order (the database's collation: the comparison uses the same one)
+                "SELECT id, agent_base, sent_base, stored, created FROM chains WHERE id > %s ORDER BY id LIMIT %s",
+                (after, limit)).fetchall()
             cands = {r[0]: (r[1], r[2]) for r in page if r[4] < (stored_before if r[3] else unstored_before)}
             dead = dead_chains(cands, self._pointing(list(cands))) if cands else []
             if dead:
