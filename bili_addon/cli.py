@@ -8,6 +8,7 @@
                                                   run an agent through the proxy (started if needed)
     bili doctor                                   check the CA, the port, the store and the agents
     bili store info|migrate --to URL               a store's backend and size; copy it (SQLite <-> PostgreSQL)
+    bili store prune --older-than 30d [--dry-run]  remove the conversations not seen for a while
     bili replay FLOWS.mitm|DIR ...                what the addon would have sent, per session and turn
     bili stats [--session ID] [--json] [--watch]  what the running proxy did: tokens, cache, folds, money
     bili page [--open]                            the URL of the proxy's page (a one-time sign-in code)
@@ -408,10 +409,11 @@ COMMANDS: dict[str, Command] = {
         configure=launch.configure_doctor, run=launch.doctor,
     ),
     "store": Command(
-        help="a store's backend and size; copy a store into another (SQLite <-> PostgreSQL)",
+        help="a store's backend and size; copy a store into another (SQLite <-> PostgreSQL); prune it",
         description="info: the backend, schema version and conversations of a store. migrate --to URL|DIR: "
                     "copy every row of the store (default: $BILI_STORE, else the data dir's SQLite) into an "
-                    "empty one and verify the copy; stop the proxies first.",
+                    "empty one and verify the copy; stop the proxies first. prune --older-than AGE [--dry-run]: "
+                    "remove the conversations not seen for AGE (whole families; safe while proxies run).",
         configure=store_cli.configure, run=store_cli.run,
     ),
     "replay": Command(

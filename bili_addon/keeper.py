@@ -163,16 +163,17 @@ class Keeper:
         assert self._pool is not None
         return asyncio.get_running_loop().run_in_executor(self._pool, lambda: self.run(fn, count))
 
-    def submit(self, fn: Callable[["Engine"], Any]) -> Future | None:
-        """Run bookkeeping on the worker without waiting for it (inline outside mitmproxy)."""
+    def submit(self, fn: Callable[["Engine"], Any], count: str | None = DROPPED) -> Future | None:
+        """Run bookkeeping on the worker without waiting for it (inline outside mitmproxy); ``count``:
+        the counter that says it could not run (None: maintenance, nothing lost)."""
         if self._pool is None:
-            self.run(fn, DROPPED)
+            self.run(fn, count)
             return None
-        return self._pool.submit(self._logged, fn)
+        return self._pool.submit(self._logged, fn, count)
 
-    def _logged(self, fn: Callable[["Engine"], Any]) -> None:
+    def _logged(self, fn: Callable[["Engine"], Any], count: str | None = DROPPED) -> None:
         try:
-            self.run(fn, DROPPED)
+            self.run(fn, count)
         except Exception as e:  # nothing may escape a fire-and-forget job unseen
             log.exception("[bili] background store work failed: %s", e)
 

@@ -26,6 +26,7 @@ from bili_addon.kernel.windows import is_overflow, learned_window
 from bili_addon.keeper import DROPPED, Keeper
 from bili_addon import meter
 from bili_addon.meter import Meter
+from bili_addon.retention import DEFAULT_DAYS, Maintainer
 from bili_addon.store import StoreError, default_data_dir
 from bili_addon.stores import describe, is_url, open_store, store_spec
 from bili_addon.stream import Decoder, ResponseRewriter
@@ -59,7 +60,7 @@ WS_REFUSAL = b'{"error":"bili: WebSocket upgrades on /responses are refused in f
 
 # the options whose values are checked in ``configure``: a choice list, or a lower bound
 CHOICES = {"bili_mode": MODES, "bili_first_party": FIRST_PARTY}
-NON_NEGATIVE = ("bili_min_compress_chars", "bili_remind_at", "bili_context_window")
+NON_NEGATIVE = ("bili_min_compress_chars", "bili_remind_at", "bili_context_window", "bili_retention")
 
 
 def validate_options(options, updated: set[str]) -> None:
@@ -114,6 +115,7 @@ class FlowState:
 class Bili:
     def __init__(self) -> None:
         self.keeper = Keeper(self._make_engine)  # the engine and its store, off the event loop
+        self.retention = Maintainer(self.keeper)  # trimming and pruning, on the store's worker (retention.py)
         self.mode = "fold"
         self.refuse_ws = False
         self.first_party = "fold"
@@ -151,6 +153,12 @@ class Bili:
             "bili_store", str, "",
             "The store: empty for SQLite in bili_data_dir (default; $BILI_STORE when set), or "
             "postgresql://user@host/db for a team gateway (several instances sharing one database).",
+        )
+        loader.add_option(
+            "bili_retention", int, DEFAULT_DAYS,
+            "Days a conversation not seen is kept in the store; then its rows are pruned (a tombstone "
+            "keeps its ref counter; it would come back cold). 0: forever. Rows nothing reads any more "
+            "are trimmed either way.",
         )
         loader.add_option(
             "bili_mode", str, "fold",
@@ -225,6 +233,8 @@ class Bili:
             self.refuse_ws = ctx.options.bili_refuse_websocket
         if "bili_first_party" in updated:
             self.first_party = ctx.options.bili_first_party
+        if "bili_retention" in updated:
+            self.retention.days = float(ctx.options.bili_retention)
         if "bili_data_dir" in updated or "bili_store" in updated or not self.data_dir:
             self.data_dir = ctx.options.bili_data_dir or str(default_data_dir())
             self.store_spec = store_spec(ctx.options.bili_store)
@@ -261,6 +271,7 @@ class Bili:
 
     def running(self) -> None:
         self.keeper.start()  # from now on the store is used on its worker thread only
+        self.retention.start()  # a first trimming and pruning pass, queued behind the store's opening
 
     def load_token(self) -> str | None:
         """The admin token of the data dir, created on first use; None while it cannot be written."""
@@ -549,6 +560,7 @@ class Bili:
             st.record["predicted"] = self.meter.predict(st.session, whole or st.sent)
             st.sent = b""
         rw = st.rewriter
+        self.retention.answered()  # counts; a due pass is queued on the worker, after this answer's work
         called = eng.record_answer(st.session, st.lane, rw)
         flowmeta.record_answer(st.record, rw, called)
         if called:
@@ -710,6 +722,9 @@ class Bili:
                                     "bili saw it): observed until the agent sends its whole history")
             sessions.append(entry)
         return {"sessions": sessions, "store": True, "store_status": self.keeper.status(),
+                # trimming and pruning (retention.py): the days kept, the passes made, the last one's figures
+                "retention": {"days": self.retention.days, "passes": self.retention.passes,
+                              "last": self.retention.last},
                 "prices": {"as_of": self.meter.table.as_of, "source": self.meter.table.source},
                 # what each host's cache reports taught (kernel/calibration.py), shared by its sessions
                 "hosts": eng.calibration.host_facts()}

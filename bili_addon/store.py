@@ -33,9 +33,10 @@ import msgspec
 
 from bili_addon import private
 
-SCHEMA_VERSION = 7  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
+SCHEMA_VERSION = 8  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
 # turn commit and session hold (functions, nothing in SQLite); 7: the ledger and the refs as one row per session write
-# (``ledger_turns``, ``refs_turns``; ``ledger`` and ``refs`` are views of them). PostgreSQL: store_pg._MIGRATIONS[3..7]
+# (``ledger_turns``, ``refs_turns``; ``ledger`` and ``refs`` are views of them); 8: retention (``sessions.pruned``,
+# indexes of the chains' bases: bili_addon/retention.py). PostgreSQL: store_pg._MIGRATIONS[3..8]
 BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
 
 _SCHEMA = """
@@ -461,6 +462,40 @@ def rebase(ledger_docs: list[tuple[int, str]], refs_docs: list[tuple[int, str]],
     return led, refs
 
 
+# -- retention (schema 8; the policy is bili_addon/retention.py) -----------------------------------
+# every table whose rows hang off one session (``session_id``): a pruned session loses them all; its
+# ``sessions`` row stays as a tombstone (its ref counter: a ref is never given twice, even after)
+HANGING = ("ledger_turns", "refs_turns", "affinity", "turns", "blocks", "originals", "transcript", "wire", "copies",
+           "lineage", "lineage_parts", "affinity_points", "calls", "calibration")
+KEPT_FLAGS = ("learned_windows", "strict_reasoning")  # what a tombstone keeps of its flags: facts of the provider
+
+
+def tombstone_flags(flags: str) -> str:
+    """A pruned session's flags: the provider's learned facts only (held folds, reminders, per-ref
+    notes name rows that are gone)."""
+    try:
+        doc = json.loads(flags or "{}")
+    except ValueError:
+        doc = {}
+    return json.dumps({k: doc[k] for k in KEPT_FLAGS if k in doc}, sort_keys=True)
+
+
+def dead_chains(cands: dict[str, tuple[str, str]], pointing: list[tuple[str, str, str]]) -> list[str]:
+    """Of the chain rows ``cands`` (``id -> (agent_base, sent_base)``), those no other row needs:
+    a row is rebuilt from its bases, so every base of a row that stays (``pointing``: ``(id,
+    agent_base, sent_base)`` of rows pointing into ``cands``; those among ``cands`` do not count),
+    and their bases in turn, stay too."""
+    keep: set[str] = set()
+    todo = [b for rid, a, sb in pointing if rid not in cands for b in (a, sb) if b in cands and b != rid]
+    while todo:
+        rid = todo.pop()
+        if rid in keep:
+            continue
+        keep.add(rid)
+        todo += [b for b in cands[rid] if b in cands and b != rid and b not in keep]
+    return sorted(set(cands) - keep)
+
+
 @dataclass(slots=True)
 class SessionRow:
     id: str
@@ -620,6 +655,7 @@ class Store:
             raise store_error("open", self.path, e) from e
         try:
             self.db.execute(f"PRAGMA busy_timeout={int(busy_ms)}")
+            self.db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # a new store only: retention frees pages bit by bit
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")
             self.db.executescript(_SCHEMA)
@@ -645,6 +681,8 @@ class Store:
                 if have < 2:
                     self._repair_refs()
                 self._one_row_per_write()
+            if have < 8:
+                self._retention_schema()
             for stmt in _VIEWS.split(";"):
                 if stmt.strip():
                     self.db.execute(stmt)
@@ -683,6 +721,16 @@ class Store:
             "GROUP BY session_id")
         self.db.execute("DROP TABLE ledger")
         self.db.execute("DROP TABLE refs")
+
+    def _retention_schema(self) -> None:
+        """Schema 8 (retention, bili_addon/retention.py): ``sessions.pruned``, when the session's rows
+        were last pruned (its row stays, a tombstone keeping its ref counter; listed again once it
+        is seen after that), and indexes of the chains' bases (what a pruned row may not be)."""
+        cols = {r[1] for r in self.db.execute("PRAGMA table_info(sessions)")}
+        if "pruned" not in cols:
+            self.db.execute("ALTER TABLE sessions ADD COLUMN pruned REAL NOT NULL DEFAULT 0")
+        self.db.execute("CREATE INDEX IF NOT EXISTS chains_agent_base ON chains(agent_base)")
+        self.db.execute("CREATE INDEX IF NOT EXISTS chains_sent_base ON chains(sent_base)")
 
     def close(self) -> None:
         try:
@@ -729,7 +777,7 @@ class Store:
     def sessions(self) -> list[SessionRow]:
         rows = self.db.execute(
             "SELECT id, agent, lane, created, last_seen, requests, messages, next_ref, flags, version FROM sessions "
-            "ORDER BY last_seen DESC"
+            "WHERE pruned < last_seen ORDER BY last_seen DESC"  # not a pruned one's tombstone (schema 8)
         ).fetchall()
         return [SessionRow(*r) for r in rows]
 
@@ -1241,3 +1289,120 @@ class Store:
     def _write_many(self, sql: str, rows: list[tuple]) -> None:
         with self._tx():
             self.db.executemany(sql, rows)
+
+    # -- retention (schema 8; the policy and its rules: bili_addon/retention.py) ------------------
+    @_reads
+    def idle_sessions(self, before: float) -> list[tuple[str, float]]:
+        """``(id, last_seen)`` of the sessions not seen since ``before`` whose rows are not pruned yet."""
+        return self.db.execute("SELECT id, last_seen FROM sessions WHERE last_seen < ? AND pruned < last_seen "
+                               "ORDER BY last_seen", (before,)).fetchall()
+
+    def _chains_of(self, ids: list[str], pointing_too: bool) -> tuple[dict[str, tuple[str, str]], list]:
+        q = ",".join("?" * len(ids))
+        cands = {r[0]: (r[1], r[2]) for r in self.db.execute(
+            f"SELECT id, agent_base, sent_base FROM chains WHERE session_id IN ({q})", ids)}
+        return cands, self._pointing(list(cands)) if pointing_too else []
+
+    def _pointing(self, rids: list[str]) -> list[tuple[str, str, str]]:
+        """``(id, agent_base, sent_base)`` of the chain rows based on one of ``rids`` (indexed, schema 8)."""
+        out: list[tuple[str, str, str]] = []
+        for i in range(0, len(rids), 400):
+            chunk = rids[i:i + 400]
+            q = ",".join("?" * len(chunk))
+            out += self.db.execute(f"SELECT id, agent_base, sent_base FROM chains WHERE agent_base IN ({q}) "
+                                   f"UNION SELECT id, agent_base, sent_base FROM chains WHERE sent_base IN ({q})",
+                                   chunk + chunk).fetchall()
+        return out
+
+    def prune(self, sids: list[str], before: float, *, dry_run: bool = False) -> dict[str, int] | None:
+        """Remove every row of the sessions ``sids`` (a whole family) but their ``sessions`` rows,
+        which stay as tombstones: their ref counters (each raised to the family's), the provider's
+        learned facts, the usage totals; ``pruned`` set, the version advanced (a process holding one
+        of them reloads it).  One transaction, which first checks again that none was seen since
+        ``before`` (else nothing is done: None).  Chain rows another session's rows are based on
+        stay.  Returns the rows removed per table (``dry_run``: would remove; nothing is written)."""
+        sids = list(dict.fromkeys(sids))
+        if not sids:
+            return None
+        q = ",".join("?" * len(sids))
+        ctx = self.snapshot() if dry_run else self._tx()
+        with ctx:
+            rows = self.db.execute(f"SELECT id, last_seen, pruned, next_ref, flags FROM sessions WHERE id IN ({q})",
+                                   sids).fetchall()
+            if any(r[1] >= before for r in rows) or not any(r[2] < r[1] for r in rows):
+                return None  # seen meanwhile, or pruned already
+            counts = {"sessions": sum(1 for r in rows if r[2] < r[1])}
+            cands, pointing = self._chains_of(sids, True)
+            dead = dead_chains(cands, pointing)
+            for t in HANGING:
+                n = self.db.execute(f"SELECT COUNT(*) FROM {t} WHERE session_id IN ({q})", sids).fetchone()[0]
+                if n:
+                    counts[t] = n
+                    if not dry_run:
+                        self.db.execute(f"DELETE FROM {t} WHERE session_id IN ({q})", sids)
+            if dead:
+                counts["chains"] = len(dead)
+                if not dry_run:
+                    self._delete_chains(dead)
+            if not dry_run:
+                top = max(r[3] for r in rows)  # a family shares one counter: each keeps the family's
+                now = time.time()
+                self.db.executemany("UPDATE sessions SET pruned=?, next_ref=?, flags=?, version=version+1 WHERE id=?",
+                                    [(max(now, r[1]), max(top, r[3]), tombstone_flags(r[4]), r[0]) for r in rows])
+        return counts
+
+    def _delete_chains(self, rids: list[str]) -> None:
+        for i in range(0, len(rids), 400):
+            chunk = rids[i:i + 400]
+            self.db.execute(f"DELETE FROM chains WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+
+    def trim(self, limit: int, stored_before: float, unstored_before: float,
+             after: str = "") -> tuple[dict[str, int], list[str], str]:
+        """Rows that nothing can read any more, at most ``limit`` of each kind: the usage rows of
+        answered turns but each session's newest (only that one is read), and chain rows made
+        before ``stored_before`` (``unstored_before`` for ``store: false`` ones) that no remaining
+        row is based on.  Chain rows are looked at in id order from ``after`` on; returns what was
+        removed (rows per table, the chain ids) and where the next pass goes on ('' from the start)."""
+        out: dict[str, int] = {}
+        dead: list[str] = []
+        with self._tx():
+            n = self.db.execute(
+                "DELETE FROM turns WHERE (session_id, n) IN (SELECT t.session_id, t.n FROM turns t "
+                "WHERE t.n < (SELECT MAX(m.n) FROM turns m WHERE m.session_id=t.session_id) LIMIT ?)",
+                (limit,)).rowcount
+            if n:
+                out["turns"] = n
+            page = self.db.execute(
+                "SELECT id, agent_base, sent_base, stored, created FROM chains WHERE id > ? ORDER BY id LIMIT ?",
+                (after, limit)).fetchall()
+            cands = {r[0]: (r[1], r[2]) for r in page if r[4] < (stored_before if r[3] else unstored_before)}
+            dead = dead_chains(cands, self._pointing(list(cands))) if cands else []
+            if dead:
+                self._delete_chains(dead)
+                out["chains"] = len(dead)
+        return out, dead, page[-1][0] if len(page) == limit else ""
+
+    def reclaim(self, pages: int = 0) -> int:
+        """Give freed pages back to the file system: ``pages`` of them at most, from a store made
+        with incremental auto-vacuum (cheap, any time); ``0``: VACUUM the whole file (the CLI's
+        prune only: it rewrites the store, and turns on incremental auto-vacuum for an older one).
+        Returns the bytes the file shrank by."""
+        before = self._file_size()
+        try:
+            if pages:
+                if self.db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2:
+                    self.db.execute(f"PRAGMA incremental_vacuum({int(pages)})").fetchall()
+            else:
+                self.db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+                self.db.execute("VACUUM")
+                self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        except sqlite3.Error as e:
+            raise store_error("vacuum", self.path, e) from e
+        return max(0, before - self._file_size())
+
+    def _file_size(self) -> int:
+        return sum(p.stat().st_size for p in (self.path, self.path.with_name(self.path.name + "-wal")) if p.exists())
+
+    def size(self) -> int:
+        """Bytes the store takes (the file and its WAL)."""
+        return self._file_size()

@@ -23,8 +23,9 @@ from pathlib import Path
 import msgspec
 
 from bili_addon.store import (
-    CALIBRATION_COLS, CHAIN_COLS, DB_NAME, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
-    StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, contiguous, ledger_rows, rebase, wire_turn,
+    CALIBRATION_COLS, CHAIN_COLS, DB_NAME, HANGING, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
+    StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, contiguous, dead_chains, ledger_rows, rebase,
+    tombstone_flags, wire_turn,
 )
 
 try:
@@ -381,6 +382,13 @@ _MIGRATIONS[7] = [
     END
     $$""",
 ]
+# 8: retention (bili_addon/retention.py): when a session's rows were pruned (its row stays, a tombstone
+# keeping its ref counter; listed again once seen after that), and indexes of the chains' bases
+_MIGRATIONS[8] = [
+    "ALTER TABLE sessions ADD COLUMN IF NOT EXISTS pruned DOUBLE PRECISION NOT NULL DEFAULT 0",
+    "CREATE INDEX IF NOT EXISTS chains_agent_base ON chains(agent_base)",
+    "CREATE INDEX IF NOT EXISTS chains_sent_base ON chains(sent_base)",
+]
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
 
 
@@ -676,7 +684,8 @@ class PgStore:
 
     @_reads
     def sessions(self) -> list[SessionRow]:
-        return [SessionRow(*r) for r in self._q(f"SELECT {self._SESSION_COLS} FROM sessions ORDER BY last_seen DESC")]
+        return [SessionRow(*r) for r in self._q(f"SELECT {self._SESSION_COLS} FROM sessions WHERE pruned < last_seen "
+                                                "ORDER BY last_seen DESC")]  # not a pruned one's tombstone (schema 8)
 
     @_reads
     def ledger(self, session_id: str) -> list[LedgerRow]:
@@ -1136,3 +1145,93 @@ class PgStore:
 
     def is_empty(self) -> bool:
         return self._one("SELECT COUNT(*) FROM sessions")[0] == 0
+
+    # -- retention (schema 8): as the SQLite store's, with the sessions' locks of the instances --
+    @_reads
+    def idle_sessions(self, before: float) -> list[tuple[str, float]]:
+        return self._q("SELECT id, last_seen FROM sessions WHERE last_seen < %s AND pruned < last_seen "
+                       "ORDER BY last_seen", (before,))
+
+    def _pointing(self, rids: list[str]) -> list[tuple[str, str, str]]:
+        if not rids:
+            return []
+        return self._q("SELECT id, agent_base, sent_base FROM chains WHERE agent_base = ANY(%(r)s) UNION "
+                       "SELECT id, agent_base, sent_base FROM chains WHERE sent_base = ANY(%(r)s)", {"r": rids})
+
+    def prune(self, sids: list[str], before: float, *, dry_run: bool = False) -> dict[str, int] | None:
+        """As :meth:`bili_addon.store.Store.prune`.  Several instances: the transaction first takes
+        every session's lock (the one :meth:`hold` takes for a turn) without waiting; one that another
+        instance holds (it is serving the session) leaves the whole family alone (None).  The rows
+        of the sessions are locked too, so a turn committed meanwhile is seen by the check."""
+        sids = list(dict.fromkeys(sids))
+        if not sids:
+            return None
+        try:
+            with (self.snapshot() if dry_run else self._tx()):
+                if not dry_run and not self._one("SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM "
+                                                 "unnest(%s::bigint[]) AS k", ([self.lock_key(x) for x in sids],))[0]:
+                    return None
+                rows = self._q("SELECT id, last_seen, pruned, next_ref, flags FROM sessions WHERE id = ANY(%s)"
+                               + ("" if dry_run else " FOR UPDATE"), (sids,))
+                if any(r[1] >= before for r in rows) or not any(r[2] < r[1] for r in rows):
+                    return None  # seen meanwhile, or pruned already
+                counts = {"sessions": sum(1 for r in rows if r[2] < r[1])}
+                cands = {r[0]: (r[1], r[2]) for r in self._q(
+                    "SELECT id, agent_base, sent_base FROM chains WHERE session_id = ANY(%s)", (sids,))}
+                dead = dead_chains(cands, self._pointing(list(cands)))
+                for t in HANGING:
+                    if dry_run:
+                        n = int(self._one(f"SELECT COUNT(*) FROM {t} WHERE session_id = ANY(%s)", (sids,))[0])
+                    else:
+                        with self._use() as conn:
+                            self.round_trips += 1
+                            n = conn.execute(f"DELETE FROM {t} WHERE session_id = ANY(%s)", (sids,)).rowcount
+                    if n:
+                        counts[t] = n
+                if dead:
+                    counts["chains"] = len(dead)
+                    if not dry_run:
+                        self._q("DELETE FROM chains WHERE id = ANY(%s)", (dead,))
+                if not dry_run:
+                    top = max(r[3] for r in rows)  # a family shares one counter: each keeps the family's
+                    now = time.time()
+                    self._many("UPDATE sessions SET pruned=%s, next_ref=%s, flags=%s, version=version+1 WHERE id=%s",
+                               [(max(now, r[1]), max(top, r[3]), tombstone_flags(r[4]), r[0]) for r in rows])
+        except (psycopg.Error, PoolTimeout) as e:
+            raise pg_error("prune", self.url, e) from e
+        return counts
+
+    def trim(self, limit: int, stored_before: float, unstored_before: float,
+             after: str = "") -> tuple[dict[str, int], list[str], str]:
+        """As :meth:`bili_addon.store.Store.trim`."""
+        out: dict[str, int] = {}
+        dead: list[str] = []
+        with self._tx() as conn:
+            self.round_trips += 2
+            n = conn.execute(
+                "DELETE FROM turns WHERE (session_id, n) IN (SELECT t.session_id, t.n FROM turns t "
+                "WHERE t.n < (SELECT MAX(m.n) FROM turns m WHERE m.session_id=t.session_id) LIMIT %s)",
+                (limit,)).rowcount
+            if n:
+                out["turns"] = n
+            page = conn.execute(
+                # the primary key's order (the database's collation: the comparison uses the same one)
+                "SELECT id, agent_base, sent_base, stored, created FROM chains WHERE id > %s ORDER BY id LIMIT %s",
+                (after, limit)).fetchall()
+            cands = {r[0]: (r[1], r[2]) for r in page if r[4] < (stored_before if r[3] else unstored_before)}
+            dead = dead_chains(cands, self._pointing(list(cands))) if cands else []
+            if dead:
+                self._q("DELETE FROM chains WHERE id = ANY(%s)", (dead,))
+                out["chains"] = len(dead)
+        return out, dead, page[-1][0] if len(page) == limit else ""
+
+    def reclaim(self, pages: int = 0) -> int:
+        """Nothing to do: PostgreSQL's autovacuum makes the space of removed rows reusable."""
+        return 0
+
+    @_reads
+    def size(self) -> int:
+        """Bytes bili's tables take (indexes and TOAST included)."""
+        tables = ["meta", "sessions", "chains", *HANGING]
+        return int(self._one("SELECT COALESCE(SUM(pg_total_relation_size(to_regclass(t))), 0) FROM unnest(%s::text[]) "
+                             "AS t WHERE to_regclass(t) IS NOT NULL", (tables,))[0])

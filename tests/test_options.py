@@ -15,6 +15,7 @@ from mitmproxy import exceptions
     ("bili_min_compress_chars", -5, "bili_min_compress_chars=-5 must be 0 or more"),
     ("bili_remind_at", -1, "bili_remind_at=-1 must be 0 or more"),
     ("bili_context_window", -100, "bili_context_window=-100 must be 0 or more"),
+    ("bili_retention", -1, "bili_retention=-1 must be 0 or more"),
 ])
 def test_a_bad_value_is_refused_and_the_old_one_kept(bili, name, value, words):
     before = getattr(bili.tctx.options, name)

@@ -321,6 +321,19 @@ class Chains:
             del self._last_of_session[session]  # its next row is not based on the tombstone
         self.store.save_chain(_row(Link(rid, "", "", False, rid, 0, [], rid, 0, None, [])), replace=True)
 
+    def forget(self, sessions=(), ids=()) -> None:
+        """Retention removed these sessions' rows, or these rows: nothing here may stand for them
+        (a next row based on a removed one could not be rebuilt)."""
+        gone = set(ids)
+        for s in sessions:
+            self._last_of_session.pop(s, None)
+        for s in [k for k, (r, _v) in self._last_of_session.items() if r in gone]:
+            del self._last_of_session[s]
+        for rid in gone:
+            self._views.pop(rid, None)
+        for c in [c for c, r in self._last_on_conn.items() if r in gone]:
+            del self._last_on_conn[c]
+
     def end(self, conn: str) -> None:
         """The connection ``conn`` closed: nothing can chain on its ``store: false`` responses any more."""
         self._last_on_conn.pop(conn, None)

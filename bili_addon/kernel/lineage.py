@@ -150,6 +150,13 @@ class Lineage:
             elif rec is not None and len(rec) == k + len(tail):
                 rec[k:] = tail
 
+    def forget(self, sid: str) -> None:
+        """Retention pruned the session: its record, kept-back parts and verdict go with it."""
+        self.records.pop(sid, None)
+        self.whole.pop(sid, None)
+        self.pending.pop(sid, None)
+        self.checked.discard(sid)
+
     # -- id-less sessions ------------------------------------------------------------------------
     def locate(self, affinity: PrefixAffinity, hashes: list[str], conv: list[ItemInfo]) -> tuple[str, int]:
         """The session of an id-less history and how deep it already knew it (0: new)."""
