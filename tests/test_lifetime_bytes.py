@@ -10,6 +10,7 @@ with and without the agent's whitespace, cold moments where the decision runs.
 from __future__ import annotations
 
 import json
+import random
 from contextlib import contextmanager
 from unittest import mock
 
@@ -19,6 +20,7 @@ from bili_addon.kernel import lifetime, pressure
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
+from bili_addon.wire.base import Body
 from bili_addon.wire import LANES
 from tests.test_fold import agent_answers_unknown, body, conversation, filler, refs_in, roundtrip_call
 from tests.test_lifetime import cc_body
@@ -179,24 +181,72 @@ def test_an_agent_that_asks_for_lifetimes_itself_and_a_top_level_breakpoint(tmp_
             tw.close()
 
 
+def _random_body(r: random.Random) -> dict:
+    """An Anthropic body with breakpoints, summaries and look-alikes in random places."""
+    def block(k: int) -> dict:
+        text = r.choice(["plain words", "[Compressed conversation section b%d (m00001-m00009)]\nsummary" % k,
+                         'quoting "cache_control": {"type": "ephemeral"} and "ttl" in prose'])
+        b = {"type": "text", "text": text}
+        if r.random() < 0.35:
+            b["cache_control"] = {"type": "ephemeral"}
+        return b
+
+    msgs = [{"role": ("user", "assistant")[k % 2], "content": [block(k) for _ in range(r.randint(1, 3))]}
+            for k in range(r.randint(1, 9))]
+    doc = {"model": "claude-x", "max_tokens": 10, "messages": msgs}
+    if r.random() < 0.7:
+        doc["system"] = [block(0) for _ in range(r.randint(1, 2))]
+    if r.random() < 0.5:
+        doc["tools"] = [{"name": "t", "input_schema": {"type": "object"},
+                         **({"cache_control": {"type": "ephemeral"}} if r.random() < 0.5 else {})}]
+    if r.random() < 0.1:
+        doc["cache_control"] = {"type": "ephemeral"}
+    if r.random() < 0.03:
+        doc["ttl"] = "a top-level key of that name"
+    if r.random() < 0.05:
+        doc["tools"] = [{"name": "t", "input_schema": {"properties": {"ttl": {"type": "string"}}}}]
+    return doc
+
+
 def test_apply_parts_is_apply_on_the_encoded_body():
     """The function itself, on bodies the engine did not touch: the parts re-encoded with their
     lifetimes are the bytes :func:`lifetime.apply` makes of the whole."""
-    from bili_addon.wire.base import Body
+    r = random.Random(7)
+    seen = set()
+    for _ in range(600):
+        doc = _random_body(r)
+        for raw in (json.dumps(doc, separators=(",", ":")).encode(), json.dumps(doc, indent=r.choice([None, 1])).encode()):
+            for choice in CHOICES:
+                b = Body(raw, "messages")
+                items = [bytes(i) for i in b.items]
+                whole = lifetime.apply(b.encode(items), choice)
+                b = Body(raw, "messages")
+                items = [bytes(i) for i in b.items]
+                anything, in_items = lifetime.apply_parts(b.top, "messages", items, choice)
+                assert anything == (whole is not None), (choice, raw)
+                if anything:
+                    assert b.encode(items) == whole, (choice, raw)
+                    seen.add((choice, in_items, whole.count(b'"ttl":"1h"') < raw.count(b'"cache_control"')))
+    assert len(seen) >= 4  # some bodies had every breakpoint upgraded, some a head only, some only system/tools
 
-    plain = cc_body(conversation(4))
-    summary = json.loads(plain)
-    summary["messages"][2]["content"].append({"type": "text", "text": "[Compressed conversation section b1 ...]",
-                                              "cache_control": {"type": "ephemeral"}})
-    compact = json.dumps(summary, separators=(",", ":")).encode()
-    for raw in (plain, compact, json.dumps(summary).encode()):
-        for choice in CHOICES:
+
+@pytest.mark.parametrize("choice", CHOICES)
+def test_a_body_the_engine_leaves_as_it_came(tmp_path, choice):
+    """The agent's bytes (its whitespace) with the lifetimes set: what :func:`lifetime.apply` makes
+    of them (the engine hands ``pressure.upgrade_lifetime`` a body it did not change)."""
+    e = Engine(Store(tmp_path / "d"), activate="always")
+    h = {"x-claude-code-session-id": "same"}
+    doc = json.loads(cc_body(conversation(4)))
+    doc["messages"][3]["content"].append({"type": "text", "text": "[Compressed conversation section b1 ...]",
+                                          "cache_control": {"type": "ephemeral"}})
+    plain = json.loads(cc_body(conversation(4)))  # no summary: under "head" only the system's breakpoints
+    try:
+        for raw in (json.dumps(doc).encode(), json.dumps(doc, indent=2).encode(), json.dumps(plain, indent=1).encode()):
+            e.process(raw, ANTH, h, render=True)
+            s = e.sessions[h["x-claude-code-session-id"]]
+            s.flags[lifetime.FLAG] = {"choice": choice}
             b = Body(raw, "messages")
             items = [bytes(i) for i in b.items]
-            whole = lifetime.apply(b.encode(items), choice)
-            b = Body(raw, "messages")
-            items = [bytes(i) for i in b.items]
-            anything, in_items = lifetime.apply_parts(b.top, "messages", items, choice)
-            assert anything == (whole is not None)
-            if anything:
-                assert b.encode(items) == whole
+            assert pressure.upgrade_lifetime(e, s, b, items, raw, False) == lifetime.apply(raw, choice)
+    finally:
+        e.store.close()
