@@ -162,41 +162,16 @@ def apply(body: bytes, choice: str | None) -> bytes | None:
     return None
 
 
-def apply_parts(top: dict[str, msgspec.Raw], key: str, items: list[bytes] | None,
-                choice: str | None) -> tuple[bool, bool]:
-    """:func:`apply` on a body bili holds in parts, in place: ``top`` its top-level values and
-    ``items`` its conversation array (None: the array is ``top[key]`` as it is, or not an array);
-    the body is ``top`` encoded with the array ``b"[" + b",".join(items) + b"]"``.  Changes the
-    same breakpoints as :func:`apply` on those bytes, without parsing them again.  Returns whether it changed
-    something, and whether that includes ``items``.  Byte for byte what :func:`apply` makes when the
-    body is re-encoded anyway; an :data:`HOUR` body otherwise sent as the agent's bytes goes through
-    :func:`upgrade` (it keeps the agent's whitespace)."""
-    if choice not in (HEAD, HOUR):
-        return False, False
+def apply_parts(top: dict[str, msgspec.Raw], key: str, items: list[bytes] | None) -> tuple[bool, bool]:
+    """:func:`upgrade_head` on a body bili holds in parts, in place: ``top`` its top-level values
+    and ``items`` its conversation array (None: the array is ``top[key]`` as it is, or not an
+    array); the body is ``top`` encoded with the array ``b"[" + b",".join(items) + b"]"``.  The same
+    breakpoints get their hour without the body being parsed again: the engine holds the parts
+    (kernel/pressure.py).  Returns whether it changed something, and whether ``items`` among it."""
     values = [bytes(v) for k, v in top.items() if not (items is not None and k == key)]
-    parts = values + (items or [])
-    if "ttl" in top or any(b'"ttl"' in p for p in parts):
-        return False, False  # the agent (or bili) asks for lifetimes already
-    if "cache_control" not in top and not any(_CC in p for p in parts):
-        return False, False
+    if "ttl" in top or any(b'"ttl"' in v for v in values) or (items and any(b'"ttl"' in i for i in items)):
+        return False, False  # the agent asks for lifetimes itself
     n = m = 0
-    if choice == HOUR:
-        for k, raw in top.items():
-            if items is not None and k == key:
-                continue
-            if k == "cache_control":  # a top-level breakpoint: ``"cache_control":{...}`` in the body
-                out, ki = _one_hour(b'"cache_control":' + bytes(raw))
-                out = out[len(b'"cache_control":'):]
-            else:
-                b = bytes(raw)
-                out, ki = _one_hour(b) if _CC in b else (b, 0)
-            if ki:
-                top[k], n = msgspec.Raw(out), n + ki
-        for i, item in enumerate(items or ()):
-            if _CC in item:
-                items[i], ki = _one_hour(item)
-                m += ki
-        return n + m > 0, m > 0
     for k in ("tools", "system"):
         raw = top.get(k)
         if raw is not None and not (items is not None and k == key):

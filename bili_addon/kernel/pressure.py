@@ -97,8 +97,9 @@ def upgrade_lifetime(host: PressureHost, s: Session, body: Body, items: list[byt
     """The body to send with the cache lifetimes the session chose (kernel/lifetime.py): 1 hour on
     the stable head, or on every breakpoint; decided (again) at a cold moment only.  ``body`` and
     ``items`` are the request as the engine holds it at the end of a turn (``changed``: it is
-    re-encoded; else ``raw`` goes as the agent sent it).  The lifetimes are set on those parts, not
-    on the finished body parsed again (kernel/lifetime.py ``apply_parts``); None: they change nothing."""
+    re-encoded; else ``raw`` goes as the agent sent it).  The head's hour is set on those parts, not
+    on the finished body parsed again (kernel/lifetime.py ``apply_parts``).  Returns the bytes to
+    send; None: the lifetimes change nothing (the turn's own bytes go)."""
     sid = s.row.id
     flag = s.flags.get(lifetime.FLAG) or {}
     chosen = flag.get("choice")
@@ -117,9 +118,12 @@ def upgrade_lifetime(host: PressureHost, s: Session, body: Body, items: list[byt
                 if chosen != pick.choice:
                     flag["cheapest"] = pick.choice  # kept: a session never goes back to shorter lifetimes
                 host.set_flag(sid, lifetime.FLAG, flag)
-    if chosen == lifetime.HOUR and not changed:
-        return lifetime.upgrade(raw)  # the agent's bytes, whitespace and all, with 1 hour on each breakpoint
-    anything, in_items = lifetime.apply_parts(body.top, body.key, items if body.array else None, chosen)
+    if chosen == lifetime.HOUR:  # one pass over the bytes that leave (the agent's own when unchanged)
+        sent = body.encode(items) if changed else raw
+        return lifetime.upgrade(sent) or (sent if changed else None)
+    if chosen != lifetime.HEAD:
+        return None
+    anything, in_items = lifetime.apply_parts(body.top, body.key, items if body.array else None)
     if not anything:
         return None
     return body.encode(items if changed or in_items else None)
