@@ -27,8 +27,8 @@ from pathlib import Path
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]), help="the checkout whose bili_addon runs")
-ap.add_argument("--messages", type=int, default=400, help="conversation items (400: ~500 KB)")
-ap.add_argument("--reps", type=int, default=25, help="follow-up turns timed per choice and seed")
+ap.add_argument("--messages", type=int, default=700, help="conversation items (700: ~500 KB)")
+ap.add_argument("--reps", type=int, default=41, help="follow-up turns timed per choice and seed")
 ap.add_argument("--seeds", type=int, default=3)
 args = ap.parse_args()
 
@@ -60,57 +60,76 @@ def cc_body(case: Case, msgs: list[dict]) -> bytes:
     return msgspec.json.encode({**case.top, "system": system, "messages": msgs})
 
 
-def session(case: Case, choice: str, d: str, reps: int) -> tuple[list[float], list[float], str, int]:
-    sid = "bench-lifetime"
-    h = {"x-claude-code-session-id": sid}
-    eng = Engine(Store(d), fold_cfg=FoldConfig(), activate="always", materialize="now")
-    t = {"now": 1_000.0}
-    eng.now = lambda: t["now"]
+class Run:
+    """One session of ``case`` under one lifetime choice, folded once, ready for follow-up turns."""
 
-    def send(msgs):
-        t["now"] += 2.0  # a tool loop: never a cold moment, the choice stays as set
-        return eng.process(cc_body(case, msgs), case.lane, h, render=True)
+    def __init__(self, case: Case, choice: str, d: str):
+        self.case, self.choice, self.sid = case, choice, "bench-lifetime"
+        self.h = {"x-claude-code-session-id": self.sid}
+        self.eng = Engine(Store(d), fold_cfg=FoldConfig(), activate="always", materialize="now")
+        self.t = 1_000.0
+        self.eng.now = lambda: self.t
+        self.msgs = list(case.msgs)
+        self.digest, self.size = hashlib.sha256(), 0
+        refs = TAG.findall(self.send().decode())
+        args = {"content": [{"startId": refs[1], "endId": refs[len(refs) // 2], "topic": "the first half",
+                             "summary": "Read the first half of the modules; nothing unusual."}]}
+        rw = ResponseRewriter("anthropic")
+        rw.json_body(json.dumps({"id": "msg_x", "type": "message", "role": "assistant", "model": "claude-x",
+                                 "content": [{"type": "tool_use", "id": "toolu_c1", "name": "compress", "input": args}],
+                                 "stop_reason": "tool_use", "usage": {"input_tokens": 10, "output_tokens": 5}}).encode())
+        self.eng.record_calls(self.sid, rw.calls)
+        self.msgs += [
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_c1", "name": "compress", "input": args}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_c1", "is_error": True,
+                                          "content": "<tool_use_error>Error: No such tool available: compress"
+                                                     "</tool_use_error>"}]}]
+        assert b"[Compressed conversation section b1" in self.send(), "the fold did not land"
+        self.eng.set_flag(self.sid, "ttl", {"choice": choice})
 
-    msgs = list(case.msgs)
-    out = send(msgs).body
-    refs = TAG.findall(out.decode())
-    args = {"content": [{"startId": refs[1], "endId": refs[len(refs) // 2], "topic": "the first half",
-                         "summary": "Read the first half of the modules; nothing unusual."}]}
-    rw = ResponseRewriter("anthropic")
-    rw.json_body(json.dumps({"id": "msg_x", "type": "message", "role": "assistant", "model": "claude-x",
-                             "content": [{"type": "tool_use", "id": "toolu_c1", "name": "compress", "input": args}],
-                             "stop_reason": "tool_use", "usage": {"input_tokens": 10, "output_tokens": 5}}).encode())
-    eng.record_calls(sid, rw.calls)
-    msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_c1", "name": "compress", "input": args}]},
-             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_c1", "is_error": True,
-                                           "content": "<tool_use_error>Error: No such tool available: compress"
-                                                      "</tool_use_error>"}]}]
-    out = send(msgs).body
-    assert b"[Compressed conversation section b1" in out, "the fold did not land"
-    eng.set_flag(sid, "ttl", {"choice": choice})
-    samples, floors, digest, size = [], [], hashlib.sha256(), 0
-    for i in range(reps):
-        msgs.append(case.new(i))
-        msgs.append({"role": "assistant", "content": f"Noted {i}."})
-        msgs.append({"role": "user", "content": f"go on {i}"})
-        raw = cc_body(case, msgs)
-        floors.append(cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw))))
-        t["now"] += 2.0
-        res = None
+    def send(self, raw: bytes | None = None) -> bytes:
+        self.t += 2.0  # a tool loop: never a cold moment, the choice stays as set
+        res = self.eng.process(raw or cc_body(self.case, self.msgs), self.case.lane, self.h, render=True)
+        return res.body or raw
 
-        def run():
-            nonlocal res
-            res = eng.process(raw, case.lane, h, render=True)
+    def follow_up(self, i: int) -> tuple[float, float]:
+        """CPU seconds of one follow-up turn and of the floor of its body."""
+        self.msgs += [self.case.new(i), {"role": "assistant", "content": f"Noted {i}."},
+                      {"role": "user", "content": f"go on {i}"}]
+        raw = cc_body(self.case, self.msgs)
+        floor = cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw)))
+        out = []
+        took = cpu(lambda: out.append(self.send(raw)))
+        self.digest.update(out[0])
+        self.size = len(out[0])
+        assert (b'"ttl":"1h"' in out[0]) == (self.choice != "5m"), "lifetimes not as chosen"
+        self.eng.lineage.flush()
+        return took, floor
 
-        samples.append(cpu(run))
-        sent = res.body or raw
-        digest.update(sent)
-        size = len(sent)
-        if choice != "5m":
-            assert b'"ttl":"1h"' in sent, "no lifetime set"
-        eng.lineage.flush()
-    eng.store.close()
-    return samples, floors, digest.hexdigest()[:12], size
+
+def step(run: Run) -> None:
+    """The head's lifetimes alone, on the last body the 5m run sent: the body parsed again
+    (``lifetime.apply``, the path before) against the parts the engine holds (``apply_parts``, when
+    this checkout has it; the encode the turn makes anyway not counted), paired per repeat."""
+    from bili_addon.kernel import lifetime
+    from bili_addon.wire.base import Body
+
+    sent = cc_body(run.case, run.msgs)
+    sent = run.eng.process(sent, run.case.lane, run.h, render=True).body
+    parts = Body(sent, "messages")
+    items = [bytes(i) for i in parts.items]
+    again, held = [], []
+    for _ in range(args.reps * 5):
+        again.append(cpu(lambda: lifetime.apply(sent, "head")))
+        if hasattr(lifetime, "apply_parts"):
+            top, its = dict(parts.top), list(items)
+            held.append(cpu(lambda: lifetime.apply_parts(top, "messages", its)))
+    a = statistics.median(again) * 1000
+    line = f"     the head's lifetimes alone, {len(sent) / 1024:.0f}K: parsed again {a:.3f} ms"
+    if held:
+        h = statistics.median(held) * 1000
+        line += f", on the parts {h:.3f} ms ({a / h:.1f}x less)"
+    print(line, flush=True)
 
 
 def main() -> None:
@@ -121,17 +140,27 @@ def main() -> None:
     floors_all: list[float] = []
     for seed in range(1, args.seeds + 1):
         case = Case("anthropic", args.messages, seed=seed)
-        base = None
-        for choice in CHOICES:
-            with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
-                samples, floors, digest, size = session(case, choice, d, args.reps)
-            turn, floor = statistics.median(samples) * 1000, statistics.median(floors) * 1000
-            base = turn if choice == "5m" else base
-            extra = turn - base
-            extras[choice].append(extra)
-            floors_all.append(floor)
-            print(f"{seed:>4}{choice:>8}{size / 1024:>9.0f}K{floor:>10.2f}{turn:>10.2f}{extra:>10.2f}"
-                  f"{extra / floor:>12.2f}x  {digest}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
+            runs = [Run(case, c, str(Path(d) / c)) for c in CHOICES]
+            turns: dict[str, list[float]] = {c: [] for c in CHOICES}
+            floors: list[float] = []
+            for i in range(args.reps):  # interleaved: the host's load drifts alike for every choice
+                for r in runs:
+                    took, floor = r.follow_up(i)
+                    turns[r.choice].append(took)
+                    floors.append(floor)
+            step(runs[CHOICES.index("5m")])
+            for r in runs:
+                r.eng.store.close()
+        floor = statistics.median(floors) * 1000
+        floors_all.append(floor)
+        for r in runs:
+            turn = statistics.median(turns[r.choice]) * 1000
+            # the median of the per-turn differences to the 5m run's same turn
+            extra = statistics.median(a - b for a, b in zip(turns[r.choice], turns["5m"])) * 1000
+            extras[r.choice].append(extra)
+            print(f"{seed:>4}{r.choice:>8}{r.size / 1024:>9.0f}K{floor:>10.2f}{turn:>10.2f}{extra:>10.2f}"
+                  f"{extra / floor:>12.2f}x  {r.digest.hexdigest()[:12]}", flush=True)
     floor = statistics.median(floors_all)
     print()
     for choice in CHOICES[1:]:

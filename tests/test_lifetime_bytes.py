@@ -189,6 +189,10 @@ def _random_body(r: random.Random) -> dict:
         b = {"type": "text", "text": text}
         if r.random() < 0.35:
             b["cache_control"] = {"type": "ephemeral"}
+        if r.random() < 0.01:  # the agent asks for a lifetime itself
+            b["cache_control"] = {"type": "ephemeral", "ttl": r.choice(["5m", "1h"])}
+        if r.random() < 0.01:  # a tool call's argument of that name
+            b = {"type": "tool_use", "id": "toolu_x", "name": "cache", "input": {"ttl": 60}}
         return b
 
     msgs = [{"role": ("user", "assistant")[k % 2], "content": [block(k) for _ in range(r.randint(1, 3))]}
