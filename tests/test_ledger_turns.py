@@ -42,7 +42,7 @@ def test_a_schema_6_store_migrates_to_7_and_loses_nothing(backend):
     to_schema_6(e.store)
 
     s = backend()  # opened again: migrated
-    assert s.schema_version() == SCHEMA_VERSION == 7
+    assert s.schema_version() == SCHEMA_VERSION == 8
     assert rows_of(s) == before  # every row, its first_seen too, through the views
     assert s.ledger(sid) == ledger and s.ref_count(sid) == count
     raw = s.db.execute if s.backend == "sqlite" else s._q

@@ -310,7 +310,7 @@ def test_a_schema_3_store_of_either_backend_gets_calibration_and_chains(backend)
     s.close()
     s = backend()
     try:
-        assert s.schema_version() == SCHEMA_VERSION == 7
+        assert s.schema_version() == SCHEMA_VERSION == 8
         assert s.version("old3") == v and [r.ref for r in s.ledger("old3")] == ["m00001"]
         assert s.record_calibration("old3", CalibrationRow(0, 1.0, "h", "anthropic", "anthropic", None, None,
                                                            10, 0, 10, 10, 0, 10)) == 1
