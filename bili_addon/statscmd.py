@@ -138,10 +138,10 @@ def session_view(doc: dict[str, Any], now: float | None = None) -> str:
            f"{tokens(fold.get('tokens_folded', 0))} tokens folded, epoch {fold.get('epoch', 1)}"]
     if w.get("priced"):
         out.append(f"cost {money(w.get('cost'))}, saved {money(w.get('saved'))} (agent minus bili tokens as cache reads)")
-    if w.get("cache_write"):  # "unsplit": turns recorded before the split was (schema 8), priced at 5 minutes
-        out.append(writes_line(w)[:WIDTH])
     else:
         out.append("cost: no price for this model (tokens only; add it to prices.json in the data dir)")
+    if w.get("cache_write"):  # "unsplit": turns recorded before the split was (schema 8), priced at 5 minutes
+        out.append(writes_line(w)[:WIDTH])
     c = s.get("calibration")
     if c:
         out.append(f"cache model: {calibration_line(c)}"[:WIDTH])

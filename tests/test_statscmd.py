@@ -86,6 +86,6 @@ def test_the_cache_writes_by_lifetime_and_who_split_them():
     view = statscmd.session_view({"session": {"id": "s", "wire": w}, "turns": []}, now=1000.0)
     line = next(ln for ln in view.splitlines() if ln.startswith("writes"))
     assert line == "writes 14.0K: 1 h 10.0K, 5 min 4.0K (reported 8.0K, as sent 4.0K, unsplit 2.0K)"
-    assert len(line) <= 80
+    assert len(line) <= 80 and "cost $0.250, saved $0.100" in view and "no price" not in view
     none = statscmd.session_view({"session": {"id": "s", "wire": {"cache_write": 0}}, "turns": []}, now=1000.0)
     assert "writes" not in none
