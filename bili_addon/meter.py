@@ -106,11 +106,15 @@ class Meter:
 
     @staticmethod
     def row(record: dict[str, Any], usage: Any) -> WireTurn:
+        """``usage``: the answer's (stream/lanes.py ``Usage``); its writes' 1-hour part as the provider
+        reported it, or as the engine derived it from what was sent (kernel/tools.py)."""
+        long = getattr(usage, "cache_write_1h", None)
         return WireTurn(0, time.time(), int(record.get("turn") or 0), str(record.get("model") or ""),
                         int(record.get("agent_tokens") or 0), int(record.get("sent_tokens") or 0),
                         record.get("predicted"), int(record.get("blocks") or 0), int(record.get("folded") or 0),
                         list(record.get("executed") or []), usage.input, usage.cache_read, usage.cache_write,
-                        usage.output)
+                        usage.output, min(int(long or 0), usage.cache_write),
+                        str(getattr(usage, "split", "") or "") if usage.cache_write else "")
 
     def line(self, session: str, lane: str, agent: str, w: WireTurn) -> str:
         return line(session, lane, agent, w, self.table)
@@ -133,11 +137,11 @@ def pct(x: float | None) -> str:
 def turn_money(w: WireTurn, table: prices.Table | None = None) -> tuple[float | None, float | None]:
     """``(cost, saved)`` of one turn in US dollars; ``(None, None)`` when the model has no price."""
     t = table or prices.default()
-    c = t.cost(w.model, w.input_tokens, w.cache_read, w.cache_write, w.output_tokens)
+    c = t.cost(w.model, w.input_tokens, w.cache_read, w.cache_write, w.output_tokens, cache_write_1h=w.cache_write_1h)
     if c is None:
         return None, None
     without = prices.without_bili(w.model, w.input_tokens, w.cache_read, w.cache_write, w.output_tokens,
-                                  w.agent_tokens - w.sent_tokens, table=t)
+                                  w.agent_tokens - w.sent_tokens, cache_write_1h=w.cache_write_1h, table=t)
     return c.total, without.total - c.total
 
 
@@ -160,6 +164,9 @@ def turn_dict(w: WireTurn, table: prices.Table | None = None) -> dict[str, Any]:
             "agent_tokens": w.agent_tokens, "sent_tokens": w.sent_tokens, "predicted": w.predicted,
             "blocks": w.blocks, "folded": w.folded, "executed": w.executed, "input_tokens": w.input_tokens,
             "cache_read": w.cache_read, "cache_write": w.cache_write, "output_tokens": w.output_tokens,
+            # the writes' 1-hour part (priced at 2x input, the rest at 1.25x) and who split them: "reported"
+            # by the provider, "sent" from the request's breakpoints (the provider did not say), "" (no split)
+            "cache_write_1h": w.cache_write_1h, "write_split": w.write_split,
             "uncached": max(0, w.input_tokens - w.cache_read - w.cache_write),
             "reported": round(w.cache_read / w.input_tokens, 4) if w.input_tokens else None,
             "cost": _usd(cost), "saved": _usd(saved)}
@@ -181,11 +188,23 @@ def totals(store: Any, sid: str, table: prices.Table | None = None) -> dict[str,
     out.update(turns=n, agent_peak=peak_a, sent_peak=peak_s,
                reported=round(sum(m[2] for m in models) / inp, 4) if inp else None,
                cost=None, saved=None, priced=False)
-    costs = [(t.cost(m, i, r, w, o), prices.without_bili(m, i, r, w, o, d, table=t)) for m, i, r, w, o, d in models]
+    costs = [(t.cost(m, i, r, w, o, cache_write_1h=h), prices.without_bili(m, i, r, w, o, d, cache_write_1h=h, table=t))
+             for m, i, r, w, o, d, h, *_ in models]
+    out.update(writes(models))
     if all(c is not None for c, _ in costs):
         out.update(cost=_usd(sum(c.total for c, _ in costs)),
                    saved=_usd(sum(wo.total - c.total for c, wo in costs)), priced=True)
     return out
+
+
+def writes(models: list[tuple]) -> dict[str, Any]:
+    """The cache writes of a session's turns (``Store.wire_totals``'s per-model sums): in all, their
+    1-hour part, and who split them (tokens): the provider's report, what bili sent (the provider did
+    not say: the request's breakpoints), or nobody (turns recorded before schema 9: priced at 5 minutes)."""
+    total = sum(m[3] for m in models)
+    reported, sent = sum(m[7] for m in models), sum(m[8] for m in models)
+    return {"cache_write": total, "cache_write_1h": sum(m[6] for m in models),
+            "write_split": {"reported": reported, "sent": sent, "none": max(0, total - reported - sent)}}
 
 
 def summary(turns: list[WireTurn], table: prices.Table | None = None) -> dict[str, Any]:
@@ -193,7 +212,8 @@ def summary(turns: list[WireTurn], table: prices.Table | None = None) -> dict[st
     sent them and as bili did; cache-read shares; money (None when a turn's model has no price)."""
     out: dict[str, Any] = {"turns": len(turns), "model": turns[-1].model if turns else "",
                            "agent_now": 0, "sent_now": 0, "agent_peak": 0, "sent_peak": 0,
-                           "predicted": None, "reported": None, "cost": None, "saved": None, "priced": False}
+                           "predicted": None, "reported": None, "cost": None, "saved": None, "priced": False,
+                           **writes([])}
     if not turns:
         return out
     last = turns[-1]
@@ -202,10 +222,14 @@ def summary(turns: list[WireTurn], table: prices.Table | None = None) -> dict[st
                agent_peak=max(w.agent_tokens for w in turns), sent_peak=max(w.sent_tokens for w in turns),
                predicted=last.predicted,
                reported=round(sum(w.cache_read for w in turns) / inp, 4) if inp else None)
+    out.update(writes([(w.model, 0, 0, w.cache_write, 0, 0, w.cache_write_1h,
+                        w.cache_write if w.write_split == "reported" else 0,
+                        w.cache_write if w.write_split == "sent" else 0) for w in turns]))
     money = [turn_money(w, table) for w in turns]
     if all(c is not None for c, _ in money):
         out.update(cost=_usd(sum(c for c, _ in money)), saved=_usd(sum(s for _, s in money)), priced=True)
     return out
 
 
-__all__ = ["Meter", "cache_chunks", "estimate", "totals", "line", "pct", "summary", "tokens", "turn_dict", "turn_money"]
+__all__ = ["Meter", "cache_chunks", "estimate", "totals", "line", "pct", "summary", "tokens", "turn_dict", "turn_money",
+           "writes"]

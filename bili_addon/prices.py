@@ -112,14 +112,18 @@ class Table:
         return (best, self.prices[best]) if best else None
 
     def cost(self, model: str, input: int, cache_read: int = 0, cache_write: int = 0, output: int = 0,
-             *, ttl: str = "5m") -> Cost | None:
+             *, ttl: str = "5m", cache_write_1h: int = 0) -> Cost | None:
+        """``cache_write_1h``: the part of ``cache_write`` written for 1 hour (the rest at ``ttl``'s
+        rate; Anthropic reports the split, ``usage.cache_creation``)."""
         hit = self.find(model)
         if hit is None:
             return None
         key, p = hit
         uncached = max(0, input - cache_read - cache_write)
-        return Cost(key, uncached * p.input / MTOK, cache_write * p.write(ttl) / MTOK,
-                    cache_read * p.cache_read / MTOK, output * p.output / MTOK)
+        long = min(max(0, cache_write_1h), cache_write)
+        write = (cache_write - long) * p.write(ttl) + long * p.cache_write_1h
+        return Cost(key, uncached * p.input / MTOK, write / MTOK, cache_read * p.cache_read / MTOK,
+                    output * p.output / MTOK)
 
 
 def normalise(model: str) -> str:
@@ -199,20 +203,22 @@ def default() -> Table:
 
 
 def cost(model: str, input: int, cache_read: int = 0, cache_write: int = 0, output: int = 0, *,
-         ttl: str = "5m", table: Table | None = None) -> Cost | None:
+         ttl: str = "5m", cache_write_1h: int = 0, table: Table | None = None) -> Cost | None:
     """What one usage cost in US dollars (None: the model has no price).  ``input`` is every prompt
-    token (cached or not, as the store records it); ``ttl``: the cache writes' lifetime (5m or 1h)."""
-    return (table or default()).cost(model, input, cache_read, cache_write, output, ttl=ttl)
+    token (cached or not, as the store records it); ``ttl``: the cache writes' lifetime (5m or 1h);
+    ``cache_write_1h``: the part of the writes made for 1 hour, at that rate whatever ``ttl`` says."""
+    return (table or default()).cost(model, input, cache_read, cache_write, output, ttl=ttl,
+                                     cache_write_1h=cache_write_1h)
 
 
 def without_bili(model: str, input: int, cache_read: int, cache_write: int, output: int, folded_tokens: int, *,
-                 ttl: str = "5m", table: Table | None = None) -> Cost | None:
+                 ttl: str = "5m", cache_write_1h: int = 0, table: Table | None = None) -> Cost | None:
     """What the same turn would have cost had the agent's own request gone out: ``folded_tokens``
     (what the agent sent minus what bili sent) priced as cache reads, the cheapest way they could have
     gone, so a saving claimed is a lower bound.  Negative ``folded_tokens`` (bili's tools, prompt and
     tags outweigh what it folded) make the saving negative: bili's additions are never free."""
     return cost(model, input + folded_tokens, cache_read + folded_tokens, cache_write, output, ttl=ttl,
-                table=table)
+                cache_write_1h=cache_write_1h, table=table)
 
 
 def money(usd: float | None) -> str:

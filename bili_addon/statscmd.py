@@ -140,6 +140,8 @@ def session_view(doc: dict[str, Any], now: float | None = None) -> str:
         out.append(f"cost {money(w.get('cost'))}, saved {money(w.get('saved'))} (agent minus bili tokens as cache reads)")
     else:
         out.append("cost: no price for this model (tokens only; add it to prices.json in the data dir)")
+    if w.get("cache_write"):  # "unsplit": turns recorded before the split was (schema 9), priced at 5 minutes
+        out.append(writes_line(w)[:WIDTH])
     c = s.get("calibration")
     if c:
         out.append(f"cache model: {calibration_line(c)}"[:WIDTH])
@@ -162,6 +164,16 @@ def session_view(doc: dict[str, Any], now: float | None = None) -> str:
                         f"{'-' if r['reported_write'] is None else tokens(r['reported_write']):>8} "
                         f"{r['verdict']}")[:WIDTH])
     return "\n".join(out)
+
+
+def writes_line(w: dict[str, Any]) -> str:
+    """The cache writes by lifetime (priced at 2x / 1.25x input) and who split them."""
+    total, long = w.get("cache_write", 0), w.get("cache_write_1h", 0)
+    sp = w.get("write_split") or {}
+    said = [f"{t} {tokens(sp[k])}" for k, t in (("reported", "reported"), ("sent", "as sent"), ("none", "unsplit"))
+            if sp.get(k)]
+    return (f"writes {tokens(total)}: 1 h {tokens(long)}, 5 min {tokens(total - long)}"
+            + (f" ({', '.join(said)})" if said else ""))
 
 
 def _secs(x: float | None) -> str:

@@ -33,10 +33,11 @@ import msgspec
 
 from bili_addon import private
 
-SCHEMA_VERSION = 8  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
+SCHEMA_VERSION = 9  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
 # turn commit and session hold (functions, nothing in SQLite); 7: the ledger and the refs as one row per session write
 # (``ledger_turns``, ``refs_turns``; ``ledger`` and ``refs`` are views of them); 8: retention (``sessions.pruned``,
-# indexes of the chains' bases: bili_addon/retention.py). PostgreSQL: store_pg._MIGRATIONS[3..8]
+# indexes of the chains' bases: bili_addon/retention.py); 9: the cache writes' 1-hour part per answered turn
+# (``wire.cache_write_1h``, ``wire.write_split``: who said it). PostgreSQL: store_pg._MIGRATIONS[3..9]
 BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
 
 _SCHEMA = """
@@ -138,6 +139,8 @@ CREATE TABLE IF NOT EXISTS wire(
     cache_read INTEGER NOT NULL,
     cache_write INTEGER NOT NULL,
     output_tokens INTEGER NOT NULL,
+    cache_write_1h INTEGER NOT NULL DEFAULT 0,
+    write_split TEXT NOT NULL DEFAULT '',
     PRIMARY KEY(session_id, n)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS copies(
@@ -538,11 +541,19 @@ class WireTurn:
     cache_read: int
     cache_write: int
     output_tokens: int
+    cache_write_1h: int = 0  # the part of cache_write made for 1 hour (schema 9)
+    write_split: str = ""  # who split the writes: "reported" (the provider), "sent" (the request's breakpoints), ""
 
 
 # the columns of ``wire`` in WireTurn's order (both backends read them so)
 WIRE_COLS = ("n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, folded, executed, "
-             "input_tokens, cache_read, cache_write, output_tokens")
+             "input_tokens, cache_read, cache_write, output_tokens, cache_write_1h, write_split")
+# a session's wire sums per model (``wire_totals``): model, input, cache read, cache write, output, agent
+# minus sent, the writes' 1-hour part, and the writes whose split the provider reported / bili derived
+WIRE_SUMS = ("model, SUM(input_tokens), SUM(cache_read), SUM(cache_write), SUM(output_tokens), "
+             "SUM(agent_tokens - sent_tokens), SUM(cache_write_1h), "
+             "SUM(CASE WHEN write_split='reported' THEN cache_write ELSE 0 END), "
+             "SUM(CASE WHEN write_split='sent' THEN cache_write ELSE 0 END)")
 
 
 @dataclass(slots=True)
@@ -683,11 +694,23 @@ class Store:
                 self._one_row_per_write()
             if have < 8:
                 self._retention_schema()
+            if have < 9:
+                self._wire_split()
             for stmt in _VIEWS.split(";"):
                 if stmt.strip():
                     self.db.execute(stmt)
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES('schema_version', ?)",
                             (str(SCHEMA_VERSION),))
+
+    def _wire_split(self) -> None:
+        """Schema 9: the 1-hour part of each turn's cache writes (``cache_write_1h``) and who said it
+        (``write_split``: "reported" by the provider, "sent" from the request's breakpoints; '' in the
+        rows of older stores: priced at the 5-minute rate, as they were)."""
+        cols = {r[1] for r in self.db.execute("PRAGMA table_info(wire)")}
+        if "cache_write_1h" not in cols:
+            self.db.execute("ALTER TABLE wire ADD COLUMN cache_write_1h INTEGER NOT NULL DEFAULT 0")
+        if "write_split" not in cols:
+            self.db.execute("ALTER TABLE wire ADD COLUMN write_split TEXT NOT NULL DEFAULT ''")
 
     def _repair_refs(self) -> None:
         """Schema 2: a ``version`` per session and the ``refs`` table filled from the ledger (the
@@ -932,11 +955,11 @@ class Store:
                                 (session_id,)).fetchone()[0]
             self.db.execute(
                 "INSERT INTO wire(session_id, n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, "
-                "folded, executed, input_tokens, cache_read, cache_write, output_tokens) "
-                "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "folded, executed, input_tokens, cache_read, cache_write, output_tokens, cache_write_1h, write_split) "
+                "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (session_id, n, row.ts or time.time(), row.request, row.model, row.agent_tokens, row.sent_tokens,
                  row.predicted, row.blocks, row.folded, ",".join(row.executed), row.input_tokens, row.cache_read,
-                 row.cache_write, row.output_tokens),
+                 row.cache_write, row.output_tokens, row.cache_write_1h, row.write_split),
             )
         return n
 
@@ -944,7 +967,8 @@ class Store:
     def wire_totals(self, session_id: str) -> tuple[int, "WireTurn | None", int, int, list[tuple]]:
         """A session's wire figures without reading every turn: ``(turns, the last turn, peak agent
         tokens, peak sent tokens, per model [(model, input, cache read, cache write, output, agent
-        minus sent)]``."""
+        minus sent, 1-hour writes, writes split as reported, writes split as sent)]``
+        (:data:`WIRE_SUMS`)."""
         n, peak_a, peak_s = self.db.execute(
             "SELECT COUNT(*), COALESCE(MAX(agent_tokens), 0), COALESCE(MAX(sent_tokens), 0) FROM wire "
             "WHERE session_id=?", (session_id,)).fetchone()
@@ -952,10 +976,8 @@ class Store:
             return 0, None, 0, 0, []
         last = wire_turn(self.db.execute(
             f"SELECT {WIRE_COLS} FROM wire WHERE session_id=? ORDER BY n DESC LIMIT 1", (session_id,)).fetchone())
-        models = self.db.execute(
-            "SELECT model, SUM(input_tokens), SUM(cache_read), SUM(cache_write), SUM(output_tokens), "
-            "SUM(agent_tokens - sent_tokens) FROM wire WHERE session_id=? GROUP BY model ORDER BY model",
-            (session_id,)).fetchall()
+        models = self.db.execute(f"SELECT {WIRE_SUMS} FROM wire WHERE session_id=? GROUP BY model ORDER BY model",
+                                 (session_id,)).fetchall()
         return n, last, peak_a, peak_s, models
 
     @_reads

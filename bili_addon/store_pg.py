@@ -24,7 +24,7 @@ import msgspec
 
 from bili_addon.store import (
     CALIBRATION_COLS, CHAIN_COLS, DB_NAME, HANGING, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
-    StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, contiguous, dead_chains, ledger_rows, rebase,
+    StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, WIRE_SUMS, contiguous, dead_chains, ledger_rows, rebase,
     tombstone_flags, wire_turn,
 )
 
@@ -388,6 +388,12 @@ _MIGRATIONS[8] = [
     "ALTER TABLE sessions ADD COLUMN IF NOT EXISTS pruned DOUBLE PRECISION NOT NULL DEFAULT 0",
     "CREATE INDEX IF NOT EXISTS chains_agent_base ON chains(agent_base)",
     "CREATE INDEX IF NOT EXISTS chains_sent_base ON chains(sent_base)",
+]
+# 9: the 1-hour part of each answered turn's cache writes and who said it (as in SQLite: store._SCHEMA's
+# wire, Store._wire_split); older rows keep 0 and '' (priced at the 5-minute rate, as they were)
+_MIGRATIONS[9] = [
+    "ALTER TABLE wire ADD COLUMN IF NOT EXISTS cache_write_1h BIGINT NOT NULL DEFAULT 0",
+    "ALTER TABLE wire ADD COLUMN IF NOT EXISTS write_split TEXT NOT NULL DEFAULT ''",
 ]
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
 
@@ -847,12 +853,12 @@ class PgStore:
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (self.wire_lock_key(session_id),))
             n = conn.execute(
                 "INSERT INTO wire(session_id, n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, "
-                "folded, executed, input_tokens, cache_read, cache_write, output_tokens) "
-                "SELECT %s, COALESCE(MAX(n), 0) + 1, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s "
+                "folded, executed, input_tokens, cache_read, cache_write, output_tokens, cache_write_1h, write_split) "
+                "SELECT %s, COALESCE(MAX(n), 0) + 1, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s "
                 "FROM wire WHERE session_id=%s RETURNING n",
                 (session_id, row.ts or time.time(), row.request, row.model, row.agent_tokens, row.sent_tokens,
                  row.predicted, row.blocks, row.folded, ",".join(row.executed), row.input_tokens, row.cache_read,
-                 row.cache_write, row.output_tokens, session_id),
+                 row.cache_write, row.output_tokens, row.cache_write_1h, row.write_split, session_id),
             ).fetchone()[0]
         return int(n)
 
@@ -869,10 +875,9 @@ class PgStore:
             last = self._one(f"SELECT {WIRE_COLS} FROM wire WHERE session_id=%s ORDER BY n DESC LIMIT 1",
                              (session_id,))
             models = self._q(
-                "SELECT model, SUM(input_tokens)::bigint, SUM(cache_read)::bigint, SUM(cache_write)::bigint, "
-                "SUM(output_tokens)::bigint, SUM(agent_tokens - sent_tokens)::bigint FROM wire WHERE session_id=%s "
-                "GROUP BY model ORDER BY model COLLATE \"C\"", (session_id,))
-        return n, wire_turn(last), peak_a, peak_s, models
+                f"SELECT {WIRE_SUMS} FROM wire WHERE session_id=%s GROUP BY model ORDER BY model COLLATE \"C\"",
+                (session_id,))
+        return n, wire_turn(last), peak_a, peak_s, [(r[0], *(int(x) for x in r[1:])) for r in models]
 
     @_reads
     def wire(self, session_id: str) -> list[WireTurn]:

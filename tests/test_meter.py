@@ -63,23 +63,33 @@ def test_totals_from_the_store_equal_the_turn_by_turn_summary(backend):
 
     store = backend()
     rows = [WireTurn(0, 0, 1, "gpt-5", 1000, 1200, None, 0, 0, [], 1200, 0, 0, 10),
-            WireTurn(0, 0, 2, "claude-sonnet-4-5", 9000, 3000, 0.5, 1, 4, ["compress"], 3000, 2000, 500, 10),
-            WireTurn(0, 0, 3, "gpt-5", 9500, 3300, 0.9, 1, 4, [], 3300, 2900, 0, 20)]
+            WireTurn(0, 0, 2, "claude-sonnet-4-5", 9000, 3000, 0.5, 1, 4, ["compress"], 3000, 2000, 500, 10,
+                     300, "reported"),
+            WireTurn(0, 0, 3, "gpt-5", 9500, 3300, 0.9, 1, 4, [], 3300, 2900, 0, 20),
+            WireTurn(0, 0, 4, "claude-sonnet-4-5", 9800, 3400, 0.9, 1, 4, [], 3400, 2500, 800, 20, 800, "sent")]
     for w in rows:
         w.n = store.record_wire("s", w)
-    assert [w.n for w in store.wire("s")] == [1, 2, 3]
+    assert [w.n for w in store.wire("s")] == [1, 2, 3, 4]
     by_turn, by_sums = summary(store.wire("s")), totals(store, "s")
     assert by_sums.keys() == by_turn.keys()
     for k, v in by_turn.items():
-        assert by_sums[k] == (round(v, 6) if isinstance(v, float) and k in ("cost", "saved") else v), k
+        if k in ("cost", "saved"):  # the same sums in another order: rounded to the micro-dollar, one apart at most
+            assert abs(by_sums[k] - v) <= 1.01e-6, k
+        else:
+            assert by_sums[k] == v, k
     assert totals(store, "none")["turns"] == 0
     # what the page and /__bili/stats read back: the same turns, field for field, from a second opening
     again = backend()
     assert again.wire("s") == store.wire("s") and again.wire("s")[1].executed == ["compress"]
     assert again.wire("s")[0].predicted is None and again.wire("none") == []
     n, last, peak_a, peak_s, models = again.wire_totals("s")
-    assert (n, last, peak_a, peak_s) == (3, store.wire("s")[-1], 9500, 3300)
-    assert models == [("claude-sonnet-4-5", 3000, 2000, 500, 10, 6000), ("gpt-5", 4500, 2900, 0, 30, 6000)]
+    assert (n, last, peak_a, peak_s) == (4, store.wire("s")[-1], 9800, 3400)
+    assert last.cache_write_1h == 800 and last.write_split == "sent"
+    # per model: input, read, write, output, agent - sent, the writes' 1-hour part, writes split as
+    # the provider reported / as bili sent
+    assert models == [("claude-sonnet-4-5", 6400, 4500, 1300, 30, 12400, 1100, 500, 800),
+                      ("gpt-5", 4500, 2900, 0, 30, 6000, 0, 0, 0)]
+    assert by_sums["cache_write_1h"] == 1100 and by_sums["write_split"] == {"reported": 500, "sent": 800, "none": 0}
     assert all(type(v) is int for m in models for v in m[1:])
 
 

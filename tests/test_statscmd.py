@@ -78,3 +78,14 @@ def test_the_cache_model_against_the_provider_is_shown_per_session_and_per_host(
     assert "cache model: read 123.4K pred / 119.0K rep, agree 90% of 10; documented rules" in view
     assert view.splitlines()[-1].split() == ["2", "95s", "95s", "5.0K", "0", "0", "-", "miss"]
     assert view.splitlines()[-2].split() == ["1", "-", "-", "0", "0", "5.0K", "5.1K", "none"]
+
+
+def test_the_cache_writes_by_lifetime_and_who_split_them():
+    w = {"priced": True, "cost": 0.25, "saved": 0.1, "cache_write": 14_000, "cache_write_1h": 10_000,
+         "write_split": {"reported": 8_000, "sent": 4_000, "none": 2_000}}
+    view = statscmd.session_view({"session": {"id": "s", "wire": w}, "turns": []}, now=1000.0)
+    line = next(ln for ln in view.splitlines() if ln.startswith("writes"))
+    assert line == "writes 14.0K: 1 h 10.0K, 5 min 4.0K (reported 8.0K, as sent 4.0K, unsplit 2.0K)"
+    assert len(line) <= 80 and "cost $0.250, saved $0.100" in view and "no price" not in view
+    none = statscmd.session_view({"session": {"id": "s", "wire": {"cache_write": 0}}, "turns": []}, now=1000.0)
+    assert "writes" not in none

@@ -162,6 +162,77 @@ def apply(body: bytes, choice: str | None) -> bytes | None:
     return None
 
 
+_TTL, _MARK, _HAS_CC = 1, 2, 4
+_SEEN_MAX = 32 << 20  # bytes of items whose facts are kept
+_seen: dict[int, tuple[bytes, int]] = {}  # id(item) -> (the item, kept alive so its id is its own; its facts)
+_seen_bytes = 0
+_tops: dict[str, tuple[bytes, bytes, int, int]] = {}  # "tools"/"system" -> (bytes, with 1 hour, breakpoints, facts)
+
+
+def _facts(item: bytes) -> int:
+    """What :func:`apply_parts` asks of an item, once per item object: a turn's items are mostly
+    the very objects of the previous pass (kernel/turn.py keeps them), so a turn scans its new ones."""
+    global _seen_bytes
+    hit = _seen.get(id(item))
+    if hit is not None and hit[0] is item:
+        return hit[1]
+    f = (_TTL if b'"ttl"' in item else 0) | (_MARK if SUMMARY_MARK in item else 0) | (_HAS_CC if _CC in item else 0)
+    if _seen_bytes > _SEEN_MAX:
+        _seen.clear()
+        _seen_bytes = 0
+    _seen[id(item)] = (item, f)
+    _seen_bytes += len(item)
+    return f
+
+
+def _top(key: str, raw: bytes) -> tuple[bytes, int, int]:
+    """``raw`` (the value of ``tools`` or ``system``) with 1 hour on its breakpoints, how many, and
+    its facts; the last one of each key is kept (it is the same request after request)."""
+    hit = _tops.get(key)
+    if hit is not None and hit[0] == raw:
+        return hit[1], hit[2], hit[3]
+    f = (_TTL if b'"ttl"' in raw else 0) | (_HAS_CC if _CC in raw else 0)
+    out, k = _one_hour(raw) if f == _HAS_CC else (raw, 0)
+    _tops[key] = (raw, out, k, f)
+    return out, k, f
+
+
+def apply_parts(top: dict[str, msgspec.Raw], key: str, items: list[bytes] | None) -> tuple[bool, bool]:
+    """:func:`upgrade_head` on a body bili holds in parts, in place: ``top`` its top-level values
+    and ``items`` its conversation array (None: the array is ``top[key]`` as it is, or not an
+    array); the body is ``top`` encoded with the array ``b"[" + b",".join(items) + b"]"``.  The same
+    breakpoints get their hour without the body being parsed again: the engine holds the parts
+    (kernel/pressure.py), and what an item holds is known from the previous turn when it is the same
+    item.  Returns whether it changed something, and whether ``items`` among it."""
+    if "ttl" in top:
+        return False, False
+    heads: dict[str, tuple[bytes, int]] = {}
+    for k, v in top.items():
+        if items is not None and k == key:
+            continue
+        if k in ("tools", "system"):
+            out, n, f = _top(k, bytes(v))
+            heads[k] = (out, n)
+        else:
+            f = _TTL if b'"ttl"' in bytes(v) else 0
+        if f & _TTL:
+            return False, False  # the agent asks for lifetimes itself
+    facts = [_facts(i) for i in items] if items else []
+    if any(f & _TTL for f in facts):
+        return False, False
+    n = m = 0
+    for k, (out, ki) in heads.items():
+        if ki:
+            top[k], n = msgspec.Raw(out), n + ki
+    if facts:
+        last = next((i for i in range(len(facts) - 2, -1, -1) if facts[i] & _MARK and facts[i] & _HAS_CC), None)
+        for i in range(last + 1 if last is not None else 0):
+            if facts[i] & _HAS_CC:
+                items[i], ki = _one_hour(items[i])
+                m += ki
+    return n + m > 0, m > 0
+
+
 def head_tokens(body: bytes) -> int:
     """The tokens up to the last 1-hour breakpoint of ``body`` (as :func:`upgrade_head` made it)."""
     rules = anthropic_rules()

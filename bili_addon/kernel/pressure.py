@@ -15,7 +15,7 @@ from bili_addon.kernel import activation, fold, lifetime, nudge, rewrite
 from bili_addon.kernel.compaction import asks_for_summary
 from bili_addon.kernel.fold import View
 from bili_addon.kernel.state import Resolved, Session
-from bili_addon.wire.base import TEXT
+from bili_addon.wire.base import TEXT, Body
 
 if TYPE_CHECKING:
     from bili_addon.kernel.cache import Clocks
@@ -92,12 +92,15 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
         host.set_flag(s.row.id, "truncated", {**cut, **known})
 
 
-def upgrade_lifetime(host: PressureHost, sid: str, body: bytes) -> bytes | None:
-    """The body with the cache lifetimes the session chose (kernel/lifetime.py): 1 hour on the
-    stable head, or on every breakpoint; decided (again) at a cold moment only."""
-    s = host.sessions.get(sid)
-    if s is None:
-        return None
+def upgrade_lifetime(host: PressureHost, s: Session, body: Body, items: list[bytes], raw: bytes,
+                     changed: bool) -> bytes | None:
+    """The body to send with the cache lifetimes the session chose (kernel/lifetime.py): 1 hour on
+    the stable head, or on every breakpoint; decided (again) at a cold moment only.  ``body`` and
+    ``items`` are the request as the engine holds it at the end of a turn (``changed``: it is
+    re-encoded; else ``raw`` goes as the agent sent it).  The head's hour is set on those parts, not
+    on the finished body parsed again (kernel/lifetime.py ``apply_parts``).  Returns the bytes to
+    send; None: the lifetimes change nothing (the turn's own bytes go)."""
+    sid = s.row.id
     flag = s.flags.get(lifetime.FLAG) or {}
     chosen = flag.get("choice")
     now = host.now()
@@ -105,7 +108,7 @@ def upgrade_lifetime(host: PressureHost, sid: str, body: bytes) -> bytes | None:
         h = host.clocks.history(sid)
         if h and h[0].family == "anthropic":
             gaps = h[1] + [now - host.clocks.last[sid]]  # the pause that made it cold counts too
-            headed = lifetime.upgrade_head(body)
+            headed = lifetime.upgrade_head(body.encode(items) if changed else raw)
             growth = sum(b.summary_tokens for b in s.blocks) / max(1, s.row.requests)
             pick = lifetime.choose(gaps, h[2], h[3], h[0], head=lifetime.head_tokens(headed) if headed else 0,
                                    head_growth=growth, rest=max(rewrite.MIN_REST, s.row.requests))
@@ -115,7 +118,15 @@ def upgrade_lifetime(host: PressureHost, sid: str, body: bytes) -> bytes | None:
                 if chosen != pick.choice:
                     flag["cheapest"] = pick.choice  # kept: a session never goes back to shorter lifetimes
                 host.set_flag(sid, lifetime.FLAG, flag)
-    return lifetime.apply(body, chosen)
+    if chosen == lifetime.HOUR:  # one pass over the bytes that leave (the agent's own when unchanged)
+        sent = body.encode(items) if changed else raw
+        return lifetime.upgrade(sent) or (sent if changed else None)
+    if chosen != lifetime.HEAD:
+        return None
+    anything, in_items = lifetime.apply_parts(body.top, body.key, items if body.array else None)
+    if not anything:
+        return None
+    return body.encode(items if changed or in_items else None)
 
 
 __all__ = ["PressureHost", "apply", "is_active", "upgrade_lifetime"]

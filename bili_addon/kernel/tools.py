@@ -77,6 +77,16 @@ class ToolHost(Protocol):
     def defer_fold(self, s: Session, made: list, gone: list, view: View) -> dict | None: ...
 
 
+def written_for_an_hour(turn: Any, write: int, choice: str | None) -> int:
+    """The part of a reported cache write made for 1 hour, when the provider did not split it: as
+    the request asked (the cache model read its breakpoints' lifetimes: its predicted 1-hour share of
+    the writes), or, without a prediction of writes, the session's lifetime choice ("1h": all)."""
+    bill = getattr(turn, "predicted", None)
+    if bill is not None and bill.write + bill.write_long > 0:
+        return round(write * bill.write_long / (bill.write + bill.write_long))
+    return write if choice == "1h" else 0
+
+
 class ProxyTools:
     """Mixed into the :class:`Engine`; what it uses of it is :class:`ToolHost`."""
 
@@ -112,6 +122,11 @@ class ProxyTools:
         # the cache model bills the request now (off its path); the reported usage calibrates it
         turn = self.clocks.report(sid, u.cache_read if u.seen else None, u.cache_write if u.seen else None,
                                   u.input if u.seen else None)
+        if u.seen and u.cache_write and u.split != "reported":  # the meter prices each lifetime at its rate
+            s = self.sessions.get(sid)
+            u.cache_write_1h = written_for_an_hour(turn, u.cache_write, (s.flags.get("ttl") or {}).get("choice")
+                                                   if s is not None else None)
+            u.split = "sent"
         try:
             self.calibration.observe(sid, lane, turn)
         except Exception as e:  # the answer is accounted for all the same

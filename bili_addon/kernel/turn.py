@@ -116,9 +116,6 @@ class Engine(ProxyTools, Epochs, Deferred):
                 try:
                     res = self._process(raw, lane, headers, render=render, origin=origin)
                     if res.session and not res.status:
-                        if res.active and lane.name == "anthropic" and render:
-                            sent = raw if res.body is None else res.body
-                            res.body = pressure.upgrade_lifetime(self, res.session, sent) or res.body
                         # noted only; billed off the request's path
                         self.clocks.sent(res.session, lane.name, raw if res.body is None else res.body, self.now(),
                                          origin.lower())
@@ -278,6 +275,10 @@ class Engine(ProxyTools, Epochs, Deferred):
             if native and self.set_flag(sid, "native_tools", True):
                 result.notes.append("the agent has bili's tools natively (MCP): wire injection is off for it")
             changed |= lane.inject(body, items_out, start, [] if native else list(TOOLS), SYSTEM_PROMPT, names)
+        if active and lane.name == "anthropic":  # the cache lifetimes the session chose, set on the parts
+            result.body = pressure.upgrade_lifetime(self, s, body, items_out, raw, changed)
+            if result.body is not None:
+                return result
         if changed:
             result.body = body.encode(items_out)
         return result

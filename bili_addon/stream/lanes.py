@@ -44,6 +44,10 @@ class Usage:
     cache_write: int = 0
     output: int = 0
     seen: bool = False
+    # the part of cache_write made for 1 hour (Anthropic's ``usage.cache_creation.ephemeral_1h_input_tokens``);
+    # None: the provider did not say (kernel/tools.py fills it in from what was sent, ``split``: "sent")
+    cache_write_1h: int | None = None
+    split: str = ""  # "reported" (the provider's split) | "sent" (from the request's breakpoints) | ""
 
     @property
     def cache_share(self) -> float | None:
@@ -238,6 +242,10 @@ class AnthropicResponse(LaneResponse):
             if fresh or read or write:
                 self.usage.input = fresh + read + write
                 self.usage.cache_read, self.usage.cache_write = read, write
+        split = u.get("cache_creation")  # the writes by lifetime (message_start's usage, a whole answer's)
+        if isinstance(split, dict) and ("ephemeral_1h_input_tokens" in split or "ephemeral_5m_input_tokens" in split):
+            self.usage.cache_write_1h = _int(split.get("ephemeral_1h_input_tokens"))
+            self.usage.split = "reported"
         if "output_tokens" in u:
             self.usage.output = _int(u.get("output_tokens"))
 

@@ -382,7 +382,9 @@ class Reply:
     tool_args: str = ""  # JSON text of the arguments
     call_id: str = ""  # the tool call's id; by default derived from the request's sequence number
     input_tokens: int = 12  # the prompt size the answer reports (a scripted model can report the real one)
-    cache: tuple[int, int] | None = None  # (read, write) of a script with a prompt cache (Anthropic usage)
+    # (read, write) of a script with a prompt cache (Anthropic usage); (read, write, written for 1 hour):
+    # the usage splits the writes by lifetime as Anthropic does (``cache_creation``)
+    cache: tuple[int, ...] | None = None
 
     @property
     def has_text(self) -> bool:
@@ -416,9 +418,13 @@ DEFAULT_REPLY = Reply()
 def anthropic_usage(reply: Reply, output: int) -> dict:
     if reply.cache is None:
         return {"input_tokens": reply.input_tokens, "output_tokens": output}
-    read, write = reply.cache
-    return {"input_tokens": max(0, reply.input_tokens - read - write), "cache_read_input_tokens": read,
-            "cache_creation_input_tokens": write, "output_tokens": output}
+    read, write = reply.cache[:2]
+    usage = {"input_tokens": max(0, reply.input_tokens - read - write), "cache_read_input_tokens": read,
+             "cache_creation_input_tokens": write, "output_tokens": output}
+    if len(reply.cache) > 2:
+        usage["cache_creation"] = {"ephemeral_5m_input_tokens": write - reply.cache[2],
+                                   "ephemeral_1h_input_tokens": reply.cache[2]}
+    return usage
 
 
 def anthropic_message(seq: int, model: str, reply: Reply = DEFAULT_REPLY, *, streaming_start: bool = False) -> dict:
@@ -725,7 +731,7 @@ class Script:
     """
 
     def __init__(self, acts: Iterable[Act], id_prefix: str = "s", real_usage: bool = False,
-                 cache: Callable[[bytes], tuple[int, int]] | None = None):
+                 cache: Callable[[bytes], tuple[int, ...]] | None = None):
         self.acts = list(acts)
         self.id_prefix = id_prefix
         self.real_usage = real_usage  # report the prompt's size (~ JSON bytes / 4) as the real APIs do
@@ -1124,7 +1130,7 @@ class FakeUpstream:
 
     # -- scripts and gates -----------------------------------------------------------------------
     def script(self, key: str, acts: Iterable[Act], id_prefix: str = "s", real_usage: bool = False,
-               cache: Callable[[bytes], tuple[int, int]] | None = None) -> Script:
+               cache: Callable[[bytes], tuple[int, ...]] | None = None) -> Script:
         """Register a scripted model for requests carrying ``x-fake-script: <key>``."""
         s = Script(acts, id_prefix, real_usage, cache)
         with self._lock:
