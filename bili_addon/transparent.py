@@ -487,9 +487,18 @@ def transparent_mode(tport: int) -> str:
     return f"transparent@127.0.0.1:{int(tport)}"
 
 
-def local_mode(program: str) -> str:
-    """mitmproxy's local mode for a program: by process name, as the kernel keeps it (15 characters)."""
-    return f"local:{Path(program).name[:15]}"
+def local_mode(program: str, pid: int | None = None) -> str:
+    """mitmproxy's local mode for a program: by process name, as the kernel keeps it (15 characters),
+    and by ``pid``.  mitmproxy's eBPF program compares the name of the *thread* that opens a socket:
+    a runtime that does its HTTP on a thread of its own (Bun's "HTTP Client": Claude Code, opencode;
+    tokio's workers: codex) is missed by name, never by its pid (all of the process's threads)."""
+    name = Path(program).name[:15]
+    return f"local:{name},{int(pid)}" if pid else f"local:{name}"
+
+
+def with_mode(command: Sequence[str], old: str, new: str) -> list[str]:
+    """The proxy's command with the mode ``old`` given as ``new``."""
+    return [new if a == old else a for a in command]
 
 
 def proxy_lacks(health: Mapping, mode: str) -> str | None:
@@ -714,8 +723,10 @@ def child(mechanism: str | None, mode: str, health: Mapping, redirect: Sequence[
     if why:
         raise TransparentError(why)
     if mechanism == "local":
-        say(f"mitmproxy's local mode ({mode}) hands the connections of every process named "
-            f"{mode.split(':', 1)[1]} on this machine to the proxy (model hosts decrypted, the rest relayed as is)")
+        name, _, pid = mode.split(":", 1)[1].partition(",")
+        say(f"mitmproxy's local mode ({mode}) hands the connections of {Path(argv[0]).name}"
+            + (f" (pid {pid}, every thread)" if pid else "") + f" and of every other process named {name} on this "
+            "machine to the proxy (model hosts decrypted, the rest relayed as is)")
         yield argv, dict(env)
         return
     tport = int(mode.rsplit(":", 1)[1])

@@ -233,6 +233,26 @@ def test_a_reused_proxy_must_have_the_listener():
     assert "does not say its modes" in transparent.proxy_lacks({}, mode)
     assert transparent.local_mode("/usr/bin/node") == "local:node"
     assert transparent.local_mode("/opt/a-very-long-program-name") == "local:a-very-long-pro"  # the kernel's comm
+    # and the launched program's pid: every thread of it, whatever the thread's name
+    mode = transparent.local_mode("/usr/bin/claude", 4242)
+    assert mode == "local:claude,4242"
+    cmd = ["mitmdump", "--mode", "regular", "--mode", "local:claude", "--set", "x=local:claude"]
+    assert transparent.with_mode(cmd, "local:claude", mode) == [
+        "mitmdump", "--mode", "regular", "--mode", mode, "--set", "x=local:claude"]
+
+
+def test_a_held_program_runs_with_the_pid_it_was_given_only_once_released(tmp_path):
+    out = tmp_path / "out"
+    held = launch.Held(["/bin/sh", "-c", f'echo "$$" > {out}'], dict(os.environ))
+    time.sleep(0.3)
+    assert not out.exists() and held.proc.poll() is None  # held: it has not run
+    assert held.release().wait(timeout=10) == 0
+    assert out.read_text().strip() == str(held.pid)  # exec'd in place: the pid local mode was given
+    held.cancel()  # released: nothing to do
+
+    never = launch.Held(["/bin/sh", "-c", f"touch {tmp_path / 'ran'}"], dict(os.environ))
+    never.cancel()
+    assert never.proc.returncode == 125 and not (tmp_path / "ran").exists()
 
 
 def test_the_local_proxy_command_binds_the_cgroup2_root_in_its_own_mount_namespace(tmp_path):
