@@ -29,7 +29,7 @@ from tests.e2e.support import need_root_and_nft
 
 from .conftest import PINS, _bin_of, base_env, installed, run_launcher, snapshot
 from .fake_dns import FakeDns
-from .test_agents import HTTP_FALLBACK, PROMPT, _report, _write, assert_scripted_run
+from .test_agents import HTTP_FALLBACK, MCP_SERVER, PROMPT, _report, _write, assert_mcp_tools, assert_scripted_run
 
 pytestmark = pytest.mark.acceptance
 
@@ -139,6 +139,25 @@ def test_claude_code_transparent(model, work, resolver, mechanism):
                                 model=model, work=work, resolver=resolver)
     assert_scripted_run(run, model, "anthropic", before, cfg)
     assert_transparent(run, model, bins, mechanism, MODEL_HOST)
+
+
+def test_claude_code_mcp_transparent(model, work, resolver):
+    """bili's tools as Claude Code's own (``bili mcp``, started by the agent in the namespace): its
+    calls reach the proxy's admin endpoints at the namespace's host end."""
+    tmp, home, cwd = work
+    mcp = _write(cwd / "bili-mcp.json", json.dumps({"mcpServers": {"bili": {"command": MCP_SERVER[0],
+                                                                            "args": MCP_SERVER[1:]}}}))
+    before = snapshot([mcp])
+    run, bins = run_transparent(
+        "claude", ["-p", PROMPT, "--mcp-config", str(mcp), "--allowedTools", "Bash,mcp__bili__compress"],
+        mechanism="netns", model=model, work=work, resolver=resolver,
+        env_extra={"ANTHROPIC_API_KEY": "sk-ant-api03-fake-bili-acceptance", "ENABLE_TOOL_SEARCH": "false"})
+    assert_scripted_run(run, model, "anthropic", before, [mcp], mcp=True)
+    assert_mcp_tools(model, "anthropic", "mcp__bili__compress")
+    assert_transparent(run, model, bins, "netns", MODEL_HOST)
+    m = re.search(r"runs in network namespace bili-\d+ \((10\.231\.[\d.]+)\)", run.stderr)
+    tool = [ln for ln in MODE_LINE.finditer(run.proxy_log) if ln.group(4) == "/__bili/plugin/tool"]
+    assert tool and all(ln.group(1) == "regular" and ln.group(2) == m.group(1) for ln in tool), tool
 
 
 def test_pi_transparent(model, work, resolver):
