@@ -240,6 +240,7 @@ def resolve(hosts: Sequence[tuple[str, int]], timeout: float = RESOLVE_TIMEOUT,
     dests: list[Dest] = []
     notes: list[str] = []
     names = []
+    failed: dict[str, list[str]] = {}
     for host, port in hosts:
         ip = _ipv4(host)
         if ip:
@@ -257,12 +258,16 @@ def resolve(hosts: Sequence[tuple[str, int]], timeout: float = RESOLVE_TIMEOUT,
                 try:
                     dests += [(ip, p) for ip in fut.result() if _ipv4(ip)]
                 except OSError as e:
-                    notes.append(f"{h} does not resolve ({e}): its traffic is not redirected")
+                    failed.setdefault(str(e), []).append(h)
         except concurrent.futures.TimeoutError:
             late = sorted(h for f, (h, _p) in futures.items() if not f.done())
             notes.append(f"{', '.join(late)} did not resolve within {timeout:.0f} s: not redirected yet")
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+    for why, hs in failed.items():  # one note per reason (a machine without DNS: every host, one line)
+        hs = sorted(set(hs))
+        notes.append(f"{hs[0]} does not resolve ({why}): its traffic is not redirected" if len(hs) == 1 else
+                     f"{len(hs)} hosts do not resolve ({why}): {', '.join(hs)}; their traffic is not redirected")
     out: list[Dest] = []
     for d in dests:
         if d not in out:

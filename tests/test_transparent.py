@@ -114,18 +114,21 @@ def test_parse_dest():
 
 def test_resolve_takes_literals_resolves_names_and_notes_the_rest():
     def lookup(host, port):
-        if host == "gone.example":
+        if host in ("gone.example", "gone2.example", "gone3.example"):
             raise socket.gaierror("Name or service not known")
         if host == "slow.example":
             time.sleep(3)
         return {"api.example": ["1.1.1.1", "1.1.1.2", "1.1.1.1"], "dual.example": ["2.2.2.2", "2001:db8::1"]}.get(host, [])
 
     dests, notes = transparent.resolve([("10.9.8.7", 443), ("api.example", 443), ("dual.example", 8443),
-                                        ("gone.example", 443), ("slow.example", 443), ("2001:db8::5", 443)],
+                                        ("gone.example", 443), ("slow.example", 443), ("2001:db8::5", 443),
+                                        ("gone3.example", 443), ("gone2.example", 443)],
                                        timeout=1.0, lookup=lookup)
     assert sorted(dests) == [("1.1.1.1", 443), ("1.1.1.2", 443), ("10.9.8.7", 443), ("2.2.2.2", 8443)]
     text = "\n".join(notes)
-    assert "gone.example does not resolve" in text
+    # the hosts that fail alike in one note (an offline machine does not print a line per model host)
+    assert "3 hosts do not resolve (Name or service not known): gone.example, gone2.example, gone3.example" in text
+    assert len(notes) == 3, notes
     assert "slow.example did not resolve within 1 s" in text
     assert "2001:db8::5 is an IPv6 address" in text
 

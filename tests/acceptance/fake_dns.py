@@ -66,12 +66,12 @@ def answer(msg: bytes, names: Mapping[str, Sequence[str]]) -> bytes | None:
 
 class FakeDns:
     """Serves :func:`answer` on ``ip``:53 (UDP and TCP) until :meth:`close`; ``asked`` records
-    (name, type) of every question, in order."""
+    (name, type, client address) of every question, in order."""
 
     def __init__(self, ip: str, names: Mapping[str, Sequence[str]]):
         self.ip = ip
         self.names = {k.lower().rstrip("."): list(v) for k, v in names.items()}
-        self.asked: list[tuple[str, int]] = []
+        self.asked: list[tuple[str, int, str]] = []
         self._stop = threading.Event()
         self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.udp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -87,10 +87,10 @@ class FakeDns:
         for t in self._threads:
             t.start()
 
-    def _reply(self, msg: bytes) -> bytes | None:
+    def _reply(self, msg: bytes, peer: str) -> bytes | None:
         q = _question(msg)
         if q is not None:
-            self.asked.append((q[0], q[1]))
+            self.asked.append((q[0], q[1], peer))
         return answer(msg, self.names)
 
     def _serve_udp(self) -> None:
@@ -101,7 +101,7 @@ class FakeDns:
                 continue
             except OSError:
                 return
-            out = self._reply(msg)
+            out = self._reply(msg, peer[0])
             if out is not None:
                 try:
                     self.udp.sendto(out, peer)
@@ -111,7 +111,7 @@ class FakeDns:
     def _serve_tcp(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self.tcp.accept()
+                conn, peer = self.tcp.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -129,7 +129,7 @@ class FakeDns:
                         if not chunk:
                             break
                         msg += chunk
-                    out = self._reply(msg)
+                    out = self._reply(msg, peer[0])
                     if out is not None:
                         conn.sendall(struct.pack("!H", len(out)) + out)
                 except OSError:

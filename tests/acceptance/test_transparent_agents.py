@@ -113,8 +113,9 @@ def run_transparent(agent: str, args: list[str], *, env_extra: dict, mechanism: 
     return run, bins
 
 
-def assert_transparent(run, model, bins: Path, mechanism: str, host: str) -> None:
-    """The agent had no proxy variable; every model request came in by the redirect, for ``host``."""
+def assert_transparent(run, model, bins: Path, mechanism: str, host: str, resolver: dict) -> None:
+    """The agent had no proxy variable; every model request came in by the redirect, for ``host``;
+    in a namespace, the agent resolved the host through the namespace's resolver."""
     info = _report(run, model)
     given = dict(line.split("=", 1) for line in (bins / "env.txt").read_text().splitlines() if "=" in line)
     assert not set(PROXY_VARS) & set(given), sorted(set(PROXY_VARS) & set(given))
@@ -127,6 +128,9 @@ def assert_transparent(run, model, bins: Path, mechanism: str, host: str) -> Non
     if mechanism == "netns":
         m = re.search(r"runs in network namespace bili-\d+ \((10\.231\.[\d.]+)\)", run.stderr)
         assert m and all(peer == m.group(1) for _mode, peer, _host, _path in mine), (mine, info)
+        asked = resolver["dns"].asked
+        print(f"{host}: DNS questions from the namespace:", [(n, t) for n, t, p in asked if p == m.group(1)])
+        assert (host, 1, m.group(1)) in asked, asked  # A, from the namespace (forwarded at its host end)
 
 
 @pytest.mark.parametrize("mechanism", transparent.MECHANISMS)
@@ -138,7 +142,7 @@ def test_claude_code_transparent(model, work, resolver, mechanism):
                                 env_extra={"ANTHROPIC_API_KEY": "sk-ant-api03-fake-bili-acceptance"},
                                 model=model, work=work, resolver=resolver)
     assert_scripted_run(run, model, "anthropic", before, cfg)
-    assert_transparent(run, model, bins, mechanism, MODEL_HOST)
+    assert_transparent(run, model, bins, mechanism, MODEL_HOST, resolver)
 
 
 def test_claude_code_mcp_transparent(model, work, resolver):
@@ -154,7 +158,7 @@ def test_claude_code_mcp_transparent(model, work, resolver):
         env_extra={"ANTHROPIC_API_KEY": "sk-ant-api03-fake-bili-acceptance", "ENABLE_TOOL_SEARCH": "false"})
     assert_scripted_run(run, model, "anthropic", before, [mcp], mcp=True)
     assert_mcp_tools(model, "anthropic", "mcp__bili__compress")
-    assert_transparent(run, model, bins, "netns", MODEL_HOST)
+    assert_transparent(run, model, bins, "netns", MODEL_HOST, resolver)
     m = re.search(r"runs in network namespace bili-\d+ \((10\.231\.[\d.]+)\)", run.stderr)
     tool = [ln for ln in MODE_LINE.finditer(run.proxy_log) if ln.group(4) == "/__bili/plugin/tool"]
     assert tool and all(ln.group(1) == "regular" and ln.group(2) == m.group(1) for ln in tool), tool
@@ -170,7 +174,7 @@ def test_pi_transparent(model, work, resolver):
     run, bins = run_transparent("pi", ["-p", "--model", "scripted/gpt-scripted", PROMPT], mechanism="netns",
                                 env_extra={}, model=model, work=work, resolver=resolver)
     assert_scripted_run(run, model, "chat", before, cfg)
-    assert_transparent(run, model, bins, "netns", PI_HOST)
+    assert_transparent(run, model, bins, "netns", PI_HOST, resolver)
 
 
 def test_codex_transparent(model, work, resolver):
@@ -182,4 +186,4 @@ def test_codex_transparent(model, work, resolver):
                                 env_extra={"CODEX_API_KEY": "sk-fake-bili-acceptance", "CODEX_HOME": str(home / ".codex")},
                                 model=model, work=work, resolver=resolver, launcher_args=HTTP_FALLBACK)
     assert_scripted_run(run, model, "responses", before, cfg)
-    assert_transparent(run, model, bins, "netns", OPENAI_HOST)
+    assert_transparent(run, model, bins, "netns", OPENAI_HOST, resolver)
