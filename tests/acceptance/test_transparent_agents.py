@@ -131,6 +131,7 @@ def assert_transparent(run, model, bins: Path, mechanism: str, host: str, resolv
         asked = resolver["dns"].asked
         print(f"{host}: DNS questions from the namespace:", [(n, t) for n, t, p in asked if p == m.group(1)])
         assert (host, 1, m.group(1)) in asked, asked  # A, from the namespace (forwarded at its host end)
+    print(f"{host} {mechanism}: model requests from", sorted({peer for _m, peer, _h, _p in mine}))
 
 
 @pytest.mark.parametrize("mechanism", transparent.MECHANISMS)
@@ -178,12 +179,16 @@ def test_pi_transparent(model, work, resolver):
 
 
 def test_codex_transparent(model, work, resolver):
+    """netns only: under local mode codex's model traffic comes from a child process (the npm package's
+    Node entry point spawns the native binary) on threads named tokio-rt-worker, which neither the
+    launched pid nor the name matches."""
+    mechanism = "netns"
     tmp, home, cwd = work
     cfg = [_write(home / ".codex" / "config.toml", 'model = "gpt-5.1-codex"\n')]
     before = snapshot(cfg)
     run, bins = run_transparent("codex", ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
-                                          PROMPT], mechanism="netns",
+                                          PROMPT], mechanism=mechanism,
                                 env_extra={"CODEX_API_KEY": "sk-fake-bili-acceptance", "CODEX_HOME": str(home / ".codex")},
                                 model=model, work=work, resolver=resolver, launcher_args=HTTP_FALLBACK)
     assert_scripted_run(run, model, "responses", before, cfg)
-    assert_transparent(run, model, bins, "netns", OPENAI_HOST, resolver)
+    assert_transparent(run, model, bins, mechanism, OPENAI_HOST, resolver)
