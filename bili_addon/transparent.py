@@ -428,7 +428,7 @@ def support(env: Mapping[str, str] | None = None, *, euid: int | None = None, ca
         missing.append(APT["sudo"])
     out.append(Mechanism("local", not why, "; ".join(why) if why else
                          f"root, kernel BTF, the mitmproxy-linux redirector, {how}: mitmproxy's local mode "
-                         "captures the program's sockets by its process name", missing, bind))
+                         "captures the program's sockets by its pid and its process name", missing, bind))
     return out
 
 

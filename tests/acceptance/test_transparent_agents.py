@@ -1,16 +1,18 @@
-"""The real Claude Code through ``bili claude --transparent``, with no proxy variable at all.
+"""The real agents through ``bili <agent> --transparent``, with no proxy variable at all: Claude Code
+(netns, local, and netns with ``bili mcp``), codex and pi (netns).
 
-The agent is started by a wrapper that drops every proxy variable the launcher gives it (an agent
-that ignores ``HTTPS_PROXY``): its model traffic reaches bili only through the redirect.  The
-launcher runs in a mount namespace of the test's own, whose ``/etc/resolv.conf`` names a DNS server
-of the test (:mod:`.fake_dns`, on a loopback address) that answers ``api.anthropic.com`` with an
-IPv4 and an IPv6 address of the test and NXDOMAIN for every other name: bili resolves the model host
-there as it does on a real machine, the agent in the namespace asks the same server through the
-namespace's forwarded resolver, and no query or connection leaves loopback.  The IPv4 address is
-added to ``lo`` for the test run: a connection the redirect missed would be refused here, not sent
-out.  The scripted model behind the test route addon stands in for the provider, as in
-:mod:`.test_agents`, and the assertions are that test's: a compress runs, the next requests carry
-the summary instead of the folded listings.
+Each agent is started by a wrapper that drops every proxy variable the launcher gives it (an agent
+that ignores ``HTTPS_PROXY``): its model traffic reaches bili only through the redirect, and a test
+addon in the proxy logs the listener of every request.  The launcher runs in a mount namespace of
+the test's own, whose ``/etc/resolv.conf`` names a DNS server of the test (:mod:`.fake_dns`, on a
+loopback address) that answers the model hosts with an IPv4 and an IPv6 address of the test and
+NXDOMAIN for every other name: bili resolves the model hosts there as it does on a real machine, the
+agent in the namespace asks the same server through the namespace's forwarded resolver, and no query
+or connection leaves loopback.  Both addresses are added to ``lo`` for the test run: a connection
+the redirect missed is refused here, not sent out.  The scripted model behind the test route addon
+stands in for the provider, as in :mod:`.test_agents`, and the assertions are that test's: a
+compress runs, the next requests carry the summary instead of the folded listings, nothing is left
+running, the agent's configuration is untouched.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import ipaddress
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -50,6 +53,8 @@ def _addresses() -> tuple[str, str, str]:
 @pytest.fixture
 def resolver(tmp_path):
     need_root_and_nft()
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed: the test's resolv.conf is bound in a mount namespace")
     v4, v6, dns_ip = _addresses()
     subprocess.run(["ip", "addr", "add", f"{v4}/32", "dev", "lo"], check=True, capture_output=True)
     subprocess.run(["ip", "-6", "addr", "add", f"{v6}/128", "dev", "lo", "nodad"], check=True, capture_output=True)
