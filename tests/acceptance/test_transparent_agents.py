@@ -118,9 +118,10 @@ def run_transparent(agent: str, args: list[str], *, env_extra: dict, mechanism: 
     return run, bins
 
 
-def assert_transparent(run, model, bins: Path, mechanism: str, host: str, resolver: dict) -> None:
+def assert_transparent(run, model, bins: Path, mechanism: str, host: str, resolver: dict) -> str | None:
     """The agent had no proxy variable; every model request came in by the redirect, for ``host``;
-    in a namespace, the agent resolved the host through the namespace's resolver."""
+    in a namespace, the agent resolved the host through the namespace's resolver (its address
+    returned)."""
     info = _report(run, model)
     given = dict(line.split("=", 1) for line in (bins / "env.txt").read_text().splitlines() if "=" in line)
     assert not set(PROXY_VARS) & set(given), sorted(set(PROXY_VARS) & set(given))
@@ -134,9 +135,11 @@ def assert_transparent(run, model, bins: Path, mechanism: str, host: str, resolv
         m = re.search(r"runs in network namespace bili-\d+ \((10\.231\.[\d.]+)\)", run.stderr)
         assert m and all(peer == m.group(1) for _mode, peer, _host, _path in mine), (mine, info)
         asked = resolver["dns"].asked
-        print(f"{host}: DNS questions from the namespace:", [(n, t) for n, t, p in asked if p == m.group(1)])
         assert (host, 1, m.group(1)) in asked, asked  # A, from the namespace (forwarded at its host end)
-    print(f"{host} {mechanism}: model requests from", sorted({peer for _m, peer, _h, _p in mine}))
+        return m.group(1)
+    # local: the agent's own pid is in the mode (it ran as the pid the launcher held)
+    assert run.agent_pid and all(mode.endswith(f",{run.agent_pid}") for mode, _peer, _host, _path in mine), mine
+    return None
 
 
 @pytest.mark.parametrize("mechanism", transparent.MECHANISMS)
@@ -148,7 +151,9 @@ def test_claude_code_transparent(model, work, resolver, mechanism):
                                 env_extra={"ANTHROPIC_API_KEY": "sk-ant-api03-fake-bili-acceptance"},
                                 model=model, work=work, resolver=resolver)
     assert_scripted_run(run, model, "anthropic", before, cfg)
-    assert_transparent(run, model, bins, mechanism, MODEL_HOST, resolver)
+    ns_ip = assert_transparent(run, model, bins, mechanism, MODEL_HOST, resolver)
+    if ns_ip:  # offered an IPv6 address too, it came over IPv4 (the namespace has no IPv6)
+        assert (MODEL_HOST, 28, ns_ip) in resolver["dns"].asked, resolver["dns"].asked
 
 
 def test_claude_code_mcp_transparent(model, work, resolver):
