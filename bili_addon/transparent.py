@@ -495,8 +495,8 @@ def transparent_mode(tport: int) -> str:
 def local_mode(program: str, pid: int | None = None) -> str:
     """mitmproxy's local mode for a program: by process name, as the kernel keeps it (15 characters),
     and by ``pid``.  mitmproxy's eBPF program compares the name of the *thread* that opens a socket:
-    a runtime that does its HTTP on a thread of its own (Bun's "HTTP Client": Claude Code, opencode;
-    tokio's workers: codex) is missed by name, never by its pid (all of the process's threads)."""
+    a runtime that does its HTTP on a thread of its own (Bun's "HTTP Client": Claude Code) is missed
+    by name, never by its pid (all of the process's threads)."""
     name = Path(program).name[:15]
     return f"local:{name},{int(pid)}" if pid else f"local:{name}"
 
