@@ -56,18 +56,24 @@ def resolver(tmp_path):
     if shutil.which("unshare") is None:
         pytest.skip("unshare (util-linux) is not installed: the test's resolv.conf is bound in a mount namespace")
     v4, v6, dns_ip = _addresses()
-    subprocess.run(["ip", "addr", "add", f"{v4}/32", "dev", "lo"], check=True, capture_output=True)
-    subprocess.run(["ip", "-6", "addr", "add", f"{v6}/128", "dev", "lo", "nodad"], check=True, capture_output=True)
-    dns = FakeDns(dns_ip, {h: [v6, v4] for h in (MODEL_HOST, PI_HOST, OPENAI_HOST)})
-    conf = tmp_path / "resolv.conf"
-    conf.write_text(f"nameserver {dns_ip}\noptions timeout:1 attempts:1\n")
-    # the launcher (and the proxy it starts) see the test's resolv.conf, nothing else changes
-    prefix = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-              'mount --bind "$0" /etc/resolv.conf && exec "$@"', str(conf)]
-    yield {"v4": v4, "v6": v6, "dns": dns, "prefix": prefix}
-    dns.close()
-    subprocess.run(["ip", "addr", "del", f"{v4}/32", "dev", "lo"], capture_output=True)
-    subprocess.run(["ip", "-6", "addr", "del", f"{v6}/128", "dev", "lo"], capture_output=True)
+    added = []
+    try:
+        for family, addr, extra in (("-4", f"{v4}/32", []), ("-6", f"{v6}/128", ["nodad"])):
+            subprocess.run(["ip", family, "addr", "add", addr, "dev", "lo", *extra], check=True, capture_output=True)
+            added.append(["ip", family, "addr", "del", addr, "dev", "lo"])
+        dns = FakeDns(dns_ip, {h: [v6, v4] for h in (MODEL_HOST, PI_HOST, OPENAI_HOST)})
+        try:
+            conf = tmp_path / "resolv.conf"
+            conf.write_text(f"nameserver {dns_ip}\noptions timeout:1 attempts:1\n")
+            # the launcher (and the proxy it starts) see the test's resolv.conf, nothing else changes
+            prefix = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                      'mount --bind "$0" /etc/resolv.conf && exec "$@"', str(conf)]
+            yield {"v4": v4, "v6": v6, "dns": dns, "prefix": prefix}
+        finally:
+            dns.close()
+    finally:
+        for cmd in added:
+            subprocess.run(cmd, capture_output=True)
 
 
 MODE_ADDON = Path(__file__).resolve().parent / "mode_addon.py"
