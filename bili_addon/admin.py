@@ -15,6 +15,7 @@ from mitmproxy import ctx, http
 from bili_addon import __version__, page, private
 from bili_addon.kernel.prompts import TOOLS
 from bili_addon.store import StoreError
+from bili_addon.transparent import SUBNET as NAMESPACES
 
 if TYPE_CHECKING:
     from bili_addon.keeper import Keeper
@@ -54,17 +55,30 @@ def is_admin(flow: http.HTTPFlow) -> bool:
     return flow.request.path.startswith(PREFIX)
 
 
-def _loopback(flow: http.HTTPFlow) -> bool:
-    peer = flow.client_conn.peername
-    if not peer:
-        return False
+def _address(sock: tuple | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    if not sock:
+        return None
     try:
-        addr = ipaddress.ip_address(peer[0])
+        addr = ipaddress.ip_address(sock[0])
     except ValueError:
-        return False
+        return None
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
-    return addr.is_loopback
+    return addr
+
+
+def _loopback(flow: http.HTTPFlow) -> bool:
+    """A client on this machine: on loopback, or a program ``--transparent=netns`` runs (its
+    namespace reaches the proxy's port at the host end, DNAT'd to 127.0.0.1: the client has an
+    address of bili's namespace subnet and the connection's local end is loopback, which only bili's
+    own veth ends route to, with ``route_localnet``)."""
+    addr = _address(flow.client_conn.peername)
+    if addr is None:
+        return False
+    if addr.is_loopback:
+        return True
+    local = _address(flow.client_conn.sockname)
+    return addr in NAMESPACES and local is not None and local.is_loopback
 
 
 def _json(status: int, payload: object) -> http.Response:

@@ -589,8 +589,49 @@ def _terminal_delivers(signum: int) -> bool:
         return False
 
 
-def run_child(argv: list[str], env: Mapping[str, str], on_start=None) -> int:
-    """Run the agent, forwarding SIGINT/SIGTERM/SIGHUP/SIGQUIT; its return code (negative: a signal)."""
+class Held:
+    """A program started but held before it runs (a small Python waits on a pipe, then execs it: the
+    same pid), so that its pid is known before anything it does (``--transparent=local`` intercepts
+    that pid)."""
+
+    HOLD = ("import os, sys\nfd = int(sys.argv[1])\nif os.read(fd, 3) != b'go\\n':\n    sys.exit(125)\nos.close(fd)\n"
+            "try:\n    os.execvp(sys.argv[2], sys.argv[2:])\nexcept OSError as e:\n"
+            "    sys.stderr.write(f'bili: cannot run {sys.argv[2]}: {e}\\n')\n    sys.exit(126)\n")
+
+    def __init__(self, argv: list[str], env: Mapping[str, str]):
+        r, self._w = os.pipe()
+        try:  # (the read end keeps its number in the child: pass_fds)
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", self.HOLD, str(r), *argv],
+                                         env=dict(env), pass_fds=(r,))
+        except BaseException:
+            os.close(self._w)
+            raise
+        finally:
+            os.close(r)
+        self.released = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def release(self) -> subprocess.Popen:
+        os.write(self._w, b"go\n")
+        os.close(self._w)
+        self.released = True
+        return self.proc
+
+    def cancel(self) -> None:
+        """The program never runs: the holder exits (125) as its pipe closes."""
+        if not self.released:
+            os.close(self._w)
+            self.released = True
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+
+
+def run_child(argv: list[str], env: Mapping[str, str], on_start=None, held: Held | None = None) -> int:
+    """Run the agent (or let ``held`` go), forwarding SIGINT/SIGTERM/SIGHUP/SIGQUIT; its return code
+    (negative: a signal)."""
     holder: list[subprocess.Popen] = []
     pending: list[int] = []
 
@@ -605,7 +646,7 @@ def run_child(argv: list[str], env: Mapping[str, str], on_start=None) -> int:
 
     old = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        holder.append(subprocess.Popen(argv, env=dict(env)))
+        holder.append(held.release() if held is not None else subprocess.Popen(argv, env=dict(env)))
         if on_start is not None:
             on_start(holder[0].pid)
         for signum in pending:
@@ -791,6 +832,16 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
             _say(f"error: {e}")
             return 1
         proxy_env = transparent.proxy_env(plan.transparent, os.environ, state_dir())
+    held = None
+    if plan.transparent == "local":  # the agent's pid goes into the local mode: started, held before it runs
+        try:
+            held = Held(plan.argv, plan.env)
+        except OSError as e:
+            _say(f"error: cannot run {plan.argv[0]}: {e}")
+            return 126
+        mode = transparent.local_mode(plan.binary or agent.binary, held.pid)
+        plan.command = transparent.with_mode(plan.command, plan.transparent_mode, mode)
+        plan.transparent_mode = mode
 
     try:  # created now if this is the first run, so that racing launchers agree on it
         token = private.ensure_token(Path(args.data_dir).expanduser() if args.data_dir else default_data_dir())
@@ -821,7 +872,7 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
         try:
             with transparent.child(plan.transparent, plan.transparent_mode, proxy.health, plan.redirect,
                                    args.port, plan.argv, plan.env, lambda m: _say(m, args.quiet)) as (argv, env):
-                rc = run_child(argv, env, on_start=(
+                rc = run_child(argv, env, held=held, on_start=(
                     (lambda pid: _say(f"running {plan.argv[0]} (pid {pid})")) if args.verbose and not args.quiet else None))
             if args.verbose:
                 _say(f"{agent.binary} exited with {'signal ' + str(-rc) if rc < 0 else 'code ' + str(rc)}", args.quiet)
@@ -851,6 +902,8 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
             for s, h in old.items():
                 signal.signal(s, h)
             signal.signal(signal.SIGINT, prev_int)
+        if held is not None:
+            held.cancel()  # (when it never ran)
         if proxy.stopped:
             _say(f"stopped the proxy (pid {proxy.stopped})", args.quiet)
     return _exit_like(rc)

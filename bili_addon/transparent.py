@@ -240,6 +240,7 @@ def resolve(hosts: Sequence[tuple[str, int]], timeout: float = RESOLVE_TIMEOUT,
     dests: list[Dest] = []
     notes: list[str] = []
     names = []
+    failed: dict[str, list[str]] = {}
     for host, port in hosts:
         ip = _ipv4(host)
         if ip:
@@ -257,12 +258,16 @@ def resolve(hosts: Sequence[tuple[str, int]], timeout: float = RESOLVE_TIMEOUT,
                 try:
                     dests += [(ip, p) for ip in fut.result() if _ipv4(ip)]
                 except OSError as e:
-                    notes.append(f"{h} does not resolve ({e}): its traffic is not redirected")
+                    failed.setdefault(str(e), []).append(h)
         except concurrent.futures.TimeoutError:
             late = sorted(h for f, (h, _p) in futures.items() if not f.done())
             notes.append(f"{', '.join(late)} did not resolve within {timeout:.0f} s: not redirected yet")
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+    for why, hs in failed.items():  # one note per reason (a machine without DNS: every host, one line)
+        hs = sorted(set(hs))
+        notes.append(f"{hs[0]} does not resolve ({why}): its traffic is not redirected" if len(hs) == 1 else
+                     f"{len(hs)} hosts do not resolve ({why}): {', '.join(hs)}; their traffic is not redirected")
     out: list[Dest] = []
     for d in dests:
         if d not in out:
@@ -423,7 +428,7 @@ def support(env: Mapping[str, str] | None = None, *, euid: int | None = None, ca
         missing.append(APT["sudo"])
     out.append(Mechanism("local", not why, "; ".join(why) if why else
                          f"root, kernel BTF, the mitmproxy-linux redirector, {how}: mitmproxy's local mode "
-                         "captures the program's sockets by its process name", missing, bind))
+                         "captures the program's sockets by its pid and its process name", missing, bind))
     return out
 
 
@@ -487,9 +492,18 @@ def transparent_mode(tport: int) -> str:
     return f"transparent@127.0.0.1:{int(tport)}"
 
 
-def local_mode(program: str) -> str:
-    """mitmproxy's local mode for a program: by process name, as the kernel keeps it (15 characters)."""
-    return f"local:{Path(program).name[:15]}"
+def local_mode(program: str, pid: int | None = None) -> str:
+    """mitmproxy's local mode for a program: by process name, as the kernel keeps it (15 characters),
+    and by ``pid``.  mitmproxy's eBPF program compares the name of the *thread* that opens a socket:
+    a runtime that does its HTTP on a thread of its own (Bun's "HTTP Client": Claude Code) is missed
+    by name, never by its pid (all of the process's threads)."""
+    name = Path(program).name[:15]
+    return f"local:{name},{int(pid)}" if pid else f"local:{name}"
+
+
+def with_mode(command: Sequence[str], old: str, new: str) -> list[str]:
+    """The proxy's command with the mode ``old`` given as ``new``."""
+    return [new if a == old else a for a in command]
 
 
 def proxy_lacks(health: Mapping, mode: str) -> str | None:
@@ -714,8 +728,10 @@ def child(mechanism: str | None, mode: str, health: Mapping, redirect: Sequence[
     if why:
         raise TransparentError(why)
     if mechanism == "local":
-        say(f"mitmproxy's local mode ({mode}) hands the connections of every process named "
-            f"{mode.split(':', 1)[1]} on this machine to the proxy (model hosts decrypted, the rest relayed as is)")
+        name, _, pid = mode.split(":", 1)[1].partition(",")
+        say(f"mitmproxy's local mode ({mode}) hands the connections of {Path(argv[0]).name}"
+            + (f" (pid {pid}, every thread)" if pid else "") + f" and of every other process named {name} on this "
+            "machine to the proxy (model hosts decrypted, the rest relayed as is)")
         yield argv, dict(env)
         return
     tport = int(mode.rsplit(":", 1)[1])

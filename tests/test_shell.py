@@ -199,6 +199,25 @@ def test_admin_accepts_ipv6_and_mapped_loopback(bili):
         assert f.response.status_code == 200
 
 
+def test_admin_accepts_a_transparent_namespace_at_the_dnatd_loopback_port(bili):
+    """``--transparent=netns``: ``bili mcp`` in the namespace reaches the proxy's port at the host end,
+    DNAT'd to 127.0.0.1 (the client keeps its namespace address, the local end is loopback)."""
+    for peer, sock, status in (("10.231.7.30", ("127.0.0.1", 8787), 200),  # bili's namespace, DNAT'd
+                               ("10.231.7.30", ("10.231.7.29", 8787), 403),  # not through the DNAT to loopback
+                               ("10.232.7.30", ("127.0.0.1", 8787), 403),  # not bili's namespace subnet
+                               ("10.231.7.30", ("", 0), 403)):
+        f = model_flow(b"", path="/__bili/health", peer=peer)
+        f.client_conn.sockname = sock
+        f.request.method = "GET"
+        bili.request(f)
+        assert f.response.status_code == status, (peer, sock)
+    f = model_flow(b"", path="/__bili/stats", peer="10.231.7.30")
+    f.client_conn.sockname = ("127.0.0.1", 8787)
+    f.request.method = "GET"
+    bili.request(f)
+    assert f.response.status_code == 403 and b"admin token" in f.response.content  # the token is still needed
+
+
 def test_responses_websocket_frame_is_tagged(bili):
     f = tflow.twebsocketflow()
     f.request.path = "/v1/responses"

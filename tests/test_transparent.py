@@ -114,18 +114,21 @@ def test_parse_dest():
 
 def test_resolve_takes_literals_resolves_names_and_notes_the_rest():
     def lookup(host, port):
-        if host == "gone.example":
+        if host in ("gone.example", "gone2.example", "gone3.example"):
             raise socket.gaierror("Name or service not known")
         if host == "slow.example":
             time.sleep(3)
         return {"api.example": ["1.1.1.1", "1.1.1.2", "1.1.1.1"], "dual.example": ["2.2.2.2", "2001:db8::1"]}.get(host, [])
 
     dests, notes = transparent.resolve([("10.9.8.7", 443), ("api.example", 443), ("dual.example", 8443),
-                                        ("gone.example", 443), ("slow.example", 443), ("2001:db8::5", 443)],
+                                        ("gone.example", 443), ("slow.example", 443), ("2001:db8::5", 443),
+                                        ("gone3.example", 443), ("gone2.example", 443)],
                                        timeout=1.0, lookup=lookup)
     assert sorted(dests) == [("1.1.1.1", 443), ("1.1.1.2", 443), ("10.9.8.7", 443), ("2.2.2.2", 8443)]
     text = "\n".join(notes)
-    assert "gone.example does not resolve" in text
+    # the hosts that fail alike in one note (an offline machine does not print a line per model host)
+    assert "3 hosts do not resolve (Name or service not known): gone.example, gone2.example, gone3.example" in text
+    assert len(notes) == 3, notes
     assert "slow.example did not resolve within 1 s" in text
     assert "2001:db8::5 is an IPv6 address" in text
 
@@ -233,6 +236,26 @@ def test_a_reused_proxy_must_have_the_listener():
     assert "does not say its modes" in transparent.proxy_lacks({}, mode)
     assert transparent.local_mode("/usr/bin/node") == "local:node"
     assert transparent.local_mode("/opt/a-very-long-program-name") == "local:a-very-long-pro"  # the kernel's comm
+    # and the launched program's pid: every thread of it, whatever the thread's name
+    mode = transparent.local_mode("/usr/bin/claude", 4242)
+    assert mode == "local:claude,4242"
+    cmd = ["mitmdump", "--mode", "regular", "--mode", "local:claude", "--set", "x=local:claude"]
+    assert transparent.with_mode(cmd, "local:claude", mode) == [
+        "mitmdump", "--mode", "regular", "--mode", mode, "--set", "x=local:claude"]
+
+
+def test_a_held_program_runs_with_the_pid_it_was_given_only_once_released(tmp_path):
+    out = tmp_path / "out"
+    held = launch.Held(["/bin/sh", "-c", f'echo "$$" > {out}'], dict(os.environ))
+    time.sleep(0.3)
+    assert not out.exists() and held.proc.poll() is None  # held: it has not run
+    assert held.release().wait(timeout=10) == 0
+    assert out.read_text().strip() == str(held.pid)  # exec'd in place: the pid local mode was given
+    held.cancel()  # released: nothing to do
+
+    never = launch.Held(["/bin/sh", "-c", f"touch {tmp_path / 'ran'}"], dict(os.environ))
+    never.cancel()
+    assert never.proc.returncode == 125 and not (tmp_path / "ran").exists()
 
 
 def test_the_local_proxy_command_binds_the_cgroup2_root_in_its_own_mount_namespace(tmp_path):

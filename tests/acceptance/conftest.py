@@ -239,9 +239,11 @@ def base_env(home: Path, bin_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def run_launcher(agent: str, agent_args: list[str], *, env: dict[str, str], cwd: Path, model: ScriptedModel,
-                 work: Path, timeout: float = 240, launcher_args: list[str] = (), port: int | None = None) -> Run:
+                 work: Path, timeout: float = 240, launcher_args: list[str] = (), port: int | None = None,
+                 prefix: list[str] = ()) -> Run:
+    """``prefix``: a command the launcher runs under (it must exec it, keeping the pid)."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "bili_addon.cli", agent, "-v", "--port", str(port),
+    cmd = [*prefix, sys.executable, "-m", "bili_addon.cli", agent, "-v", "--port", str(port),
            "--confdir", str(work / "ca"), "--data-dir", str(work / "data"),
            "-s", str(ROUTE_ADDON), "--set", f"test_route=127.0.0.1:{model.port}",
            "--set", "connection_strategy=lazy", "--set", "bili_min_compress_chars=1000",

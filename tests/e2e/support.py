@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -20,6 +21,7 @@ from typing import Any, Iterator
 
 import anthropic
 import openai
+import pytest
 
 try:  # the SDKs' HTTP library: httpx2 in current releases, httpx in older ones (same API)
     import httpx2
@@ -55,6 +57,28 @@ def clean_env(**extra: str) -> dict[str, str]:
     }
     env.update(extra)
     return env
+
+
+def need_root_and_nft() -> None:
+    """Skip unless --transparent=netns works here (Linux, root, nftables: installed with apt-get when
+    missing, as the browser tests install chromium)."""
+    from bili_addon import transparent
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("transparent interception is Linux only")
+    if os.geteuid() != 0:
+        pytest.skip("needs root: network namespaces, veth pairs and nftables rules")
+    if transparent.which("nft") is None:
+        if not shutil.which("apt-get"):
+            pytest.skip("nft (nftables) is not installed and there is no apt-get to install it")
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "nftables"]):
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+            if r.returncode != 0 and cmd[1] == "install":
+                pytest.skip(f"cannot install nftables ({r.stderr.strip()[-300:]})")
+    netns = {m.name: m for m in transparent.support()}["netns"]
+    if not netns.ok:
+        pytest.skip(f"--transparent=netns does not work here: {netns.why}")
 
 
 # -- the proxy under test ----------------------------------------------------------------------------

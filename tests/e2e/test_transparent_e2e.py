@@ -16,7 +16,6 @@ import ipaddress
 import json
 import os
 import re
-import shutil
 import ssl
 import subprocess
 import sys
@@ -27,31 +26,13 @@ import pytest
 
 from bili_addon import transparent
 
-from .support import REPO, ROUTE_ADDON, clean_env, free_port
+from .support import REPO, ROUTE_ADDON, clean_env, free_port, need_root_and_nft
 from .test_fold_e2e import FOLDED, KEPT, TASK, Turns, assert_folded, marker_re, session_script
 
 pytestmark = pytest.mark.e2e
 
 CLIENT = Path(__file__).resolve().parent / "transparent_client.py"
 TURNS = 10  # 1-7 read, 8 compresses turns 1-4, 9 reads on (the fold is on the wire), 10 answers
-
-
-def _need_root_and_nft() -> None:
-    if not sys.platform.startswith("linux"):
-        pytest.skip("transparent interception is Linux only")
-    if os.geteuid() != 0:
-        pytest.skip("needs root: network namespaces, veth pairs and nftables rules")
-    if transparent.which("nft") is None:
-        if not shutil.which("apt-get"):
-            pytest.skip("nft (nftables) is not installed and there is no apt-get to install it")
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "nftables"]):
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-            if r.returncode != 0 and cmd[1] == "install":
-                pytest.skip(f"cannot install nftables ({r.stderr.strip()[-300:]})")
-    netns = {m.name: m for m in transparent.support()}["netns"]
-    if not netns.ok:
-        pytest.skip(f"--transparent=netns does not work here: {netns.why}")
 
 
 def _addresses() -> tuple[str, str]:
@@ -133,7 +114,7 @@ class OtherServer:
 
 @pytest.fixture(scope="module")
 def network(tmp_path_factory):
-    _need_root_and_nft()
+    need_root_and_nft()
     model_ip, other_ip = _addresses()
     tmp = tmp_path_factory.mktemp("transparent-net")
     ca, cert, key = _tls_pair(tmp, other_ip)
