@@ -151,6 +151,7 @@ class Deferred:
             return
         self.sessions.set_flag(s.row.id, FLAG, {})
         result.landed = len(landing)
+        s.version += 1  # the calls that made them render anew: they point at their blocks now (kernel/tools.py)
         log.info("[bili] session=%s: held fold(s) %s land in one rewrite (%s)", s.row.id, ", ".join(landing), d.why)
 
     def _weigh(self: DeferHost, s: Session, view: View, hold: set[str], keep: set[str]) -> rewrite.Decision:
