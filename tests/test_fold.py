@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from bili_addon.kernel.fold import FoldConfig
+from bili_addon.kernel.fold import POINTER, FoldConfig
 from bili_addon.kernel.turn import Engine
 from bili_addon.stream import ResponseRewriter
 from bili_addon.wire import LANES
@@ -244,8 +244,65 @@ def test_renamed_and_rewritten_calls_are_restored(engine):
     ]
     out = json.loads(engine.process(body(stored), ANTH, H, render=True).body)
     call = out["messages"][-2]["content"][0]
-    assert call["name"] == "compress" and call["input"] == args
+    shown = {"content": [{**args["content"][0], "summary": POINTER.format(id="b1")}]}  # b1 stands in the conversation
+    assert call["name"] == "compress" and call["input"] == shown
     assert out["messages"][-1]["content"][0]["content"].startswith("Compressed ")
+
+
+def fold_steps(engine, msgs: list[dict], entries: list[tuple[str, str, str]], call_id: str) -> tuple[dict, list]:
+    """The model folds ``(first step, last step, summary)`` ranges in one compress call; the agent's
+    next request carries it.  ``(the upstream body, the messages sent)``."""
+    refs = refs_in(json.loads(engine.process(body(msgs), ANTH, H, render=True).body))
+    ref = lambda step: next(r for r, t in refs.items() if t.startswith(f"Step {step}:"))  # noqa: E731
+    args = {"content": [{"startId": ref(a), "endId": ref(b), "topic": f"steps {a}-{b}", "summary": text}
+                        for a, b, text in entries]}
+    roundtrip_call(engine, "fold-1", "compress", args, call_id)
+    msgs = agent_answers_unknown(msgs, "compress", args, call_id)
+    return json.loads(engine.process(body(msgs), ANTH, H, render=True).body), msgs
+
+
+def test_a_folded_summary_goes_upstream_once_and_the_call_points_at_its_block(engine):
+    """The summary stands where its range was; the call that made it shows a pointer to the block
+    instead of a second copy (read on every request until the call is folded in turn).  The store
+    keeps the call as the model made it, and the bytes stay the same on later turns."""
+    said = "Read modules 1 to 4: nothing unusual; mod3.py defines load_config(path) for the CLI."
+    out, msgs = fold_steps(engine, conversation(8), [(1, 4, said)], "toolu_c1")
+    text = json.dumps(out)
+    assert "[Compressed conversation section b1" in text and text.count(said) == 1
+    call = out["messages"][-2]["content"][0]
+    assert call["name"] == "compress"
+    assert call["input"]["content"][0]["summary"] == POINTER.format(id="b1") == \
+        "[bili: this summary stands in the conversation as b1]"
+    assert {k: v for k, v in call["input"]["content"][0].items() if k != "summary"} == \
+        {k: v for k, v in msgs[-2]["content"][0]["input"]["content"][0].items() if k != "summary"}
+    assert said in engine.sessions["fold-1"].calls["toolu_c1"].args  # the model's own words, kept
+    assert_valid_anthropic(out)
+    prev = engine.process(body(msgs), ANTH, H, render=True).body
+    more = msgs + [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": "go on"}]
+    nxt = engine.process(body(more), ANTH, H, render=True).body
+    assert nxt.startswith(prev[: prev.rindex(b"]}")]) and nxt.count(said.encode()) == 1
+
+
+def test_a_refused_range_keeps_its_summary_in_the_call(engine):
+    """Only a summary that stands in the conversation is pointed at: a range the call could not
+    fold keeps its words in the call, the one place the model can read them."""
+    kept, refused = "Steps 1 to 4 read the modules; mod3.py defines load_config(path).", "y" * 60
+    out, _ = fold_steps(engine, conversation(8), [(1, 4, kept), (5, 5, refused)], "toolu_c2")
+    entries = out["messages"][-2]["content"][0]["input"]["content"]
+    assert [e["summary"] for e in entries] == [POINTER.format(id="b1"), refused]
+    assert "too small" in out["messages"][-1]["content"][0]["content"]
+    assert json.dumps(out).count(kept) == 1
+
+
+def test_a_pointer_is_not_a_summary(engine):
+    """A model that copied a pointer from its earlier call gets told to write the summary."""
+    out, msgs = fold_steps(engine, conversation(12), [(1, 4, "Steps 1 to 4 read the modules; nothing to fix there.")],
+                           "toolu_c3")
+    msgs = msgs + [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": "go on"}]
+    out, _ = fold_steps(engine, msgs, [(6, 9, POINTER.format(id="b1"))], "toolu_c4")
+    result = out["messages"][-1]["content"][0]["content"]
+    assert "pointer" in result and "→ b2" not in result
+    assert out["messages"][-2]["content"][0]["input"]["content"][0]["summary"] == POINTER.format(id="b1")
 
 
 def test_a_range_that_reaches_into_a_block_does_not_refold_it(engine):

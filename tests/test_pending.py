@@ -7,7 +7,7 @@ import json
 import re
 
 from bili_addon.kernel import compaction, pending
-from bili_addon.kernel.fold import FoldConfig
+from bili_addon.kernel.fold import POINTER, FoldConfig
 from bili_addon.kernel.turn import Engine
 from tests.test_fold import (
     ANTH,
@@ -113,6 +113,28 @@ def test_the_fold_is_made_at_once_and_its_range_leaves_at_the_cold_moment(backen
     msgs = go_on(msgs, 10)
     res2, _ = send(e, msgs)
     assert res2.landed == 0 and res2.body.startswith(res.body[: res.body.rindex(b"]}")])
+    e.store.close()
+
+
+def test_a_held_folds_call_keeps_its_summary_until_the_fold_lands(backend):
+    """While a fold is held its summary stands nowhere else: the call keeps it.  It points at the
+    block from the request that lands it, which rewrites from the range's start, before the call."""
+    e = make(backend())
+    msgs, res, out = held_fold(e)
+    said = "Step 0: to Step 2:: modules read, nothing unusual, values noted."
+    text = json.dumps(out)
+    assert res.landed == 0 and text.count(said) == 1
+    assert out["messages"][-2]["content"][0]["input"]["content"][0]["summary"] == said
+    msgs = go_on(msgs, 1)
+    res, out = send(e, msgs, gap=301)
+    text = json.dumps(out)
+    assert res.landed == 1 and SECTION + "b1" in text and text.count(said) == 1
+    call = next(b for m in out["messages"] if isinstance(m["content"], list) for b in m["content"]
+                if b.get("type") == "tool_use" and b["id"] == "c1")
+    assert call["input"]["content"][0]["summary"] == POINTER.format(id="b1")
+    msgs = go_on(msgs, 2)
+    res2, _ = send(e, msgs)
+    assert res2.body.startswith(res.body[: res.body.rindex(b"]}")])
     e.store.close()
 
 

@@ -22,6 +22,10 @@ from bili_addon.kernel.tags import format_tokens, index_of, ref_of
 from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, TOOL_RESULT
 
 _BLOCK_RE = re.compile(r"^b(\d{1,9})$")
+# what an executed compress call shows in place of a summary that stands in the conversation as its
+# block (kernel/tools.py): never a summary itself
+POINTER_MARK = "[bili:"
+POINTER = POINTER_MARK + " this summary stands in the conversation as {id}]"
 
 
 @dataclass
@@ -348,6 +352,8 @@ def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_i
             summary = r.summary.strip()
             if not summary:
                 raise CompressError("the summary is empty")
+            if summary.startswith(POINTER_MARK):
+                raise CompressError("its summary is bili's pointer to an earlier one; write what this range holds")
             if len(summary) < cfg.min_summary_chars:
                 raise CompressError(f"the summary is too short ({len(summary)} characters, minimum "
                                     f"{cfg.min_summary_chars}); it must stand in for the range on its own")

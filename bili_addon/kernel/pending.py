@@ -151,6 +151,8 @@ class Deferred:
             return
         self.sessions.set_flag(s.row.id, FLAG, {})
         result.landed = len(landing)
+        if not (flag.get("land") and flag.get("since") == s.row.requests):
+            s.version += 1  # held across requests: the calls that made them render anew (kernel/tools.py)
         log.info("[bili] session=%s: held fold(s) %s land in one rewrite (%s)", s.row.id, ", ".join(landing), d.why)
 
     def _weigh(self: DeferHost, s: Session, view: View, hold: set[str], keep: set[str]) -> rewrite.Decision:

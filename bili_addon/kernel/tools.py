@@ -1,5 +1,10 @@
 """The proxy tools: recorded from the model's answer, executed once on the next request, their real
-result put in place of the agent's "unknown tool" error on this and every later turn."""
+result put in place of the agent's "unknown tool" error on this and every later turn.
+
+An executed ``compress`` call shows, in place of each summary that stands in the conversation as its
+block, a pointer to that block (:func:`shown_args`): the summary is on the wire once, where its range
+was, instead of twice until the call itself is folded (read on every request, written with every
+fold).  The store keeps the call as the model made it."""
 
 from __future__ import annotations
 
@@ -220,6 +225,7 @@ class ProxyTools:
         cut = s.flags.get("truncated", {})
         edits: list = []
         obj = None
+        shown: set[str] | None = None
         for p in refs_parts:
             if p.core.ctype not in (TOOL_CALL, TOOL_RESULT):
                 continue
@@ -247,7 +253,11 @@ class ProxyTools:
                 continue
             obj = obj if obj is not None else info.obj
             if p.core.ctype == TOOL_CALL:
-                edits += lane.call_edits(obj, key, call.name, call.args)
+                args = call.args
+                if call.name == "compress":
+                    shown = shown_blocks(s) if shown is None else shown
+                    args = shown_args(s, target, args, shown)
+                edits += lane.call_edits(obj, key, call.name, args)
             else:
                 edits += lane.result_edits(obj, key, call.result)
         return edits
@@ -275,4 +285,51 @@ class ProxyTools:
                 if (call_key(p.tool_call_id, p.tool_name, p.text) if p.ctype == TOOL_CALL else p.tool_call_id) in keys}
 
 
-__all__ = ["ProxyTools", "ToolHost", "call_key"]
+def shown_blocks(s: Session) -> set[str]:
+    """Ids of the blocks the wire shows: those whose summary stands on it (held folds aside,
+    kernel/pending.py), and those absorbed, at any depth, by one that does."""
+    hold, keep = pending.held(s)
+    by_id = {b.id: b for b in s.blocks}
+    todo = [b.id for b in pending.on_wire(s.blocks, hold, keep) if b.active]
+    out: set[str] = set()
+    while todo:
+        bid = todo.pop()
+        if bid not in out and bid in by_id:
+            out.add(bid)
+            todo += by_id[bid].consumed
+    return out
+
+
+def shown_args(s: Session, key: str, args: str, shown: set[str]) -> str:
+    """The arguments of the executed compress call ``key`` as the wire shows them: an entry whose
+    summary made a block the wire shows carries :data:`fold.POINTER` to it instead.  That changes
+    the call's bytes once, when its blocks reach the wire, and a fold rewrites the cache from its
+    range's start, before the call, then anyway.  ``args`` unchanged when nothing points."""
+    made = {(b.start_ref, b.end_ref, b.summary): b.id for b in s.blocks if b.call_id == key and b.id in shown}
+    if not made:
+        return args
+    try:
+        obj = json.loads(args)
+    except ValueError:
+        return args
+    content = obj.get("content") if isinstance(obj, dict) else None
+    entries = content if isinstance(content, list) else [obj] if isinstance(obj, dict) else []
+    points = False
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            continue
+        start = e.get("startId") or e.get("startRef") or e.get("messageId")
+        end = e.get("endId") or e.get("endRef") or e.get("messageId")
+        summary = e.get("summary")
+        if not (isinstance(start, str) and isinstance(end, str) and isinstance(summary, str)):
+            continue
+        bid = made.get((start.strip(), end.strip(), summary))
+        if bid is not None:
+            entries[i] = {**e, "summary": fold.POINTER.format(id=bid)}
+            points = True
+    if not points:
+        return args
+    return json.dumps({**obj, "content": entries} if isinstance(content, list) else entries[0], ensure_ascii=False)
+
+
+__all__ = ["ProxyTools", "ToolHost", "call_key", "shown_args", "shown_blocks"]

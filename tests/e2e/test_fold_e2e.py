@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 from churn import strings
 
+from bili_addon.kernel.fold import POINTER
+
 from .fake_upstream import Act, proxy_call, say, tool
 from .support import AGENTS, Agent, Call, assert_only_tags_added, assert_prefix_stable, request, strip_tags
 
@@ -135,6 +137,14 @@ def model_args(script, turn: int) -> str:
     return [r for t, r in script.answered if t == turn][0].tool_args
 
 
+def pointed(args: str, block: str) -> dict:
+    """A compress call's arguments as the wire shows them once its block stands in the conversation:
+    the summary points at the block (kernel/tools.py)."""
+    out = json.loads(args)
+    out["content"][0]["summary"] = POINTER.format(id=block)
+    return out
+
+
 def assert_folded(raw: bytes, folded=FOLDED, kept=KEPT, blocks=("b1",)) -> None:
     """The fold is on the wire: the folded turns' output is gone, the later output is there, and
     each block's summary stands once."""
@@ -196,17 +206,17 @@ def test_a_scripted_fold_through_mitmdump(fake, proxy, sid, lane):
         assert where == [range_start[0] - 1] and TASK in json.dumps(agent.conv(body9)[where[0]])
     else:
         assert where == range_start, "the summary stands where the range began"
-    # the real result in place of the agent's error, and the call as the model made it
+    # the real result in place of the agent's error, and the call as the model made it, but for its
+    # summary: a pointer to b1, which stands in the conversation (the summary goes upstream once)
     holder, result = agent.result_of(body9, compress_call)
     assert result.startswith("Compressed m") and "→ b1" in result, result
     assert agent.unknown_error.format(name="compress") not in rec9.body.decode()
     if lane == "anthropic":
         assert "is_error" not in holder
-    if lane == "chat":  # the host stored re-serialized arguments; the model's own bytes go upstream
+    if lane == "chat":  # the host stored re-serialized arguments; the model's own arguments go upstream
         assert json.dumps(model_args(script, COMPRESS_TURN)) not in json.dumps(agent.sent[COMPRESS_TURN + 1])
-        assert agent.call_args_of(body9, compress_call) == model_args(script, COMPRESS_TURN)
-    else:
-        assert json.loads(agent.call_args_of(body9, compress_call)) == json.loads(model_args(script, COMPRESS_TURN))
+    assert json.loads(agent.call_args_of(body9, compress_call)) == pointed(model_args(script, COMPRESS_TURN), "b1")
+    assert rec9.body.decode().count(json.dumps(summary(1, "modules 1-4"))[1:-1]) == 1
     # the prose that stays keeps the refs the model was shown before
     for t in KEPT:
         assert ref_of(body9, f"Turn {t}:") == ref_of(before.json, f"Turn {t}:")
@@ -292,7 +302,7 @@ def test_a_second_compress_of_the_session_runs_too(fake, proxy, sid, lane):
     rec13 = up[13]
     _, result = agent.result_of(rec13.json, second)
     assert result.startswith("Compressed m") and "→ b2" in result, result
-    assert json.loads(agent.call_args_of(rec13.json, second)) == json.loads(model_args(script, 12))
+    assert json.loads(agent.call_args_of(rec13.json, second)) == pointed(model_args(script, 12), "b2")
     assert_folded(rec13.body, folded=(1, 2, 3, 4, 5, 6, 7, 9), kept=(10, 11), blocks=("b1", "b2"))
     assert marker_re("b2").match(agent.answers[13].text), agent.answers[13].text
     assert ran(fake, proxy, sid, "compress") == 2
