@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
+
+import msgspec
 
 from bili_addon.wire.base import (
     DELETE,
@@ -63,6 +65,49 @@ class AnthropicLane(LaneDefaults):
                     add(Core("tool", TOOL_RESULT, text, tool_call_id=str(block.get("tool_use_id") or ""), media=media))
                     continue
             add(_block_core(role, j, block))
+        return out
+
+    @staticmethod
+    def array_cores(array: Any) -> list[list[Core]] | None:
+        """:meth:`item_cores` of every item of the conversation array ``array`` (its raw bytes),
+        decoded in one call into typed structs (:class:`_Msg`) instead of dicts: a conversation's
+        first pass reads every item.  None when an item or block has a shape those structs do not
+        hold (another block type, a field of another type): the caller reads the items one by one
+        with :meth:`item_cores`, which gives the same cores for the shapes held here."""
+        try:
+            msgs = _dec_msgs.decode(array)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+        out: list[list[Core]] = []
+        add_item = out.append
+        for m in msgs:
+            role = m.role if type(m.role) is str else "user"
+            content = m.content
+            if type(content) is str:
+                add_item([Core(role, TEXT, content, path=("content",))])
+                continue
+            if content is None:
+                add_item([])
+                continue
+            cores: list[Core] = []
+            add = cores.append
+            for j, b in enumerate(content):
+                t = type(b)
+                if t is _Text:
+                    add(Core(role, TEXT, b.text, path=("content", j, "text")))
+                elif t is _ToolResult:
+                    text, media = _result_text(b.content)
+                    add(Core("tool", TOOL_RESULT, text, tool_call_id=str(b.tool_use_id or ""), media=media))
+                elif t is _ToolUse:
+                    add(Core("assistant", TOOL_CALL, compact_json({} if b.input is None else b.input),
+                             tool_name=str(b.name or ""), tool_call_id=str(b.id or "")))
+                elif t is _Thinking:
+                    add(Core("assistant", REASONING, str(b.thinking or "")))
+                elif t is _Redacted:
+                    add(Core("assistant", REASONING, str(b.data or "")))
+                else:  # _Image
+                    add(Core(role, IMAGE, "[image]", media=payload_of_source(b.source)))
+            add_item(cores)
         return out
 
     # -- folding and proxy tools ---------------------------------------------------------------
@@ -206,3 +251,41 @@ def _result_text(content: Any) -> tuple[str, str]:
         else:
             texts.append(compact_json(part))
     return "\n".join(texts), ",".join(media)
+
+
+# The commonest shapes of a message, as typed structs (AnthropicLane.array_cores): each reads what
+# item_cores/_block_core read of its kind, a field of another type fails the decode (the caller
+# then reads the item as a dict), other keys (cache_control, is_error, signature...) are skipped.
+class _Text(msgspec.Struct, tag_field="type", tag="text", gc=False):
+    text: str
+
+
+class _ToolUse(msgspec.Struct, tag_field="type", tag="tool_use", gc=False):
+    id: Any = None
+    name: Any = None
+    input: Any = None
+
+
+class _ToolResult(msgspec.Struct, tag_field="type", tag="tool_result", gc=False):
+    tool_use_id: Any = None
+    content: Any = None
+
+
+class _Thinking(msgspec.Struct, tag_field="type", tag="thinking", gc=False):
+    thinking: Any = None
+
+
+class _Redacted(msgspec.Struct, tag_field="type", tag="redacted_thinking", gc=False):
+    data: Any = None
+
+
+class _Image(msgspec.Struct, tag_field="type", tag="image", gc=False):
+    source: Any = None
+
+
+class _Msg(msgspec.Struct, gc=False):
+    role: Any = None
+    content: Union[str, list[Union[_Text, _ToolUse, _ToolResult, _Thinking, _Redacted, _Image]], None] = None
+
+
+_dec_msgs = msgspec.json.Decoder(list[_Msg])
