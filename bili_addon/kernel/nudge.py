@@ -7,6 +7,7 @@ the very same bytes on every later turn (the prefix cache never sees them change
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 from bili_addon.kernel import rewrite
 from bili_addon.kernel.fold import Block, FoldConfig, View, anchors, coverage
@@ -36,6 +37,8 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig) -> list[tuple
     """``(start ref, end ref, items, tokens)`` runs of unfolded items outside the protected zone."""
     cov = coverage(blocks)
     protected = view.protected(cfg)
+    if not cov:  # nothing folded (no summary stands anywhere): the loop below, an item at a time
+        return _runs_unfolded(view, protected)
     stops = anchors(view, blocks)  # a range never takes a block's summary in: that would re-fold it
     runs: list[list[int]] = [[]]
     for k, it in enumerate(view.items):
@@ -55,6 +58,30 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig) -> list[tuple
         if refs:
             out.append((refs[0], refs[-1], len(run), tokens))
     return out
+
+
+def _runs_unfolded(view: View, protected: set[int]) -> list[tuple[str, str, int, int]]:
+    """:func:`compressible` where no block is active: each run's parts all count."""
+    out = []
+    first, last, n, tokens = "", "", 0, 0
+    for k, it in enumerate(view.items):
+        if k in protected:
+            if n:
+                out.append((first, last, n, tokens))
+                n = tokens = 0
+        elif it.parts:
+            parts = it.parts
+            if not n:
+                first = parts[0].ref
+            last = parts[-1].ref
+            n += 1
+            tokens += sum(map(_TOKENS, parts))
+    if n:
+        out.append((first, last, n, tokens))
+    return out
+
+
+_TOKENS = attrgetter("tokens")
 
 
 def distillable(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, along: bool = False,

@@ -89,8 +89,8 @@ class ItemCache:
         a fifth of that pass (bench_overhead.py).  The items are read in one loop, then the new
         parts are cleaned, hashed and made in C-level loops over flat lists (comprehensions and
         ``map``), not one Python step per part.  ``objs``: gets each item as decoded here (None
-        for one found in the cache, :data:`UNDECODED` for one the lane read into typed structs), for
-        the pass's rendering to patch (wire.base.patch_decoded).
+        for one found in the cache, the lane's typed struct for one its ``array_cores`` read), for
+        the pass's rendering to patch (wire.base.patch_decoded, the lane's ``patch_typed``).
         ``whole``: the array ``raws`` were split from, decoded in one call when the first item is new."""
         name, items = lane.name, self.items
         found, move = items.get, items.move_to_end
@@ -98,7 +98,7 @@ class ItemCache:
         out: list[ItemInfo] = []
         add = out.append
         size = 0
-        decoded = typed = None
+        decoded = typed = structs = None
         array_cores = getattr(lane, "array_cores", None)
         flat: list[Core] = []  # the cores of the new items, in order
         extend = flat.extend
@@ -121,16 +121,16 @@ class ItemCache:
                     objs.append(None)
                 continue
             if i == 0 and whole is not None:
-                typed = array_cores(whole) if array_cores is not None else None
-                if typed is not None and len(typed) != len(raws):
-                    typed = None
+                got = array_cores(whole) if array_cores is not None else None
+                if got is not None and len(got[0]) == len(raws):
+                    typed, structs = got
                 if typed is None:
                     decoded = decode(whole)
                     if not isinstance(decoded, list) or len(decoded) != len(raws):
                         decoded = None
             if typed is not None:  # the lane read the array into its cores (no item of it is a system item)
                 if objs is not None:
-                    objs.append(UNDECODED)
+                    objs.append(structs[i])  # (a typed struct: the lane's patch_typed patches it)
                 extend(typed[i])
                 info = new[raw] = ItemInfo(raw, False, [])
                 made.append((info, len(flat)))
@@ -177,10 +177,6 @@ class ItemCache:
         for info, end in made:
             info.parts = parts[begin:end]
             begin = end
-
-
-# an item of ``objs`` (ItemCache.get_many) read without a decoded object: decoded where it is patched
-UNDECODED = object()
 
 
 # Entry and Resolved are made per part of every new item: msgspec Structs build ~3x faster than dataclasses
@@ -276,6 +272,6 @@ class TurnResult:
 
 
 __all__ = [
-    "Call", "Entry", "ItemCache", "ItemInfo", "MARKER_LINE", "Memo", "Part", "Resolved", "Session", "UNDECODED",
+    "Call", "Entry", "ItemCache", "ItemInfo", "MARKER_LINE", "Memo", "Part", "Resolved", "Session",
     "TurnResult", "clean_replayed_prose",
 ]

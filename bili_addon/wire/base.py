@@ -199,11 +199,38 @@ class Body:
         self.top[key] = msgspec.Raw(_enc.encode(value))
 
     def encode(self, items: list[bytes] | None) -> bytes:
-        """Re-emit the body; ``items`` replaces the conversation array when given."""
-        if items is not None and self.array:
-            joined = b",".join(items)
-            self.top[self.key] = msgspec.Raw(b"".join((b"[", joined, b"]")))
-        return _enc.encode(self.top)
+        """Re-emit the body; ``items`` replaces the conversation array when given.  The body is
+        msgspec's encoding of ``top`` (``{"key":raw,...}``, each key encoded as msgspec encodes
+        it): written here in one join of the pieces, the items copied once, not three times
+        (joined, bracketed, then copied again into the top object's encoding)."""
+        if items is None or not self.array:
+            return _enc.encode(self.top)
+        pieces: list = []
+        add = pieces.append
+        sep = b"{"
+        at = end = 0  # where the array lies in the result
+        for k, v in self.top.items():
+            add(sep)
+            sep = b","
+            add(_enc.encode(k))
+            if k == self.key:
+                add(b":")
+                at = sum(map(len, pieces))
+                add(b"[")
+                if items:
+                    add(items[0])
+                    for item in items[1:]:  # (a list of every item and its comma: one join copies them)
+                        add(b",")
+                        add(item)
+                add(b"]")
+                end = sum(map(len, pieces))
+            else:
+                add(b":")
+                add(v)
+        add(b"}" if pieces else b"{}")
+        joined = b"".join(pieces)
+        self.top[self.key] = msgspec.Raw(memoryview(joined)[at:end])  # the new array (no copy of it)
+        return joined
 
 
 def idless_call_key(name: str, args: Any) -> str:
