@@ -181,6 +181,12 @@ class Body:
     __slots__ = ("top", "key", "items", "array")
 
     def __init__(self, raw: bytes, key: str):
+        if key == "messages":
+            split = _split_compact(raw)
+            if split is not None:
+                self.top, self.items = split
+                self.key, self.array = key, True
+                return
         try:
             self.top = _dec_raw_obj.decode(raw)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -231,6 +237,77 @@ class Body:
         joined = b"".join(pieces)
         self.top[self.key] = msgspec.Raw(memoryview(joined)[at:end])  # the new array (no copy of it)
         return joined
+
+
+# The top-level keys of the Messages and Chat Completions requests agents send (the conversation
+# under "messages"), for Body's one-scan split (_split_compact); a key not here sends a body the
+# general way.
+_TOP_KEYS = (
+    "model", "max_tokens", "system", "tools", "tool_choice", "metadata", "thinking", "context_management",
+    "output_config", "output_format", "temperature", "top_p", "top_k", "stop_sequences", "stream",
+    "stream_options", "store", "max_completion_tokens", "reasoning_effort", "parallel_tool_calls",
+    "response_format", "seed", "n", "stop", "user", "prompt_cache_key", "safety_identifier", "service_tier",
+    "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias", "modalities",
+    "verbosity", "reasoning", "container", "mcp_servers", "betas", "session_id", "biliMsgIds",
+)
+_Top = msgspec.defstruct(
+    "_Top", [("messages", list[msgspec.Raw], msgspec.UNSET)] + [(k, msgspec.Raw, msgspec.UNSET) for k in _TOP_KEYS],
+    gc=False,
+)
+_dec_top = msgspec.json.Decoder(_Top)
+_KEY_BYTES = {k: b'"' + k.encode() + b'":' for k in ("messages", *_TOP_KEYS)}
+
+
+def _split_compact(raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw]] | None:
+    """``(top, items)`` as Body reads them, in one scan of the body instead of two (the top
+    object, then the conversation array again), when the body is compact at its top level and in
+    its array (``{"k":v,...,"messages":[item,...],...}``, no space between them: Node's
+    ``JSON.stringify``) and holds only keys of :data:`_TOP_KEYS`; else None.  The body is decoded
+    into a struct (each value a raw slice, the items one each), the keys are ordered by where
+    they stand, and the body written back from those pieces must be the body itself, byte for
+    byte: then those are exactly the keys, order and values the general split would give."""
+    try:
+        t = _dec_top.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    items = t.messages
+    if items is msgspec.UNSET:
+        return None
+    unset = msgspec.UNSET
+    found = raw.find
+    present = []
+    for k in t.__struct_fields__:
+        v = getattr(t, k)
+        if v is not unset:
+            at = found(_KEY_BYTES[k])
+            if at < 0:
+                return None  # (a key written with escapes: the general way)
+            present.append((at, k, v))
+    present.sort()
+    pieces: list = []
+    add = pieces.append
+    sep = b"{"
+    at = end = 0
+    for _pos, k, v in present:
+        add(sep)
+        sep = b","
+        add(_KEY_BYTES[k])
+        if k == "messages":
+            at = sum(map(len, pieces))
+            add(b"[")
+            add(b",".join(items))
+            add(b"]")
+            end = sum(map(len, pieces))
+        else:
+            add(v)
+    add(b"}")
+    if b"".join(pieces) != raw:
+        return None
+    top: dict[str, msgspec.Raw] = {}
+    view = memoryview(raw)
+    for _pos, k, v in present:
+        top[k] = msgspec.Raw(view[at:end]) if k == "messages" else v
+    return top, items
 
 
 def idless_call_key(name: str, args: Any) -> str:
