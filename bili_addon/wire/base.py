@@ -284,25 +284,25 @@ def _split_compact(raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw
                 return None  # (a key written with escapes: the general way)
             present.append((at, k, v))
     present.sort()
-    pieces: list = []
-    add = pieces.append
-    sep = b"{"
-    at = end = 0
-    for _pos, k, v in present:
-        add(sep)
-        sep = b","
-        add(_KEY_BYTES[k])
-        if k == "messages":
-            at = sum(map(len, pieces))
-            add(b"[")
-            add(b",".join(items))
-            add(b"]")
-            end = sum(map(len, pieces))
-        else:
-            add(v)
-    add(b"}")
-    if b"".join(pieces) != raw:
+    # The body holds at least, apart from each other: its braces, each member's key ("k": at the
+    # least), its value (a raw slice), a comma between members, and in the array its brackets, the
+    # items and a comma between them.  Exactly that many bytes: nothing else is in it (no space, no
+    # other or repeated key, no key written with escapes), so it is those pieces in some order; the
+    # order is the one the keys were found in when each key stands where that order puts it.
+    n_items = len(items)
+    array_len = 2 + sum(map(len, items)) + (n_items - 1 if n_items else 0)
+    lengths = [len(_KEY_BYTES[k]) + (array_len if k == "messages" else len(v)) for _pos, k, v in present]
+    if 1 + sum(lengths) + len(lengths) != len(raw):
         return None
+    at = end = 0
+    off = 1
+    for (pos, k, _v), size in zip(present, lengths):
+        if pos != off:
+            return None
+        if k == "messages":
+            at = off + len(_KEY_BYTES[k])
+            end = off + size
+        off += size + 1
     top: dict[str, msgspec.Raw] = {}
     view = memoryview(raw)
     for _pos, k, v in present:
