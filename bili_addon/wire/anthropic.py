@@ -88,8 +88,8 @@ class AnthropicLane(LaneDefaults):
             if type(content) is str:
                 add_item([Core(role, TEXT, content, path=("content",))])
                 continue
-            if content is None or content is unset:
-                add_item([])
+            if content is None or content is unset:  # (as item_cores reads a missing or null content)
+                add_item([Core(role, OTHER, "null")])
                 continue
             cores: list[Core] = []
             add = cores.append
