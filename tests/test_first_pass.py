@@ -17,7 +17,7 @@ from bili_addon.kernel.fold import FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.state import ItemCache
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
-from bili_addon.wire import LANES, anthropic, base
+from bili_addon.wire import LANES, base
 from bili_addon.wire.anthropic import AnthropicLane
 from bili_addon.wire.base import DELETE, Body, patch_decoded, patch_many
 
