@@ -7,6 +7,7 @@ the very same bytes on every later turn (the prefix cache never sees them change
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter
 
 from bili_addon.kernel import rewrite
@@ -61,27 +62,21 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig) -> list[tuple
 
 
 def _runs_unfolded(view: View, protected: set[int]) -> list[tuple[str, str, int, int]]:
-    """:func:`compressible` where no block is active: each run's parts all count."""
+    """:func:`compressible` where no block is active: the runs are the stretches between protected
+    items, each part of them counts (C-level loops over each stretch: it runs on every request)."""
     out = []
-    first, last, n, tokens = "", "", 0, 0
-    for k, it in enumerate(view.items):
-        if k in protected:
-            if n:
-                out.append((first, last, n, tokens))
-                n = tokens = 0
-        elif it.parts:
-            parts = it.parts
-            if not n:
-                first = parts[0].ref
-            last = parts[-1].ref
-            n += 1
-            tokens += sum(map(_TOKENS, parts))
-    if n:
-        out.append((first, last, n, tokens))
+    items = view.items
+    begin = 0
+    for stop in [*sorted(protected), len(items)]:
+        if stop > begin:
+            run = list(filter(None, map(_PARTS, items[begin:stop])))  # the items with parts
+            if run:
+                out.append((run[0][0].ref, run[-1][-1].ref, len(run), sum(map(_TOKENS, chain.from_iterable(run)))))
+        begin = max(begin, stop + 1)
     return out
 
 
-_TOKENS = attrgetter("tokens")
+_TOKENS, _PARTS = attrgetter("tokens"), attrgetter("parts")
 
 
 def distillable(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, along: bool = False,
