@@ -181,7 +181,7 @@ class Body:
     __slots__ = ("top", "key", "items", "array")
 
     def __init__(self, raw: bytes, key: str):
-        if key == "messages":
+        if key == "messages" and type(raw) is bytes:
             split = _split_compact(raw)
             if split is not None:
                 self.top, self.items = split
