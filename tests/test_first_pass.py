@@ -12,12 +12,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bili_addon.kernel import fresh, render
+from bili_addon.kernel import fresh, nudge, render
+from bili_addon.kernel.fold import FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.state import ItemCache
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
-from bili_addon.wire import LANES
-from bili_addon.wire.base import DELETE, patch_decoded, patch_many
+from bili_addon.wire import LANES, base
+from bili_addon.wire.anthropic import AnthropicLane
+from bili_addon.wire.base import DELETE, Body, patch_decoded, patch_many
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_overhead  # noqa: E402  (its synthetic conversations)
@@ -49,6 +51,9 @@ def test_the_first_pass_gives_what_the_general_path_gives(tmp_path, monkeypatch,
     fast = run(tmp_path, "fast", lane, bodies)
     monkeypatch.setattr(fresh, "applies", lambda *a: False)  # the general path: _resolve, _view_items
     monkeypatch.setattr(render, "patch_decoded", lambda *a: None)  # ... and patching per path
+    monkeypatch.setattr(AnthropicLane, "array_cores", None)  # ... items read one by one, as dicts
+    monkeypatch.setattr(base, "_split_compact", lambda raw: None)  # ... the body split in two scans
+    monkeypatch.setattr(nudge, "_runs_unfolded", _runs_reference)  # ... the reminder's runs part by part
     general = run(tmp_path, "general", lane, bodies)
     assert fast == general
     assert fast[0][0][0] is not None and fast[0][0][3] > 0  # tagged, changed
@@ -99,13 +104,177 @@ def test_get_many_decodes_the_whole_array_as_each_item():
     want_objs: list = []
     want = ItemCache().get_many(lane, raws, want_objs)
     objs: list = []
-    assert ItemCache().get_many(lane, raws, objs, whole) == want and objs == want_objs
+    # (Anthropic's items read into typed structs: the same values)
+    assert ItemCache().get_many(lane, raws, objs, whole) == want and list(map(msgspec.to_builtins, objs)) == want_objs
     objs = []
     assert ItemCache().get_many(lane, raws, objs, b"[1,2]") == want and objs == want_objs  # not these items
     cache = ItemCache()
     cache.get_many(lane, raws[:1])
     objs = []
     assert cache.get_many(lane, raws, objs, whole) == want and objs == [None] + want_objs[1:]
+    chat = LANES["chat"]  # a lane without typed structs: the whole array as dicts
+    raws = [msgspec.json.encode(m) for m in bench_overhead.Case("chat", 40, seed=9).msgs]
+    want_objs = []
+    want = ItemCache().get_many(chat, raws, want_objs)
+    objs = []
+    assert ItemCache().get_many(chat, raws, objs, b"[" + b",".join(raws) + b"]") == want and objs == want_objs
+
+
+# Anthropic items of every shape the typed structs hold, and of shapes they do not (read one by one)
+_TEXT = {"type": "text", "text": "hi there"}
+_SHAPES = [
+    {"role": "user", "content": "plain"},
+    {"role": 7, "content": "a role that is not a string"},
+    {"role": "user"},
+    {"role": "user", "content": None},
+    {"role": "assistant", "content": [_TEXT, {"type": "tool_use", "id": "t1", "name": "Read", "input": {"a": 1.5}}]},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": 5, "name": None, "input": None}]},
+    {"role": "assistant", "content": [{"type": "tool_use"}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "out", "is_error": True,
+                                  "cache_control": {"type": "ephemeral"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+        {"type": "text", "text": "a"}, {"type": "image", "source": {"type": "base64", "data": "AAAA"}}, 3]}]},
+    {"role": "user", "content": [{"tool_use_id": "t2", "type": "tool_result"}, dict(_TEXT, cache_control={"type": "x"})]},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "sig"},
+                                      {"type": "redacted_thinking", "data": "zzz"}, {"type": "thinking"}]},
+    {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]},
+    {"role": "assistant", "content": "[bili] folded\n<acp tokens=\"3\" type=\"text\">m00001</acp>hi"},
+    {"role": "user", "content": [_TEXT, {"type": "text", "text": "x", "citations": []}]},  # a key not held
+]
+_OTHER_SHAPES = [  # shapes the structs do not hold: the array is read item by item
+    {"role": "user", "content": [{"type": "document", "source": {}}]},
+    {"role": "user", "content": [{"type": "text", "text": 5}]},
+    {"role": "user", "content": ["a string block"]},
+    {"role": "user", "content": {"type": "text", "text": "an object"}},
+    {"role": "user", "content": [{"type": "web_search_tool_result", "content": []}]},
+    "not an object",
+]
+
+
+def test_typed_anthropic_items_give_the_cores_item_cores_gives():
+    lane = LANES["anthropic"]
+    raws = [msgspec.json.encode(m) for m in _SHAPES]
+    got = lane.array_cores(b"[" + b",".join(raws) + b"]")
+    assert got is not None
+    cores, structs = got
+    assert cores == [lane.item_cores(msgspec.json.decode(r)) for r in raws]
+    for other in _OTHER_SHAPES:
+        assert lane.array_cores(msgspec.json.encode(_SHAPES[:3] + [other])) is None
+    for shapes in (_SHAPES, _SHAPES + _OTHER_SHAPES):  # and get_many gives what one-by-one parsing gives
+        raws = [msgspec.json.encode(m) for m in shapes]
+        one = ItemCache()
+        assert ItemCache().get_many(lane, raws, [], b"[" + b",".join(raws) + b"]") == [one.get(lane, r) for r in raws]
+
+
+def test_patch_typed_is_patch_many_or_nothing():
+    """A tag patched from an item's typed struct is what patch_many makes of its bytes, whenever
+    the struct proves them msgspec's own (every key held, in order); else nothing."""
+    lane = LANES["anthropic"]
+    tag = '<acp tokens="1" type="text">m00001</acp>\n'
+    made = 0
+    for item in _SHAPES:
+        content = item.get("content")
+        paths = [("content",)] if isinstance(content, str) else [
+            ("content", j, "text") for j, b in enumerate(content or []) if b.get("type") == "text"]
+        if not paths:
+            continue
+        edits = [(p, tag + str(k)) for k, p in enumerate(paths)]
+        for raw in (msgspec.json.encode(item), json.dumps(item).encode()):
+            structs = lane.array_cores(b"[" + raw + b"]")[1]
+            out = lane.patch_typed(raw, structs[0], edits)
+            if out is not None:
+                made += 1
+                assert out == patch_many(raw, edits)
+            elif raw == msgspec.json.encode(item) and "citations" not in raw.decode() and item["role"] != 7:
+                assert b'"type"' in raw and raw.index(b'"type"') > raw.index(b'"tool_use_id"')  # a key out of order
+    assert made >= 4
+    raw = msgspec.json.encode(_SHAPES[4])
+    for edits in ([(("content", 1, "text"), "x")], [(("content", 0, "cache_control"), DELETE)],
+                  [(("content", 0, "text"), 5)], [(("role",), "x")], [(("content", 9, "text"), "x")]):
+        assert lane.patch_typed(raw, lane.array_cores(b"[" + raw + b"]")[1][0], edits) is None
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model":"m","messages":[{"role":"user","content":"a"},{"role":"user","content":"b"}],"stream":true}',
+    b'{"messages":[],"model":"m"}',
+    b'{"messages":[]}',
+    b'{"model":"m","max_tokens":5,"tools":[{"name":"x"}],"system":"s","messages":[1,{"a":[2]}]}',
+    b'{"model":"m","messages":[1, 2]}',  # a space in the array
+    b'{"model":"m", "messages":[1]}',  # ... between members
+    b'{"model":"m","messages":[1]} ',  # ... after the object
+    b'{"model":"m","model":"n","messages":[1]}',  # a repeated key
+    b'{"mod\\u0065l":"m","messages":[1]}',  # a key written with an escape
+    b'{"model":"m","messages":[1],"other":{"model":1}}',  # a key it does not hold
+    b'{"metadata":{"model":"x"},"model":"m","messages":[1]}',  # a key found first where it does not stand
+    b'{"model":"m","messages":"not an array"}',
+    b'{"model":"m"}',
+])
+def test_the_one_scan_split_is_the_general_split_or_nothing(body):
+    general = Body.__new__(Body)
+    general.top = base._dec_raw_obj.decode(body)
+    conv = general.top.get("messages")
+    items = base._dec_raw_list.decode(conv) if conv is not None and bytes(conv)[:1] == b"[" else None
+    got = base._split_compact(body)
+    if got is not None:
+        top, its = got
+        assert list(top) == list(general.top) and all(bytes(top[k]) == bytes(general.top[k]) for k in top)
+        assert [bytes(x) for x in its] == [bytes(x) for x in items]
+    else:
+        assert body != msgspec.json.encode(msgspec.json.decode(body)) or items is None or b"other" in body or (
+            b"metadata" in body)
+    b = Body(body, "messages")  # and Body says the same either way, and writes the body back
+    assert list(b.top) == list(general.top)
+    if b.array:
+        assert b.encode(list(map(bytes, b.items))) == msgspec.json.encode(
+            {**general.top, "messages": msgspec.Raw(b"[" + b",".join(map(bytes, items)) + b"]")})
+    else:
+        assert b.encode(None) == msgspec.json.encode(general.top)
+
+
+def test_body_encode_is_the_top_object_with_the_new_array():
+    raw = b'{"model":"m","messages":[{"a":1},{"b":2}],"stream":true}'
+    for split in (True, False):
+        b = Body(raw, "messages") if split else Body(json.dumps(json.loads(raw)).encode(), "messages")
+        items = [b'{"x":1}', b"[]", b'"s"']
+        want = msgspec.json.encode({**b.top, "messages": msgspec.Raw(b"[" + b",".join(items) + b"]")})
+        assert b.encode(items) == want and bytes(b.top["messages"]) == b'[{"x":1},[],"s"]'
+        assert b.encode([]) == msgspec.json.encode({**b.top, "messages": msgspec.Raw(b"[]")})
+
+
+def _runs_reference(view: View, protected: set[int]) -> list[tuple[str, str, int, int]]:
+    """nudge.compressible's loop where nothing is folded, part by part (as it was)."""
+    runs: list[list[int]] = [[]]
+    for k, it in enumerate(view.items):
+        if k in protected:
+            if runs[-1]:
+                runs.append([])
+        elif it.parts:
+            runs[-1].append(k)
+    out = []
+    for run in runs:
+        refs, tokens = [], 0
+        for k in run:
+            for p in view.items[k].parts:
+                refs.append(p.ref)
+                tokens += p.tokens
+        if refs:
+            out.append((refs[0], refs[-1], len(run), tokens))
+    return out
+
+
+def test_the_reminders_runs_where_nothing_is_folded():
+    rnd = random.Random(5)
+    n = 0
+    for _ in range(200):
+        items = []
+        for k in range(rnd.randint(0, 30)):
+            parts = [PartView(f"m{n + j:05d}", rnd.choice(["user", "assistant", "tool"]), rnd.choice(["text", "tool-result"]),
+                              "", "", "x", rnd.randint(0, 900)) for j in range(rnd.choice([0, 1, 1, 2, 3]))]
+            n += len(parts)
+            items.append(ViewItem(k, parts))
+        view = View(items)
+        protected = view.protected(FoldConfig())
+        assert nudge.compressible(view, [], FoldConfig()) == _runs_reference(view, protected)
 
 
 @pytest.mark.parametrize("answered", [True, False], ids=["answered", "unanswered"])
@@ -178,3 +347,41 @@ def test_a_new_session_reads_no_family_and_no_record_and_a_known_one_does(tmp_pa
     e.process(bodies[1], LANES["anthropic"], {"x-acp-session": "new"}, render=True)
     assert "family" in reads
     e.store.close()
+
+
+def test_typed_anthropic_items_on_random_shapes():
+    """Blocks of random kinds with fields of random types, present or not: where the typed
+    structs read the array, their cores are item_cores' cores."""
+    rnd = random.Random(17)
+    values = [None, 0, 3, 1.5, True, "", "s", "[bili] note\nx", [], [1], {}, {"a": [None]}, [{"type": "text", "text": "t"}]]
+    kinds = ["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image"]
+    fields = ["text", "id", "name", "input", "tool_use_id", "content", "is_error", "cache_control", "thinking",
+              "signature", "data", "source"]
+    lane = LANES["anthropic"]
+    read = 0
+    for _ in range(400):
+        items = []
+        for _i in range(rnd.randint(1, 4)):
+            item: dict = {}
+            if rnd.random() < 0.9:
+                item["role"] = rnd.choice(["user", "assistant", "system", 5, None])
+            c = rnd.random()
+            if c < 0.2:
+                item["content"] = rnd.choice(values)
+            elif c < 0.95:
+                blocks = []
+                for _b in range(rnd.randint(0, 3)):
+                    block = {"type": rnd.choice(kinds)} if rnd.random() < 0.95 else {}
+                    for f in rnd.sample(fields, rnd.randint(0, 4)):
+                        block[f] = rnd.choice(values)
+                    if block.get("type") == "text" and rnd.random() < 0.7:
+                        block["text"] = rnd.choice(["hi", "<acp tokens=\"1\">m00001</acp> x", ""])
+                    blocks.append(block)
+                item["content"] = blocks
+            items.append(item)
+        raws = [msgspec.json.encode(m) for m in items]
+        got = lane.array_cores(b"[" + b",".join(raws) + b"]")
+        if got is not None:
+            read += 1
+            assert got[0] == [lane.item_cores(msgspec.json.decode(r)) for r in raws]
+    assert read > 50

@@ -11,6 +11,7 @@ refs in the same order, the same ledger rows and view.  Anything else takes the 
 from __future__ import annotations
 
 from collections import Counter
+from operator import attrgetter
 
 from bili_addon.kernel.fold import PartView, ViewItem
 from bili_addon.kernel.identity import count_tokens
@@ -28,39 +29,54 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
                first_index: int) -> tuple[list[list[Resolved]], list[LedgerRow], list[ViewItem]] | None:
     """``(resolved, new ledger rows, view items)`` of a pass whose every part is new (see
     :func:`applies`); the rows are staged in ``s.refs`` as ``_resolve`` stages them.  None when the
-    refs would run past the last one (the general path says so)."""
+    refs would run past the last one (the general path says so).
+
+    Column by column: each field of every part in one C-level loop (``map``, comprehensions),
+    then the per-item lists cut from the flat ones."""
     next_ref = s.row.next_ref
-    total = sum(len(info.parts) for info in infos)
+    parts = [p for info in infos for p in info.parts]
+    total = len(parts)
     if next_ref < 1 or next_ref + total - 1 > MAX_REF:
         return None
-    names = iter(ref_names(next_ref, total))  # tags.ref_of of each number, in order
-    refs = s.refs
-    counter_get = counter.get
-    rows: list[LedgerRow] = []
-    add_row = rows.append
-    resolved: list[list[Resolved]] = []
-    views: list[ViewItem] = []
-    for k, info in enumerate(infos, first_index):
-        out = []
-        view = []
-        for part in info.parts:
-            core, base, chash = part.core, part.base, part.chash
+    names = ref_names(next_ref, total)  # tags.ref_of of each number, in order
+    cores = list(map(_CORE, parts))
+    bases = list(map(_BASE, parts))
+    chashes = list(map(_CHASH, parts))
+    if not counter and len(set(bases)) == total:  # no base twice: every msg_id is its base
+        msg_ids = bases
+        counter.update(bases)
+    else:
+        msg_ids = []
+        counter_get = counter.get
+        for base in bases:
             n = counter_get(base, 0)
             counter[base] = n + 1
-            msg_id = base if n == 0 else f"{base}_{n}"
-            ref = next(names)
-            text = core.text
-            # identity.count_tokens (its ASCII case inlined)
-            tokens = -(-len(text) // 4) if text.isascii() else count_tokens(text)
-            entry = Entry(ref, tokens)
-            refs[(msg_id, chash)] = entry  # staged: forgotten again if the commit fails
-            role, ctype = core.role, core.ctype
-            add_row(LedgerRow(msg_id, chash, ref, role, ctype, tokens))
-            out.append(Resolved(core, entry, part.dirty, msg_id, base))
-            view.append(PartView(ref, role, ctype, core.tool_name, core.tool_call_id, text, tokens))
-        resolved.append(out)
-        views.append(ViewItem(k, view))
+            msg_ids.append(base if n == 0 else f"{base}_{n}")
+    texts = list(map(_TEXT, cores))
+    roles = list(map(_ROLE, cores))
+    ctypes = list(map(_CTYPE, cores))
+    # identity.count_tokens (its ASCII case inlined)
+    tokens = [-(-len(t) // 4) if t.isascii() else count_tokens(t) for t in texts]
+    entries = list(map(Entry, names, tokens))
+    s.refs.update(zip(zip(msg_ids, chashes), entries))  # staged: forgotten again if the commit fails
+    rows = list(map(LedgerRow, msg_ids, chashes, names, roles, ctypes, tokens))
+    flat = list(map(Resolved, cores, entries, map(_DIRTY, parts), msg_ids, bases))
+    views_flat = list(map(PartView, names, roles, ctypes, map(_TOOL_NAME, cores), map(_TOOL_CALL_ID, cores),
+                          texts, tokens))
+    resolved: list[list[Resolved]] = []
+    views: list[ViewItem] = []
+    begin = 0
+    for k, info in enumerate(infos, first_index):
+        end = begin + len(info.parts)
+        resolved.append(flat[begin:end])
+        views.append(ViewItem(k, views_flat[begin:end]))
+        begin = end
     return resolved, rows, views
+
+
+_CORE, _BASE, _CHASH, _DIRTY = attrgetter("core"), attrgetter("base"), attrgetter("chash"), attrgetter("dirty")
+_TEXT, _ROLE, _CTYPE = attrgetter("text"), attrgetter("role"), attrgetter("ctype")
+_TOOL_NAME, _TOOL_CALL_ID = attrgetter("tool_name"), attrgetter("tool_call_id")
 
 
 __all__ = ["applies", "first_pass"]

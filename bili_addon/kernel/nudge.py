@@ -7,6 +7,8 @@ the very same bytes on every later turn (the prefix cache never sees them change
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 
 from bili_addon.kernel import rewrite
 from bili_addon.kernel.fold import Block, FoldConfig, View, anchors, coverage
@@ -36,6 +38,8 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig) -> list[tuple
     """``(start ref, end ref, items, tokens)`` runs of unfolded items outside the protected zone."""
     cov = coverage(blocks)
     protected = view.protected(cfg)
+    if not cov:  # nothing folded (no summary stands anywhere): the loop below, an item at a time
+        return _runs_unfolded(view, protected)
     stops = anchors(view, blocks)  # a range never takes a block's summary in: that would re-fold it
     runs: list[list[int]] = [[]]
     for k, it in enumerate(view.items):
@@ -55,6 +59,24 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig) -> list[tuple
         if refs:
             out.append((refs[0], refs[-1], len(run), tokens))
     return out
+
+
+def _runs_unfolded(view: View, protected: set[int]) -> list[tuple[str, str, int, int]]:
+    """:func:`compressible` where no block is active: the runs are the stretches between protected
+    items, each part of them counts (C-level loops over each stretch: it runs on every request)."""
+    out = []
+    items = view.items
+    begin = 0
+    for stop in [*sorted(protected), len(items)]:
+        if stop > begin:
+            run = list(filter(None, map(_PARTS, items[begin:stop])))  # the items with parts
+            if run:
+                out.append((run[0][0].ref, run[-1][-1].ref, len(run), sum(map(_TOKENS, chain.from_iterable(run)))))
+        begin = max(begin, stop + 1)
+    return out
+
+
+_TOKENS, _PARTS = attrgetter("tokens"), attrgetter("parts")
 
 
 def distillable(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, along: bool = False,

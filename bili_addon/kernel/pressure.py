@@ -9,6 +9,8 @@ everywhere) where the session chose them (kernel/lifetime.py).  What they use of
 from __future__ import annotations
 
 import logging
+from itertools import chain
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from bili_addon.kernel import activation, fold, lifetime, nudge, rewrite
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from bili_addon.kernel.registry import Sessions
 
 log = logging.getLogger("bili")
+_TOKENS, _PARTS = attrgetter("tokens"), attrgetter("parts")
 
 
 class PressureHost(Protocol):
@@ -66,7 +69,8 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
         used = last[0]
     else:
         cov = fold.coverage(s.blocks)
-        used = (sum(p.tokens for it in view.items for p in it.parts if p.ref not in cov)
+        used = ((sum(p.tokens for it in view.items for p in it.parts if p.ref not in cov) if cov
+                 else sum(map(_TOKENS, chain.from_iterable(map(_PARTS, view.items)))))  # (C-level loops)
                 + sum(b.summary_tokens for b in s.blocks if b.active))
     window = host.window_for(s)
     if used < int(s.flags.get("last_nudge_at", 0)):

@@ -14,13 +14,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Protocol
 
+from msgspec import Struct
+
 from bili_addon.kernel import fold, reconcile, tags
 from bili_addon.kernel.fold import Block, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.state import ItemInfo, Resolved, Session, TurnResult
 from bili_addon.kernel.tools import ProxyTools, call_key
 from bili_addon.wire import Lane, hygiene
-from bili_addon.wire.base import TEXT, TOOL_CALL, TOOL_RESULT, Core, patch_decoded, patch_many
+from bili_addon.wire.base import TEXT, TOOL_CALL, TOOL_RESULT, Core, decode_any, patch_decoded, patch_many
 
 if TYPE_CHECKING:
     from bili_addon.store import Store
@@ -92,7 +94,12 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
             edits += more
         if edits:
             obj = objs[i] if objs is not None and not more else None
-            out = patch_decoded(src, obj, edits) if obj is not None else None
+            if isinstance(obj, Struct):  # read by the lane into a typed struct (ItemCache.get_many)
+                out = lane.patch_typed(src, obj, edits)
+                if out is None:
+                    out = patch_decoded(src, decode_any(src), edits)
+            else:
+                out = patch_decoded(src, obj, edits) if obj is not None else None
             if out is None:
                 out = patch_many(src, edits)
             changed_cum.append(changed_cum[-1] + (out != src))

@@ -83,19 +83,27 @@ class ItemCache:
         return info
 
     def get_many(self, lane: Lane, raws, objs: list | None = None, whole=None) -> list[ItemInfo]:
-        """:meth:`get` of each of ``raws`` (``bytes`` or ``msgspec.Raw``), in one loop: a
+        """:meth:`get` of each of ``raws`` (``bytes`` or ``msgspec.Raw``), in one pass: a
         conversation's first pass parses every item, and the per-call work of :meth:`get` (and of
         :func:`~bili_addon.kernel.identity.digest`, inlined here: the same seed, the same hash) was
-        a fifth of that pass (bench_overhead.py).  ``objs``: gets each item as decoded here (None
-        for one found in the cache), for the pass's rendering to patch (wire.base.patch_decoded)."""
+        a fifth of that pass (bench_overhead.py).  The items are read in one loop, then the new
+        parts are cleaned, hashed and made in C-level loops over flat lists (comprehensions and
+        ``map``), not one Python step per part.  ``objs``: gets each item as decoded here (None
+        for one found in the cache, the lane's typed struct for one its ``array_cores`` read), for
+        the pass's rendering to patch (wire.base.patch_decoded, the lane's ``patch_typed``).
+        ``whole``: the array ``raws`` were split from, decoded in one call when the first item is new."""
         name, items = lane.name, self.items
         found, move = items.get, items.move_to_end
         cores_of, is_system, decode = lane.item_cores, lane.is_system_item, decode_any
-        replace, clean_prose = msgspec.structs.replace, clean_replayed_prose
         out: list[ItemInfo] = []
         add = out.append
         size = 0
-        decoded = None
+        decoded = typed = structs = None
+        array_cores = getattr(lane, "array_cores", None)
+        flat: list[Core] = []  # the cores of the new items, in order
+        extend = flat.extend
+        made: list[tuple[ItemInfo, int]] = []  # each new item and where its cores end in ``flat``
+        new: dict[bytes, ItemInfo] = {}  # an item repeated in ``raws`` is the same item
         for i, r in enumerate(raws):
             raw = bytes(r)
             key = (name, raw)
@@ -106,37 +114,69 @@ class ItemCache:
                 if objs is not None:
                     objs.append(None)
                 continue
+            info = new.get(raw)
+            if info is not None:
+                add(info)
+                if objs is not None:
+                    objs.append(None)
+                continue
             if i == 0 and whole is not None:
-                decoded = decode(whole)
-                if not isinstance(decoded, list) or len(decoded) != len(raws):
-                    decoded = None
+                got = array_cores(whole) if array_cores is not None else None
+                if got is not None and len(got[0]) == len(raws):
+                    typed, structs = got
+                if typed is None:
+                    decoded = decode(whole)
+                    if not isinstance(decoded, list) or len(decoded) != len(raws):
+                        decoded = None
+            if typed is not None:  # the lane read the array into its cores (no item of it is a system item)
+                if objs is not None:
+                    objs.append(structs[i])  # (a typed struct: the lane's patch_typed patches it)
+                extend(typed[i])
+                info = new[raw] = ItemInfo(raw, False, [])
+                made.append((info, len(flat)))
+                add(info)
+                size += len(raw)
+                continue
             obj = decoded[i] if decoded is not None else decode(raw)
             if objs is not None:
                 objs.append(obj)
-            parts = []
-            for core in cores_of(obj):
-                dirty = False
-                role, ctype, text = core.role, core.ctype, core.text
-                if role == "assistant" and ctype == TEXT:
-                    clean = clean_prose(text)
-                    if clean != text:
-                        core, dirty, text = replace(core, text=clean), True, clean
-                # identity.digest, inlined
-                seed = f"{role}|{ctype}|{core.tool_call_id}|{core.tool_name}|{text}"
-                if core.media:
-                    seed += "|" + core.media
-                h = sha256(seed.encode("utf-8", "surrogatepass")).hexdigest()
-                parts.append(Part(core, "h_" + h[:16], h, dirty))
-            info = ItemInfo(raw, is_system(obj), parts)
-            items[key] = info
-            size += len(raw)
+            extend(cores_of(obj))
+            info = new[raw] = ItemInfo(raw, is_system(obj), [])
+            made.append((info, len(flat)))
             add(info)
+            size += len(raw)
+        if flat:
+            self._parts(flat, made)
+            for (info, _end) in made:
+                items[(name, info.raw)] = info
         if size:
             self.size += size
             while self.size > self.max_bytes and self.items:
                 (_, old), _info = self.items.popitem(last=False)
                 self.size -= len(old)
         return out
+
+    @staticmethod
+    def _parts(flat: list[Core], made: list[tuple[ItemInfo, int]]) -> None:
+        """The :class:`Part` of every core in ``flat`` (assistant prose cleaned, identity.digest of
+        each, inlined), dealt out to the items of ``made``."""
+        dirty = [False] * len(flat)
+        replace, clean_prose = msgspec.structs.replace, clean_replayed_prose
+        for j in [j for j, c in enumerate(flat) if c.ctype == TEXT and c.role == "assistant"]:
+            core = flat[j]
+            clean = clean_prose(core.text)
+            if clean != core.text:
+                flat[j], dirty[j] = replace(core, text=clean), True
+        h = sha256
+        # identity.digest, inlined (the same seed, the same hash)
+        hashes = [h((f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}|{c.media}" if c.media else
+                     f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}").encode("utf-8", "surrogatepass")
+                    ).hexdigest() for c in flat]
+        parts = list(map(Part, flat, ["h_" + x[:16] for x in hashes], hashes, dirty))
+        begin = 0
+        for info, end in made:
+            info.parts = parts[begin:end]
+            begin = end
 
 
 # Entry and Resolved are made per part of every new item: msgspec Structs build ~3x faster than dataclasses

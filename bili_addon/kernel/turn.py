@@ -200,7 +200,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             view_tail = None
         resolved = (memo.resolved[:q] if q else []) + resolved_tail
         minted = s.row.next_ref
-        result.refs_known = sum(len(p) for p in resolved)
+        result.refs_known = sum(map(len, resolved))
         self._commit(s, agent, lane.name, len(infos) - start, new_rows, tail, fresh=first is not None)
         result.refs_new = s.row.next_ref - minted
         result.refs_known -= result.refs_new

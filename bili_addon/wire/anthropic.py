@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
+
+import msgspec
 
 from bili_addon.wire.base import (
     DELETE,
@@ -64,6 +66,55 @@ class AnthropicLane(LaneDefaults):
                     continue
             add(_block_core(role, j, block))
         return out
+
+    @staticmethod
+    def array_cores(array: Any) -> tuple[list[list[Core]], list] | None:
+        """:meth:`item_cores` of every item of the conversation array ``array`` (its raw bytes),
+        decoded in one call into typed structs (:class:`_Msg`) instead of dicts: a conversation's
+        first pass reads every item.  ``(cores of each item, the structs)`` (the structs are for
+        :meth:`patch_typed`); None when an item or block has a shape those structs do not hold
+        (another block type, a field of another type): the caller reads the items one by one with
+        :meth:`item_cores`, which gives the same cores for the shapes held here."""
+        try:
+            msgs = _dec_msgs.decode(array)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+        out: list[list[Core]] = []
+        add_item = out.append
+        unset = _UNSET
+        for m in msgs:
+            role = m.role if type(m.role) is str else "user"
+            content = m.content
+            if type(content) is str:
+                add_item([Core(role, TEXT, content, path=("content",))])
+                continue
+            if content is None or content is unset:  # (as item_cores reads a missing or null content)
+                add_item([Core(role, OTHER, "null")])
+                continue
+            cores: list[Core] = []
+            add = cores.append
+            for j, b in enumerate(content):
+                t = type(b)
+                if t is _Text:
+                    add(Core(role, TEXT, b.text, path=("content", j, "text")))
+                elif t is _ToolResult:
+                    text, media = _result_text(None if b.content is unset else b.content)
+                    add(Core("tool", TOOL_RESULT, text, tool_call_id=str(b.tool_use_id or ""), media=media))
+                elif t is _ToolUse:
+                    add(Core("assistant", TOOL_CALL, compact_json({} if b.input is None or b.input is unset else b.input),
+                             tool_name=str(b.name or ""), tool_call_id=str(b.id or "")))
+                elif t is _Thinking:
+                    add(Core("assistant", REASONING, str(b.thinking or "")))
+                elif t is _Redacted:
+                    add(Core("assistant", REASONING, str(b.data or "")))
+                else:  # _Image
+                    add(Core(role, IMAGE, "[image]", media=payload_of_source(None if b.source is unset else b.source)))
+            add_item(cores)
+        return out, msgs
+
+    @staticmethod
+    def patch_typed(raw: bytes, msg: Any, edits: list) -> bytes | None:
+        return patch_typed(raw, msg, edits)
 
     # -- folding and proxy tools ---------------------------------------------------------------
     @staticmethod
@@ -206,3 +257,76 @@ def _result_text(content: Any) -> tuple[str, str]:
         else:
             texts.append(compact_json(part))
     return "\n".join(texts), ",".join(media)
+
+
+# The commonest shapes of a message, as typed structs (AnthropicLane.array_cores): each reads what
+# item_cores/_block_core read of its kind, a field of another type fails the decode (the caller
+# then reads the item as a dict), other keys are skipped.  The keys agents send are fields, in the
+# order they send them, absent ones UNSET: such a struct encodes back to its item's exact bytes when
+# those are msgspec's compact JSON, which is what lets patch_typed prove it (anything the struct
+# skipped or reordered makes that comparison fail).
+_UNSET = msgspec.UNSET
+
+
+class _Text(msgspec.Struct, tag_field="type", tag="text", gc=False):
+    text: str
+    cache_control: Any = _UNSET
+
+
+class _ToolUse(msgspec.Struct, tag_field="type", tag="tool_use", gc=False):
+    id: Any = _UNSET
+    name: Any = _UNSET
+    input: Any = _UNSET
+    cache_control: Any = _UNSET
+
+
+class _ToolResult(msgspec.Struct, tag_field="type", tag="tool_result", gc=False):
+    tool_use_id: Any = _UNSET
+    content: Any = _UNSET
+    is_error: Any = _UNSET
+    cache_control: Any = _UNSET
+
+
+class _Thinking(msgspec.Struct, tag_field="type", tag="thinking", gc=False):
+    thinking: Any = _UNSET
+    signature: Any = _UNSET
+
+
+class _Redacted(msgspec.Struct, tag_field="type", tag="redacted_thinking", gc=False):
+    data: Any = _UNSET
+
+
+class _Image(msgspec.Struct, tag_field="type", tag="image", gc=False):
+    source: Any = _UNSET
+    cache_control: Any = _UNSET
+
+
+class _Msg(msgspec.Struct, gc=False):
+    role: Any = _UNSET
+    content: Union[str, list[Union[_Text, _ToolUse, _ToolResult, _Thinking, _Redacted, _Image]], None, msgspec.UnsetType] = _UNSET
+
+
+_dec_msgs = msgspec.json.Decoder(list[_Msg])
+_enc_msg = msgspec.json.Encoder()
+
+
+def patch_typed(raw: bytes, msg: _Msg, edits: list) -> bytes | None:
+    """What wire.base.patch_many makes of ``raw`` with ``edits`` (new prose at a text path),
+    computed from ``msg``, the struct array_cores read ``raw`` into (changed in place), when ``raw``
+    is exactly its encoding: then it is msgspec's compact JSON of the item (the struct holds every
+    key, in order), and re-encoding the struct with the new values is what patching re-encodes.
+    None otherwise (the caller patches the bytes)."""
+    if _enc_msg.encode(msg) != raw:
+        return None
+    content = msg.content
+    for path, value in edits:
+        if type(value) is not str:
+            return None
+        if len(path) == 1 and path[0] == "content" and type(content) is str:
+            msg.content = content = value
+        elif (len(path) == 3 and path[0] == "content" and path[2] == "text" and type(content) is list
+              and type(path[1]) is int and 0 <= path[1] < len(content) and type(content[path[1]]) is _Text):
+            content[path[1]].text = value
+        else:
+            return None
+    return _enc_msg.encode(msg)

@@ -181,6 +181,12 @@ class Body:
     __slots__ = ("top", "key", "items", "array")
 
     def __init__(self, raw: bytes, key: str):
+        if key == "messages" and type(raw) is bytes:
+            split = _split_compact(raw)
+            if split is not None:
+                self.top, self.items = split
+                self.key, self.array = key, True
+                return
         try:
             self.top = _dec_raw_obj.decode(raw)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -199,11 +205,109 @@ class Body:
         self.top[key] = msgspec.Raw(_enc.encode(value))
 
     def encode(self, items: list[bytes] | None) -> bytes:
-        """Re-emit the body; ``items`` replaces the conversation array when given."""
-        if items is not None and self.array:
-            joined = b",".join(items)
-            self.top[self.key] = msgspec.Raw(b"".join((b"[", joined, b"]")))
-        return _enc.encode(self.top)
+        """Re-emit the body; ``items`` replaces the conversation array when given.  The body is
+        msgspec's encoding of ``top`` (``{"key":raw,...}``, each key encoded as msgspec encodes
+        it): written here in one join of the pieces, the items copied once, not three times
+        (joined, bracketed, then copied again into the top object's encoding)."""
+        if items is None or not self.array:
+            return _enc.encode(self.top)
+        pieces: list = []
+        add = pieces.append
+        sep = b"{"
+        at = end = 0  # where the array lies in the result
+        for k, v in self.top.items():
+            add(sep)
+            sep = b","
+            add(_enc.encode(k))
+            if k == self.key:
+                add(b":")
+                at = sum(map(len, pieces))
+                add(b"[")
+                if items:
+                    add(items[0])
+                    for item in items[1:]:  # (a list of every item and its comma: one join copies them)
+                        add(b",")
+                        add(item)
+                add(b"]")
+                end = sum(map(len, pieces))
+            else:
+                add(b":")
+                add(v)
+        add(b"}" if pieces else b"{}")
+        joined = b"".join(pieces)
+        self.top[self.key] = msgspec.Raw(memoryview(joined)[at:end])  # the new array (no copy of it)
+        return joined
+
+
+# The top-level keys of the Messages and Chat Completions requests agents send (the conversation
+# under "messages"), for Body's one-scan split (_split_compact); a key not here sends a body the
+# general way.
+_TOP_KEYS = (
+    "model", "max_tokens", "system", "tools", "tool_choice", "metadata", "thinking", "context_management",
+    "output_config", "output_format", "temperature", "top_p", "top_k", "stop_sequences", "stream",
+    "stream_options", "store", "max_completion_tokens", "reasoning_effort", "parallel_tool_calls",
+    "response_format", "seed", "n", "stop", "user", "prompt_cache_key", "safety_identifier", "service_tier",
+    "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias", "modalities",
+    "verbosity", "reasoning", "container", "mcp_servers", "betas", "session_id", "biliMsgIds",
+)
+_Top = msgspec.defstruct(
+    "_Top", [("messages", list[msgspec.Raw], msgspec.UNSET)] + [(k, msgspec.Raw, msgspec.UNSET) for k in _TOP_KEYS],
+    gc=False,
+)
+_dec_top = msgspec.json.Decoder(_Top)
+_KEY_BYTES = {k: b'"' + k.encode() + b'":' for k in ("messages", *_TOP_KEYS)}
+
+
+def _split_compact(raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw]] | None:
+    """``(top, items)`` as Body reads them, in one scan of the body instead of two (the top
+    object, then the conversation array again), when the body is compact at its top level and in
+    its array (``{"k":v,...,"messages":[item,...],...}``, no space between them: Node's
+    ``JSON.stringify``) and holds only keys of :data:`_TOP_KEYS`; else None.  The body is decoded
+    into a struct (each value a raw slice, the items one each), the keys are ordered by where
+    they stand, and the body written back from those pieces must be the body itself, byte for
+    byte: then those are exactly the keys, order and values the general split would give."""
+    try:
+        t = _dec_top.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    items = t.messages
+    if items is msgspec.UNSET:
+        return None
+    unset = msgspec.UNSET
+    found = raw.find
+    present = []
+    for k in t.__struct_fields__:
+        v = getattr(t, k)
+        if v is not unset:
+            at = found(_KEY_BYTES[k])
+            if at < 0:
+                return None  # (a key written with escapes: the general way)
+            present.append((at, k, v))
+    present.sort()
+    # The body holds at least, apart from each other: its braces, each member's key ("k": at the
+    # least), its value (a raw slice), a comma between members, and in the array its brackets, the
+    # items and a comma between them.  Exactly that many bytes: nothing else is in it (no space, no
+    # other or repeated key, no key written with escapes), so it is those pieces in some order; the
+    # order is the one the keys were found in when each key stands where that order puts it.
+    n_items = len(items)
+    array_len = 2 + sum(map(len, items)) + (n_items - 1 if n_items else 0)
+    lengths = [len(_KEY_BYTES[k]) + (array_len if k == "messages" else len(v)) for _pos, k, v in present]
+    if 1 + sum(lengths) + len(lengths) != len(raw):
+        return None
+    at = end = 0
+    off = 1
+    for (pos, k, _v), size in zip(present, lengths):
+        if pos != off:
+            return None
+        if k == "messages":
+            at = off + len(_KEY_BYTES[k])
+            end = off + size
+        off += size + 1
+    top: dict[str, msgspec.Raw] = {}
+    view = memoryview(raw)
+    for _pos, k, v in present:
+        top[k] = msgspec.Raw(view[at:end]) if k == "messages" else v
+    return top, items
 
 
 def idless_call_key(name: str, args: Any) -> str:
