@@ -303,3 +303,48 @@ def test_with_the_head_kept_for_an_hour_a_held_fold_lands_when_the_tail_expires(
     assert out["messages"][-1]["content"][-1]["cache_control"] == {"type": "ephemeral"}  # the agent's: 5 minutes
     assert_valid_anthropic(out)
     e.store.close()
+
+
+def test_with_the_head_kept_for_an_hour_a_held_distil_waits_for_the_head_to_expire(backend):
+    """Distilling summaries rewrites the stable head (its 1-hour entries end at the last summary): the
+    tail's expiry does not make that free, so it waits until the head's hour is over too."""
+    from tests.test_lifetime import cc_body
+
+    e = make(backend())
+
+    def send_cc(msgs: list[dict], gap: float = 10.0):
+        e.t += gap
+        res = e.process(cc_body(msgs), ANTH, H, render=True)
+        e.clocks.report(SID, read=e.clocks.stats(SID)["turns"][-1]["predicted_read"])
+        return res, json.loads(res.body)
+
+    msgs = conversation(12)
+    send_cc(msgs)
+    e.set_flag(SID, "ttl", {"choice": "head"})
+    msgs = go_on(msgs, 0)
+    _, out = send_cc(msgs, gap=400)
+    for n, (first, last) in enumerate([("Step 0:", "Step 2:"), ("Step 3:", "Step 5:")], start=1):
+        msgs = ask(e, msgs, refs_in(out), first, last, f"c{n}")
+        res, out = send_cc(msgs)
+        assert res.executed == ["compress"] and res.landed == 0  # warm: held
+        msgs = go_on(msgs, n)
+        res, out = send_cc(msgs, gap=600)  # the tail's entries expired: the fold lands
+        assert res.landed == 1 and SECTION + f"b{n}" in json.dumps(out)
+    args = {"content": [{"startId": "b1", "endId": "b2", "topic": "steps 0-5",
+                         "summary": "Steps 0 to 5: modules read, nothing unusual, values noted."}]}
+    roundtrip_call(e, SID, "compress", args, "c3")
+    msgs = agent_answers_unknown(msgs, "compress", args, "c3")
+    res, out = send_cc(msgs)
+    assert res.executed == ["compress"] and res.landed == 0
+    assert SECTION + "b1" in json.dumps(out) and SECTION + "b3" not in json.dumps(out)  # held
+    later = e.t + 600
+    assert not e.clocks.cold(SID, later) and e.clocks.cold(SID, later, tail=True)
+    msgs = go_on(msgs, 3)
+    res, out = send_cc(msgs, gap=600)  # only the tail expired: the distil would rewrite the head's hour
+    assert res.landed == 0 and SECTION + "b1" in json.dumps(out) and SECTION + "b3" not in json.dumps(out)
+    msgs = go_on(msgs, 4)
+    res, out = send_cc(msgs, gap=3700)  # the head's hour is over too: written in full anyway, it lands
+    text = json.dumps(out)
+    assert res.landed == 1 and SECTION + "b3" in text and SECTION + "b1" not in text
+    assert_valid_anthropic(out)
+    e.store.close()

@@ -85,7 +85,10 @@ def measure(view: View, now: list[Block], landed: list[Block], hidden_now: set[s
                   if (k in a.drop) != (k in b.drop) or ids(a, k) != ids(b, k)), len(items))
     tail = (sum(it.tokens for k, it in enumerate(items) if k >= first and k not in b.drop)
             + sum(count_tokens(x.text()) for k, xs in b.inserts.items() if k >= first for x in xs))
-    return rewrite.Change(sent(a) - sent(b), tail)
+    # the head ends with the last summary on the wire now: a change before it, or of it, reaches in
+    last = max((k for k, xs in a.inserts.items() if xs), default=-1)
+    head = first < last or (first == last and ids(a, first) != ids(b, first))
+    return rewrite.Change(sent(a) - sent(b), tail, head)
 
 
 class DeferHost(Protocol):
@@ -104,7 +107,7 @@ class DeferHost(Protocol):
     def spent_calls(self, s: Session, view: View, keep_failed: int = 2,
                     blocks: list[Block] | None = None) -> set[str]: ...
 
-    def _moment(self, s: Session) -> rewrite.Moment: ...
+    def _moment(self, s: Session, head: bool = False) -> rewrite.Moment: ...
 
     def _weigh(self, s: Session, view: View, hold: set[str], keep: set[str]) -> rewrite.Decision: ...
 
@@ -160,15 +163,17 @@ class Deferred:
         calls = on_wire(s.blocks, set(), keep)
         change = measure(view, wire, s.blocks, self.spent_calls(s, view, blocks=calls) if s.calls else set(),
                          self.spent_calls(s, view) if s.calls else set())
-        return rewrite.decide(change, self._moment(s))
+        return rewrite.decide(change, self._moment(s, change.head))
 
-    def _moment(self: DeferHost, s: Session) -> rewrite.Moment:
+    def _moment(self: DeferHost, s: Session, head: bool = False) -> rewrite.Moment:
+        """``head``: the change reaches into the stable head (a distil of summaries on the wire)."""
         sid = s.row.id
         now = self.now()
-        # a fold's range starts after the last summary, where the head's 1-hour entries end (when the
-        # session keeps them, kernel/lifetime.py): once the live tail's entries have expired it
-        # rewrites nothing that is not written anyway
-        cold = self.clocks.cold(sid, now, tail=True)
+        # a fold's range mostly starts after the last summary, where the head's 1-hour entries end (when
+        # the session keeps them, kernel/lifetime.py): once the live tail's entries have expired it
+        # rewrites nothing that is not written anyway. A change of the head (distilling summaries)
+        # rewrites those too: free only once they have expired as well
+        cold = self.clocks.cold(sid, now, tail=not head)
         h = self.clocks.history(sid)
         rules = h[0] if h else cache.rules_for(s.row.lane, s.model)
         clk = self.clocks.by_session.get(sid)

@@ -38,6 +38,8 @@ class Change:
 
     saved: int  # tokens fewer on every later request (negative: the change adds tokens)
     tail: int  # tokens the request writes from the first changed byte on, once the change is made
+    head: bool = False  # it changes the stable head too (a summary on the wire: kernel/lifetime.py keeps
+    # that part for an hour where the session's pauses ask for it, so the tail's expiry does not make it free)
 
 
 @dataclass(frozen=True)
