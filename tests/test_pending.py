@@ -64,6 +64,19 @@ def go_on(msgs: list[dict], n: int) -> list[dict]:
     return msgs + [{"role": "assistant", "content": f"Noted {n}."}, {"role": "user", "content": f"go on {n}"}]
 
 
+def cc_sender(e: Engine):
+    """Sends Claude Code-shaped bodies ``gap`` seconds apart; the provider reports the reads the
+    clock predicted (so the clock's history is what a real one would be)."""
+    from tests.test_lifetime import cc_body
+
+    def send_cc(msgs: list[dict], gap: float = 10.0):
+        e.t += gap
+        res = e.process(cc_body(msgs), ANTH, H, render=True)
+        e.clocks.report(SID, read=e.clocks.stats(SID)["turns"][-1]["predicted_read"])
+        return res, json.loads(res.body)
+    return send_cc
+
+
 def held_fold(e: Engine, steps: int = 8):
     msgs = conversation(steps)
     _, first = send(e, msgs)
@@ -268,15 +281,8 @@ def test_a_fork_holds_what_its_parent_held(backend):
 def test_with_the_head_kept_for_an_hour_a_held_fold_lands_when_the_tail_expires(backend, caplog):
     """A session that keeps 1-hour entries on its stable head (kernel/lifetime.py) is never wholly
     cold after a 10-minute pause, but its live tail is: the fold's range lies there, so it lands."""
-    from tests.test_lifetime import cc_body
-
     e = make(backend())
-
-    def send_cc(msgs: list[dict], gap: float = 10.0):
-        e.t += gap
-        res = e.process(cc_body(msgs), ANTH, H, render=True)
-        e.clocks.report(SID, read=e.clocks.stats(SID)["turns"][-1]["predicted_read"])
-        return res, json.loads(res.body)
+    send_cc = cc_sender(e)
 
     msgs = conversation(8)
     send_cc(msgs)
@@ -308,15 +314,8 @@ def test_with_the_head_kept_for_an_hour_a_held_fold_lands_when_the_tail_expires(
 def test_with_the_head_kept_for_an_hour_a_held_distil_waits_for_the_head_to_expire(backend):
     """Distilling summaries rewrites the stable head (its 1-hour entries end at the last summary): the
     tail's expiry does not make that free, so it waits until the head's hour is over too."""
-    from tests.test_lifetime import cc_body
-
     e = make(backend())
-
-    def send_cc(msgs: list[dict], gap: float = 10.0):
-        e.t += gap
-        res = e.process(cc_body(msgs), ANTH, H, render=True)
-        e.clocks.report(SID, read=e.clocks.stats(SID)["turns"][-1]["predicted_read"])
-        return res, json.loads(res.body)
+    send_cc = cc_sender(e)
 
     msgs = conversation(12)
     send_cc(msgs)
