@@ -469,6 +469,10 @@ class PgStore:
         # last usage), answering :meth:`version`, :meth:`family` and :meth:`last_usage` until this
         # instance writes or lets go of the session: one round trip instead of four
         self._state: dict[str, tuple[int, tuple | None, tuple | None]] = {}
+        # sessions :meth:`hold` found without a row: nothing of them to load (their ledger, blocks,
+        # calls and copy are written with their row, never before), so :meth:`session_state` answers
+        # at once while that read still holds (the version it read is still 0 in ``_state``)
+        self._absent: set[str] = set()
         try:
             # one direct connection first: a server that is down or refuses us fails at once, with its
             # own words (the pool would retry until its timeout while requests wait on the worker)
@@ -602,6 +606,8 @@ class PgStore:
             self._drop_lock_conn()  # whatever it may hold goes with it (a lock outlives a failed statement)
             raise pg_error("lock a session in", self.url, e) from e
         self._held.add(session_id)
+        if version is None:
+            self._absent.add(session_id)
         self._state[session_id] = (
             int(version or 0),
             (fam[0], fam[1], int(fam[2]), int(fam[3] or 1)) if fam is not None else None,
@@ -616,6 +622,7 @@ class PgStore:
 
     def release(self) -> None:
         self._state.clear()
+        self._absent.clear()
         if not self._held:
             return
         self._held.clear()
@@ -636,6 +643,7 @@ class PgStore:
     def close(self) -> None:
         self._held = set()
         self._state = {}
+        self._absent = set()
         self._drop_lock_conn()
         pool = getattr(self, "pool", None)
         if pool is not None:
@@ -703,6 +711,9 @@ class PgStore:
                                                       str | None]:
         """As :meth:`bili_addon.store.Store.session_state`, in one statement (one snapshot, one round
         trip instead of eight: a session's first turn, and every reload of another instance's turn)."""
+        if self._conn is None and session_id in self._absent and self._state.get(session_id, (1,))[0] == 0:
+            self._absent.discard(session_id)  # a new session, as hold saw it under its lock: no read
+            return None, [], [], [], None
         if self._conn is not None:  # inside a transaction or a snapshot: its reads
             return (self.session(session_id), self.ledger(session_id), self.blocks(session_id),
                     self.calls(session_id), self.copy(session_id))

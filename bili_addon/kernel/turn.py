@@ -123,6 +123,7 @@ class Engine(ProxyTools, Epochs, Deferred):
                 except StaleSession as e:
                     # another process advanced the session while this turn was computed: nothing
                     # of it left (the store refused it); compute it again from the store's state
+                    self.sessions.unstage()
                     self.sessions.forget(e.session_id)
                     if attempt == STALE_RETRIES:
                         raise
@@ -132,6 +133,7 @@ class Engine(ProxyTools, Epochs, Deferred):
                     raise
             raise AssertionError("unreachable")
         finally:
+            self.sessions.unstage()  # a turn that failed before its staged commit: nothing of it kept
             self.store.release()  # the session's lock (another instance's turn of it may wait)
             if enabled:
                 gc.enable()
@@ -201,9 +203,16 @@ class Engine(ProxyTools, Epochs, Deferred):
         resolved = (memo.resolved[:q] if q else []) + resolved_tail
         minted = s.row.next_ref
         result.refs_known = sum(map(len, resolved))
-        self._commit(s, agent, lane.name, len(infos) - start, new_rows, tail, fresh=first is not None)
-        result.refs_new = s.row.next_ref - minted
-        result.refs_known -= result.refs_new
+
+        def commit() -> None:
+            self._commit(s, agent, lane.name, len(infos) - start, new_rows, tail, fresh=first is not None)
+            result.refs_new = s.row.next_ref - minted
+            result.refs_known -= result.refs_new
+
+        if fresh.stages(first, s, env, tail, render, self.lineage.defer):
+            self.sessions.stage(sid, commit)  # with the flags the turn learns below: one write
+        else:
+            commit()
         if env is not None:
             envelope.bind(self.sessions, s, env, infos, start, resolved, pinned)
         if tail:
@@ -243,6 +252,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         active = result.active = pressure.is_active(self, s, view)
         if self.inject and active:
             pressure.apply(self, s, view, resolved)
+        self.sessions.flush()  # the turn's staged commit, before anything else is written or sent
         self._land(s, view, result)  # held folds leave the wire when it pays (kernel/pending.py)
         if s.version != version or (memo is not None and memo.rendered is None):
             q = 0  # this turn changed how old items render (a truncation, a learned flag), or the
