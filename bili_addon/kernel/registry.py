@@ -55,11 +55,13 @@ class Sessions(Mapping[str, Session]):
         return self._cache.get(sid, default)
 
     # -- loading and forgetting ------------------------------------------------------------------
-    def load(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False) -> Session:
+    def load(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False,
+             candidates: tuple[str, str] | None = None) -> Session:
         """The session's state, loaded from the store once and cached.  ``fresh``: first check that
-        no other process has changed it since (one indexed read); if one has, reload it."""
+        no other process has changed it since (one indexed read); if one has, reload it.
+        ``candidates``: what a fork check of it would look up (read with the session's lock)."""
         if fresh:
-            self.store.hold(sid)  # one instance at a time works on a session (a no-op for SQLite)
+            self.store.hold(sid, candidates)  # one instance at a time works on a session (a no-op for SQLite)
         s = seen = self._cache.get(sid)
         if s is not None:
             if fresh and self.store.version(sid) != s.stored:

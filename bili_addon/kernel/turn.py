@@ -90,9 +90,10 @@ class Engine(ProxyTools, Epochs, Deferred):
 
     # -- sessions: kernel/registry.py; these two are the way in for the shell, the admin endpoints
     # -- and the tests (and, until they are next edited, for _process and kernel/pressure.py)
-    def session(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False) -> Session:
+    def session(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False,
+                candidates: tuple[str, str] | None = None) -> Session:
         """:meth:`Sessions.load <bili_addon.kernel.registry.Sessions.load>`."""
-        return self.sessions.load(sid, agent, lane, fresh=fresh)
+        return self.sessions.load(sid, agent, lane, fresh=fresh, candidates=candidates)
 
     def set_flag(self, sid: str, key: str, value: Any) -> bool:
         """:meth:`Sessions.set_flag <bili_addon.kernel.registry.Sessions.set_flag>`."""
@@ -172,7 +173,8 @@ class Engine(ProxyTools, Epochs, Deferred):
         agent = agent_of(headers)
         self._turn_sid = sid
         cached = self.sessions.get(sid)
-        s = self.session(sid, agent, lane.name, fresh=True)
+        s = self.session(sid, agent, lane.name, fresh=True,  # a session new here: its fork check's read with its lock
+                         candidates=self.lineage.head(sid, infos[start:], lane.name) if cached is None and ident else None)
         if s is not cached:
             memo = None  # (re)loaded: nothing of a previous pass is known to match the store
         forked = self._lineage("before_turn", s, infos, start) if ident is not None else None
