@@ -105,3 +105,27 @@ def test_a_first_turn_on_postgresql_takes_three_round_trips(pg_url, tmp_path):
         other.store.close()
     finally:
         store.close()
+
+
+def test_a_hold_that_reads_the_candidates_waits_and_fails_as_a_plain_one(pg_url, tmp_path):
+    """The pipelined hold (lock, state, fork candidates): busy in another instance is
+    :class:`SessionBusy`, the connection goes on working, and what it read answers once."""
+    from bili_addon.store import SessionBusy
+    from bili_addon.store_pg import PgStore
+
+    a, b = PgStore(pg_url, str(tmp_path), lock_wait=0.2), PgStore(pg_url, str(tmp_path), lock_wait=0.2)
+    try:
+        a.hold("x")
+        with pytest.raises(SessionBusy, match="busy in another instance"):
+            b.hold("x", ("fp", "anthropic"))
+        b.hold("y", ("fp", "anthropic"))  # other sessions go on, on the same connection
+        trips = b.round_trips
+        assert b.lineage_candidates("fp", "anthropic") == [] and b.round_trips == trips  # read with the lock
+        assert b.lineage_candidates("fp", "anthropic") == [] and b.round_trips == trips + 1  # once
+        assert b.session_state("y") == (None, [], [], [], None) and b.round_trips == trips + 1  # no row: no read
+        a.release()
+        b.hold("x", ("fp", "anthropic"))
+        b.release()
+    finally:
+        a.close()
+        b.close()
