@@ -1145,9 +1145,10 @@ class Store:
     # -- operations: health, doctor, and copying a whole store (bili store migrate) ---------------
     backend = "sqlite"
 
-    def hold(self, session_id: str) -> None:
+    def hold(self, session_id: str, candidates: tuple[str, str] | None = None) -> None:
         """Serialise the session's work across processes until :meth:`release`.  Nothing to do for
-        SQLite: its write lock and the session versions already order two processes' turns."""
+        SQLite: its write lock and the session versions already order two processes' turns.
+        (``candidates``: PostgreSQL reads a new session's fork candidates with its lock.)"""
 
     def release(self) -> None:
         """Let go of every session :meth:`hold` took (the keeper calls it after each piece of work)."""

@@ -444,6 +444,11 @@ def _reads(fn):
     return wrapper
 
 
+# a new session's fork candidates: the sessions of its lane whose first part has its fingerprint
+_CANDIDATES = ("SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id=p.session_id "
+               "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s ORDER BY s.created")
+
+
 class PgStore:
     """The PostgreSQL store: the same methods as :class:`bili_addon.store.Store`."""
 
@@ -469,6 +474,13 @@ class PgStore:
         # last usage), answering :meth:`version`, :meth:`family` and :meth:`last_usage` until this
         # instance writes or lets go of the session: one round trip instead of four
         self._state: dict[str, tuple[int, tuple | None, tuple | None]] = {}
+        # sessions :meth:`hold` found without a row: nothing of them to load (their ledger, blocks,
+        # calls and copy are written with their row, never before), so :meth:`session_state` answers
+        # at once while that read still holds (the version it read is still 0 in ``_state``)
+        self._absent: set[str] = set()
+        # the fork candidates :meth:`hold` read with the lock (``(first fingerprint, lane) -> ids``):
+        # :meth:`lineage_candidates` answers from them once, until this instance writes lineage parts
+        self._cands: dict[tuple[str, str], list[str]] = {}
         try:
             # one direct connection first: a server that is down or refuses us fails at once, with its
             # own words (the pool would retry until its timeout while requests wait on the worker)
@@ -525,6 +537,7 @@ class PgStore:
             yield self._conn
             return
         self._state.clear()  # this instance writes: what hold read may not hold any more
+        self._cands.clear()
         try:
             with self.pool.connection() as conn:
                 self._conn = conn
@@ -582,26 +595,40 @@ class PgStore:
 
         return int.from_bytes(hashlib.sha256(b"bili-session:" + session_id.encode()).digest()[:8], "big", signed=True)
 
-    def hold(self, session_id: str) -> None:
+    def hold(self, session_id: str, candidates: tuple[str, str] | None = None) -> None:
         """The session's advisory lock, held until :meth:`release`: one instance at a time works on
         a session (join, fold decisions, commit).  Waits at most ``lock_wait`` seconds, then
         :class:`SessionBusy` (the request passes through unchanged).  The server drops the lock
         of an instance that dies (its connection closes).  The session's version, family and last
         usage are read in the same statement (``bili_hold``, schema 6: its read takes its snapshot
-        once the lock is granted, so it sees every turn committed before)."""
+        once the lock is granted, so it sees every turn committed before).  ``candidates``: ``(first
+        fingerprint, lane)`` of a session this instance does not know yet: its fork candidates
+        (:meth:`lineage_candidates`) are read in the same round trip, right after the lock."""
         if session_id in self._held:
             return
         try:
             self._lock_connection()
             self.round_trips += 1
-            version, fam, last = self._lock_conn.execute(
-                "SELECT * FROM bili_hold(%s, %s)", (self.lock_key(session_id), session_id)).fetchone()
+            conn = self._lock_conn
+            if candidates is None:
+                version, fam, last = conn.execute(
+                    "SELECT * FROM bili_hold(%s, %s)", (self.lock_key(session_id), session_id)).fetchone()
+            else:
+                with conn.pipeline() as pipe:  # two statements, one round trip
+                    held, cands = conn.cursor(), conn.cursor()
+                    held.execute("SELECT * FROM bili_hold(%s, %s)", (self.lock_key(session_id), session_id))
+                    cands.execute(_CANDIDATES, candidates)
+                    pipe.sync()
+                    version, fam, last = held.fetchone()
+                    self._cands[candidates] = [r[0] for r in cands.fetchall()]
         except pg_errors.LockNotAvailable as e:
             raise SessionBusy(session_id, self.lock_wait) from e
         except psycopg.Error as e:
             self._drop_lock_conn()  # whatever it may hold goes with it (a lock outlives a failed statement)
             raise pg_error("lock a session in", self.url, e) from e
         self._held.add(session_id)
+        if version is None:
+            self._absent.add(session_id)
         self._state[session_id] = (
             int(version or 0),
             (fam[0], fam[1], int(fam[2]), int(fam[3] or 1)) if fam is not None else None,
@@ -616,6 +643,8 @@ class PgStore:
 
     def release(self) -> None:
         self._state.clear()
+        self._absent.clear()
+        self._cands.clear()
         if not self._held:
             return
         self._held.clear()
@@ -636,6 +665,8 @@ class PgStore:
     def close(self) -> None:
         self._held = set()
         self._state = {}
+        self._absent = set()
+        self._cands = {}
         self._drop_lock_conn()
         pool = getattr(self, "pool", None)
         if pool is not None:
@@ -703,6 +734,9 @@ class PgStore:
                                                       str | None]:
         """As :meth:`bili_addon.store.Store.session_state`, in one statement (one snapshot, one round
         trip instead of eight: a session's first turn, and every reload of another instance's turn)."""
+        if self._conn is None and session_id in self._absent and self._state.get(session_id, (1,))[0] == 0:
+            self._absent.discard(session_id)  # a new session, as hold saw it under its lock: no read
+            return None, [], [], [], None
         if self._conn is not None:  # inside a transaction or a snapshot: its reads
             return (self.session(session_id), self.ledger(session_id), self.blocks(session_id),
                     self.calls(session_id), self.copy(session_id))
@@ -1031,6 +1065,7 @@ class PgStore:
     def save_lineage_parts(self, session_id: str, keep: int, rows: list[tuple[str, str, str]]) -> None:
         """Parts from ``keep`` on replaced by ``rows``, in one statement (its own transaction)."""
         end = keep + len(rows)
+        self._cands.clear()  # what hold read of the candidates may miss these
         try:
             with self._use() as conn:
                 self.round_trips += 1
@@ -1048,9 +1083,8 @@ class PgStore:
 
     @_reads
     def lineage_candidates(self, first_fp: str, lane: str) -> list[str]:
-        return [r[0] for r in self._q(
-            "SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id=p.session_id "
-            "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s ORDER BY s.created", (first_fp, lane))]
+        got = self._cands.pop((first_fp, lane), None)  # read with the session's lock (hold)
+        return got if got is not None else [r[0] for r in self._q(_CANDIDATES, (first_fp, lane))]
 
     @_reads
     def family_next_ref(self, root: str) -> int:

@@ -80,3 +80,12 @@ _TOOL_NAME, _TOOL_CALL_ID = attrgetter("tool_name"), attrgetter("tool_call_id")
 
 
 __all__ = ["applies", "first_pass"]
+
+
+def stages(first, s: Session, env, tail, render: bool, lineage_deferred: bool) -> bool:
+    """Whether a turn's commit may wait until its reminder is decided (``Sessions.stage``), so the
+    flags it learns go in the same write: a conversation's first pass (``first``) of a session with
+    no fold and no pending call, where nothing else writes the session in between (no envelope to
+    bind, no prefix chain to note, the lineage kept back until the answer; a render, not observe)."""
+    return (first is not None and env is None and tail is None and render and lineage_deferred
+            and not s.blocks and not s.calls and not s.copy.latched)

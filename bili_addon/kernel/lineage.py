@@ -94,6 +94,14 @@ class Lineage:
             s.row.next_ref = max(s.row.next_ref, family[3])
         return note
 
+    def head(self, sid: str, conv: list[ItemInfo], lane: str) -> tuple[str, str] | None:
+        """What :meth:`before_turn`'s fork check of a session not loaded yet would look up in the
+        store (its first part's fingerprint and its lane), or None when it would not look."""
+        if sid in self.checked or not any(p.core.role == "assistant" for info in conv for p in info.parts):
+            return None
+        first = next((info.parts[0] for info in conv if info.parts), None)
+        return (fingerprint(first.core), lane) if first is not None else None
+
     def record(self, s: Session, infos: list[ItemInfo], start: int, resolved: list[list[Resolved]],
                reused: int = 0) -> None:
         """Keep the session's history (per part: ref, content hash, verification fingerprint) for

@@ -13,7 +13,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Callable
 
 from bili_addon.kernel import reconcile
 from bili_addon.kernel.activation import FLAG as ACTIVE
@@ -34,6 +34,9 @@ class Sessions(Mapping[str, Session]):
         self.max_sessions = max_sessions
         self._cache: OrderedDict[str, Session] = OrderedDict()
         self.memos: OrderedDict[str, Memo] = OrderedDict()
+        # a turn's commit held back (:meth:`stage`): the flags the turn learns before :meth:`flush`
+        # are written with it, one write instead of two
+        self.staged: dict[str, Callable[[], None]] = {}
 
     # -- the mapping of what is cached (no store read) --------------------------------------------
     def __getitem__(self, sid: str) -> Session:
@@ -52,11 +55,13 @@ class Sessions(Mapping[str, Session]):
         return self._cache.get(sid, default)
 
     # -- loading and forgetting ------------------------------------------------------------------
-    def load(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False) -> Session:
+    def load(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False,
+             candidates: tuple[str, str] | None = None) -> Session:
         """The session's state, loaded from the store once and cached.  ``fresh``: first check that
-        no other process has changed it since (one indexed read); if one has, reload it."""
+        no other process has changed it since (one indexed read); if one has, reload it.
+        ``candidates``: what a fork check of it would look up (read with the session's lock)."""
         if fresh:
-            self.store.hold(sid)  # one instance at a time works on a session (a no-op for SQLite)
+            self.store.hold(sid, candidates)  # one instance at a time works on a session (a no-op for SQLite)
         s = seen = self._cache.get(sid)
         if s is not None:
             if fresh and self.store.version(sid) != s.stored:
@@ -98,6 +103,25 @@ class Sessions(Mapping[str, Session]):
             self.memos.popitem(last=False)
 
     # -- writes ----------------------------------------------------------------------------------
+    def stage(self, sid: str, write: Callable[[], None]) -> None:
+        """Hold the turn's commit (``write``) of a session until :meth:`flush`: a flag set meanwhile
+        is kept in the session's row, which that commit writes.  The caller flushes before anything
+        else of the session is written, and before any ref of the turn leaves."""
+        self.staged[sid] = write
+
+    def flush(self) -> None:
+        """Write the staged commits (their flags included)."""
+        while self.staged:
+            sid = next(iter(self.staged))
+            self.staged.pop(sid)()
+
+    def unstage(self) -> None:
+        """A turn failed before its staged commit: nothing of it was written, so what this process
+        holds of its session (staged refs, flags) is dropped; the store is the truth."""
+        for sid in list(self.staged):
+            self.staged.pop(sid)
+            self.forget(sid)
+
     def set_flag(self, sid: str, key: str, value: Any) -> bool:
         """Persist a learned per-session fact; True when it changed."""
         return self.set_flags(sid, {key: value})
@@ -110,7 +134,8 @@ class Sessions(Mapping[str, Session]):
             return False
         s.flags.update(changed)
         s.row.flags = json.dumps(s.flags, sort_keys=True)
-        s.stored = self.store.set_flags(s.row, expect=s.stored)
+        if sid not in self.staged:  # else the staged commit writes the row with them
+            s.stored = self.store.set_flags(s.row, expect=s.stored)
         if any(k in RENDER_FLAGS for k in changed):
             s.version += 1  # old items render differently now
         return True

@@ -90,9 +90,10 @@ class Engine(ProxyTools, Epochs, Deferred):
 
     # -- sessions: kernel/registry.py; these two are the way in for the shell, the admin endpoints
     # -- and the tests (and, until they are next edited, for _process and kernel/pressure.py)
-    def session(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False) -> Session:
+    def session(self, sid: str, agent: str = "", lane: str = "", *, fresh: bool = False,
+                candidates: tuple[str, str] | None = None) -> Session:
         """:meth:`Sessions.load <bili_addon.kernel.registry.Sessions.load>`."""
-        return self.sessions.load(sid, agent, lane, fresh=fresh)
+        return self.sessions.load(sid, agent, lane, fresh=fresh, candidates=candidates)
 
     def set_flag(self, sid: str, key: str, value: Any) -> bool:
         """:meth:`Sessions.set_flag <bili_addon.kernel.registry.Sessions.set_flag>`."""
@@ -123,6 +124,7 @@ class Engine(ProxyTools, Epochs, Deferred):
                 except StaleSession as e:
                     # another process advanced the session while this turn was computed: nothing
                     # of it left (the store refused it); compute it again from the store's state
+                    self.sessions.unstage()
                     self.sessions.forget(e.session_id)
                     if attempt == STALE_RETRIES:
                         raise
@@ -132,6 +134,7 @@ class Engine(ProxyTools, Epochs, Deferred):
                     raise
             raise AssertionError("unreachable")
         finally:
+            self.sessions.unstage()  # a turn that failed before its staged commit: nothing of it kept
             self.store.release()  # the session's lock (another instance's turn of it may wait)
             if enabled:
                 gc.enable()
@@ -170,7 +173,8 @@ class Engine(ProxyTools, Epochs, Deferred):
         agent = agent_of(headers)
         self._turn_sid = sid
         cached = self.sessions.get(sid)
-        s = self.session(sid, agent, lane.name, fresh=True)
+        s = self.session(sid, agent, lane.name, fresh=True,  # a session new here: its fork check's read with its lock
+                         candidates=self.lineage.head(sid, infos[start:], lane.name) if cached is None and ident else None)
         if s is not cached:
             memo = None  # (re)loaded: nothing of a previous pass is known to match the store
         forked = self._lineage("before_turn", s, infos, start) if ident is not None else None
@@ -201,9 +205,16 @@ class Engine(ProxyTools, Epochs, Deferred):
         resolved = (memo.resolved[:q] if q else []) + resolved_tail
         minted = s.row.next_ref
         result.refs_known = sum(map(len, resolved))
-        self._commit(s, agent, lane.name, len(infos) - start, new_rows, tail, fresh=first is not None)
-        result.refs_new = s.row.next_ref - minted
-        result.refs_known -= result.refs_new
+
+        def commit() -> None:
+            self._commit(s, agent, lane.name, len(infos) - start, new_rows, tail, fresh=first is not None)
+            result.refs_new = s.row.next_ref - minted
+            result.refs_known -= result.refs_new
+
+        if fresh.stages(first, s, env, tail, render, self.lineage.defer):
+            self.sessions.stage(sid, commit)  # with the flags the turn learns below: one write
+        else:
+            commit()
         if env is not None:
             envelope.bind(self.sessions, s, env, infos, start, resolved, pinned)
         if tail:
@@ -243,6 +254,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         active = result.active = pressure.is_active(self, s, view)
         if self.inject and active:
             pressure.apply(self, s, view, resolved)
+        self.sessions.flush()  # the turn's staged commit, before anything else is written or sent
         self._land(s, view, result)  # held folds leave the wire when it pays (kernel/pending.py)
         if s.version != version or (memo is not None and memo.rendered is None):
             q = 0  # this turn changed how old items render (a truncation, a learned flag), or the
