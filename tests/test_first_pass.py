@@ -166,6 +166,29 @@ def test_typed_anthropic_items_give_the_cores_item_cores_gives():
         assert ItemCache().get_many(lane, raws, [], b"[" + b",".join(raws) + b"]") == [one.get(lane, r) for r in raws]
 
 
+def test_get_many_all_new_is_the_item_loop():
+    """A first pass's items, all new and none twice, are read in C-level steps (get_many's fast
+    path): the same infos, objs, cache keys and order and size as item by item; an item cached
+    already or repeated takes the item loop, the array decoded once all the same."""
+    lane = LANES["anthropic"]
+    raws = [msgspec.json.encode(m) for m in _SHAPES]
+    whole = b"[" + b",".join(raws) + b"]"
+    fast, objs = ItemCache(), []
+    infos = fast.get_many(lane, [msgspec.Raw(r) for r in raws], objs, whole)
+    slow = ItemCache()
+    assert infos == [slow.get(lane, r) for r in raws]
+    assert list(fast.items) == list(slow.items) and fast.size == slow.size
+    assert objs == lane.array_cores(whole)[1]
+    assert all(type(info.raw) is bytes for info in infos)
+    for shape in (raws[:2] + raws[:1], raws):  # repeated; and all cached after the first item
+        cache = ItemCache()
+        cache.get(lane, shape[-1])
+        seen = cache.get_many(lane, shape, objs := [], b"[" + b",".join(shape) + b"]")
+        assert seen == [ItemCache().get(lane, r) for r in shape]
+        assert len(objs) == len(shape) and list(cache.items) == sorted(set(cache.items), key=list(cache.items).index)
+    assert ItemCache(max_bytes=len(raws[-1])).get_many(lane, raws, [], whole) == infos
+
+
 def test_patch_typed_is_patch_many_or_nothing():
     """A tag patched from an item's typed struct is what patch_many makes of its bytes, whenever
     the struct proves them msgspec's own (every key held, in order); else nothing."""
