@@ -99,7 +99,7 @@ class ItemCache:
         out: list[ItemInfo] = []
         add = out.append
         size = 0
-        decoded = typed = structs = None
+        decoded = typed = structs = systems = None
         array_cores = getattr(lane, "array_cores", None)
         flat: list[Core] = []  # the cores of the new items, in order
         extend = flat.extend
@@ -113,10 +113,11 @@ class ItemCache:
             if not any(map(items.__contains__, keys)) and len(set(braws)) == len(braws):
                 got = array_cores(whole)
                 if got is not None and len(got[0]) == len(raws):
-                    typed, structs = got
+                    typed, structs = got[0], got[1]
                     if objs is not None:
                         objs.extend(structs)
-                    out = [ItemInfo(raw, False, []) for raw in braws]
+                    out = ([ItemInfo(raw, False, []) for raw in braws] if len(got) == 2 else
+                           [ItemInfo(raw, system, []) for raw, system in zip(braws, got[2])])
                     flat = [c for cores in typed for c in cores]
                     if flat:
                         self._parts(flat, list(zip(out, accumulate(map(len, typed)))))
@@ -146,16 +147,17 @@ class ItemCache:
             if i == 0 and whole is not None:
                 got = array_cores(whole) if array_cores is not None else None
                 if got is not None and len(got[0]) == len(raws):
-                    typed, structs = got
+                    typed, structs = got[0], got[1]
+                    systems = got[2] if len(got) > 2 else None
                 if typed is None:
                     decoded = decode(whole)
                     if not isinstance(decoded, list) or len(decoded) != len(raws):
                         decoded = None
-            if typed is not None:  # the lane read the array into its cores (no item of it is a system item)
+            if typed is not None:  # the lane read the array into its cores (and which items are system items)
                 if objs is not None:
                     objs.append(structs[i])  # (a typed struct: the lane's patch_typed patches it)
                 extend(typed[i])
-                info = new[raw] = ItemInfo(raw, False, [])
+                info = new[raw] = ItemInfo(raw, systems[i] if systems is not None else False, [])
                 made.append((info, len(flat)))
                 add(info)
                 size += len(raw)
