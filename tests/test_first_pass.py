@@ -112,8 +112,16 @@ def test_get_many_decodes_the_whole_array_as_each_item():
     cache.get_many(lane, raws[:1])
     objs = []
     assert cache.get_many(lane, raws, objs, whole) == want and objs == [None] + want_objs[1:]
-    chat = LANES["chat"]  # a lane without typed structs: the whole array as dicts
-    raws = [msgspec.json.encode(m) for m in bench_overhead.Case("chat", 40, seed=9).msgs]
+    chat = LANES["chat"]  # Chat's items read into its typed structs too (a system item among them)
+    msgs = bench_overhead.Case("chat", 40, seed=9).msgs
+    raws = [msgspec.json.encode(m) for m in msgs]
+    want_objs = []
+    want = ItemCache().get_many(chat, raws, want_objs)
+    assert want[0].is_system and not any(info.is_system for info in want[1:])
+    objs = []
+    assert ItemCache().get_many(chat, raws, objs, b"[" + b",".join(raws) + b"]") == want
+    assert list(map(msgspec.to_builtins, objs)) == want_objs
+    raws[3] = msgspec.json.encode(dict(msgs[3], name="a key the structs do not hold"))  # the whole array as dicts
     want_objs = []
     want = ItemCache().get_many(chat, raws, want_objs)
     objs = []
@@ -166,6 +174,29 @@ def test_typed_anthropic_items_give_the_cores_item_cores_gives():
         assert ItemCache().get_many(lane, raws, [], b"[" + b",".join(raws) + b"]") == [one.get(lane, r) for r in raws]
 
 
+def test_get_many_all_new_is_the_item_loop():
+    """A first pass's items, all new and none twice, are read in C-level steps (get_many's fast
+    path): the same infos, objs, cache keys and order and size as item by item; an item cached
+    already or repeated takes the item loop, the array decoded once all the same."""
+    lane = LANES["anthropic"]
+    raws = [msgspec.json.encode(m) for m in _SHAPES]
+    whole = b"[" + b",".join(raws) + b"]"
+    fast, objs = ItemCache(), []
+    infos = fast.get_many(lane, [msgspec.Raw(r) for r in raws], objs, whole)
+    slow = ItemCache()
+    assert infos == [slow.get(lane, r) for r in raws]
+    assert list(fast.items) == list(slow.items) and fast.size == slow.size
+    assert objs == lane.array_cores(whole)[1]
+    assert all(type(info.raw) is bytes for info in infos)
+    for shape in (raws[:2] + raws[:1], raws):  # repeated; and all cached after the first item
+        cache = ItemCache()
+        cache.get(lane, shape[-1])
+        seen = cache.get_many(lane, shape, objs := [], b"[" + b",".join(shape) + b"]")
+        assert seen == [ItemCache().get(lane, r) for r in shape]
+        assert len(objs) == len(shape) and list(cache.items) == sorted(set(cache.items), key=list(cache.items).index)
+    assert ItemCache(max_bytes=len(raws[-1])).get_many(lane, raws, [], whole) == infos
+
+
 def test_patch_typed_is_patch_many_or_nothing():
     """A tag patched from an item's typed struct is what patch_many makes of its bytes, whenever
     the struct proves them msgspec's own (every key held, in order); else nothing."""
@@ -191,6 +222,80 @@ def test_patch_typed_is_patch_many_or_nothing():
     raw = msgspec.json.encode(_SHAPES[4])
     for edits in ([(("content", 1, "text"), "x")], [(("content", 0, "cache_control"), DELETE)],
                   [(("content", 0, "text"), 5)], [(("role",), "x")], [(("content", 9, "text"), "x")]):
+        assert lane.patch_typed(raw, lane.array_cores(b"[" + raw + b"]")[1][0], edits) is None
+
+
+_CHAT_SHAPES = [
+    {"role": "system", "content": "sys"},
+    {"role": "developer", "content": "dev"},
+    {"role": "user", "content": "hi \" there"},
+    {"role": "user", "content": None},
+    {"role": "user"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "Read", "arguments": "{\"a\":1}"}}]},
+    {"role": "assistant", "content": "", "tool_calls": []},
+    {"role": "assistant", "content": "", "tool_calls": None},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": 5, "function": {"name": None, "arguments": {"b": [1, 2.5]}}},
+                                                          {"function": {}}]},
+    {"role": "assistant", "content": "text and a call", "tool_calls": [{"id": "c2", "function": {"arguments": None}}]},
+    {"role": "assistant", "content": "prose"},
+    {"role": "tool", "tool_call_id": "c1", "content": "out"},
+    {"role": "tool", "content": None},
+    {"role": "tool", "tool_call_id": 3},
+    {"content": "late role", "role": "user"},
+]
+_CHAT_OTHER = [  # shapes Chat's structs do not hold: the array is read item by item
+    {"role": "user", "content": [{"type": "text", "text": "a part"}]},
+    {"role": "user", "content": "x", "name": "bob"},
+    {"role": "assistant", "content": "x", "reasoning_content": "r"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "custom": {"name": "n", "input": "i"}}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": None}]},
+    {"role": "assistant", "content": None, "tool_calls": "calls"},
+    {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+    {"role": "assistant", "content": "x", "refusal": "no"},
+    {"role": "function", "name": "f", "content": "r"},
+    {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "t"}]},
+    {"role": 7, "content": "x"},
+    {"content": "no role"},
+    "not an object",
+]
+
+
+def test_typed_chat_items_give_the_cores_item_cores_gives():
+    lane = LANES["chat"]
+    got = lane.array_cores(msgspec.json.encode(_CHAT_SHAPES))
+    assert got is not None
+    assert got[0] == [lane.item_cores(m) for m in _CHAT_SHAPES]
+    assert got[2] == [lane.is_system_item(m) for m in _CHAT_SHAPES] and got[2][:3] == [True, True, False]
+    for other in _CHAT_OTHER:
+        assert lane.array_cores(msgspec.json.encode(_CHAT_SHAPES[:3] + [other])) is None
+    for shapes in (_CHAT_SHAPES, _CHAT_SHAPES + _CHAT_OTHER):  # and get_many gives what one-by-one parsing gives
+        raws = [msgspec.json.encode(m) for m in shapes]
+        one = ItemCache()
+        assert ItemCache().get_many(lane, raws, [], b"[" + b",".join(raws) + b"]") == [one.get(lane, r) for r in raws]
+
+
+def test_chat_patch_typed_is_patch_many_or_nothing():
+    """A tag patched from a Chat item's typed struct is what patch_many makes of its bytes,
+    whenever the struct proves them msgspec's own; else nothing."""
+    lane = LANES["chat"]
+    tag = '<acp tokens="1" type="text">m00001</acp>\n'
+    made = 0
+    for item in _CHAT_SHAPES:
+        if not isinstance(item.get("content"), str):
+            continue
+        edits = [(("content",), tag + item["content"])]
+        for raw in (msgspec.json.encode(item), json.dumps(item).encode()):
+            struct = lane.array_cores(b"[" + raw + b"]")[1][0]
+            out = lane.patch_typed(raw, struct, edits)
+            if out is not None:
+                made += 1
+                assert out == patch_many(raw, edits)
+            else:
+                assert raw != msgspec.json.encode(item) or item["role"] != next(iter(item.values()))
+    assert made >= 6
+    raw = msgspec.json.encode(_CHAT_SHAPES[2])
+    for edits in ([(("content",), 5)], [(("role",), "x")], [(("content", 0, "text"), "x")]):
         assert lane.patch_typed(raw, lane.array_cores(b"[" + raw + b"]")[1][0], edits) is None
 
 

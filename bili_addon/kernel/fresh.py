@@ -11,6 +11,7 @@ refs in the same order, the same ledger rows and view.  Anything else takes the 
 from __future__ import annotations
 
 from collections import Counter
+from itertools import accumulate
 from operator import attrgetter
 
 from bili_addon.kernel.fold import PartView, ViewItem
@@ -32,7 +33,7 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
     refs would run past the last one (the general path says so).
 
     Column by column: each field of every part in one C-level loop (``map``, comprehensions),
-    then the per-item lists cut from the flat ones."""
+    then the per-item lists cut from the flat ones (the same way)."""
     next_ref = s.row.next_ref
     parts = [p for info in infos for p in info.parts]
     total = len(parts)
@@ -63,20 +64,18 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
     flat = list(map(Resolved, cores, entries, map(_DIRTY, parts), msg_ids, bases))
     views_flat = list(map(PartView, names, roles, ctypes, map(_TOOL_NAME, cores), map(_TOOL_CALL_ID, cores),
                           texts, tokens))
-    resolved: list[list[Resolved]] = []
-    views: list[ViewItem] = []
-    begin = 0
-    for k, info in enumerate(infos, first_index):
-        end = begin + len(info.parts)
-        resolved.append(flat[begin:end])
-        views.append(ViewItem(k, views_flat[begin:end]))
-        begin = end
+    ends = list(accumulate(map(len, map(_PARTS, infos))))
+    cuts = list(zip([0, *ends], ends))
+    resolved = [flat[begin:end] for begin, end in cuts]
+    views = list(map(ViewItem, range(first_index, first_index + len(infos)),
+                     [views_flat[begin:end] for begin, end in cuts]))
     return resolved, rows, views
 
 
 _CORE, _BASE, _CHASH, _DIRTY = attrgetter("core"), attrgetter("base"), attrgetter("chash"), attrgetter("dirty")
 _TEXT, _ROLE, _CTYPE = attrgetter("text"), attrgetter("role"), attrgetter("ctype")
 _TOOL_NAME, _TOOL_CALL_ID = attrgetter("tool_name"), attrgetter("tool_call_id")
+_PARTS = attrgetter("parts")
 
 
 __all__ = ["applies", "first_pass"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, OrderedDict
+from itertools import accumulate, repeat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,12 +99,35 @@ class ItemCache:
         out: list[ItemInfo] = []
         add = out.append
         size = 0
-        decoded = typed = structs = None
+        decoded = typed = structs = systems = None
         array_cores = getattr(lane, "array_cores", None)
         flat: list[Core] = []  # the cores of the new items, in order
         extend = flat.extend
         made: list[tuple[ItemInfo, int]] = []  # each new item and where its cores end in ``flat``
         new: dict[bytes, ItemInfo] = {}  # an item repeated in ``raws`` is the same item
+        if whole is not None and array_cores is not None and raws:
+            # a conversation's first pass, every item new and none twice: the loop below in C-level
+            # steps (the same ItemInfos, cores, objs, cache order and size), no Python step per item
+            braws = list(map(bytes, raws))
+            keys = list(zip(repeat(name), braws))
+            if not any(map(items.__contains__, keys)) and len(set(braws)) == len(braws):
+                got = array_cores(whole)
+                if got is not None and len(got[0]) == len(raws):
+                    typed, structs = got[0], got[1]
+                    if objs is not None:
+                        objs.extend(structs)
+                    out = ([ItemInfo(raw, False, []) for raw in braws] if len(got) == 2 else
+                           [ItemInfo(raw, system, []) for raw, system in zip(braws, got[2])])
+                    flat = [c for cores in typed for c in cores]
+                    if flat:
+                        self._parts(flat, list(zip(out, accumulate(map(len, typed)))))
+                        items.update(zip(keys, out))
+                    self.size += sum(map(len, braws))
+                    while self.size > self.max_bytes and self.items:
+                        (_, old), _info = self.items.popitem(last=False)
+                        self.size -= len(old)
+                    return out
+                array_cores = None  # (read them one by one below, the array decoded once)
         for i, r in enumerate(raws):
             raw = bytes(r)
             key = (name, raw)
@@ -123,16 +147,17 @@ class ItemCache:
             if i == 0 and whole is not None:
                 got = array_cores(whole) if array_cores is not None else None
                 if got is not None and len(got[0]) == len(raws):
-                    typed, structs = got
+                    typed, structs = got[0], got[1]
+                    systems = got[2] if len(got) > 2 else None
                 if typed is None:
                     decoded = decode(whole)
                     if not isinstance(decoded, list) or len(decoded) != len(raws):
                         decoded = None
-            if typed is not None:  # the lane read the array into its cores (no item of it is a system item)
+            if typed is not None:  # the lane read the array into its cores (and which items are system items)
                 if objs is not None:
                     objs.append(structs[i])  # (a typed struct: the lane's patch_typed patches it)
                 extend(typed[i])
-                info = new[raw] = ItemInfo(raw, False, [])
+                info = new[raw] = ItemInfo(raw, systems[i] if systems is not None else False, [])
                 made.append((info, len(flat)))
                 add(info)
                 size += len(raw)

@@ -57,6 +57,59 @@ class ChatLane(LaneDefaults):
             return [Core("tool", TOOL_RESULT, _result_text(obj.get("content")), tool_name=_str(obj.get("name")))]
         return [Core("user", OTHER, compact_json(obj))]
 
+    @staticmethod
+    def array_cores(array: Any) -> tuple[list[list[Core]], list, list[bool]] | None:
+        """:meth:`item_cores` of every item of the conversation array ``array`` (its raw bytes),
+        decoded in one call into typed structs (one per role, :data:`_ChatMsg`) instead of dicts,
+        as Anthropic's lane does: ``(cores of each item, the structs, whether each is a system
+        item)``.  The structs hold the plain shapes only (string or null content, function calls
+        with their arguments as sent); any other key or type fails the decode, and the caller reads
+        the items one by one with :meth:`item_cores`, which gives the same cores for these shapes."""
+        try:
+            msgs = _dec_chat.decode(array)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+        out: list[list[Core]] = []
+        add = out.append
+        unset = _UNSET
+        for m in msgs:
+            t = type(m)
+            content = m.content
+            if t is _Tool:
+                add([Core("tool", TOOL_RESULT, "" if content is None or content is unset else content,
+                          tool_call_id=_str(None if m.tool_call_id is unset else m.tool_call_id))])
+                continue
+            if t is _Assistant:
+                calls = m.tool_calls
+                cores = [] if content is None or content is unset or (content == "" and calls) else [
+                    Core("assistant", TEXT, content, path=("content",))]
+                if calls is not unset and calls is not None:
+                    if any(c.function is unset for c in calls):
+                        return None  # (item_cores reads such a call as other content)
+                    cores.extend([Core("assistant", TOOL_CALL, _arg_text(None if c.function.arguments is unset
+                                                                         else c.function.arguments),
+                                       tool_name=_str(None if c.function.name is unset else c.function.name),
+                                       tool_call_id=_str(None if c.id is unset else c.id)) for c in calls])
+                add(cores)
+                continue
+            role = "user" if t is _User else "system"
+            add([] if content is None or content is unset else [Core(role, TEXT, content, path=("content",))])
+        return out, msgs, [type(m) is _System or type(m) is _Developer for m in msgs]
+
+    @staticmethod
+    def patch_typed(raw: bytes, msg: Any, edits: list) -> bytes | None:
+        """What wire.base.patch_many makes of ``raw`` with ``edits`` (new prose of a string
+        ``content``), computed from ``msg``, the struct array_cores read ``raw`` into (changed in
+        place), when ``raw`` is exactly its encoding (msgspec's compact JSON: every key held, in
+        order); None otherwise (the caller patches the bytes)."""
+        if _enc_chat.encode(msg) != raw or type(msg.content) is not str:
+            return None
+        for path, value in edits:
+            if type(value) is not str or len(path) != 1 or path[0] != "content":
+                return None
+            msg.content = value
+        return _enc_chat.encode(msg)
+
     # -- folding and proxy tools ---------------------------------------------------------------
     @staticmethod
     def summary_item(text: str) -> bytes:
@@ -226,3 +279,50 @@ def _result_text(content: Any) -> str:
         else:
             texts.append(compact_json(part))
     return "\n".join(texts)
+
+
+# The plainest shapes of a message, as typed structs (ChatLane.array_cores), one per role (the
+# ``role`` key, which agents write first, tags them): string or null content, a tool call's
+# function with its arguments as sent.  Any other key fails the decode (forbid_unknown_fields:
+# reasoning, refusal, names, content parts read item by item); the keys agents send are fields in
+# the order they send them, absent ones UNSET, so a struct encodes back to its item's exact bytes
+# when those are msgspec's compact JSON (what ChatLane.patch_typed checks).
+_UNSET = msgspec.UNSET
+_Text = str | None | msgspec.UnsetType
+
+
+class _Fn(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    name: Any = _UNSET
+    arguments: Any = _UNSET
+
+
+class _Call(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    id: Any = _UNSET
+    type: Any = _UNSET
+    function: _Fn | msgspec.UnsetType = _UNSET  # (a call without one: array_cores reads nothing typed)
+
+
+class _User(msgspec.Struct, tag_field="role", tag="user", forbid_unknown_fields=True, gc=False):
+    content: _Text = _UNSET
+
+
+class _System(msgspec.Struct, tag_field="role", tag="system", forbid_unknown_fields=True, gc=False):
+    content: _Text = _UNSET
+
+
+class _Developer(msgspec.Struct, tag_field="role", tag="developer", forbid_unknown_fields=True, gc=False):
+    content: _Text = _UNSET
+
+
+class _Assistant(msgspec.Struct, tag_field="role", tag="assistant", forbid_unknown_fields=True, gc=False):
+    content: _Text = _UNSET
+    tool_calls: list[_Call] | None | msgspec.UnsetType = _UNSET
+
+
+class _Tool(msgspec.Struct, tag_field="role", tag="tool", forbid_unknown_fields=True, gc=False):
+    tool_call_id: Any = _UNSET
+    content: _Text = _UNSET
+
+
+_dec_chat = msgspec.json.Decoder(list[_User | _System | _Developer | _Assistant | _Tool])
+_enc_chat = msgspec.json.Encoder()
