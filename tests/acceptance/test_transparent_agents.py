@@ -30,7 +30,7 @@ import pytest
 from bili_addon import transparent
 from tests.e2e.support import need_root_and_nft
 
-from .conftest import PINS, _bin_of, base_env, installed, run_launcher, snapshot
+from .conftest import PINS, _bin_of, base_env, free_port, installed, run_launcher, snapshot
 from .fake_dns import FakeDns
 from .test_agents import HTTP_FALLBACK, MCP_SERVER, PROMPT, _report, _write, assert_mcp_tools, assert_scripted_run
 
@@ -119,8 +119,10 @@ def run_transparent(agent: str, args: list[str], *, env_extra: dict, mechanism: 
     pin = PINS[agent]
     bins = _proxyless(tmp, pin.binary, _bin_of(pin, installed(pin), pin.binary))
     env = base_env(home, bins, **env_extra)
+    # netns: a listener port of its own (the default, the proxy's port + 1, may be another test's)
+    tport = ["--transparent-port", str(free_port())] if mechanism == "netns" else []
     run = run_launcher(agent, args, env=env, cwd=cwd, model=model, work=tmp, prefix=resolver["prefix"],
-                       launcher_args=[f"--transparent={mechanism}", "-s", str(MODE_ADDON), *launcher_args])
+                       launcher_args=[f"--transparent={mechanism}", *tport, "-s", str(MODE_ADDON), *launcher_args])
     return run, bins
 
 
