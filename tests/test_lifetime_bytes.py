@@ -22,8 +22,8 @@ from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
 from bili_addon.wire.base import Body
 from bili_addon.wire import LANES
-from tests.test_fold import agent_answers_unknown, body, conversation, filler, refs_in, roundtrip_call
-from tests.test_lifetime import cc_body
+from tests.test_fold import agent_answers_unknown, body, conversation, refs_in, roundtrip_call
+from tests.test_lifetime import _step, cc_body
 from tests.wirecases import capture_files, captured_bodies
 
 ANTH = LANES["anthropic"]
@@ -114,15 +114,6 @@ def _ask(tw, sid, msgs, payload, first, last, cid):
                          "summary": f"{first} to {last}: modules read; mod3.py defines load_config()."}]}
     tw.call(sid, "compress", args, cid)
     return agent_answers_unknown(msgs, "compress", args, cid)
-
-
-def _step(msgs, t):
-    return msgs + [
-        {"role": "assistant", "content": [{"type": "text", "text": f"Step {t}: reading module {t}."},
-                                          {"type": "tool_use", "id": f"toolu_{t}", "name": "Bash",
-                                           "input": {"cmd": f"cat mod{t}.py"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{t}",
-                                      "content": filler(f"file-{t}")}]}]
 
 
 @pytest.mark.parametrize("materialize", ["now", "cost"])
