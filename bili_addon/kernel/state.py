@@ -59,6 +59,11 @@ class ItemCache:
         self.size = 0
         self.items: OrderedDict[tuple[str, bytes], ItemInfo] = OrderedDict()
 
+    def forget(self) -> None:
+        """Drop every parsed item (the next pass parses its items anew)."""
+        self.items.clear()
+        self.size = 0
+
     def get(self, lane: Lane, raw: bytes) -> ItemInfo:
         key = (lane.name, raw)
         info = self.items.get(key)
