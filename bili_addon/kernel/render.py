@@ -12,6 +12,7 @@ questions it answers (:class:`WireFolds`) are passed in.
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 from itertools import accumulate, islice
 from typing import TYPE_CHECKING, Protocol
 
@@ -248,12 +249,22 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
     active = any(b.active for b in blocks)
     plan = fold.plan(view, blocks, hidden, snoozed) if hidden or active else fold.Plan(set(), {}, [])
     after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
-    nudge_at = {k for k, it in enumerate(view.items) for p in it.parts if p.ref in after} if after else set()
+    nudge_at = _holding(view, after) if after else set()
     if not plan.drop and not plan.inserts and not nudge_at and not pre:
         return False
     out: list[bytes] = items_out[:start]
     ours: dict[int, str] = {}  # positions in ``out`` of the items the addon added, with their text
-    for k, it in enumerate(view.items):
+    items = view.items
+    # the view's items are the conversation's from ``start`` on: only those where something
+    # happens are looked at, the runs between them copied as they are
+    marks = sorted(k for k in {*plan.drop, *plan.inserts, *nudge_at, *(i - start for i in pre)} if 0 <= k < len(items))
+    if items and (items[0].index != start or items[-1].index != start + len(items) - 1):
+        marks = range(len(items))  # (not laid out so: each item on its own)
+    at = 0
+    for k in marks:
+        it = items[k]
+        out.extend(items_out[start + at:start + k])
+        at = k + 1
         out.extend(pre.get(it.index, ()))
         for b in plan.inserts.get(k, ()):
             ours[len(out)] = b.text()
@@ -271,12 +282,25 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
                     item = merged
         out.append(item)
         out.extend(notes)
-    out.extend(items_out[start + len(view.items):])
+    out.extend(items_out[start + at:])
     items_out[:] = alternate(lane, out, start, ours) if ours else out
     result.folded_items = len(plan.drop)
     s.sent_tokens = (unfolded - sum(view.items[k].tokens for k in plan.drop)
                      + sum(count_tokens(b.text()) for b in plan.rendered))
     return True
+
+
+def _holding(view: View, refs: dict) -> set[int]:
+    """The positions of the view's items that hold a part of one of ``refs``."""
+    items, pos = view.items, view.pos
+    if len(pos) == sum(map(len, map(_PARTS, items))):  # each ref in one part: where View found it
+        found = {pos[r]: r for r in refs if r in pos}
+        if all(r in items[k].refs for k, r in found.items()):
+            return set(found)
+    return {k for k, it in enumerate(items) for p in it.parts if p.ref in refs}
+
+
+_PARTS = attrgetter("parts")
 
 
 def alternate(lane: Lane, out: list[bytes], start: int, ours: dict[int, str]) -> list[bytes]:
