@@ -255,3 +255,14 @@ def test_assemble_by_marks_is_the_item_by_item_layout(monkeypatch, lane_name):
         changed = render.assemble(folds, s, lane, items_out, start, view, result, set(), pre)
         want_changed, want = _assemble_reference(lane, s, list(raws), start, view, plan, after, pre)
         assert (changed, items_out) == (want_changed, want), trial
+
+
+def test_token_counts_escape_to_themselves():
+    """render puts a tag's bytes together without escaping them: a token count is written with
+    characters JSON does not escape (digits, a sign, a point, K), as an alphanumeric ref is."""
+    from bili_addon.kernel import tags
+    for t in [*range(-20, 12000, 7), 99_949, 99_950, 10**6, 10**9]:
+        text = tags.format_tokens(t)
+        assert set(text) <= set("0123456789-.K"), text
+        tag = f'<acp tokens="{text}" type="text">m00001</acp>\n'
+        assert msgspec.json.encode(tag)[1:-1] == f'<acp tokens=\\"{text}\\" type=\\"text\\">m00001</acp>\\n'.encode()

@@ -122,8 +122,11 @@ def _render_prose(lane: Lane, infos: list[ItemInfo], start: int, q: int, resolve
                 if tag_typed is not None and not r.dirty and not (nudges and nudges.get(ref)):
                     obj = objs[start + k]
                     if isinstance(obj, Struct):
-                        out = tag_typed(outs[k - q], obj, core.path,
-                                        encode(f'<acp tokens="{tokens}" type="{TEXT}">{ref}</acp>\n')[1:-1], core.text)
+                        # the tag's JSON-escaped bytes (a token count's and an alphanumeric
+                        # ref's characters escape to themselves)
+                        tag = (f'<acp tokens=\\"{tokens}\\" type=\\"{TEXT}\\">{ref}</acp>\\n'.encode() if ref.isalnum()
+                               else encode(f'<acp tokens="{tokens}" type="{TEXT}">{ref}</acp>\n')[1:-1])
+                        out = tag_typed(outs[k - q], obj, core.path, tag, core.text)
                         if out is not None:
                             outs[k - q] = out
                             changed[k - q] = tagged[k - q] = 1
