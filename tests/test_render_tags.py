@@ -46,6 +46,8 @@ def _anthropic_items() -> list[dict]:
         items += [
             {"role": "user", "content": text},
             {"content": text},  # no role
+            {"content": [{"type": "text", "text": text}]},
+            {"content": [{"type": "tool_use", "id": "t3", "name": "X", "input": None}, {"type": "text", "text": text}]},
             {"role": 7, "content": text},  # a role that is no string
             {"role": "assistant", "content": [{"type": "text", "text": text},
                                               {"type": "tool_use", "id": "t1", "name": "Read", "input": {"text": text}}]},

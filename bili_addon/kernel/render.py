@@ -12,8 +12,8 @@ questions it answers (:class:`WireFolds`) are passed in.
 from __future__ import annotations
 
 import logging
-from operator import attrgetter
 from itertools import accumulate, islice
+from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 from msgspec import Struct
@@ -260,7 +260,8 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
     items = view.items
     # the view's items are the conversation's from ``start`` on: only those where something
     # happens are looked at, the runs between them copied as they are
-    marks = sorted(k for k in {*plan.drop, *plan.inserts, *nudge_at, *(i - start for i in pre)} if 0 <= k < len(items))
+    marks = sorted(k for k in {*plan.drop, *plan.inserts, *nudge_at, *(i - start for i in pre)}
+                   if 0 <= k < len(items))
     if items and (items[0].index != start or items[-1].index != start + len(items) - 1):
         marks = range(len(items))  # (not laid out so: each item on its own)
     at = 0

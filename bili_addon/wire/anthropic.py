@@ -120,14 +120,14 @@ class AnthropicLane(LaneDefaults):
     def tag_typed(raw: bytes, msg: Any, path: tuple, tag: bytes, text: str) -> bytes | None:
         """What :meth:`patch_typed` makes of ``raw`` with one edit, the text at ``path`` (which
         is ``text``) with a tag put before it (``tag``: the tag's JSON-escaped bytes), made
-        without the new text or a second encode: ``raw`` with ``tag`` put where the text starts in it.  When ``raw`` is
-        exactly ``msg``'s encoding, the text's escaped bytes are in it as they are in the new
-        encoding, after the same bytes (escaping is per character: the tag's bytes then the
-        text's are the new text's); where they start is known when ``raw`` starts with the
-        message's role and then the string content, or a first block that is the text (its
-        ``type`` then its ``text``), or when only blocks of scalar values precede the text
-        block (:func:`_after_flat_blocks`).  None otherwise (the caller patches the item the
-        general way)."""
+        without the new text or a second encode: ``raw`` with ``tag`` put where the text starts
+        in it.  When ``raw`` is exactly ``msg``'s encoding, the text's escaped bytes are in it as
+        they are in the new encoding, after the same bytes (escaping is per character: the
+        tag's bytes then the text's are the new text's); where they start is known when ``raw``
+        starts with the message's role and then the string content, or a first block that is
+        the text (its ``type`` then its ``text``), or when only blocks of scalar values precede
+        the text block (:func:`_tag_typed_rare`).  None otherwise (the caller patches the item
+        the general way)."""
         role = msg.role
         heads = _HEADS.get(role) if type(role) is str else None
         head = heads.get(path) if heads is not None else None
@@ -376,8 +376,9 @@ def _tag_typed_rare(raw: bytes, msg: _Msg, path: tuple, tag: bytes, text: str) -
     elif role is _UNSET:
         head = _NO_ROLE[("content",)][:-1]
         if path in _NO_ROLE:
-            now = content if len(path) == 1 else content[0].text if type(content) is list and content else None
-            if now != text or not raw.startswith(_NO_ROLE[path]) or _enc_msg.encode(msg) != raw:
+            if not raw.startswith(_NO_ROLE[path]) or _enc_msg.encode(msg) != raw:
+                return None
+            if (content if len(path) == 1 else content[0].text) != text:  # (its encoding's head: there)
                 return None
             n = len(_NO_ROLE[path])
             return raw[:n] + tag + raw[n:]

@@ -113,11 +113,12 @@ class ChatLane(LaneDefaults):
     @staticmethod
     def tag_typed(raw: bytes, msg: Any, path: tuple, tag: bytes, text: str) -> bytes | None:
         """What :meth:`patch_typed` makes of ``raw`` with one edit, the string ``content`` (which
-        is ``text``) with a tag put before it (``tag``: the tag's JSON-escaped bytes), made without the new text or a
-        second encode: ``raw`` with ``tag`` put where the text starts in it.  When ``raw`` is
-        exactly ``msg``'s encoding and starts with its role and then its content (the message's
-        first field), the text's escaped bytes follow those, as they follow them in the new
-        encoding after the tag's (escaping is per character).  None otherwise."""
+        is ``text``) with a tag put before it (``tag``: the tag's JSON-escaped bytes), made
+        without the new text or a second encode: ``raw`` with ``tag`` put where the text starts
+        in it.  When ``raw`` is exactly ``msg``'s encoding and starts with its role and then its
+        content (the message's first field), the text's escaped bytes follow those, as they
+        follow them in the new encoding after the tag's (escaping is per character).  None
+        otherwise."""
         now = msg.content
         if path != ("content",) or type(now) is not str or not (now is text or now == text):
             return None
