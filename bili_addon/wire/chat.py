@@ -110,6 +110,31 @@ class ChatLane(LaneDefaults):
             msg.content = value
         return _enc_chat.encode(msg)
 
+    @staticmethod
+    def tag_typed(raw: bytes, msg: Any, path: tuple, tag: bytes, text: str) -> bytes | None:
+        """What :meth:`patch_typed` makes of ``raw`` with one edit, the string ``content`` (which
+        is ``text``) with a tag put before it (``tag``: the tag's JSON-escaped bytes), made
+        without the new text or a second encode: ``raw`` with ``tag`` put where the text starts
+        in it.  When ``raw`` is exactly ``msg``'s encoding and starts with its role and then its
+        content (the message's first field), the text's escaped bytes follow those, as they
+        follow them in the new encoding after the tag's (escaping is per character).  None
+        otherwise."""
+        now = msg.content
+        if path != ("content",) or type(now) is not str or not (now is text or now == text):
+            return None
+        head = _CONTENT_HEADS.get(type(msg))
+        if head is None:
+            try:  # the message with its content alone, empty: up to its content's text
+                probe = _enc_chat.encode(type(msg)(content=""))
+            except (TypeError, ValueError):
+                return None
+            if not probe.endswith(b',"content":""}'):
+                return None
+            head = _CONTENT_HEADS[type(msg)] = probe[:-2]
+        if not raw.startswith(head) or _enc_chat.encode(msg) != raw:
+            return None
+        return raw[:len(head)] + tag + raw[len(head):]
+
     # -- folding and proxy tools ---------------------------------------------------------------
     @staticmethod
     def summary_item(text: str) -> bytes:
@@ -325,4 +350,5 @@ class _Tool(msgspec.Struct, tag_field="role", tag="tool", forbid_unknown_fields=
 
 
 _dec_chat = msgspec.json.Decoder(list[_User | _System | _Developer | _Assistant | _Tool])
+_CONTENT_HEADS: dict[type, bytes] = {}  # (ChatLane.tag_typed)
 _enc_chat = msgspec.json.Encoder()
