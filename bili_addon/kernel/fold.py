@@ -79,6 +79,15 @@ class Block:
 
 # one per part per turn: msgspec Structs build ~3x faster than dataclasses
 _TOKENS = attrgetter("tokens")
+_UNKNOWN = object()  # (a View's lazily computed positions)
+
+
+def _user_turn(parts: list[PartView]) -> bool:
+    """:attr:`ViewItem.user_turn` of an item's parts (a plain loop: read for many items per turn)."""
+    for p in parts:
+        if p.role == "user" and p.ctype == TEXT:
+            return True
+    return False
 
 
 class PartView(msgspec.Struct, gc=False):
@@ -112,7 +121,7 @@ class ViewItem(msgspec.Struct):
 
     @property
     def user_turn(self) -> bool:
-        return any(p.role == "user" and p.ctype == TEXT for p in self.parts)
+        return _user_turn(self.parts)
 
     @property
     def reasoning_only(self) -> bool:
@@ -127,6 +136,10 @@ class View:
     def __init__(self, items: list[ViewItem]):
         self.items = items
         self.first_free = False  # the first user turn is the agent's compaction summary: foldable
+        # what the turn's decisions read of the view several times, computed once (the view's items
+        # never change once it is made): the first and last user turns, the tokens up to each item
+        self._first_user = self._last_user = _UNKNOWN
+        self._sums: tuple[list[int], list[int]] | None = None
         self.pos: dict[str, int] = {}
         setdefault = self.pos.setdefault
         for k, it in enumerate(items):
@@ -134,10 +147,31 @@ class View:
                 setdefault(p.ref, k)
 
     def first_user(self) -> int | None:
-        return next((k for k, it in enumerate(self.items) if it.user_turn), None)
+        if self._first_user is _UNKNOWN:
+            self._first_user = next((k for k, it in enumerate(self.items) if _user_turn(it.parts)), None)
+        return self._first_user
 
     def last_user(self) -> int | None:
-        return next((k for k in range(len(self.items) - 1, -1, -1) if self.items[k].user_turn), None)
+        if self._last_user is _UNKNOWN:
+            items = self.items
+            self._last_user = next((k for k in range(len(items) - 1, -1, -1) if _user_turn(items[k].parts)), None)
+        return self._last_user
+
+    def sums(self) -> tuple[list[int], list[int]]:
+        """``(tokens, items)``: the tokens of every part of ``items[:k]`` at ``k`` (``len + 1``
+        entries; folded or not), and how many of those items have parts."""
+        if self._sums is None:
+            tokens, filled = [0], [0]
+            total = count = 0
+            for it in self.items:
+                parts = it.parts
+                if parts:
+                    count += 1
+                    total += sum([p.tokens for p in parts])
+                tokens.append(total)
+                filled.append(count)
+            self._sums = tokens, filled
+        return self._sums
 
     def protected(self, cfg: FoldConfig) -> set[int]:
         """Positions never folded: the first user turn, the recent zone and the newest user turn."""

@@ -7,8 +7,6 @@ the very same bytes on every later turn (the prefix cache never sees them change
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
-from operator import attrgetter
 
 from bili_addon.kernel import rewrite
 from bili_addon.kernel.fold import Block, FoldConfig, View, anchors, coverage
@@ -63,20 +61,20 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig) -> list[tuple
 
 def _runs_unfolded(view: View, protected: set[int]) -> list[tuple[str, str, int, int]]:
     """:func:`compressible` where no block is active: the runs are the stretches between protected
-    items, each part of them counts (C-level loops over each stretch: it runs on every request)."""
+    items, each part of them counts (the view's running sums: it runs on every request)."""
     out = []
     items = view.items
+    tokens, filled = view.sums()
     begin = 0
     for stop in [*sorted(protected), len(items)]:
         if stop > begin:
-            run = list(filter(None, map(_PARTS, items[begin:stop])))  # the items with parts
-            if run:
-                out.append((run[0][0].ref, run[-1][-1].ref, len(run), sum(map(_TOKENS, chain.from_iterable(run)))))
+            n = filled[stop] - filled[begin]  # the items with parts
+            if n:
+                first = next(k for k in range(begin, stop) if items[k].parts)
+                last = next(k for k in range(stop - 1, begin - 1, -1) if items[k].parts)
+                out.append((items[first].parts[0].ref, items[last].parts[-1].ref, n, tokens[stop] - tokens[begin]))
         begin = max(begin, stop + 1)
     return out
-
-
-_TOKENS, _PARTS = attrgetter("tokens"), attrgetter("parts")
 
 
 def distillable(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, along: bool = False,

@@ -177,6 +177,7 @@ class Engine(ProxyTools, Epochs, Deferred):
                          candidates=self.lineage.head(sid, infos[start:], lane.name) if cached is None and ident else None)
         if s is not cached:
             memo = None  # (re)loaded: nothing of a previous pass is known to match the store
+        new = s.unstored and s is not cached  # the store had no row of it: nothing of it recorded
         forked = self._lineage("before_turn", s, infos, start) if ident is not None else None
         if isinstance(top.get("model"), str):
             s.model = top["model"]
@@ -253,7 +254,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             coverage.roll_copy(self.store, s, view, resolved, drift)
         active = result.active = pressure.is_active(self, s, view)
         if self.inject and active:
-            pressure.apply(self, s, view, resolved)
+            pressure.apply(self, s, view, resolved, new=new)
         self.sessions.flush()  # the turn's staged commit, before anything else is written or sent
         self._land(s, view, result)  # held folds leave the wire when it pays (kernel/pending.py)
         if s.version != version or (memo is not None and memo.rendered is None):
