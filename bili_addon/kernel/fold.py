@@ -13,7 +13,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import msgspec
 
@@ -132,19 +132,31 @@ class ViewItem(msgspec.Struct):
         return sum(map(_TOKENS, self.parts))
 
 
+class Sums(NamedTuple):
+    """What the turn's decisions read of a view's token figures (:meth:`View.sums`)."""
+
+    tokens: list[int]  # at ``k``: the tokens of every part of ``items[:k]`` (folded or not); len(items) + 1
+    filled: list[int]  # at ``k``: how many of ``items[:k]`` have parts
+    peak: int  # the most tokens of one part (0: none)
+
+
 class View:
-    def __init__(self, items: list[ViewItem]):
+    def __init__(self, items: list[ViewItem], pos: dict[str, int] | None = None, sums: Sums | None = None):
+        """``pos`` and ``sums``, when the caller has them (a conversation's first pass): what this
+        view would compute from ``items``."""
         self.items = items
         self.first_free = False  # the first user turn is the agent's compaction summary: foldable
         # what the turn's decisions read of the view several times, computed once (the view's items
-        # never change once it is made): the first and last user turns, the tokens up to each item
+        # never change once it is made): the first and last user turns, the token figures
         self._first_user = self._last_user = _UNKNOWN
-        self._sums: tuple[list[int], list[int]] | None = None
-        self.pos: dict[str, int] = {}
-        setdefault = self.pos.setdefault
-        for k, it in enumerate(items):
-            for p in it.parts:
-                setdefault(p.ref, k)
+        self._sums = sums
+        if pos is None:
+            pos = {}
+            setdefault = pos.setdefault
+            for k, it in enumerate(items):
+                for p in it.parts:
+                    setdefault(p.ref, k)
+        self.pos: dict[str, int] = pos
 
     def first_user(self) -> int | None:
         if self._first_user is _UNKNOWN:
@@ -157,20 +169,22 @@ class View:
             self._last_user = next((k for k in range(len(items) - 1, -1, -1) if _user_turn(items[k].parts)), None)
         return self._last_user
 
-    def sums(self) -> tuple[list[int], list[int]]:
-        """``(tokens, items)``: the tokens of every part of ``items[:k]`` at ``k`` (``len + 1``
-        entries; folded or not), and how many of those items have parts."""
+    def sums(self) -> Sums:
         if self._sums is None:
             tokens, filled = [0], [0]
-            total = count = 0
+            total = count = peak = 0
             for it in self.items:
                 parts = it.parts
                 if parts:
                     count += 1
-                    total += sum([p.tokens for p in parts])
+                    for p in parts:
+                        n = p.tokens
+                        total += n
+                        if n > peak:
+                            peak = n
                 tokens.append(total)
                 filled.append(count)
-            self._sums = tokens, filled
+            self._sums = Sums(tokens, filled, peak)
         return self._sums
 
     def protected(self, cfg: FoldConfig) -> set[int]:

@@ -11,8 +11,9 @@ refs in the same order, the same ledger rows and view.  Anything else takes the 
 from __future__ import annotations
 
 from collections import Counter
+from itertools import accumulate, chain, islice, repeat
 
-from bili_addon.kernel.fold import PartView, ViewItem
+from bili_addon.kernel.fold import PartView, Sums, ViewItem
 from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session
 from bili_addon.store import MAX_REF, LedgerRow, ref_names  # past MAX_REF the general path raises
@@ -25,10 +26,12 @@ def applies(s: Session, cov: dict, reused: int, pinned, vouched) -> bool:
 
 
 def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
-               first_index: int) -> tuple[list[list[Resolved]], list[LedgerRow], list[ViewItem]] | None:
-    """``(resolved, new ledger rows, view items)`` of a pass whose every part is new (see
-    :func:`applies`); the rows are staged in ``s.refs`` as ``_resolve`` stages them.  None when the
-    refs would run past the last one (the general path says so).
+               first_index: int) -> tuple[list[list[Resolved]], list[LedgerRow], list[ViewItem],
+                                          tuple[dict[str, int], Sums]] | None:
+    """``(resolved, new ledger rows, view items, (pos, sums))`` of a pass whose every part is new
+    (see :func:`applies`); the rows are staged in ``s.refs`` as ``_resolve`` stages them; ``pos``
+    and ``sums``: the :class:`View` of the items computes them (``View(items, pos, sums)``).  None
+    when the refs would run past the last one (the general path says so).
 
     Column by column: each field of every part in one comprehension (attribute reads of the
     parts' structs, specialised by the interpreter: faster than ``map(attrgetter)``), the objects
@@ -62,15 +65,19 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
     flat = list(map(Resolved, cores, entries, [p.dirty for p in parts], msg_ids, bases))
     views_flat = list(map(PartView, names, roles, ctypes, [c.tool_name for c in cores],
                           [c.tool_call_id for c in cores], texts, tokens))
+    counts = [len(info.parts) for info in infos]
+    ends = list(accumulate(counts, initial=0))
     resolved, views = [], []
     add_resolved, add_view = resolved.append, views.append
-    begin = 0
-    for k, info in enumerate(infos, first_index):
-        end = begin + len(info.parts)
+    for k, begin, end in zip(range(first_index, first_index + len(infos)), ends, islice(ends, 1, None)):
         add_resolved(flat[begin:end])
         add_view(ViewItem(k, views_flat[begin:end]))
-        begin = end
-    return resolved, rows, views
+    # what the View of these items computes from them, from the columns: every ref is new, so
+    # each is at its own item; the token figures from the parts' tokens
+    cum = list(accumulate(tokens, initial=0))
+    sums = Sums(list(map(cum.__getitem__, ends)), list(accumulate(map(bool, counts), initial=0)), max(tokens, default=0))
+    pos = dict(zip(names, chain.from_iterable(map(repeat, range(len(infos)), counts))))
+    return resolved, rows, views, (pos, sums)
 
 
 def _numbered(bases: list[str], counter: Counter) -> list[str]:

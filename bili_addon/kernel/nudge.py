@@ -64,7 +64,7 @@ def _runs_unfolded(view: View, protected: set[int]) -> list[tuple[str, str, int,
     items, each part of them counts (the view's running sums: it runs on every request)."""
     out = []
     items = view.items
-    tokens, filled = view.sums()
+    tokens, filled, _peak = view.sums()
     begin = 0
     for stop in [*sorted(protected), len(items)]:
         if stop > begin:
@@ -151,6 +151,8 @@ def truncations(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: Nudg
     """Emergency: the biggest old tool outputs, cut to head and tail until the context fits again."""
     if not rewrite.window_forces(used, window, cfg.truncate_at):  # the rewrite decision's window rule, at 95%
         return {}
+    if view.sums().peak < cfg.truncate_min_tokens:
+        return {}  # no part is big enough to be cut
     cov = coverage(blocks)
     protected = view.protected(fold_cfg)
     target = 0.9 * cfg.truncate_at * window

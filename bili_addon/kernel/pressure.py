@@ -69,7 +69,7 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
     else:
         cov = fold.coverage(s.blocks)
         used = ((sum(p.tokens for it in view.items for p in it.parts if p.ref not in cov) if cov
-                 else view.sums()[0][-1])
+                 else view.sums().tokens[-1])
                 + sum(b.summary_tokens for b in s.blocks if b.active))
     window = host.window_for(s)
     if used < int(s.flags.get("last_nudge_at", 0)):
