@@ -141,22 +141,28 @@ class Sums(NamedTuple):
 
 
 class View:
-    def __init__(self, items: list[ViewItem], pos: dict[str, int] | None = None, sums: Sums | None = None):
-        """``pos`` and ``sums``, when the caller has them (a conversation's first pass): what this
-        view would compute from ``items``."""
+    def __init__(self, items: list[ViewItem], sums: Sums | None = None):
+        """``sums``: :meth:`sums`, when the caller has them (a conversation's first pass)."""
         self.items = items
         self.first_free = False  # the first user turn is the agent's compaction summary: foldable
-        # what the turn's decisions read of the view several times, computed once (the view's items
-        # never change once it is made): the first and last user turns, the token figures
+        # what the turn's decisions read of the view, computed once and only when read (the view's
+        # items never change once it is made): the refs' positions, the first and last user turns,
+        # the token figures
+        self._pos: dict[str, int] | None = None
         self._first_user = self._last_user = _UNKNOWN
         self._sums = sums
-        if pos is None:
-            pos = {}
+
+    @property
+    def pos(self) -> dict[str, int]:
+        """Each ref's position in ``items`` (its first)."""
+        if self._pos is None:
+            pos: dict[str, int] = {}
             setdefault = pos.setdefault
-            for k, it in enumerate(items):
+            for k, it in enumerate(self.items):
                 for p in it.parts:
                     setdefault(p.ref, k)
-        self.pos: dict[str, int] = pos
+            self._pos = pos
+        return self._pos
 
     def first_user(self) -> int | None:
         if self._first_user is _UNKNOWN:

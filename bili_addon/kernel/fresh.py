@@ -11,7 +11,7 @@ refs in the same order, the same ledger rows and view.  Anything else takes the 
 from __future__ import annotations
 
 from collections import Counter
-from itertools import accumulate, chain, islice, repeat
+from itertools import accumulate, islice
 
 from bili_addon.kernel.fold import PartView, Sums, ViewItem
 from bili_addon.kernel.identity import count_tokens
@@ -27,10 +27,10 @@ def applies(s: Session, cov: dict, reused: int, pinned, vouched) -> bool:
 
 def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
                first_index: int) -> tuple[list[list[Resolved]], list[LedgerRow], list[ViewItem],
-                                          tuple[dict[str, int], Sums]] | None:
-    """``(resolved, new ledger rows, view items, (pos, sums))`` of a pass whose every part is new
-    (see :func:`applies`); the rows are staged in ``s.refs`` as ``_resolve`` stages them; ``pos``
-    and ``sums``: the :class:`View` of the items computes them (``View(items, pos, sums)``).  None
+                                          Sums] | None:
+    """``(resolved, new ledger rows, view items, sums)`` of a pass whose every part is new (see
+    :func:`applies`); the rows are staged in ``s.refs`` as ``_resolve`` stages them; ``sums``: what
+    the :class:`~bili_addon.kernel.fold.View` of the items computes (``View(items, sums)``).  None
     when the refs would run past the last one (the general path says so).
 
     Column by column: each field of every part in one comprehension (attribute reads of the
@@ -72,12 +72,10 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
     for k, begin, end in zip(range(first_index, first_index + len(infos)), ends, islice(ends, 1, None)):
         add_resolved(flat[begin:end])
         add_view(ViewItem(k, views_flat[begin:end]))
-    # what the View of these items computes from them, from the columns: every ref is new, so
-    # each is at its own item; the token figures from the parts' tokens
+    # what the View of these items computes from them (View.sums), from the columns
     cum = list(accumulate(tokens, initial=0))
     sums = Sums(list(map(cum.__getitem__, ends)), list(accumulate(map(bool, counts), initial=0)), max(tokens, default=0))
-    pos = dict(zip(names, chain.from_iterable(map(repeat, range(len(infos)), counts))))
-    return resolved, rows, views, (pos, sums)
+    return resolved, rows, views, sums
 
 
 def _numbered(bases: list[str], counter: Counter) -> list[str]:

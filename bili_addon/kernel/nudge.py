@@ -91,6 +91,8 @@ def distillable(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: Nudg
     breakpoint on the last summary moves), so what distilling adds is little more than the pile's
     own bytes: it pays from ``distil_along_tokens``.  ``ranges``: the foldable ranges, when known."""
     active = [b for b in blocks if b.active]
+    if len(active) < 2:
+        return None  # no pile (read on every request: nothing of the view is needed to say so)
     placed = {b.id: k for k, b in anchors(view, active).items()}
     if ranges is None:
         ranges = [r for r in compressible(view, blocks, fold_cfg) if r[3] * 4 >= fold_cfg.min_compress_chars]

@@ -199,7 +199,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         first = (fresh.first_pass(s, infos[start:], counter, start)
                  if fresh.applies(s, cov, q, pinned, vouched) else None)
         if first is not None:
-            resolved_tail, new_rows, view_tail, facts = first
+            resolved_tail, new_rows, view_tail, sums = first
         else:
             resolved_tail, new_rows = self._resolve(s, infos[start + q:], counter, cov, q, pinned, vouched)
             view_tail = None
@@ -233,7 +233,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         view_items = ((memo.view_items[:q] if q else [])
                       + (view_tail if view_tail is not None else _view_items(resolved_tail, start + q)))
         snap = snapshot_join(self.store, s, view_items) if self.snapshot and s.blocks and render else None
-        view = View(snap[2]) if snap else View(view_items, *facts) if first is not None else View(view_items)
+        view = View(snap[2]) if snap else View(view_items, sums) if first is not None else View(view_items)
         s.last_view = view
         self._compaction(s, lane.name, view, minted, result)  # the agent's own compaction: a new epoch
         drift = (coverage.check(self.store, self.sessions, s, view, resolved, result)
