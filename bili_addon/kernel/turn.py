@@ -254,7 +254,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             coverage.roll_copy(self.store, s, view, resolved, drift)
         active = result.active = pressure.is_active(self, s, view)
         if self.inject and active:
-            pressure.apply(self, s, view, resolved, new=new)
+            pressure.apply(self, s, view, resolved, new)
         self.sessions.flush()  # the turn's staged commit, before anything else is written or sent
         self._land(s, view, result)  # held folds leave the wire when it pays (kernel/pending.py)
         if s.version != version or (memo is not None and memo.rendered is None):
