@@ -100,8 +100,10 @@ class PartView(msgspec.Struct, gc=False):
     tokens: int
 
 
-class ViewItem(msgspec.Struct):
-    """One conversation item as the kernel sees it: its parts' refs and pairing keys."""
+class ViewItem(msgspec.Struct, gc=False):
+    """One conversation item as the kernel sees it: its parts' refs and pairing keys.  (Never in
+    a reference cycle: its parts are PartViews; untracked by the cyclic collector, it is made
+    faster, and the collector never walks a conversation's items.)"""
 
     index: int  # position in the request's conversation array
     parts: list[PartView]

@@ -66,6 +66,8 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
     # include_usage), the conversation's own estimate
     if last:
         used = last[0]
+    elif not s.blocks:  # nothing folded: every part counts
+        used = view.sums().tokens[-1]
     else:
         cov = fold.coverage(s.blocks)
         used = ((sum(p.tokens for it in view.items for p in it.parts if p.ref not in cov) if cov
