@@ -172,17 +172,17 @@ def test_a_new_session_loads_from_one_read(tmp_path):
     assert not s.unstored and s.refs == eng.sessions["n"].refs and s.flags == eng.sessions["n"].flags
 
 
-_TOOLS_CASES = [
-    [],
-    [{"name": "a", "description": "d", "input_schema": {"type": "object"}}, {"name": "b"}],
-    [{"name": 3}, {"name": None}, {"x": 1}, {"name": "ok", "name2": "no"}],
-    [{"name": "a", "name": "b"}],  # noqa: F601  (a key twice: the last wins, as a dict reads it)
-    [1, {"name": "a"}],
-    ["s", None, [], {"name": "z"}],
-    [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}}, {"type": "function"}],
-    [{"type": "function", "function": {"name": 5}}, {"function": None}, {"function": "x"}],
-    [{"function": {"name": "a", "name": "b"}}, {"function": {"name": "c"}, "name": "top"}],  # noqa: F601
-    [{"function": [1]}],
+_TOOLS_CASES = [  # JSON text: a key given twice is the last one, as a dict reads it
+    '[]',
+    '[{"name": "a", "description": "d", "input_schema": {"type": "object"}}, {"name": "b"}]',
+    '[{"name": 3}, {"name": null}, {"x": 1}, {"name": "ok", "name": "no"}]',
+    '[{"name": "a", "name": "b"}, {"name": "c", "name": 4}]',
+    '[1, {"name": "a"}]',
+    '["s", null, [], {"name": "z"}]',
+    '[{"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}}, {"type": "function"}]',
+    '[{"type": "function", "function": {"name": 5}}, {"function": null}, {"function": "x"}]',
+    '[{"function": {"name": "a", "name": "b"}}, {"function": {"name": "c"}, "name": "top"}]',
+    '[{"function": {"name": "a"}, "function": {"name": "b"}}, {"function": [1]}]',
 ]
 
 
@@ -194,9 +194,9 @@ def test_tool_names_read_as_the_general_reader_does(lane, k):
         "chat": lambda t: (t.get("function").get("name") if isinstance(t, dict) and isinstance(t.get("function"), dict)
                            and isinstance(t.get("function").get("name"), str) else None),
     }[lane]
-    tools = json.dumps(_TOOLS_CASES[k]).replace('"name2"', '"name"')
+    tools = _TOOLS_CASES[k]
     for raw in (b'{"model":"m","tools":' + tools.encode() + b',"messages":[]}',
-                b'{"model": "m", "tools": ' + tools.replace(",", ", ").encode() + b', "messages": []}'):
+                b'{"model": "m", "tools": ' + tools.replace(", ", ",\n  ").encode() + b', "messages": []}'):
         body = Body(raw, "messages")
         assert LANES[lane].tool_names(body) == base.tool_names(body.top.get("tools"), general)
     for raw in (b'{"model":"m","messages":[]}', b'{"tools":{"name":"a"},"messages":[]}', b'{"tools":null,"messages":[]}'):
