@@ -79,7 +79,7 @@ class Block:
 
 # one per part per turn: msgspec Structs build ~3x faster than dataclasses
 _TOKENS = attrgetter("tokens")
-_UNKNOWN = object()  # (a View's lazily computed positions)
+_UNKNOWN = object()  # (a View's user turns, not looked for yet)
 
 
 def _user_turn(parts: list[PartView]) -> bool:
