@@ -166,11 +166,19 @@ class ChatLane(LaneDefaults):
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
+        raw = body.top.get("tools")
+        if raw is not None and bytes(raw)[:1] == b"[":
+            try:  # the names alone read (descriptions and schemas skipped, not made into dicts)
+                return [t.function.name for t in _dec_named.decode(raw)
+                        if t.function is not None and isinstance(t.function.name, str)]
+            except msgspec.ValidationError:
+                pass  # a tool (or its function) that is no object: read as the general reader does
+
         def name_of(t: Any) -> Any:
             fn = t.get("function") if isinstance(t, dict) else None
             return fn.get("name") if isinstance(fn, dict) and isinstance(fn.get("name"), str) else None
 
-        return tool_names(body.top.get("tools"), name_of)
+        return tool_names(raw, name_of)
 
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
@@ -352,3 +360,16 @@ class _Tool(msgspec.Struct, tag_field="role", tag="tool", forbid_unknown_fields=
 _dec_chat = msgspec.json.Decoder(list[_User | _System | _Developer | _Assistant | _Tool])
 _CONTENT_HEADS: dict[type, bytes] = {}  # (ChatLane.tag_typed)
 _enc_chat = msgspec.json.Encoder()
+
+
+class _NamedFn(msgspec.Struct, gc=False):
+    name: Any = None
+
+
+class _NamedTool(msgspec.Struct, gc=False):
+    """A tool as :meth:`ChatLane.tool_names` reads it: its function's name (a string names it)."""
+
+    function: _NamedFn | None = None
+
+
+_dec_named = msgspec.json.Decoder(list[_NamedTool])
