@@ -31,6 +31,8 @@ from bili_addon.store import (
 try:
     import psycopg
     from psycopg import errors as pg_errors
+    from psycopg import generators as pg_generators
+    from psycopg.pq import ExecStatus
     from psycopg_pool import ConnectionPool, PoolTimeout
 except ImportError as e:  # pragma: no cover - the extra is not installed
     psycopg = None
@@ -554,6 +556,7 @@ class PgStore:
         self._conn: psycopg.Connection | None = None  # held inside a transaction or a snapshot
         self.lock_wait = lock_wait
         self._lock_conn: psycopg.Connection | None = None  # holds the sessions' advisory locks
+        self._unlocking = False  # release's unlock is on its way: its answer is read before the next statement
         self._held: set[str] = set()
         # what :meth:`hold` read right after the session's lock was granted (its version, family and
         # last usage), answering :meth:`version`, :meth:`family` and :meth:`last_usage` until this
@@ -716,6 +719,8 @@ class PgStore:
 
     def _lock_connection(self) -> None:
         """The connection that holds the sessions' advisory locks (opened when missing)."""
+        if self._unlocking:
+            self._unlocked()
         if self._lock_conn is None or self._lock_conn.closed:
             self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
             self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
@@ -728,12 +733,33 @@ class PgStore:
             return
         self._held.clear()
         try:
-            self.round_trips += 1
-            self._lock_conn.execute("SELECT pg_advisory_unlock_all()")
+            self.round_trips += 1  # a statement sent, its answer not waited for
+            if self._unlocking:
+                self._unlocked()
+            # the unlock is sent (flushed to the server, which lets the locks go when it reads it), its
+            # answer read before the connection's next statement (hold): the turn does not wait for a
+            # round trip to the database to end
+            pgconn = self._lock_conn.pgconn
+            pgconn.send_query(b"SELECT pg_advisory_unlock_all()")
+            self._unlocking = True
+            self._lock_conn.wait(pg_generators.send(pgconn))
         except (psycopg.Error, AttributeError):  # a broken connection held nothing any more
             self._drop_lock_conn()
 
+    def _unlocked(self) -> None:
+        """The answer of the unlock :meth:`release` sent; a failure drops the connection (and with it
+        whatever it may still hold)."""
+        self._unlocking = False
+        try:
+            results = self._lock_conn.wait(pg_generators.fetch_many(self._lock_conn.pgconn))
+            ok = bool(results) and all(r.status == ExecStatus.TUPLES_OK for r in results)
+        except (psycopg.Error, AttributeError):
+            ok = False
+        if not ok:
+            self._drop_lock_conn()
+
     def _drop_lock_conn(self) -> None:
+        self._unlocking = False
         conn, self._lock_conn = self._lock_conn, None
         if conn is not None:
             try:
