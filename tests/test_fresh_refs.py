@@ -153,10 +153,10 @@ def test_a_first_turn_through_the_engine_reloads_to_the_same_refs(backend):
     assert refs_of(a.store, "e") == sorted(s.owners.items())  # what the engine holds, read back
     b = Engine(backend())  # another process: the session loaded from the store
     nxt = msgs + [{"role": "assistant", "content": "done"}, {"role": "user", "content": "next"}]
-    ra, rb = a.process(body(nxt), ANTH, {"x-acp-session": "e"}, render=True), \
-        b.process(body(nxt), ANTH, {"x-acp-session": "e"}, render=False)
+    ra = a.process(body(nxt), ANTH, {"x-acp-session": "e"}, render=True)
+    rb = b.process(body(nxt), ANTH, {"x-acp-session": "e"}, render=False)
     assert b.sessions["e"].owners == a.sessions["e"].owners and b.sessions["e"].refs == a.sessions["e"].refs
-    assert ra.refs_new == 2
+    assert ra.refs_new == 2 and rb.refs_new == 0 and rb.refs_known == ra.refs_known + 2
 
 
 def test_migrate_round_trip_keeps_fresh_writes(backend, tmp_path, pg_url):

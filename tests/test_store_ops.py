@@ -250,6 +250,8 @@ def test_a_follow_up_turn_on_postgresql_takes_three_round_trips(pg_url, tmp_path
     sent: list[str] = []
     execute = psycopg.Connection.execute
     monkeypatch.setattr(psycopg.Connection, "execute", lambda self, q, *a, **k: sent.append(str(q)) or execute(self, q, *a, **k))
+    call = PgStore._call  # the turn's two statements, sent through libpq as they are
+    monkeypatch.setattr(PgStore, "_call", lambda self, c, q, p: sent.append(q.decode()) or call(self, c, q, p))
     try:
         turn()
         eng.lineage.flush()
@@ -259,7 +261,8 @@ def test_a_follow_up_turn_on_postgresql_takes_three_round_trips(pg_url, tmp_path
         res = turn()
         assert res.refs_new == 2 and res.refs_known == 4
         assert store.round_trips - before == 3, sent
-        assert [q.split("(")[0] for q in sent] == ["SELECT * FROM bili_hold", "SELECT bili_commit_turn"], sent
+        assert [q.split("(")[0] for q in sent] == ["SELECT json_build_array", "SELECT bili_commit_turn"], sent
+        assert "FROM bili_hold(" in sent[0]
         assert store._unlocking and not store._held  # the unlock is on its way
         with psycopg.connect(pg_url, autocommit=True) as other:  # ... and another instance gets the lock
             other.execute("SET lock_timeout = 5000")
