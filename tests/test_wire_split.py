@@ -149,4 +149,4 @@ def test_a_schema_8_store_gets_the_columns_and_prices_its_old_turns_as_before(ba
     s.record_wire("old", _turn(8_000, 6_000, "reported"))
     assert totals(s, "old")["write_split"] == {"reported": 8_000, "sent": 0, "none": 2_000}
     s.close()
-    assert backend().schema_version() == 9  # opening it again changes nothing
+    assert backend().schema_version() == SCHEMA_VERSION  # opening it again changes nothing
