@@ -24,13 +24,15 @@ import msgspec
 
 from bili_addon.store import (
     CALIBRATION_COLS, CHAIN_COLS, DB_NAME, HANGING, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
-    StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, WIRE_SUMS, contiguous, dead_chains, ledger_rows, rebase,
-    tombstone_flags, wire_turn,
+    FRESH_GIVEN, StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, WIRE_SUMS, _json, contiguous, dead_chains,
+    fresh_first, ledger_rows, rebase, tombstone_flags, wire_turn,
 )
 
 try:
     import psycopg
     from psycopg import errors as pg_errors
+    from psycopg import generators as pg_generators
+    from psycopg.pq import ExecStatus
     from psycopg_pool import ConnectionPool, PoolTimeout
 except ImportError as e:  # pragma: no cover - the extra is not installed
     psycopg = None
@@ -395,6 +397,91 @@ _MIGRATIONS[9] = [
     "ALTER TABLE wire ADD COLUMN IF NOT EXISTS cache_write_1h BIGINT NOT NULL DEFAULT 0",
     "ALTER TABLE wire ADD COLUMN IF NOT EXISTS write_split TEXT NOT NULL DEFAULT ''",
 ]
+# 10 (#11): a conversation's first turn writes its refs once: its refs_turns row names the refs of its
+# ledger_turns row (store.FRESH_GIVEN) instead of repeating them; the turn's commit takes its documents as
+# text with their counts (nothing for the server to parse: they are msgspec's JSON, kept as they are); the
+# session's lock reads a new session's fork candidates in the same statement (no pipeline)
+_MIGRATIONS[10] = [
+    """CREATE OR REPLACE VIEW refs AS SELECT t.session_id, e->>0 AS ref, e->>1 AS content_hash
+        FROM refs_turns t, json_array_elements(CASE WHEN t.given LIKE '[%' THEN t.given ELSE '[]' END::json) AS e
+        UNION ALL SELECT t.session_id, e->>2, e->>1 FROM refs_turns t JOIN ledger_turns l
+            ON l.session_id = t.session_id AND l.seq = t.seq,
+            json_array_elements(CASE WHEN t.given LIKE '[%' THEN '[]' ELSE l.rows END::json) AS e""",
+    "DROP FUNCTION IF EXISTS bili_commit_turn(TEXT, BIGINT, TEXT, TEXT, DOUBLE PRECISION, DOUBLE PRECISION, BIGINT, "
+    "BIGINT, BIGINT, TEXT, JSON, JSON, BIGINT, TEXT)",
+    """CREATE OR REPLACE FUNCTION bili_commit_turn(
+        p_id TEXT, p_expect BIGINT, p_agent TEXT, p_lane TEXT, p_now DOUBLE PRECISION,
+        p_requests BIGINT, p_messages BIGINT, p_next_ref BIGINT, p_flags TEXT,
+        p_given TEXT, p_k BIGINT, p_first TEXT, p_rows TEXT, p_n BIGINT, p_depth BIGINT, p_tail TEXT)
+        RETURNS BIGINT LANGUAGE plpgsql AS $$
+    DECLARE
+        v BIGINT;
+        first BIGINT;
+        fam BIGINT;
+    BEGIN
+        -- the session's version must still be the one the turn was computed from (its row lock
+        -- makes a second instance wait here, then find the version moved)
+        UPDATE sessions SET version = version + 1 WHERE id = p_id AND version = p_expect RETURNING version INTO v;
+        IF v IS NULL AND p_expect = 0 THEN
+            INSERT INTO sessions(id, created, last_seen, version) VALUES(p_id, p_now, p_now, 1)
+                ON CONFLICT(id) DO NOTHING RETURNING version INTO v;
+        END IF;
+        IF v IS NULL THEN
+            SELECT version INTO v FROM sessions WHERE id = p_id;
+            RAISE EXCEPTION 'session % was changed by another instance', p_id
+                USING ERRCODE = 'BL001', DETAIL = COALESCE(v, 0)::TEXT;
+        END IF;
+        -- refs: the session's next free numbers (a family shares one counter), in order (the client
+        -- checked they are consecutive and that p_first is the first of them), so none is given twice
+        IF p_k > 0 THEN
+            SELECT (SELECT next_ref FROM sessions WHERE id = p_id),
+                   (SELECT MAX(s.next_ref) FROM lineage m JOIN sessions s ON s.id = m.session_id
+                     WHERE m.root = (SELECT root FROM lineage WHERE session_id = p_id))
+              INTO first, fam;
+            first := GREATEST(COALESCE(first, 1), COALESCE(fam, 0));
+            IF first + p_k <> p_next_ref OR p_first IS DISTINCT FROM 'm' || lpad(first::TEXT, 5, '0') THEN
+                RAISE EXCEPTION 'refs of session % were given by another instance', p_id
+                    USING ERRCODE = 'BL001', DETAIL = first::TEXT;
+            END IF;
+            INSERT INTO refs_turns(session_id, seq, n, given) VALUES(p_id, v, p_k, p_given);
+        END IF;
+        INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, version)
+            VALUES(p_id, p_agent, p_lane, p_now, p_now, p_requests, p_messages, p_next_ref, p_flags, v)
+            ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, lane=excluded.lane, last_seen=excluded.last_seen,
+                requests=excluded.requests, messages=excluded.messages, next_ref=excluded.next_ref,
+                flags=excluded.flags, version=excluded.version;
+        IF p_n > 0 THEN
+            INSERT INTO ledger_turns(session_id, seq, first_seen, n, rows) VALUES(p_id, v, p_now, p_n, p_rows);
+        END IF;
+        IF p_tail IS NOT NULL THEN
+            INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(p_id, p_depth, p_tail, p_now)
+                ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail,
+                    last_seen=excluded.last_seen;
+        END IF;
+        RETURN v;
+    END
+    $$""",
+    "DROP FUNCTION IF EXISTS bili_hold(BIGINT, TEXT)",
+    # the session's lock, then (a fresh snapshot per statement: VOLATILE) its version, family, last usage
+    # and, for a session this instance does not know (``p_fp``: its first part's fingerprint), its fork
+    # candidates (the sessions of its lane whose recorded history opens with that part)
+    """CREATE OR REPLACE FUNCTION bili_hold(p_key BIGINT, p_id TEXT, p_fp TEXT, p_lane TEXT)
+        RETURNS TABLE(o_version BIGINT, o_family TEXT[], o_last BIGINT[], o_cands TEXT[])
+        LANGUAGE plpgsql VOLATILE AS $$
+    BEGIN
+        PERFORM pg_advisory_lock(p_key);
+        RETURN QUERY SELECT
+            (SELECT s.version FROM sessions s WHERE s.id = p_id),
+            (SELECT ARRAY[l.root, l.parent, l.fork_at::TEXT, (SELECT MAX(s.next_ref) FROM sessions s JOIN lineage m
+                ON m.session_id = s.id WHERE m.root = l.root)::TEXT] FROM lineage l WHERE l.session_id = p_id),
+            (SELECT ARRAY[t.input_tokens, t.cache_read, t.cache_write, t.output_tokens] FROM turns t
+                WHERE t.session_id = p_id ORDER BY t.n DESC LIMIT 1),
+            CASE WHEN p_fp IS NULL THEN NULL::TEXT[] ELSE ARRAY(SELECT p.session_id FROM lineage_parts p
+                JOIN sessions s ON s.id = p.session_id WHERE p.seq = 0 AND p.fp = p_fp AND s.lane = p_lane
+                ORDER BY s.created) END;
+    END
+    $$""",
+]
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
 
 
@@ -444,6 +531,10 @@ def _reads(fn):
     return wrapper
 
 
+# the two statements of every turn, sent through libpq as they are (PgStore._call): the session's lock and
+# what it reads (its version, family, last usage, fork candidates: as one JSON text), the turn's commit
+_HOLD = b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text FROM bili_hold($1, $2, $3, $4)"
+_COMMIT = b"SELECT bili_commit_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
 # a new session's fork candidates: the sessions of its lane whose first part has its fingerprint
 _CANDIDATES = ("SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id=p.session_id "
                "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s ORDER BY s.created")
@@ -469,6 +560,7 @@ class PgStore:
         self._conn: psycopg.Connection | None = None  # held inside a transaction or a snapshot
         self.lock_wait = lock_wait
         self._lock_conn: psycopg.Connection | None = None  # holds the sessions' advisory locks
+        self._unlocking = False  # release's unlock is on its way: its answer is read before the next statement
         self._held: set[str] = set()
         # what :meth:`hold` read right after the session's lock was granted (its version, family and
         # last usage), answering :meth:`version`, :meth:`family` and :meth:`last_usage` until this
@@ -609,18 +701,12 @@ class PgStore:
         try:
             self._lock_connection()
             self.round_trips += 1
-            conn = self._lock_conn
-            if candidates is None:
-                version, fam, last = conn.execute(
-                    "SELECT * FROM bili_hold(%s, %s)", (self.lock_key(session_id), session_id)).fetchone()
-            else:
-                with conn.pipeline() as pipe:  # two statements, one round trip
-                    held, cands = conn.cursor(), conn.cursor()
-                    held.execute("SELECT * FROM bili_hold(%s, %s)", (self.lock_key(session_id), session_id))
-                    cands.execute(_CANDIDATES, candidates)
-                    pipe.sync()
-                    version, fam, last = held.fetchone()
-                    self._cands[candidates] = [r[0] for r in cands.fetchall()]
+            fp, lane = candidates if candidates is not None else (None, None)
+            # one statement (schema 10: the candidates too; a pipeline of two cost ~3x the client's time)
+            version, fam, last, cands = msgspec.json.decode(self._call(self._lock_conn, _HOLD, (
+                self.lock_key(session_id), session_id, fp, lane)).get_value(0, 0))
+            if candidates is not None:
+                self._cands[candidates] = list(cands or ())
         except pg_errors.LockNotAvailable as e:
             raise SessionBusy(session_id, self.lock_wait) from e
         except psycopg.Error as e:
@@ -635,8 +721,23 @@ class PgStore:
             tuple(int(x) for x in last) if last is not None else None,
         )
 
+    def _call(self, conn, sql: bytes, params: tuple):
+        """One statement of a turn's path (:data:`_HOLD`, :data:`_COMMIT`) sent through libpq as it is:
+        its parameters as text, its one result returned (a failure raised as psycopg raises it).
+        psycopg's cursor machinery cost the client ~2-3x the statement's own work (39 against 15 us
+        hot; a turn pays it cold), twice per turn."""
+        enc = conn.info.encoding
+        pgconn = conn.pgconn
+        pgconn.send_query_params(sql, [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in params])
+        result = conn.wait(pg_generators.execute(pgconn))[-1]
+        if result.status != ExecStatus.TUPLES_OK:
+            raise pg_errors.error_from_result(result, encoding=enc)
+        return result
+
     def _lock_connection(self) -> None:
         """The connection that holds the sessions' advisory locks (opened when missing)."""
+        if self._unlocking:
+            self._unlocked()
         if self._lock_conn is None or self._lock_conn.closed:
             self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
             self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
@@ -649,12 +750,33 @@ class PgStore:
             return
         self._held.clear()
         try:
-            self.round_trips += 1
-            self._lock_conn.execute("SELECT pg_advisory_unlock_all()")
+            self.round_trips += 1  # a statement sent, its answer not waited for
+            if self._unlocking:
+                self._unlocked()
+            # the unlock is sent (flushed to the server, which lets the locks go when it reads it), its
+            # answer read before the connection's next statement (hold): the turn does not wait for a
+            # round trip to the database to end
+            pgconn = self._lock_conn.pgconn
+            pgconn.send_query(b"SELECT pg_advisory_unlock_all()")
+            self._unlocking = True
+            self._lock_conn.wait(pg_generators.send(pgconn))
         except (psycopg.Error, AttributeError):  # a broken connection held nothing any more
             self._drop_lock_conn()
 
+    def _unlocked(self) -> None:
+        """The answer of the unlock :meth:`release` sent; a failure drops the connection (and with it
+        whatever it may still hold)."""
+        self._unlocking = False
+        try:
+            results = self._lock_conn.wait(pg_generators.fetch_many(self._lock_conn.pgconn))
+            ok = bool(results) and all(r.status == ExecStatus.TUPLES_OK for r in results)
+        except (psycopg.Error, AttributeError):
+            ok = False
+        if not ok:
+            self._drop_lock_conn()
+
     def _drop_lock_conn(self) -> None:
+        self._unlocking = False
         conn, self._lock_conn = self._lock_conn, None
         if conn is not None:
             try:
@@ -784,26 +906,37 @@ class PgStore:
 
     # -- writes --------------------------------------------------------------------------------
     def commit_turn(self, row: SessionRow, new_refs: list[LedgerRow], chain: tuple[int, str] | None = None, *,
-                    expect: int, minted: list[tuple[str, str]] = ()) -> int:
+                    expect: int, minted: list[tuple[str, str]] = (), fresh: bool = False) -> int:
         """As :meth:`bili_addon.store.Store.commit_turn`, in one round trip: ``bili_commit_turn`` (schema
-        6) checks and advances the version, allocates the minted refs, writes the session row, the
+        10) checks and advances the version, allocates the minted refs, writes the session row, the
         ledger rows and the prefix chain in one statement (its own transaction); a refusal rolls it
         all back and names itself (:data:`_STALE`)."""
         now = time.time()
-        minted = list(minted)
-        if minted:
-            contiguous(minted)  # the server checks the first against its counter
+        fresh = fresh and bool(new_refs)
+        if fresh and minted:
+            raise StoreError("a fresh turn's refs are its rows' (minted must be left out)")
+        if fresh:  # the refs are the rows' (consecutive: checked here; the first against the counter there)
+            fresh_first(new_refs)
+            given, k, first = FRESH_GIVEN, len(new_refs), new_refs[0].ref
+        elif minted:
+            minted = list(minted)
+            contiguous(minted)
+            given, k, first = _json.encode(minted).decode(), len(minted), minted[0][0]
+        else:
+            given, k, first = None, 0, None
         try:
             with self._use() as conn:
                 self.round_trips += 1
-                version = conn.execute(
-                    # the rows as one JSON text each (msgspec encodes thousands at C speed; psycopg's
-                    # array dumper works element by element in Python), kept as they are (schema 7)
-                    "SELECT bili_commit_turn(%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s::json,%s::json,%s,%s)",
-                    (row.id, expect, row.agent, row.lane, row.created, now, row.requests, row.messages, row.next_ref,
-                     row.flags, msgspec.json.encode(minted).decode(), msgspec.json.encode(new_refs).decode(),
-                     chain[0] if chain is not None else None, chain[1] if chain is not None else None),
-                ).fetchone()[0]
+                # the documents as text with their counts (msgspec's JSON, kept as it is: schema 7, sent as
+                # its bytes: UTF-8); psycopg's array dumper would work element by element in Python
+                doc = _json.encode(new_refs) if new_refs else None
+                if doc is not None and conn.info.encoding != "utf-8":
+                    doc = doc.decode().encode(conn.info.encoding)
+                version = int(self._call(conn, _COMMIT, (
+                    row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref,
+                    row.flags, given, k, first, doc, len(new_refs),
+                    chain[0] if chain is not None else None, chain[1] if chain is not None else None),
+                ).get_value(0, 0))
         except psycopg.Error as e:
             self._state.pop(row.id, None)
             if getattr(e, "sqlstate", None) == _STALE:  # the version moved, or a ref was given meanwhile

@@ -9,7 +9,7 @@ import json
 from bili_addon import cli
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
-from bili_addon.store import CalibrationRow, Store, WireTurn
+from bili_addon.store import FRESH_GIVEN, CalibrationRow, Store, WireTurn
 from bili_addon.stores import TABLES, open_store
 from test_fold import ANTH, H, body, fold_steps_1_to_4
 
@@ -48,6 +48,8 @@ def test_a_store_with_folds_round_trips_sqlite_postgresql_sqlite_unchanged(tmp_p
     for table in ("sessions", "ledger_turns", "refs_turns", "blocks", "originals", "calls", "turns", "copies", "transcript",
                   "wire", "calibration", "chains"):
         assert before[table], f"the fixture should fill {table}"
+    # a first turn's refs as its ledger row's (schema 10) and a later turn's written out, both copied
+    assert {r[3] == FRESH_GIVEN for r in before["refs_turns"]} == {True, False}
     wire_before = (e.store.wire("fold-1"), e.store.wire_totals("fold-1"))
     assert len(wire_before[0]) == 3
     e.store.close()

@@ -229,8 +229,9 @@ def test_bili_run_store_sets_bili_store_once(tmp_path, monkeypatch, capsys):
 
 def test_a_follow_up_turn_on_postgresql_takes_three_round_trips(pg_url, tmp_path, monkeypatch):
     """Issue #11's "a few round trips": the session's lock and its state (version, family, last
-    usage) in one statement, the turn's commit in one statement, the lock's release; the
-    lineage of the turn is stored after the answer, in one statement more."""
+    usage) in one statement, the turn's commit in one statement, the lock's release (sent, its
+    answer not waited for: read before the connection's next statement); the lineage of the turn is
+    stored after the answer, in one statement more."""
     import psycopg
 
     from bili_addon.kernel.turn import Engine
@@ -249,6 +250,8 @@ def test_a_follow_up_turn_on_postgresql_takes_three_round_trips(pg_url, tmp_path
     sent: list[str] = []
     execute = psycopg.Connection.execute
     monkeypatch.setattr(psycopg.Connection, "execute", lambda self, q, *a, **k: sent.append(str(q)) or execute(self, q, *a, **k))
+    call = PgStore._call  # the turn's two statements, sent through libpq as they are
+    monkeypatch.setattr(PgStore, "_call", lambda self, c, q, p: sent.append(q.decode()) or call(self, c, q, p))
     try:
         turn()
         eng.lineage.flush()
@@ -258,8 +261,13 @@ def test_a_follow_up_turn_on_postgresql_takes_three_round_trips(pg_url, tmp_path
         res = turn()
         assert res.refs_new == 2 and res.refs_known == 4
         assert store.round_trips - before == 3, sent
-        assert [q.split("(")[0] for q in sent] == ["SELECT * FROM bili_hold", "SELECT bili_commit_turn",
-                                                    "SELECT pg_advisory_unlock_all"], sent
+        assert [q.split("(")[0] for q in sent] == ["SELECT json_build_array", "SELECT bili_commit_turn"], sent
+        assert "FROM bili_hold(" in sent[0]
+        assert store._unlocking and not store._held  # the unlock is on its way
+        with psycopg.connect(pg_url, autocommit=True) as other:  # ... and another instance gets the lock
+            other.execute("SET lock_timeout = 5000")
+            other.execute("SELECT pg_advisory_lock(%s)", (store.lock_key("rt"),))
+            other.execute("SELECT pg_advisory_unlock_all()")
         before = store.round_trips
         eng.lineage.flush()  # after the answer
         assert store.round_trips - before == 1 and len(store.lineage_parts("rt")) == 6
@@ -322,3 +330,31 @@ def test_a_schema_3_store_of_either_backend_gets_calibration_and_chains(backend)
         s.release()
     finally:
         s.close()
+
+
+def test_a_release_whose_answer_never_comes_costs_the_lock_connection_only(pg_url, tmp_path):
+    """The unlock release sends is read before the lock connection's next statement; a connection
+    that died meanwhile (the server dropped it, and its locks with it) is replaced: the next turn's
+    hold works, and another instance was never kept waiting."""
+    import psycopg
+
+    from bili_addon.store_pg import PgStore
+
+    store = PgStore(pg_url, str(tmp_path))
+    try:
+        store.hold("a")
+        pid = store._lock_conn.info.backend_pid
+        store.release()
+        store.hold("b")  # the unlock's answer read first, then the lock of b on the same connection
+        assert store._lock_conn.info.backend_pid == pid and not store._unlocking
+        with psycopg.connect(pg_url, autocommit=True) as other:
+            other.execute("SELECT pg_terminate_backend(%s)", (pid,))  # the server drops it, b's lock with it
+            other.execute("SET lock_timeout = 5000")
+            other.execute("SELECT pg_advisory_lock(%s)", (store.lock_key("b"),))
+            other.execute("SELECT pg_advisory_unlock_all()")
+        store.release()  # sent into a dead connection (or failing at once): no error here
+        store.hold("c")  # the missing answer costs the connection: a new one takes c's lock
+        assert store._lock_conn.info.backend_pid != pid and store.version("c") == 0
+        store.release()
+    finally:
+        store.close()

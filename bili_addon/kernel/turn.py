@@ -420,7 +420,9 @@ class Engine(ProxyTools, Epochs, Deferred):
             row.next_ref + len(given), row.flags,
         )
         try:
-            s.stored = self.store.commit_turn(staged, new_rows, tail, expect=s.stored, minted=given)
+            # fresh: the store keeps the rows' refs as the turn's without a second copy (schema 10)
+            s.stored = (self.store.commit_turn(staged, new_rows, tail, expect=s.stored, fresh=True) if fresh
+                        else self.store.commit_turn(staged, new_rows, tail, expect=s.stored, minted=given))
         except Exception:
             for r in new_rows:  # nothing of this turn is kept
                 s.refs.pop((r.msg_id, r.content_hash), None)
