@@ -772,6 +772,10 @@ class Store:
             # the WAL's checkpoints off the writers' path (_Checkpointer); this connection's only past the backstop
             self.db.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")
             self._page_size = self.db.execute("PRAGMA page_size").fetchone()[0]
+            # the WAL file cut back to half the threshold when a write starts it over after a checkpoint:
+            # its size then says how much is left to copy (else, grown once, it would wake the thread,
+            # and make a checkpoint with its fsyncs, after every commit)
+            self.db.execute(f"PRAGMA journal_size_limit={WAL_CHECKPOINT_PAGES // 2 * (self._page_size + 24)}")
             self.db.executescript(_SCHEMA)
             self._migrate()
         except (sqlite3.Error, OSError, StoreError) as e:
