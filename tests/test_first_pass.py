@@ -36,18 +36,28 @@ def run(tmp_path, name: str, lane: str, bodies: list[bytes]) -> tuple[list, list
     return outs, ledger
 
 
-def conversation(lane: str, n: int, ascii_json: bool) -> list[bytes]:
+def conversation(lane: str, n: int, ascii_json: bool, agent_order: bool = False) -> list[bytes]:
     case = bench_overhead.Case(lane, n, seed=3)
     msgs = list(case.msgs)
     msgs[1 if lane == "chat" else 0] = {"role": "user", "content": "Grüße, «naïve» café: ünïcödé text. " * 3}
-    enc = (lambda m: json.dumps({**case.top, "messages": m}).encode()) if ascii_json else case.body
+    if agent_order:  # the conversation right after the model, the other members after it (as Claude Code writes them)
+        def top(m):
+            return {"model": case.top["model"], "messages": m, **{k: v for k, v in case.top.items() if k != "model"},
+                    "metadata": {"user_id": "u"}, "stream": True}
+    else:
+        def top(m):
+            return {**case.top, "messages": m}
+    enc = (lambda m: json.dumps(top(m)).encode()) if ascii_json else (lambda m: msgspec.json.encode(top(m)))
     return [enc(msgs), enc(msgs + [case.new(0)])]
 
 
 @pytest.mark.parametrize("lane", ["anthropic", "chat"])
 @pytest.mark.parametrize("ascii_json", [False, True], ids=["compact", "python-json"])
-def test_the_first_pass_gives_what_the_general_path_gives(tmp_path, monkeypatch, lane, ascii_json):
-    bodies = conversation(lane, 120, ascii_json)
+@pytest.mark.parametrize("agent_order", [False, True], ids=["messages-last", "messages-second"])
+def test_the_first_pass_gives_what_the_general_path_gives(tmp_path, monkeypatch, lane, ascii_json, agent_order):
+    bodies = conversation(lane, 120, ascii_json, agent_order)
+    if not ascii_json:
+        assert base._split_compact(bodies[0]) is not None  # (the one-scan split reads it)
     fast = run(tmp_path, "fast", lane, bodies)
     monkeypatch.setattr(fresh, "applies", lambda *a: False)  # the general path: _resolve, _view_items
     monkeypatch.setattr(render, "patch_decoded", lambda *a: None)  # ... and patching per path
@@ -490,3 +500,64 @@ def test_typed_anthropic_items_on_random_shapes():
             read += 1
             assert got[0] == [lane.item_cores(msgspec.json.decode(r)) for r in raws]
     assert read > 50
+
+
+def _general_split(body: bytes):
+    top = base._dec_raw_obj.decode(body)
+    conv = top.get("messages")
+    items = base._dec_raw_list.decode(conv) if conv is not None and bytes(conv)[:1] == b"[" else None
+    return [(k, bytes(v)) for k, v in top.items()], None if items is None else [bytes(x) for x in items]
+
+
+def test_the_one_scan_split_on_members_in_any_order():
+    """The one-scan split reads the members in the order they stand (the conversation first, in
+    the middle or last, as agents write it): a compact body of known keys is split, and split as
+    the general way splits it; a body with a space, an unknown, repeated or escaped key is not."""
+    rnd = random.Random(23)
+    values = [1, 2.5, "s", 'q"uote', "\\", "k\":", {"model": "x", "messages": [1]}, [{"a": []}], None, True, [], {}]
+    split = 0
+    for _ in range(400):
+        keys = rnd.sample(base._TOP_KEYS, rnd.randint(0, 6))
+        members = [(k, rnd.choice(values)) for k in keys]
+        msgs = [rnd.choice([{"role": "user", "content": "a,b"}, {"role": "assistant", "content": [{"type": "text", "text": "]}"}]},
+                            "s", 3, [], {"messages": []}]) for _i in range(rnd.randint(0, 4))]
+        members.insert(rnd.randint(0, len(members)), ("messages", msgs))
+        keys = [msgspec.json.encode(k) for k, _v in members]
+        vals = [msgspec.json.encode(v) for _k, v in members]
+        sep, colon = [b","] * len(members), [b":"] * len(members)
+        mutation = rnd.choice(["none", "none", "space", "unknown", "repeat", "escape"])
+        i = rnd.randrange(len(members))
+        if mutation == "space":  # beside a member, or between two items
+            where = rnd.choice(["sep", "colon", "item"])
+            if where == "item" and len(msgs) > 1:
+                vals[keys.index(b'"messages"')] = b"[" + b", ".join(map(msgspec.json.encode, msgs)) + b"]"
+            elif where == "colon":
+                colon[i] = b": "
+            else:
+                sep[i] = b", "
+                if i == len(members) - 1:
+                    mutation = "none"  # (no comma after the last member)
+        elif mutation == "unknown":
+            keys.insert(i, b'"unknown"'), vals.insert(i, b"1"), sep.append(b","), colon.append(b":")
+        elif mutation == "repeat":
+            keys.append(keys[i]), vals.append(vals[i]), sep.append(b","), colon.append(b":")
+        elif mutation == "escape":
+            k = members[i][0]
+            keys[i] = b'"' + k[:1].encode() + b"\\u00" + k[1:2].encode().hex().encode() + k[2:].encode() + b'"'
+        last = len(keys) - 1
+        body = b"{" + b"".join(k + c + v + (s if j < last else b"")
+                               for j, (k, c, v, s) in enumerate(zip(keys, colon, vals, sep))) + b"}"
+        got = base._split_compact(body)
+        want = _general_split(body)
+        if mutation == "none":
+            assert got is not None
+        elif mutation != "space" or where != "item" or len(msgs) > 1:
+            assert got is None
+        if got is not None:
+            split += 1
+            top, items = got
+            assert ([(k, bytes(v)) for k, v in top.items()], [bytes(x) for x in items]) == want
+        b = Body(body, "messages")  # and Body reads what the general split reads, either way
+        assert [(k, bytes(v)) for k, v in b.top.items()] == want[0]
+        assert b.array and [bytes(x) for x in b.items] == want[1]
+    assert split > 150

@@ -72,28 +72,32 @@ class ChatLane(LaneDefaults):
         out: list[list[Core]] = []
         add = out.append
         unset = _UNSET
+        path = _CONTENT_PATH
         for m in msgs:
             t = type(m)
             content = m.content
             if t is _Tool:
-                add([Core("tool", TOOL_RESULT, "" if content is None or content is unset else content,
-                          tool_call_id=_str(None if m.tool_call_id is unset else m.tool_call_id))])
+                cid = m.tool_call_id
+                add([Core("tool", TOOL_RESULT, "" if content is None or content is unset else content, "",
+                          cid if type(cid) is str else "")])
                 continue
             if t is _Assistant:
                 calls = m.tool_calls
                 cores = [] if content is None or content is unset or (content == "" and calls) else [
-                    Core("assistant", TEXT, content, path=("content",))]
+                    Core("assistant", TEXT, content, "", "", "", 0, path)]
                 if calls is not unset and calls is not None:
-                    if any(c.function is unset for c in calls):
-                        return None  # (item_cores reads such a call as other content)
-                    cores.extend([Core("assistant", TOOL_CALL, _arg_text(None if c.function.arguments is unset
-                                                                         else c.function.arguments),
-                                       tool_name=_str(None if c.function.name is unset else c.function.name),
-                                       tool_call_id=_str(None if c.id is unset else c.id)) for c in calls])
+                    for c in calls:
+                        fn = c.function
+                        if fn is unset:
+                            return None  # (item_cores reads such a call as other content)
+                        args, name, cid = fn.arguments, fn.name, c.id
+                        cores.append(Core("assistant", TOOL_CALL, args if type(args) is str else _arg_text(
+                            None if args is unset else args), name if type(name) is str else "",
+                            cid if type(cid) is str else ""))
                 add(cores)
                 continue
-            role = "user" if t is _User else "system"
-            add([] if content is None or content is unset else [Core(role, TEXT, content, path=("content",))])
+            add([] if content is None or content is unset else [
+                Core("user" if t is _User else "system", TEXT, content, "", "", "", 0, path)])
         return out, msgs, [type(m) is _System or type(m) is _Developer for m in msgs]
 
     @staticmethod
@@ -325,4 +329,5 @@ class _Tool(msgspec.Struct, tag_field="role", tag="tool", forbid_unknown_fields=
 
 
 _dec_chat = msgspec.json.Decoder(list[_User | _System | _Developer | _Assistant | _Tool])
+_CONTENT_PATH = ("content",)  # the path of every string content array_cores reads (one tuple shared)
 _enc_chat = msgspec.json.Encoder()
