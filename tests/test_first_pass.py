@@ -19,6 +19,7 @@ from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
 from bili_addon.wire import LANES, base
 from bili_addon.wire.anthropic import AnthropicLane
+from bili_addon.wire.chat import ChatLane
 from bili_addon.wire.base import DELETE, Body, patch_decoded, patch_many
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -40,6 +41,10 @@ def conversation(lane: str, n: int, ascii_json: bool, agent_order: bool = False)
     case = bench_overhead.Case(lane, n, seed=3)
     msgs = list(case.msgs)
     msgs[1 if lane == "chat" else 0] = {"role": "user", "content": "Grüße, «naïve» café: ünïcödé text. " * 3}
+    if lane == "chat" and agent_order:  # user prose as text parts (pi, omp), results with their tool's name (hermes)
+        msgs = [{"role": "user", "content": [{"type": "text", "text": m["content"]}]} if m["role"] == "user" else
+                {"role": "tool", "name": "Bash", **{k: v for k, v in m.items() if k != "role"}} if m["role"] == "tool"
+                else m for m in msgs]
     if agent_order:  # the conversation right after the model, the other members after it (as Claude Code writes them)
         def top(m):
             return {"model": case.top["model"], "messages": m, **{k: v for k, v in case.top.items() if k != "model"},
@@ -57,11 +62,14 @@ def conversation(lane: str, n: int, ascii_json: bool, agent_order: bool = False)
 def test_the_first_pass_gives_what_the_general_path_gives(tmp_path, monkeypatch, lane, ascii_json, agent_order):
     bodies = conversation(lane, 120, ascii_json, agent_order)
     if not ascii_json:
+        b = Body(bodies[0], "messages")
         assert base._split_compact(bodies[0]) is not None  # (the one-scan split reads it)
+        assert LANES[lane].array_cores(b.top["messages"]) is not None  # (and the typed structs its items)
     fast = run(tmp_path, "fast", lane, bodies)
     monkeypatch.setattr(fresh, "applies", lambda *a: False)  # the general path: _resolve, _view_items
     monkeypatch.setattr(render, "patch_decoded", lambda *a: None)  # ... and patching per path
     monkeypatch.setattr(AnthropicLane, "array_cores", None)  # ... items read one by one, as dicts
+    monkeypatch.setattr(ChatLane, "array_cores", None)
     monkeypatch.setattr(base, "_split_compact", lambda raw: None)  # ... the body split in two scans
     monkeypatch.setattr(nudge, "_runs_unfolded", _runs_reference)  # ... the reminder's runs part by part
     general = run(tmp_path, "general", lane, bodies)
@@ -131,7 +139,7 @@ def test_get_many_decodes_the_whole_array_as_each_item():
     objs = []
     assert ItemCache().get_many(chat, raws, objs, b"[" + b",".join(raws) + b"]") == want
     assert list(map(msgspec.to_builtins, objs)) == want_objs
-    raws[3] = msgspec.json.encode(dict(msgs[3], name="a key the structs do not hold"))  # the whole array as dicts
+    raws[3] = msgspec.json.encode(dict(msgs[3], key="a key the structs do not hold"))  # the whole array as dicts
     want_objs = []
     want = ItemCache().get_many(chat, raws, want_objs)
     objs = []
@@ -253,9 +261,29 @@ _CHAT_SHAPES = [
     {"role": "tool", "content": None},
     {"role": "tool", "tool_call_id": 3},
     {"content": "late role", "role": "user"},
+    {"role": "user", "content": [{"type": "text", "text": "a part"}]},  # parts (pi, omp)
+    {"role": "user", "content": [{"type": "text", "text": "[bili] x\n<acp>m00001</acp>", "cache_control": {"type": "ephemeral"}},
+                                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}},
+                                 {"type": "image_url", "image_url": "http://x/y.png"}, {"type": "image_url"},
+                                 {"image_url": {"url": 5}, "type": "image_url"}, {"type": "text", "text": ""}]},
+    {"role": "user", "content": []},
+    {"role": "system", "content": [{"type": "text", "text": "sys part"}]},
+    {"role": "developer", "content": [{"type": "text", "text": "dev part"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "prose part"}], "tool_calls": [
+        {"id": "c3", "type": "function", "function": {"name": "Read", "arguments": "{}"}}]},
+    {"role": "assistant", "content": [], "tool_calls": None},
+    {"role": "tool", "name": "terminal", "content": "out", "tool_call_id": "c1"},  # a result's name (hermes)
+    {"role": "tool", "tool_call_id": "c1", "name": None},
 ]
 _CHAT_OTHER = [  # shapes Chat's structs do not hold: the array is read item by item
-    {"role": "user", "content": [{"type": "text", "text": "a part"}]},
+    {"role": "user", "content": [{"type": "text", "text": 5}]},
+    {"role": "user", "content": [{"type": "text"}]},
+    {"role": "user", "content": [{"type": "text", "text": "x", "other": 1}]},
+    {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]},
+    {"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]},
+    {"role": "user", "content": ["a string part"]},
+    {"role": "user", "content": [{"text": "no type"}]},
+    {"role": "user", "content": {"type": "text", "text": "an object"}},
     {"role": "user", "content": "x", "name": "bob"},
     {"role": "assistant", "content": "x", "reasoning_content": "r"},
     {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "custom": {"name": "n", "input": "i"}}]},
@@ -302,7 +330,8 @@ def test_chat_patch_typed_is_patch_many_or_nothing():
                 made += 1
                 assert out == patch_many(raw, edits)
             else:
-                assert raw != msgspec.json.encode(item) or item["role"] != next(iter(item.values()))
+                fields = ["role", *(f for f in type(struct).__struct_fields__ if f in item)]
+                assert raw != msgspec.json.encode(item) or list(item) != fields  # (keys in another order)
     assert made >= 6
     raw = msgspec.json.encode(_CHAT_SHAPES[2])
     for edits in ([(("content",), 5)], [(("role",), "x")], [(("content", 0, "text"), "x")]):
