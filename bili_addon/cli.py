@@ -175,19 +175,7 @@ def _instructions(modes: list, host: str, port: int, ca, bili_mode: str,
     return lines
 
 
-def port_in_use(host: str, port: int) -> bool:
-    """Something listens on ``host:port`` (bound the way mitmproxy binds: SO_REUSEADDR)."""
-    import errno
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host or "0.0.0.0", port))
-        except OSError as e:
-            return e.errno == errno.EADDRINUSE
-    return False
+port_in_use = launch.port_in_use
 
 
 def _busy_message(host: str, port: int, via_mode: str | None) -> str:

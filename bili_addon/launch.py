@@ -715,7 +715,7 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
     modes = ["regular"]
     tmode = ""
     if mechanism == "netns":
-        tmode = transparent.transparent_mode(getattr(args, "transparent_port", None) or args.port + 1)
+        tmode = transparent.transparent_mode(transparent_port(args.port, getattr(args, "transparent_port", None)))
     elif mechanism == "local":
         tmode = transparent.local_mode(binary or agent.binary)
     if tmode:
@@ -736,6 +736,42 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
     return Plan(agent, binary, [binary or agent.binary, *args.extra], hosts, allow, proxy_url,
                 agent_env(agent, env, proxy_url, ca, args.data_dir), command, ca, mechanism, tmode,
                 override or list(hosts.hosts))
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Something listens on ``host:port`` (bound the way mitmproxy binds: SO_REUSEADDR)."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host or "0.0.0.0", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def transparent_port(port: int, given: int | None) -> int:
+    """The transparent listener's port for a proxy on ``port``: ``given``; else the one of the bili
+    proxy already there (re-used with it); else ``port + 1`` when nothing listens there; else a free
+    port the system picks (another program holds ``port + 1``: mitmdump would not start)."""
+    if given:
+        return given
+    found = probe(port, DEFAULT_HOST, timeout=1.0)
+    if found.kind == "bili":
+        for mode in found.health.get("modes") or ():
+            if isinstance(mode, str) and mode.startswith("transparent@"):
+                with contextlib.suppress(ValueError):
+                    return int(mode.rsplit(":", 1)[1])
+    if port + 1 <= 65535 and not port_in_use(DEFAULT_HOST, port + 1):
+        return port + 1
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((DEFAULT_HOST, 0))
+        return s.getsockname()[1]
 
 
 def program_agent(program: str) -> Agent:
@@ -789,7 +825,8 @@ def configure_transparent(p: argparse.ArgumentParser) -> None:
                         "mode (see bili doctor for what this machine supports). bili run --transparent -- "
                         "PROGRAM ARGS runs any program so")
     p.add_argument("--transparent-port", type=int, metavar="PORT",
-                   help="the transparent listener's port on 127.0.0.1 (default: the proxy's port + 1)")
+                   help="the transparent listener's port on 127.0.0.1 (default: the running bili proxy's, else the proxy's "
+                        "port + 1 when free, else a free one)")
     p.add_argument("--redirect", action="append", metavar="HOST[:PORT]",
                    help="with --transparent: redirect these destinations (repeatable; names are resolved, "
                         "IPv4 addresses taken as they are) instead of every intercepted model host")

@@ -151,6 +151,8 @@ def line(session: str, lane: str, agent: str, w: WireTurn, table: prices.Table |
     out = (f"bili {agent or '?'} {session[:8]} t{w.request} {lane}: {tokens(w.agent_tokens)} -> "
            f"{tokens(w.sent_tokens)} tok{change}, cache read {pct(w.predicted)} (reported {pct(reported)}), "
            f"{w.blocks} block{'s' if w.blocks != 1 else ''}")
+    if w.cache_write_1h:  # written at the 1-hour rate (2x input, not 1.25x): said, as the cost counts it
+        out += f", cache write {tokens(w.cache_write)} ({tokens(w.cache_write_1h)} for 1 h)"
     cost, saved = turn_money(w, table)
     if cost is not None:
         out += f", {prices.money(cost)} (saved {prices.money(saved)})"

@@ -229,8 +229,9 @@ def response_view(data: bytes, rec: dict[str, Any] | None) -> str:
     u = rec.get("usage")
     if u:
         share = f" ({u['cache_read'] / u['input']:.0%} read from cache)" if u.get("input") else ""
-        lines.append(f"usage: input {u['input']:,}, cache read {u['cache_read']:,}, cache write {u['cache_write']:,}, "
-                     f"output {u['output']:,}{share}")
+        long = f" ({u['cache_write_1h']:,} for 1 hour)" if u.get("cache_write_1h") else ""
+        lines.append(f"usage: input {u['input']:,}, cache read {u['cache_read']:,}, cache write {u['cache_write']:,}"
+                     f"{long}, output {u['output']:,}{share}")
     if data:
         doc = _decode(data)
         lines += ["", "── the answer as the agent received it ──",

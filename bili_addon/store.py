@@ -812,10 +812,13 @@ class Store:
     def session_state(self, session_id: str) -> tuple[SessionRow | None, list[LedgerRow], list[str], list[tuple],
                                                       str | None]:
         """What loading a session reads, as one consistent state: its row, ledger, blocks, calls
-        and canonical copy (PostgreSQL: one statement)."""
+        and canonical copy (PostgreSQL: one statement).  A new session's is its missing row: one
+        statement, consistent on its own (its rows are written with its session row, never before)."""
+        if self.session(session_id) is None:
+            return None, [], [], [], None
         with self.snapshot():
-            row = self.session(session_id)
-            if row is None:  # a new session (its rows are written with its session row, never before)
+            row = self.session(session_id)  # read again with the rest
+            if row is None:
                 return None, [], [], [], None
             return (row, self.ledger(session_id), self.blocks(session_id), self.calls(session_id),
                     self.copy(session_id))

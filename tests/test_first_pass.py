@@ -70,6 +70,7 @@ def test_the_first_pass_gives_what_the_general_path_gives(tmp_path, monkeypatch,
     monkeypatch.setattr(render, "patch_decoded", lambda *a: None)  # ... and patching per path
     monkeypatch.setattr(AnthropicLane, "array_cores", None)  # ... items read one by one, as dicts
     monkeypatch.setattr(ChatLane, "array_cores", None)
+    monkeypatch.setattr(LANES["chat"], "tag_typed", staticmethod(lambda *a: None))  # ... tags patched, not put in bytes
     monkeypatch.setattr(base, "_split_compact", lambda raw: None)  # ... the body split in two scans
     monkeypatch.setattr(nudge, "_runs_unfolded", _runs_reference)  # ... the reminder's runs part by part
     general = run(tmp_path, "general", lane, bodies)

@@ -41,6 +41,11 @@ def test_the_log_line_by_hand():
     assert prices.money(cost) == "$0.033" and prices.money(saved) == "$0.041"
     w.model = "a-model-without-price"
     assert line("3fe7b19e", "chat", "", w).endswith("3 blocks")  # tokens only
+    w.model, w.cache_write_1h = "claude-sonnet-4-5", 1_500  # 1,500 of the 2,000 written for an hour, at 2x input
+    cost = (1_688 * 3 + 500 * 3.75 + 1_500 * 6 + 42_412 * 0.3 + 500 * 15) / 1e6
+    assert line("3fe7b19e", "anthropic", "claude", w) == (
+        "bili claude 3fe7b19e t42 anthropic: 181.2K -> 46.1K tok (-75%), cache read 93% (reported 92%), "
+        f"3 blocks, cache write 2.0K (1.5K for 1 h), {prices.money(cost)} (saved {prices.money(saved)})")
 
 
 def test_summary_over_turns():

@@ -460,3 +460,53 @@ def test_a_namespace_left_by_a_killed_launcher_is_removed_by_the_next(tmp_path):
         second.close()
     assert second.net is None and not list(tmp_path.glob("transparent-*.json"))
     assert transparent.Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() == forward
+
+
+def test_the_default_transparent_port_is_one_that_can_be_had(capsys, monkeypatch, tmp_path):
+    """port + 1 when free; a free one when another program holds port + 1 (mitmdump would exit with
+    "address already in use"); the running bili proxy's own listener when it is re-used."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    def plan_for(port):
+        args = _dry_run(["claude", "--port", str(port), "--confdir", str(tmp_path / "ca"), "--dry-run",
+                         "--transparent"], [], capsys, monkeypatch, tmp_path)
+        return int(launch.plan_launch(launch.AGENTS["claude"], args).transparent_mode.rsplit(":", 1)[1])
+
+    with socket.socket() as a, socket.socket() as b:  # two neighbouring free ports
+        for _ in range(50):
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+                break
+            except OSError:
+                a.close()
+                a = socket.socket()
+        else:
+            pytest.skip("no two neighbouring free ports")
+        a.close()  # the proxy's port: free; port + 1 held by another program
+        b.listen()
+        got = plan_for(port)
+        assert got not in (port, port + 1) and not launch.port_in_use("127.0.0.1", got)
+    assert plan_for(port) == port + 1  # both free again
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"ok": True, "version": "x", "modes": ["regular", "transparent@127.0.0.1:7123"]}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert plan_for(server.server_address[1]) == 7123  # the running proxy's listener, re-used
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from bili_addon import prices
+from types import SimpleNamespace
+
+from bili_addon import flowmeta, mitmview, prices
 from bili_addon.kernel import cache
 from bili_addon.kernel.tools import written_for_an_hour
 from bili_addon.kernel.turn import Engine
@@ -102,6 +104,11 @@ def test_the_split_is_read_from_the_answer(stream):
     plain = _answer({"input_tokens": 50, "cache_read_input_tokens": 900, "cache_creation_input_tokens": 300,
                      "output_tokens": 1}, stream).usage
     assert plain.cache_write == 300 and plain.cache_write_1h is None and plain.split == ""
+    # the flow's record and its mitmweb view say it too
+    for usage, said in ((u, "cache write 300 (200 for 1 hour), output "), (plain, "cache write 300, output ")):
+        rec: dict = {}
+        flowmeta.record_answer(rec, SimpleNamespace(calls=[], usage=usage, stripped=0), [])
+        assert said in mitmview.response_view(b"", rec)
 
 
 def test_without_a_reported_split_the_request_says_what_was_written_for_an_hour():

@@ -13,7 +13,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import msgspec
 
@@ -79,6 +79,15 @@ class Block:
 
 # one per part per turn: msgspec Structs build ~3x faster than dataclasses
 _TOKENS = attrgetter("tokens")
+_UNKNOWN = object()  # (a View's user turns, not looked for yet)
+
+
+def _user_turn(parts: list[PartView]) -> bool:
+    """:attr:`ViewItem.user_turn` of an item's parts (a plain loop: read for many items per turn)."""
+    for p in parts:
+        if p.role == "user" and p.ctype == TEXT:
+            return True
+    return False
 
 
 class PartView(msgspec.Struct, gc=False):
@@ -91,8 +100,10 @@ class PartView(msgspec.Struct, gc=False):
     tokens: int
 
 
-class ViewItem(msgspec.Struct):
-    """One conversation item as the kernel sees it: its parts' refs and pairing keys."""
+class ViewItem(msgspec.Struct, gc=False):
+    """One conversation item as the kernel sees it: its parts' refs and pairing keys.  (Never in
+    a reference cycle: its parts are PartViews; untracked by the cyclic collector, it is made
+    faster, and the collector never walks a conversation's items.)"""
 
     index: int  # position in the request's conversation array
     parts: list[PartView]
@@ -112,7 +123,7 @@ class ViewItem(msgspec.Struct):
 
     @property
     def user_turn(self) -> bool:
-        return any(p.role == "user" and p.ctype == TEXT for p in self.parts)
+        return _user_turn(self.parts)
 
     @property
     def reasoning_only(self) -> bool:
@@ -123,21 +134,66 @@ class ViewItem(msgspec.Struct):
         return sum(map(_TOKENS, self.parts))
 
 
+class Sums(NamedTuple):
+    """What the turn's decisions read of a view's token figures (:meth:`View.sums`)."""
+
+    tokens: list[int]  # at ``k``: the tokens of every part of ``items[:k]`` (folded or not); len(items) + 1
+    filled: list[int]  # at ``k``: how many of ``items[:k]`` have parts
+    peak: int  # the most tokens of one part (0: none)
+
+
 class View:
-    def __init__(self, items: list[ViewItem]):
+    def __init__(self, items: list[ViewItem], sums: Sums | None = None):
+        """``sums``: :meth:`sums`, when the caller has them (a conversation's first pass)."""
         self.items = items
         self.first_free = False  # the first user turn is the agent's compaction summary: foldable
-        self.pos: dict[str, int] = {}
-        setdefault = self.pos.setdefault
-        for k, it in enumerate(items):
-            for p in it.parts:
-                setdefault(p.ref, k)
+        # what the turn's decisions read of the view, computed once and only when read (the view's
+        # items never change once it is made): the refs' positions, the first and last user turns,
+        # the token figures
+        self._pos: dict[str, int] | None = None
+        self._first_user = self._last_user = _UNKNOWN
+        self._sums = sums
+
+    @property
+    def pos(self) -> dict[str, int]:
+        """Each ref's position in ``items`` (its first)."""
+        if self._pos is None:
+            pos: dict[str, int] = {}
+            setdefault = pos.setdefault
+            for k, it in enumerate(self.items):
+                for p in it.parts:
+                    setdefault(p.ref, k)
+            self._pos = pos
+        return self._pos
 
     def first_user(self) -> int | None:
-        return next((k for k, it in enumerate(self.items) if it.user_turn), None)
+        if self._first_user is _UNKNOWN:
+            self._first_user = next((k for k, it in enumerate(self.items) if _user_turn(it.parts)), None)
+        return self._first_user
 
     def last_user(self) -> int | None:
-        return next((k for k in range(len(self.items) - 1, -1, -1) if self.items[k].user_turn), None)
+        if self._last_user is _UNKNOWN:
+            items = self.items
+            self._last_user = next((k for k in range(len(items) - 1, -1, -1) if _user_turn(items[k].parts)), None)
+        return self._last_user
+
+    def sums(self) -> Sums:
+        if self._sums is None:
+            tokens, filled = [0], [0]
+            total = count = peak = 0
+            for it in self.items:
+                parts = it.parts
+                if parts:
+                    count += 1
+                    for p in parts:
+                        n = p.tokens
+                        total += n
+                        if n > peak:
+                            peak = n
+                tokens.append(total)
+                filled.append(count)
+            self._sums = Sums(tokens, filled, peak)
+        return self._sums
 
     def protected(self, cfg: FoldConfig) -> set[int]:
         """Positions never folded: the first user turn, the recent zone and the newest user turn."""

@@ -11,10 +11,9 @@ refs in the same order, the same ledger rows and view.  Anything else takes the 
 from __future__ import annotations
 
 from collections import Counter
-from itertools import accumulate
-from operator import attrgetter
+from itertools import accumulate, islice
 
-from bili_addon.kernel.fold import PartView, ViewItem
+from bili_addon.kernel.fold import PartView, Sums, ViewItem
 from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session
 from bili_addon.store import MAX_REF, LedgerRow, ref_names  # past MAX_REF the general path raises
@@ -27,55 +26,67 @@ def applies(s: Session, cov: dict, reused: int, pinned, vouched) -> bool:
 
 
 def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
-               first_index: int) -> tuple[list[list[Resolved]], list[LedgerRow], list[ViewItem]] | None:
-    """``(resolved, new ledger rows, view items)`` of a pass whose every part is new (see
-    :func:`applies`); the rows are staged in ``s.refs`` as ``_resolve`` stages them.  None when the
-    refs would run past the last one (the general path says so).
+               first_index: int) -> tuple[list[list[Resolved]], list[LedgerRow], list[ViewItem],
+                                          Sums] | None:
+    """``(resolved, new ledger rows, view items, sums)`` of a pass whose every part is new (see
+    :func:`applies`); the rows are staged in ``s.refs`` as ``_resolve`` stages them; ``sums``: what
+    the :class:`~bili_addon.kernel.fold.View` of the items computes (``View(items, sums)``).  None
+    when the refs would run past the last one (the general path says so).
 
-    Column by column: each field of every part in one C-level loop (``map``, comprehensions),
-    then the per-item lists cut from the flat ones (the same way)."""
+    Column by column: each field of every part in one comprehension (attribute reads of the
+    parts' structs, specialised by the interpreter: faster than ``map(attrgetter)``), the objects
+    made by ``map`` over those columns, then the per-item lists cut from the flat ones."""
     next_ref = s.row.next_ref
     parts = [p for info in infos for p in info.parts]
     total = len(parts)
     if next_ref < 1 or next_ref + total - 1 > MAX_REF:
         return None
     names = ref_names(next_ref, total)  # tags.ref_of of each number, in order
-    cores = list(map(_CORE, parts))
-    bases = list(map(_BASE, parts))
-    chashes = list(map(_CHASH, parts))
-    if not counter and len(set(bases)) == total:  # no base twice: every msg_id is its base
-        msg_ids = bases
-        counter.update(bases)
+    cores = [p.core for p in parts]
+    bases = [p.base for p in parts]
+    chashes = [p.chash for p in parts]
+    if not counter:
+        counter.update(bases)  # (C-level count)
+        if len(counter) == total:  # no base twice: every msg_id is its base
+            msg_ids = bases
+        else:
+            counter.clear()
+            msg_ids = _numbered(bases, counter)
     else:
-        msg_ids = []
-        counter_get = counter.get
-        for base in bases:
-            n = counter_get(base, 0)
-            counter[base] = n + 1
-            msg_ids.append(base if n == 0 else f"{base}_{n}")
-    texts = list(map(_TEXT, cores))
-    roles = list(map(_ROLE, cores))
-    ctypes = list(map(_CTYPE, cores))
+        msg_ids = _numbered(bases, counter)
+    texts = [c.text for c in cores]
+    roles = [c.role for c in cores]
+    ctypes = [c.ctype for c in cores]
     # identity.count_tokens (its ASCII case inlined)
     tokens = [-(-len(t) // 4) if t.isascii() else count_tokens(t) for t in texts]
     entries = list(map(Entry, names, tokens))
     s.refs.update(zip(zip(msg_ids, chashes), entries))  # staged: forgotten again if the commit fails
     rows = list(map(LedgerRow, msg_ids, chashes, names, roles, ctypes, tokens))
-    flat = list(map(Resolved, cores, entries, map(_DIRTY, parts), msg_ids, bases))
-    views_flat = list(map(PartView, names, roles, ctypes, map(_TOOL_NAME, cores), map(_TOOL_CALL_ID, cores),
-                          texts, tokens))
-    ends = list(accumulate(map(len, map(_PARTS, infos))))
-    cuts = list(zip([0, *ends], ends))
-    resolved = [flat[begin:end] for begin, end in cuts]
-    views = list(map(ViewItem, range(first_index, first_index + len(infos)),
-                     [views_flat[begin:end] for begin, end in cuts]))
-    return resolved, rows, views
+    flat = list(map(Resolved, cores, entries, [p.dirty for p in parts], msg_ids, bases))
+    views_flat = list(map(PartView, names, roles, ctypes, [c.tool_name for c in cores],
+                          [c.tool_call_id for c in cores], texts, tokens))
+    counts = [len(info.parts) for info in infos]
+    ends = list(accumulate(counts, initial=0))
+    resolved, views = [], []
+    add_resolved, add_view = resolved.append, views.append
+    for k, begin, end in zip(range(first_index, first_index + len(infos)), ends, islice(ends, 1, None)):
+        add_resolved(flat[begin:end])
+        add_view(ViewItem(k, views_flat[begin:end]))
+    # what the View of these items computes from them (View.sums), from the columns
+    cum = list(accumulate(tokens, initial=0))
+    sums = Sums(list(map(cum.__getitem__, ends)), list(accumulate(map(bool, counts), initial=0)), max(tokens, default=0))
+    return resolved, rows, views, sums
 
 
-_CORE, _BASE, _CHASH, _DIRTY = attrgetter("core"), attrgetter("base"), attrgetter("chash"), attrgetter("dirty")
-_TEXT, _ROLE, _CTYPE = attrgetter("text"), attrgetter("role"), attrgetter("ctype")
-_TOOL_NAME, _TOOL_CALL_ID = attrgetter("tool_name"), attrgetter("tool_call_id")
-_PARTS = attrgetter("parts")
+def _numbered(bases: list[str], counter: Counter) -> list[str]:
+    """Each base's ``msg_id`` in the pass: its instance number counted in ``counter``."""
+    msg_ids = []
+    counter_get = counter.get
+    for base in bases:
+        n = counter_get(base, 0)
+        counter[base] = n + 1
+        msg_ids.append(base if n == 0 else f"{base}_{n}")
+    return msg_ids
 
 
 __all__ = ["applies", "first_pass"]

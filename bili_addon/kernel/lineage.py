@@ -64,6 +64,7 @@ class Lineage:
         # it on its worker after the answer), not on the request's path; off, :meth:`record` stores them
         self.defer = False
         self.pending: dict[str, tuple[int, list[tuple[str, Part]]]] = {}  # sid -> (from seq, new parts)
+        self._first: tuple[Core, str] | None = None  # the last first part fingerprinted, and its fingerprint
 
     # -- sessions with an id of their own --------------------------------------------------------
     def before_turn(self, s: Session, infos: list[ItemInfo], start: int) -> str | None:
@@ -85,10 +86,10 @@ class Lineage:
                 # where another conversation said the same (a fork's first request carries the
                 # parent's history; at most a side request of other words comes before it)
                 own = self._record(sid)
-                parts = [p for info in conv for p in info.parts]
-                continues = bool(own) and len(parts) >= len(own) and all(
+                parts = [p for info in conv for p in info.parts] if own else None
+                continues = parts is not None and len(parts) >= len(own) and all(
                     o[1] == p.chash for o, p in zip(own, parts))
-                note = None if continues else self._adopt(s, parts)
+                note = None if continues else self._adopt(s, conv, parts)
                 self.checked.add(sid)  # never compared again (after a restart: its own record says it)
         if family is not None:
             s.row.next_ref = max(s.row.next_ref, family[3])
@@ -100,7 +101,17 @@ class Lineage:
         if sid in self.checked or not any(p.core.role == "assistant" for info in conv for p in info.parts):
             return None
         first = next((info.parts[0] for info in conv if info.parts), None)
-        return (fingerprint(first.core), lane) if first is not None else None
+        return (self._first_fingerprint(first.core), lane) if first is not None else None
+
+    def _first_fingerprint(self, core: Core) -> str:
+        """The fingerprint of a conversation's first part: computed once for :meth:`head` and the
+        fork check that follows it (the same core object)."""
+        known = self._first
+        if known is not None and known[0] is core:
+            return known[1]
+        fp = fingerprint(core)
+        self._first = (core, fp)
+        return fp
 
     def record(self, s: Session, infos: list[ItemInfo], start: int, resolved: list[list[Resolved]],
                reused: int = 0) -> None:
@@ -217,12 +228,20 @@ class Lineage:
             self.records.move_to_end(sid)
         return rec
 
-    def _adopt(self, s: Session, parts: list[Part]) -> str | None:
+    def _adopt(self, s: Session, conv: list[ItemInfo], parts: list[Part] | None = None) -> str | None:
+        """``parts``: those of ``conv``, when the caller has them (else made once a candidate is found)."""
         sid = s.row.id
-        if not parts:
+        first = next((info.parts[0] for info in conv if info.parts), None)
+        if first is None:
             return None
         self.flush()  # what this process holds back is part of the candidates' records
-        fps: list[str] = []
+        cands = [c for c in self.store.lineage_candidates(self._first_fingerprint(first.core), s.row.lane)
+                 [-MAX_CANDIDATES:] if c != sid]  # a fork is the same agent's
+        if not cands:
+            return None
+        if parts is None:
+            parts = [p for info in conv for p in info.parts]
+        fps: list[str] = [self._first_fingerprint(first.core)]
 
         def fp(i: int) -> str:  # the child's fingerprints, computed as far as they are compared
             while len(fps) <= i:
@@ -230,9 +249,7 @@ class Lineage:
             return fps[i]
 
         best, best_rec, best_n = None, [], 0
-        for cand in self.store.lineage_candidates(fp(0), s.row.lane)[-MAX_CANDIDATES:]:  # a fork is the same agent's
-            if cand == sid:
-                continue
+        for cand in cands:
             rec = [tuple(r) for r in self.store.lineage_parts(cand)]  # as the store has it now
             n = 0
             for (_ref, chash, pfp), p in zip(rec, parts):

@@ -7,8 +7,6 @@ the very same bytes on every later turn (the prefix cache never sees them change
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
-from operator import attrgetter
 
 from bili_addon.kernel import rewrite
 from bili_addon.kernel.fold import Block, FoldConfig, View, anchors, coverage
@@ -63,20 +61,20 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig) -> list[tuple
 
 def _runs_unfolded(view: View, protected: set[int]) -> list[tuple[str, str, int, int]]:
     """:func:`compressible` where no block is active: the runs are the stretches between protected
-    items, each part of them counts (C-level loops over each stretch: it runs on every request)."""
+    items, each part of them counts (the view's running sums: it runs on every request)."""
     out = []
     items = view.items
+    tokens, filled, _peak = view.sums()
     begin = 0
     for stop in [*sorted(protected), len(items)]:
         if stop > begin:
-            run = list(filter(None, map(_PARTS, items[begin:stop])))  # the items with parts
-            if run:
-                out.append((run[0][0].ref, run[-1][-1].ref, len(run), sum(map(_TOKENS, chain.from_iterable(run)))))
+            n = filled[stop] - filled[begin]  # the items with parts
+            if n:
+                first = next(k for k in range(begin, stop) if items[k].parts)
+                last = next(k for k in range(stop - 1, begin - 1, -1) if items[k].parts)
+                out.append((items[first].parts[0].ref, items[last].parts[-1].ref, n, tokens[stop] - tokens[begin]))
         begin = max(begin, stop + 1)
     return out
-
-
-_TOKENS, _PARTS = attrgetter("tokens"), attrgetter("parts")
 
 
 def distillable(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, along: bool = False,
@@ -93,6 +91,8 @@ def distillable(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: Nudg
     breakpoint on the last summary moves), so what distilling adds is little more than the pile's
     own bytes: it pays from ``distil_along_tokens``.  ``ranges``: the foldable ranges, when known."""
     active = [b for b in blocks if b.active]
+    if len(active) < 2:
+        return None  # no pile (read on every request: nothing of the view is needed to say so)
     placed = {b.id: k for k, b in anchors(view, active).items()}
     if ranges is None:
         ranges = [r for r in compressible(view, blocks, fold_cfg) if r[3] * 4 >= fold_cfg.min_compress_chars]
@@ -153,6 +153,8 @@ def truncations(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: Nudg
     """Emergency: the biggest old tool outputs, cut to head and tail until the context fits again."""
     if not rewrite.window_forces(used, window, cfg.truncate_at):  # the rewrite decision's window rule, at 95%
         return {}
+    if view.sums().peak < cfg.truncate_min_tokens:
+        return {}  # no part is big enough to be cut
     cov = coverage(blocks)
     protected = view.protected(fold_cfg)
     target = 0.9 * cfg.truncate_at * window

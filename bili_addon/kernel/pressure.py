@@ -9,8 +9,6 @@ everywhere) where the session chose them (kernel/lifetime.py).  What they use of
 from __future__ import annotations
 
 import logging
-from itertools import chain
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from bili_addon.kernel import activation, fold, lifetime, nudge, rewrite
@@ -26,7 +24,6 @@ if TYPE_CHECKING:
     from bili_addon.kernel.registry import Sessions
 
 log = logging.getLogger("bili")
-_TOKENS, _PARTS = attrgetter("tokens"), attrgetter("parts")
 
 
 class PressureHost(Protocol):
@@ -58,19 +55,23 @@ def is_active(host: PressureHost, s: Session, view: View) -> bool:
     return bool(why)
 
 
-def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolved]]) -> None:
-    """Nudge and emergency truncation, decided from the usage the last answer reported."""
+def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolved]], new: bool = False) -> None:
+    """Nudge and emergency truncation, decided from the usage the last answer reported.  ``new``:
+    the store had no row of the session when this turn loaded it, so no answer of it is recorded
+    (usage is recorded for a stored session only): nothing to read."""
     if not view.items:
         return
-    last = host.reported_usage(s)
+    last = None if new else host.reported_usage(s)
     # the size the provider reported for the last request; without one (a Chat stream without
     # include_usage), the conversation's own estimate
     if last:
         used = last[0]
+    elif not s.blocks:  # nothing folded: every part counts
+        used = view.sums().tokens[-1]
     else:
         cov = fold.coverage(s.blocks)
         used = ((sum(p.tokens for it in view.items for p in it.parts if p.ref not in cov) if cov
-                 else sum(map(_TOKENS, chain.from_iterable(map(_PARTS, view.items)))))  # (C-level loops)
+                 else view.sums().tokens[-1])
                 + sum(b.summary_tokens for b in s.blocks if b.active))
     window = host.window_for(s)
     if used < int(s.flags.get("last_nudge_at", 0)):

@@ -39,7 +39,9 @@ def normalize_text(t: str) -> str:
 def canonical_text(text: str) -> str:
     """JSON-shaped text key-sorted and compacted; prose normalised."""
     s = text.lstrip()
-    if s[:1] in ("{", "["):
+    # (a JSON text ends with its closing bracket, but for JSON whitespace, which rstrip strips too:
+    # prose that only opens with one, ``[Image #1] ...``, is not parsed in vain)
+    if s[:1] in ("{", "[") and s.rstrip()[-1:] in ("}", "]"):
         try:
             return json.dumps(json.loads(s), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         except (ValueError, RecursionError):

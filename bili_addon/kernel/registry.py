@@ -70,17 +70,17 @@ class Sessions(Mapping[str, Session]):
                 self._cache.move_to_end(sid)
                 return s
         row, ledger, blocks, calls, copy = self.store.session_state(sid)  # one consistent state
-        new = row is None
-        if new:
+        if row is None:  # new: nothing of it stored (no flags, ledger, blocks, calls or copy)
             now = time.time()
-            row = SessionRow(sid, agent, lane, now, now, 0, 0, 1)
-        s = Session(row, flags=json.loads(row.flags or "{}"), stored=row.version, unstored=new)
-        for r in ledger:
-            s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
-            s.owners[r.ref] = r.content_hash
-        s.blocks = sorted((Block(**json.loads(doc)) for doc in blocks), key=lambda b: b.number)
-        s.calls = {k: Call(n, a, r) for k, n, a, r in calls}
-        s.copy = reconcile.Copy.from_json(copy)
+            s = Session(SessionRow(sid, agent, lane, now, now, 0, 0, 1), unstored=True)
+        else:
+            s = Session(row, flags=json.loads(row.flags or "{}"), stored=row.version)
+            for r in ledger:
+                s.refs[(r.msg_id, r.content_hash)] = Entry(r.ref, r.tokens)
+                s.owners[r.ref] = r.content_hash
+            s.blocks = sorted((Block(**json.loads(doc)) for doc in blocks), key=lambda b: b.number)
+            s.calls = {k: Call(n, a, r) for k, n, a, r in calls}
+            s.copy = reconcile.Copy.from_json(copy)
         if seen is not None:  # what this process saw of the conversation stays true (refs never change meaning)
             s.model, s.last_view, s.sent_tokens, s.unfolded_tokens = (
                 seen.model, seen.last_view, seen.sent_tokens, seen.unfolded_tokens)

@@ -12,6 +12,8 @@ questions it answers (:class:`WireFolds`) are passed in.
 from __future__ import annotations
 
 import logging
+from itertools import accumulate, islice
+from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 from msgspec import Struct
@@ -22,7 +24,7 @@ from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.state import ItemInfo, Resolved, Session, TurnResult
 from bili_addon.kernel.tools import ProxyTools, call_key
 from bili_addon.wire import Lane, hygiene
-from bili_addon.wire.base import TEXT, TOOL_CALL, TOOL_RESULT, Core, decode_any, patch_decoded, patch_many
+from bili_addon.wire.base import TEXT, TOOL_CALL, TOOL_RESULT, Core, decode_any, encode, patch_decoded, patch_many
 
 if TYPE_CHECKING:
     from bili_addon.store import Store
@@ -52,6 +54,11 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
     nudges = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "suffix"}
     model = top.get("model") if isinstance(top.get("model"), str) else ""
     strict_chat = lane.name == "chat" and (s.flags.get("strict_reasoning") or hygiene.strict_by_name(origin, model))
+    call_edits = bool(s.calls or s.flags.get("truncated"))
+    responses = lane.name == "responses"
+    if not (call_edits or responses or strict_chat):
+        _render_prose(lane, infos, start, q, resolved, rendered, changed_cum, tagged_cum, active, nudges, objs)
+        return
     idless: dict[str, list[str]] = {}
     if q and lane.name == "gemini":  # id-less calls answered further on: pair from the start
         for parts in resolved[:q]:
@@ -62,27 +69,11 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
                 elif r.core.ctype == TOOL_RESULT and idless.get(r.core.tool_name):
                     if not (r.core.tool_call_id and r.core.tool_call_id in s.calls):
                         idless[r.core.tool_name].pop(0)
-    call_edits = bool(s.calls or s.flags.get("truncated"))
-    responses = lane.name == "responses"
-    format_tokens = tags.format_tokens
     for k in range(q, len(resolved)):
         i = start + k
         info = infos[i]
         src = info.raw  # the item's bytes (infos[i] was looked up by exactly these)
-        edits = []
-        tagged = 0
-        for r in resolved[k]:
-            core = r.core
-            # taggable(core, prefill=...) and tags.render(...), inlined: they run for every part
-            if (active and core.ctype == TEXT and core.path and (core.role == "user" or (
-                    core.role == "assistant" and i != last)) and not core.text.isspace() and core.text):
-                entry = r.entry
-                text = f'<acp tokens="{format_tokens(entry.tokens)}" type="{TEXT}">{entry.ref}</acp>\n{core.text}'
-                suffix = nudges.get(entry.ref) if nudges else None
-                edits.append((core.path, text + "\n\n" + suffix if suffix else text))
-                tagged += 1
-            elif r.dirty and core.path:
-                edits.append((core.path, core.text))
+        edits, tagged = _item_edits(resolved[k], active, i != last, nudges)
         more = []
         if call_edits:
             more += ProxyTools.call_edits(s, lane, info, resolved[k], idless)
@@ -92,22 +83,105 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
             more += hygiene.strict_chat_edits(info.obj)
         if more:
             edits += more
-        if edits:
-            obj = objs[i] if objs is not None and not more else None
-            if isinstance(obj, Struct):  # read by the lane into a typed struct (ItemCache.get_many)
-                out = lane.patch_typed(src, obj, edits)
-                if out is None:
-                    out = patch_decoded(src, decode_any(src), edits)
-            else:
-                out = patch_decoded(src, obj, edits) if obj is not None else None
-            if out is None:
-                out = patch_many(src, edits)
-            changed_cum.append(changed_cum[-1] + (out != src))
-        else:
-            out = src
-            changed_cum.append(changed_cum[-1])
+        out = _patch(lane, src, objs[i] if objs is not None and not more else None, edits) if edits else src
+        changed_cum.append(changed_cum[-1] + (out != src))
         rendered.append(out)
         tagged_cum.append(tagged_cum[-1] + tagged)
+
+
+def _render_prose(lane: Lane, infos: list[ItemInfo], start: int, q: int, resolved: list[list[Resolved]],
+                  rendered: list[bytes], changed_cum: list[int], tagged_cum: list[int], active: bool,
+                  nudges: dict[str, str], objs: list | None) -> None:
+    """:func:`render_items` where the only edits are the parts' own (tags, truncations): only
+    the parts with a text path are looked at, one by one; the rest of the items go as they came.
+    An item whose one edit is its tag (the commonest: a conversation's prose) is tagged by its
+    lane in its bytes (``tag_typed``) when the pass decoded it into the lane's typed struct."""
+    end = len(resolved)
+    outs = [info.raw for info in infos[start + q:start + end]]  # the items' bytes (infos were looked up by them)
+    changed = [0] * (end - q)
+    tagged = [0] * (end - q)
+    last = len(infos) - 1 - start  # (the last item: an assistant's text there is a prefill)
+    tag_typed = getattr(lane, "tag_typed", None) if objs is not None else None
+    format_tokens = tags.format_tokens
+    found = [(k, r) for k in range(q, end) for r in resolved[k] if r.core.path]
+    n = len(found)
+    j = 0
+    while j < n:
+        k, r = found[j]
+        j += 1
+        if j < n and found[j][0] == k:  # more parts of this item to edit
+            while j < n and found[j][0] == k:
+                j += 1
+            edits, count = _item_edits(resolved[k], active, k != last, nudges)
+        else:
+            core = r.core
+            if (active and core.ctype == TEXT and (core.role == "user" or (core.role == "assistant" and k != last))
+                    and core.text and not core.text.isspace()):
+                entry = r.entry
+                tokens, ref = format_tokens(entry.tokens), entry.ref
+                if tag_typed is not None and not r.dirty and not (nudges and nudges.get(ref)):
+                    obj = objs[start + k]
+                    if isinstance(obj, Struct):
+                        # the tag's JSON-escaped bytes (a token count's and an alphanumeric
+                        # ref's characters escape to themselves)
+                        tag = (f'<acp tokens=\\"{tokens}\\" type=\\"{TEXT}\\">{ref}</acp>\\n'.encode() if ref.isalnum()
+                               else encode(f'<acp tokens="{tokens}" type="{TEXT}">{ref}</acp>\n')[1:-1])
+                        out = tag_typed(outs[k - q], obj, core.path, tag, core.text)
+                        if out is not None:
+                            outs[k - q] = out
+                            changed[k - q] = tagged[k - q] = 1
+                            continue
+                edits, count = [_tag_edit(core, tokens, ref, nudges.get(ref) if nudges else None)], 1
+            elif r.dirty:
+                edits, count = [(core.path, core.text)], 0
+            else:
+                continue
+        if edits:
+            src = outs[k - q]
+            out = outs[k - q] = _patch(lane, src, objs[start + k] if objs is not None else None, edits)
+            changed[k - q] = out != src
+            tagged[k - q] = count
+    rendered += outs
+    changed_cum += islice(accumulate(changed, initial=changed_cum[-1]), 1, None)
+    tagged_cum += islice(accumulate(tagged, initial=tagged_cum[-1]), 1, None)
+
+
+def _item_edits(parts: list[Resolved], active: bool, prose: bool, nudges: dict[str, str]) -> tuple[list, int]:
+    """The edits of an item's own parts (tags, each with any reminder it carries; truncations)
+    and how many are tags.  ``prose``: an assistant's text is prose (not the last item's, a
+    prefill)."""
+    edits = []
+    tagged = 0
+    for r in parts:
+        core = r.core
+        # taggable(core, prefill=...) and tags.render(...), inlined
+        if (active and core.ctype == TEXT and core.path and (core.role == "user" or (
+                core.role == "assistant" and prose)) and not core.text.isspace() and core.text):
+            entry = r.entry
+            edits.append(_tag_edit(core, tags.format_tokens(entry.tokens), entry.ref,
+                                   nudges.get(entry.ref) if nudges else None))
+            tagged += 1
+        elif r.dirty and core.path:
+            edits.append((core.path, core.text))
+    return edits, tagged
+
+
+def _tag_edit(core: Core, tokens: str, ref: str, suffix: str | None = None) -> tuple:
+    """The edit that tags ``core``'s text (with the reminder ``suffix`` after it)."""
+    text = f'<acp tokens="{tokens}" type="{TEXT}">{ref}</acp>\n{core.text}'
+    return core.path, text + "\n\n" + suffix if suffix else text
+
+
+def _patch(lane: Lane, src: bytes, obj, edits: list) -> bytes:
+    """``src`` with ``edits``: from ``obj`` (what ``src`` decoded into, if the pass decoded it)
+    when that proves to be the same bytes, else by patching the bytes."""
+    if isinstance(obj, Struct):  # read by the lane into a typed struct (ItemCache.get_many)
+        out = lane.patch_typed(src, obj, edits)
+        if out is None:
+            out = patch_decoded(src, decode_any(src), edits)
+    else:
+        out = patch_decoded(src, obj, edits) if obj is not None else None
+    return out if out is not None else patch_many(src, edits)
 
 
 def snapshot_join(store: Store, s: Session, items: list[ViewItem]):
@@ -178,12 +252,23 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
     active = any(b.active for b in blocks)
     plan = fold.plan(view, blocks, hidden, snoozed) if hidden or active else fold.Plan(set(), {}, [])
     after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
-    nudge_at = {k for k, it in enumerate(view.items) for p in it.parts if p.ref in after} if after else set()
+    nudge_at = _holding(view, after) if after else set()
     if not plan.drop and not plan.inserts and not nudge_at and not pre:
         return False
     out: list[bytes] = items_out[:start]
     ours: dict[int, str] = {}  # positions in ``out`` of the items the addon added, with their text
-    for k, it in enumerate(view.items):
+    items = view.items
+    # the view's items are the conversation's from ``start`` on: only those where something
+    # happens are looked at, the runs between them copied as they are
+    marks = sorted(k for k in {*plan.drop, *plan.inserts, *nudge_at, *(i - start for i in pre)}
+                   if 0 <= k < len(items))
+    if items and (items[0].index != start or items[-1].index != start + len(items) - 1):
+        marks = range(len(items))  # (not laid out so: each item on its own)
+    at = 0
+    for k in marks:
+        it = items[k]
+        out.extend(items_out[start + at:start + k])
+        at = k + 1
         out.extend(pre.get(it.index, ()))
         for b in plan.inserts.get(k, ()):
             ours[len(out)] = b.text()
@@ -201,12 +286,25 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
                     item = merged
         out.append(item)
         out.extend(notes)
-    out.extend(items_out[start + len(view.items):])
+    out.extend(items_out[start + at:])
     items_out[:] = alternate(lane, out, start, ours) if ours else out
     result.folded_items = len(plan.drop)
     s.sent_tokens = (unfolded - sum(view.items[k].tokens for k in plan.drop)
                      + sum(count_tokens(b.text()) for b in plan.rendered))
     return True
+
+
+def _holding(view: View, refs: dict) -> set[int]:
+    """The positions of the view's items that hold a part of one of ``refs``."""
+    items, pos = view.items, view.pos
+    if len(pos) == sum(map(len, map(_PARTS, items))):  # each ref in one part: where View found it
+        found = {pos[r]: r for r in refs if r in pos}
+        if all(r in items[k].refs for k, r in found.items()):
+            return set(found)
+    return {k for k, it in enumerate(items) for p in it.parts if p.ref in refs}
+
+
+_PARTS = attrgetter("parts")
 
 
 def alternate(lane: Lane, out: list[bytes], start: int, ours: dict[int, str]) -> list[bytes]:

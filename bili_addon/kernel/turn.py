@@ -177,6 +177,7 @@ class Engine(ProxyTools, Epochs, Deferred):
                          candidates=self.lineage.head(sid, infos[start:], lane.name) if cached is None and ident else None)
         if s is not cached:
             memo = None  # (re)loaded: nothing of a previous pass is known to match the store
+        new = s.unstored and s is not cached  # the store had no row of it: nothing of it recorded
         forked = self._lineage("before_turn", s, infos, start) if ident is not None else None
         if isinstance(top.get("model"), str):
             s.model = top["model"]
@@ -198,7 +199,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         first = (fresh.first_pass(s, infos[start:], counter, start)
                  if fresh.applies(s, cov, q, pinned, vouched) else None)
         if first is not None:
-            resolved_tail, new_rows, view_tail = first
+            resolved_tail, new_rows, view_tail, sums = first
         else:
             resolved_tail, new_rows = self._resolve(s, infos[start + q:], counter, cov, q, pinned, vouched)
             view_tail = None
@@ -232,7 +233,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         view_items = ((memo.view_items[:q] if q else [])
                       + (view_tail if view_tail is not None else _view_items(resolved_tail, start + q)))
         snap = snapshot_join(self.store, s, view_items) if self.snapshot and s.blocks and render else None
-        view = View(snap[2] if snap else view_items)
+        view = View(snap[2]) if snap else View(view_items, sums) if first is not None else View(view_items)
         s.last_view = view
         self._compaction(s, lane.name, view, minted, result)  # the agent's own compaction: a new epoch
         drift = (coverage.check(self.store, self.sessions, s, view, resolved, result)
@@ -253,7 +254,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             coverage.roll_copy(self.store, s, view, resolved, drift)
         active = result.active = pressure.is_active(self, s, view)
         if self.inject and active:
-            pressure.apply(self, s, view, resolved)
+            pressure.apply(self, s, view, resolved, new)
         self.sessions.flush()  # the turn's staged commit, before anything else is written or sent
         self._land(s, view, result)  # held folds leave the wire when it pays (kernel/pending.py)
         if s.version != version or (memo is not None and memo.rendered is None):

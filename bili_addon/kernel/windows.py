@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 DEFAULT_WINDOW = 200_000
@@ -38,6 +39,7 @@ _LIMIT = (
 )
 
 
+@functools.lru_cache(maxsize=256)  # read on every request, of a handful of model ids
 def context_window(model: str) -> int:
     m = (model or "").lower()
     for pattern, window in _TABLE:

@@ -132,6 +132,30 @@ class AnthropicLane(LaneDefaults):
     def patch_typed(raw: bytes, msg: Any, edits: list) -> bytes | None:
         return patch_typed(raw, msg, edits)
 
+    @staticmethod
+    def tag_typed(raw: bytes, msg: Any, path: tuple, tag: bytes, text: str) -> bytes | None:
+        """What :meth:`patch_typed` makes of ``raw`` with one edit, the text at ``path`` (which
+        is ``text``) with a tag put before it (``tag``: the tag's JSON-escaped bytes), made
+        without the new text or a second encode: ``raw`` with ``tag`` put where the text starts
+        in it.  When ``raw`` is exactly ``msg``'s encoding, the text's escaped bytes are in it as
+        they are in the new encoding, after the same bytes (escaping is per character: the
+        tag's bytes then the text's are the new text's); where they start is known when ``raw``
+        starts with the message's role and then the string content, or a first block that is
+        the text (its ``type`` then its ``text``), or when only blocks of scalar values precede
+        the text block (:func:`_tag_typed_rare`).  None otherwise (the caller patches the item
+        the general way)."""
+        role = msg.role
+        heads = _HEADS.get(role) if type(role) is str else None
+        head = heads.get(path) if heads is not None else None
+        if head is None:
+            return _tag_typed_rare(raw, msg, path, tag, text)
+        if raw.startswith(head) and _enc_msg.encode(msg) == raw:
+            now = msg.content if len(path) == 1 else msg.content[0].text  # (its encoding's head: there)
+            if now is text or now == text:
+                n = len(head)
+                return raw[:n] + tag + raw[n:]
+        return None
+
     # -- folding and proxy tools ---------------------------------------------------------------
     @staticmethod
     def summary_item(text: str) -> bytes:
@@ -144,7 +168,13 @@ class AnthropicLane(LaneDefaults):
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
-        return tool_names(body.top.get("tools"), lambda t: t.get("name") if isinstance(t, dict)
+        raw = body.top.get("tools")
+        if raw is not None and bytes(raw)[:1] == b"[":
+            try:  # the names alone read (descriptions and schemas skipped, not made into dicts)
+                return [t.name for t in _dec_named.decode(raw) if isinstance(t.name, str)]
+            except msgspec.ValidationError:
+                pass  # a tool that is no object: read as the general reader does
+        return tool_names(raw, lambda t: t.get("name") if isinstance(t, dict)
                           and isinstance(t.get("name"), str) else None)  # a name that is no string names nothing
 
     @staticmethod
@@ -350,3 +380,62 @@ def patch_typed(raw: bytes, msg: _Msg, edits: list) -> bytes | None:
         else:
             return None
     return _enc_msg.encode(msg)
+
+
+def _heads(head: bytes) -> dict[tuple, bytes]:
+    """The bytes an item's encoding starts with up to the text of its string content and up to
+    the text of its first block, by their paths (``head``: up to the ``content`` value)."""
+    return {("content",): head + b'"', ("content", 0, "text"): head + b"[" + _TEXT_BLOCK}
+
+
+def _tag_typed_rare(raw: bytes, msg: _Msg, path: tuple, tag: bytes, text: str) -> bytes | None:
+    """AnthropicLane.tag_typed's other cases: a role not seen yet, no role, a text block after
+    others."""
+    role, content = msg.role, msg.content
+    if type(role) is str:
+        if role not in _HEADS:
+            if len(_HEADS) >= 64:
+                return None
+            _HEADS[role] = _heads(b'{"role":' + _enc_msg.encode(role) + b',"content":')
+            return AnthropicLane.tag_typed(raw, msg, path, tag, text)
+        head = _HEADS[role][("content",)][:-1]
+    elif role is _UNSET:
+        head = _NO_ROLE[("content",)][:-1]
+        if path in _NO_ROLE:
+            if not raw.startswith(_NO_ROLE[path]) or _enc_msg.encode(msg) != raw:
+                return None
+            if (content if len(path) == 1 else content[0].text) != text:  # (its encoding's head: there)
+                return None
+            n = len(_NO_ROLE[path])
+            return raw[:n] + tag + raw[n:]
+    else:
+        return None
+    if not (len(path) == 3 and path[0] == "content" and path[2] == "text" and type(content) is list):
+        return None
+    j = path[1]
+    if type(j) is not int or not 0 < j < len(content) or type(content[j]) is not _Text or content[j].text != text:
+        return None
+    for block in content[:j]:  # their encodings hold no ``{"`` but where each starts
+        if type(block) is _Text or not all(type(getattr(block, f)) in _SCALARS for f in block.__struct_fields__):
+            return None
+    head += b"["
+    if not raw.startswith(head) or _enc_msg.encode(msg) != raw:
+        return None
+    at = raw.find(_TEXT_BLOCK, len(head))  # the first text block's: the j-th block
+    if at < 0:
+        return None
+    at += len(_TEXT_BLOCK)
+    return raw[:at] + tag + raw[at:]
+
+
+_TEXT_BLOCK = b'{"type":"text","text":"'
+_HEADS: dict[str, dict[tuple, bytes]] = {}  # by role
+_NO_ROLE = _heads(b'{"content":')
+_SCALARS = frozenset((str, int, float, bool, type(None), msgspec.UnsetType))
+class _Named(msgspec.Struct, gc=False):
+    """A tool as :meth:`AnthropicLane.tool_names` reads it: its name (any value; a string names it)."""
+
+    name: Any = None
+
+
+_dec_named = msgspec.json.Decoder(list[_Named])

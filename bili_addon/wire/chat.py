@@ -120,6 +120,31 @@ class ChatLane(LaneDefaults):
             msg.content = value
         return _enc_chat.encode(msg)
 
+    @staticmethod
+    def tag_typed(raw: bytes, msg: Any, path: tuple, tag: bytes, text: str) -> bytes | None:
+        """What :meth:`patch_typed` makes of ``raw`` with one edit, the string ``content`` (which
+        is ``text``) with a tag put before it (``tag``: the tag's JSON-escaped bytes), made
+        without the new text or a second encode: ``raw`` with ``tag`` put where the text starts
+        in it.  When ``raw`` is exactly ``msg``'s encoding and starts with its role and then its
+        content (the message's first field), the text's escaped bytes follow those, as they
+        follow them in the new encoding after the tag's (escaping is per character).  None
+        otherwise."""
+        now = msg.content
+        if path != ("content",) or type(now) is not str or not (now is text or now == text):
+            return None
+        head = _CONTENT_HEADS.get(type(msg))
+        if head is None:
+            try:  # the message with its content alone, empty: up to its content's text
+                probe = _enc_chat.encode(type(msg)(content=""))
+            except (TypeError, ValueError):
+                return None
+            if not probe.endswith(b',"content":""}'):
+                return None
+            head = _CONTENT_HEADS[type(msg)] = probe[:-2]
+        if not raw.startswith(head) or _enc_chat.encode(msg) != raw:
+            return None
+        return raw[:len(head)] + tag + raw[len(head):]
+
     # -- folding and proxy tools ---------------------------------------------------------------
     @staticmethod
     def summary_item(text: str) -> bytes:
@@ -151,11 +176,19 @@ class ChatLane(LaneDefaults):
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
+        raw = body.top.get("tools")
+        if raw is not None and bytes(raw)[:1] == b"[":
+            try:  # the names alone read (descriptions and schemas skipped, not made into dicts)
+                return [t.function.name for t in _dec_named.decode(raw)
+                        if t.function is not None and isinstance(t.function.name, str)]
+            except msgspec.ValidationError:
+                pass  # a tool (or its function) that is no object: read as the general reader does
+
         def name_of(t: Any) -> Any:
             fn = t.get("function") if isinstance(t, dict) else None
             return fn.get("name") if isinstance(fn, dict) and isinstance(fn.get("name"), str) else None
 
-        return tool_names(body.top.get("tools"), name_of)
+        return tool_names(raw, name_of)
 
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
@@ -365,4 +398,18 @@ def _parts_cores(role: str, parts: list) -> list[Core]:
 
 _dec_chat = msgspec.json.Decoder(list[_User | _System | _Developer | _Assistant | _Tool])
 _CONTENT_PATH = ("content",)  # the path of every string content array_cores reads (one tuple shared)
+_CONTENT_HEADS: dict[type, bytes] = {}  # (ChatLane.tag_typed)
 _enc_chat = msgspec.json.Encoder()
+
+
+class _NamedFn(msgspec.Struct, gc=False):
+    name: Any = None
+
+
+class _NamedTool(msgspec.Struct, gc=False):
+    """A tool as :meth:`ChatLane.tool_names` reads it: its function's name (a string names it)."""
+
+    function: _NamedFn | None = None
+
+
+_dec_named = msgspec.json.Decoder(list[_NamedTool])
