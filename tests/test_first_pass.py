@@ -19,6 +19,7 @@ from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
 from bili_addon.wire import LANES, base
 from bili_addon.wire.anthropic import AnthropicLane
+from bili_addon.wire.chat import ChatLane
 from bili_addon.wire.base import DELETE, Body, patch_decoded, patch_many
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -36,22 +37,39 @@ def run(tmp_path, name: str, lane: str, bodies: list[bytes]) -> tuple[list, list
     return outs, ledger
 
 
-def conversation(lane: str, n: int, ascii_json: bool) -> list[bytes]:
+def conversation(lane: str, n: int, ascii_json: bool, agent_order: bool = False) -> list[bytes]:
     case = bench_overhead.Case(lane, n, seed=3)
     msgs = list(case.msgs)
     msgs[1 if lane == "chat" else 0] = {"role": "user", "content": "Grüße, «naïve» café: ünïcödé text. " * 3}
-    enc = (lambda m: json.dumps({**case.top, "messages": m}).encode()) if ascii_json else case.body
+    if lane == "chat" and agent_order:  # user prose as text parts (pi, omp), results with their tool's name (hermes)
+        msgs = [{"role": "user", "content": [{"type": "text", "text": m["content"]}]} if m["role"] == "user" else
+                {"role": "tool", "name": "Bash", **{k: v for k, v in m.items() if k != "role"}} if m["role"] == "tool"
+                else m for m in msgs]
+    if agent_order:  # the conversation right after the model, the other members after it (as Claude Code writes them)
+        def top(m):
+            return {"model": case.top["model"], "messages": m, **{k: v for k, v in case.top.items() if k != "model"},
+                    "metadata": {"user_id": "u"}, "stream": True}
+    else:
+        def top(m):
+            return {**case.top, "messages": m}
+    enc = (lambda m: json.dumps(top(m)).encode()) if ascii_json else (lambda m: msgspec.json.encode(top(m)))
     return [enc(msgs), enc(msgs + [case.new(0)])]
 
 
 @pytest.mark.parametrize("lane", ["anthropic", "chat"])
 @pytest.mark.parametrize("ascii_json", [False, True], ids=["compact", "python-json"])
-def test_the_first_pass_gives_what_the_general_path_gives(tmp_path, monkeypatch, lane, ascii_json):
-    bodies = conversation(lane, 120, ascii_json)
+@pytest.mark.parametrize("agent_order", [False, True], ids=["messages-last", "messages-second"])
+def test_the_first_pass_gives_what_the_general_path_gives(tmp_path, monkeypatch, lane, ascii_json, agent_order):
+    bodies = conversation(lane, 120, ascii_json, agent_order)
+    if not ascii_json:
+        b = Body(bodies[0], "messages")
+        assert base._split_compact(bodies[0]) is not None  # (the one-scan split reads it)
+        assert LANES[lane].array_cores(b.top["messages"]) is not None  # (and the typed structs its items)
     fast = run(tmp_path, "fast", lane, bodies)
     monkeypatch.setattr(fresh, "applies", lambda *a: False)  # the general path: _resolve, _view_items
     monkeypatch.setattr(render, "patch_decoded", lambda *a: None)  # ... and patching per path
     monkeypatch.setattr(AnthropicLane, "array_cores", None)  # ... items read one by one, as dicts
+    monkeypatch.setattr(ChatLane, "array_cores", None)
     monkeypatch.setattr(LANES["chat"], "tag_typed", staticmethod(lambda *a: None))  # ... tags patched, not put in bytes
     monkeypatch.setattr(base, "_split_compact", lambda raw: None)  # ... the body split in two scans
     monkeypatch.setattr(nudge, "_runs_unfolded", _runs_reference)  # ... the reminder's runs part by part
@@ -122,7 +140,7 @@ def test_get_many_decodes_the_whole_array_as_each_item():
     objs = []
     assert ItemCache().get_many(chat, raws, objs, b"[" + b",".join(raws) + b"]") == want
     assert list(map(msgspec.to_builtins, objs)) == want_objs
-    raws[3] = msgspec.json.encode(dict(msgs[3], name="a key the structs do not hold"))  # the whole array as dicts
+    raws[3] = msgspec.json.encode(dict(msgs[3], key="a key the structs do not hold"))  # the whole array as dicts
     want_objs = []
     want = ItemCache().get_many(chat, raws, want_objs)
     objs = []
@@ -244,9 +262,29 @@ _CHAT_SHAPES = [
     {"role": "tool", "content": None},
     {"role": "tool", "tool_call_id": 3},
     {"content": "late role", "role": "user"},
+    {"role": "user", "content": [{"type": "text", "text": "a part"}]},  # parts (pi, omp)
+    {"role": "user", "content": [{"type": "text", "text": "[bili] x\n<acp>m00001</acp>", "cache_control": {"type": "ephemeral"}},
+                                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}},
+                                 {"type": "image_url", "image_url": "http://x/y.png"}, {"type": "image_url"},
+                                 {"image_url": {"url": 5}, "type": "image_url"}, {"type": "text", "text": ""}]},
+    {"role": "user", "content": []},
+    {"role": "system", "content": [{"type": "text", "text": "sys part"}]},
+    {"role": "developer", "content": [{"type": "text", "text": "dev part"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "prose part"}], "tool_calls": [
+        {"id": "c3", "type": "function", "function": {"name": "Read", "arguments": "{}"}}]},
+    {"role": "assistant", "content": [], "tool_calls": None},
+    {"role": "tool", "name": "terminal", "content": "out", "tool_call_id": "c1"},  # a result's name (hermes)
+    {"role": "tool", "tool_call_id": "c1", "name": None},
 ]
 _CHAT_OTHER = [  # shapes Chat's structs do not hold: the array is read item by item
-    {"role": "user", "content": [{"type": "text", "text": "a part"}]},
+    {"role": "user", "content": [{"type": "text", "text": 5}]},
+    {"role": "user", "content": [{"type": "text"}]},
+    {"role": "user", "content": [{"type": "text", "text": "x", "other": 1}]},
+    {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]},
+    {"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]},
+    {"role": "user", "content": ["a string part"]},
+    {"role": "user", "content": [{"text": "no type"}]},
+    {"role": "user", "content": {"type": "text", "text": "an object"}},
     {"role": "user", "content": "x", "name": "bob"},
     {"role": "assistant", "content": "x", "reasoning_content": "r"},
     {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "custom": {"name": "n", "input": "i"}}]},
@@ -293,7 +331,8 @@ def test_chat_patch_typed_is_patch_many_or_nothing():
                 made += 1
                 assert out == patch_many(raw, edits)
             else:
-                assert raw != msgspec.json.encode(item) or item["role"] != next(iter(item.values()))
+                fields = ["role", *(f for f in type(struct).__struct_fields__ if f in item)]
+                assert raw != msgspec.json.encode(item) or list(item) != fields  # (keys in another order)
     assert made >= 6
     raw = msgspec.json.encode(_CHAT_SHAPES[2])
     for edits in ([(("content",), 5)], [(("role",), "x")], [(("content", 0, "text"), "x")]):
@@ -491,3 +530,64 @@ def test_typed_anthropic_items_on_random_shapes():
             read += 1
             assert got[0] == [lane.item_cores(msgspec.json.decode(r)) for r in raws]
     assert read > 50
+
+
+def _general_split(body: bytes):
+    top = base._dec_raw_obj.decode(body)
+    conv = top.get("messages")
+    items = base._dec_raw_list.decode(conv) if conv is not None and bytes(conv)[:1] == b"[" else None
+    return [(k, bytes(v)) for k, v in top.items()], None if items is None else [bytes(x) for x in items]
+
+
+def test_the_one_scan_split_on_members_in_any_order():
+    """The one-scan split reads the members in the order they stand (the conversation first, in
+    the middle or last, as agents write it): a compact body of known keys is split, and split as
+    the general way splits it; a body with a space, an unknown, repeated or escaped key is not."""
+    rnd = random.Random(23)
+    values = [1, 2.5, "s", 'q"uote', "\\", "k\":", {"model": "x", "messages": [1]}, [{"a": []}], None, True, [], {}]
+    split = 0
+    for _ in range(400):
+        keys = rnd.sample(base._TOP_KEYS, rnd.randint(0, 6))
+        members = [(k, rnd.choice(values)) for k in keys]
+        msgs = [rnd.choice([{"role": "user", "content": "a,b"}, {"role": "assistant", "content": [{"type": "text", "text": "]}"}]},
+                            "s", 3, [], {"messages": []}]) for _i in range(rnd.randint(0, 4))]
+        members.insert(rnd.randint(0, len(members)), ("messages", msgs))
+        keys = [msgspec.json.encode(k) for k, _v in members]
+        vals = [msgspec.json.encode(v) for _k, v in members]
+        sep, colon = [b","] * len(members), [b":"] * len(members)
+        mutation = rnd.choice(["none", "none", "space", "unknown", "repeat", "escape"])
+        i = rnd.randrange(len(members))
+        if mutation == "space":  # beside a member, or between two items
+            where = rnd.choice(["sep", "colon", "item"])
+            if where == "item" and len(msgs) > 1:
+                vals[keys.index(b'"messages"')] = b"[" + b", ".join(map(msgspec.json.encode, msgs)) + b"]"
+            elif where == "colon":
+                colon[i] = b": "
+            else:
+                sep[i] = b", "
+                if i == len(members) - 1:
+                    mutation = "none"  # (no comma after the last member)
+        elif mutation == "unknown":
+            keys.insert(i, b'"unknown"'), vals.insert(i, b"1"), sep.append(b","), colon.append(b":")
+        elif mutation == "repeat":
+            keys.append(keys[i]), vals.append(vals[i]), sep.append(b","), colon.append(b":")
+        elif mutation == "escape":
+            k = members[i][0]
+            keys[i] = b'"' + k[:1].encode() + b"\\u00" + k[1:2].encode().hex().encode() + k[2:].encode() + b'"'
+        last = len(keys) - 1
+        body = b"{" + b"".join(k + c + v + (s if j < last else b"")
+                               for j, (k, c, v, s) in enumerate(zip(keys, colon, vals, sep))) + b"}"
+        got = base._split_compact(body)
+        want = _general_split(body)
+        if mutation == "none":
+            assert got is not None
+        elif mutation != "space" or where != "item" or len(msgs) > 1:
+            assert got is None
+        if got is not None:
+            split += 1
+            top, items = got
+            assert ([(k, bytes(v)) for k, v in top.items()], [bytes(x) for x in items]) == want
+        b = Body(body, "messages")  # and Body reads what the general split reads, either way
+        assert [(k, bytes(v)) for k, v in b.top.items()] == want[0]
+        assert b.array and [bytes(x) for x in b.items] == want[1]
+    assert split > 150

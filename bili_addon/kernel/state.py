@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, OrderedDict
-from itertools import accumulate, repeat
+from itertools import accumulate, chain, repeat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from bili_addon.wire.base import TEXT, Core, decode_any
 
 # the one-line visibility markers the addon may add to a response; stripped when replayed
 MARKER_LINE = re.compile(r"^\[bili\] [^\n]*(?:\n|$)")
+_MARKER = "[bili] "  # how every text MARKER_LINE matches begins
 
 
 def clean_replayed_prose(text: str) -> str:
@@ -118,14 +119,18 @@ class ItemCache:
             if not any(map(items.__contains__, keys)) and len(set(braws)) == len(braws):
                 got = array_cores(whole)
                 if got is not None and len(got[0]) == len(raws):
-                    typed, structs = got[0], got[1]
+                    typed = got[0]
                     if objs is not None:
-                        objs.extend(structs)
-                    out = ([ItemInfo(raw, False, []) for raw in braws] if len(got) == 2 else
-                           [ItemInfo(raw, system, []) for raw, system in zip(braws, got[2])])
-                    flat = [c for cores in typed for c in cores]
+                        objs.extend(got[1])
+                    flat = list(chain.from_iterable(typed))
+                    if flat:  # each item's parts, a slice of the parts of them all
+                        parts = self._new_parts(flat)
+                        ends = list(accumulate(map(len, typed)))
+                        lists = list(map(parts.__getitem__, map(slice, [0, *ends], ends)))
+                    else:
+                        lists = [[] for _raw in braws]
+                    out = list(map(ItemInfo, braws, got[2] if len(got) > 2 else repeat(False), lists))
                     if flat:
-                        self._parts(flat, list(zip(out, accumulate(map(len, typed)))))
                         items.update(zip(keys, out))
                     self.size += sum(map(len, braws))
                     while self.size > self.max_bytes and self.items:
@@ -188,25 +193,33 @@ class ItemCache:
 
     @staticmethod
     def _parts(flat: list[Core], made: list[tuple[ItemInfo, int]]) -> None:
-        """The :class:`Part` of every core in ``flat`` (assistant prose cleaned, identity.digest of
-        each, inlined), dealt out to the items of ``made``."""
+        """The :class:`Part` of every core in ``flat`` (:meth:`_new_parts`), dealt out to the items
+        of ``made`` (each new item and where its cores end in ``flat``)."""
+        parts = ItemCache._new_parts(flat)
+        begin = 0
+        for info, end in made:
+            info.parts = parts[begin:end]
+            begin = end
+
+    @staticmethod
+    def _new_parts(flat: list[Core]) -> list[Part]:
+        """The :class:`Part` of every core in ``flat`` (changed in place where assistant prose is
+        cleaned), identity.digest of each inlined."""
         dirty = [False] * len(flat)
-        replace, clean_prose = msgspec.structs.replace, clean_replayed_prose
-        for j in [j for j, c in enumerate(flat) if c.ctype == TEXT and c.role == "assistant"]:
+        # clean_replayed_prose changes only a text that starts with a marker line (MARKER_LINE) or
+        # holds an angle bracket (every echo shape has one): the others are not passed to it
+        for j in [j for j, c in enumerate(flat) if c.ctype == TEXT and c.role == "assistant"
+                  and ("<" in c.text or c.text.startswith(_MARKER))]:
             core = flat[j]
-            clean = clean_prose(core.text)
+            clean = clean_replayed_prose(core.text)
             if clean != core.text:
-                flat[j], dirty[j] = replace(core, text=clean), True
+                flat[j], dirty[j] = msgspec.structs.replace(core, text=clean), True
         h = sha256
         # identity.digest, inlined (the same seed, the same hash)
         hashes = [h((f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}|{c.media}" if c.media else
                      f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}").encode("utf-8", "surrogatepass")
                     ).hexdigest() for c in flat]
-        parts = list(map(Part, flat, ["h_" + x[:16] for x in hashes], hashes, dirty))
-        begin = 0
-        for info, end in made:
-            info.parts = parts[begin:end]
-            begin = end
+        return list(map(Part, flat, ["h_" + x[:16] for x in hashes], hashes, dirty))
 
 
 # Entry and Resolved are made per part of every new item: msgspec Structs build ~3x faster than dataclasses

@@ -82,33 +82,49 @@ class AnthropicLane(LaneDefaults):
         out: list[list[Core]] = []
         add_item = out.append
         unset = _UNSET
+        paths, encode_json = _TEXT_PATHS, _enc_msg.encode
         for m in msgs:
-            role = m.role if type(m.role) is str else "user"
+            role = m.role
+            if type(role) is not str:
+                role = "user"
             content = m.content
             if type(content) is str:
-                add_item([Core(role, TEXT, content, path=("content",))])
+                add_item([Core(role, TEXT, content, "", "", "", 0, _CONTENT_PATH)])
                 continue
             if content is None or content is unset:  # (as item_cores reads a missing or null content)
                 add_item([Core(role, OTHER, "null")])
                 continue
             cores: list[Core] = []
             add = cores.append
-            for j, b in enumerate(content):
+            j = 0
+            for b in content:
                 t = type(b)
                 if t is _Text:
-                    add(Core(role, TEXT, b.text, path=("content", j, "text")))
+                    add(Core(role, TEXT, b.text, "", "", "", 0, paths[j] if j < _N_PATHS else ("content", j, "text")))
                 elif t is _ToolResult:
-                    text, media = _result_text(None if b.content is unset else b.content)
-                    add(Core("tool", TOOL_RESULT, text, tool_call_id=str(b.tool_use_id or ""), media=media))
+                    c, tid = b.content, b.tool_use_id
+                    if type(tid) is not str:
+                        tid = str(tid or "")
+                    if type(c) is str:
+                        add(Core("tool", TOOL_RESULT, c, "", tid))
+                    else:
+                        text, media = _result_text(None if c is unset else c)
+                        add(Core("tool", TOOL_RESULT, text, "", tid, media))
                 elif t is _ToolUse:
-                    add(Core("assistant", TOOL_CALL, compact_json({} if b.input is None or b.input is unset else b.input),
-                             tool_name=str(b.name or ""), tool_call_id=str(b.id or "")))
+                    args, name, cid = b.input, b.name, b.id
+                    if type(name) is not str:
+                        name = str(name or "")
+                    if type(cid) is not str:
+                        cid = str(cid or "")
+                    add(Core("assistant", TOOL_CALL, encode_json({} if args is None or args is unset else args).decode(),
+                             name, cid))
                 elif t is _Thinking:
                     add(Core("assistant", REASONING, str(b.thinking or "")))
                 elif t is _Redacted:
                     add(Core("assistant", REASONING, str(b.data or "")))
                 else:  # _Image
                     add(Core(role, IMAGE, "[image]", media=payload_of_source(None if b.source is unset else b.source)))
+                j += 1
             add_item(cores)
         return out, msgs
 
@@ -338,6 +354,10 @@ class _Msg(msgspec.Struct, gc=False):
 
 _dec_msgs = msgspec.json.Decoder(list[_Msg])
 _enc_msg = msgspec.json.Encoder()
+# the paths of text blocks, one tuple each shared by every core at that index (array_cores)
+_CONTENT_PATH = ("content",)
+_N_PATHS = 64
+_TEXT_PATHS = [("content", j, "text") for j in range(_N_PATHS)]
 
 
 def patch_typed(raw: bytes, msg: _Msg, edits: list) -> bytes | None:

@@ -256,6 +256,7 @@ _Top = msgspec.defstruct(
 )
 _dec_top = msgspec.json.Decoder(_Top)
 _KEY_BYTES = {k: b'"' + k.encode() + b'":' for k in ("messages", *_TOP_KEYS)}
+_KEY_NAMES = {k.encode(): k for k in _KEY_BYTES}  # a key as written (no escapes) -> its name
 
 
 def _split_compact(raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw]] | None:
@@ -263,9 +264,10 @@ def _split_compact(raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw
     object, then the conversation array again), when the body is compact at its top level and in
     its array (``{"k":v,...,"messages":[item,...],...}``, no space between them: Node's
     ``JSON.stringify``) and holds only keys of :data:`_TOP_KEYS`; else None.  The body is decoded
-    into a struct (each value a raw slice, the items one each), the keys are ordered by where
-    they stand, and the body written back from those pieces must be the body itself, byte for
-    byte: then those are exactly the keys, order and values the general split would give."""
+    into a struct (each value a raw slice, the items one each); its size proves it is exactly those
+    members written compactly, and the members are then read off in the order they stand, one
+    step each (no search through the body: the conversation stands before most keys, as agents
+    write them): those are exactly the keys, order and values the general split would give."""
     try:
         t = _dec_top.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError):
@@ -274,39 +276,32 @@ def _split_compact(raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw
     if items is msgspec.UNSET:
         return None
     unset = msgspec.UNSET
-    found = raw.find
-    present = []
-    for k in t.__struct_fields__:
-        v = getattr(t, k)
-        if v is not unset:
-            at = found(_KEY_BYTES[k])
-            if at < 0:
-                return None  # (a key written with escapes: the general way)
-            present.append((at, k, v))
-    present.sort()
-    # The body holds at least, apart from each other: its braces, each member's key ("k": at the
-    # least), its value (a raw slice), a comma between members, and in the array its brackets, the
-    # items and a comma between them.  Exactly that many bytes: nothing else is in it (no space, no
-    # other or repeated key, no key written with escapes), so it is those pieces in some order; the
-    # order is the one the keys were found in when each key stands where that order puts it.
+    # the size of each member's value (the array's as it is written compactly)
     n_items = len(items)
-    array_len = 2 + sum(map(len, items)) + (n_items - 1 if n_items else 0)
-    lengths = [len(_KEY_BYTES[k]) + (array_len if k == "messages" else len(v)) for _pos, k, v in present]
-    if 1 + sum(lengths) + len(lengths) != len(raw):
+    sizes = {k: len(v) for k, v in zip(_TOP_KEYS, msgspec.structs.astuple(t)[1:]) if v is not unset}
+    sizes["messages"] = 2 + sum(map(len, items)) + (n_items - 1 if n_items else 0)
+    # The body holds at least, apart from each other: its braces, each member's key ("k": at the
+    # least: a key written with escapes is longer), its value (a raw slice), a comma between
+    # members, and in the array its brackets, the items and a comma between them.  Exactly that
+    # many bytes: nothing else is in it (no space, no other or repeated key, no key written with
+    # escapes), so it is those members, each once, in some order, one right after the other.
+    key_bytes = _KEY_BYTES
+    if 1 + sum(map(len, map(key_bytes.__getitem__, sizes))) + sum(sizes.values()) + len(sizes) != len(raw):
         return None
-    at = end = 0
-    off = 1
-    for (pos, k, _v), size in zip(present, lengths):
-        if pos != off:
-            return None
-        if k == "messages":
-            at = off + len(_KEY_BYTES[k])
-            end = off + size
-        off += size + 1
     top: dict[str, msgspec.Raw] = {}
-    view = memoryview(raw)
-    for _pos, k, v in present:
-        top[k] = msgspec.Raw(view[at:end]) if k == "messages" else v
+    names, find, view = _KEY_NAMES, raw.find, memoryview(raw)
+    off = 1
+    for _ in range(len(sizes)):  # each member where the one before it ends: its key, then its value
+        q = find(b'":', off + 1)
+        k = names.get(raw[off + 1:q]) if raw[off:off + 1] == b'"' and q > 0 else None
+        if k is None or k in top or k not in sizes:
+            return None  # (cannot happen once the size holds: kept as a guard)
+        at = q + 2
+        end = at + sizes[k]
+        top[k] = msgspec.Raw(view[at:end]) if k == "messages" else getattr(t, k)
+        off = end + 1  # (past the comma, or the closing brace after the last member)
+    if off != len(raw):
+        return None
     return top, items
 
 

@@ -72,28 +72,38 @@ class ChatLane(LaneDefaults):
         out: list[list[Core]] = []
         add = out.append
         unset = _UNSET
+        path = _CONTENT_PATH
         for m in msgs:
             t = type(m)
             content = m.content
             if t is _Tool:
-                add([Core("tool", TOOL_RESULT, "" if content is None or content is unset else content,
-                          tool_call_id=_str(None if m.tool_call_id is unset else m.tool_call_id))])
+                cid = m.tool_call_id
+                add([Core("tool", TOOL_RESULT, "" if content is None or content is unset else content, "",
+                          cid if type(cid) is str else "")])
                 continue
             if t is _Assistant:
                 calls = m.tool_calls
-                cores = [] if content is None or content is unset or (content == "" and calls) else [
-                    Core("assistant", TEXT, content, path=("content",))]
+                if type(content) is list:
+                    cores = _parts_cores("assistant", content)
+                else:
+                    cores = [] if content is None or content is unset or (content == "" and calls) else [
+                        Core("assistant", TEXT, content, "", "", "", 0, path)]
                 if calls is not unset and calls is not None:
-                    if any(c.function is unset for c in calls):
-                        return None  # (item_cores reads such a call as other content)
-                    cores.extend([Core("assistant", TOOL_CALL, _arg_text(None if c.function.arguments is unset
-                                                                         else c.function.arguments),
-                                       tool_name=_str(None if c.function.name is unset else c.function.name),
-                                       tool_call_id=_str(None if c.id is unset else c.id)) for c in calls])
+                    for c in calls:
+                        fn = c.function
+                        if fn is unset:
+                            return None  # (item_cores reads such a call as other content)
+                        args, name, cid = fn.arguments, fn.name, c.id
+                        cores.append(Core("assistant", TOOL_CALL, args if type(args) is str else _arg_text(
+                            None if args is unset else args), name if type(name) is str else "",
+                            cid if type(cid) is str else ""))
                 add(cores)
                 continue
             role = "user" if t is _User else "system"
-            add([] if content is None or content is unset else [Core(role, TEXT, content, path=("content",))])
+            if type(content) is list:
+                add(_parts_cores(role, content))
+            else:
+                add([] if content is None or content is unset else [Core(role, TEXT, content, "", "", "", 0, path)])
         return out, msgs, [type(m) is _System or type(m) is _Developer for m in msgs]
 
     @staticmethod
@@ -315,13 +325,26 @@ def _result_text(content: Any) -> str:
 
 
 # The plainest shapes of a message, as typed structs (ChatLane.array_cores), one per role (the
-# ``role`` key, which agents write first, tags them): string or null content, a tool call's
-# function with its arguments as sent.  Any other key fails the decode (forbid_unknown_fields:
-# reasoning, refusal, names, content parts read item by item); the keys agents send are fields in
-# the order they send them, absent ones UNSET, so a struct encodes back to its item's exact bytes
-# when those are msgspec's compact JSON (what ChatLane.patch_typed checks).
+# ``role`` key, which agents write first, tags them): string or null content or an array of text
+# and image parts (pi, omp), a tool call's function with its arguments as sent, a tool result's
+# ``name`` (hermes).  Any other key fails the decode (forbid_unknown_fields: reasoning, refusal,
+# names, other parts read item by item); the keys agents send are fields in the order they send
+# them, absent ones UNSET, so a struct encodes back to its item's exact bytes when those are
+# msgspec's compact JSON (what ChatLane.patch_typed checks).
 _UNSET = msgspec.UNSET
+
+
+class _TextPart(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True, gc=False):
+    text: str
+    cache_control: Any = _UNSET
+
+
+class _ImagePart(msgspec.Struct, tag_field="type", tag="image_url", forbid_unknown_fields=True, gc=False):
+    image_url: Any = _UNSET
+
+
 _Text = str | None | msgspec.UnsetType
+_Content = str | None | list[_TextPart | _ImagePart] | msgspec.UnsetType
 
 
 class _Fn(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -336,28 +359,45 @@ class _Call(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
 
 class _User(msgspec.Struct, tag_field="role", tag="user", forbid_unknown_fields=True, gc=False):
-    content: _Text = _UNSET
+    content: _Content = _UNSET
 
 
 class _System(msgspec.Struct, tag_field="role", tag="system", forbid_unknown_fields=True, gc=False):
-    content: _Text = _UNSET
+    content: _Content = _UNSET
 
 
 class _Developer(msgspec.Struct, tag_field="role", tag="developer", forbid_unknown_fields=True, gc=False):
-    content: _Text = _UNSET
+    content: _Content = _UNSET
 
 
 class _Assistant(msgspec.Struct, tag_field="role", tag="assistant", forbid_unknown_fields=True, gc=False):
-    content: _Text = _UNSET
+    content: _Content = _UNSET
     tool_calls: list[_Call] | None | msgspec.UnsetType = _UNSET
 
 
 class _Tool(msgspec.Struct, tag_field="role", tag="tool", forbid_unknown_fields=True, gc=False):
     tool_call_id: Any = _UNSET
     content: _Text = _UNSET
+    name: Any = _UNSET  # (item_cores does not read it)
+
+
+_N_PATHS = 64
+_TEXT_PATHS = [("content", j, "text") for j in range(_N_PATHS)]  # one tuple per index, shared by every core
+
+
+def _parts_cores(role: str, parts: list) -> list[Core]:
+    """The cores of a typed content array, as content_cores reads its parts (_part_core)."""
+    out = []
+    for j, p in enumerate(parts):
+        if type(p) is _TextPart:
+            out.append(Core(role, TEXT, p.text, "", "", "", 0, _TEXT_PATHS[j] if j < _N_PATHS else ("content", j, "text")))
+        else:
+            out.append(Core(role, IMAGE, "[image]", media=_image_slot(None if p.image_url is _UNSET else p.image_url)))
+    return out
 
 
 _dec_chat = msgspec.json.Decoder(list[_User | _System | _Developer | _Assistant | _Tool])
+_CONTENT_PATH = ("content",)  # the path of every string content array_cores reads (one tuple shared)
 _CONTENT_HEADS: dict[type, bytes] = {}  # (ChatLane.tag_typed)
 _enc_chat = msgspec.json.Encoder()
 
