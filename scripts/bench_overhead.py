@@ -192,17 +192,18 @@ class Case:
         self.lane = LANES[lane]
         self.n = n
         if lane == "anthropic":
-            self.top = {"model": "claude-sonnet-4-5", "max_tokens": 32000, "system": system_prompt(g),
-                        "tools": tools_anthropic(g)}
+            # the members in the order Claude Code writes them (the conversation second: shared/captures)
+            self.top = {"model": "claude-sonnet-4-5", "messages": None, "system": system_prompt(g),
+                        "tools": tools_anthropic(g), "max_tokens": 32000}
             self.msgs = anthropic_messages(g, n)
             self.new = lambda i: {"role": "user", "content": f"Follow-up {i}: " + g.prose(60, 300)}
         else:
-            self.top = {"model": "gpt-4.1", "max_tokens": 32000, "tools": tools_chat(g)}
+            self.top = {"model": "gpt-4.1", "messages": None, "max_tokens": 32000, "tools": tools_chat(g)}  # (pi's order)
             self.msgs = [{"role": "system", "content": system_prompt(g)}] + chat_messages(g, n)
             self.new = lambda i: {"role": "user", "content": f"Follow-up {i}: " + g.prose(60, 300)}
 
     def body(self, msgs: list[dict]) -> bytes:
-        return msgspec.json.encode({**self.top, "messages": msgs})
+        return msgspec.json.encode({**self.top, "messages": msgs})  # (in the place the key has in ``top``)
 
     def unique_body(self) -> bytes:
         """The conversation with a first message of its own: a new conversation every time, never
