@@ -45,13 +45,13 @@ def conversation(lane: str, n: int, ascii_json: bool, agent_order: bool = False)
         msgs = [{"role": "user", "content": [{"type": "text", "text": m["content"]}]} if m["role"] == "user" else
                 {"role": "tool", "name": "Bash", **{k: v for k, v in m.items() if k != "role"}} if m["role"] == "tool"
                 else m for m in msgs]
+    rest = {k: v for k, v in case.top.items() if k not in ("model", "messages")}
     if agent_order:  # the conversation right after the model, the other members after it (as Claude Code writes them)
         def top(m):
-            return {"model": case.top["model"], "messages": m, **{k: v for k, v in case.top.items() if k != "model"},
-                    "metadata": {"user_id": "u"}, "stream": True}
+            return {"model": case.top["model"], "messages": m, **rest, "metadata": {"user_id": "u"}, "stream": True}
     else:
         def top(m):
-            return {**case.top, "messages": m}
+            return {"model": case.top["model"], **rest, "messages": m}
     enc = (lambda m: json.dumps(top(m)).encode()) if ascii_json else (lambda m: msgspec.json.encode(top(m)))
     return [enc(msgs), enc(msgs + [case.new(0)])]
 
