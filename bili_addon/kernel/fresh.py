@@ -89,8 +89,6 @@ def _numbered(bases: list[str], counter: Counter) -> list[str]:
     return msg_ids
 
 
-__all__ = ["applies", "first_pass"]
-
 
 def stages(first, s: Session, env, tail, render: bool, lineage_deferred: bool) -> bool:
     """Whether a turn's commit may wait until its reminder is decided (``Sessions.stage``), so the
@@ -99,3 +97,6 @@ def stages(first, s: Session, env, tail, render: bool, lineage_deferred: bool) -
     bind, no prefix chain to note, the lineage kept back until the answer; a render, not observe)."""
     return (first is not None and env is None and tail is None and render and lineage_deferred
             and not s.blocks and not s.calls and not s.copy.latched)
+
+
+__all__ = ["applies", "first_pass", "stages"]

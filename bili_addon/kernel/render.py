@@ -115,8 +115,7 @@ def _render_prose(lane: Lane, infos: list[ItemInfo], start: int, q: int, resolve
             edits, count = _item_edits(resolved[k], active, k != last, nudges)
         else:
             core = r.core
-            if (active and core.ctype == TEXT and (core.role == "user" or (core.role == "assistant" and k != last))
-                    and core.text and not core.text.isspace()):
+            if active and taggable(core, k != last):
                 entry = r.entry
                 tokens, ref = format_tokens(entry.tokens), entry.ref
                 if tag_typed is not None and not r.dirty and not (nudges and nudges.get(ref)):
@@ -154,9 +153,7 @@ def _item_edits(parts: list[Resolved], active: bool, prose: bool, nudges: dict[s
     tagged = 0
     for r in parts:
         core = r.core
-        # taggable(core, prefill=...) and tags.render(...), inlined
-        if (active and core.ctype == TEXT and core.path and (core.role == "user" or (
-                core.role == "assistant" and prose)) and not core.text.isspace() and core.text):
+        if active and taggable(core, prose):
             entry = r.entry
             edits.append(_tag_edit(core, tags.format_tokens(entry.tokens), entry.ref,
                                    nudges.get(entry.ref) if nudges else None))
@@ -334,14 +331,11 @@ def sig(item: ViewItem) -> str:
     return item.sig
 
 
-def taggable(core: Core, *, prefill: bool) -> bool:
-    return (
-        core.ctype == TEXT
-        and core.role in PROSE_ROLES
-        and bool(core.path)
-        and not prefill
-        and bool(core.text.strip())
-    )
+def taggable(core: Core, prose: bool) -> bool:
+    """A part that gets a tag: text with a path in its item, not blank, the user's or the
+    assistant's (``prose``: not the last item's, a prefill)."""
+    return bool(core.ctype == TEXT and core.path and (core.role == "user" or (core.role == "assistant" and prose))
+                and core.text and not core.text.isspace())
 
 
 __all__ = ["PROSE_ROLES", "WireFolds", "alternate", "assemble", "render_items", "sig", "snapshot_join",

@@ -60,6 +60,13 @@ class ItemCache:
         self.size = 0
         self.items: OrderedDict[tuple[str, bytes], ItemInfo] = OrderedDict()
 
+    def _grown(self, size: int) -> None:
+        """``size`` bytes of items added: the oldest go while the cache is over its limit."""
+        self.size += size
+        while self.size > self.max_bytes and self.items:
+            (_, old), _info = self.items.popitem(last=False)
+            self.size -= len(old)
+
     def forget(self) -> None:
         """Drop every parsed item (the next pass parses its items anew)."""
         self.items.clear()
@@ -83,10 +90,7 @@ class ItemCache:
             parts.append(Part(core, base, chash, dirty))
         info = ItemInfo(raw, lane.is_system_item(obj), parts)
         self.items[key] = info
-        self.size += len(raw)
-        while self.size > self.max_bytes and self.items:
-            (_, old), _info = self.items.popitem(last=False)
-            self.size -= len(old)
+        self._grown(len(raw))
         return info
 
     def get_many(self, lane: Lane, raws, objs: list | None = None, whole=None) -> list[ItemInfo]:
@@ -132,10 +136,7 @@ class ItemCache:
                     out = list(map(ItemInfo, braws, got[2] if len(got) > 2 else repeat(False), lists))
                     if flat:
                         items.update(zip(keys, out))
-                    self.size += sum(map(len, braws))
-                    while self.size > self.max_bytes and self.items:
-                        (_, old), _info = self.items.popitem(last=False)
-                        self.size -= len(old)
+                    self._grown(sum(map(len, braws)))
                     return out
                 array_cores = None  # (read them one by one below, the array decoded once)
         for i, r in enumerate(raws):
@@ -185,10 +186,7 @@ class ItemCache:
             for (info, _end) in made:
                 items[(name, info.raw)] = info
         if size:
-            self.size += size
-            while self.size > self.max_bytes and self.items:
-                (_, old), _info = self.items.popitem(last=False)
-                self.size -= len(old)
+            self._grown(size)
         return out
 
     @staticmethod

@@ -432,6 +432,8 @@ _TEXT_BLOCK = b'{"type":"text","text":"'
 _HEADS: dict[str, dict[tuple, bytes]] = {}  # by role
 _NO_ROLE = _heads(b'{"content":')
 _SCALARS = frozenset((str, int, float, bool, type(None), msgspec.UnsetType))
+
+
 class _Named(msgspec.Struct, gc=False):
     """A tool as :meth:`AnthropicLane.tool_names` reads it: its name (any value; a string names it)."""
 
