@@ -1270,8 +1270,9 @@ class Store:
         SQLite: its write lock and the session versions already order two processes' turns.
         (``candidates``: PostgreSQL reads a new session's fork candidates with its lock.)"""
 
-    def release(self) -> None:
-        """Let go of every session :meth:`hold` took (the keeper calls it after each piece of work)."""
+    def release(self, wait: bool = False) -> None:
+        """Let go of every session :meth:`hold` took (the keeper calls it after each piece of work).
+        ``wait``: the locks are free on return (PostgreSQL's unlock is otherwise not waited for)."""
 
     @property
     def where(self) -> str:

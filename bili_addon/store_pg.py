@@ -742,7 +742,11 @@ class PgStore:
             self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
             self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
 
-    def release(self) -> None:
+    def release(self, wait: bool = False) -> None:
+        """Let go of the sessions :meth:`hold` took.  The unlock is sent without waiting for its answer
+        (the server lets the locks go when it reads it; the answer is read before this connection's
+        next statement), so another connection's *try* of the lock may still find it held for a
+        moment: ``wait`` reads the answer now, for a caller that needs the lock free on return."""
         self._state.clear()
         self._absent.clear()
         self._cands.clear()
@@ -760,6 +764,8 @@ class PgStore:
             pgconn.send_query(b"SELECT pg_advisory_unlock_all()")
             self._unlocking = True
             self._lock_conn.wait(pg_generators.send(pgconn))
+            if wait:
+                self._unlocked()
         except (psycopg.Error, AttributeError):  # a broken connection held nothing any more
             self._drop_lock_conn()
 
