@@ -263,3 +263,37 @@ def test_no_identity_and_no_history_passes_through(engine, messages):
     res = engine.process(body(*messages), ANTH, {}, render=True)
     assert res.body is None and res.session == ""
     assert engine.store.sessions() == []
+
+
+# -- previous passes of many conversations ---------------------------------------------------------
+
+
+def test_a_proxy_serving_many_conversations_keeps_each_ones_previous_pass(engine):
+    # 40 conversations in turn (more than the 32 passes kept before, when they were counted): each
+    # follow-up reuses its conversation's previous pass
+    histories = {f"conv-{i}": [user(f"question {i}"), assistant(f"answer {i}")] for i in range(40)}
+    for sid, msgs in histories.items():
+        engine.process(body(*msgs), ANTH, {"x-acp-session": sid}, render=True)
+    for sid, msgs in histories.items():
+        msgs.append(user(f"follow-up of {sid}"))
+        r = engine.process(body(*msgs), ANTH, {"x-acp-session": sid}, render=True)
+        assert r.reused == 1, (sid, r.reused)  # the previous pass's items (its last, a reply, is read again)
+        assert (r.refs_new, r.refs_known) == (1, 2)
+    assert len(engine.sessions.memos) == 40
+
+
+def test_previous_passes_are_kept_by_the_bytes_of_their_conversations(engine):
+    engine.sessions.memo_bytes = 3000  # room for about three of these conversations
+    for i in range(6):
+        engine.process(body(user(f"{i} " + "x" * 900)), ANTH, {"x-acp-session": f"c{i}"}, render=True)
+    kept = list(engine.sessions.memos)
+    assert kept == ["c3", "c4", "c5"]  # the most recent, within the budget
+    assert sum(m.size for m in engine.sessions.memos.values()) <= 3000
+    engine.sessions.memo_bytes = 10
+    engine.process(body(user("6 " + "y" * 900)), ANTH, {"x-acp-session": "c6"}, render=True)
+    assert list(engine.sessions.memos) == ["c6"]  # the newest is always kept
+    engine.sessions.memo_bytes = 1 << 30
+    engine.sessions.max_sessions = 2  # never more than the sessions cached
+    for i in range(7, 10):
+        engine.process(body(user(f"{i}")), ANTH, {"x-acp-session": f"c{i}"}, render=True)
+    assert list(engine.sessions.memos) == ["c8", "c9"]

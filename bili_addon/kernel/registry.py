@@ -2,7 +2,7 @@
 
 :class:`Sessions` is a read-only mapping ``session id -> Session`` of what is cached (least recently
 used first; at most ``max_sessions``), plus the previous pass of each session
-(:class:`~bili_addon.kernel.state.Memo`, at most ``MAX_MEMOS``).  The store is the truth: a session
+(:class:`~bili_addon.kernel.state.Memo`, as many as ``MEMO_BYTES`` of conversation hold).  The store is the truth: a session
 another process changed is reloaded (``load(..., fresh=True)``), and one whose write the store
 refused is forgotten.
 """
@@ -21,7 +21,11 @@ from bili_addon.kernel.fold import Block
 from bili_addon.kernel.state import Call, Entry, Memo, Session
 from bili_addon.store import SessionRow, Store
 
-MAX_MEMOS = 32
+# the previous passes kept: by the bytes of their conversations (a pass holds its request's items and
+# their rendering, ~2-3x those bytes), at most one per cached session.  Counted by passes (32 before),
+# a proxy serving more conversations than that in turn lost every pass before its next turn: each
+# follow-up cost a conversation's whole pass again (~3x more at 1,000 messages; bench_overhead.py).
+MEMO_BYTES = 256 << 20
 # flags that change how old items render (activation: tags appear on every prose part)
 RENDER_FLAGS = ("truncated", "strict_reasoning", ACTIVE)
 
@@ -29,11 +33,13 @@ RENDER_FLAGS = ("truncated", "strict_reasoning", ACTIVE)
 class Sessions(Mapping[str, Session]):
     """The cached sessions and their previous passes, over a :class:`Store`."""
 
-    def __init__(self, store: Store, max_sessions: int = 256):
+    def __init__(self, store: Store, max_sessions: int = 256, memo_bytes: int = MEMO_BYTES):
         self.store = store
         self.max_sessions = max_sessions
+        self.memo_bytes = memo_bytes
         self._cache: OrderedDict[str, Session] = OrderedDict()
         self.memos: OrderedDict[str, Memo] = OrderedDict()
+        self._memo_size = 0  # of the memos as remember last counted them (a memo popped elsewhere: recounted)
         # a turn's commit held back (:meth:`stage`): the flags the turn learns before :meth:`flush`
         # are written with it, one write instead of two
         self.staged: dict[str, Callable[[], None]] = {}
@@ -96,11 +102,19 @@ class Sessions(Mapping[str, Session]):
         self.memos.pop(sid, None)
 
     def remember(self, memo: Memo) -> None:
-        """Keep ``memo`` as its session's previous pass (the most recent ``MAX_MEMOS`` are kept)."""
-        self.memos[memo.sid] = memo
-        self.memos.move_to_end(memo.sid)
-        while len(self.memos) > MAX_MEMOS:
-            self.memos.popitem(last=False)
+        """Keep ``memo`` as its session's previous pass: the most recent ones whose conversations
+        hold at most ``memo_bytes`` together (always the newest), one per cached session at most."""
+        if not memo.size:
+            memo.size = sum(map(len, memo.raws))
+        memos = self.memos
+        old = memos.pop(memo.sid, None)
+        memos[memo.sid] = memo
+        size = self._memo_size + memo.size - (old.size if old is not None else 0)
+        if size > self.memo_bytes or len(memos) > self.max_sessions:
+            size = sum(m.size for m in memos.values())  # (exact again, whatever was popped meanwhile)
+            while len(memos) > 1 and (size > self.memo_bytes or len(memos) > self.max_sessions):
+                size -= memos.popitem(last=False)[1].size
+        self._memo_size = size
 
     # -- writes ----------------------------------------------------------------------------------
     def stage(self, sid: str, write: Callable[[], None]) -> None:
@@ -152,4 +166,4 @@ class Sessions(Mapping[str, Session]):
         )
 
 
-__all__ = ["MAX_MEMOS", "RENDER_FLAGS", "Sessions"]
+__all__ = ["MEMO_BYTES", "RENDER_FLAGS", "Sessions"]

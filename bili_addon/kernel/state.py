@@ -265,6 +265,7 @@ class Memo:
     changed_cum: list[int]  # changed_cum[i]: rendered items among the first i that differ from the wire
     tagged_cum: list[int]
     bases: Counter  # instance counts of every base id in the pass
+    size: int = 0  # the conversation's bytes (what Sessions.remember weighs it by)
 
 
 @dataclass

@@ -242,7 +242,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         if s.copy.latched or not render:
             # observe mode, or a total collapse: nothing verifies the folds against this history,
             # so it passes through as it came until the agent sends a history that aligns again
-            self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter, None)
+            self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter, None, len(raw))
             if stripped:  # the envelope is ours: it never reaches the provider
                 result.body = body.encode(None)
             return result
@@ -272,7 +272,7 @@ class Engine(ProxyTools, Epochs, Deferred):
                      objs)
         result.tagged = tagged_cum[-1]
         self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter,
-                       (rendered, changed_cum, tagged_cum))
+                       (rendered, changed_cum, tagged_cum), len(raw))
 
         items_out = list(rendered)
         changed = changed_cum[-1] > 0 or stripped
@@ -447,7 +447,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         return part.core, part.base, part.chash, part.dirty
 
     def _remember(self, lane: Lane, sid: str, s: Session, raws, infos, start, hashes, resolved, view_items,
-                  counter: Counter, rendered) -> None:
+                  counter: Counter, rendered, size: int = 0) -> None:
         if rendered is None:
             # only identity work was done (observe mode, a paused fold): refs and view are reusable,
             # rendered bytes are not
@@ -456,7 +456,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             rendered_items, changed_cum, tagged_cum = rendered
         version = s.version
         self.sessions.remember(Memo(lane.name, sid, version, raws, infos, start, hashes, resolved, view_items,
-                                    rendered_items, changed_cum, tagged_cum, counter))
+                                    rendered_items, changed_cum, tagged_cum, counter, size))
 
 
 # -- helpers -----------------------------------------------------------------------------------
