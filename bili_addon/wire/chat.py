@@ -132,18 +132,29 @@ class ChatLane(LaneDefaults):
         now = msg.content
         if path != ("content",) or type(now) is not str or not (now is text or now == text):
             return None
-        head = _CONTENT_HEADS.get(type(msg))
-        if head is None:
+        known = _CONTENT_HEADS.get(type(msg))
+        if known is None:
             try:  # the message with its content alone, empty: up to its content's text
                 probe = _enc_chat.encode(type(msg)(content=""))
             except (TypeError, ValueError):
                 return None
             if not probe.endswith(b',"content":""}'):
                 return None
-            head = _CONTENT_HEADS[type(msg)] = probe[:-2]
-        if not raw.startswith(head) or _enc_chat.encode(msg) != raw:
+            known = _CONTENT_HEADS[type(msg)] = (probe[:-2], tuple(f for f in msg.__struct_fields__ if f != "content"))
+        head, others = known
+        if not raw.startswith(head):
             return None
-        return raw[:len(head)] + tag + raw[len(head):]
+        n = len(head)
+        if others and any(getattr(msg, f) is not _UNSET for f in others):
+            if _enc_chat.encode(msg) != raw:  # (another field set: the whole proof)
+                return None
+            return head + tag + raw[n:]
+        # the content the message's one field: its encoding is the head, the text's encoding and
+        # the closing brace, which is what ``raw`` is proven to be without encoding the message
+        enc_text = _enc_chat.encode(text)
+        if len(raw) != n + len(enc_text) or not raw.startswith(enc_text, n - 1) or raw[-1] != 0x7D:  # "}"
+            return None
+        return head + tag + raw[n:]
 
     # -- folding and proxy tools ---------------------------------------------------------------
     @staticmethod
@@ -398,7 +409,8 @@ def _parts_cores(role: str, parts: list) -> list[Core]:
 
 _dec_chat = msgspec.json.Decoder(list[_User | _System | _Developer | _Assistant | _Tool])
 _CONTENT_PATH = ("content",)  # the path of every string content array_cores reads (one tuple shared)
-_CONTENT_HEADS: dict[type, bytes] = {}  # (ChatLane.tag_typed)
+# (ChatLane.tag_typed) by struct: the bytes up to its content's text, its other fields
+_CONTENT_HEADS: dict[type, tuple[bytes, tuple[str, ...]]] = {}
 _enc_chat = msgspec.json.Encoder()
 
 
