@@ -149,28 +149,12 @@ class AnthropicLane(LaneDefaults):
         head = heads.get(path) if heads is not None else None
         if head is None:
             return _tag_typed_rare(raw, msg, path, tag, text)
-        if not raw.startswith(head):
-            return None
-        content = msg.content
-        if len(path) == 1:
-            if type(content) is not str or not (content is text or content == text):
-                return None
-            tail = b"}"  # the message's encoding: the head, the text's encoding, then this
-        else:
-            if type(content) is not list or not content or type(content[0]) is not _Text:
-                return None
-            now = content[0].text
-            if not (now is text or now == text):
-                return None
-            tail = _after_first_text(content)
-        # ``raw`` is msgspec's encoding of ``msg`` (what patch_typed proves by re-encoding it all)
-        # exactly when it is the head, the text's encoding and the tail, one after the other:
-        # that proof without the message encoded again (the text's encoding is most of it)
-        n = len(head)
-        enc_text = _enc_msg.encode(text)
-        if len(raw) != n - 1 + len(enc_text) + len(tail) or not raw.startswith(enc_text, n - 1) or not raw.endswith(tail):
-            return None
-        return head + tag + raw[n:]
+        if raw.startswith(head) and _enc_msg.encode(msg) == raw:
+            now = msg.content if len(path) == 1 else msg.content[0].text  # (its encoding's head: there)
+            if now is text or now == text:
+                n = len(head)
+                return raw[:n] + tag + raw[n:]
+        return None
 
     # -- folding and proxy tools ---------------------------------------------------------------
     @staticmethod
@@ -396,18 +380,6 @@ def patch_typed(raw: bytes, msg: _Msg, edits: list) -> bytes | None:
         else:
             return None
     return _enc_msg.encode(msg)
-
-
-def _after_first_text(content: list) -> bytes:
-    """What a message's encoding (:class:`_Msg`) has after its first block's text, that block a
-    :class:`_Text`: the rest of the block, the other blocks, the closing of the array and of the
-    message, as msgspec writes them (a struct's fields in order, an UNSET one left out)."""
-    first, n = content[0], len(content)
-    cc = first.cache_control
-    head = b"}" if cc is _UNSET else b',"cache_control":' + _enc_msg.encode(cc) + b"}"
-    if n == 1:
-        return head + b"]}"
-    return head + b"," + _enc_msg.encode(content[1:])[1:] + b"}"
 
 
 def _heads(head: bytes) -> dict[tuple, bytes]:

@@ -132,29 +132,18 @@ class ChatLane(LaneDefaults):
         now = msg.content
         if path != ("content",) or type(now) is not str or not (now is text or now == text):
             return None
-        known = _CONTENT_HEADS.get(type(msg))
-        if known is None:
+        head = _CONTENT_HEADS.get(type(msg))
+        if head is None:
             try:  # the message with its content alone, empty: up to its content's text
                 probe = _enc_chat.encode(type(msg)(content=""))
             except (TypeError, ValueError):
                 return None
             if not probe.endswith(b',"content":""}'):
                 return None
-            known = _CONTENT_HEADS[type(msg)] = (probe[:-2], tuple(f for f in msg.__struct_fields__ if f != "content"))
-        head, others = known
-        if not raw.startswith(head):
+            head = _CONTENT_HEADS[type(msg)] = probe[:-2]
+        if not raw.startswith(head) or _enc_chat.encode(msg) != raw:
             return None
-        n = len(head)
-        if others and any(getattr(msg, f) is not _UNSET for f in others):
-            if _enc_chat.encode(msg) != raw:  # (another field set: the whole proof)
-                return None
-            return head + tag + raw[n:]
-        # the content the message's one field: its encoding is the head, the text's encoding and
-        # the closing brace, which is what ``raw`` is proven to be without encoding the message
-        enc_text = _enc_chat.encode(text)
-        if len(raw) != n + len(enc_text) or not raw.startswith(enc_text, n - 1) or raw[-1] != 0x7D:  # "}"
-            return None
-        return head + tag + raw[n:]
+        return raw[:len(head)] + tag + raw[len(head):]
 
     # -- folding and proxy tools ---------------------------------------------------------------
     @staticmethod
@@ -409,8 +398,7 @@ def _parts_cores(role: str, parts: list) -> list[Core]:
 
 _dec_chat = msgspec.json.Decoder(list[_User | _System | _Developer | _Assistant | _Tool])
 _CONTENT_PATH = ("content",)  # the path of every string content array_cores reads (one tuple shared)
-# (ChatLane.tag_typed) by struct: the bytes up to its content's text, its other fields
-_CONTENT_HEADS: dict[type, tuple[bytes, tuple[str, ...]]] = {}
+_CONTENT_HEADS: dict[type, bytes] = {}  # (ChatLane.tag_typed)
 _enc_chat = msgspec.json.Encoder()
 
 
