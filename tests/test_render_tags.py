@@ -268,3 +268,48 @@ def test_token_counts_escape_to_themselves():
         assert set(text) <= set("0123456789-.K"), text
         tag = f'<acp tokens="{text}" type="text">m00001</acp>\n'
         assert msgspec.json.encode(tag)[1:-1] == f'<acp tokens=\\"{text}\\" type=\\"text\\">m00001</acp>\\n'.encode()
+
+
+def _odd_writings() -> list[tuple[bytes, tuple, str]]:
+    """Items whose bytes are not msgspec's own in ways a check of the text's place alone would
+    miss: a duplicate key (the decode keeps the last), escapes msgspec does not write (``\\u0041``,
+    ``\\/``), spaces, a content array whose first block is not text."""
+    return [
+        (b'{"role":"user","content":"first","content":"second"}', ("content",), "second"),
+        (b'{"role":"user","content":"second","content":"second"}', ("content",), "second"),
+        (b'{"role":"user","content":"\\u0041BC"}', ("content",), "ABC"),
+        (b'{"role":"user","content":"a\\/b"}', ("content",), "a/b"),
+        (b'{"role":"user","content":"a\\u000ab"}', ("content",), "a\nb"),
+        (b'{"role":"user", "content":"abc"}', ("content",), "abc"),
+        (b'{"role":"user","content":"abc" }', ("content",), "abc"),
+        (b'{"role":"user","content":[{"type":"text","text":"abc"} ]}', ("content", 0, "text"), "abc"),
+        (b'{"role":"user","content":[{"type":"text","text":"x"}],"content":[{"type":"text","text":"abc"}]}',
+         ("content", 0, "text"), "abc"),
+        (b'{"role":"user","content":[{"type":"text","text":"abc","text":"abc"}]}', ("content", 0, "text"), "abc"),
+        (b'{"role":"user","content":[{"type":"image","source":{"type":"url","url":"u"}},'
+         b'{"type":"text","text":"abc"}]}', ("content", 1, "text"), "abc"),
+        (b'{"role":"user","content":[{"type":"image","source":{"type":"url","url":"u"}},'
+         b'{"type":"text","text":"abc"}]}', ("content", 0, "text"), "abc"),
+        (b'{"role":"user","content":[{"type":"tool_use","id":"t","name":"n","input":{"text":"abc"}},'
+         b'{"type":"text","text":"abc"}]}', ("content", 1, "text"), "abc"),
+        (b'{"content":"abc","role":"user"}', ("content",), "abc"),
+    ]
+
+
+def test_tag_typed_odd_bytes_are_the_general_path_s_or_nothing():
+    """Bytes that are not msgspec's own encoding of the item: the lanes' tag_typed leaves them
+    (None) or gives exactly what patch_typed / the general path gives."""
+    for lane_name in ("anthropic", "chat"):
+        lane = LANES[lane_name]
+        for raw, path, text in _odd_writings():
+            got = lane.array_cores(b"[" + raw + b"]")
+            if got is None:
+                continue  # (not read typed: tag_typed is never asked)
+            struct = got[1][0]
+            out = lane.tag_typed(raw, struct, path, _escaped(TAG), text)
+            general = render._patch(lane, raw, None, [(path, TAG + text)])
+            typed = lane.patch_typed(raw, copy.deepcopy(struct), [(path, TAG + text)])
+            if out is not None:
+                assert out == general == typed, (lane_name, raw)
+            if raw != msgspec.json.encode(msgspec.json.decode(raw)):
+                assert out is None, (lane_name, raw)  # not canonical: the general path's alone
