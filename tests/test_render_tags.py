@@ -224,7 +224,26 @@ def _assemble_reference(lane, s, items_out, start, view, plan, after, pre):
         out.append(item)
         out.extend(notes)
     out.extend(items_out[start + len(view.items):])
-    return True, render.alternate(lane, out, start, ours) if ours else out
+    return True, _alternate_reference(lane, out, start, ours) if ours else out
+
+
+def _alternate_reference(lane, out, start, ours):
+    """render.alternate as it was written first: every item visited in turn."""
+    res = out[:start]
+    for i in range(start, len(out)):
+        text = ours.get(i)
+        if text is not None:
+            joined = lane.join_user(res[-1], text, before=False) if len(res) > start else None
+            if joined is not None:
+                res[-1] = joined
+                continue
+            if i + 1 < len(out) and i + 1 not in ours:
+                joined = lane.join_user(out[i + 1], text, before=True)
+                if joined is not None:
+                    out[i + 1] = joined
+                    continue
+        res.append(out[i])
+    return res
 
 
 @pytest.mark.parametrize("lane_name", ["anthropic", "chat"])
@@ -313,3 +332,24 @@ def test_tag_typed_odd_bytes_are_the_general_path_s_or_nothing():
                 assert out == general == typed, (lane_name, raw)
             if raw != msgspec.json.encode(msgspec.json.decode(raw)):
                 assert out is None, (lane_name, raw)  # not canonical: the general path's alone
+
+
+@pytest.mark.parametrize("lane_name", ["anthropic", "chat"])
+def test_alternate_by_marks_is_the_item_by_item_join(lane_name):
+    """render.alternate looks only at the items the addon added: the same joins and layout as
+    visiting every item (added items in a row, at the start, at the end, before and after a user
+    turn that takes them)."""
+    lane = LANES[lane_name]
+    rnd = random.Random(11)
+    for trial in range(500):
+        start, n = rnd.randint(0, 2), rnd.randint(0, 10)
+        out = [msgspec.json.encode({"role": rnd.choice(("user", "assistant")), "content": f"text {i}"})
+               for i in range(start + n)]
+        ours = {i: f"added {i}" for i in range(start + n + 2) if rnd.random() < 0.3}
+        for i in ours:
+            if i < len(out):
+                out[i] = lane.summary_item(ours[i])
+        if rnd.random() < 0.1 and start:
+            ours[rnd.randrange(start)] = "before the conversation"
+        want = _alternate_reference(lane, list(out), start, ours)
+        assert render.alternate(lane, list(out), start, ours) == want, trial

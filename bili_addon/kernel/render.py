@@ -318,10 +318,16 @@ _PARTS = attrgetter("parts")
 def alternate(lane: Lane, out: list[bytes], start: int, ours: dict[int, str]) -> list[bytes]:
     """Where the lane needs user and assistant turns to alternate, an item the addon added joins
     the user message before it (or else the one after it) instead of standing as a second user
-    turn in a row."""
+    turn in a row.  Only the items the addon added are looked at, the runs between them copied
+    as they are."""
     res = out[:start]
-    for i in range(start, len(out)):
-        text = ours.get(i)
+    at = start  # ``out`` up to here is in ``res`` (an item the join below changes comes later)
+    for i in sorted(ours):
+        if i < at or i >= len(out):
+            continue  # (not in the conversation)
+        res += out[at:i]
+        at = i + 1
+        text = ours[i]
         if text is not None:
             joined = lane.join_user(res[-1], text, before=False) if len(res) > start else None
             if joined is not None:
@@ -333,6 +339,7 @@ def alternate(lane: Lane, out: list[bytes], start: int, ours: dict[int, str]) ->
                     out[i + 1] = joined
                     continue
         res.append(out[i])
+    res += out[at:]
     return res
 
 
