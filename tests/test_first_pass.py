@@ -384,6 +384,9 @@ def test_body_encode_is_the_top_object_with_the_new_array():
         want = msgspec.json.encode({**b.top, "messages": msgspec.Raw(b"[" + b",".join(items) + b"]")})
         assert b.encode(items) == want and bytes(b.top["messages"]) == b'[{"x":1},[],"s"]'
         assert b.encode([]) == msgspec.json.encode({**b.top, "messages": msgspec.Raw(b"[]")})
+        assert bytes(b.top["messages"]) == b"[]"
+        assert b.encode([b'{"y":2}']) == msgspec.json.encode({**b.top, "messages": msgspec.Raw(b'[{"y":2}]')})
+        assert bytes(b.top["messages"]) == b'[{"y":2}]'
 
 
 def _runs_reference(view: View, protected: set[int]) -> list[tuple[str, str, int, int]]:

@@ -224,7 +224,26 @@ def _assemble_reference(lane, s, items_out, start, view, plan, after, pre):
         out.append(item)
         out.extend(notes)
     out.extend(items_out[start + len(view.items):])
-    return True, render.alternate(lane, out, start, ours) if ours else out
+    return True, _alternate_reference(lane, out, start, ours) if ours else out
+
+
+def _alternate_reference(lane, out, start, ours):
+    """render.alternate as it was written first: every item visited in turn."""
+    res = out[:start]
+    for i in range(start, len(out)):
+        text = ours.get(i)
+        if text is not None:
+            joined = lane.join_user(res[-1], text, before=False) if len(res) > start else None
+            if joined is not None:
+                res[-1] = joined
+                continue
+            if i + 1 < len(out) and i + 1 not in ours:
+                joined = lane.join_user(out[i + 1], text, before=True)
+                if joined is not None:
+                    out[i + 1] = joined
+                    continue
+        res.append(out[i])
+    return res
 
 
 @pytest.mark.parametrize("lane_name", ["anthropic", "chat"])
@@ -268,3 +287,69 @@ def test_token_counts_escape_to_themselves():
         assert set(text) <= set("0123456789-.K"), text
         tag = f'<acp tokens="{text}" type="text">m00001</acp>\n'
         assert msgspec.json.encode(tag)[1:-1] == f'<acp tokens=\\"{text}\\" type=\\"text\\">m00001</acp>\\n'.encode()
+
+
+def _odd_writings() -> list[tuple[bytes, tuple, str]]:
+    """Items whose bytes are not msgspec's own in ways a check of the text's place alone would
+    miss: a duplicate key (the decode keeps the last), escapes msgspec does not write (``\\u0041``,
+    ``\\/``), spaces, a content array whose first block is not text."""
+    return [
+        (b'{"role":"user","content":"first","content":"second"}', ("content",), "second"),
+        (b'{"role":"user","content":"second","content":"second"}', ("content",), "second"),
+        (b'{"role":"user","content":"\\u0041BC"}', ("content",), "ABC"),
+        (b'{"role":"user","content":"a\\/b"}', ("content",), "a/b"),
+        (b'{"role":"user","content":"a\\u000ab"}', ("content",), "a\nb"),
+        (b'{"role":"user", "content":"abc"}', ("content",), "abc"),
+        (b'{"role":"user","content":"abc" }', ("content",), "abc"),
+        (b'{"role":"user","content":[{"type":"text","text":"abc"} ]}', ("content", 0, "text"), "abc"),
+        (b'{"role":"user","content":[{"type":"text","text":"x"}],"content":[{"type":"text","text":"abc"}]}',
+         ("content", 0, "text"), "abc"),
+        (b'{"role":"user","content":[{"type":"text","text":"abc","text":"abc"}]}', ("content", 0, "text"), "abc"),
+        (b'{"role":"user","content":[{"type":"image","source":{"type":"url","url":"u"}},'
+         b'{"type":"text","text":"abc"}]}', ("content", 1, "text"), "abc"),
+        (b'{"role":"user","content":[{"type":"image","source":{"type":"url","url":"u"}},'
+         b'{"type":"text","text":"abc"}]}', ("content", 0, "text"), "abc"),
+        (b'{"role":"user","content":[{"type":"tool_use","id":"t","name":"n","input":{"text":"abc"}},'
+         b'{"type":"text","text":"abc"}]}', ("content", 1, "text"), "abc"),
+        (b'{"content":"abc","role":"user"}', ("content",), "abc"),
+    ]
+
+
+def test_tag_typed_odd_bytes_are_the_general_path_s_or_nothing():
+    """Bytes that are not msgspec's own encoding of the item: the lanes' tag_typed leaves them
+    (None) or gives exactly what patch_typed / the general path gives."""
+    for lane_name in ("anthropic", "chat"):
+        lane = LANES[lane_name]
+        for raw, path, text in _odd_writings():
+            got = lane.array_cores(b"[" + raw + b"]")
+            if got is None:
+                continue  # (not read typed: tag_typed is never asked)
+            struct = got[1][0]
+            out = lane.tag_typed(raw, struct, path, _escaped(TAG), text)
+            general = render._patch(lane, raw, None, [(path, TAG + text)])
+            typed = lane.patch_typed(raw, copy.deepcopy(struct), [(path, TAG + text)])
+            if out is not None:
+                assert out == general == typed, (lane_name, raw)
+            if raw != msgspec.json.encode(msgspec.json.decode(raw)):
+                assert out is None, (lane_name, raw)  # not canonical: the general path's alone
+
+
+@pytest.mark.parametrize("lane_name", ["anthropic", "chat"])
+def test_alternate_by_marks_is_the_item_by_item_join(lane_name):
+    """render.alternate looks only at the items the addon added: the same joins and layout as
+    visiting every item (added items in a row, at the start, at the end, before and after a user
+    turn that takes them)."""
+    lane = LANES[lane_name]
+    rnd = random.Random(11)
+    for trial in range(500):
+        start, n = rnd.randint(0, 2), rnd.randint(0, 10)
+        out = [msgspec.json.encode({"role": rnd.choice(("user", "assistant")), "content": f"text {i}"})
+               for i in range(start + n)]
+        ours = {i: f"added {i}" for i in range(start + n + 2) if rnd.random() < 0.3}
+        for i in ours:
+            if i < len(out):
+                out[i] = lane.summary_item(ours[i])
+        if rnd.random() < 0.1 and start:
+            ours[rnd.randrange(start)] = "before the conversation"
+        want = _alternate_reference(lane, list(out), start, ours)
+        assert render.alternate(lane, list(out), start, ours) == want, trial

@@ -102,37 +102,48 @@ def _render_prose(lane: Lane, infos: list[ItemInfo], start: int, q: int, resolve
     tagged = [0] * (end - q)
     last = len(infos) - 1 - start  # (the last item: an assistant's text there is a prefill)
     tag_typed = getattr(lane, "tag_typed", None) if objs is not None else None
-    format_tokens = tags.format_tokens
-    found = [(k, r) for k in range(q, end) for r in resolved[k] if r.core.path]
-    n = len(found)
-    j = 0
-    while j < n:
-        k, r = found[j]
-        j += 1
-        if j < n and found[j][0] == k:  # more parts of this item to edit
-            while j < n and found[j][0] == k:
-                j += 1
-            edits, count = _item_edits(resolved[k], active, k != last, nudges)
-        else:
+    format_tokens, formatted = tags.format_tokens, tags._FORMATTED  # (its cache: a count seen before, one lookup)
+    for k in range(q, end):
+        parts = resolved[k]
+        if len(parts) == 1:  # (the commonest item: one part)
+            r = parts[0]
             core = r.core
-            if active and taggable(core, k != last):
+            if not core.path:
+                continue
+            edits = None
+        else:
+            with_path = [r for r in parts if r.core.path]
+            if not with_path:
+                continue
+            if len(with_path) > 1:  # more parts of this item to edit
+                edits, count = _item_edits(parts, active, k != last, nudges)
+            else:
+                r = with_path[0]
+                core = r.core
+                edits = None
+        if edits is None:  # the one part of the item with a path: ``r``
+            text = core.text
+            # (taggable(core, k != last), inline: it runs for every such part)
+            if (active and core.ctype == TEXT and text and (core.role == "user" or (core.role == "assistant" and k != last))
+                    and not text.isspace()):
                 entry = r.entry
-                tokens, ref = format_tokens(entry.tokens), entry.ref
+                ref = entry.ref
+                tokens = formatted.get(entry.tokens) or format_tokens(entry.tokens)
                 if tag_typed is not None and not r.dirty and not (nudges and nudges.get(ref)):
                     obj = objs[start + k]
                     if isinstance(obj, Struct):
                         # the tag's JSON-escaped bytes (a token count's and an alphanumeric
                         # ref's characters escape to themselves)
-                        tag = (f'<acp tokens=\\"{tokens}\\" type=\\"{TEXT}\\">{ref}</acp>\\n'.encode() if ref.isalnum()
+                        tag = (f'<acp tokens=\\"{tokens}\\" type=\\"text\\">{ref}</acp>\\n'.encode() if ref.isalnum()
                                else encode(f'<acp tokens="{tokens}" type="{TEXT}">{ref}</acp>\n')[1:-1])
-                        out = tag_typed(outs[k - q], obj, core.path, tag, core.text)
+                        out = tag_typed(outs[k - q], obj, core.path, tag, text)
                         if out is not None:
                             outs[k - q] = out
                             changed[k - q] = tagged[k - q] = 1
                             continue
                 edits, count = [_tag_edit(core, tokens, ref, nudges.get(ref) if nudges else None)], 1
             elif r.dirty:
-                edits, count = [(core.path, core.text)], 0
+                edits, count = [(core.path, text)], 0
             else:
                 continue
         if edits:
@@ -307,10 +318,16 @@ _PARTS = attrgetter("parts")
 def alternate(lane: Lane, out: list[bytes], start: int, ours: dict[int, str]) -> list[bytes]:
     """Where the lane needs user and assistant turns to alternate, an item the addon added joins
     the user message before it (or else the one after it) instead of standing as a second user
-    turn in a row."""
+    turn in a row.  Only the items the addon added are looked at, the runs between them copied
+    as they are."""
     res = out[:start]
-    for i in range(start, len(out)):
-        text = ours.get(i)
+    at = start  # ``out`` up to here is in ``res`` (an item the join below changes comes later)
+    for i in sorted(ours):
+        if i < at or i >= len(out):
+            continue  # (not in the conversation)
+        res += out[at:i]
+        at = i + 1
+        text = ours[i]
         if text is not None:
             joined = lane.join_user(res[-1], text, before=False) if len(res) > start else None
             if joined is not None:
@@ -322,6 +339,7 @@ def alternate(lane: Lane, out: list[bytes], start: int, ours: dict[int, str]) ->
                     out[i + 1] = joined
                     continue
         res.append(out[i])
+    res += out[at:]
     return res
 
 

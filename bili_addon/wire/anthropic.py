@@ -152,8 +152,7 @@ class AnthropicLane(LaneDefaults):
         if raw.startswith(head) and _enc_msg.encode(msg) == raw:
             now = msg.content if len(path) == 1 else msg.content[0].text  # (its encoding's head: there)
             if now is text or now == text:
-                n = len(head)
-                return raw[:n] + tag + raw[n:]
+                return head + tag + raw[len(head):]  # (``raw`` starts with ``head``)
         return None
 
     # -- folding and proxy tools ---------------------------------------------------------------

@@ -222,14 +222,16 @@ class Body:
             if k == self.key:
                 add(b":")
                 at = sum(map(len, pieces))
-                add(b"[")
-                if items:
-                    add(items[0])
-                    for item in items[1:]:  # (a list of every item and its comma: one join copies them)
-                        add(b",")
-                        add(item)
-                add(b"]")
-                end = sum(map(len, pieces))
+                n = len(items)
+                if n:  # ``[``, the items with a comma between each two, ``]``: laid out by slices
+                    array = [b","] * (2 * n + 1)
+                    array[0], array[-1] = b"[", b"]"
+                    array[1::2] = items
+                    pieces += array
+                    end = at + sum(map(len, items)) + n + 1  # (n - 1 commas, two brackets)
+                else:
+                    add(b"[]")
+                    end = at + 2
             else:
                 add(b":")
                 add(v)

@@ -130,7 +130,7 @@ class ChatLane(LaneDefaults):
         follow them in the new encoding after the tag's (escaping is per character).  None
         otherwise."""
         now = msg.content
-        if path != ("content",) or type(now) is not str or not (now is text or now == text):
+        if type(now) is not str or not (path is _CONTENT_PATH or path == _CONTENT_PATH) or not (now is text or now == text):
             return None
         head = _CONTENT_HEADS.get(type(msg))
         if head is None:
@@ -143,7 +143,7 @@ class ChatLane(LaneDefaults):
             head = _CONTENT_HEADS[type(msg)] = probe[:-2]
         if not raw.startswith(head) or _enc_chat.encode(msg) != raw:
             return None
-        return raw[:len(head)] + tag + raw[len(head):]
+        return head + tag + raw[len(head):]  # (``raw`` starts with ``head``)
 
     # -- folding and proxy tools ---------------------------------------------------------------
     @staticmethod
