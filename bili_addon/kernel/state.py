@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, OrderedDict
-from itertools import accumulate, chain, repeat
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,19 +121,17 @@ class ItemCache:
             braws = list(map(bytes, raws))
             keys = list(zip(repeat(name), braws))
             if not any(map(items.__contains__, keys)) and len(set(braws)) == len(braws):
-                got = array_cores(whole)
-                if got is not None and len(got[0]) == len(raws):
-                    typed = got[0]
+                got = array_cores(whole, flat=True)  # (the cores of them all, where each item's end)
+                if got is not None and len(got[1]) == len(raws):
+                    flat, ends = got[0], got[1]
                     if objs is not None:
-                        objs.extend(got[1])
-                    flat = list(chain.from_iterable(typed))
+                        objs.extend(got[2])
                     if flat:  # each item's parts, a slice of the parts of them all
                         parts = self._new_parts(flat)
-                        ends = list(accumulate(map(len, typed)))
                         lists = list(map(parts.__getitem__, map(slice, [0, *ends], ends)))
                     else:
                         lists = [[] for _raw in braws]
-                    out = list(map(ItemInfo, braws, got[2] if len(got) > 2 else repeat(False), lists))
+                    out = list(map(ItemInfo, braws, got[3] if len(got) > 3 else repeat(False), lists))
                     if flat:
                         items.update(zip(keys, out))
                     self._grown(sum(map(len, braws)))
@@ -213,10 +211,15 @@ class ItemCache:
             if clean != core.text:
                 flat[j], dirty[j] = msgspec.structs.replace(core, text=clean), True
         h = sha256
-        # identity.digest, inlined (the same seed, the same hash)
-        hashes = [h((f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}|{c.media}" if c.media else
-                     f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}").encode("utf-8", "surrogatepass")
-                    ).hexdigest() for c in flat]
+        # identity.digest, inlined (the same seed, the same hash); encoded strictly first (the
+        # same bytes for every text without a lone surrogate, and a cheaper call), else as digest
+        try:
+            hashes = [h((f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}|{c.media}" if c.media else
+                         f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}").encode()).hexdigest() for c in flat]
+        except UnicodeEncodeError:
+            hashes = [h((f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}|{c.media}" if c.media else
+                         f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}").encode("utf-8", "surrogatepass")
+                        ).hexdigest() for c in flat]
         return list(map(Part, flat, ["h_" + x[:16] for x in hashes], hashes, dirty))
 
 
