@@ -591,3 +591,97 @@ def test_the_one_scan_split_on_members_in_any_order():
         assert [(k, bytes(v)) for k, v in b.top.items()] == want[0]
         assert b.array and [bytes(x) for x in b.items] == want[1]
     assert split > 150
+
+
+def _first_pass_bodies() -> list[tuple[str, bytes]]:
+    """Bodies a first pass meets: the bench's conversations (prose with non-ASCII text, items as
+    msgspec or Python's json writes them, the members in either order, Chat with text parts and
+    named results) and the agents' captured Anthropic and Chat requests."""
+    out = [(lane, raw) for lane in ("anthropic", "chat") for ascii_json in (False, True)
+           for agent_order in (False, True) for raw in conversation(lane, 90, ascii_json, agent_order)]
+    from wirecases import capture_files, captured_bodies  # (the captures, when there are any)
+
+    for path in capture_files():
+        out += [(c.lane.name, c.raw) for c in captured_bodies(path) if c.lane.name in ("anthropic", "chat")]
+    return out
+
+
+def _first_pass_is_item_by_item(lane, raw: bytes) -> bool | None:
+    """Checks that a first pass's items read in one decode (the lane's flat array_cores, then the
+    parts made and hashed in one go) are the items ``get`` reads one by one: the same cores (every
+    field, path included), base ids, content hashes, dirty flags and system flags, the same cache
+    entries in the same order and the same size, the lane's typed structs as the objs.  Whether
+    the lane read the items typed (None: no items)."""
+    body = Body(raw, lane.conv_key)
+    if not body.array or not body.items:
+        return None
+    whole = body.top[lane.conv_key]
+    got = lane.array_cores(whole)
+    flat = lane.array_cores(whole, flat=True)
+    if got is None:
+        assert flat is None
+    else:
+        cores, ends = flat[0], flat[1]
+        assert [cores[a:b] for a, b in zip([0, *ends], ends)] == got[0] and list(flat[2:]) == list(got[1:])
+        assert got[0] == [lane.item_cores(msgspec.json.decode(bytes(r))) for r in body.items]
+    fast, objs = ItemCache(), []
+    infos = fast.get_many(lane, body.items, objs, whole)
+    slow = ItemCache()
+    want = [slow.get(lane, bytes(r)) for r in body.items]
+    assert infos == want
+    assert [[msgspec.structs.astuple(p.core) for p in i.parts] for i in infos] == [
+        [msgspec.structs.astuple(p.core) for p in i.parts] for i in want]
+    # (a pass of items without a part caches none of them, as get_many always did; its size counts them)
+    assert list(fast.items) == (list(slow.items) if any(i.parts for i in want) else []) and fast.size == slow.size
+    seen: set[bytes] = set()  # an item repeated is the item read before (no obj of its own)
+    want_objs = [None if b in seen or seen.add(b) else got[1][i] if got is not None else msgspec.json.decode(b)
+                 for i, b in enumerate(map(bytes, body.items))]
+    assert objs == want_objs
+    return got is not None
+
+
+def test_get_many_first_pass_is_get_item_by_item():
+    typed = {"anthropic": 0, "chat": 0}
+    for name, raw in _first_pass_bodies():
+        typed[name] += bool(_first_pass_is_item_by_item(LANES[name], raw))
+    assert typed["anthropic"] >= 8 and typed["chat"] >= 8  # (the bench's, at least, read typed)
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat"])
+def test_get_many_first_pass_is_get_item_by_item_fuzzed(lane):
+    """The same over generated bodies: every block kind, unknown keys, odd values, any text."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    import wirecases
+
+    @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.data())
+    def check(data):
+        gen = data.draw(wirecases.bodies(lane))
+        _first_pass_is_item_by_item(gen.lane, gen.raw)
+
+    check()
+
+
+def test_new_parts_hash_the_seed_digest_hashes():
+    """The parts of a pass hash each core's seed as identity.digest does: encoded with lone
+    surrogates passed through (a text no JSON decoder gives, but a core may hold), wherever in
+    the pass such a text stands, and with the media slot when there is one."""
+    from bili_addon.kernel.identity import digest
+    from bili_addon.kernel.state import Part
+    from bili_addon.wire.base import IMAGE, TEXT, TOOL_RESULT, Core
+
+    plain = [Core("user", TEXT, "héllo 😀", path=("content",)), Core("tool", TOOL_RESULT, "out", "", "t1"),
+             Core("user", IMAGE, "[image]", media="url:http://x/y.png"),
+             Core("assistant", TEXT, "[bili] folded\nhi", path=("content", 0, "text"))]
+    odd = Core("user", TEXT, "a\ud800b\udfff", path=("content",))
+    for flat in (plain, plain + [odd], [odd] + plain, plain[:2] + [odd] + plain[2:]):
+        parts = ItemCache._new_parts(list(flat))
+        want = []
+        for c in flat:
+            clean = c
+            if c.role == "assistant" and c.ctype == TEXT:
+                clean = msgspec.structs.replace(c, text=c.text.split("\n", 1)[1])
+            want.append(Part(clean, *digest(clean), clean is not c))
+        assert parts == want
