@@ -117,7 +117,8 @@ class ItemCache:
         new: dict[bytes, ItemInfo] = {}  # an item repeated in ``raws`` is the same item
         if whole is not None and array_cores is not None and raws:
             # a conversation's first pass, every item new and none twice: the loop below in C-level
-            # steps (the same ItemInfos, cores, objs, cache order and size), no Python step per item
+            # steps (the same ItemInfos, cores, objs, cache order and size): the lane reads the cores
+            # of all the items into one list, the parts are made of it, each item's are a slice
             braws = list(map(bytes, raws))
             keys = list(zip(repeat(name), braws))
             if not any(map(items.__contains__, keys)) and len(set(braws)) == len(braws):
@@ -126,9 +127,9 @@ class ItemCache:
                     flat, ends = got[0], got[1]
                     if objs is not None:
                         objs.extend(got[2])
-                    if flat:  # each item's parts, a slice of the parts of them all
+                    if flat:
                         parts = self._new_parts(flat)
-                        lists = list(map(parts.__getitem__, map(slice, [0, *ends], ends)))
+                        lists = [parts[a:b] for a, b in zip([0, *ends], ends)]  # (no slice object made)
                     else:
                         lists = [[] for _raw in braws]
                     out = list(map(ItemInfo, braws, got[3] if len(got) > 3 else repeat(False), lists))

@@ -81,7 +81,7 @@ class AnthropicLane(LaneDefaults):
         if got is None or flat:
             return got
         cores, ends, msgs = got
-        return list(map(cores.__getitem__, map(slice, [0, *ends], ends))), msgs
+        return [cores[a:b] for a, b in zip([0, *ends], ends)], msgs
 
     @staticmethod
     def patch_typed(raw: bytes, msg: Any, edits: list) -> bytes | None:

@@ -71,7 +71,7 @@ class ChatLane(LaneDefaults):
         if got is None or flat:
             return got
         cores, ends, msgs, systems = got
-        return list(map(cores.__getitem__, map(slice, [0, *ends], ends))), msgs, systems
+        return [cores[a:b] for a, b in zip([0, *ends], ends)], msgs, systems
 
     @staticmethod
     def patch_typed(raw: bytes, msg: Any, edits: list) -> bytes | None:
