@@ -66,13 +66,7 @@ def test_the_first_pass_gives_what_the_general_path_gives(tmp_path, monkeypatch,
         assert base._split_compact(bodies[0]) is not None  # (the one-scan split reads it)
         assert LANES[lane].array_cores(b.top["messages"]) is not None  # (and the typed structs its items)
     fast = run(tmp_path, "fast", lane, bodies)
-    monkeypatch.setattr(fresh, "applies", lambda *a: False)  # the general path: _resolve, _view_items
-    monkeypatch.setattr(render, "patch_decoded", lambda *a: None)  # ... and patching per path
-    monkeypatch.setattr(AnthropicLane, "array_cores", None)  # ... items read one by one, as dicts
-    monkeypatch.setattr(ChatLane, "array_cores", None)
-    monkeypatch.setattr(LANES["chat"], "tag_typed", staticmethod(lambda *a: None))  # ... tags patched, not put in bytes
-    monkeypatch.setattr(base, "_split_compact", lambda raw: None)  # ... the body split in two scans
-    monkeypatch.setattr(nudge, "_runs_unfolded", _runs_reference)  # ... the reminder's runs part by part
+    _general_path(monkeypatch)
     general = run(tmp_path, "general", lane, bodies)
     assert fast == general
     assert fast[0][0][0] is not None and fast[0][0][3] > 0  # tagged, changed
@@ -129,8 +123,13 @@ def test_get_many_decodes_the_whole_array_as_each_item():
     assert ItemCache().get_many(lane, raws, objs, b"[1,2]") == want and objs == want_objs  # not these items
     cache = ItemCache()
     cache.get_many(lane, raws[:1])
-    objs = []
-    assert cache.get_many(lane, raws, objs, whole) == want and objs == [None] + want_objs[1:]
+    objs = []  # (the first item cached, most new: the array read typed all the same, at the first new item)
+    assert cache.get_many(lane, raws, objs, whole) == want and objs[0] is None
+    assert list(map(msgspec.to_builtins, objs[1:])) == want_objs[1:] and type(objs[1]) is not dict
+    cache = ItemCache()
+    cache.get_many(lane, raws[:30])
+    objs = []  # (most cached: the new ones decoded one by one)
+    assert cache.get_many(lane, raws, objs, whole) == want and objs == [None] * 30 + want_objs[30:]
     chat = LANES["chat"]  # Chat's items read into its typed structs too (a system item among them)
     msgs = bench_overhead.Case("chat", 40, seed=9).msgs
     raws = [msgspec.json.encode(m) for m in msgs]
@@ -145,6 +144,51 @@ def test_get_many_decodes_the_whole_array_as_each_item():
     want = ItemCache().get_many(chat, raws, want_objs)
     objs = []
     assert ItemCache().get_many(chat, raws, objs, b"[" + b",".join(raws) + b"]") == want and objs == want_objs
+
+
+def _general_path(monkeypatch) -> None:
+    """Every shortcut of a first pass off (the general path the tests compare it with)."""
+    monkeypatch.setattr(fresh, "applies", lambda *a: False)  # the general path: _resolve, _view_items
+    monkeypatch.setattr(render, "patch_decoded", lambda *a: None)  # ... and patching per path
+    monkeypatch.setattr(AnthropicLane, "array_cores", None)  # ... items read one by one, as dicts
+    monkeypatch.setattr(ChatLane, "array_cores", None)
+    monkeypatch.setattr(LANES["chat"], "tag_typed", staticmethod(lambda *a: None))  # ... tags patched, not put in bytes
+    monkeypatch.setattr(base, "_split_compact", lambda raw: None)  # ... the body split in two scans
+    monkeypatch.setattr(nudge, "_runs_unfolded", _runs_reference)  # ... the reminder's runs part by part
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat"])
+def test_a_new_conversation_sharing_first_items_gives_what_the_general_path_gives(tmp_path, monkeypatch, lane):
+    """A new conversation whose first item another conversation served before (Chat's system
+    prompt, the same first prompt): its pass finds that item in the cache and reads the array
+    typed at its first new item; the same bytes upstream, refs and ledgers as the general path."""
+    case = bench_overhead.Case(lane, 80, seed=4)
+    def changed(v):  # every text of an item changed
+        if isinstance(v, dict):
+            return {k: "B " + x if k in ("content", "text") and isinstance(x, str) else changed(x) for k, x in v.items()}
+        return [changed(x) for x in v] if isinstance(v, list) else v
+
+    first = case.body(case.msgs)
+    other = case.body(case.msgs[:1] + [changed(m) for m in case.msgs[1:]])
+
+    def go(name):
+        e = Engine(Store(tmp_path / name))
+        outs = []
+        for i, raw in enumerate((first, other)):
+            r = e.process(raw, LANES[lane], {"x-acp-session": f"c{i}"}, render=True)
+            outs.append((r.body, r.refs_new, r.refs_known, r.tagged))
+        ledgers = [e.store.ledger("c0"), e.store.ledger("c1")]
+        e.store.close()
+        return outs, ledgers
+
+    cls, reads = type(LANES[lane]), []
+    read = cls.array_cores
+    monkeypatch.setattr(cls, "array_cores", staticmethod(lambda array, flat=False: reads.append(flat) or read(array, flat)))
+    fast = go("fast")
+    assert reads == [True, False]  # (the second pass read the array typed, past the item it found cached)
+    _general_path(monkeypatch)
+    assert fast == go("general")
+    assert fast[0][1][0] is not None and fast[0][1][3] > 0
 
 
 # Anthropic items of every shape the typed structs hold, and of shapes they do not (read one by one)
