@@ -66,13 +66,7 @@ def test_the_first_pass_gives_what_the_general_path_gives(tmp_path, monkeypatch,
         assert base._split_compact(bodies[0]) is not None  # (the one-scan split reads it)
         assert LANES[lane].array_cores(b.top["messages"]) is not None  # (and the typed structs its items)
     fast = run(tmp_path, "fast", lane, bodies)
-    monkeypatch.setattr(fresh, "applies", lambda *a: False)  # the general path: _resolve, _view_items
-    monkeypatch.setattr(render, "patch_decoded", lambda *a: None)  # ... and patching per path
-    monkeypatch.setattr(AnthropicLane, "array_cores", None)  # ... items read one by one, as dicts
-    monkeypatch.setattr(ChatLane, "array_cores", None)
-    monkeypatch.setattr(LANES["chat"], "tag_typed", staticmethod(lambda *a: None))  # ... tags patched, not put in bytes
-    monkeypatch.setattr(base, "_split_compact", lambda raw: None)  # ... the body split in two scans
-    monkeypatch.setattr(nudge, "_runs_unfolded", _runs_reference)  # ... the reminder's runs part by part
+    _general_path(monkeypatch)
     general = run(tmp_path, "general", lane, bodies)
     assert fast == general
     assert fast[0][0][0] is not None and fast[0][0][3] > 0  # tagged, changed
@@ -129,8 +123,13 @@ def test_get_many_decodes_the_whole_array_as_each_item():
     assert ItemCache().get_many(lane, raws, objs, b"[1,2]") == want and objs == want_objs  # not these items
     cache = ItemCache()
     cache.get_many(lane, raws[:1])
-    objs = []
-    assert cache.get_many(lane, raws, objs, whole) == want and objs == [None] + want_objs[1:]
+    objs = []  # (the first item cached, most new: the array read typed all the same, at the first new item)
+    assert cache.get_many(lane, raws, objs, whole) == want and objs[0] is None
+    assert list(map(msgspec.to_builtins, objs[1:])) == want_objs[1:] and type(objs[1]) is not dict
+    cache = ItemCache()
+    cache.get_many(lane, raws[:30])
+    objs = []  # (most cached: the new ones decoded one by one)
+    assert cache.get_many(lane, raws, objs, whole) == want and objs == [None] * 30 + want_objs[30:]
     chat = LANES["chat"]  # Chat's items read into its typed structs too (a system item among them)
     msgs = bench_overhead.Case("chat", 40, seed=9).msgs
     raws = [msgspec.json.encode(m) for m in msgs]
@@ -145,6 +144,51 @@ def test_get_many_decodes_the_whole_array_as_each_item():
     want = ItemCache().get_many(chat, raws, want_objs)
     objs = []
     assert ItemCache().get_many(chat, raws, objs, b"[" + b",".join(raws) + b"]") == want and objs == want_objs
+
+
+def _general_path(monkeypatch) -> None:
+    """Every shortcut of a first pass off (the general path the tests compare it with)."""
+    monkeypatch.setattr(fresh, "applies", lambda *a: False)  # the general path: _resolve, _view_items
+    monkeypatch.setattr(render, "patch_decoded", lambda *a: None)  # ... and patching per path
+    monkeypatch.setattr(AnthropicLane, "array_cores", None)  # ... items read one by one, as dicts
+    monkeypatch.setattr(ChatLane, "array_cores", None)
+    monkeypatch.setattr(LANES["chat"], "tag_typed", staticmethod(lambda *a: None))  # ... tags patched, not put in bytes
+    monkeypatch.setattr(base, "_split_compact", lambda raw: None)  # ... the body split in two scans
+    monkeypatch.setattr(nudge, "_runs_unfolded", _runs_reference)  # ... the reminder's runs part by part
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat"])
+def test_a_new_conversation_sharing_first_items_gives_what_the_general_path_gives(tmp_path, monkeypatch, lane):
+    """A new conversation whose first item another conversation served before (Chat's system
+    prompt, the same first prompt): its pass finds that item in the cache and reads the array
+    typed at its first new item; the same bytes upstream, refs and ledgers as the general path."""
+    case = bench_overhead.Case(lane, 80, seed=4)
+    def changed(v):  # every text of an item changed
+        if isinstance(v, dict):
+            return {k: "B " + x if k in ("content", "text") and isinstance(x, str) else changed(x) for k, x in v.items()}
+        return [changed(x) for x in v] if isinstance(v, list) else v
+
+    first = case.body(case.msgs)
+    other = case.body(case.msgs[:1] + [changed(m) for m in case.msgs[1:]])
+
+    def go(name):
+        e = Engine(Store(tmp_path / name))
+        outs = []
+        for i, raw in enumerate((first, other)):
+            r = e.process(raw, LANES[lane], {"x-acp-session": f"c{i}"}, render=True)
+            outs.append((r.body, r.refs_new, r.refs_known, r.tagged))
+        ledgers = [e.store.ledger("c0"), e.store.ledger("c1")]
+        e.store.close()
+        return outs, ledgers
+
+    cls, reads = type(LANES[lane]), []
+    read = cls.array_cores
+    monkeypatch.setattr(cls, "array_cores", staticmethod(lambda array, flat=False: reads.append(flat) or read(array, flat)))
+    fast = go("fast")
+    assert reads == [True, False]  # (the second pass read the array typed, past the item it found cached)
+    _general_path(monkeypatch)
+    assert fast == go("general")
+    assert fast[0][1][0] is not None and fast[0][1][3] > 0
 
 
 # Anthropic items of every shape the typed structs hold, and of shapes they do not (read one by one)
@@ -594,3 +638,99 @@ def test_the_one_scan_split_on_members_in_any_order():
         assert [(k, bytes(v)) for k, v in b.top.items()] == want[0]
         assert b.array and [bytes(x) for x in b.items] == want[1]
     assert split > 150
+
+
+def _first_pass_bodies() -> list[tuple[str, bytes]]:
+    """Bodies a first pass meets: the bench's conversations (prose with non-ASCII text, items as
+    msgspec or Python's json writes them, the members in either order, Chat with text parts and
+    named results) and the agents' captured Anthropic and Chat requests."""
+    out = [(lane, raw) for lane in ("anthropic", "chat") for ascii_json in (False, True)
+           for agent_order in (False, True) for raw in conversation(lane, 90, ascii_json, agent_order)]
+    from wirecases import capture_files, captured_bodies  # (the captures, when there are any)
+
+    for path in capture_files():
+        out += [(c.lane.name, c.raw) for c in captured_bodies(path) if c.lane.name in ("anthropic", "chat")]
+    return out
+
+
+def _first_pass_is_item_by_item(lane, raw: bytes) -> bool | None:
+    """Checks that a first pass's items read in one decode (the lane's flat array_cores, then the
+    parts made and hashed in one go) are the items ``get`` reads one by one: the same cores (every
+    field, path included), base ids, content hashes, dirty flags and system flags, the same cache
+    entries in the same order and the same size, the lane's typed structs as the objs.  Whether
+    the lane read the items typed (None: no items)."""
+    body = Body(raw, lane.conv_key)
+    if not body.array or not body.items:
+        return None
+    whole = body.top[lane.conv_key]
+    got = lane.array_cores(whole)
+    flat = lane.array_cores(whole, flat=True)
+    if got is None:
+        assert flat is None
+    else:
+        cores, ends = flat[0], flat[1]
+        assert [cores[a:b] for a, b in zip([0, *ends], ends)] == got[0] and list(flat[2:]) == list(got[1:])
+        assert got[0] == [lane.item_cores(msgspec.json.decode(bytes(r))) for r in body.items]
+    fast, objs = ItemCache(), []
+    infos = fast.get_many(lane, body.items, objs, whole)
+    slow = ItemCache()
+    want = [slow.get(lane, bytes(r)) for r in body.items]
+    assert infos == want
+    assert [[msgspec.structs.astuple(p.core) for p in i.parts] for i in infos] == [
+        [msgspec.structs.astuple(p.core) for p in i.parts] for i in want]
+    # the items cached in the order they first stand (get moves a repeated one to the end); a pass
+    # of items without a part caches none of them, as get_many always did (its size counts them)
+    keys = list(dict.fromkeys((lane.name, bytes(r)) for r in body.items))
+    assert list(fast.items) == (keys if any(i.parts for i in want) else []) and fast.size == slow.size
+    seen: set[bytes] = set()  # an item repeated is the item read before (no obj of its own)
+    want_objs = [None if b in seen or seen.add(b) else got[1][i] if got is not None else msgspec.json.decode(b)
+                 for i, b in enumerate(map(bytes, body.items))]
+    assert objs == want_objs
+    return got is not None
+
+
+def test_get_many_first_pass_is_get_item_by_item():
+    typed = {"anthropic": 0, "chat": 0}
+    for name, raw in _first_pass_bodies():
+        typed[name] += bool(_first_pass_is_item_by_item(LANES[name], raw))
+    assert typed["anthropic"] >= 8 and typed["chat"] >= 8  # (the bench's, at least, read typed)
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat"])
+def test_get_many_first_pass_is_get_item_by_item_fuzzed(lane):
+    """The same over generated bodies: every block kind, unknown keys, odd values, any text."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    import wirecases
+
+    @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.data())
+    def check(data):
+        gen = data.draw(wirecases.bodies(lane))
+        _first_pass_is_item_by_item(gen.lane, gen.raw)
+
+    check()
+
+
+def test_new_parts_hash_the_seed_digest_hashes():
+    """The parts of a pass hash each core's seed as identity.digest does: encoded with lone
+    surrogates passed through (a text no JSON decoder gives, but a core may hold), wherever in
+    the pass such a text stands, and with the media slot when there is one."""
+    from bili_addon.kernel.identity import digest
+    from bili_addon.kernel.state import Part
+    from bili_addon.wire.base import IMAGE, TEXT, TOOL_RESULT, Core
+
+    plain = [Core("user", TEXT, "héllo 😀", path=("content",)), Core("tool", TOOL_RESULT, "out", "", "t1"),
+             Core("user", IMAGE, "[image]", media="url:http://x/y.png"),
+             Core("assistant", TEXT, "[bili] folded\nhi", path=("content", 0, "text"))]
+    odd = Core("user", TEXT, "a\ud800b\udfff", path=("content",))
+    for flat in (plain, plain + [odd], [odd] + plain, plain[:2] + [odd] + plain[2:]):
+        parts = ItemCache._new_parts(list(flat))
+        want = []
+        for c in flat:
+            clean = c
+            if c.role == "assistant" and c.ctype == TEXT:
+                clean = msgspec.structs.replace(c, text=c.text.split("\n", 1)[1])
+            want.append(Part(clean, *digest(clean), clean is not c))
+        assert parts == want

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, OrderedDict
-from itertools import accumulate, chain, repeat
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,7 +102,9 @@ class ItemCache:
         ``map``), not one Python step per part.  ``objs``: gets each item as decoded here (None
         for one found in the cache, the lane's typed struct for one its ``array_cores`` read), for
         the pass's rendering to patch (wire.base.patch_decoded, the lane's ``patch_typed``).
-        ``whole``: the array ``raws`` were split from, decoded in one call when the first item is new."""
+        ``whole``: the array ``raws`` were split from, decoded in one call when the first item is
+        new, or at the first new item when at least half of them are new (a new conversation whose
+        first items other conversations share, a system prompt: not parsed item by item)."""
         name, items = lane.name, self.items
         found, move = items.get, items.move_to_end
         cores_of, is_system, decode = lane.item_cores, lane.is_system_item, decode_any
@@ -115,30 +117,32 @@ class ItemCache:
         extend = flat.extend
         made: list[tuple[ItemInfo, int]] = []  # each new item and where its cores end in ``flat``
         new: dict[bytes, ItemInfo] = {}  # an item repeated in ``raws`` is the same item
+        wide = tried = False  # whether to decode ``whole`` at the first new item (not only the first item)
         if whole is not None and array_cores is not None and raws:
             # a conversation's first pass, every item new and none twice: the loop below in C-level
-            # steps (the same ItemInfos, cores, objs, cache order and size), no Python step per item
+            # steps (the same ItemInfos, cores, objs, cache order and size): the lane reads the cores
+            # of all the items into one list, the parts are made of it, each item's are a slice
             braws = list(map(bytes, raws))
             keys = list(zip(repeat(name), braws))
-            if not any(map(items.__contains__, keys)) and len(set(braws)) == len(braws):
-                got = array_cores(whole)
-                if got is not None and len(got[0]) == len(raws):
-                    typed = got[0]
+            cached = list(map(items.__contains__, keys))
+            if not any(cached) and len(set(braws)) == len(braws):
+                got = array_cores(whole, flat=True)  # (the cores of them all, where each item's end)
+                if got is not None and len(got[1]) == len(raws):
+                    flat, ends = got[0], got[1]
                     if objs is not None:
-                        objs.extend(got[1])
-                    flat = list(chain.from_iterable(typed))
-                    if flat:  # each item's parts, a slice of the parts of them all
+                        objs.extend(got[2])
+                    if flat:
                         parts = self._new_parts(flat)
-                        ends = list(accumulate(map(len, typed)))
-                        lists = list(map(parts.__getitem__, map(slice, [0, *ends], ends)))
+                        lists = [parts[a:b] for a, b in zip([0, *ends], ends)]  # (no slice object made)
                     else:
                         lists = [[] for _raw in braws]
-                    out = list(map(ItemInfo, braws, got[2] if len(got) > 2 else repeat(False), lists))
+                    out = list(map(ItemInfo, braws, got[3] if len(got) > 3 else repeat(False), lists))
                     if flat:
                         items.update(zip(keys, out))
                     self._grown(sum(map(len, braws)))
                     return out
                 array_cores = None  # (read them one by one below, the array decoded once)
+            wide = cached.count(False) * 2 >= len(cached)
         for i, r in enumerate(raws):
             raw = bytes(r)
             key = (name, raw)
@@ -155,7 +159,8 @@ class ItemCache:
                 if objs is not None:
                     objs.append(None)
                 continue
-            if i == 0 and whole is not None:
+            if whole is not None and (i == 0 or wide) and not tried:
+                tried = True
                 got = array_cores(whole) if array_cores is not None else None
                 if got is not None and len(got[0]) == len(raws):
                     typed, structs = got[0], got[1]
@@ -213,10 +218,15 @@ class ItemCache:
             if clean != core.text:
                 flat[j], dirty[j] = msgspec.structs.replace(core, text=clean), True
         h = sha256
-        # identity.digest, inlined (the same seed, the same hash)
-        hashes = [h((f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}|{c.media}" if c.media else
-                     f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}").encode("utf-8", "surrogatepass")
-                    ).hexdigest() for c in flat]
+        # identity.digest, inlined (the same seed, the same hash); encoded strictly first (the
+        # same bytes for every text without a lone surrogate, and a cheaper call), else as digest
+        try:
+            hashes = [h((f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}|{c.media}" if c.media else
+                         f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}").encode()).hexdigest() for c in flat]
+        except UnicodeEncodeError:
+            hashes = [h((f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}|{c.media}" if c.media else
+                         f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}").encode("utf-8", "surrogatepass")
+                        ).hexdigest() for c in flat]
         return list(map(Part, flat, ["h_" + x[:16] for x in hashes], hashes, dirty))
 
 

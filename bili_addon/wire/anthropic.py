@@ -68,65 +68,20 @@ class AnthropicLane(LaneDefaults):
         return out
 
     @staticmethod
-    def array_cores(array: Any) -> tuple[list[list[Core]], list] | None:
+    def array_cores(array: Any, flat: bool = False) -> tuple[list, ...] | None:
         """:meth:`item_cores` of every item of the conversation array ``array`` (its raw bytes),
         decoded in one call into typed structs (:class:`_Msg`) instead of dicts: a conversation's
         first pass reads every item.  ``(cores of each item, the structs)`` (the structs are for
         :meth:`patch_typed`); None when an item or block has a shape those structs do not hold
         (another block type, a field of another type): the caller reads the items one by one with
-        :meth:`item_cores`, which gives the same cores for the shapes held here."""
-        try:
-            msgs = _dec_msgs.decode(array)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            return None
-        out: list[list[Core]] = []
-        add_item = out.append
-        unset = _UNSET
-        paths, encode_json = _TEXT_PATHS, _enc_msg.encode
-        for m in msgs:
-            role = m.role
-            if type(role) is not str:
-                role = "user"
-            content = m.content
-            if type(content) is str:
-                add_item([Core(role, TEXT, content, "", "", "", 0, _CONTENT_PATH)])
-                continue
-            if content is None or content is unset:  # (as item_cores reads a missing or null content)
-                add_item([Core(role, OTHER, "null")])
-                continue
-            cores: list[Core] = []
-            add = cores.append
-            j = 0
-            for b in content:
-                t = type(b)
-                if t is _Text:
-                    add(Core(role, TEXT, b.text, "", "", "", 0, paths[j] if j < _N_PATHS else ("content", j, "text")))
-                elif t is _ToolResult:
-                    c, tid = b.content, b.tool_use_id
-                    if type(tid) is not str:
-                        tid = str(tid or "")
-                    if type(c) is str:
-                        add(Core("tool", TOOL_RESULT, c, "", tid))
-                    else:
-                        text, media = _result_text(None if c is unset else c)
-                        add(Core("tool", TOOL_RESULT, text, "", tid, media))
-                elif t is _ToolUse:
-                    args, name, cid = b.input, b.name, b.id
-                    if type(name) is not str:
-                        name = str(name or "")
-                    if type(cid) is not str:
-                        cid = str(cid or "")
-                    add(Core("assistant", TOOL_CALL, encode_json({} if args is None or args is unset else args).decode(),
-                             name, cid))
-                elif t is _Thinking:
-                    add(Core("assistant", REASONING, str(b.thinking or "")))
-                elif t is _Redacted:
-                    add(Core("assistant", REASONING, str(b.data or "")))
-                else:  # _Image
-                    add(Core(role, IMAGE, "[image]", media=payload_of_source(None if b.source is unset else b.source)))
-                j += 1
-            add_item(cores)
-        return out, msgs
+        :meth:`item_cores`, which gives the same cores for the shapes held here.  ``flat``:
+        ``(the cores of every item in one list, where each item's cores end in it, the structs)``
+        instead (ItemCache.get_many: no list per item to make and join again)."""
+        got = _flat_cores(array)
+        if got is None or flat:
+            return got
+        cores, ends, msgs = got
+        return [cores[a:b] for a, b in zip([0, *ends], ends)], msgs
 
     @staticmethod
     def patch_typed(raw: bytes, msg: Any, edits: list) -> bytes | None:
@@ -357,6 +312,62 @@ _enc_msg = msgspec.json.Encoder()
 _CONTENT_PATH = ("content",)
 _N_PATHS = 64
 _TEXT_PATHS = [("content", j, "text") for j in range(_N_PATHS)]
+
+
+def _flat_cores(array: Any) -> tuple[list[Core], list[int], list[_Msg]] | None:
+    """AnthropicLane.array_cores, flat: the cores of all the items in one list (one loop over
+    every block of every item, one step per item to note where its cores end)."""
+    try:
+        msgs = _dec_msgs.decode(array)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    cores: list[Core] = []
+    add = cores.append
+    ends: list[int] = []
+    end = ends.append
+    unset = _UNSET
+    paths, encode_json = _TEXT_PATHS, _enc_msg.encode
+    for m in msgs:
+        role = m.role
+        if type(role) is not str:
+            role = "user"
+        content = m.content
+        if type(content) is str:
+            add(Core(role, TEXT, content, "", "", "", 0, _CONTENT_PATH))
+        elif content is None or content is unset:  # (as item_cores reads a missing or null content)
+            add(Core(role, OTHER, "null"))
+        else:
+            j = 0
+            for b in content:
+                t = type(b)
+                if t is _Text:
+                    add(Core(role, TEXT, b.text, "", "", "", 0, paths[j] if j < _N_PATHS else ("content", j, "text")))
+                elif t is _ToolResult:
+                    c, tid = b.content, b.tool_use_id
+                    if type(tid) is not str:
+                        tid = str(tid or "")
+                    if type(c) is str:
+                        add(Core("tool", TOOL_RESULT, c, "", tid))
+                    else:
+                        text, media = _result_text(None if c is unset else c)
+                        add(Core("tool", TOOL_RESULT, text, "", tid, media))
+                elif t is _ToolUse:
+                    args, name, cid = b.input, b.name, b.id
+                    if type(name) is not str:
+                        name = str(name or "")
+                    if type(cid) is not str:
+                        cid = str(cid or "")
+                    add(Core("assistant", TOOL_CALL, encode_json({} if args is None or args is unset else args).decode(),
+                             name, cid))
+                elif t is _Thinking:
+                    add(Core("assistant", REASONING, str(b.thinking or "")))
+                elif t is _Redacted:
+                    add(Core("assistant", REASONING, str(b.data or "")))
+                else:  # _Image
+                    add(Core(role, IMAGE, "[image]", media=payload_of_source(None if b.source is unset else b.source)))
+                j += 1
+        end(len(cores))
+    return cores, ends, msgs
 
 
 def patch_typed(raw: bytes, msg: _Msg, edits: list) -> bytes | None:

@@ -58,53 +58,20 @@ class ChatLane(LaneDefaults):
         return [Core("user", OTHER, compact_json(obj))]
 
     @staticmethod
-    def array_cores(array: Any) -> tuple[list[list[Core]], list, list[bool]] | None:
+    def array_cores(array: Any, flat: bool = False) -> tuple[list, ...] | None:
         """:meth:`item_cores` of every item of the conversation array ``array`` (its raw bytes),
         decoded in one call into typed structs (one per role, :data:`_ChatMsg`) instead of dicts,
         as Anthropic's lane does: ``(cores of each item, the structs, whether each is a system
         item)``.  The structs hold the plain shapes only (string or null content, function calls
         with their arguments as sent); any other key or type fails the decode, and the caller reads
-        the items one by one with :meth:`item_cores`, which gives the same cores for these shapes."""
-        try:
-            msgs = _dec_chat.decode(array)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            return None
-        out: list[list[Core]] = []
-        add = out.append
-        unset = _UNSET
-        path = _CONTENT_PATH
-        for m in msgs:
-            t = type(m)
-            content = m.content
-            if t is _Tool:
-                cid = m.tool_call_id
-                add([Core("tool", TOOL_RESULT, "" if content is None or content is unset else content, "",
-                          cid if type(cid) is str else "")])
-                continue
-            if t is _Assistant:
-                calls = m.tool_calls
-                if type(content) is list:
-                    cores = _parts_cores("assistant", content)
-                else:
-                    cores = [] if content is None or content is unset or (content == "" and calls) else [
-                        Core("assistant", TEXT, content, "", "", "", 0, path)]
-                if calls is not unset and calls is not None:
-                    for c in calls:
-                        fn = c.function
-                        if fn is unset:
-                            return None  # (item_cores reads such a call as other content)
-                        args, name, cid = fn.arguments, fn.name, c.id
-                        cores.append(Core("assistant", TOOL_CALL, args if type(args) is str else _arg_text(
-                            None if args is unset else args), name if type(name) is str else "",
-                            cid if type(cid) is str else ""))
-                add(cores)
-                continue
-            role = "user" if t is _User else "system"
-            if type(content) is list:
-                add(_parts_cores(role, content))
-            else:
-                add([] if content is None or content is unset else [Core(role, TEXT, content, "", "", "", 0, path)])
-        return out, msgs, [type(m) is _System or type(m) is _Developer for m in msgs]
+        the items one by one with :meth:`item_cores`, which gives the same cores for these shapes.
+        ``flat``: ``(the cores of every item in one list, where each item's cores end in it, the
+        structs, whether each is a system item)`` instead (ItemCache.get_many)."""
+        got = _flat_cores(array)
+        if got is None or flat:
+            return got
+        cores, ends, msgs, systems = got
+        return [cores[a:b] for a, b in zip([0, *ends], ends)], msgs, systems
 
     @staticmethod
     def patch_typed(raw: bytes, msg: Any, edits: list) -> bytes | None:
@@ -400,6 +367,51 @@ _dec_chat = msgspec.json.Decoder(list[_User | _System | _Developer | _Assistant 
 _CONTENT_PATH = ("content",)  # the path of every string content array_cores reads (one tuple shared)
 _CONTENT_HEADS: dict[type, bytes] = {}  # (ChatLane.tag_typed)
 _enc_chat = msgspec.json.Encoder()
+
+
+def _flat_cores(array: Any) -> tuple[list[Core], list[int], list, list[bool]] | None:
+    """ChatLane.array_cores, flat: the cores of all the items in one list (one loop over every
+    item, one step each to note where its cores end)."""
+    try:
+        msgs = _dec_chat.decode(array)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    cores: list[Core] = []
+    add = cores.append
+    ends: list[int] = []
+    end = ends.append
+    unset = _UNSET
+    path = _CONTENT_PATH
+    for m in msgs:
+        t = type(m)
+        content = m.content
+        if t is _Tool:
+            cid = m.tool_call_id
+            add(Core("tool", TOOL_RESULT, "" if content is None or content is unset else content, "",
+                     cid if type(cid) is str else ""))
+        elif t is _Assistant:
+            calls = m.tool_calls
+            if type(content) is list:
+                cores += _parts_cores("assistant", content)
+            elif not (content is None or content is unset or (content == "" and calls)):
+                add(Core("assistant", TEXT, content, "", "", "", 0, path))
+            if calls is not unset and calls is not None:
+                for c in calls:
+                    fn = c.function
+                    if fn is unset:
+                        return None  # (item_cores reads such a call as other content)
+                    args, name, cid = fn.arguments, fn.name, c.id
+                    add(Core("assistant", TOOL_CALL, args if type(args) is str else _arg_text(
+                        None if args is unset else args), name if type(name) is str else "",
+                        cid if type(cid) is str else ""))
+        else:
+            role = "user" if t is _User else "system"
+            if type(content) is list:
+                cores += _parts_cores(role, content)
+            elif not (content is None or content is unset):
+                add(Core(role, TEXT, content, "", "", "", 0, path))
+        end(len(cores))
+    return cores, ends, msgs, [type(m) is _System or type(m) is _Developer for m in msgs]
 
 
 class _NamedFn(msgspec.Struct, gc=False):
