@@ -402,6 +402,18 @@ def fmt_size(n: int) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.0f} KB"
 
 
+def postgresql(arg: str):
+    """``(url, server)`` of ``--postgresql``: ``auto`` starts a throw-away server as the tests do
+    (stop it when done); else the URL given, and no server."""
+    if arg != "auto":
+        return arg, None
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from pgserver import PgServer
+
+    server = PgServer().start()
+    return server.fresh(), server
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
@@ -417,13 +429,7 @@ def main() -> None:
     server = None
     backends = [("sqlite", "")]
     if args.postgresql:
-        url = args.postgresql
-        if url == "auto":
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-            from pgserver import PgServer
-
-            server = PgServer().start()
-            url = server.fresh()
+        url, server = postgresql(args.postgresql)
         backends.append(("pg", url))
     try:
         run(args, backends)

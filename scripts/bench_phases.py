@@ -239,13 +239,7 @@ def main() -> None:
     if args.postgresql:
         from bili_addon.store_pg import PgStore
 
-        url = args.postgresql
-        if url == "auto":
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-            from pgserver import PgServer
-
-            server = PgServer().start()
-            url = server.fresh()
+        url, server = bo.postgresql(args.postgresql)
         backends.append(("postgresql", url, PgStore))
     print(f"bili-addon: a turn's steps, CPU time; python {sys.version.split()[0]}, msgspec {msgspec.__version__}")
     try:
