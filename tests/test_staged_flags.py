@@ -296,3 +296,33 @@ def test_a_staged_write_the_store_refuses_keeps_nothing(backend, monkeypatch, er
     for e in (eng, clean):
         e.lineage.flush()
     assert stored(eng.store, "f") == stored(clean.store, "f")
+
+
+def test_the_captures_staged_are_the_captures_unstaged(tmp_path, unstaged):
+    """Every captured agent's requests, in order, then again (retries), as they came and under one
+    session id each (follow-ups of one session: staged): the same bytes, results and stored rows."""
+    from bili_addon.store import Store
+    from wirecases import capture_files, captured_bodies
+
+    files = capture_files()
+    if not files:
+        pytest.skip("no captures here (BILI_CAPTURES)")
+    a, b = engine(Store(str(tmp_path / "a"))), unstaged(engine(Store(str(tmp_path / "b"))))
+    log: list[str] = []
+    staged_count(a, log)
+    sids: set[str] = set()
+    for k, path in enumerate(files):
+        caps = captured_bodies(path)
+        for headers in (None, {"x-acp-session": f"cap-{k}"}):
+            for c in caps + caps:
+                h = c.headers if headers is None else {**c.headers, **headers}
+                ra, rb = (e.process(c.raw, c.lane, h, render=True) for e in (a, b))
+                assert (ra.body, ra.session, ra.refs_new, ra.refs_known, ra.tagged, ra.reused, ra.notes) == (
+                    rb.body, rb.session, rb.refs_new, rb.refs_known, rb.tagged, rb.reused, rb.notes), c.name
+                for e in (a, b):
+                    e.lineage.flush()
+                if ra.session:
+                    sids.add(ra.session)
+                    assert stored(a.store, ra.session) == stored(b.store, ra.session), c.name
+    assert all(stored(a.store, sid) == stored(b.store, sid) for sid in sids)
+    assert len(log) > len(files)  # follow-ups were staged
