@@ -90,13 +90,17 @@ def _numbered(bases: list[str], counter: Counter) -> list[str]:
 
 
 
-def stages(first, s: Session, env, tail, render: bool, lineage_deferred: bool) -> bool:
+def stages(s: Session, tail, render: bool, lineage) -> bool:
     """Whether a turn's commit may wait until its reminder is decided (``Sessions.stage``), so the
-    flags it learns go in the same write: a conversation's first pass (``first``) of a session with
-    no fold and no pending call, where nothing else writes the session in between (no envelope to
-    bind, no prefix chain to note, the lineage kept back until the answer; a render, not observe)."""
-    return (first is not None and env is None and tail is None and render and lineage_deferred
-            and not s.blocks and not s.calls and not s.copy.latched)
+    flags it learns go in the same write: any pass (a conversation's first or a follow-up) of
+    a session where nothing but flags is written between the commit and the flush before rendering.
+    No fold and no pending call (reconciling the copy, landing a call: writes), not paused (that
+    turn passes through unrendered), a render (not observe), no prefix chain (an id-less session
+    notes its points), the lineage kept back until the answer with nothing of the session held back
+    yet (a record writes what a pass without an answer kept back).  A host's envelope binds flags
+    only; a new epoch writes (its copy) but flushes first (``Engine._begin_epoch``)."""
+    return (tail is None and render and lineage.defer and not s.blocks and not s.calls
+            and not s.copy.latched and s.row.id not in lineage.pending)
 
 
 __all__ = ["applies", "first_pass", "stages"]

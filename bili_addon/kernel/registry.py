@@ -124,17 +124,22 @@ class Sessions(Mapping[str, Session]):
         self.staged[sid] = write
 
     def flush(self) -> None:
-        """Write the staged commits (their flags included)."""
+        """Write the staged commits (their flags included).  A write that fails stays staged:
+        :meth:`unstage` then drops what this process holds of its session."""
         while self.staged:
             sid = next(iter(self.staged))
-            self.staged.pop(sid)()
+            self.staged[sid]()
+            del self.staged[sid]
 
-    def unstage(self) -> None:
-        """A turn failed before its staged commit: nothing of it was written, so what this process
-        holds of its session (staged refs, flags) is dropped; the store is the truth."""
-        for sid in list(self.staged):
-            self.staged.pop(sid)
+    def unstage(self) -> list[str]:
+        """A turn failed before its staged commit was written: nothing of it was, so what this
+        process holds of its session (staged refs, row, flags) is dropped; the store is the truth.
+        Returns the sessions dropped."""
+        dropped = list(self.staged)
+        self.staged.clear()
+        for sid in dropped:
             self.forget(sid)
+        return dropped
 
     def set_flag(self, sid: str, key: str, value: Any) -> bool:
         """Persist a learned per-session fact; True when it changed."""

@@ -124,7 +124,7 @@ class Engine(ProxyTools, Epochs, Deferred):
                 except StaleSession as e:
                     # another process advanced the session while this turn was computed: nothing
                     # of it left (the store refused it); compute it again from the store's state
-                    self.sessions.unstage()
+                    self._unstage()
                     self.sessions.forget(e.session_id)
                     if attempt == STALE_RETRIES:
                         raise
@@ -134,7 +134,7 @@ class Engine(ProxyTools, Epochs, Deferred):
                     raise
             raise AssertionError("unreachable")
         finally:
-            self.sessions.unstage()  # a turn that failed before its staged commit: nothing of it kept
+            self._unstage()  # a turn that failed before its staged commit was written: nothing of it kept
             self.store.release()  # the session's lock (another instance's turn of it may wait)
             if enabled:
                 gc.enable()
@@ -207,15 +207,12 @@ class Engine(ProxyTools, Epochs, Deferred):
         minted = s.row.next_ref
         result.refs_known = sum(map(len, resolved))
 
-        def commit() -> None:
-            self._commit(s, agent, lane.name, len(infos) - start, new_rows, tail, fresh=first is not None)
-            result.refs_new = s.row.next_ref - minted
-            result.refs_known -= result.refs_new
-
-        if fresh.stages(first, s, env, tail, render, self.lineage.defer):
-            self.sessions.stage(sid, commit)  # with the flags the turn learns below: one write
-        else:
-            commit()
+        # staged: written with the flags the turn learns below (one write), by the flush before
+        # anything else of the session is written or sent; in memory it is done either way
+        self._commit(s, agent, lane.name, len(infos) - start, new_rows, tail, fresh=first is not None,
+                     stage=fresh.stages(s, tail, render, self.lineage))
+        result.refs_new = s.row.next_ref - minted
+        result.refs_known -= result.refs_new
         if env is not None:
             envelope.bind(self.sessions, s, env, infos, start, resolved, pinned)
         if tail:
@@ -242,6 +239,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         if s.copy.latched or not render:
             # observe mode, or a total collapse: nothing verifies the folds against this history,
             # so it passes through as it came until the agent sends a history that aligns again
+            self.sessions.flush()  # (fresh.stages stages no such turn)
             self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter, None, len(raw))
             if stripped:  # the envelope is ours: it never reaches the provider
                 result.body = body.encode(None)
@@ -403,9 +401,24 @@ class Engine(ProxyTools, Epochs, Deferred):
             out_all.append(out)
         return out_all, new_rows
 
+    def _unstage(self) -> None:
+        """Drop what this process holds of a session whose staged commit was not written (its
+        lineage record included: it may name refs the store never gave)."""
+        for sid in self.sessions.unstage():
+            self.lineage.records.pop(sid, None)  # (fresh.stages: nothing of it was pending before the turn)
+            self.lineage.whole.pop(sid, None)
+            self.lineage.pending.pop(sid, None)
+
+    def _begin_epoch(self, s: Session, found, result: TurnResult) -> None:
+        self.sessions.flush()  # a new epoch writes the session (its copy): the turn's commit first
+        super()._begin_epoch(s, found, result)
+
     def _commit(self, s: Session, agent: str, lane: str, messages: int, new_rows: list[LedgerRow], tail,
-                fresh: bool = False) -> None:
-        """``fresh``: every row gives its ref for the first time (kernel/fresh.py)."""
+                fresh: bool = False, stage: bool = False) -> None:
+        """``fresh``: every row gives its ref for the first time (kernel/fresh.py).  ``stage``: the
+        session is as written at once in memory, its write waits for ``Sessions.flush`` (its row
+        written as it is then: with the flags learned meanwhile); a write that fails then, or a turn
+        that fails before it, drops the session from this process (``Engine._unstage``)."""
         row = s.row
         if fresh:  # every ref once, in order
             given = [(r.ref, r.content_hash) for r in new_rows]
@@ -419,15 +432,22 @@ class Engine(ProxyTools, Epochs, Deferred):
             row.id, agent, lane, row.created, row.last_seen, row.requests + 1, messages,
             row.next_ref + len(given), row.flags,
         )
-        try:
-            # fresh: the store keeps the rows' refs as the turn's without a second copy (schema 10)
-            s.stored = (self.store.commit_turn(staged, new_rows, tail, expect=s.stored, fresh=True) if fresh
-                        else self.store.commit_turn(staged, new_rows, tail, expect=s.stored, minted=given))
-        except Exception:
-            for r in new_rows:  # nothing of this turn is kept
-                s.refs.pop((r.msg_id, r.content_hash), None)
-            self.sessions.memos.pop(row.id, None)
-            raise
+
+        def write() -> None:
+            try:
+                # fresh: the store keeps the rows' refs as the turn's without a second copy (schema 10)
+                s.stored = (self.store.commit_turn(staged, new_rows, tail, expect=s.stored, fresh=True) if fresh
+                            else self.store.commit_turn(staged, new_rows, tail, expect=s.stored, minted=given))
+            except Exception:
+                for r in new_rows:  # nothing of this turn is kept
+                    s.refs.pop((r.msg_id, r.content_hash), None)
+                self.sessions.memos.pop(row.id, None)
+                raise
+
+        if stage:
+            self.sessions.stage(row.id, write)
+        else:
+            write()
         s.row = staged
         if fresh:
             s.owners.update(given)
