@@ -170,7 +170,8 @@ class Lineage:
                 rec[k:] = tail
 
     def forget(self, sid: str) -> None:
-        """Retention pruned the session: its record, kept-back parts and verdict go with it."""
+        """Retention pruned the session, or a turn of it was not written: its record, kept-back parts
+        and verdict go with it (as after a restart)."""
         self.records.pop(sid, None)
         self.whole.pop(sid, None)
         self.pending.pop(sid, None)

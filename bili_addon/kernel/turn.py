@@ -405,9 +405,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         """Drop what this process holds of a session whose staged commit was not written (its
         lineage record included: it may name refs the store never gave)."""
         for sid in self.sessions.unstage():
-            self.lineage.records.pop(sid, None)  # (fresh.stages: nothing of it was pending before the turn)
-            self.lineage.whole.pop(sid, None)
-            self.lineage.pending.pop(sid, None)
+            self.lineage.forget(sid)  # as a restart would (fresh.stages: nothing of it was pending before the turn)
 
     def _begin_epoch(self, s: Session, found, result: TurnResult) -> None:
         self.sessions.flush()  # a new epoch writes the session (its copy): the turn's commit first
