@@ -9,7 +9,8 @@ Completions conversation of 1,000 messages, this prints side by side:
 * the first turn: ``Engine.process(..., render=True)`` of a new conversation in a running proxy
   (and, apart, as a new process's very first turn: a new Engine and store),
 * a follow-up turn: the same Engine, the history processed before, one new message appended,
-* a follow-up turn in a proxy serving 48 such conversations in turn (a team gateway).
+* a follow-up turn in a proxy serving 48 such conversations in turn (a team gateway),
+* a follow-up turn of a session whose first half is folded (the long sessions bili is for).
 
 Times are CPU time (``time.process_time``), median over repeated runs.  The follow-up check also
 counts how many message parts were content-hashed (``identity.digest``) during the timed call:
@@ -393,6 +394,56 @@ def round_robin(case: Case, conversations: int, rounds: int) -> tuple[float, flo
     return median_ms(samples), statistics.median(a / b for a, b in zip(samples, floors)), kept
 
 
+def fold_half(eng: Engine, case: Case, msgs: list[dict], headers: dict) -> list[dict]:
+    """The model folds the first half of the conversation in one ``compress`` call, as it does in a
+    long session: the call arrives in its answer, the agent answers "unknown tool", and the next
+    request runs it.  Returns the agent's messages after that request (Anthropic only)."""
+    res = eng.process(case.body(msgs), case.lane, headers, render=True)
+    eng.lineage.flush()
+    items = eng.sessions[res.session].last_view.items
+    # a range from the first message to the end of a user message (its tool results close the
+    # calls before it: none is left open inside the range), about half-way
+    ends = [it for it in items[: len(items) // 2] if it.parts and all(p.role in ("user", "tool") for p in it.parts)]
+    args = {"content": [{"startId": items[0].parts[0].ref, "endId": ends[-1].parts[-1].ref,
+                         "topic": "the first half", "summary": "Read and edited the modules of the first half; "
+                         "the tests pass; load_config(path) moved to config.py. " * 4}]}
+    call_id = "toolu_bench_fold"
+    eng.record_calls(res.session, [(call_id, "compress", msgspec.json.encode(args).decode())])
+    msgs = msgs + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": "compress", "input": args}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "is_error": True,
+                                      "content": "<tool_use_error>Error: No such tool available: compress</tool_use_error>"}]},
+    ]
+    res = eng.process(case.body(msgs), case.lane, headers, render=True)
+    eng.lineage.flush()
+    if res.executed != ["compress"] or not eng.sessions[res.session].blocks:
+        raise RuntimeError(f"the bench's fold did not land: {res.executed} {res.declined} {res.notes}")
+    return msgs
+
+
+def folded_follow_up(case: Case, reps: int) -> tuple[float, float, int, int]:
+    """A follow-up turn of a session that has folded (the long sessions bili is for: folds from
+    early on, a summary standing where the first half was): median ms, median ratio to the floor,
+    round trips on the request's path (max) and store writes per turn (max)."""
+    with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
+        eng = bench_engine(d)
+        headers = {"x-acp-session": f"bench-folded-{time.time_ns()}"}
+        msgs = fold_half(eng, case, list(case.msgs), headers)
+        samples, floors, trips, writes = [], [], [], []
+        for i in range(reps):
+            msgs.append(case.new(i))
+            raw = case.body(msgs)
+            floors.append(cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw))))
+            t0, w0 = getattr(eng.store, "round_trips", 0), eng.store.writes
+            samples.append(cpu(lambda: eng.process(raw, case.lane, headers, render=True)))
+            trips.append(getattr(eng.store, "round_trips", 0) - t0)
+            writes.append(eng.store.writes - w0)
+            eng.lineage.flush()  # after the answer, as the proxy does
+        eng.store.close()
+    return (median_ms(samples), statistics.median(a / b for a, b in zip(samples, floors)), max(trips),
+            max(writes))
+
+
 # of the last follow-up measurement: round trips on the request's path (max), wall ms (median), and
 # round trips of the work after the answer (max)
 LAST_TRIPS, LAST_WALL, LAST_SETTLE_TRIPS = 0, 0.0, 0
@@ -484,6 +535,14 @@ def run(args, backends) -> None:
         print(f"{backend:<7}{rr_case:<10}{rr_n:>7,} msgs, {ROUND_ROBIN} conversations in turn: follow-up {ms:.2f} ms, "
               f"{ratio:.1f}x floor; previous pass kept in {kept} of {2 * ROUND_ROBIN} turns", flush=True)
         rows.append((backend, rr_case, rr_n, None, ratio, 1, 1))
+    # a long session's case: the follow-up of a session that has folded
+    print()
+    for backend, url in backends:
+        STORE_URL = url
+        ms, ratio, t, w = folded_follow_up(case, 5 if args.quick else 15)
+        print(f"{backend:<7}{rr_case:<10}{rr_n:>7,} msgs, half of them folded: follow-up {ms:.2f} ms, "
+              f"{ratio:.1f}x floor; {w} store write(s)" + (f", {t} round trips" if url else ""), flush=True)
+        rows.append((backend, rr_case, rr_n, "folded", ratio, 1, 1))
     STORE_URL = ""
     print()
     print("floor: msgspec.json.decode + msgspec.json.encode of the body; first: a new conversation's first turn")
@@ -493,6 +552,8 @@ def run(args, backends) -> None:
     print("follow: same Engine, one new message appended (its own floor, the body one message longer);")
     print(f"conversations in turn: {ROUND_ROBIN} conversations of that size served in turn by one proxy, a follow-up of")
     print("  each in turn (each previous pass must still be kept when its conversation's turn comes again);")
+    print("half folded: a follow-up of a session whose first half the model folded (one compress call), as long")
+    print("  sessions are; store writes: transactions (SQLite) or write statements per turn (max);")
     print("hashed: message parts content-hashed (identity.digest) during one follow-up turn (max over runs);")
     print("settle: the first turn's work after the answer (its lineage fingerprints stored, on the proxy's worker,")
     print("  off the request's path; CPU ms, median);")
@@ -501,8 +562,9 @@ def run(args, backends) -> None:
     print()
     print("targets")
     for backend, lane, n, r1, r2, hashed, new_parts in rows:
-        if r1 is None:  # conversations in turn: the follow-up target only
-            print(f"  {backend:<7}{lane:<10}{n:>7,} msgs, {ROUND_ROBIN} in turn: follow-up <= {FOLLOW_TARGET:.0f}x floor: "
+        if r1 is None or r1 == "folded":  # conversations in turn, a folded session: the follow-up target only
+            what = f"{ROUND_ROBIN} in turn" if r1 is None else "half folded"
+            print(f"  {backend:<7}{lane:<10}{n:>7,} msgs, {what}: follow-up <= {FOLLOW_TARGET:.0f}x floor: "
                   f"{'met' if r2 <= FOLLOW_TARGET else 'MISSED'} ({r2:.1f}x)")
             continue
         ok1, ok2, ok3 = r1 <= TARGET_RATIO, r2 <= FOLLOW_TARGET, hashed <= new_parts

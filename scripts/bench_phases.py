@@ -5,7 +5,8 @@
 ``msgspec.json.encode`` of the same body); this script splits the same turns into the steps of
 ``Engine.process`` and prints each step's CPU time (``time.process_time_ns``, median over the runs)
 and its share of the floor, for a new conversation's first turn in a running proxy and for a
-follow-up turn (one message appended), on SQLite and, with ``--postgresql``, on PostgreSQL (there
+follow-up turn (one message appended), and for Anthropic bodies a follow-up of a session whose first
+half the model folded (one ``compress`` call: the long sessions bili is for), on SQLite and, with ``--postgresql``, on PostgreSQL (there
 the store's calls are shown on their own: their CPU time is the client's side of each round trip).
 
 Each step is wrapped in a timer for the run (two clock reads, ~0.6 us per call here, ~40 calls a
@@ -62,8 +63,11 @@ STEPS = [
     ("the view (fold.View)", 0, turn, "View"),
     ("the agent's compaction (Engine._compaction)", 0, turn.Engine, "_compaction"),
     ("bili shows itself (pressure.is_active)", 0, pressure, "is_active"),
+    ("fold coverage under churn (coverage.check)", 0, turn.coverage, "check"),
+    ("the canonical copy (coverage.roll_copy)", 0, turn.coverage, "roll_copy"),
     ("reminder and lifetime (pressure.apply)", 0, pressure, "apply"),
     ("store the turn (Engine._commit)", 0, turn.Engine, "_commit"),
+    ("write the staged commit (Sessions.flush)", 0, registry.Sessions, "flush"),
     ("held folds (Engine._land)", 0, turn.Engine, "_land"),
     ("render the items (render_items)", 0, turn, "render_items"),
     ("strict providers' inserts (strict_inserts)", 0, turn, "strict_inserts"),
@@ -75,10 +79,11 @@ STEPS = [
     ("remember the pass (Sessions.remember)", 0, registry.Sessions, "remember"),
     ("the cache clock notes the send (Clocks.sent)", 0, cache.Clocks, "sent"),
 ]
-# the store's calls, shown under the step that makes them (PostgreSQL's are round trips)
+# the store's calls, shown under the step that makes them (PostgreSQL's are round trips; a commit is
+# written by Engine._commit, or staged there and written by Sessions.flush: shown under the flush)
 STORE_STEPS = [
     ("lock and read (store.hold)", "load the session (Sessions.load)", "hold"),
-    ("commit (store.commit_turn)", "store the turn (Engine._commit)", "commit_turn"),
+    ("the store's commit (store.commit_turn)", "write the staged commit (Sessions.flush)", "commit_turn"),
     ("release the lock (store.release)", None, "release"),
 ]
 TOTAL = "whole turn (Engine.process)"
@@ -155,15 +160,17 @@ def floor_ns(raw: bytes) -> int:
     return CLOCK() - t
 
 
-def measure(case: bo.Case, reps: int, follow: bool, store_cls) -> tuple[Timers, float]:
-    """The steps of ``reps`` turns (first turns of new conversations, or follow-ups of one), and the
-    median floor (us)."""
+def measure(case: bo.Case, reps: int, follow: bool | str, store_cls) -> tuple[Timers, float]:
+    """The steps of ``reps`` turns (first turns of new conversations, or follow-ups of one; "folded":
+    follow-ups of one whose first half the model folded), and the median floor (us)."""
     timers, floors = Timers(), []
     with tempfile.TemporaryDirectory(prefix="bili-phases-") as d:
         eng = bo.running_engine(d, case)
         msgs = list(case.msgs)
         headers = {"x-acp-session": f"bench-phases-{time.time_ns()}"}
-        if follow:
+        if follow == "folded":
+            msgs = bo.fold_half(eng, case, msgs, headers)
+        elif follow:
             eng.process(case.body(msgs), case.lane, headers, render=True)
             eng.lineage.flush()
         with instrumented(timers, case, store_cls):
@@ -185,11 +192,12 @@ def measure(case: bo.Case, reps: int, follow: bool, store_cls) -> tuple[Timers, 
 
 
 def report(case: bo.Case, backend: str, reps: int, store_cls) -> None:
-    first, floor_first = measure(case, reps, False, store_cls)
-    follow, floor_follow = measure(case, reps, True, store_cls)
-    print(f"\n{case.lane_name}, {case.n:,} messages, {backend}: floor {floor_first:.0f} us "
-          f"(follow-up {floor_follow:.0f} us); CPU us per turn (median of {reps}) and x floor")
-    print(f"  {'step':<52}{'first turn':>18}{'follow-up':>18}")
+    cols = [measure(case, reps, False, store_cls), measure(case, reps, True, store_cls)]
+    if case.lane_name == "anthropic":  # (the bench's fold is written for Anthropic bodies)
+        cols.append(measure(case, reps, "folded", store_cls))
+    print(f"\n{case.lane_name}, {case.n:,} messages, {backend}: floor {cols[0][1]:.0f} us; "
+          f"CPU us per turn (median of {reps}) and x floor")
+    print(f"  {'step':<52}" + "".join(f"{h:>18}" for h in ("first turn", "follow-up", "folded follow-up")[:len(cols)]))
     rows = []
     for label, depth, _owner, _attr in STEPS:
         rows.append((label, depth))
@@ -204,9 +212,9 @@ def report(case: bo.Case, backend: str, reps: int, store_cls) -> None:
 
     top = [label for label, depth, *_ in STEPS if depth == 0] + [STORE_STEPS[-1][0]]
     for label, depth in rows:
-        a, b = cell(first, label, floor_first), cell(follow, label, floor_follow)
-        if a.strip() or b.strip():
-            print(f"  {'  ' * depth + label:<52}{a}{b}")
+        cells = "".join(cell(t, label, floor) for t, floor in cols)
+        if cells.strip():
+            print(f"  {'  ' * depth + label:<52}{cells}")
 
     def rest(t: Timers) -> float:
         # per turn, then the median (the steps' medians need not add up)
@@ -215,11 +223,9 @@ def report(case: bo.Case, backend: str, reps: int, store_cls) -> None:
                  for i in range(n)]
         return statistics.median(diffs) / 1000
 
-    for label, fn in (("the rest of the turn", rest),):
-        print(f"  {label:<52}{fn(first):>10.0f} {fn(first) / floor_first:>5.2f}x "
-              f"{fn(follow):>10.0f} {fn(follow) / floor_follow:>5.2f}x ")
-    print(f"  {TOTAL:<52}{cell(first, TOTAL, floor_first)}{cell(follow, TOTAL, floor_follow)}")
-    print(f"  {SETTLE:<52}{cell(first, SETTLE, floor_first)}{cell(follow, SETTLE, floor_follow)}")
+    print(f"  {'the rest of the turn':<52}" + "".join(f"{rest(t):>10.0f} {rest(t) / floor:>5.2f}x " for t, floor in cols))
+    for label in (TOTAL, SETTLE):
+        print(f"  {label:<52}" + "".join(cell(t, label, floor) for t, floor in cols))
 
 
 def main() -> None:
