@@ -399,3 +399,42 @@ def test_a_schema_10_store_migrates_and_its_sessions_go_on(backend):
     s.close()
     again = backend()  # opened again: nothing to migrate
     assert again.schema_version() == SCHEMA_VERSION and again.copy("old") == doc
+
+
+def test_the_captures_folded_staged_are_the_captures_unstaged(tmp_path, unstaged):
+    """Every captured agent's requests under one session id each; then a fold of the first half of
+    its conversation (made as a native tool call makes it: ``plugin_tool``) and the requests again,
+    now follow-ups of a folded session (staged): the same bytes, results and stored rows.  (The
+    captures are short: their folds are allowed from 50 characters, and few of their passes have
+    the items a copy is kept for.)"""
+    from bili_addon.store import Store
+    from wirecases import capture_files, captured_bodies
+
+    files = capture_files()
+    if not files:
+        pytest.skip("no captures here (BILI_CAPTURES)")
+    t = Twin(*(Engine(Store(str(tmp_path / n)), fold_cfg=FoldConfig(min_compress_chars=50)) for n in "ab"),
+             unstaged)
+    folded = 0
+    for k, path in enumerate(files):
+        caps = captured_bodies(path)
+        sid = f"cap-{k}"
+        for c in caps:
+            t.process(c.raw, c.lane, {**c.headers, "x-acp-session": sid}, render=True)
+        s = t.a.sessions.get(sid)
+        if s is None or s.last_view is None:
+            continue
+        refs = [p.ref for it in s.last_view.items for p in it.parts]
+        if len(refs) < 4:
+            continue
+        args = {"content": [{"startId": refs[0], "endId": refs[len(refs) // 2],
+                             "summary": "The first half of the conversation: read, nothing odd."}]}
+        got = [e.plugin_tool(sid, "compress", args) for e in (t.a, t.b)]
+        for e in (t.a, t.b):
+            e.store.release()
+        assert got[0] == got[1]
+        folded += bool(t.a.sessions[sid].blocks)
+        for c in caps + caps[-1:]:
+            t.process(c.raw, c.lane, {**c.headers, "x-acp-session": sid}, render=True)
+    assert folded >= 3 and t.staged_folded() >= 10  # (5 and 27 here)
+    assert t.one_write() == [], t.one_write()
