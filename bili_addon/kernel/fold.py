@@ -222,9 +222,10 @@ def coverage(blocks: Iterable[Block]) -> dict[str, Block]:
 def anchors(view: View, blocks: Iterable[Block]) -> dict[int, Block]:
     """View position -> the active block whose summary stands there (its first covered item)."""
     out: dict[int, Block] = {}
+    pos = view.pos
     for b in blocks:
         if b.active:
-            where = [view.pos[r] for r in b.coverage if r in view.pos]
+            where = [pos[r] for r in b.coverage if r in pos]
             if where:
                 out.setdefault(min(where), b)
     return out
@@ -245,52 +246,111 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
     ``snoozed``: blocks whose whole range the host truncated away (not rendered, kept)."""
     cov = coverage(blocks)
     items = view.items
-    drop = {k for k, it in enumerate(items) if it.parts and all(r in cov or r in hidden for r in it.refs)}
+    n = len(items)
+    # one pass over the items: those every part of which is covered (or hidden), the tool-call ids
+    # of the items holding any, and the runs of reasoning-only items (each shares the fate of the
+    # turn it precedes: the run and the item after it form a group)
+    drop: set[int] = set()
+    tooled: list[int] = []  # the items with a call or a result (with an id)
+    groups: list[range] = []
+    run = -1  # where the current run of reasoning-only items began
+    for k in range(n):
+        parts = items[k].parts
+        if not parts:
+            if run >= 0:
+                groups.append(range(run, min(k + 1, n)))
+                run = -1
+            continue
+        whole = reasoning = True
+        tool = False
+        for p in parts:
+            if whole:
+                r = p.ref
+                if r not in cov and r not in hidden:
+                    whole = False
+            ct = p.ctype
+            if ct != REASONING:
+                reasoning = False
+                if p.tool_call_id and (ct == TOOL_CALL or ct == TOOL_RESULT):
+                    tool = True
+        if whole:
+            drop.add(k)
+        if tool:
+            tooled.append(k)
+        if reasoning:
+            if run < 0:
+                run = k
+        elif run >= 0:
+            groups.append(range(run, k + 1))
+            run = -1
+    if run >= 0:
+        groups.append(range(run, n))
     first = None if view.first_free else view.first_user()
     if first is not None:
         drop.discard(first)
     # never leave a tool call without its result (or the reverse), nor reasoning without its turn
-    changed = True
+    changed = bool(drop)
     while changed:
         changed = False
-        kept_calls = set().union(*(items[k].calls for k in range(len(items)) if k not in drop))
-        kept_results = set().union(*(items[k].results for k in range(len(items)) if k not in drop))
-        for k in sorted(drop):
-            if items[k].calls & kept_results or items[k].results & kept_calls:
-                drop.discard(k)
-                changed = True
-        for k, it in enumerate(items):
-            if not it.reasoning_only:
-                continue
-            # a reasoning run shares the fate of the turn it precedes
-            j = k
-            while j < len(items) and items[j].reasoning_only:
-                j += 1
-            group = range(k, min(j + 1, len(items)))
+        kept_calls: set[str] = set()
+        kept_results: set[str] = set()
+        for k in tooled:
+            if k not in drop:
+                for p in items[k].parts:
+                    cid = p.tool_call_id
+                    if cid:
+                        ct = p.ctype
+                        if ct == TOOL_CALL:
+                            kept_calls.add(cid)
+                        elif ct == TOOL_RESULT:
+                            kept_results.add(cid)
+        if kept_calls or kept_results:
+            for k in sorted(drop.intersection(tooled)):
+                for p in items[k].parts:
+                    cid = p.tool_call_id
+                    if cid and ((p.ctype == TOOL_CALL and cid in kept_results)
+                                or (p.ctype == TOOL_RESULT and cid in kept_calls)):
+                        drop.discard(k)
+                        changed = True
+                        break
+        for group in groups:
             if any(x in drop for x in group) and any(x not in drop for x in group):
                 drop.difference_update(group)
                 changed = True
     # each block's summary stands at the first dropped item holding one of its refs (one pass over
     # the dropped items, not one per block)
     live = sorted((b for b in blocks if b.active and b.id not in snoozed), key=lambda b: b.number)
-    holders: dict[str, list[int]] = {}
-    for i, b in enumerate(live):
-        for r in b.coverage:
-            holders.setdefault(r, []).append(i)
-    first: dict[int, int] = {}
-    for k in drop:
-        for p in items[k].parts:
-            for i in holders.get(p.ref, ()):
-                if k < first.get(i, len(items)):
-                    first[i] = k
+    first_at: dict[int, int] = {}
+    if live and drop:
+        # the dropped items in order, until each block has found its first (a block's summary
+        # mostly stands at the first dropped item of its range: the scan stops there)
+        sets = [set(b.coverage) for b in live] if len(live) <= 8 else None
+        holders: dict[str, list[int]] = {}
+        if sets is None:
+            for i, b in enumerate(live):
+                for r in b.coverage:
+                    holders.setdefault(r, []).append(i)
+        for k in sorted(drop):
+            for p in items[k].parts:
+                r = p.ref
+                if sets is not None:
+                    for i, refs in enumerate(sets):
+                        if r in refs and i not in first_at:
+                            first_at[i] = k
+                else:
+                    for i in holders.get(r, ()):
+                        if i not in first_at:
+                            first_at[i] = k
+            if len(first_at) == len(live):
+                break
     inserts: dict[int, list[Block]] = {}
     rendered: list[Block] = []
     for i, b in enumerate(live):
         # a block none of whose parts is on the wire is not rendered: whether the host dropped
         # them or this is not the conversation it was made in cannot be told apart from here,
         # and a summary in the wrong conversation is the one failure that must never happen
-        if i in first:
-            inserts.setdefault(first[i], []).append(b)
+        if i in first_at:
+            inserts.setdefault(first_at[i], []).append(b)
             rendered.append(b)
     return Plan(drop, inserts, rendered)
 
