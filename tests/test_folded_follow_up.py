@@ -35,7 +35,76 @@ from tests.test_fold import ANTH, agent_answers_unknown, body, filler, refs_in, 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_overhead  # noqa: E402
 
-# ---- oracle: kernel/fold.py (plan, anchors, coverage) as they were
+# ---- oracle: kernel/fold.py (View, plan, anchors, coverage) as they were
+class OldView:
+    def __init__(self, items: list[ViewItem], sums: Sums | None = None):
+        """``sums``: :meth:`sums`, when the caller has them (a conversation's first pass)."""
+        self.items = items
+        self.first_free = False  # the first user turn is the agent's compaction summary: foldable
+        # what the turn's decisions read of the view, computed once and only when read (the view's
+        # items never change once it is made): the refs' positions, the first and last user turns,
+        # the token figures
+        self._pos: dict[str, int] | None = None
+        self._first_user = self._last_user = fold._UNKNOWN
+        self._sums = sums
+
+    @property
+    def pos(self) -> dict[str, int]:
+        """Each ref's position in ``items`` (its first)."""
+        if self._pos is None:
+            pos: dict[str, int] = {}
+            setdefault = pos.setdefault
+            for k, it in enumerate(self.items):
+                for p in it.parts:
+                    setdefault(p.ref, k)
+            self._pos = pos
+        return self._pos
+
+    def first_user(self) -> int | None:
+        if self._first_user is fold._UNKNOWN:
+            self._first_user = next((k for k, it in enumerate(self.items) if fold._user_turn(it.parts)), None)
+        return self._first_user
+
+    def last_user(self) -> int | None:
+        if self._last_user is fold._UNKNOWN:
+            items = self.items
+            self._last_user = next((k for k in range(len(items) - 1, -1, -1) if fold._user_turn(items[k].parts)), None)
+        return self._last_user
+
+    def sums(self) -> Sums:
+        if self._sums is None:
+            tokens, filled = [0], [0]
+            total = count = peak = 0
+            for it in self.items:
+                parts = it.parts
+                if parts:
+                    count += 1
+                    for p in parts:
+                        n = p.tokens
+                        total += n
+                        if n > peak:
+                            peak = n
+                tokens.append(total)
+                filled.append(count)
+            self._sums = fold.Sums(tokens, filled, peak)
+        return self._sums
+
+    def protected(self, cfg: FoldConfig) -> set[int]:
+        """Positions never folded: the first user turn, the recent zone and the newest user turn."""
+        keep: set[int] = set()
+        parts = 0
+        for k in range(len(self.items) - 1, -1, -1):
+            if parts >= cfg.recent_parts:
+                break
+            keep.add(k)
+            parts += len(self.items[k].parts)
+        for k in (None if self.first_free else self.first_user(), self.last_user()):
+            if k is not None:
+                keep.add(k)
+        return keep
+
+
+
 def old_coverage(blocks: Iterable[Block]) -> dict[str, Block]:
     out: dict[str, Block] = {}
     for b in blocks:
@@ -408,6 +477,7 @@ def test_the_decisions_are_the_oracles_over_random_views(seed):
     assert same_plan(fold.plan(view, blocks, hidden, snoozed), old_plan(view, blocks, hidden, snoozed))
     assert same_plan(fold.plan(view, blocks), old_plan(view, blocks))
     assert fold.anchors(view, blocks) == old_anchors(view, blocks)
+    assert [(r, id(b)) for r, b in fold.coverage(blocks).items()] == [(r, id(b)) for r, b in old_coverage(blocks).items()]
     fcfg = FoldConfig(min_compress_chars=rng.choice([200, 2000, 5000]), recent_parts=rng.choice([1, 4, 8]))
     ncfg = NudgeConfig(batch_tokens=rng.choice([500, 3000, 12000]), distil_tokens=rng.choice([100, 5000]),
                        distil_along_tokens=rng.choice([50, 1500]), truncate_min_tokens=rng.choice([300, 1000]),
@@ -432,9 +502,80 @@ def test_the_decisions_are_the_oracles_over_random_views(seed):
     assert pressure._unfolded(view, cov) == sum(p.tokens for it in view.items for p in it.parts if p.ref not in cov)
 
 
+def same_figures(v: View, items: list[ViewItem], cov: dict | None = None) -> None:
+    o = OldView(list(items))
+    assert list(v.pos.items()) == list(o.pos.items())  # (in the same order too)
+    assert v.sums() == o.sums()
+    assert v.first_user() == o.first_user() and v.last_user() == o.last_user()
+    if cov is not None:
+        u = v.unfolded(cov)
+        held, tokens, first, last = [0], [0], [], []
+        for it in items:
+            mine = [p for p in it.parts if p.ref not in cov]
+            held.append(held[-1] + bool(mine))
+            tokens.append(tokens[-1] + sum(p.tokens for p in mine))
+            first.append(mine[0].ref if mine else None)
+            last.append(mine[-1].ref if mine else None)
+        assert (u.held, u.tokens, u.first, u.last) == (held, tokens, first, last)
+        assert v.unfolded(dict(cov)) is u  # (kept for the same coverage)
+        for b in range(len(items)):
+            for e in range(b + 1, len(items) + 1):
+                if held[e] > held[b]:
+                    assert u.first_held(b) == next(k for k in range(b, e) if held[k + 1] > held[k])
+                    assert u.last_held(e) == next(k for k in range(e - 1, b - 1, -1) if held[k + 1] > held[k])
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_a_views_figures_extend_the_previous_views_as_a_pass_from_the_start_gives_them(seed):
+    """View.pos and View.sums of a view made after another of the same conversation extend that
+    view's over the items the two share (the same objects): the same figures (and order) as one
+    pass over the whole, whatever was shared, dropped, rebuilt equal, or changed in place since."""
+    rng = random.Random(seed)
+    base, blocks, _hidden = random_view(rng, rng.choice([1, 2, 5, 30, 80]))
+    covs = [fold.coverage(blocks), {}, fold.coverage(blocks[:1])]
+    others, _b, _h = random_view(random.Random(seed + 1000), 20)
+    items = list(base.items)
+    spare = list(others.items)
+    for _ in range(rng.randint(1, 6)):
+        v = View(items)
+        which = rng.random()
+        if which < 0.4:
+            v.pos
+        elif which < 0.8:
+            v.sums()
+        else:
+            v.pos, v.sums()
+        if rng.random() < 0.7:
+            v.unfolded(rng.choice(covs))
+        if rng.random() < 0.2:
+            same_figures(v, items, rng.choice(covs))
+        change = rng.random()
+        if change < 0.1 and items:  # the list the previous view was made of changes in place
+            items[rng.randrange(len(items))] = rng.choice(spare)
+            nxt = items
+        elif change < 0.2 and items:  # its last item made again (an equal object, not the same)
+            last = items[-1]
+            nxt = items[:-1] + [ViewItem(last.index, list(last.parts), last.sig)]
+        else:
+            keep = rng.randint(0, len(items))
+            nxt = items[:keep] + rng.sample(spare, rng.randint(0, 4))
+        if rng.random() < 0.1:
+            View(list(spare))  # another conversation's view between them
+        items = nxt if nxt is not items else items
+        v2 = View(items)
+        if rng.random() < 0.5:
+            same_figures(v2, items, rng.choice(covs))
+        else:  # (in the other order)
+            o = OldView(list(items))
+            assert v2.sums() == o.sums() and list(v2.pos.items()) == list(o.pos.items())
+        if not items:
+            items = list(base.items)
+
+
 # -- (2) whole Engine runs: as they are, and with the oracles patched in --------------------------
 
 def patch_oracles(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(turn, "View", OldView)
     mp.setattr(turn, "assemble", old_assemble)
     mp.setattr(pressure, "apply", old_apply)
     mp.setattr(fold, "plan", old_plan)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import re
 import time
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import Any, Iterable, NamedTuple
 
 import msgspec
@@ -142,6 +143,39 @@ class Sums(NamedTuple):
     peak: int  # the most tokens of one part (0: none)
 
 
+class Unfolded(NamedTuple):
+    """A view's items against a coverage (:meth:`View.unfolded`): the parts no block holds."""
+
+    refs: frozenset[str]  # the coverage's refs
+    held: list[int]  # at ``k``: how many of ``items[:k]`` have a part not covered; len(items) + 1
+    tokens: list[int]  # at ``k``: the tokens of the parts of ``items[:k]`` not covered; len(items) + 1
+    first: list[str | None]  # at ``k``: the first ref of ``items[k]`` not covered (None: none)
+    last: list[str | None]  # ... and its last
+    of: list[ViewItem]  # the items they were computed from
+
+    def first_held(self, begin: int) -> int:
+        """The first item from ``begin`` on with a part not covered (there must be one)."""
+        return bisect_right(self.held, self.held[begin], begin) - 1
+
+    def last_held(self, end: int) -> int:
+        """The last item before ``end`` with a part not covered (there must be one)."""
+        return bisect_left(self.held, self.held[end], 0, end) - 1
+
+
+# the last view made of each conversation (by its first item), for the next one to extend (View)
+_RECENT: dict[int, View] = {}
+_RECENT_MAX = 256
+
+
+def _shared(a: list, b: list) -> int:
+    """How many of the first items of ``a`` and ``b`` are the same objects."""
+    same = list(map(is_, a, b))
+    try:
+        return same.index(False)
+    except ValueError:
+        return len(same)
+
+
 class View:
     def __init__(self, items: list[ViewItem], sums: Sums | None = None):
         """``sums``: :meth:`sums`, when the caller has them (a conversation's first pass)."""
@@ -153,16 +187,50 @@ class View:
         self._pos: dict[str, int] | None = None
         self._first_user = self._last_user = _UNKNOWN
         self._sums = sums
+        self._peaks: list[int] | None = None  # (with the sums: the most tokens of one part of ``items[:k]``)
+        # what those figures were computed from (the items then), and the view made before this one of
+        # a conversation that begins with the same item: a follow-up's figures extend that view's
+        # over the items the two share (the same objects), not computed again for the whole
+        # conversation
+        self._pos_of: list[ViewItem] | None = None
+        self._sums_of: list[ViewItem] | None = None
+        self._unfolded: Unfolded | None = None
+        self._prev: View | None = None
+        if items:
+            key = id(items[0])
+            try:
+                prev = _RECENT.pop(key, None)
+                if prev is not None:
+                    prev._prev = None  # (never a chain of views)
+                    self._prev = prev
+                _RECENT[key] = self
+                if len(_RECENT) > _RECENT_MAX:
+                    del _RECENT[next(iter(_RECENT))]
+            except (KeyError, RuntimeError):  # (another thread's view at the same moment: none to extend)
+                pass
 
     @property
     def pos(self) -> dict[str, int]:
         """Each ref's position in ``items`` (its first)."""
         if self._pos is None:
-            pos: dict[str, int] = {}
+            items = self.items
+            prev = self._prev
+            m = _shared(prev._pos_of, items) if prev is not None and prev._pos_of is not None else 0
+            if m:
+                # the previous view's positions, less the refs first seen after the shared items
+                # (they were added last: what stays is in the order a pass from the start gives)
+                pos = prev._pos.copy()
+                for it in prev._pos_of[m:]:
+                    for p in it.parts:
+                        if pos.get(p.ref, -1) >= m:
+                            del pos[p.ref]
+            else:
+                pos = {}
             setdefault = pos.setdefault
-            for k, it in enumerate(self.items):
-                for p in it.parts:
+            for k in range(m, len(items)):
+                for p in items[k].parts:
                     setdefault(p.ref, k)
+            self._pos_of = list(items)
             self._pos = pos
         return self._pos
 
@@ -179,10 +247,18 @@ class View:
 
     def sums(self) -> Sums:
         if self._sums is None:
-            tokens, filled = [0], [0]
-            total = count = peak = 0
-            for it in self.items:
-                parts = it.parts
+            items = self.items
+            prev = self._prev
+            m = (_shared(prev._sums_of, items) if prev is not None and prev._sums_of is not None
+                 and prev._peaks is not None else 0)
+            if m:  # the previous view's figures over the items the two share
+                tokens, filled, peaks = prev._sums.tokens[:m + 1], prev._sums.filled[:m + 1], prev._peaks[:m + 1]
+                total, count, peak = tokens[-1], filled[-1], peaks[-1]
+            else:
+                tokens, filled, peaks = [0], [0], [0]
+                total = count = peak = 0
+            for k in range(m, len(items)):
+                parts = items[k].parts
                 if parts:
                     count += 1
                     for p in parts:
@@ -192,8 +268,47 @@ class View:
                             peak = n
                 tokens.append(total)
                 filled.append(count)
+                peaks.append(peak)
             self._sums = Sums(tokens, filled, peak)
+            self._peaks = peaks
+            self._sums_of = list(items)
         return self._sums
+
+    def unfolded(self, cov: dict[str, Any]) -> Unfolded:
+        """The items against the coverage ``cov`` (ref -> block): what of them no block holds, as
+        running figures (:class:`Unfolded`).  Kept for the coverage it was last asked for; a follow-up
+        extends the previous view's over the items they share, when the coverage is the same."""
+        u = self._unfolded
+        if u is not None and u.refs == cov.keys():
+            return u
+        items = self.items
+        refs = frozenset(cov)
+        prev = self._prev
+        pu = prev._unfolded if prev is not None else None
+        m = _shared(pu.of, items) if pu is not None and pu.refs == refs else 0
+        if m:
+            held, tokens, first, last = pu.held[:m + 1], pu.tokens[:m + 1], pu.first[:m], pu.last[:m]
+            count, total = held[-1], tokens[-1]
+        else:
+            held, tokens, first, last = [0], [0], [], []
+            count = total = 0
+        for k in range(m, len(items)):
+            a = b = None
+            for p in items[k].parts:
+                r = p.ref
+                if r not in refs:
+                    if a is None:
+                        a = r
+                    b = r
+                    total += p.tokens
+            if a is not None:
+                count += 1
+            held.append(count)
+            tokens.append(total)
+            first.append(a)
+            last.append(b)
+        u = self._unfolded = Unfolded(refs, held, tokens, first, last, list(items))
+        return u
 
     def protected(self, cfg: FoldConfig) -> set[int]:
         """Positions never folded: the first user turn, the recent zone and the newest user turn."""
@@ -211,12 +326,17 @@ class View:
 
 
 def coverage(blocks: Iterable[Block]) -> dict[str, Block]:
-    out: dict[str, Block] = {}
+    """Each ref an active block holds -> the first such block."""
+    out: dict[str, Block] | None = None
     for b in blocks:
         if b.active:
-            for r in b.coverage:
-                out.setdefault(r, b)
-    return out
+            if out is None:
+                out = dict.fromkeys(b.coverage, b)  # (the first: all of its refs)
+            else:
+                setdefault = out.setdefault
+                for r in b.coverage:
+                    setdefault(r, b)
+    return {} if out is None else out
 
 
 def anchors(view: View, blocks: Iterable[Block]) -> dict[int, Block]:

@@ -42,31 +42,18 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig,
     if not cov:  # nothing folded (no summary stands anywhere): the loop below, an item at a time
         return _runs_unfolded(view, protected)
     stops = anchors(view, blocks)  # a range never takes a block's summary in: that would re-fold it
-    # one pass: a run is the items (with a part not folded) between protected items and summaries;
-    # it counts its items and the parts of them not folded
+    # a run is the items (with a part not folded) between protected items and summaries; it counts
+    # its items and the parts of them not folded (the view's running figures against the coverage)
+    u = view.unfolded(cov)
+    held, tokens = u.held, u.tokens
     out = []
-    first = last = None  # the run's first and last part not folded
-    count = tokens = 0
-    for k, it in enumerate(view.items):
-        if k in protected or k in stops:
-            if first is not None:
-                out.append((first, last, count, tokens))
-                first = None
-                count = tokens = 0
-            continue
-        held = False
-        for p in it.parts:
-            r = p.ref
-            if r not in cov:
-                if first is None:
-                    first = r
-                last = r
-                tokens += p.tokens
-                held = True
-        if held:
-            count += 1
-    if first is not None:
-        out.append((first, last, count, tokens))
+    begin = 0
+    for stop in [*sorted(protected | stops.keys()), len(view.items)]:
+        if stop > begin:
+            n = held[stop] - held[begin]
+            if n:
+                out.append((u.first[u.first_held(begin)], u.last[u.last_held(stop)], n, tokens[stop] - tokens[begin]))
+        begin = max(begin, stop + 1)
     return out
 
 

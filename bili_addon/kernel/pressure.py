@@ -97,12 +97,7 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
 
 def _unfolded(view: View, cov: dict) -> int:
     """The tokens of the view's parts ``cov`` does not hold."""
-    n = 0
-    for it in view.items:
-        for p in it.parts:
-            if p.ref not in cov:
-                n += p.tokens
-    return n
+    return view.unfolded(cov).tokens[-1]
 
 
 def upgrade_lifetime(host: PressureHost, s: Session, body: Body, items: list[bytes], raw: bytes,
