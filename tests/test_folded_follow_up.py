@@ -572,6 +572,42 @@ def test_a_views_figures_extend_the_previous_views_as_a_pass_from_the_start_give
             items = list(base.items)
 
 
+@pytest.mark.parametrize("seed", range(300))
+def test_a_follow_ups_plan_is_the_oracles_whether_made_again_or_not(seed):
+    """fold.plan of a view made after another of the same conversation (the previous plan taken
+    when nothing new can change it): the oracle's, turn after turn, as the conversation grows, its
+    last item is made again, it goes back, the blocks change, calls are hidden, blocks snoozed."""
+    rng = random.Random(seed)
+    whole, blocks, hidden = random_view(rng, rng.choice([6, 20, 60]))
+    pool = whole.items
+    end = rng.randint(1, len(pool))
+    items = pool[:end]
+    snoozed: set[str] = set()
+    for _ in range(rng.randint(2, 10)):
+        v = View(items)
+        v.first_free = rng.random() < 0.1
+        for bs in (blocks, [b for b in blocks if rng.random() < 0.7]) if rng.random() < 0.3 else (blocks,):
+            assert same_plan(fold.plan(v, bs, hidden, snoozed), old_plan(v, bs, hidden, snoozed)), seed
+        move = rng.random()
+        if move < 0.6:  # the conversation grows
+            end = min(len(pool), end + rng.randint(0, 4))
+            items = items + pool[len(items):end] if len(items) <= end else items[:end]
+        elif move < 0.75 and items:  # its last item made again (equal, not the same object)
+            last = items[-1]
+            items = items[:-1] + [ViewItem(last.index, list(last.parts), last.sig)]
+        elif move < 0.85:  # it goes back
+            end = rng.randint(0, len(items))
+            items = items[:end]
+        elif move < 0.92:  # the blocks change
+            if blocks:
+                rng.choice(blocks).active ^= True
+        else:
+            hidden = set(rng.sample([p.ref for it in pool for p in it.parts], 1)) if rng.random() < 0.5 else set()
+            snoozed = {b.id for b in blocks if rng.random() < 0.2}
+        if not items:
+            items = pool[:1]
+
+
 # -- (2) whole Engine runs: as they are, and with the oracles patched in --------------------------
 
 def patch_oracles(mp: pytest.MonkeyPatch) -> None:

@@ -195,6 +195,7 @@ class View:
         self._pos_of: list[ViewItem] | None = None
         self._sums_of: list[ViewItem] | None = None
         self._unfolded: Unfolded | None = None
+        self._plans: list[_PlanMemo] = []  # (the plans made of it, newest first: plan)
         self._prev: View | None = None
         if items:
             key = id(items[0])
@@ -361,11 +362,91 @@ class Plan:
     rendered: list[Block]
 
 
+class _PlanMemo(NamedTuple):
+    """A plan's inputs and what it found, for the next view of the conversation (:func:`plan`)."""
+
+    cov: dict[str, Block]  # the coverage (its refs)
+    hidden: frozenset[str]
+    first: int | None  # the first user turn (never dropped)
+    shape: list[tuple[str, list[str]]]  # the blocks that can stand, in order: id and coverage
+    drop: frozenset[int]
+    firsts: dict[int, int]  # a block's index in ``shape`` -> where its summary stands
+    ids: frozenset[str]  # the tool-call ids of the items every part of which is covered (or hidden)
+    last: int  # the last of those items (-1: none)
+    of: list[ViewItem]  # the view's items
+
+
 def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snoozed: set[str] = frozenset()) -> Plan:
     """``hidden``: refs that leave the wire without a summary (consumed compress calls);
-    ``snoozed``: blocks whose whole range the host truncated away (not rendered, kept)."""
+    ``snoozed``: blocks whose whole range the host truncated away (not rendered, kept).
+
+    A follow-up's plan is the previous view's when nothing the turn added can change it (the
+    same blocks and coverage, no new item covered, none pairing with a covered one, no
+    reasoning run across the end of what the two views share): the turn costs its new items."""
     cov = coverage(blocks)
+    live = sorted((b for b in blocks if b.active and b.id not in snoozed), key=lambda b: b.number)
+    first = None if view.first_free else view.first_user()
+    shape = [(b.id, b.coverage) for b in live]
+    hidden = frozenset(hidden)
+    memo = _plan_again(view, cov, hidden, first, shape)
+    if memo is None:
+        drop, firsts, ids, last = _plan(view.items, cov, hidden, first, live)
+        memo = _PlanMemo(cov, hidden, first, [(bid, list(refs)) for bid, refs in shape], frozenset(drop), firsts,
+                         ids, last, list(view.items))
+    else:
+        memo = memo._replace(cov=cov, of=list(view.items))
+    view._plans = [memo, *view._plans[:2]]
+    inserts: dict[int, list[Block]] = {}
+    rendered: list[Block] = []
+    for i, b in enumerate(live):
+        # a block none of whose parts is on the wire is not rendered: whether the host dropped
+        # them or this is not the conversation it was made in cannot be told apart from here,
+        # and a summary in the wrong conversation is the one failure that must never happen
+        if i in memo.firsts:
+            inserts.setdefault(memo.firsts[i], []).append(b)
+            rendered.append(b)
+    return Plan(set(memo.drop), inserts, rendered)
+
+
+def _plan_again(view: View, cov: dict[str, Block], hidden: frozenset[str], first: int | None,
+                shape: list) -> _PlanMemo | None:
+    """The previous view's plan, when it is this one's too (else None)."""
+    prev = view._prev
+    if prev is None:
+        return None
+    for memo in prev._plans:
+        if memo.first == first and memo.hidden == hidden and memo.shape == shape and memo.cov.keys() == cov.keys():
+            break
+    else:
+        return None
     items = view.items
+    m = _shared(memo.of, items)
+    if (first is not None and first >= m) or memo.last >= m:
+        return None  # the first user turn, or an item that could leave, not among the shared items
+    if m and items[m - 1].reasoning_only:
+        return None  # a reasoning run shares the fate of the item after it
+    ids = memo.ids
+    for it in (*memo.of[m:], *items[m:]):  # the items after the shared ones, in either view
+        parts = it.parts
+        if not parts:
+            continue
+        whole = True
+        for p in parts:
+            r = p.ref
+            if r not in cov and r not in hidden:
+                whole = False
+            cid = p.tool_call_id
+            if cid and cid in ids and (p.ctype == TOOL_CALL or p.ctype == TOOL_RESULT):
+                return None  # it pairs with an item that could leave
+        if whole:
+            return None  # it could leave itself
+    return memo
+
+
+def _plan(items: list[ViewItem], cov: dict[str, Block], hidden: frozenset[str], first: int | None,
+          live: list[Block]) -> tuple[set[int], dict[int, int], frozenset[str], int]:
+    """The items that leave, where each block of ``live`` stands (its index -> the position), and
+    the tool-call ids and the last of the items that could leave."""
     n = len(items)
     # one pass over the items: those every part of which is covered (or hidden), the tool-call ids
     # of the items holding any, and the runs of reasoning-only items (each shares the fate of the
@@ -405,9 +486,11 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
             run = -1
     if run >= 0:
         groups.append(range(run, n))
-    first = None if view.first_free else view.first_user()
     if first is not None:
         drop.discard(first)
+    last = max(drop, default=-1)
+    ids = frozenset(p.tool_call_id for k in drop.intersection(tooled) for p in items[k].parts
+                    if p.tool_call_id and (p.ctype == TOOL_CALL or p.ctype == TOOL_RESULT))
     # never leave a tool call without its result (or the reverse), nor reasoning without its turn
     changed = bool(drop)
     while changed:
@@ -437,13 +520,10 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
             if any(x in drop for x in group) and any(x not in drop for x in group):
                 drop.difference_update(group)
                 changed = True
-    # each block's summary stands at the first dropped item holding one of its refs (one pass over
-    # the dropped items, not one per block)
-    live = sorted((b for b in blocks if b.active and b.id not in snoozed), key=lambda b: b.number)
-    first_at: dict[int, int] = {}
+    # each block's summary stands at the first dropped item holding one of its refs (the dropped
+    # items in order, until each block has found its first: mostly the first of its range)
+    firsts: dict[int, int] = {}
     if live and drop:
-        # the dropped items in order, until each block has found its first (a block's summary
-        # mostly stands at the first dropped item of its range: the scan stops there)
         sets = [set(b.coverage) for b in live] if len(live) <= 8 else None
         holders: dict[str, list[int]] = {}
         if sets is None:
@@ -455,24 +535,15 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
                 r = p.ref
                 if sets is not None:
                     for i, refs in enumerate(sets):
-                        if r in refs and i not in first_at:
-                            first_at[i] = k
+                        if r in refs and i not in firsts:
+                            firsts[i] = k
                 else:
                     for i in holders.get(r, ()):
-                        if i not in first_at:
-                            first_at[i] = k
-            if len(first_at) == len(live):
+                        if i not in firsts:
+                            firsts[i] = k
+            if len(firsts) == len(live):
                 break
-    inserts: dict[int, list[Block]] = {}
-    rendered: list[Block] = []
-    for i, b in enumerate(live):
-        # a block none of whose parts is on the wire is not rendered: whether the host dropped
-        # them or this is not the conversation it was made in cannot be told apart from here,
-        # and a summary in the wrong conversation is the one failure that must never happen
-        if i in first_at:
-            inserts.setdefault(first_at[i], []).append(b)
-            rendered.append(b)
-    return Plan(drop, inserts, rendered)
+    return drop, firsts, ids, last
 
 
 # -- compress ----------------------------------------------------------------------------------
