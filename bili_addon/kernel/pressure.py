@@ -80,10 +80,10 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
         return  # not even the whole context would be worth a fold, and the window is far
     nudges = dict(s.flags.get("nudges", {}))
     newest = resolved[-1]
-    if newest and not any(r.entry.ref in nudges for r in newest) and not asks_for_summary(view):
+    if newest and not any(r.entry.ref in nudges for r in newest):
         text = nudge.decide(view, s.blocks, host.fold_cfg, host.nudge_cfg, used, window,
                             int(s.flags.get("last_nudge_at", 0)), cov)
-        if text:
+        if text and not asks_for_summary(view):  # (asked only when there is a reminder to give)
             prose = [r for r in newest if r.core.role == "user" and r.core.ctype == TEXT and r.core.path
                      and r.core.text.strip()]
             ref = (prose[-1] if prose else newest[-1]).entry.ref
