@@ -194,6 +194,8 @@ class View:
         # conversation
         self._pos_of: list[ViewItem] | None = None
         self._sums_of: list[ViewItem] | None = None
+        self._of: list[ViewItem] | None = None  # (one copy of the items for all of them: _snapshot)
+        self._m: tuple[list, list, int] | None = None  # (the last _shared_with: what, with which, how many)
         self._unfolded: Unfolded | None = None
         self._plans: list[_PlanMemo] = []  # (the plans made of it, newest first: plan)
         self._prev: View | None = None
@@ -214,9 +216,9 @@ class View:
     def pos(self) -> dict[str, int]:
         """Each ref's position in ``items`` (its first)."""
         if self._pos is None:
-            items = self.items
+            items = self._snapshot()
             prev = self._prev
-            m = _shared(prev._pos_of, items) if prev is not None and prev._pos_of is not None else 0
+            m = self._shared_with(prev._pos_of) if prev is not None and prev._pos_of is not None else 0
             if m:
                 # the previous view's positions, less the refs first seen after the shared items
                 # (they were added last: what stays is in the order a pass from the start gives)
@@ -231,9 +233,27 @@ class View:
             for k in range(m, len(items)):
                 for p in items[k].parts:
                     setdefault(p.ref, k)
-            self._pos_of = list(items)
+            self._pos_of = items
             self._pos = pos
         return self._pos
+
+    def _snapshot(self) -> list[ViewItem]:
+        """The items as the figures are computed from them: one copy, made again only when the
+        items were changed since."""
+        of, items = self._of, self.items
+        if of is None or len(of) != len(items) or of != items:  # (the same objects: compared by identity)
+            of = self._of = list(items)
+        return of
+
+    def _shared_with(self, of: list[ViewItem]) -> int:
+        """How many of this view's first items are ``of``'s (asked once per copy)."""
+        mine = self._snapshot()
+        got = self._m
+        if got is not None and got[0] is of and got[1] is mine:
+            return got[2]
+        m = _shared(of, mine)
+        self._m = (of, mine, m)
+        return m
 
     def first_user(self) -> int | None:
         if self._first_user is _UNKNOWN:
@@ -248,9 +268,9 @@ class View:
 
     def sums(self) -> Sums:
         if self._sums is None:
-            items = self.items
+            items = self._snapshot()
             prev = self._prev
-            m = (_shared(prev._sums_of, items) if prev is not None and prev._sums_of is not None
+            m = (self._shared_with(prev._sums_of) if prev is not None and prev._sums_of is not None
                  and prev._peaks is not None else 0)
             if m:  # the previous view's figures over the items the two share
                 tokens, filled, peaks = prev._sums.tokens[:m + 1], prev._sums.filled[:m + 1], prev._peaks[:m + 1]
@@ -272,7 +292,7 @@ class View:
                 peaks.append(peak)
             self._sums = Sums(tokens, filled, peak)
             self._peaks = peaks
-            self._sums_of = list(items)
+            self._sums_of = items
         return self._sums
 
     def unfolded(self, cov: dict[str, Any]) -> Unfolded:
@@ -282,11 +302,11 @@ class View:
         u = self._unfolded
         if u is not None and u.refs == cov.keys():
             return u
-        items = self.items
+        items = self._snapshot()
         refs = frozenset(cov)
         prev = self._prev
         pu = prev._unfolded if prev is not None else None
-        m = _shared(pu.of, items) if pu is not None and pu.refs == refs else 0
+        m = self._shared_with(pu.of) if pu is not None and pu.refs == refs else 0
         if m:
             held, tokens, first, last = pu.held[:m + 1], pu.tokens[:m + 1], pu.first[:m], pu.last[:m]
             count, total = held[-1], tokens[-1]
@@ -308,7 +328,7 @@ class View:
             tokens.append(total)
             first.append(a)
             last.append(b)
-        u = self._unfolded = Unfolded(refs, held, tokens, first, last, list(items))
+        u = self._unfolded = Unfolded(refs, held, tokens, first, last, items)
         return u
 
     def protected(self, cfg: FoldConfig) -> set[int]:
@@ -390,11 +410,11 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
     hidden = frozenset(hidden)
     memo = _plan_again(view, cov, hidden, first, shape)
     if memo is None:
-        drop, firsts, ids, last = _plan(view.items, cov, hidden, first, live)
+        drop, firsts, ids, last = _plan(view._snapshot(), cov, hidden, first, live)
         memo = _PlanMemo(cov, hidden, first, [(bid, list(refs)) for bid, refs in shape], frozenset(drop), firsts,
-                         ids, last, list(view.items))
+                         ids, last, view._snapshot())
     else:
-        memo = memo._replace(cov=cov, of=list(view.items))
+        memo = memo._replace(cov=cov, of=view._snapshot())
     view._plans = [memo, *view._plans[:2]]
     inserts: dict[int, list[Block]] = {}
     rendered: list[Block] = []
@@ -419,8 +439,8 @@ def _plan_again(view: View, cov: dict[str, Block], hidden: frozenset[str], first
             break
     else:
         return None
-    items = view.items
-    m = _shared(memo.of, items)
+    items = view._snapshot()
+    m = view._shared_with(memo.of)
     if (first is not None and first >= m) or memo.last >= m:
         return None  # the first user turn, or an item that could leave, not among the shared items
     if m and items[m - 1].reasoning_only:
