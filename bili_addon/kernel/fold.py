@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import re
 import time
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import Any, Iterable, NamedTuple
 
 import msgspec
@@ -142,6 +143,39 @@ class Sums(NamedTuple):
     peak: int  # the most tokens of one part (0: none)
 
 
+class Unfolded(NamedTuple):
+    """A view's items against a coverage (:meth:`View.unfolded`): the parts no block holds."""
+
+    refs: frozenset[str]  # the coverage's refs
+    held: list[int]  # at ``k``: how many of ``items[:k]`` have a part not covered; len(items) + 1
+    tokens: list[int]  # at ``k``: the tokens of the parts of ``items[:k]`` not covered; len(items) + 1
+    first: list[str | None]  # at ``k``: the first ref of ``items[k]`` not covered (None: none)
+    last: list[str | None]  # ... and its last
+    of: list[ViewItem]  # the items they were computed from
+
+    def first_held(self, begin: int) -> int:
+        """The first item from ``begin`` on with a part not covered (there must be one)."""
+        return bisect_right(self.held, self.held[begin], begin) - 1
+
+    def last_held(self, end: int) -> int:
+        """The last item before ``end`` with a part not covered (there must be one)."""
+        return bisect_left(self.held, self.held[end], 0, end) - 1
+
+
+# the last view made of each conversation (by its first item), for the next one to extend (View)
+_RECENT: dict[int, View] = {}
+_RECENT_MAX = 256
+
+
+def _shared(a: list, b: list) -> int:
+    """How many of the first items of ``a`` and ``b`` are the same objects."""
+    same = list(map(is_, a, b))
+    try:
+        return same.index(False)
+    except ValueError:
+        return len(same)
+
+
 class View:
     def __init__(self, items: list[ViewItem], sums: Sums | None = None):
         """``sums``: :meth:`sums`, when the caller has them (a conversation's first pass)."""
@@ -153,18 +187,73 @@ class View:
         self._pos: dict[str, int] | None = None
         self._first_user = self._last_user = _UNKNOWN
         self._sums = sums
+        self._peaks: list[int] | None = None  # (with the sums: the most tokens of one part of ``items[:k]``)
+        # what those figures were computed from (the items then), and the view made before this one of
+        # a conversation that begins with the same item: a follow-up's figures extend that view's
+        # over the items the two share (the same objects), not computed again for the whole
+        # conversation
+        self._pos_of: list[ViewItem] | None = None
+        self._sums_of: list[ViewItem] | None = None
+        self._of: list[ViewItem] | None = None  # (one copy of the items for all of them: _snapshot)
+        self._m: tuple[list, list, int] | None = None  # (the last _shared_with: what, with which, how many)
+        self._unfolded: Unfolded | None = None
+        self._plans: list[_PlanMemo] = []  # (the plans made of it, newest first: plan)
+        self._prev: View | None = None
+        if items:
+            key = id(items[0])
+            try:
+                prev = _RECENT.pop(key, None)
+                if prev is not None:
+                    prev._prev = None  # (never a chain of views)
+                    self._prev = prev
+                _RECENT[key] = self
+                if len(_RECENT) > _RECENT_MAX:
+                    del _RECENT[next(iter(_RECENT))]
+            except (KeyError, RuntimeError):  # (another thread's view at the same moment: none to extend)
+                pass
 
     @property
     def pos(self) -> dict[str, int]:
         """Each ref's position in ``items`` (its first)."""
         if self._pos is None:
-            pos: dict[str, int] = {}
+            items = self._snapshot()
+            prev = self._prev
+            m = self._shared_with(prev._pos_of) if prev is not None and prev._pos_of is not None else 0
+            if m:
+                # the previous view's positions, less the refs first seen after the shared items
+                # (they were added last: what stays is in the order a pass from the start gives)
+                pos = prev._pos.copy()
+                for it in prev._pos_of[m:]:
+                    for p in it.parts:
+                        if pos.get(p.ref, -1) >= m:
+                            del pos[p.ref]
+            else:
+                pos = {}
             setdefault = pos.setdefault
-            for k, it in enumerate(self.items):
-                for p in it.parts:
+            for k in range(m, len(items)):
+                for p in items[k].parts:
                     setdefault(p.ref, k)
+            self._pos_of = items
             self._pos = pos
         return self._pos
+
+    def _snapshot(self) -> list[ViewItem]:
+        """The items as the figures are computed from them: one copy, made again only when the
+        items were changed since."""
+        of, items = self._of, self.items
+        if of is None or len(of) != len(items) or of != items:  # (the same objects: compared by identity)
+            of = self._of = list(items)
+        return of
+
+    def _shared_with(self, of: list[ViewItem]) -> int:
+        """How many of this view's first items are ``of``'s (asked once per copy)."""
+        mine = self._snapshot()
+        got = self._m
+        if got is not None and got[0] is of and got[1] is mine:
+            return got[2]
+        m = _shared(of, mine)
+        self._m = (of, mine, m)
+        return m
 
     def first_user(self) -> int | None:
         if self._first_user is _UNKNOWN:
@@ -179,10 +268,18 @@ class View:
 
     def sums(self) -> Sums:
         if self._sums is None:
-            tokens, filled = [0], [0]
-            total = count = peak = 0
-            for it in self.items:
-                parts = it.parts
+            items = self._snapshot()
+            prev = self._prev
+            m = (self._shared_with(prev._sums_of) if prev is not None and prev._sums_of is not None
+                 and prev._peaks is not None else 0)
+            if m:  # the previous view's figures over the items the two share
+                tokens, filled, peaks = prev._sums.tokens[:m + 1], prev._sums.filled[:m + 1], prev._peaks[:m + 1]
+                total, count, peak = tokens[-1], filled[-1], peaks[-1]
+            else:
+                tokens, filled, peaks = [0], [0], [0]
+                total = count = peak = 0
+            for k in range(m, len(items)):
+                parts = items[k].parts
                 if parts:
                     count += 1
                     for p in parts:
@@ -192,8 +289,47 @@ class View:
                             peak = n
                 tokens.append(total)
                 filled.append(count)
+                peaks.append(peak)
             self._sums = Sums(tokens, filled, peak)
+            self._peaks = peaks
+            self._sums_of = items
         return self._sums
+
+    def unfolded(self, cov: dict[str, Any]) -> Unfolded:
+        """The items against the coverage ``cov`` (ref -> block): what of them no block holds, as
+        running figures (:class:`Unfolded`).  Kept for the coverage it was last asked for; a follow-up
+        extends the previous view's over the items they share, when the coverage is the same."""
+        u = self._unfolded
+        if u is not None and u.refs == cov.keys():
+            return u
+        items = self._snapshot()
+        refs = frozenset(cov)
+        prev = self._prev
+        pu = prev._unfolded if prev is not None else None
+        m = self._shared_with(pu.of) if pu is not None and pu.refs == refs else 0
+        if m:
+            held, tokens, first, last = pu.held[:m + 1], pu.tokens[:m + 1], pu.first[:m], pu.last[:m]
+            count, total = held[-1], tokens[-1]
+        else:
+            held, tokens, first, last = [0], [0], [], []
+            count = total = 0
+        for k in range(m, len(items)):
+            a = b = None
+            for p in items[k].parts:
+                r = p.ref
+                if r not in refs:
+                    if a is None:
+                        a = r
+                    b = r
+                    total += p.tokens
+            if a is not None:
+                count += 1
+            held.append(count)
+            tokens.append(total)
+            first.append(a)
+            last.append(b)
+        u = self._unfolded = Unfolded(refs, held, tokens, first, last, items)
+        return u
 
     def protected(self, cfg: FoldConfig) -> set[int]:
         """Positions never folded: the first user turn, the recent zone and the newest user turn."""
@@ -211,20 +347,26 @@ class View:
 
 
 def coverage(blocks: Iterable[Block]) -> dict[str, Block]:
-    out: dict[str, Block] = {}
+    """Each ref an active block holds -> the first such block."""
+    out: dict[str, Block] | None = None
     for b in blocks:
         if b.active:
-            for r in b.coverage:
-                out.setdefault(r, b)
-    return out
+            if out is None:
+                out = dict.fromkeys(b.coverage, b)  # (the first: all of its refs)
+            else:
+                setdefault = out.setdefault
+                for r in b.coverage:
+                    setdefault(r, b)
+    return {} if out is None else out
 
 
 def anchors(view: View, blocks: Iterable[Block]) -> dict[int, Block]:
     """View position -> the active block whose summary stands there (its first covered item)."""
     out: dict[int, Block] = {}
+    pos = view.pos
     for b in blocks:
         if b.active:
-            where = [view.pos[r] for r in b.coverage if r in view.pos]
+            where = [pos[r] for r in b.coverage if r in pos]
             if where:
                 out.setdefault(min(where), b)
     return out
@@ -240,59 +382,188 @@ class Plan:
     rendered: list[Block]
 
 
+class _PlanMemo(NamedTuple):
+    """A plan's inputs and what it found, for the next view of the conversation (:func:`plan`)."""
+
+    cov: dict[str, Block]  # the coverage (its refs)
+    hidden: frozenset[str]
+    first: int | None  # the first user turn (never dropped)
+    shape: list[tuple[str, list[str]]]  # the blocks that can stand, in order: id and coverage
+    drop: frozenset[int]
+    firsts: dict[int, int]  # a block's index in ``shape`` -> where its summary stands
+    ids: frozenset[str]  # the tool-call ids of the items every part of which is covered (or hidden)
+    last: int  # the last of those items (-1: none)
+    of: list[ViewItem]  # the view's items
+
+
 def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snoozed: set[str] = frozenset()) -> Plan:
     """``hidden``: refs that leave the wire without a summary (consumed compress calls);
-    ``snoozed``: blocks whose whole range the host truncated away (not rendered, kept)."""
+    ``snoozed``: blocks whose whole range the host truncated away (not rendered, kept).
+
+    A follow-up's plan is the previous view's when nothing the turn added can change it (the
+    same blocks and coverage, no new item covered, none pairing with a covered one, no
+    reasoning run across the end of what the two views share): the turn costs its new items."""
     cov = coverage(blocks)
-    items = view.items
-    drop = {k for k, it in enumerate(items) if it.parts and all(r in cov or r in hidden for r in it.refs)}
-    first = None if view.first_free else view.first_user()
-    if first is not None:
-        drop.discard(first)
-    # never leave a tool call without its result (or the reverse), nor reasoning without its turn
-    changed = True
-    while changed:
-        changed = False
-        kept_calls = set().union(*(items[k].calls for k in range(len(items)) if k not in drop))
-        kept_results = set().union(*(items[k].results for k in range(len(items)) if k not in drop))
-        for k in sorted(drop):
-            if items[k].calls & kept_results or items[k].results & kept_calls:
-                drop.discard(k)
-                changed = True
-        for k, it in enumerate(items):
-            if not it.reasoning_only:
-                continue
-            # a reasoning run shares the fate of the turn it precedes
-            j = k
-            while j < len(items) and items[j].reasoning_only:
-                j += 1
-            group = range(k, min(j + 1, len(items)))
-            if any(x in drop for x in group) and any(x not in drop for x in group):
-                drop.difference_update(group)
-                changed = True
-    # each block's summary stands at the first dropped item holding one of its refs (one pass over
-    # the dropped items, not one per block)
     live = sorted((b for b in blocks if b.active and b.id not in snoozed), key=lambda b: b.number)
-    holders: dict[str, list[int]] = {}
-    for i, b in enumerate(live):
-        for r in b.coverage:
-            holders.setdefault(r, []).append(i)
-    first: dict[int, int] = {}
-    for k in drop:
-        for p in items[k].parts:
-            for i in holders.get(p.ref, ()):
-                if k < first.get(i, len(items)):
-                    first[i] = k
+    first = None if view.first_free else view.first_user()
+    shape = [(b.id, b.coverage) for b in live]
+    hidden = frozenset(hidden)
+    memo = _plan_again(view, cov, hidden, first, shape)
+    if memo is None:
+        drop, firsts, ids, last = _plan(view._snapshot(), cov, hidden, first, live)
+        memo = _PlanMemo(cov, hidden, first, [(bid, list(refs)) for bid, refs in shape], frozenset(drop), firsts,
+                         ids, last, view._snapshot())
+    else:
+        memo = memo._replace(cov=cov, of=view._snapshot())
+    view._plans = [memo, *view._plans[:2]]
     inserts: dict[int, list[Block]] = {}
     rendered: list[Block] = []
     for i, b in enumerate(live):
         # a block none of whose parts is on the wire is not rendered: whether the host dropped
         # them or this is not the conversation it was made in cannot be told apart from here,
         # and a summary in the wrong conversation is the one failure that must never happen
-        if i in first:
-            inserts.setdefault(first[i], []).append(b)
+        if i in memo.firsts:
+            inserts.setdefault(memo.firsts[i], []).append(b)
             rendered.append(b)
-    return Plan(drop, inserts, rendered)
+    return Plan(set(memo.drop), inserts, rendered)
+
+
+def _plan_again(view: View, cov: dict[str, Block], hidden: frozenset[str], first: int | None,
+                shape: list) -> _PlanMemo | None:
+    """The previous view's plan, when it is this one's too (else None)."""
+    prev = view._prev
+    if prev is None:
+        return None
+    for memo in prev._plans:
+        if memo.first == first and memo.hidden == hidden and memo.shape == shape and memo.cov.keys() == cov.keys():
+            break
+    else:
+        return None
+    items = view._snapshot()
+    m = view._shared_with(memo.of)
+    if (first is not None and first >= m) or memo.last >= m:
+        return None  # the first user turn, or an item that could leave, not among the shared items
+    if m and items[m - 1].reasoning_only:
+        return None  # a reasoning run shares the fate of the item after it
+    ids = memo.ids
+    for it in (*memo.of[m:], *items[m:]):  # the items after the shared ones, in either view
+        parts = it.parts
+        if not parts:
+            continue
+        whole = True
+        for p in parts:
+            r = p.ref
+            if r not in cov and r not in hidden:
+                whole = False
+            cid = p.tool_call_id
+            if cid and cid in ids and (p.ctype == TOOL_CALL or p.ctype == TOOL_RESULT):
+                return None  # it pairs with an item that could leave
+        if whole:
+            return None  # it could leave itself
+    return memo
+
+
+def _plan(items: list[ViewItem], cov: dict[str, Block], hidden: frozenset[str], first: int | None,
+          live: list[Block]) -> tuple[set[int], dict[int, int], frozenset[str], int]:
+    """The items that leave, where each block of ``live`` stands (its index -> the position), and
+    the tool-call ids and the last of the items that could leave."""
+    n = len(items)
+    # one pass over the items: those every part of which is covered (or hidden), the tool-call ids
+    # of the items holding any, and the runs of reasoning-only items (each shares the fate of the
+    # turn it precedes: the run and the item after it form a group)
+    drop: set[int] = set()
+    tooled: list[int] = []  # the items with a call or a result (with an id)
+    groups: list[range] = []
+    run = -1  # where the current run of reasoning-only items began
+    for k in range(n):
+        parts = items[k].parts
+        if not parts:
+            if run >= 0:
+                groups.append(range(run, min(k + 1, n)))
+                run = -1
+            continue
+        whole = reasoning = True
+        tool = False
+        for p in parts:
+            if whole:
+                r = p.ref
+                if r not in cov and r not in hidden:
+                    whole = False
+            ct = p.ctype
+            if ct != REASONING:
+                reasoning = False
+                if p.tool_call_id and (ct == TOOL_CALL or ct == TOOL_RESULT):
+                    tool = True
+        if whole:
+            drop.add(k)
+        if tool:
+            tooled.append(k)
+        if reasoning:
+            if run < 0:
+                run = k
+        elif run >= 0:
+            groups.append(range(run, k + 1))
+            run = -1
+    if run >= 0:
+        groups.append(range(run, n))
+    if first is not None:
+        drop.discard(first)
+    last = max(drop, default=-1)
+    ids = frozenset(p.tool_call_id for k in drop.intersection(tooled) for p in items[k].parts
+                    if p.tool_call_id and (p.ctype == TOOL_CALL or p.ctype == TOOL_RESULT))
+    # never leave a tool call without its result (or the reverse), nor reasoning without its turn
+    changed = bool(drop)
+    while changed:
+        changed = False
+        kept_calls: set[str] = set()
+        kept_results: set[str] = set()
+        for k in tooled:
+            if k not in drop:
+                for p in items[k].parts:
+                    cid = p.tool_call_id
+                    if cid:
+                        ct = p.ctype
+                        if ct == TOOL_CALL:
+                            kept_calls.add(cid)
+                        elif ct == TOOL_RESULT:
+                            kept_results.add(cid)
+        if kept_calls or kept_results:
+            for k in sorted(drop.intersection(tooled)):
+                for p in items[k].parts:
+                    cid = p.tool_call_id
+                    if cid and ((p.ctype == TOOL_CALL and cid in kept_results)
+                                or (p.ctype == TOOL_RESULT and cid in kept_calls)):
+                        drop.discard(k)
+                        changed = True
+                        break
+        for group in groups:
+            if any(x in drop for x in group) and any(x not in drop for x in group):
+                drop.difference_update(group)
+                changed = True
+    # each block's summary stands at the first dropped item holding one of its refs (the dropped
+    # items in order, until each block has found its first: mostly the first of its range)
+    firsts: dict[int, int] = {}
+    if live and drop:
+        sets = [set(b.coverage) for b in live] if len(live) <= 8 else None
+        holders: dict[str, list[int]] = {}
+        if sets is None:
+            for i, b in enumerate(live):
+                for r in b.coverage:
+                    holders.setdefault(r, []).append(i)
+        for k in sorted(drop):
+            for p in items[k].parts:
+                r = p.ref
+                if sets is not None:
+                    for i, refs in enumerate(sets):
+                        if r in refs and i not in firsts:
+                            firsts[i] = k
+                else:
+                    for i in holders.get(r, ()):
+                        if i not in firsts:
+                            firsts[i] = k
+            if len(firsts) == len(live):
+                break
+    return drop, firsts, ids, last
 
 
 # -- compress ----------------------------------------------------------------------------------

@@ -32,30 +32,28 @@ class NudgeConfig:
     keep_chars: int = 2000  # head and tail kept of a truncated output
 
 
-def compressible(view: View, blocks: list[Block], cfg: FoldConfig) -> list[tuple[str, str, int, int]]:
-    """``(start ref, end ref, items, tokens)`` runs of unfolded items outside the protected zone."""
-    cov = coverage(blocks)
+def compressible(view: View, blocks: list[Block], cfg: FoldConfig,
+                 cov: dict[str, Block] | None = None) -> list[tuple[str, str, int, int]]:
+    """``(start ref, end ref, items, tokens)`` runs of unfolded items outside the protected zone.
+    ``cov``: ``coverage(blocks)``, when the caller has it."""
+    if cov is None:
+        cov = coverage(blocks)
     protected = view.protected(cfg)
     if not cov:  # nothing folded (no summary stands anywhere): the loop below, an item at a time
         return _runs_unfolded(view, protected)
     stops = anchors(view, blocks)  # a range never takes a block's summary in: that would re-fold it
-    runs: list[list[int]] = [[]]
-    for k, it in enumerate(view.items):
-        if k in protected or k in stops:
-            if runs[-1]:
-                runs.append([])
-        elif it.parts and (not cov or not all(p.ref in cov for p in it.parts)):
-            runs[-1].append(k)
+    # a run is the items (with a part not folded) between protected items and summaries; it counts
+    # its items and the parts of them not folded (the view's running figures against the coverage)
+    u = view.unfolded(cov)
+    held, tokens = u.held, u.tokens
     out = []
-    for run in runs:
-        refs, tokens = [], 0
-        for k in run:
-            for p in view.items[k].parts:
-                if p.ref not in cov:
-                    refs.append(p.ref)
-                    tokens += p.tokens
-        if refs:
-            out.append((refs[0], refs[-1], len(run), tokens))
+    begin = 0
+    for stop in [*sorted(protected | stops.keys()), len(view.items)]:
+        if stop > begin:
+            n = held[stop] - held[begin]
+            if n:
+                out.append((u.first[u.first_held(begin)], u.last[u.last_held(stop)], n, tokens[stop] - tokens[begin]))
+        begin = max(begin, stop + 1)
     return out
 
 
@@ -78,7 +76,8 @@ def _runs_unfolded(view: View, protected: set[int]) -> list[tuple[str, str, int,
 
 
 def distillable(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, along: bool = False,
-                ranges: list[tuple[str, str, int, int]] | None = None) -> tuple[str, str, int, int] | None:
+                ranges: list[tuple[str, str, int, int]] | None = None,
+                cov: dict[str, Block] | None = None) -> tuple[str, str, int, int] | None:
     """``(first block, last block, blocks, tokens)``: the pile of summaries worth distilling into
     one, or None.  The pile is every active block whose summary stands on the wire (whatever its
     tier), in wire order, with the stray messages left between them (user turns that were protected
@@ -89,21 +88,24 @@ def distillable(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: Nudg
     whole conversation, so it waits for ``distil_tokens``.  ``along``: offered with a fold, which
     rewrites everything after its own start anyway (and, on Anthropic, the head before it: the
     breakpoint on the last summary moves), so what distilling adds is little more than the pile's
-    own bytes: it pays from ``distil_along_tokens``.  ``ranges``: the foldable ranges, when known."""
+    own bytes: it pays from ``distil_along_tokens``.  ``ranges``: the foldable ranges, when known;
+    ``cov``: ``coverage(blocks)``, when known."""
     active = [b for b in blocks if b.active]
     if len(active) < 2:
         return None  # no pile (read on every request: nothing of the view is needed to say so)
     placed = {b.id: k for k, b in anchors(view, active).items()}
     if ranges is None:
-        ranges = [r for r in compressible(view, blocks, fold_cfg) if r[3] * 4 >= fold_cfg.min_compress_chars]
+        ranges = [r for r in compressible(view, blocks, fold_cfg, cov) if r[3] * 4 >= fold_cfg.min_compress_chars]
     stop = min((view.pos[r[0]] for r in ranges), default=len(view.items))  # that range is a fold of its own
     run = sorted((b for b in active if b.id in placed and placed[b.id] < stop), key=lambda b: placed[b.id])
     if len(run) < 2:
         return None
-    cov = coverage(active)
+    if cov is None:
+        cov = coverage(active)  # (the same as the blocks': inactive blocks cover nothing)
     protected = view.protected(fold_cfg)
     lo = placed[run[0].id]
-    hi = min(stop - 1, max(view.pos[r] for b in run for r in b.coverage if r in view.pos))
+    pos = view.pos
+    hi = min(stop - 1, max(pos[r] for b in run for r in b.coverage if r in pos))
     strays = sum(p.tokens for k in range(lo, hi + 1) if k not in protected
                  for p in view.items[k].parts if p.ref not in cov)
     tokens = sum(b.summary_tokens for b in run) + strays
@@ -113,11 +115,14 @@ def distillable(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: Nudg
 
 
 def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, used: int, window: int,
-           last_nudge_at: int) -> str | None:
+           last_nudge_at: int, cov: dict[str, Block] | None = None) -> str | None:
     """The reminder for this turn, or None.  ``used``: the input tokens the last answer reported;
-    ``last_nudge_at``: ``used`` when the last reminder was given (lowered when the context shrank)."""
-    ranges = [r for r in compressible(view, blocks, fold_cfg) if r[3] * 4 >= fold_cfg.min_compress_chars]
-    distil = distillable(view, blocks, fold_cfg, cfg, ranges=ranges)
+    ``last_nudge_at``: ``used`` when the last reminder was given (lowered when the context shrank);
+    ``cov``: ``coverage(blocks)``, when the caller has it."""
+    if cov is None:
+        cov = coverage(blocks)
+    ranges = [r for r in compressible(view, blocks, fold_cfg, cov) if r[3] * 4 >= fold_cfg.min_compress_chars]
+    distil = distillable(view, blocks, fold_cfg, cfg, ranges=ranges, cov=cov)
     if not ranges and not distil:
         return None
     pending = sum(r[3] for r in ranges)
@@ -128,7 +133,7 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
         if last_nudge_at and used - last_nudge_at < cfg.regrowth_tokens:
             return None
     if not distil and (urgent or pending >= cfg.batch_tokens):
-        distil = distillable(view, blocks, fold_cfg, cfg, along=True, ranges=ranges)
+        distil = distillable(view, blocks, fold_cfg, cfg, along=True, ranges=ranges, cov=cov)
     listed = sorted(ranges, key=lambda r: -r[3])[:5]
     listed.sort(key=lambda r: int(r[0][1:]))
     lines = [f"  {s}–{e}  {n} messages  ~{format_tokens(t)} tokens" for s, e, n, t in listed]
@@ -149,13 +154,15 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
 
 
 def truncations(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, used: int,
-                window: int) -> dict[str, str]:
-    """Emergency: the biggest old tool outputs, cut to head and tail until the context fits again."""
+                window: int, cov: dict[str, Block] | None = None) -> dict[str, str]:
+    """Emergency: the biggest old tool outputs, cut to head and tail until the context fits again.
+    ``cov``: ``coverage(blocks)``, when the caller has it."""
     if not rewrite.window_forces(used, window, cfg.truncate_at):  # the rewrite decision's window rule, at 95%
         return {}
     if view.sums().peak < cfg.truncate_min_tokens:
         return {}  # no part is big enough to be cut
-    cov = coverage(blocks)
+    if cov is None:
+        cov = coverage(blocks)
     protected = view.protected(fold_cfg)
     target = 0.9 * cfg.truncate_at * window
     parts = [

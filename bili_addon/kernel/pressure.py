@@ -64,15 +64,13 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
     last = None if new else host.reported_usage(s)
     # the size the provider reported for the last request; without one (a Chat stream without
     # include_usage), the conversation's own estimate
+    cov = fold.coverage(s.blocks) if s.blocks else {}  # (read by the reminder and the truncations too)
     if last:
         used = last[0]
     elif not s.blocks:  # nothing folded: every part counts
         used = view.sums().tokens[-1]
     else:
-        cov = fold.coverage(s.blocks)
-        used = ((sum(p.tokens for it in view.items for p in it.parts if p.ref not in cov) if cov
-                 else view.sums().tokens[-1])
-                + sum(b.summary_tokens for b in s.blocks if b.active))
+        used = (_unfolded(view, cov) if cov else view.sums().tokens[-1]) + sum(b.summary_tokens for b in s.blocks if b.active)
     window = host.window_for(s)
     if used < int(s.flags.get("last_nudge_at", 0)):
         # a fold (or the host's own compaction) shrank the context: growth counts from here
@@ -82,19 +80,24 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
         return  # not even the whole context would be worth a fold, and the window is far
     nudges = dict(s.flags.get("nudges", {}))
     newest = resolved[-1]
-    if newest and not any(r.entry.ref in nudges for r in newest) and not asks_for_summary(view):
+    if newest and not any(r.entry.ref in nudges for r in newest):
         text = nudge.decide(view, s.blocks, host.fold_cfg, host.nudge_cfg, used, window,
-                            int(s.flags.get("last_nudge_at", 0)))
-        if text:
+                            int(s.flags.get("last_nudge_at", 0)), cov)
+        if text and not asks_for_summary(view):  # (asked only when there is a reminder to give)
             prose = [r for r in newest if r.core.role == "user" and r.core.ctype == TEXT and r.core.path
                      and r.core.text.strip()]
             ref = (prose[-1] if prose else newest[-1]).entry.ref
             nudges[ref] = {"text": text, "how": "suffix" if prose else "item"}
             host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
-    cut = nudge.truncations(view, s.blocks, host.fold_cfg, host.nudge_cfg, used, window)
+    cut = nudge.truncations(view, s.blocks, host.fold_cfg, host.nudge_cfg, used, window, cov)
     known = s.flags.get("truncated", {})
     if any(ref not in known for ref in cut):
         host.set_flag(s.row.id, "truncated", {**cut, **known})
+
+
+def _unfolded(view: View, cov: dict) -> int:
+    """The tokens of the view's parts ``cov`` does not hold."""
+    return view.unfolded(cov).tokens[-1]
 
 
 def upgrade_lifetime(host: PressureHost, s: Session, body: Body, items: list[bytes], raw: bytes,

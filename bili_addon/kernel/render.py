@@ -253,7 +253,7 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
              result: TurnResult, snoozed: set[str], pre: dict) -> bool:
     """Covered items leave the wire; each active block's summary stands where its range began;
     a reminder that needs an item of its own follows the item it was given after."""
-    unfolded = sum(it.tokens for it in view.items) if s.blocks else 0
+    unfolded = view.sums().tokens[-1] if s.blocks else 0  # (every part's tokens)
     s.unfolded_tokens = s.sent_tokens = unfolded
     blocks, calls = folds.wire_blocks(s)  # held folds are not on the wire yet (kernel/pending.py)
     hidden = folds.spent_calls(s, view, blocks=calls) if s.calls else set()
@@ -261,27 +261,42 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
     plan = fold.plan(view, blocks, hidden, snoozed) if hidden or active else fold.Plan(set(), {}, [])
     after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
     nudge_at = _holding(view, after) if after else set()
-    if not plan.drop and not plan.inserts and not nudge_at and not pre:
+    drop = plan.drop
+    if not drop and not plan.inserts and not nudge_at and not pre:
         return False
     out: list[bytes] = items_out[:start]
     ours: dict[int, str] = {}  # positions in ``out`` of the items the addon added, with their text
     items = view.items
+    # the dropped items in runs: the first of each -> one past its run's last
+    runs: dict[int, int] = {}
+    head = prev = -2
+    for k in sorted(drop):
+        if k != prev + 1:
+            head = k
+        runs[head] = k + 1
+        prev = k
     # the view's items are the conversation's from ``start`` on: only those where something
-    # happens are looked at, the runs between them copied as they are
-    marks = sorted(k for k in {*plan.drop, *plan.inserts, *nudge_at, *(i - start for i in pre)}
-                   if 0 <= k < len(items))
+    # happens are looked at, the runs between them copied as they are, and each run of dropped
+    # items left out as a whole (its items where something stands looked at on their own)
     if items and (items[0].index != start or items[-1].index != start + len(items) - 1):
         marks = range(len(items))  # (not laid out so: each item on its own)
+        skip: dict[int, int] = {}
+    else:
+        marks = sorted(k for k in {*runs, *plan.inserts, *nudge_at, *(i - start for i in pre)}
+                       if 0 <= k < len(items))
+        skip = runs
     at = 0
     for k in marks:
         it = items[k]
-        out.extend(items_out[start + at:start + k])
-        at = k + 1
+        if at < k:
+            out.extend(items_out[start + at:start + k])
+        if at <= k:
+            at = skip.get(k, k + 1)
         out.extend(pre.get(it.index, ()))
         for b in plan.inserts.get(k, ()):
             ours[len(out)] = b.text()
             out.append(lane.summary_item(ours[len(out)]))
-        if k in plan.drop:
+        if k in drop:
             continue
         item, notes = items_out[it.index], []
         if k in nudge_at:  # a reminder goes into the item it was given to, or right after it
@@ -296,8 +311,9 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
         out.extend(notes)
     out.extend(items_out[start + at:])
     items_out[:] = alternate(lane, out, start, ours) if ours else out
-    result.folded_items = len(plan.drop)
-    s.sent_tokens = (unfolded - sum(view.items[k].tokens for k in plan.drop)
+    result.folded_items = len(drop)
+    tokens = view.sums().tokens
+    s.sent_tokens = (unfolded - sum(tokens[e] - tokens[k] for k, e in runs.items())
                      + sum(count_tokens(b.text()) for b in plan.rendered))
     return True
 
