@@ -37,8 +37,9 @@ import bench_overhead  # noqa: E402
 
 # ---- oracle: kernel/fold.py (View, plan, anchors, coverage) as they were
 class OldView:
-    def __init__(self, items: list[ViewItem], sums: Sums | None = None):
-        """``sums``: :meth:`sums`, when the caller has them (a conversation's first pass)."""
+    def __init__(self, items: list[ViewItem], sums: Sums | None = None, prev=None):
+        """``sums``: :meth:`sums`, when the caller has them (a conversation's first pass); ``prev``:
+        (the new View's argument; the oracle computes from the start)."""
         self.items = items
         self.first_free = False  # the first user turn is the agent's compaction summary: foldable
         # what the turn's decisions read of the view, computed once and only when read (the view's
@@ -536,8 +537,9 @@ def test_a_views_figures_extend_the_previous_views_as_a_pass_from_the_start_give
     others, _b, _h = random_view(random.Random(seed + 1000), 20)
     items = list(base.items)
     spare = list(others.items)
+    last = None
     for _ in range(rng.randint(1, 6)):
-        v = View(items)
+        v = View(items, prev=last)
         which = rng.random()
         if which < 0.4:
             v.pos
@@ -560,14 +562,15 @@ def test_a_views_figures_extend_the_previous_views_as_a_pass_from_the_start_give
             keep = rng.randint(0, len(items))
             nxt = items[:keep] + rng.sample(spare, rng.randint(0, 4))
         if rng.random() < 0.1:
-            View(list(spare))  # another conversation's view between them
+            View(list(spare), prev=v)  # a view of other items made from it (it is no one's previous view then)
         items = nxt if nxt is not items else items
-        v2 = View(items)
+        v2 = View(items, prev=v)
         if rng.random() < 0.5:
             same_figures(v2, items, rng.choice(covs))
         else:  # (in the other order)
             o = OldView(list(items))
             assert v2.sums() == o.sums() and list(v2.pos.items()) == list(o.pos.items())
+        last = v2
         if not items:
             items = list(base.items)
 
@@ -583,8 +586,9 @@ def test_a_follow_ups_plan_is_the_oracles_whether_made_again_or_not(seed):
     end = rng.randint(1, len(pool))
     items = pool[:end]
     snoozed: set[str] = set()
+    v = None
     for _ in range(rng.randint(2, 10)):
-        v = View(items)
+        v = View(items, prev=v)
         v.first_free = rng.random() < 0.1
         for bs in (blocks, [b for b in blocks if rng.random() < 0.7]) if rng.random() < 0.3 else (blocks,):
             assert same_plan(fold.plan(v, bs, hidden, snoozed), old_plan(v, bs, hidden, snoozed)), seed
@@ -832,3 +836,30 @@ def test_the_captures_replay_as_the_oracles(materialize, monkeypatch):
                 out.append([(t.session, t.flow, t.turn, t.body, t.blocks, t.folded, t.executed) for t in report.turns])
             runs.append(out)
     assert runs[0] == runs[1]
+
+
+def test_the_engine_hands_each_view_the_sessions_previous_one(tmp_path, monkeypatch):
+    """A folded session's follow-up extends its previous view (Engine passes ``s.last_view`` as
+    ``prev``): its plan is taken, not made again, and only the view before it is kept; without a
+    previous view the plan is made again."""
+    e = Engine(Store(tmp_path / "s"))
+    e.lineage.defer = True
+    case = bench_overhead.Case("anthropic", 60, seed=4)
+    headers = {"x-acp-session": "prev-view"}
+    msgs = bench_overhead.fold_half(e, case, list(case.msgs), headers)
+    made = []
+    real = fold._plan
+    monkeypatch.setattr(fold, "_plan", lambda *a: made.append(1) or real(*a))
+    for i in range(3):
+        msgs.append(case.new(i))
+        before = e.sessions["prev-view"].last_view
+        e.process(case.body(msgs), case.lane, headers, render=True)
+        after = e.sessions["prev-view"].last_view
+        assert after is not before and after._prev is before  # (and only one view back is kept)
+        assert before._prev is None
+    assert made == []  # each plan was the previous view's
+    monkeypatch.setattr(turn, "View", lambda items, sums=None, prev=None: View(items, sums))  # no previous view
+    msgs.append(case.new(9))
+    e.process(case.body(msgs), case.lane, headers, render=True)
+    assert made == [1]
+    e.store.close()

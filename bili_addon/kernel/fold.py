@@ -162,11 +162,6 @@ class Unfolded(NamedTuple):
         return bisect_left(self.held, self.held[end], 0, end) - 1
 
 
-# the last view made of each conversation (by its first item), for the next one to extend (View)
-_RECENT: dict[int, View] = {}
-_RECENT_MAX = 256
-
-
 def _shared(a: list, b: list) -> int:
     """How many of the first items of ``a`` and ``b`` are the same objects."""
     same = list(map(is_, a, b))
@@ -177,8 +172,11 @@ def _shared(a: list, b: list) -> int:
 
 
 class View:
-    def __init__(self, items: list[ViewItem], sums: Sums | None = None):
-        """``sums``: :meth:`sums`, when the caller has them (a conversation's first pass)."""
+    def __init__(self, items: list[ViewItem], sums: Sums | None = None, prev: View | None = None):
+        """``sums``: :meth:`sums`, when the caller has them (a conversation's first pass).  ``prev``:
+        the view of the same conversation's previous request (its session's ``last_view``): this
+        view's figures and plan extend that one's over the items the two share (the same objects),
+        the turn costs its new items; anything else is computed from the start."""
         self.items = items
         self.first_free = False  # the first user turn is the agent's compaction summary: foldable
         # what the turn's decisions read of the view, computed once and only when read (the view's
@@ -188,29 +186,18 @@ class View:
         self._first_user = self._last_user = _UNKNOWN
         self._sums = sums
         self._peaks: list[int] | None = None  # (with the sums: the most tokens of one part of ``items[:k]``)
-        # what those figures were computed from (the items then), and the view made before this one of
-        # a conversation that begins with the same item: a follow-up's figures extend that view's
-        # over the items the two share (the same objects), not computed again for the whole
-        # conversation
+        # what those figures were computed from (the items then), and the previous view (``prev``),
+        # whose figures a follow-up's extend over the items the two share (the same objects), not
+        # computed again for the whole conversation
         self._pos_of: list[ViewItem] | None = None
         self._sums_of: list[ViewItem] | None = None
         self._of: list[ViewItem] | None = None  # (one copy of the items for all of them: _snapshot)
         self._m: tuple[list, list, int] | None = None  # (the last _shared_with: what, with which, how many)
         self._unfolded: Unfolded | None = None
         self._plans: list[_PlanMemo] = []  # (the plans made of it, newest first: plan)
-        self._prev: View | None = None
-        if items:
-            key = id(items[0])
-            try:
-                prev = _RECENT.pop(key, None)
-                if prev is not None:
-                    prev._prev = None  # (never a chain of views)
-                    self._prev = prev
-                _RECENT[key] = self
-                if len(_RECENT) > _RECENT_MAX:
-                    del _RECENT[next(iter(_RECENT))]
-            except (KeyError, RuntimeError):  # (another thread's view at the same moment: none to extend)
-                pass
+        self._prev = prev
+        if prev is not None:
+            prev._prev = None  # (never a chain of views: only the last one is kept)
 
     @property
     def pos(self) -> dict[str, int]:

@@ -230,7 +230,9 @@ class Engine(ProxyTools, Epochs, Deferred):
         view_items = ((memo.view_items[:q] if q else [])
                       + (view_tail if view_tail is not None else _view_items(resolved_tail, start + q)))
         snap = snapshot_join(self.store, s, view_items) if self.snapshot and s.blocks and render else None
-        view = View(snap[2]) if snap else View(view_items, sums) if first is not None else View(view_items)
+        # (a follow-up's view extends the figures and plan of the session's previous one: fold.View)
+        view = (View(snap[2]) if snap else View(view_items, sums) if first is not None
+                else View(view_items, prev=s.last_view))
         s.last_view = view
         self._compaction(s, lane.name, view, minted, result)  # the agent's own compaction: a new epoch
         drift = (coverage.check(self.store, self.sessions, s, view, resolved, result)
