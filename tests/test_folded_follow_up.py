@@ -22,12 +22,16 @@ import pytest
 
 from bili_addon.kernel import fold, nudge, pressure, render, rewrite, turn
 from bili_addon.kernel.compaction import asks_for_summary
-from bili_addon.kernel.fold import Block, FoldConfig, PartView, View, ViewItem
+from bili_addon.kernel.fold import Block, FoldConfig, PartView, Plan, Sums, View, ViewItem
 from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.nudge import NudgeConfig
+from bili_addon.kernel.pressure import PressureHost
+from bili_addon.kernel.render import WireFolds
+from bili_addon.kernel.state import Resolved, Session, TurnResult
 from bili_addon.kernel.tags import format_tokens, ref_of
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
+from bili_addon.wire import Lane
 from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, TOOL_RESULT
 
 from tests.test_fold import ANTH, agent_answers_unknown, body, filler, refs_in, roundtrip_call
