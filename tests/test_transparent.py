@@ -434,12 +434,27 @@ def test_a_program_intercepts_what_bili_run_intercepts(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or transparent.which("nft") is None, reason="needs root and nftables")
-def test_a_namespace_left_by_a_killed_launcher_is_removed_by_the_next(tmp_path):
-    forward = transparent.Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
+def test_a_namespace_left_by_a_killed_launcher_is_removed_by_the_next(tmp_path, monkeypatch):
+    # ip_forward is the machine's: the e2e test's namespace (another xdist worker) switches it too,
+    # so this test's namespaces switch one of their own (every other key is the real one)
+    forward_file = tmp_path / "ip_forward"
+    forward_file.write_text("0\n")
+    real = transparent.Namespace._sysctl
+
+    def sysctl(self, key, value=None):
+        if key != "net/ipv4/ip_forward":
+            return real(self, key, value)
+        if value is not None:
+            forward_file.write_text(value)
+            return value
+        return forward_file.read_text().strip()
+
+    monkeypatch.setattr(transparent.Namespace, "_sysctl", sysctl)
+    forward = forward_file.read_text().strip()
     first = transparent.Namespace([("10.232.255.9", 443)], 1, 2, state=tmp_path, refresh=0).open()
     gone = first.net
     assert gone.netns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert transparent.Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() == "1"
+    assert forward_file.read_text().strip() == "1"
     # a mark inside the first namespace: the next launch may re-use the name, not the namespace
     subprocess.run(["ip", "-n", gone.netns, "addr", "add", "10.99.99.99/32", "dev", "lo"], check=True)
     dead = subprocess.Popen(["true"])
@@ -459,7 +474,7 @@ def test_a_namespace_left_by_a_killed_launcher_is_removed_by_the_next(tmp_path):
     finally:
         second.close()
     assert second.net is None and not list(tmp_path.glob("transparent-*.json"))
-    assert transparent.Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() == forward
+    assert forward_file.read_text().strip() == forward == "0"
 
 
 def test_the_default_transparent_port_is_one_that_can_be_had(capsys, monkeypatch, tmp_path):
