@@ -537,12 +537,14 @@ def run(args, backends) -> None:
         rows.append((backend, rr_case, rr_n, None, ratio, 1, 1))
     # a long session's case: the follow-up of a session that has folded
     print()
-    for backend, url in backends:
-        STORE_URL = url
-        ms, ratio, t, w = folded_follow_up(case, 5 if args.quick else 15)
-        print(f"{backend:<7}{rr_case:<10}{rr_n:>7,} msgs, half of them folded: follow-up {ms:.2f} ms, "
-              f"{ratio:.1f}x floor; {w} store write(s)" + (f", {t} round trips" if url else ""), flush=True)
-        rows.append((backend, rr_case, rr_n, "folded", ratio, 1, 1))
+    for n in ([100] if args.quick else [100, 1000]):
+        case = Case("anthropic", n)
+        for backend, url in backends:
+            STORE_URL = url
+            ms, ratio, t, w = folded_follow_up(case, 5 if args.quick else 15)
+            print(f"{backend:<7}{'anthropic':<10}{n:>7,} msgs, half of them folded: follow-up {ms:.2f} ms, "
+                  f"{ratio:.1f}x floor; {w} store write(s)" + (f", {t} round trips" if url else ""), flush=True)
+            rows.append((backend, "anthropic", n, "folded", ratio, 1, 1))
     STORE_URL = ""
     print()
     print("floor: msgspec.json.decode + msgspec.json.encode of the body; first: a new conversation's first turn")
