@@ -1,5 +1,5 @@
 """#11: a conversation's first turn writes once.  Its commit waits until the reminder is decided
-(``Sessions.stage``, gated by ``fresh.stages``), so the flags the turn learns go in the same write:
+(``Sessions.stage``, gated by ``registry.stages``), so the flags the turn learns go in the same write:
 one SQLite transaction, and on PostgreSQL three round trips (the lock with the session's state and
 its fork candidates, the commit, the release).  Everything else is as when the flags were a write
 of their own: the same bytes, refs, ledger and flags."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bili_addon.kernel import fresh, pressure
+from bili_addon.kernel import pressure, registry
 from bili_addon.kernel.turn import Engine
 from bili_addon.wire import LANES
 
@@ -56,7 +56,7 @@ def test_a_first_turn_with_a_reminder_is_one_write(backend, monkeypatch):
     staged += turns(eng, "one", raws[1:])
     got = stored(eng.store, "one")
 
-    monkeypatch.setattr(fresh, "stages", lambda *a: False)  # the commit first, the flags a write of their own
+    monkeypatch.setattr(registry, "stages", lambda *a: False)  # the commit first, the flags a write of their own
     other = Engine(backend("apart"))
     other.lineage.defer = True
     assert turns(other, "one", raws) == staged

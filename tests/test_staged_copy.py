@@ -4,7 +4,7 @@
 The copy's document: msgspec's text is json.dumps' where it is ASCII and UTF-8 where json.dumps
 escaped; a document either wrote reads back as the same copy.
 
-A folded session's turn is staged (``fresh.stages``) and the copy it rolls (``coverage.roll_copy``,
+A folded session's turn is staged (``registry.stages``) and the copy it rolls (``coverage.roll_copy``,
 ``Sessions.save_copy``) goes in the staged commit (``commit_turn(copy=)``; PostgreSQL:
 ``bili_commit_turn``'s last argument, schema 11): one SQLite transaction, three PostgreSQL round
 trips (the lock, the commit, the release) where the copy was a write of its own.  Pinned against an

@@ -1,10 +1,10 @@
-"""#11: a follow-up turn's commit is staged too (``fresh.stages``), so the flags it learns (a
+"""#11: a follow-up turn's commit is staged too (``registry.stages``), so the flags it learns (a
 reminder) go in the same write: one SQLite transaction, three PostgreSQL round trips (the lock with
 the session's state, the commit, the release), where the flags were a write of their own before.
 
 Staged or not, a turn is the same: the session is as written at once in memory, only the store's
 write waits for the flush before rendering, and nothing else of the session is written in between
-(a turn that would write something else is not staged, or flushes first: a new epoch).  Pinned here
+(a turn that would write something else is not staged, or flushes first: blocks saved).  Pinned here
 against the unstaged path over the bench's conversations (reminders, folds made from them, turns
 after folds, retries, side requests, rewinds) and an agent's compaction: the same bytes, refs,
 stored rows, flags, blocks, calls, copy and lineage.  A turn that fails before its staged write
@@ -20,7 +20,7 @@ import pytest
 
 import churn as C
 import compactions as X
-from bili_addon.kernel import fresh, pressure
+from bili_addon.kernel import pressure, registry
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import StaleSession, StoreError
@@ -30,14 +30,14 @@ from test_compaction import REMINDER
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_overhead  # noqa: E402  (its synthetic conversations)
 
-REAL = fresh.stages
+REAL = registry.stages
 
 
 @pytest.fixture
 def unstaged(monkeypatch):
     """``unstaged(engine)``: that engine never stages (each flag a write of its own, as before)."""
     off: list = []
-    monkeypatch.setattr(fresh, "stages", lambda s, tail, render, lineage: (
+    monkeypatch.setattr(registry, "stages", lambda s, tail, render, lineage: (
         False if any(lineage is o for o in off) else REAL(s, tail, render, lineage)))
     return lambda eng: off.append(eng.lineage) or eng
 
@@ -192,8 +192,8 @@ def test_a_reminder_follow_up_on_postgresql_takes_three_round_trips(pg_url, tmp_
 
 
 def test_a_compaction_on_a_staged_turn_writes_the_commit_first(backend, unstaged):
-    """An agent's compaction in a session with no fold: the turn is staged, the new epoch writes
-    the copy, so the commit is written first; all as the unstaged path."""
+    """An agent's compaction in a session with no fold: the turn is staged, the new epoch's copy
+    and flags go with its commit; all as the unstaged path."""
     ts = C.turns(14)
     ask = {"role": "user", "content": "Your task is to create a detailed summary of the conversation so far."}
     convs = [C.anthropic(ts[:6], C.Scheme()), C.anthropic(ts, C.Scheme()), C.anthropic(ts, C.Scheme()) + [ask],

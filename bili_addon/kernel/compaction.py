@@ -229,7 +229,7 @@ class Epochs:
             self.sessions.save_blocks(s, retired)
         was_latched = s.copy.latched
         s.copy = Copy()  # the new history is the pass drift is checked against from now on
-        s.stored = self.store.save_copy(sid, s.copy.to_json(), expect=s.stored)
+        self.sessions.save_copy(s)  # (with the turn's staged commit when it has one)
         n = len(epochs(s)) + 2  # the session began in epoch 1
         entry = {
             "epoch": n, "agent": found.agent, "marker": found.marker, "request": s.row.requests,

@@ -70,7 +70,9 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
     elif not s.blocks:  # nothing folded: every part counts
         used = view.sums().tokens[-1]
     else:
-        used = (_unfolded(view, cov) if cov else view.sums().tokens[-1]) + sum(b.summary_tokens for b in s.blocks if b.active)
+        # (the tokens of the parts no block holds)
+        used = ((view.unfolded(cov).tokens[-1] if cov else view.sums().tokens[-1])
+                + sum(b.summary_tokens for b in s.blocks if b.active))
     window = host.window_for(s)
     if used < int(s.flags.get("last_nudge_at", 0)):
         # a fold (or the host's own compaction) shrank the context: growth counts from here
@@ -93,11 +95,6 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
     known = s.flags.get("truncated", {})
     if any(ref not in known for ref in cut):
         host.set_flag(s.row.id, "truncated", {**cut, **known})
-
-
-def _unfolded(view: View, cov: dict) -> int:
-    """The tokens of the view's parts ``cov`` does not hold."""
-    return view.unfolded(cov).tokens[-1]
 
 
 def upgrade_lifetime(host: PressureHost, s: Session, body: Body, items: list[bytes], raw: bytes,

@@ -30,6 +30,21 @@ MEMO_BYTES = 256 << 20
 RENDER_FLAGS = ("truncated", "strict_reasoning", ACTIVE)
 
 
+def stages(s: Session, tail, render: bool, lineage) -> bool:
+    """Whether a turn's commit may wait until its reminder is decided (:meth:`Sessions.stage`), so the
+    flags and the canonical copy it writes go in the same write: any pass (a conversation's first
+    or a follow-up, folded or not) of a session where nothing but flags and its copy is written
+    between the commit and the flush before rendering, or where what else is written flushes first
+    (blocks: a claim of fold coverage, a new epoch retiring folds: :meth:`Sessions.save_blocks`).  No
+    call waiting to land (its folds and result are writes: that turn is as many writes either way),
+    not paused (that turn passes through unrendered), a render (not
+    observe), no prefix chain (an id-less session notes its points), the lineage kept back until
+    the answer with nothing of the session held back yet (a record writes what a pass without an
+    answer kept back).  A host's envelope binds flags only."""
+    return (tail is None and render and lineage.defer and not s.copy.latched
+            and s.row.id not in lineage.pending and all(c.result is not None for c in s.calls.values()))
+
+
 class Sessions(Mapping[str, Session]):
     """The cached sessions and their previous passes, over a :class:`Store`."""
 

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import breakpoints, cache, coverage, envelope, fold, fresh, nudge, pressure, tags
+from bili_addon.kernel import breakpoints, cache, coverage, envelope, fold, fresh, nudge, pressure, registry, tags
 from bili_addon.kernel.calibration import Calibration
 from bili_addon.kernel.chains import Chains
 from bili_addon.kernel.compaction import Epochs
@@ -210,7 +210,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         # staged: written with the flags the turn learns below (one write), by the flush before
         # anything else of the session is written or sent; in memory it is done either way
         self._commit(s, agent, lane.name, len(infos) - start, new_rows, tail, fresh=first is not None,
-                     stage=fresh.stages(s, tail, render, self.lineage))
+                     stage=registry.stages(s, tail, render, self.lineage))
         result.refs_new = s.row.next_ref - minted
         result.refs_known -= result.refs_new
         if env is not None:
@@ -241,7 +241,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         if s.copy.latched or not render:
             # observe mode, or a total collapse: nothing verifies the folds against this history,
             # so it passes through as it came until the agent sends a history that aligns again
-            self.sessions.flush()  # (fresh.stages stages no such turn)
+            self.sessions.flush()  # (a staged turn the coverage check latched: its commit is still written)
             self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter, None, len(raw))
             if stripped:  # the envelope is ours: it never reaches the provider
                 result.body = body.encode(None)
@@ -250,7 +250,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         version = s.version
         if s.calls:
             if any(c.result is None for c in s.calls.values()):
-                self.sessions.flush()  # (fresh.stages stages no such turn: a call landing writes)
+                self.sessions.flush()  # (registry.stages stages no such turn: a call landing writes)
             self._run_calls(s, view, q, result)
         if s.blocks and self.reconcile:
             coverage.roll_copy(self.sessions, s, view, resolved, drift)  # (with the staged commit)
@@ -409,11 +409,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         """Drop what this process holds of a session whose staged commit was not written (its
         lineage record included: it may name refs the store never gave)."""
         for sid in self.sessions.unstage():
-            self.lineage.forget(sid)  # as a restart would (fresh.stages: nothing of it was pending before the turn)
-
-    def _begin_epoch(self, s: Session, found, result: TurnResult) -> None:
-        self.sessions.flush()  # a new epoch writes the session (its copy): the turn's commit first
-        super()._begin_epoch(s, found, result)
+            self.lineage.forget(sid)  # as a restart would (registry.stages: nothing of it was pending before the turn)
 
     def _commit(self, s: Session, agent: str, lane: str, messages: int, new_rows: list[LedgerRow], tail,
                 fresh: bool = False, stage: bool = False) -> None:
