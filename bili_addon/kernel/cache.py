@@ -34,10 +34,14 @@ from __future__ import annotations
 
 import hashlib
 import re
+from bisect import bisect_left, bisect_right
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Any, Callable
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 BYTES_PER_TOKEN = 4
 MINUTES = 60.0
@@ -188,6 +192,29 @@ def _block(raw: bytes, rules: Rules) -> tuple[bytes, float | None]:
     return stripped, ttl
 
 
+def _head_blocks(tools: list[msgspec.Raw], system: bytes, add: Callable[[bytes, bytes], None]) -> None:
+    """The tools' and the system's blocks, in cache order."""
+    for t in tools:
+        add(bytes(t), b"T")
+    if system.startswith(b"["):
+        for blk in _raws.decode(system):
+            add(bytes(blk), b"S")
+    elif system != b"null":
+        add(system, b"S")
+
+
+def _msg_blocks(role: str, content: bytes, add: Callable[[bytes, bytes], None]) -> None:
+    """One message's blocks."""
+    head = b"M" + role.encode()
+    if content.startswith(b"[") and content != b"[]":
+        for i, blk in enumerate(_raws.decode(content)):
+            add(bytes(blk), head if i == 0 else b"C")
+    elif content.startswith(b'"'):  # a string is shorthand for one text block: the same prompt
+        add(b'{"type":"text","text":' + content + b"}", head)
+    else:
+        add(content, head)
+
+
 def anthropic_segments(body: bytes, rules: Rules | None = None) -> list[Segment]:
     """An Anthropic Messages body as its cacheable blocks, in cache order (tools, system, messages).
     Parsed down to raw blocks only (msgspec.Raw): what is hashed are the blocks' own bytes."""
@@ -202,25 +229,274 @@ def anthropic_segments(body: bytes, rules: Rules | None = None) -> list[Segment]
         segs.append(Segment(_tok(blob), ttl))
         blobs.append(blob)
 
-    for t in b.tools:
-        add(bytes(t), b"T")
-    system = bytes(b.system)
-    if system.startswith(b"["):
-        for blk in _raws.decode(system):
-            add(bytes(blk), b"S")
-    elif system != b"null":
-        add(system, b"S")
+    _head_blocks(b.tools, bytes(b.system), add)
     for m in b.messages:
-        content = bytes(m.content)
-        role = m.role.encode()
-        if content.startswith(b"[") and content != b"[]":
-            for i, blk in enumerate(_raws.decode(content)):
-                add(bytes(blk), b"M" + role if i == 0 else b"C")
-        elif content.startswith(b'"'):  # a string is shorthand for one text block: the same prompt
-            add(b'{"type":"text","text":' + content + b"}", b"M" + role)
-        else:
-            add(content, b"M" + role)
+        _msg_blocks(m.role, bytes(m.content), add)
     return chain(segs, blobs)
+
+
+# -- the previous request, kept: a follow-up costs what its new suffix costs ----------------------
+#
+# A session's next body mostly repeats its previous one byte for byte and appends a few messages.
+# Each Cache keeps what it computed for its previous body (with the rules it was computed under)
+# and recomputes only what follows the longest prefix the two bodies share: bytes are compared,
+# never hashes (an equal prefix gives equal blocks, keys and prefix digests).  Anthropic bodies are
+# cut at their top-level ``messages`` array (:func:`_locate`, :func:`_cut`): the members before it
+# were read with the previous body, the messages from a kept boundary on and the members after the
+# array are read again.  Anything unexpected (a body the cut does not read, duplicate members that
+# do not agree) drops the memo and takes the full path, whose result and errors are today's.
+
+_WS = re.compile(rb"[ \t\n\r]*")
+_COMMA = re.compile(rb"[ \t\n\r]*,[ \t\n\r]*")
+_CLOSE = re.compile(rb"[ \t\n\r]*\]")
+_CHUNK = 1 << 16
+_EVERY = 16  # a hasher state is kept at every 16th message boundary (and at the last few)
+_LAST = 4
+
+
+def _common(a: bytes, b: bytes) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (memcmp in chunks, then halving)."""
+    n = min(len(a), len(b))
+    mv = memoryview(a)
+    lo = 0
+    while lo < n:
+        hi = min(n, lo + _CHUNK)
+        if not b.startswith(mv[lo:hi], lo):
+            break
+        lo = hi
+    else:
+        return n
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if b.startswith(mv[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _top(key: str, **members: Any) -> tuple[type, msgspec.json.Decoder, bytes]:
+    """The top-level members read around the array ``key``: that array (its items raw) and
+    ``members``; each UNSET where the body has no such member."""
+    typ = msgspec.defstruct("_Top_" + key, [(key, list[msgspec.Raw] | UnsetType, UNSET)]
+                            + [(k, t | UnsetType, UNSET) for k, t in members.items()])
+    return typ, msgspec.json.Decoder(typ), b'{"' + key.encode() + b'":['
+
+
+_ANTH_TOP = _top("messages", tools=msgspec.Raw, system=msgspec.Raw)
+_KEY_RE: dict[bytes, re.Pattern[bytes]] = {}
+
+
+def _locate(body: bytes, key: bytes, dec: msgspec.json.Decoder) -> tuple[int, Any] | None:
+    """Where the top-level array ``key`` of ``body`` opens (the offset of its ``[``), and the top-level
+    members before it (decoded from them with an empty array in its place: only a top-level member
+    makes that a whole object).  None: not found among the first few candidates."""
+    pat = _KEY_RE.get(key)
+    if pat is None:
+        pat = _KEY_RE[key] = re.compile(rb'"' + re.escape(key) + rb'"[ \t\n\r]*:[ \t\n\r]*\[')
+    for i, mt in enumerate(pat.finditer(body)):
+        if i == 4:
+            break
+        j = mt.start() - 1
+        while j >= 0 and body[j] in b" \t\n\r":
+            j -= 1
+        if j < 0 or body[j] not in b"{,":  # a quote inside a string is escaped: not a member's name
+            continue
+        ms = mt.end() - 1
+        try:
+            pre = dec.decode(body[:ms] + b"[]}")
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        if getattr(pre, key.decode()) == []:
+            return ms, pre
+    return None
+
+
+def _cut(body: bytes, start: int, first: bool, key: str, dec: msgspec.json.Decoder,
+         hdr: bytes) -> tuple[list[msgspec.Raw], list[int], Any] | None:
+    """The items of the top-level array ``key`` from offset ``start`` on (just after its ``[`` when
+    ``first``, else just after an item), their end offsets, and the top-level members after the
+    array: read as ``{"key":[`` + the rest of the body.  None where that does not read as the same
+    items at the same places (an invalid body, a duplicate member)."""
+    comma = False
+    p = start
+    if not first:
+        mt = _COMMA.match(body, start)
+        if mt is not None:
+            comma, p = True, mt.end()
+    s = hdr + body[p:]
+    try:
+        top = dec.decode(s)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    items = getattr(top, key)
+    if items is UNSET or (comma and not items) or (not first and not comma and items):
+        return None  # ``[a,]``, ``[a b]``
+    pos = len(hdr)
+    base = p - pos
+    ends: list[int] = []
+    for n, raw in enumerate(items):
+        if n:
+            mt = _COMMA.match(s, pos)
+            if mt is None:
+                return None
+            pos = mt.end()
+        else:
+            pos = _WS.match(s, pos).end()  # type: ignore[union-attr]
+        if not s.startswith(raw, pos):
+            return None
+        pos += len(raw)
+        ends.append(base + pos)
+    if _CLOSE.match(s, pos) is None:
+        return None
+    return items, ends, top
+
+
+class _AnthMemo:
+    """An Anthropic body's blocks, kept for the next body of the session."""
+
+    __slots__ = ("rules", "body", "bounds", "pre", "head", "seg_at", "segs", "cum", "bps", "states")
+
+    def __init__(self, rules: Rules, body: bytes, bounds: list[int], pre: Any, head: tuple,
+                 seg_at: list[int], segs: list[Segment], cum: list[int], bps: list[int],
+                 states: dict[int, Any]):
+        self.rules = rules
+        self.body = body
+        self.bounds = bounds  # message boundary i: [0] just after ``[``, [i] the end of message i - 1
+        self.pre = pre  # the top-level members before the messages
+        self.head = head  # the tools' and the system's bytes read (None: no such member)
+        self.seg_at = seg_at  # the segments before boundary i
+        self.segs = segs
+        self.cum = cum  # tokens up to and with each segment
+        self.bps = bps  # every breakpoint's segment index
+        self.states = states  # the chain's hasher at some boundaries
+
+
+_msg_dec = msgspec.json.Decoder(_Msg)
+
+
+def _anthropic_memo(memo: Any, body: bytes, rules: Rules) -> tuple[list[Segment], list[int], list[int], _AnthMemo] | None:
+    """:func:`anthropic_segments`, reusing what ``memo`` kept of the previous body for the prefix the
+    bodies share; with the cumulated tokens and the breakpoints, and the memo of this body.  None:
+    the body does not read so (the caller takes the full path)."""
+    m = memo if isinstance(memo, _AnthMemo) and memo.rules == rules else None
+    if m is not None:
+        k = bisect_right(m.bounds, _common(m.body, body)) - 1
+        if k >= 0:
+            r = max(i for i in m.states if i <= k)
+            out = _anth_from(body, rules, m, r, m.pre, m.bounds[0] - 1)
+            if out is not None:
+                return out
+    loc = _locate(body, b"messages", _ANTH_TOP[1])
+    if loc is None:
+        return None
+    return _anth_from(body, rules, None, 0, loc[1], loc[0])
+
+
+def _anth_from(body: bytes, rules: Rules, m: _AnthMemo | None, r: int, pre: Any,
+               ms: int) -> tuple[list[Segment], list[int], list[int], _AnthMemo] | None:
+    got = _cut(body, ms + 1 if m is None else m.bounds[r], r == 0, "messages", _ANTH_TOP[1], _ANTH_TOP[2])
+    if got is None:
+        return None
+    items, ends, tail = got
+    tools = tail.tools if tail.tools is not UNSET else pre.tools
+    system = tail.system if tail.system is not UNSET else pre.system
+    head = (None if tools is UNSET else bytes(tools), None if system is UNSET else bytes(system))
+    segs: list[Segment]
+    if m is not None and head == m.head:
+        n0 = m.seg_at[r]
+        h = m.states[r].copy()
+        segs, cum, bps = m.segs[:n0], m.cum[:n0], m.bps[:bisect_left(m.bps, n0)]
+        seg_at, bounds = m.seg_at[: r + 1], m.bounds[: r + 1]
+        states = {i: st for i, st in m.states.items() if i < r and i % _EVERY == 0}
+        states[r] = m.states[r]
+    else:
+        if r:  # other tools or system: every key changes
+            return _anth_from(body, rules, None, 0, pre, ms)
+        segs, cum, bps = [], [], []
+        h = hashlib.blake2b(digest_size=16)
+        seg_at, bounds, states = [], [ms + 1], {}
+    total = cum[-1] if cum else 0
+    upd, cp = h.update, h.copy
+
+    def add(raw: bytes, hd: bytes) -> None:
+        nonlocal total
+        blob, ttl = _block(raw, rules)
+        blob = hd + blob
+        n = _tok(blob)
+        upd(len(blob).to_bytes(8, "little"))
+        upd(blob)
+        if ttl is not None:
+            bps.append(len(segs))
+        segs.append(Segment(n, ttl, cp().digest()))
+        total += n
+        cum.append(total)
+
+    if not seg_at:
+        try:
+            _head_blocks([] if head[0] is None else _raws.decode(head[0]),
+                         b"null" if head[1] is None else head[1], add)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        seg_at.append(len(segs))
+        states[0] = cp()
+    last = r + len(items)
+    try:
+        for i, raw in enumerate(items, r + 1):
+            msg = _msg_dec.decode(raw)
+            _msg_blocks(msg.role, bytes(msg.content), add)
+            seg_at.append(len(segs))
+            if i % _EVERY == 0 or i > last - _LAST:
+                states[i] = cp()
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    bounds.extend(ends)
+    return segs, cum, bps, _AnthMemo(rules, body, bounds, pre, head, seg_at, segs, cum, bps, states)
+
+
+class _PrefixMemo:
+    """An OpenAI/Gemini body's prefix digests, kept for the next body of the session."""
+
+    __slots__ = ("rules", "body", "keys", "cps")
+
+    def __init__(self, rules: Rules, body: bytes, keys: list[tuple[bytes, int]], cps: list[tuple[int, Any]]):
+        self.rules = rules
+        self.body = body
+        self.keys = keys  # (digest of the prefix up to each step edge, its tokens)
+        self.cps = cps  # (offset, the hasher there): at 0 and every 64th edge
+
+
+def _prefix_keys(body: bytes, r: Rules, memo: Any = None) -> tuple[list[tuple[bytes, int]], _PrefixMemo]:
+    """The digest of every prefix of ``body`` that ends at a step edge (from the minimum on)."""
+    step_bytes = max(1, r.step) * BYTES_PER_TOKEN
+    first = r.min_tokens * BYTES_PER_TOKEN
+    m = memo if isinstance(memo, _PrefixMemo) and memo.rules == r else None
+    if m is not None:
+        shared = _common(m.body, body)
+        j = len(m.cps) - 1
+        while m.cps[j][0] > shared:
+            j -= 1
+        cps = m.cps[: j + 1]
+        pos, st = cps[-1]
+        h = st.copy()
+        keys = m.keys[: (pos - first) // step_bytes + 1] if pos >= first else []
+    else:
+        h = hashlib.blake2b(digest_size=16)
+        pos = 0
+        keys = []
+        cps = [(0, h.copy())]
+    mv = memoryview(body)
+    upd, cp = h.update, h.copy
+    edge = first + len(keys) * step_bytes
+    end = len(body)
+    while edge <= end:
+        upd(mv[pos:edge])
+        pos = edge
+        keys.append((cp().digest(), edge // BYTES_PER_TOKEN))
+        if len(keys) % 64 == 0:
+            cps.append((pos, cp()))
+        edge += step_bytes
+    return keys, _PrefixMemo(r, body, keys, cps)
 
 
 # -- the models ------------------------------------------------------------------------------------
@@ -242,6 +518,8 @@ class Cache:
     disabled: bool = False  # learned: the provider reports no cache at all
     min_floor: int = 0  # learned: the provider caches no prefix shorter than this (above the documented minimum)
     hit_age: float | None = None  # the last request's read: how long its entry had been unused (None: no read)
+    memo: bool = field(default=True, compare=False, repr=False)  # keep the previous body's blocks/digests (bill_request)
+    _memo: Any = field(default=None, compare=False, repr=False)
 
     def _live(self, key: bytes, now: float) -> Entry | None:
         e = self.entries.get(key)
@@ -261,14 +539,14 @@ class Cache:
 
     # Anthropic ---------------------------------------------------------------------------------
     def send_segments(self, segs: list[Segment], now: float) -> Bill:
+        return self._send(segs, list(accumulate(s.tokens for s in segs)),
+                          [i for i, s in enumerate(segs) if s.ttl is not None], now)
+
+    def _send(self, segs: list[Segment], cum: list[int], bps: list[int], now: float) -> Bill:
+        """``cum``: the tokens up to and with each segment; ``bps``: the segments with a breakpoint."""
         r = self.rules
-        cum: list[int] = []
-        n = 0
-        for s in segs:
-            n += s.tokens
-            cum.append(n)
-        total = n
-        bps = [i for i, s in enumerate(segs) if s.ttl is not None][: r.max_breakpoints]
+        total = cum[-1] if cum else 0
+        bps = bps[: r.max_breakpoints]
         self.hit_age = None
         if self.disabled or not bps:
             return Bill(input=total)
@@ -314,21 +592,14 @@ class Cache:
     # OpenAI / Gemini: automatic prefix caching ------------------------------------------------
     def send_prefix(self, body: bytes, now: float, ttl: float | None = None) -> Bill:
         r = self.rules
-        step_bytes = max(1, r.step) * BYTES_PER_TOKEN
         total = _tok(body)
         self.hit_age = None
         if self.disabled or total < max(r.min_tokens, self.min_floor):
             return Bill(input=total)
-        h = hashlib.blake2b(digest_size=16)
-        keys: list[tuple[bytes, int]] = []
-        first = r.min_tokens * BYTES_PER_TOKEN
-        pos = 0
-        edge = first
-        while edge <= len(body):
-            h.update(body[pos:edge])
-            pos = edge
-            keys.append((h.copy().digest(), edge // BYTES_PER_TOKEN))
-            edge += step_bytes
+        if self.memo:
+            keys, self._memo = _prefix_keys(body, r, self._memo)
+        else:
+            keys = _prefix_keys(body, r)[0]
         if self.min_floor > r.min_tokens:  # learned: shorter prefixes are not cached there
             keys = [k for k in keys if k[1] >= self.min_floor]
         hit = 0
@@ -338,12 +609,16 @@ class Cache:
                 hit, self.hit_age = tokens, now - e.last
                 break
         life = ttl or r.ttl
+        entries = self.entries
+        get = entries.get
         for key, tokens in keys:
-            e = self.entries.get(key)
+            e = get(key)
             if e is None:
-                self.entries[key] = Entry(tokens, now, life)
+                entries[key] = Entry(tokens, now, life)
             else:
-                e.last, e.ttl = now, max(e.ttl, life)
+                e.last = now
+                if life > e.ttl:
+                    e.ttl = life
         return Bill(input=total - hit, read=hit)
 
 
@@ -355,7 +630,12 @@ class _OpenAITop(msgspec.Struct):
 def bill_request(cache: Cache, body: bytes, now: float) -> Bill:
     """One request body through its session's cache."""
     if cache.rules.family == "anthropic":
-        return cache.send_segments(anthropic_segments(body, cache.rules), now)
+        got = _anthropic_memo(cache._memo, body, cache.rules) if cache.memo else None
+        if got is None:
+            cache._memo = None
+            return cache.send_segments(anthropic_segments(body, cache.rules), now)
+        segs, cum, bps, cache._memo = got
+        return cache._send(segs, cum, bps, now)
     ttl = None
     if cache.rules.family == "openai":
         try:
