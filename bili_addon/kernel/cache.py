@@ -355,10 +355,10 @@ def _cut(body: bytes, start: int, first: bool, key: str, dec: msgspec.json.Decod
 class _AnthMemo:
     """An Anthropic body's blocks, kept for the next body of the session."""
 
-    __slots__ = ("rules", "body", "bounds", "pre", "head", "seg_at", "segs", "cum", "bps", "states")
+    __slots__ = ("rules", "body", "bounds", "pre", "head", "seg_at", "segs", "blobs", "cum", "bps", "states")
 
     def __init__(self, rules: Rules, body: bytes, bounds: list[int], pre: Any, head: tuple,
-                 seg_at: list[int], segs: list[Segment], cum: list[int], bps: list[int],
+                 seg_at: list[int], segs: list[Segment], blobs: list[bytes], cum: list[int], bps: list[int],
                  states: dict[int, Any]):
         self.rules = rules
         self.body = body
@@ -367,15 +367,17 @@ class _AnthMemo:
         self.head = head  # the tools' and the system's bytes read (None: no such member)
         self.seg_at = seg_at  # the segments before boundary i
         self.segs = segs
+        self.blobs = blobs  # what each segment hashes (its block as the cache matches it)
         self.cum = cum  # tokens up to and with each segment
         self.bps = bps  # every breakpoint's segment index
-        self.states = states  # the chain's hasher at some boundaries
+        self.states = states  # the chain's hasher at some boundaries (0, every 16th, the last few)
 
 
 _msg_dec = msgspec.json.Decoder(_Msg)
+_Result = tuple[list[Segment], list[int], list[int], _AnthMemo]
 
 
-def _anthropic_memo(memo: Any, body: bytes, rules: Rules) -> tuple[list[Segment], list[int], list[int], _AnthMemo] | None:
+def _anthropic_memo(memo: Any, body: bytes, rules: Rules) -> _Result | None:
     """:func:`anthropic_segments`, reusing what ``memo`` kept of the previous body for the prefix the
     bodies share; with the cumulated tokens and the breakpoints, and the memo of this body.  None:
     the body does not read so (the caller takes the full path)."""
@@ -383,8 +385,7 @@ def _anthropic_memo(memo: Any, body: bytes, rules: Rules) -> tuple[list[Segment]
     if m is not None:
         k = bisect_right(m.bounds, _common(m.body, body)) - 1
         if k >= 0:
-            r = max(i for i in m.states if i <= k)
-            out = _anth_from(body, rules, m, r, m.pre, m.bounds[0] - 1)
+            out = _anth_from(body, rules, m, k, m.pre, m.bounds[0] - 1)
             if out is not None:
                 return out
     loc = _locate(body, b"messages", _ANTH_TOP[1])
@@ -393,56 +394,74 @@ def _anthropic_memo(memo: Any, body: bytes, rules: Rules) -> tuple[list[Segment]
     return _anth_from(body, rules, None, 0, loc[1], loc[0])
 
 
-def _anth_from(body: bytes, rules: Rules, m: _AnthMemo | None, r: int, pre: Any,
-               ms: int) -> tuple[list[Segment], list[int], list[int], _AnthMemo] | None:
-    got = _cut(body, ms + 1 if m is None else m.bounds[r], r == 0, "messages", _ANTH_TOP[1], _ANTH_TOP[2])
+def _anth_from(body: bytes, rules: Rules, m: _AnthMemo | None, k: int, pre: Any, ms: int) -> _Result | None:
+    """The body's blocks: those of ``m`` up to its message boundary ``k`` (which this body shares
+    byte for byte), then the messages read from there on."""
+    got = _cut(body, ms + 1 if m is None else m.bounds[k], k == 0, "messages", _ANTH_TOP[1], _ANTH_TOP[2])
     if got is None:
         return None
     items, ends, tail = got
     tools = tail.tools if tail.tools is not UNSET else pre.tools
     system = tail.system if tail.system is not UNSET else pre.system
     head = (None if tools is UNSET else bytes(tools), None if system is UNSET else bytes(system))
-    segs: list[Segment]
-    if m is not None and head == m.head:
-        n0 = m.seg_at[r]
-        h = m.states[r].copy()
-        segs, cum, bps = m.segs[:n0], m.cum[:n0], m.bps[:bisect_left(m.bps, n0)]
-        seg_at, bounds = m.seg_at[: r + 1], m.bounds[: r + 1]
-        states = {i: st for i, st in m.states.items() if i < r and i % _EVERY == 0}
-        states[r] = m.states[r]
-    else:
-        if r:  # other tools or system: every key changes
-            return _anth_from(body, rules, None, 0, pre, ms)
-        segs, cum, bps = [], [], []
-        h = hashlib.blake2b(digest_size=16)
-        seg_at, bounds, states = [], [ms + 1], {}
-    total = cum[-1] if cum else 0
+    segs: list[Segment] = []
+    blobs: list[bytes] = []
+    cum: list[int] = []
+    bps: list[int] = []
+    states: dict[int, Any] = {}
+    total = 0
+    h = hashlib.blake2b(digest_size=16)
     upd, cp = h.update, h.copy
 
-    def add(raw: bytes, hd: bytes) -> None:
+    def put(blob: bytes, ttl: float | None, n: int) -> None:
         nonlocal total
-        blob, ttl = _block(raw, rules)
-        blob = hd + blob
-        n = _tok(blob)
         upd(len(blob).to_bytes(8, "little"))
         upd(blob)
         if ttl is not None:
             bps.append(len(segs))
         segs.append(Segment(n, ttl, cp().digest()))
+        blobs.append(blob)
         total += n
         cum.append(total)
 
-    if not seg_at:
+    def add(raw: bytes, hd: bytes) -> None:
+        blob, ttl = _block(raw, rules)
+        blob = hd + blob
+        put(blob, ttl, _tok(blob))
+
+    if m is not None and head == m.head:  # the same head: every block up to boundary k is kept
+        n0 = m.seg_at[k]
+        segs, blobs, cum, bps = m.segs[:n0], m.blobs[:n0], m.cum[:n0], m.bps[:bisect_left(m.bps, n0)]
+        seg_at, bounds = m.seg_at[: k + 1], m.bounds[: k + 1]
+        r = max(i for i in m.states if i <= k)
+        states = {i: st for i, st in m.states.items() if i < r and i % _EVERY == 0}
+        states[r] = m.states[r]
+        h = m.states[r].copy()  # the chain at k: from the kept state at r, over the kept blocks
+        upd, cp = h.update, h.copy
+        for blob in m.blobs[m.seg_at[r]:n0]:
+            upd(len(blob).to_bytes(8, "little"))
+            upd(blob)
+        total = cum[-1] if cum else 0
+    else:
         try:
-            _head_blocks([] if head[0] is None else _raws.decode(head[0]),
-                         b"null" if head[1] is None else head[1], add)
+            _head_blocks([] if head[0] is None else _raws.decode(head[0]), b"null" if head[1] is None else head[1], add)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
-        seg_at.append(len(segs))
+        seg_at, bounds = [len(segs)], [ms + 1]
         states[0] = cp()
-    last = r + len(items)
+        if m is not None:  # another head: the kept messages' blocks again, chained after it
+            msegs, mblobs, mat = m.segs, m.blobs, m.seg_at
+            for j in range(1, k + 1):
+                for x in range(mat[j - 1], mat[j]):
+                    put(mblobs[x], msegs[x].ttl, msegs[x].tokens)
+                seg_at.append(len(segs))
+                if j % _EVERY == 0:
+                    states[j] = cp()
+            bounds = m.bounds[: k + 1]
+    states[k] = cp()
+    last = k + len(items)
     try:
-        for i, raw in enumerate(items, r + 1):
+        for i, raw in enumerate(items, k + 1):
             msg = _msg_dec.decode(raw)
             _msg_blocks(msg.role, bytes(msg.content), add)
             seg_at.append(len(segs))
@@ -451,7 +470,7 @@ def _anth_from(body: bytes, rules: Rules, m: _AnthMemo | None, r: int, pre: Any,
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
     bounds.extend(ends)
-    return segs, cum, bps, _AnthMemo(rules, body, bounds, pre, head, seg_at, segs, cum, bps, states)
+    return segs, cum, bps, _AnthMemo(rules, body, bounds, pre, head, seg_at, segs, blobs, cum, bps, states)
 
 
 class _PrefixMemo:
