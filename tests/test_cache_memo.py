@@ -291,12 +291,13 @@ def test_anthropic_memo_after_a_mid_edit_reparses_from_a_kept_boundary(monkeypat
 # -- OpenAI / Gemini bodies ----------------------------------------------------------------------
 
 
-def chat_body(rng: random.Random, msgs: list[dict], extra: dict, lane: str) -> bytes:
-    if lane == "gemini":
-        return msgspec.json.encode({"contents": msgs, **extra})
-    if lane == "responses":
-        return msgspec.json.encode({"model": "gpt-5", "input": msgs, **extra})
-    return msgspec.json.encode({"model": "gpt-4.1", "messages": msgs, **extra})
+def chat_body(rng: random.Random, msgs: list[dict], extra: dict, lane: str, first: bool = False) -> bytes:
+    key = {"gemini": "contents", "responses": "input"}.get(lane, "messages")
+    obj = {**extra, "model": "gpt-5", key: msgs} if first else {"model": "gpt-5", key: msgs, **extra}
+    body = msgspec.json.encode(obj)
+    if rng.random() < 0.05:  # a member twice: the later one counts
+        body = body[:-1] + b',"prompt_cache_retention":"24h"}'
+    return body
 
 
 @pytest.mark.parametrize("lane", ["chat", "responses", "gemini"])
@@ -307,6 +308,7 @@ def test_prefix_memo_matches_recompute(lane, seed):
     pair = Pair(lane, model)
     msgs = [{"role": "system", "content": prose(rng, 200, 900)}]
     extra: dict = {"tools": tools(rng, 3)}
+    first = False  # the other members before the conversation
     now = 0.0
     for step in range(100):
         k = rng.random()
@@ -320,10 +322,12 @@ def test_prefix_memo_matches_recompute(lane, seed):
             extra["prompt_cache_retention"] = rng.choice(["24h", "in_memory", None])
         elif k < 0.76:
             extra["tools"] = tools(rng, rng.randint(0, 4))
+        elif k < 0.78:
+            first = not first
         elif k < 0.8:
             floor, ttl = rng.choice([0, 2048, 3000]), rng.choice([None, 100.0])
             pair.both(lambda c: c.apply(min_tokens=floor, ttl=ttl))
-        body = chat_body(rng, msgs, extra, lane)
+        body = chat_body(rng, msgs, extra, lane, first)
         if rng.random() < 0.05:
             body = broken(rng, body)
         now += rng.choice([1.0, 30.0, 299.0, 301.0, 3000.0, 90000.0])

@@ -279,7 +279,7 @@ def _top(key: str, **members: Any) -> tuple[type, msgspec.json.Decoder, bytes]:
     """The top-level members read around the array ``key``: that array (its items raw) and
     ``members``; each UNSET where the body has no such member."""
     typ = msgspec.defstruct("_Top_" + key, [(key, list[msgspec.Raw] | UnsetType, UNSET)]
-                            + [(k, t | UnsetType, UNSET) for k, t in members.items()])
+                            + [(k, t if t is Any else t | UnsetType, UNSET) for k, t in members.items()])
     return typ, msgspec.json.Decoder(typ), b'{"' + key.encode() + b'":['
 
 
@@ -539,6 +539,7 @@ class Cache:
     hit_age: float | None = None  # the last request's read: how long its entry had been unused (None: no read)
     memo: bool = field(default=True, compare=False, repr=False)  # keep the previous body's blocks/digests (bill_request)
     _memo: Any = field(default=None, compare=False, repr=False)
+    _memo_top: Any = field(default=None, compare=False, repr=False)  # OpenAI: where the body's top level was cut
 
     def _live(self, key: bytes, now: float) -> Entry | None:
         e = self.entries.get(key)
@@ -646,6 +647,50 @@ class _OpenAITop(msgspec.Struct):
     prompt_cache_retention: Any = None
 
 
+_OAI_TOP = {key: _top(key, model=Any, prompt_cache_retention=Any) for key in ("messages", "input")}
+
+
+class _TopMemo:
+    """Where an OpenAI body's top level was cut (its conversation array), kept for the next body."""
+
+    __slots__ = ("body", "key", "bounds", "pre")
+
+    def __init__(self, body: bytes, key: str, bounds: list[int], pre: Any):
+        self.body = body
+        self.key = key
+        self.bounds = bounds
+        self.pre = pre
+
+
+def _retention(memo: Any, body: bytes) -> tuple[Any, _TopMemo | None]:
+    """The body's ``prompt_cache_retention`` as :class:`_OpenAITop` reads it (None where the body is
+    no JSON object), read around its conversation array: the members before it as kept in
+    ``memo`` when the bodies share them, the array from the last shared item on, and what follows."""
+    if isinstance(memo, _TopMemo):
+        _, dec, hdr = _OAI_TOP[memo.key]
+        k = bisect_right(memo.bounds, _common(memo.body, body)) - 1
+        if k >= 0:
+            got = _cut(body, memo.bounds[k], k == 0, memo.key, dec, hdr)
+            if got is not None:
+                tail = got[2]
+                value = tail.prompt_cache_retention
+                return (memo.pre.prompt_cache_retention if value is UNSET else value,
+                        _TopMemo(body, memo.key, memo.bounds[: k + 1] + got[1], memo.pre))
+    for key, (_, dec, hdr) in _OAI_TOP.items():
+        loc = _locate(body, key.encode(), dec)
+        if loc is not None:
+            got = _cut(body, loc[0] + 1, True, key, dec, hdr)
+            if got is not None:
+                value = got[2].prompt_cache_retention
+                return (loc[1].prompt_cache_retention if value is UNSET else value,
+                        _TopMemo(body, key, [loc[0] + 1] + got[1], loc[1]))
+    try:
+        top = msgspec.json.decode(body, type=_OpenAITop)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        top = _OpenAITop()
+    return top.prompt_cache_retention, None
+
+
 def bill_request(cache: Cache, body: bytes, now: float) -> Bill:
     """One request body through its session's cache."""
     if cache.rules.family == "anthropic":
@@ -657,11 +702,14 @@ def bill_request(cache: Cache, body: bytes, now: float) -> Bill:
         return cache._send(segs, cum, bps, now)
     ttl = None
     if cache.rules.family == "openai":
-        try:
-            top = msgspec.json.decode(body, type=_OpenAITop)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            top = _OpenAITop()
-        if top.prompt_cache_retention == "24h":
+        if cache.memo:
+            retention, cache._memo_top = _retention(cache._memo_top, body)
+        else:
+            try:
+                retention = msgspec.json.decode(body, type=_OpenAITop).prompt_cache_retention
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                retention = None
+        if retention == "24h":
             ttl = cache.rules.ttl_long
     return cache.send_prefix(body, now, ttl)
 
