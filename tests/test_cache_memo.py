@@ -459,3 +459,25 @@ def test_clocks_pairwise_and_eviction():
         for s, clk in on.by_session.items():
             assert clk.cache.entries == off.by_session[s].cache.entries
     assert len(on.by_session) <= 3
+
+
+def test_clocks_memo_budget():
+    """Beyond the budget, the least recently billed clocks drop their memo (and bill as before)."""
+    on, off = Clocks(max_sessions=8), Clocks(max_sessions=8)
+    on.MEMO_BYTES = 3 * 2 * 60_000
+    off.on_new = lambda sid, clk: setattr(clk.cache, "memo", False)
+    convs = {f"s{i}": AnthConv(random.Random(i), 60) for i in range(6)}
+    rng = random.Random(8)
+    now = 0.0
+    for step in range(120):
+        sid = rng.choice(list(convs))
+        convs[sid].mutate()
+        body = convs[sid].body()
+        now += 10.0
+        for clocks in (on, off):
+            clocks.sent(sid, "anthropic", body, now)
+            clocks.report(sid, 0)
+        assert on.history(sid) == off.history(sid)
+        assert on.memo_total == sum(c.memo_bytes() for c in on.by_session.values()) == sum(on.memos.values())
+        assert on.memo_total <= on.MEMO_BYTES or len(on.memos) == 1
+        assert next(reversed(on.memos)) == sid

@@ -790,6 +790,14 @@ class Clock:
     def gap(self, now: float) -> float | None:
         return None if self.last is None else now - self.last
 
+    def memo_bytes(self) -> int:
+        """About what the cache's memo of the previous body holds (the body, and its blocks' bytes)."""
+        m = self.cache._memo
+        return 0 if m is None else 2 * len(m.body)
+
+    def drop_memo(self) -> None:
+        self.cache._memo = self.cache._memo_top = None
+
     def cold(self, now: float, tail: bool = False) -> bool:
         """Whether the session's cache has expired by ``now`` (a rewrite costs nothing extra then).
         ``tail``: whether the entries of the default lifetime have (with 1-hour entries on the stable
@@ -832,12 +840,15 @@ class Clocks:
     model bills it when the answer's usage arrives, or when a decision or the stats need the clock."""
 
     MAX_PENDING = 4
+    MEMO_BYTES = 128 << 20  # the clocks' memos of their previous bodies, together: the least recently billed go beyond
 
     def __init__(self, max_sessions: int = 256):
         self.by_session: dict[str, Clock] = {}
         self.pending: dict[str, list[tuple[str, bytes, float, str]]] = {}
         self.last: dict[str, float] = {}  # when each session's latest request left
         self.max_sessions = max_sessions
+        self.memos: OrderedDict[str, int] = OrderedDict()  # the sessions whose clock keeps a memo: its bytes
+        self.memo_total = 0
         # called with each clock made (the calibration applies what its host taught)
         self.on_new: Callable[[str, Clock], None] | None = None
 
@@ -858,13 +869,27 @@ class Clocks:
                     self.by_session.pop(old)
                     self.pending.pop(old, None)
                     self.last.pop(old, None)
+                    self.memo_total -= self.memos.pop(old, 0)
                 if self.on_new is not None:
                     self.on_new(sid, clk)
             try:
                 clk.send(body, now)
             except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
                 pass  # a body the model cannot read: no prediction for it
+            self._kept(sid, clk)
         return self.by_session.get(sid)
+
+    def _kept(self, sid: str, clk: Clock) -> None:
+        """Account for the memo ``clk`` keeps now; drop the least recently billed memos beyond the budget."""
+        size = clk.memo_bytes()
+        self.memo_total += size - self.memos.pop(sid, 0)
+        if size:
+            self.memos[sid] = size
+        while self.memo_total > self.MEMO_BYTES and len(self.memos) > 1:
+            victim, vsize = self.memos.popitem(last=False)
+            self.memo_total -= vsize
+            if (c := self.by_session.get(victim)) is not None:
+                c.drop_memo()
 
     def report(self, sid: str, read: int | None, write: int | None = None, input: int | None = None) -> Turn | None:
         """An answer came (``read``: the cache read it reported; None: it reported no usage).  Returns
