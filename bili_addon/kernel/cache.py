@@ -242,9 +242,14 @@ def anthropic_segments(body: bytes, rules: Rules | None = None) -> list[Segment]
 # and recomputes only what follows the longest prefix the two bodies share: bytes are compared,
 # never hashes (an equal prefix gives equal blocks, keys and prefix digests).  Anthropic bodies are
 # cut at their top-level ``messages`` array (:func:`_locate`, :func:`_cut`): the members before it
-# were read with the previous body, the messages from a kept boundary on and the members after the
-# array are read again.  Anything unexpected (a body the cut does not read, duplicate members that
-# do not agree) drops the memo and takes the full path, whose result and errors are today's.
+# were read with the previous body, the messages after the last boundary both bodies share and the
+# members after the array are read again (a new head, e.g. Claude Code's per-request ``cch`` system
+# block, re-chains the kept blocks' bytes: every key changes).  OpenAI bodies are cut so at their
+# conversation array for ``prompt_cache_retention``; OpenAI/Gemini prefix digests resume from a
+# hasher state kept every 64 step edges.  Anything unexpected (a body the cut does not read,
+# duplicate members that do not agree) takes the full path, whose result and errors are today's.
+# The memo is a pure function's cache (body and rules -> blocks/digests): the learned lifetime,
+# minimum and no-cache flags apply after it, and a Rules change invalidates it.
 
 _WS = re.compile(rb"[ \t\n\r]*")
 _COMMA = re.compile(rb"[ \t\n\r]*,[ \t\n\r]*")
@@ -336,13 +341,17 @@ def _cut(body: bytes, start: int, first: bool, key: str, dec: msgspec.json.Decod
     base = p - pos
     ends: list[int] = []
     for n, raw in enumerate(items):
-        if n:
+        if not n:
+            pos = _WS.match(s, pos).end()  # type: ignore[union-attr]
+        elif s[pos] == 44:  # ``,`` (compact JSON)
+            pos += 1
+            if s[pos] in b" \t\n\r":
+                pos = _WS.match(s, pos).end()  # type: ignore[union-attr]
+        else:
             mt = _COMMA.match(s, pos)
             if mt is None:
                 return None
             pos = mt.end()
-        else:
-            pos = _WS.match(s, pos).end()  # type: ignore[union-attr]
         if not s.startswith(raw, pos):
             return None
         pos += len(raw)
@@ -424,10 +433,20 @@ def _anth_from(body: bytes, rules: Rules, m: _AnthMemo | None, k: int, pre: Any,
         total += n
         cum.append(total)
 
-    def add(raw: bytes, hd: bytes) -> None:
+    def add(raw: bytes, hd: bytes) -> None:  # put(), inlined: the first turn's every block
+        nonlocal total
         blob, ttl = _block(raw, rules)
         blob = hd + blob
-        put(blob, ttl, _tok(blob))
+        size = len(blob)
+        n = max(1, size // BYTES_PER_TOKEN)
+        upd(size.to_bytes(8, "little"))
+        upd(blob)
+        if ttl is not None:
+            bps.append(len(segs))
+        segs.append(Segment(n, ttl, cp().digest()))
+        blobs.append(blob)
+        total += n
+        cum.append(total)
 
     if m is not None and head == m.head:  # the same head: every block up to boundary k is kept
         n0 = m.seg_at[k]
