@@ -77,7 +77,8 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu x
 
 
 def prose(rng: random.Random, lo: int, hi: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) + rng.choice(["", " é", " \u2014", "\n\t\"q\""])
+    tail = rng.choice(["", " é", " \u2014", "\n\t\"q\""])
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) + tail
 
 
 def block(rng: random.Random, role: str) -> dict:
@@ -127,7 +128,8 @@ class AnthConv:
     def __init__(self, rng: random.Random, n: int):
         self.rng = rng
         self.tools = tools(rng, rng.randint(0, 5))
-        self.system: Any = [{"type": "text", "text": prose(rng, 100, 600)}] if rng.random() < 0.8 else prose(rng, 50, 300)
+        self.system: Any = ([{"type": "text", "text": prose(rng, 100, 600)}] if rng.random() < 0.8
+                            else prose(rng, 50, 300))
         self.msgs = [message(rng, "user" if i % 2 == 0 else "assistant") for i in range(n)]
         self.order = rng.choice(self.ORDERS)
         self.bp_long = rng.random() < 0.5  # 1-hour breakpoints on tools/system

@@ -556,7 +556,7 @@ class Cache:
     disabled: bool = False  # learned: the provider reports no cache at all
     min_floor: int = 0  # learned: the provider caches no prefix shorter than this (above the documented minimum)
     hit_age: float | None = None  # the last request's read: how long its entry had been unused (None: no read)
-    memo: bool = field(default=True, compare=False, repr=False)  # keep the previous body's blocks/digests (bill_request)
+    memo: bool = field(default=True, compare=False, repr=False)  # bill_request keeps the previous body's blocks
     _memo: Any = field(default=None, compare=False, repr=False)
     _memo_top: Any = field(default=None, compare=False, repr=False)  # OpenAI: where the body's top level was cut
 
