@@ -483,3 +483,14 @@ def test_clocks_memo_budget():
         assert on.memo_total == sum(c.memo_bytes() for c in on.by_session.values()) == sum(on.memos.values())
         assert on.memo_total <= on.MEMO_BYTES or len(on.memos) == 1
         assert next(reversed(on.memos)) == sid
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat"])
+def test_other_body_types_take_the_full_path(lane):
+    rng = random.Random(6)
+    pair = Pair(lane, "")
+    msgs: list[dict] = []
+    for i in range(6):
+        msgs.append({"role": "user", "content": prose(rng, 400, 900)})
+        body = msgspec.json.encode({"model": "m", "messages": msgs})
+        pair.send([body, bytearray(body), body.decode()][i % 3], float(i))

@@ -635,7 +635,7 @@ class Cache:
         self.hit_age = None
         if self.disabled or total < max(r.min_tokens, self.min_floor):
             return Bill(input=total)
-        if self.memo:
+        if self.memo and type(body) is bytes:
             keys, self._memo = _prefix_keys(body, r, self._memo)
         else:
             keys = _prefix_keys(body, r)[0]
@@ -713,7 +713,7 @@ def _retention(memo: Any, body: bytes) -> tuple[Any, _TopMemo | None]:
 def bill_request(cache: Cache, body: bytes, now: float) -> Bill:
     """One request body through its session's cache."""
     if cache.rules.family == "anthropic":
-        got = _anthropic_memo(cache._memo, body, cache.rules) if cache.memo else None
+        got = _anthropic_memo(cache._memo, body, cache.rules) if cache.memo and type(body) is bytes else None
         if got is None:
             cache._memo = None
             return cache.send_segments(anthropic_segments(body, cache.rules), now)
@@ -721,7 +721,7 @@ def bill_request(cache: Cache, body: bytes, now: float) -> Bill:
         return cache._send(segs, cum, bps, now)
     ttl = None
     if cache.rules.family == "openai":
-        if cache.memo:
+        if cache.memo and type(body) is bytes:
             retention, cache._memo_top = _retention(cache._memo_top, body)
         else:
             try:
