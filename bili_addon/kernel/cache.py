@@ -34,10 +34,14 @@ from __future__ import annotations
 
 import hashlib
 import re
+from bisect import bisect_left, bisect_right
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Any, Callable
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 BYTES_PER_TOKEN = 4
 MINUTES = 60.0
@@ -188,6 +192,29 @@ def _block(raw: bytes, rules: Rules) -> tuple[bytes, float | None]:
     return stripped, ttl
 
 
+def _head_blocks(tools: list[msgspec.Raw], system: bytes, add: Callable[[bytes, bytes], None]) -> None:
+    """The tools' and the system's blocks, in cache order."""
+    for t in tools:
+        add(bytes(t), b"T")
+    if system.startswith(b"["):
+        for blk in _raws.decode(system):
+            add(bytes(blk), b"S")
+    elif system != b"null":
+        add(system, b"S")
+
+
+def _msg_blocks(role: str, content: bytes, add: Callable[[bytes, bytes], None]) -> None:
+    """One message's blocks."""
+    head = b"M" + role.encode()
+    if content.startswith(b"[") and content != b"[]":
+        for i, blk in enumerate(_raws.decode(content)):
+            add(bytes(blk), head if i == 0 else b"C")
+    elif content.startswith(b'"'):  # a string is shorthand for one text block: the same prompt
+        add(b'{"type":"text","text":' + content + b"}", head)
+    else:
+        add(content, head)
+
+
 def anthropic_segments(body: bytes, rules: Rules | None = None) -> list[Segment]:
     """An Anthropic Messages body as its cacheable blocks, in cache order (tools, system, messages).
     Parsed down to raw blocks only (msgspec.Raw): what is hashed are the blocks' own bytes."""
@@ -202,25 +229,312 @@ def anthropic_segments(body: bytes, rules: Rules | None = None) -> list[Segment]
         segs.append(Segment(_tok(blob), ttl))
         blobs.append(blob)
 
-    for t in b.tools:
-        add(bytes(t), b"T")
-    system = bytes(b.system)
-    if system.startswith(b"["):
-        for blk in _raws.decode(system):
-            add(bytes(blk), b"S")
-    elif system != b"null":
-        add(system, b"S")
+    _head_blocks(b.tools, bytes(b.system), add)
     for m in b.messages:
-        content = bytes(m.content)
-        role = m.role.encode()
-        if content.startswith(b"[") and content != b"[]":
-            for i, blk in enumerate(_raws.decode(content)):
-                add(bytes(blk), b"M" + role if i == 0 else b"C")
-        elif content.startswith(b'"'):  # a string is shorthand for one text block: the same prompt
-            add(b'{"type":"text","text":' + content + b"}", b"M" + role)
-        else:
-            add(content, b"M" + role)
+        _msg_blocks(m.role, bytes(m.content), add)
     return chain(segs, blobs)
+
+
+# -- the previous request, kept: a follow-up costs what its new suffix costs ----------------------
+#
+# A session's next body mostly repeats its previous one byte for byte and appends a few messages.
+# Each Cache keeps what it computed for its previous body (with the rules it was computed under)
+# and recomputes only what follows the longest prefix the two bodies share: bytes are compared,
+# never hashes (an equal prefix gives equal blocks, keys and prefix digests).  Anthropic bodies are
+# cut at their top-level ``messages`` array (:func:`_locate`, :func:`_cut`): the members before it
+# were read with the previous body, the messages after the last boundary both bodies share and the
+# members after the array are read again (a new head, e.g. Claude Code's per-request ``cch`` system
+# block, re-chains the kept blocks' bytes: every key changes).  OpenAI bodies are cut so at their
+# conversation array for ``prompt_cache_retention``; OpenAI/Gemini prefix digests resume from a
+# hasher state kept every 64 step edges.  Anything unexpected (a body the cut does not read,
+# duplicate members that do not agree) takes the full path, whose result and errors are today's.
+# The memo is a pure function's cache (body and rules -> blocks/digests): the learned lifetime,
+# minimum and no-cache flags apply after it, and a Rules change invalidates it.
+
+_WS = re.compile(rb"[ \t\n\r]*")
+_COMMA = re.compile(rb"[ \t\n\r]*,[ \t\n\r]*")
+_CLOSE = re.compile(rb"[ \t\n\r]*\]")
+_CHUNK = 1 << 16
+_EVERY = 16  # a hasher state is kept at every 16th message boundary (and at the last few)
+_LAST = 4
+
+
+def _common(a: bytes, b: bytes) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (memcmp in chunks, then halving)."""
+    n = min(len(a), len(b))
+    mv = memoryview(a)
+    lo = 0
+    while lo < n:
+        hi = min(n, lo + _CHUNK)
+        if not b.startswith(mv[lo:hi], lo):
+            break
+        lo = hi
+    else:
+        return n
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if b.startswith(mv[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _top(key: str, **members: Any) -> tuple[type, msgspec.json.Decoder, bytes]:
+    """The top-level members read around the array ``key``: that array (its items raw) and
+    ``members``; each UNSET where the body has no such member."""
+    typ = msgspec.defstruct("_Top_" + key, [(key, list[msgspec.Raw] | UnsetType, UNSET)]
+                            + [(k, t if t is Any else t | UnsetType, UNSET) for k, t in members.items()])
+    return typ, msgspec.json.Decoder(typ), b'{"' + key.encode() + b'":['
+
+
+_ANTH_TOP = _top("messages", tools=msgspec.Raw, system=msgspec.Raw)
+_KEY_RE: dict[bytes, re.Pattern[bytes]] = {}
+
+
+def _locate(body: bytes, key: bytes, dec: msgspec.json.Decoder) -> tuple[int, Any] | None:
+    """Where the top-level array ``key`` of ``body`` opens (the offset of its ``[``), and the top-level
+    members before it (decoded from them with an empty array in its place: only a top-level member
+    makes that a whole object).  None: not found among the first few candidates."""
+    pat = _KEY_RE.get(key)
+    if pat is None:
+        pat = _KEY_RE[key] = re.compile(rb'"' + re.escape(key) + rb'"[ \t\n\r]*:[ \t\n\r]*\[')
+    for i, mt in enumerate(pat.finditer(body)):
+        if i == 4:
+            break
+        j = mt.start() - 1
+        while j >= 0 and body[j] in b" \t\n\r":
+            j -= 1
+        if j < 0 or body[j] not in b"{,":  # a quote inside a string is escaped: not a member's name
+            continue
+        ms = mt.end() - 1
+        try:
+            pre = dec.decode(body[:ms] + b"[]}")
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        if getattr(pre, key.decode()) == []:
+            return ms, pre
+    return None
+
+
+def _cut(body: bytes, start: int, first: bool, key: str, dec: msgspec.json.Decoder,
+         hdr: bytes) -> tuple[list[msgspec.Raw], list[int], Any] | None:
+    """The items of the top-level array ``key`` from offset ``start`` on (just after its ``[`` when
+    ``first``, else just after an item), their end offsets, and the top-level members after the
+    array: read as ``{"key":[`` + the rest of the body.  None where that does not read as the same
+    items at the same places (an invalid body, a duplicate member)."""
+    comma = False
+    p = start
+    if not first:
+        mt = _COMMA.match(body, start)
+        if mt is not None:
+            comma, p = True, mt.end()
+    s = hdr + body[p:]
+    try:
+        top = dec.decode(s)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    items = getattr(top, key)
+    if items is UNSET or (comma and not items) or (not first and not comma and items):
+        return None  # ``[a,]``, ``[a b]``
+    pos = len(hdr)
+    base = p - pos
+    ends: list[int] = []
+    for n, raw in enumerate(items):
+        if not n:
+            pos = _WS.match(s, pos).end()  # type: ignore[union-attr]
+        elif s[pos] == 44:  # ``,`` (compact JSON)
+            pos += 1
+            if s[pos] in b" \t\n\r":
+                pos = _WS.match(s, pos).end()  # type: ignore[union-attr]
+        else:
+            mt = _COMMA.match(s, pos)
+            if mt is None:
+                return None
+            pos = mt.end()
+        if not s.startswith(raw, pos):
+            return None
+        pos += len(raw)
+        ends.append(base + pos)
+    if _CLOSE.match(s, pos) is None:
+        return None
+    return items, ends, top
+
+
+class _AnthMemo:
+    """An Anthropic body's blocks, kept for the next body of the session."""
+
+    __slots__ = ("rules", "body", "bounds", "pre", "head", "seg_at", "segs", "blobs", "cum", "bps", "states")
+
+    def __init__(self, rules: Rules, body: bytes, bounds: list[int], pre: Any, head: tuple,
+                 seg_at: list[int], segs: list[Segment], blobs: list[bytes], cum: list[int], bps: list[int],
+                 states: dict[int, Any]):
+        self.rules = rules
+        self.body = body
+        self.bounds = bounds  # message boundary i: [0] just after ``[``, [i] the end of message i - 1
+        self.pre = pre  # the top-level members before the messages
+        self.head = head  # the tools' and the system's bytes read (None: no such member)
+        self.seg_at = seg_at  # the segments before boundary i
+        self.segs = segs
+        self.blobs = blobs  # what each segment hashes (its block as the cache matches it)
+        self.cum = cum  # tokens up to and with each segment
+        self.bps = bps  # every breakpoint's segment index
+        self.states = states  # the chain's hasher at some boundaries (0, every 16th, the last few)
+
+
+_msg_dec = msgspec.json.Decoder(_Msg)
+_Result = tuple[list[Segment], list[int], list[int], _AnthMemo]
+
+
+def _anthropic_memo(memo: Any, body: bytes, rules: Rules) -> _Result | None:
+    """:func:`anthropic_segments`, reusing what ``memo`` kept of the previous body for the prefix the
+    bodies share; with the cumulated tokens and the breakpoints, and the memo of this body.  None:
+    the body does not read so (the caller takes the full path)."""
+    m = memo if isinstance(memo, _AnthMemo) and memo.rules == rules else None
+    if m is not None:
+        k = bisect_right(m.bounds, _common(m.body, body)) - 1
+        if k >= 0:
+            out = _anth_from(body, rules, m, k, m.pre, m.bounds[0] - 1)
+            if out is not None:
+                return out
+    loc = _locate(body, b"messages", _ANTH_TOP[1])
+    if loc is None:
+        return None
+    return _anth_from(body, rules, None, 0, loc[1], loc[0])
+
+
+def _anth_from(body: bytes, rules: Rules, m: _AnthMemo | None, k: int, pre: Any, ms: int) -> _Result | None:
+    """The body's blocks: those of ``m`` up to its message boundary ``k`` (which this body shares
+    byte for byte), then the messages read from there on."""
+    got = _cut(body, ms + 1 if m is None else m.bounds[k], k == 0, "messages", _ANTH_TOP[1], _ANTH_TOP[2])
+    if got is None:
+        return None
+    items, ends, tail = got
+    tools = tail.tools if tail.tools is not UNSET else pre.tools
+    system = tail.system if tail.system is not UNSET else pre.system
+    head = (None if tools is UNSET else bytes(tools), None if system is UNSET else bytes(system))
+    segs: list[Segment] = []
+    blobs: list[bytes] = []
+    cum: list[int] = []
+    bps: list[int] = []
+    states: dict[int, Any] = {}
+    total = 0
+    h = hashlib.blake2b(digest_size=16)
+    upd, cp = h.update, h.copy
+
+    def put(blob: bytes, ttl: float | None, n: int) -> None:
+        nonlocal total
+        upd(len(blob).to_bytes(8, "little"))
+        upd(blob)
+        if ttl is not None:
+            bps.append(len(segs))
+        segs.append(Segment(n, ttl, cp().digest()))
+        blobs.append(blob)
+        total += n
+        cum.append(total)
+
+    def add(raw: bytes, hd: bytes) -> None:  # put(), inlined: the first turn's every block
+        nonlocal total
+        blob, ttl = _block(raw, rules)
+        blob = hd + blob
+        size = len(blob)
+        n = max(1, size // BYTES_PER_TOKEN)
+        upd(size.to_bytes(8, "little"))
+        upd(blob)
+        if ttl is not None:
+            bps.append(len(segs))
+        segs.append(Segment(n, ttl, cp().digest()))
+        blobs.append(blob)
+        total += n
+        cum.append(total)
+
+    if m is not None and head == m.head:  # the same head: every block up to boundary k is kept
+        n0 = m.seg_at[k]
+        segs, blobs, cum, bps = m.segs[:n0], m.blobs[:n0], m.cum[:n0], m.bps[:bisect_left(m.bps, n0)]
+        seg_at, bounds = m.seg_at[: k + 1], m.bounds[: k + 1]
+        r = max(i for i in m.states if i <= k)
+        states = {i: st for i, st in m.states.items() if i < r and i % _EVERY == 0}
+        states[r] = m.states[r]
+        h = m.states[r].copy()  # the chain at k: from the kept state at r, over the kept blocks
+        upd, cp = h.update, h.copy
+        for blob in m.blobs[m.seg_at[r]:n0]:
+            upd(len(blob).to_bytes(8, "little"))
+            upd(blob)
+        total = cum[-1] if cum else 0
+    else:
+        try:
+            _head_blocks([] if head[0] is None else _raws.decode(head[0]), b"null" if head[1] is None else head[1], add)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        seg_at, bounds = [len(segs)], [ms + 1]
+        states[0] = cp()
+        if m is not None:  # another head: the kept messages' blocks again, chained after it
+            msegs, mblobs, mat = m.segs, m.blobs, m.seg_at
+            for j in range(1, k + 1):
+                for x in range(mat[j - 1], mat[j]):
+                    put(mblobs[x], msegs[x].ttl, msegs[x].tokens)
+                seg_at.append(len(segs))
+                if j % _EVERY == 0:
+                    states[j] = cp()
+            bounds = m.bounds[: k + 1]
+    states[k] = cp()
+    last = k + len(items)
+    try:
+        for i, raw in enumerate(items, k + 1):
+            msg = _msg_dec.decode(raw)
+            _msg_blocks(msg.role, bytes(msg.content), add)
+            seg_at.append(len(segs))
+            if i % _EVERY == 0 or i > last - _LAST:
+                states[i] = cp()
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    bounds.extend(ends)
+    return segs, cum, bps, _AnthMemo(rules, body, bounds, pre, head, seg_at, segs, blobs, cum, bps, states)
+
+
+class _PrefixMemo:
+    """An OpenAI/Gemini body's prefix digests, kept for the next body of the session."""
+
+    __slots__ = ("rules", "body", "keys", "cps")
+
+    def __init__(self, rules: Rules, body: bytes, keys: list[tuple[bytes, int]], cps: list[tuple[int, Any]]):
+        self.rules = rules
+        self.body = body
+        self.keys = keys  # (digest of the prefix up to each step edge, its tokens)
+        self.cps = cps  # (offset, the hasher there): at 0 and every 64th edge
+
+
+def _prefix_keys(body: bytes, r: Rules, memo: Any = None) -> tuple[list[tuple[bytes, int]], _PrefixMemo]:
+    """The digest of every prefix of ``body`` that ends at a step edge (from the minimum on)."""
+    step_bytes = max(1, r.step) * BYTES_PER_TOKEN
+    first = r.min_tokens * BYTES_PER_TOKEN
+    m = memo if isinstance(memo, _PrefixMemo) and memo.rules == r else None
+    if m is not None:
+        shared = _common(m.body, body)
+        j = len(m.cps) - 1
+        while m.cps[j][0] > shared:
+            j -= 1
+        cps = m.cps[: j + 1]
+        pos, st = cps[-1]
+        h = st.copy()
+        keys = m.keys[: (pos - first) // step_bytes + 1] if pos >= first else []
+    else:
+        h = hashlib.blake2b(digest_size=16)
+        pos = 0
+        keys = []
+        cps = [(0, h.copy())]
+    mv = memoryview(body)
+    upd, cp = h.update, h.copy
+    edge = first + len(keys) * step_bytes
+    end = len(body)
+    while edge <= end:
+        upd(mv[pos:edge])
+        pos = edge
+        keys.append((cp().digest(), edge // BYTES_PER_TOKEN))
+        if len(keys) % 64 == 0:
+            cps.append((pos, cp()))
+        edge += step_bytes
+    return keys, _PrefixMemo(r, body, keys, cps)
 
 
 # -- the models ------------------------------------------------------------------------------------
@@ -242,6 +556,9 @@ class Cache:
     disabled: bool = False  # learned: the provider reports no cache at all
     min_floor: int = 0  # learned: the provider caches no prefix shorter than this (above the documented minimum)
     hit_age: float | None = None  # the last request's read: how long its entry had been unused (None: no read)
+    memo: bool = field(default=True, compare=False, repr=False)  # bill_request keeps the previous body's blocks
+    _memo: Any = field(default=None, compare=False, repr=False)
+    _memo_top: Any = field(default=None, compare=False, repr=False)  # OpenAI: where the body's top level was cut
 
     def _live(self, key: bytes, now: float) -> Entry | None:
         e = self.entries.get(key)
@@ -261,14 +578,14 @@ class Cache:
 
     # Anthropic ---------------------------------------------------------------------------------
     def send_segments(self, segs: list[Segment], now: float) -> Bill:
+        return self._send(segs, list(accumulate(s.tokens for s in segs)),
+                          [i for i, s in enumerate(segs) if s.ttl is not None], now)
+
+    def _send(self, segs: list[Segment], cum: list[int], bps: list[int], now: float) -> Bill:
+        """``cum``: the tokens up to and with each segment; ``bps``: the segments with a breakpoint."""
         r = self.rules
-        cum: list[int] = []
-        n = 0
-        for s in segs:
-            n += s.tokens
-            cum.append(n)
-        total = n
-        bps = [i for i, s in enumerate(segs) if s.ttl is not None][: r.max_breakpoints]
+        total = cum[-1] if cum else 0
+        bps = bps[: r.max_breakpoints]
         self.hit_age = None
         if self.disabled or not bps:
             return Bill(input=total)
@@ -314,21 +631,14 @@ class Cache:
     # OpenAI / Gemini: automatic prefix caching ------------------------------------------------
     def send_prefix(self, body: bytes, now: float, ttl: float | None = None) -> Bill:
         r = self.rules
-        step_bytes = max(1, r.step) * BYTES_PER_TOKEN
         total = _tok(body)
         self.hit_age = None
         if self.disabled or total < max(r.min_tokens, self.min_floor):
             return Bill(input=total)
-        h = hashlib.blake2b(digest_size=16)
-        keys: list[tuple[bytes, int]] = []
-        first = r.min_tokens * BYTES_PER_TOKEN
-        pos = 0
-        edge = first
-        while edge <= len(body):
-            h.update(body[pos:edge])
-            pos = edge
-            keys.append((h.copy().digest(), edge // BYTES_PER_TOKEN))
-            edge += step_bytes
+        if self.memo and type(body) is bytes:
+            keys, self._memo = _prefix_keys(body, r, self._memo)
+        else:
+            keys = _prefix_keys(body, r)[0]
         if self.min_floor > r.min_tokens:  # learned: shorter prefixes are not cached there
             keys = [k for k in keys if k[1] >= self.min_floor]
         hit = 0
@@ -338,12 +648,16 @@ class Cache:
                 hit, self.hit_age = tokens, now - e.last
                 break
         life = ttl or r.ttl
+        entries = self.entries
+        get = entries.get
         for key, tokens in keys:
-            e = self.entries.get(key)
+            e = get(key)
             if e is None:
-                self.entries[key] = Entry(tokens, now, life)
+                entries[key] = Entry(tokens, now, life)
             else:
-                e.last, e.ttl = now, max(e.ttl, life)
+                e.last = now
+                if life > e.ttl:
+                    e.ttl = life
         return Bill(input=total - hit, read=hit)
 
 
@@ -352,17 +666,69 @@ class _OpenAITop(msgspec.Struct):
     prompt_cache_retention: Any = None
 
 
+_OAI_TOP = {key: _top(key, model=Any, prompt_cache_retention=Any) for key in ("messages", "input")}
+
+
+class _TopMemo:
+    """Where an OpenAI body's top level was cut (its conversation array), kept for the next body."""
+
+    __slots__ = ("body", "key", "bounds", "pre")
+
+    def __init__(self, body: bytes, key: str, bounds: list[int], pre: Any):
+        self.body = body
+        self.key = key
+        self.bounds = bounds
+        self.pre = pre
+
+
+def _retention(memo: Any, body: bytes) -> tuple[Any, _TopMemo | None]:
+    """The body's ``prompt_cache_retention`` as :class:`_OpenAITop` reads it (None where the body is
+    no JSON object), read around its conversation array: the members before it as kept in
+    ``memo`` when the bodies share them, the array from the last shared item on, and what follows."""
+    if isinstance(memo, _TopMemo):
+        _, dec, hdr = _OAI_TOP[memo.key]
+        k = bisect_right(memo.bounds, _common(memo.body, body)) - 1
+        if k >= 0:
+            got = _cut(body, memo.bounds[k], k == 0, memo.key, dec, hdr)
+            if got is not None:
+                tail = got[2]
+                value = tail.prompt_cache_retention
+                return (memo.pre.prompt_cache_retention if value is UNSET else value,
+                        _TopMemo(body, memo.key, memo.bounds[: k + 1] + got[1], memo.pre))
+    for key, (_, dec, hdr) in _OAI_TOP.items():
+        loc = _locate(body, key.encode(), dec)
+        if loc is not None:
+            got = _cut(body, loc[0] + 1, True, key, dec, hdr)
+            if got is not None:
+                value = got[2].prompt_cache_retention
+                return (loc[1].prompt_cache_retention if value is UNSET else value,
+                        _TopMemo(body, key, [loc[0] + 1] + got[1], loc[1]))
+    try:
+        top = msgspec.json.decode(body, type=_OpenAITop)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        top = _OpenAITop()
+    return top.prompt_cache_retention, None
+
+
 def bill_request(cache: Cache, body: bytes, now: float) -> Bill:
     """One request body through its session's cache."""
     if cache.rules.family == "anthropic":
-        return cache.send_segments(anthropic_segments(body, cache.rules), now)
+        got = _anthropic_memo(cache._memo, body, cache.rules) if cache.memo and type(body) is bytes else None
+        if got is None:
+            cache._memo = None
+            return cache.send_segments(anthropic_segments(body, cache.rules), now)
+        segs, cum, bps, cache._memo = got
+        return cache._send(segs, cum, bps, now)
     ttl = None
     if cache.rules.family == "openai":
-        try:
-            top = msgspec.json.decode(body, type=_OpenAITop)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            top = _OpenAITop()
-        if top.prompt_cache_retention == "24h":
+        if cache.memo and type(body) is bytes:
+            retention, cache._memo_top = _retention(cache._memo_top, body)
+        else:
+            try:
+                retention = msgspec.json.decode(body, type=_OpenAITop).prompt_cache_retention
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                retention = None
+        if retention == "24h":
             ttl = cache.rules.ttl_long
     return cache.send_prefix(body, now, ttl)
 
@@ -443,6 +809,14 @@ class Clock:
     def gap(self, now: float) -> float | None:
         return None if self.last is None else now - self.last
 
+    def memo_bytes(self) -> int:
+        """About what the cache's memo of the previous body holds (the body, and its blocks' bytes)."""
+        m = self.cache._memo
+        return 0 if m is None else 2 * len(m.body)
+
+    def drop_memo(self) -> None:
+        self.cache._memo = self.cache._memo_top = None
+
     def cold(self, now: float, tail: bool = False) -> bool:
         """Whether the session's cache has expired by ``now`` (a rewrite costs nothing extra then).
         ``tail``: whether the entries of the default lifetime have (with 1-hour entries on the stable
@@ -485,12 +859,15 @@ class Clocks:
     model bills it when the answer's usage arrives, or when a decision or the stats need the clock."""
 
     MAX_PENDING = 4
+    MEMO_BYTES = 128 << 20  # the clocks' memos of their previous bodies, together: the least recently billed go beyond
 
     def __init__(self, max_sessions: int = 256):
         self.by_session: dict[str, Clock] = {}
         self.pending: dict[str, list[tuple[str, bytes, float, str]]] = {}
         self.last: dict[str, float] = {}  # when each session's latest request left
         self.max_sessions = max_sessions
+        self.memos: OrderedDict[str, int] = OrderedDict()  # the sessions whose clock keeps a memo: its bytes
+        self.memo_total = 0
         # called with each clock made (the calibration applies what its host taught)
         self.on_new: Callable[[str, Clock], None] | None = None
 
@@ -511,13 +888,27 @@ class Clocks:
                     self.by_session.pop(old)
                     self.pending.pop(old, None)
                     self.last.pop(old, None)
+                    self.memo_total -= self.memos.pop(old, 0)
                 if self.on_new is not None:
                     self.on_new(sid, clk)
             try:
                 clk.send(body, now)
             except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
                 pass  # a body the model cannot read: no prediction for it
+            self._kept(sid, clk)
         return self.by_session.get(sid)
+
+    def _kept(self, sid: str, clk: Clock) -> None:
+        """Account for the memo ``clk`` keeps now; drop the least recently billed memos beyond the budget."""
+        size = clk.memo_bytes()
+        self.memo_total += size - self.memos.pop(sid, 0)
+        if size:
+            self.memos[sid] = size
+        while self.memo_total > self.MEMO_BYTES and len(self.memos) > 1:
+            victim, vsize = self.memos.popitem(last=False)
+            self.memo_total -= vsize
+            if (c := self.by_session.get(victim)) is not None:
+                c.drop_memo()
 
     def report(self, sid: str, read: int | None, write: int | None = None, input: int | None = None) -> Turn | None:
         """An answer came (``read``: the cache read it reported; None: it reported no usage).  Returns
