@@ -17,16 +17,23 @@ from bili_addon.wire.base import (
     Body,
     Core,
     LaneDefaults,
+    Memo,
     append_part,
     append_to_text_value,
     append_tools,
     compact_json,
     decode_any,
     encode,
+    memo_inject,
+    memo_tool_names,
     patch_many,
     tool_names,
 )
 from bili_addon.wire.media import payload_of_source
+
+
+_NAMES = Memo()  # tools bytes -> their names (base.memo_tool_names)
+_INJECTED = Memo()  # what inject read -> what it wrote (base.memo_inject)
 
 
 class AnthropicLane(LaneDefaults):
@@ -122,6 +129,11 @@ class AnthropicLane(LaneDefaults):
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
+        """Names of the request's tools: the names read before when the tools are those bytes again."""
+        return memo_tool_names(_NAMES, body.top.get("tools"), lambda: AnthropicLane._tool_names(body))
+
+    @staticmethod
+    def _tool_names(body: Body) -> list[str] | None:
         raw = body.top.get("tools")
         if raw is not None and bytes(raw)[:1] == b"[":
             try:  # the names alone read (descriptions and schemas skipped, not made into dicts)
@@ -134,6 +146,15 @@ class AnthropicLane(LaneDefaults):
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
                names: list[str]) -> bool:
+        """The tools and the prompt added (:meth:`_inject`), replayed when its inputs are the ones seen before."""
+        if not names:
+            return False
+        return memo_inject(_INJECTED, body, items, start, tools, prompt, names, (body.top.get("system"),),
+                           lambda: AnthropicLane._inject(body, items, start, tools, prompt, names))
+
+    @staticmethod
+    def _inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+                names: list[str]) -> bool:
         if not names:
             return False
         shaped = [{"_name": t["name"], "name": t["name"], "description": t["description"],

@@ -10,6 +10,7 @@ path are re-encoded, siblings keep their raw bytes.
 from __future__ import annotations
 
 import hashlib
+import operator
 from typing import Any, Iterable
 
 import msgspec
@@ -360,3 +361,135 @@ def append_to_text_value(raw: msgspec.Raw, prompt: str, part: dict) -> msgspec.R
         items.append(msgspec.Raw(encode(part)))
         return msgspec.Raw(encode(items))
     return None
+
+
+# -- the same injection, turn after turn -------------------------------------------------------
+#
+# An agent sends the same tools array and system prompt on every turn of a session (and of its
+# other sessions), and bili injects constant tools and a constant prompt: what a lane reads for the
+# injection is almost always the bytes it read before, and so is what it writes.  A lane keeps the
+# values it wrote for the last few inputs it saw (each input whole: every byte of every raw value it
+# reads, the tools as msgspec encodes them, the very prompt and name objects) and sets them back
+# into the body when its inputs are exactly one of those again; anything else runs the lane's own
+# code (and is remembered when its effect has the shape a replay reproduces).
+
+_MISS = object()
+_is = operator.is_
+
+
+class Memo:
+    """The values stored under the last few keys, the latest first.  A key is a tuple compared
+    ``==`` element by element (a ``msgspec.Raw`` compares its bytes), plus ``names``: a hit needs
+    those very objects (strings, kept alive by the entry, so no other object stands for them)."""
+
+    __slots__ = ("entries", "size")
+
+    def __init__(self, size: int = 8):
+        self.entries: list[tuple[tuple, tuple, Any]] = []
+        self.size = size
+
+    def get(self, key: tuple, names: list | tuple = ()) -> Any:
+        entries = self.entries
+        n = len(names)
+        for i, entry in enumerate(entries):
+            k, ns, value = entry
+            if len(ns) == n and all(map(_is, ns, names)) and k == key:
+                if i:  # (a new list, set in one step: a concurrent reader sees one list or the other)
+                    self.entries = [entry, *entries[:i], *entries[i + 1:]]
+                return value
+        return _MISS
+
+    def put(self, key: tuple, names: tuple, value: Any) -> None:
+        self.entries = [(key, names, value), *self.entries[: self.size - 1]]
+
+    def clear(self) -> None:
+        self.entries = []
+
+
+_KEY_TYPES = (msgspec.Raw, bytes, bool, type(None))
+
+
+def _owned(value: Any) -> Any:
+    """A key's element as the memo keeps it: a raw value's own bytes (not a view that holds the body)."""
+    return value.copy() if type(value) is msgspec.Raw else value
+
+
+def memo_tool_names(memo: Memo, raw: Any, compute) -> list[str] | None:
+    """``compute()`` (a lane's tool names), or the names it gave for the same tools bytes before (a new list)."""
+    if raw is None or (type(raw) is not msgspec.Raw and type(raw) is not bytes):
+        return compute()
+    value = memo.get((raw,))
+    if value is not _MISS:
+        return None if value is None else list(value)
+    names = compute()
+    if names is None:
+        memo.put((_owned(raw),), (), None)
+    elif type(names) is list and all(type(n) is str for n in names):
+        memo.put((_owned(raw),), (), tuple(names))
+    return names
+
+
+def memo_inject(memo: Memo, body: Body, items: list, start: int, tools: list[dict], prompt: str,
+                names: list[str], reads: tuple, run, *, reads_item: bool = False) -> bool:
+    """``run()`` (a lane's injection), or its effect replayed when it saw these inputs before.
+
+    ``reads``: every raw value of ``body`` the lane reads besides the tools array (which is always
+    in the key), as they are (``None`` for a missing key); ``reads_item``: the lane also reads the
+    item before ``start``.  The effect kept is the top-level values the run set (in the order they
+    stand: a new key lands last, as the run added it), one item replaced before ``start`` (when the
+    lane reads it) or one item inserted at ``start``, and the result; a run that did anything else
+    is not remembered."""
+    if type(prompt) is not str or type(names) is not list or type(items) is not list:
+        return run()
+    top = body.top
+    if reads_item and start > len(items):
+        return run()  # (the lane's own code fails there, after what it did before)
+    item = (items[start - 1] if start > 0 else None) if reads_item else None
+    key_tail = (top.get("tools"), body.array, item, *reads)
+    for x in key_tail:
+        if type(x) not in _KEY_TYPES:
+            return run()
+    try:
+        tools_bytes = encode(tools)
+    except (TypeError, ValueError):
+        return run()
+    key = (tools_bytes, prompt, start > 0, *key_tail)
+    value = memo.get(key, names)
+    if value is not _MISS:
+        writes, op, new_item, result = value
+        for k, v in writes:
+            top[k] = v
+        if op == 1:
+            items[start - 1] = new_item
+        elif op == 2:
+            items.insert(start, new_item)
+        return result
+    before = dict(top)
+    old_items = list(items)
+    result = run()
+    if not all(type(n) is str for n in names) or type(result) is not bool or body.top is not top:
+        return result
+    keys = list(top)
+    if keys[: len(before)] != list(before):
+        return result  # a key removed or moved: not an effect a replay makes
+    writes = tuple((k, _owned(v)) for k, v in top.items() if before.get(k, _MISS) is not v)
+    if not all(type(v) is msgspec.Raw for _, v in writes):
+        return result
+    n = len(old_items)
+    op, new_item = 0, None
+    if len(items) == n:
+        if not all(map(_is, items, old_items)):
+            if not (reads_item and start > 0 and all(map(_is, items[: start - 1], old_items))
+                    and all(map(_is, items[start:], old_items[start:]))):
+                return result
+            op, new_item = 1, items[start - 1]
+    elif len(items) == n + 1 and 0 <= start <= n:
+        if not (all(map(_is, items[:start], old_items)) and all(map(_is, items[start + 1:], old_items[start:]))):
+            return result
+        op, new_item = 2, items[start]
+    else:
+        return result
+    if new_item is not None and type(new_item) is not bytes:
+        return result
+    memo.put(tuple(_owned(x) for x in key), tuple(names), (writes, op, new_item, result))
+    return result

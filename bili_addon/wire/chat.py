@@ -17,6 +17,7 @@ from bili_addon.wire.base import (
     CodecError,
     Core,
     LaneDefaults,
+    Memo,
     append_to_text_value,
     append_tools,
     compact_json,
@@ -25,11 +26,17 @@ from bili_addon.wire.base import (
     decode_list,
     decode_obj,
     encode,
+    memo_inject,
+    memo_tool_names,
     tool_names,
 )
 from bili_addon.wire.media import payload_of_url
 
 _SYSTEM_ROLES = ("system", "developer")
+
+
+_NAMES = Memo()  # tools bytes -> their names (base.memo_tool_names)
+_INJECTED = Memo()  # what inject read -> what it wrote (base.memo_inject)
 
 
 class ChatLane(LaneDefaults):
@@ -143,6 +150,11 @@ class ChatLane(LaneDefaults):
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
+        """Names of the request's tools: the names read before when the tools are those bytes again."""
+        return memo_tool_names(_NAMES, body.top.get("tools"), lambda: ChatLane._tool_names(body))
+
+    @staticmethod
+    def _tool_names(body: Body) -> list[str] | None:
         raw = body.top.get("tools")
         if raw is not None and bytes(raw)[:1] == b"[":
             try:  # the names alone read (descriptions and schemas skipped, not made into dicts)
@@ -160,6 +172,15 @@ class ChatLane(LaneDefaults):
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
                names: list[str]) -> bool:
+        """The tools and the prompt added (:meth:`_inject`), replayed when its inputs are the ones seen before."""
+        if not names:
+            return False
+        return memo_inject(_INJECTED, body, items, start, tools, prompt, names, (),
+                           lambda: ChatLane._inject(body, items, start, tools, prompt, names), reads_item=True)
+
+    @staticmethod
+    def _inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+                names: list[str]) -> bool:
         if not names:
             return False
         shaped = [{"_name": t["name"], "type": "function", "function": {

@@ -19,15 +19,22 @@ from bili_addon.wire.base import (
     Body,
     Core,
     LaneDefaults,
+    Memo,
     append_tools,
     compact_json,
     decode_any,
     encode,
     idless_call_key,
+    memo_inject,
+    memo_tool_names,
 )
 from bili_addon.wire.media import payload_of_data
 
 _ROLES = {"user": "user", "model": "assistant", "assistant": "assistant", "system": "system"}
+
+
+_NAMES = Memo()  # tools bytes -> their names (base.memo_tool_names)
+_INJECTED = Memo()  # what inject read -> what it wrote (base.memo_inject)
 
 
 class GeminiLane(LaneDefaults):
@@ -60,6 +67,11 @@ class GeminiLane(LaneDefaults):
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
+        """Names of the request's tools: the names read before when the tools are those bytes again."""
+        return memo_tool_names(_NAMES, body.top.get("tools"), lambda: GeminiLane._tool_names(body))
+
+    @staticmethod
+    def _tool_names(body: Body) -> list[str] | None:
         raw = body.top.get("tools")
         if raw is None or bytes(raw)[:1] != b"[":
             return None
@@ -74,6 +86,15 @@ class GeminiLane(LaneDefaults):
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
                names: list[str]) -> bool:
+        """The tools and the prompt added (:meth:`_inject`), replayed when its inputs are the ones seen before."""
+        if not names:
+            return False
+        return memo_inject(_INJECTED, body, items, start, tools, prompt, names, (body.top.get("systemInstruction"),),
+                           lambda: GeminiLane._inject(body, items, start, tools, prompt, names))
+
+    @staticmethod
+    def _inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+                names: list[str]) -> bool:
         if not names:
             return False
         decls = [{"name": t["name"], "description": t["description"], "parameters": t["parameters"]}

@@ -20,10 +20,13 @@ from bili_addon.wire.base import (
     Body,
     Core,
     LaneDefaults,
+    Memo,
     append_tools,
     compact_json,
     content_cores,
     encode,
+    memo_inject,
+    memo_tool_names,
     tool_names,
 )
 from bili_addon.wire.media import payload_of_url
@@ -33,6 +36,10 @@ _MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system", 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # free-form tool calls: which field holds the call's payload
 _CALL_PAYLOAD = ("arguments", "input", "action", "operation")
+
+
+_NAMES = Memo()  # tools bytes -> their names (base.memo_tool_names)
+_INJECTED = Memo()  # what inject read -> what it wrote (base.memo_inject)
 
 
 class ResponsesLane(LaneDefaults):
@@ -79,6 +86,12 @@ class ResponsesLane(LaneDefaults):
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
+        """Names of the request's tools (:meth:`_tool_names`): the names read before when the tools are those
+        bytes again."""
+        return memo_tool_names(_NAMES, body.top.get("tools"), lambda: ResponsesLane._tool_names(body))
+
+    @staticmethod
+    def _tool_names(body: Body) -> list[str] | None:
         """Names of the request's tools; a namespace's tools (codex nests MCP servers' tools as
         ``{"type": "namespace", "name": "mcp__bili", "tools": [...]}``) as ``<namespace>__<tool>``."""
         names = tool_names(body.top.get("tools"), lambda t: t if isinstance(t, dict) else None)
@@ -89,6 +102,15 @@ class ResponsesLane(LaneDefaults):
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
                names: list[str]) -> bool:
+        """The tools and the prompt added (:meth:`_inject`), replayed when its inputs are the ones seen before."""
+        if not names:
+            return False
+        return memo_inject(_INJECTED, body, items, start, tools, prompt, names, (body.top.get("instructions"),),
+                           lambda: ResponsesLane._inject(body, items, start, tools, prompt, names))
+
+    @staticmethod
+    def _inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+                names: list[str]) -> bool:
         if not names:
             return False
         shaped = [{"_name": t["name"], "type": "function", "name": t["name"], "description": t["description"],
