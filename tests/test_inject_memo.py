@@ -20,7 +20,15 @@ from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
 from bili_addon.wire import LANES, anthropic, base, chat, gemini, responses
-from bili_addon.wire.base import Body, decode_any
+from bili_addon.wire.base import (
+    PROMPT_SEPARATOR,
+    Body,
+    append_to_text_value,
+    append_tools,
+    decode_any,
+    decode_obj,
+    encode,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_overhead  # noqa: E402  (its synthetic conversations)
@@ -29,10 +37,91 @@ from wirecases import captured_bodies, capture_files  # noqa: E402
 MODULES = {"anthropic": anthropic, "chat": chat, "responses": responses, "gemini": gemini}
 
 
+# -- the injection as it was before the memo (the oracle, verbatim) ------------------------------
+
+
+def _legacy_anthropic(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+                      names: list[str]) -> bool:
+    if not names:
+        return False
+    shaped = [{"_name": t["name"], "name": t["name"], "description": t["description"],
+               "input_schema": t["parameters"]} for t in tools]
+    changed = append_tools(body, "tools", names, shaped) if tools else False
+    system = body.top.get("system")
+    if system is None:
+        body.set("system", prompt)
+        return True
+    new = append_to_text_value(system, prompt, {"type": "text", "text": prompt})
+    if new is not None:
+        body.top["system"] = new
+        changed = True
+    return changed
+
+
+def _legacy_chat(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+                 names: list[str]) -> bool:
+    if not names:
+        return False
+    shaped = [{"_name": t["name"], "type": "function", "function": {
+        "name": t["name"], "description": t["description"], "parameters": t["parameters"]}} for t in tools]
+    if tools:
+        append_tools(body, "tools", names, shaped)
+    if start > 0:  # the agent's leading system message gets the prompt at its end
+        obj = decode_obj(items[start - 1])  # the other parts keep their bytes
+        raw = obj.get("content")
+        new = append_to_text_value(raw, prompt, {"type": "text", "text": prompt}) if raw is not None else None
+        if new is not None:
+            obj["content"] = new
+            items[start - 1] = encode(obj)
+            return True
+    items.insert(start, encode({"role": "system", "content": prompt}))
+    return True
+
+
+def _legacy_responses(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+                      names: list[str]) -> bool:
+    if not names:
+        return False
+    shaped = [{"_name": t["name"], "type": "function", "name": t["name"], "description": t["description"],
+               "parameters": t["parameters"]} for t in tools]
+    changed = append_tools(body, "tools", names, shaped) if tools else False
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        body.set("instructions", instructions + PROMPT_SEPARATOR + prompt)
+        return True
+    if body.array:  # after the agent's own leading developer/system items
+        items.insert(start, encode({"type": "message", "role": "developer",
+                                    "content": [{"type": "input_text", "text": prompt}]}))
+        return True
+    return changed
+
+
+def _legacy_gemini(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+                   names: list[str]) -> bool:
+    if not names:
+        return False
+    decls = [{"name": t["name"], "description": t["description"], "parameters": t["parameters"]}
+             for t in tools if t["name"] not in names]
+    if decls:
+        append_tools(body, "tools", [], [{"_name": "", "functionDeclarations": decls}])
+    system = body.get("systemInstruction")
+    if not isinstance(system, dict):
+        system = {"parts": []}
+    parts = system.get("parts") if isinstance(system.get("parts"), list) else []
+    system["parts"] = [*parts, {"text": prompt}]
+    body.set("systemInstruction", system)
+    return True
+
+
+LEGACY = {"anthropic": _legacy_anthropic, "chat": _legacy_chat, "responses": _legacy_responses,
+          "gemini": _legacy_gemini}
+
+
 def clear() -> None:
     for m in MODULES.values():
         m._NAMES.clear()
-        m._INJECTED.clear()
+        m._TOOLS.clear()
+        m._PROMPT.clear()
 
 
 @pytest.fixture(autouse=True)
@@ -51,20 +140,22 @@ def system_run(lane, body: Body) -> int:
     return start
 
 
-def outcome(lane, raw: bytes, start: int | None, tools, prompt, names_of, memo: bool):
+def outcome(lane, raw: bytes, start: int | None, tools, prompt, names_of, memo: bool | str):
     """What one injection leaves: the names read, the result (or the exception), the body sent,
-    its top-level keys, the items."""
+    its top-level keys, the items.  ``memo``: True the lane's tool_names and inject, False its own
+    code without the memo, "legacy" the injection as it was before the memo."""
     body = Body(raw, lane.conv_key)
     items = [bytes(i) for i in body.items]
     if start is None:
         start = system_run(lane, body)
     try:
-        names = (lane.tool_names if memo else lane._tool_names)(body)
+        names = (lane.tool_names if memo is True else lane._tool_names)(body)
     except Exception as e:  # noqa: BLE001  (the same exception is the same outcome)
         return ("names raised", type(e), str(e))
     names_used = names_of(names)
     try:
-        got = (lane.inject if memo else lane._inject)(body, items, start, tools, prompt, names_used)
+        inject = LEGACY[lane.name] if memo == "legacy" else lane.inject if memo is True else lane._inject
+        got = inject(body, items, start, tools, prompt, names_used)
     except Exception as e:  # noqa: BLE001
         got = ("raised", type(e), str(e))
     top = {k: bytes(v) for k, v in body.top.items() if k != lane.conv_key}
@@ -95,7 +186,8 @@ def check(lane, raw: bytes, starts=(None,), prompts=(SYSTEM_PROMPT,), names_mode
         for prompt in prompts:
             for mode in names_modes:
                 for ts in tool_sets:
-                    want = outcome(lane, raw, start, TOOL_SETS[ts](), prompt, NAMES_OF[mode], memo=False)
+                    want = outcome(lane, raw, start, TOOL_SETS[ts](), prompt, NAMES_OF[mode], memo="legacy")
+                    assert outcome(lane, raw, start, TOOL_SETS[ts](), prompt, NAMES_OF[mode], memo="legacy") == want
                     for _ in range(repeats):
                         got = outcome(lane, bytes(bytearray(raw)), start, TOOL_SETS[ts](), prompt, NAMES_OF[mode],
                                       memo=True)
@@ -157,33 +249,51 @@ def test_eviction():
     for _ in range(3):
         for raw in raws:
             check(case.lane, raw, names_modes=("read",), tool_sets=("bili",), repeats=1)
-    assert len(anthropic._INJECTED.entries) == anthropic._INJECTED.size
-    assert len(anthropic._NAMES.entries) == 1  # (one tools array)
+    assert len(anthropic._PROMPT.entries) == anthropic._PROMPT.size
+    assert len(anthropic._TOOLS.entries) == 1 and len(anthropic._NAMES.entries) == 1  # (one tools array)
+
+
+def counting(monkeypatch, lane) -> dict:
+    calls = {"_tool_names": 0, "_inject_tools": 0, "_inject_prompt": 0}
+    for name in calls:
+        own = getattr(lane, name)
+
+        def counted(*a, _own=own, _name=name):
+            calls[_name] += 1
+            return _own(*a)
+
+        monkeypatch.setattr(lane, name, staticmethod(counted))
+    return calls
 
 
 def test_a_hit_runs_nothing(monkeypatch):
     """A repeat is served by the memo (the lane's own code runs once), with the bytes it would give."""
     case = bench_overhead.Case("anthropic", 10)
     raw = case.body(case.msgs)
-    calls = {"names": 0, "inject": 0}
     lane = anthropic.AnthropicLane
-    own_names, own_inject = lane._tool_names, lane._inject
-
-    def counted_names(body):
-        calls["names"] += 1
-        return own_names(body)
-
-    def counted_inject(*a):
-        calls["inject"] += 1
-        return own_inject(*a)
-
-    want = outcome(lane, raw, None, list(TOOLS), SYSTEM_PROMPT, NAMES_OF["read"], memo=False)
-    monkeypatch.setattr(lane, "_tool_names", staticmethod(counted_names))
-    monkeypatch.setattr(lane, "_inject", staticmethod(counted_inject))
+    want = outcome(lane, raw, None, list(TOOLS), SYSTEM_PROMPT, NAMES_OF["read"], memo="legacy")
+    calls = counting(monkeypatch, lane)
     for _ in range(4):
         assert outcome(lane, bytes(bytearray(raw)), None, list(TOOLS), SYSTEM_PROMPT, NAMES_OF["read"],
                        memo=True) == want
-    assert calls == {"names": 1, "inject": 1}
+    assert calls == {"_tool_names": 1, "_inject_tools": 1, "_inject_prompt": 1}
+
+
+def test_a_system_of_its_own_every_request(monkeypatch):
+    """Claude Code's system starts with a billing block that changes every request: the prompt's
+    half runs every time, the tools' half (the same tools) is replayed."""
+    case = bench_overhead.Case("anthropic", 10)
+    lane = anthropic.AnthropicLane
+    raws = []
+    for i in range(12):
+        system = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.fbe; cch={i:05x};"},
+                  {"type": "text", "text": "You are a Claude agent."}]
+        raws.append(msgspec.json.encode({**case.top, "messages": case.msgs, "system": system}))
+    wants = [outcome(lane, raw, None, list(TOOLS), SYSTEM_PROMPT, NAMES_OF["read"], memo="legacy") for raw in raws]
+    calls = counting(monkeypatch, lane)
+    for raw, want in zip(raws, wants):
+        assert outcome(lane, raw, None, list(TOOLS), SYSTEM_PROMPT, NAMES_OF["read"], memo=True) == want
+    assert calls == {"_tool_names": 1, "_inject_tools": 1, "_inject_prompt": 12}
 
 
 def test_changed_tool_schema_is_a_miss():
@@ -196,14 +306,14 @@ def test_changed_tool_schema_is_a_miss():
     tools[0]["description"] = "changed"
     b = outcome(lane, raw, None, tools, SYSTEM_PROMPT, NAMES_OF["read"], memo=True)
     assert a != b
-    assert b == outcome(lane, raw, None, tools, SYSTEM_PROMPT, NAMES_OF["read"], memo=False)
+    assert b == outcome(lane, raw, None, tools, SYSTEM_PROMPT, NAMES_OF["read"], memo="legacy")
     tools[1]["parameters"]["properties"]["full"] = {"type": "integer"}
     assert outcome(lane, raw, None, tools, SYSTEM_PROMPT, NAMES_OF["read"], memo=True) == \
-        outcome(lane, raw, None, tools, SYSTEM_PROMPT, NAMES_OF["read"], memo=False)
+        outcome(lane, raw, None, tools, SYSTEM_PROMPT, NAMES_OF["read"], memo="legacy")
     # a value equal in Python but another JSON (True == 1): another key
     tools[2]["parameters"]["properties"]["limit"]["minimum"] = True
     assert outcome(lane, raw, None, tools, SYSTEM_PROMPT, NAMES_OF["read"], memo=True) == \
-        outcome(lane, raw, None, tools, SYSTEM_PROMPT, NAMES_OF["read"], memo=False)
+        outcome(lane, raw, None, tools, SYSTEM_PROMPT, NAMES_OF["read"], memo="legacy")
 
 
 def test_names_are_new_lists():
@@ -344,10 +454,10 @@ def test_engine_turns(tmp_path, monkeypatch, lane):
     (tmp_path / "memo").mkdir()
     (tmp_path / "own").mkdir()
     with_memo = run(tmp_path / "memo")
-    assert len(MODULES[lane]._INJECTED.entries) >= 1
+    assert MODULES[lane]._TOOLS.entries and MODULES[lane]._PROMPT.entries
     cls = type(LANES[lane]) if not isinstance(LANES[lane], type) else LANES[lane]
     monkeypatch.setattr(cls, "tool_names", staticmethod(cls._tool_names))
-    monkeypatch.setattr(cls, "inject", staticmethod(cls._inject))
+    monkeypatch.setattr(cls, "inject", staticmethod(LEGACY[lane]))
     own = run(tmp_path / "own")
     assert with_memo == own
     assert all(b is not None and b"Context folding (bili)" in b for b, _ in own)

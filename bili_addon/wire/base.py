@@ -365,22 +365,25 @@ def append_to_text_value(raw: msgspec.Raw, prompt: str, part: dict) -> msgspec.R
 
 # -- the same injection, turn after turn -------------------------------------------------------
 #
-# An agent sends the same tools array and system prompt on every turn of a session (and of its
-# other sessions), and bili injects constant tools and a constant prompt: what a lane reads for the
-# injection is almost always the bytes it read before, and so is what it writes.  A lane keeps the
-# values it wrote for the last few inputs it saw (each input whole: every byte of every raw value it
-# reads, the tools as msgspec encodes them, the very prompt and name objects) and sets them back
-# into the body when its inputs are exactly one of those again; anything else runs the lane's own
-# code (and is remembered when its effect has the shape a replay reproduces).
+# An agent sends the same tools array on every turn of a session (and of its other sessions), most
+# send the same system prompt too, and bili injects constant tools and a constant prompt: what a
+# lane reads for the injection is almost always the bytes it read before, and so is what it writes.
+# A lane keeps what it wrote for the last few inputs it saw (each input whole: every byte of each
+# raw value it reads, bili's tools as msgspec encodes them, the very prompt and name objects) and
+# sets it back into the body when its inputs are exactly one of those again.  The tools and the
+# prompt are kept apart: a system that changes every request (Claude Code's ``cch`` billing block)
+# misses the prompt's memo and leaves the tools' (the larger part) to hit.
 
 _MISS = object()
 _is = operator.is_
+_KEY_TYPES = (msgspec.Raw, bytes, str, bool, type(None))
 
 
 class Memo:
     """The values stored under the last few keys, the latest first.  A key is a tuple compared
-    ``==`` element by element (a ``msgspec.Raw`` compares its bytes), plus ``names``: a hit needs
-    those very objects (strings, kept alive by the entry, so no other object stands for them)."""
+    ``==`` element by element (a ``msgspec.Raw`` compares its bytes; the elements are of
+    :data:`_KEY_TYPES`), plus ``names``: a hit needs those very objects (strings, kept alive by the
+    entry, so no other object has their identity)."""
 
     __slots__ = ("entries", "size")
 
@@ -393,20 +396,17 @@ class Memo:
         n = len(names)
         for i, entry in enumerate(entries):
             k, ns, value = entry
-            if len(ns) == n and all(map(_is, ns, names)) and k == key:
+            if k == key and len(ns) == n and all(map(_is, ns, names)):
                 if i:  # (a new list, set in one step: a concurrent reader sees one list or the other)
                     self.entries = [entry, *entries[:i], *entries[i + 1:]]
                 return value
         return _MISS
 
     def put(self, key: tuple, names: tuple, value: Any) -> None:
-        self.entries = [(key, names, value), *self.entries[: self.size - 1]]
+        self.entries = [(tuple(map(_owned, key)), names, value), *self.entries[: self.size - 1]]
 
     def clear(self) -> None:
         self.entries = []
-
-
-_KEY_TYPES = (msgspec.Raw, bytes, bool, type(None))
 
 
 def _owned(value: Any) -> Any:
@@ -423,38 +423,56 @@ def memo_tool_names(memo: Memo, raw: Any, compute) -> list[str] | None:
         return None if value is None else list(value)
     names = compute()
     if names is None:
-        memo.put((_owned(raw),), (), None)
+        memo.put((raw,), (), None)
     elif type(names) is list and all(type(n) is str for n in names):
-        memo.put((_owned(raw),), (), tuple(names))
+        memo.put((raw,), (), tuple(names))
     return names
 
 
-def memo_inject(memo: Memo, body: Body, items: list, start: int, tools: list[dict], prompt: str,
-                names: list[str], reads: tuple, run, *, reads_item: bool = False) -> bool:
-    """``run()`` (a lane's injection), or its effect replayed when it saw these inputs before.
-
-    ``reads``: every raw value of ``body`` the lane reads besides the tools array (which is always
-    in the key), as they are (``None`` for a missing key); ``reads_item``: the lane also reads the
-    item before ``start``.  The effect kept is the top-level values the run set (in the order they
-    stand: a new key lands last, as the run added it), one item replaced before ``start`` (when the
-    lane reads it) or one item inserted at ``start``, and the result; a run that did anything else
-    is not remembered."""
-    if type(prompt) is not str or type(names) is not list or type(items) is not list:
+def memo_tools(memo: Memo, body: Body, tools: list[dict], names: list[str], run) -> bool:
+    """``run()`` (a lane's tools half of the injection: bili's tools after the agent's, in
+    ``body.top["tools"]``), or its effect replayed when the agent's tools bytes, bili's tools and
+    the names (the same objects) are the ones it ran on before."""
+    if not tools or type(names) is not list:
         return run()
-    top = body.top
-    if reads_item and start > len(items):
-        return run()  # (the lane's own code fails there, after what it did before)
-    item = (items[start - 1] if start > 0 else None) if reads_item else None
-    key_tail = (top.get("tools"), body.array, item, *reads)
-    for x in key_tail:
-        if type(x) not in _KEY_TYPES:
-            return run()
+    raw = body.top.get("tools")
+    if type(raw) is not msgspec.Raw and type(raw) is not bytes:
+        return run()  # (none: the lane's own code fails)
     try:
-        tools_bytes = encode(tools)
+        key = (encode(tools), raw)
     except (TypeError, ValueError):
         return run()
-    key = (tools_bytes, prompt, start > 0, *key_tail)
+    return _replay_or_run(memo, key, names, body, None, 0, run, False, False)
+
+
+def memo_prompt(memo: Memo, body: Body, items: list, start: int, prompt: str, reads: tuple, run, *,
+                reads_item: bool = False, inserts: bool = False) -> bool:
+    """``run()`` (a lane's prompt half of the injection), or its effect replayed when it saw these
+    inputs before.  ``reads``: the raw values of ``body`` it reads, as they are (``None`` for a
+    missing key); ``reads_item``: it also reads the item before ``start`` (and may replace it);
+    ``inserts``: it may insert one item at ``start`` (and changes no other item)."""
+    if type(prompt) is not str or type(items) is not list:
+        return run()
+    item = None
+    if reads_item and start > 0:
+        if start > len(items):
+            return run()  # (the lane's own code fails there)
+        item = items[start - 1]
+    key = (prompt, start > 0, body.array, item, *reads)
+    return _replay_or_run(memo, key, (), body, items, start, run, reads_item, inserts)
+
+
+def _replay_or_run(memo: Memo, key: tuple, names: list | tuple, body: Body, items: list | None, start: int, run,
+                   reads_item: bool, inserts: bool) -> bool:
+    """The effect kept under ``key`` and ``names`` set into the body (the top-level values the run
+    set, in the order they stand: a new key lands last, as the run added it; an item replaced
+    before ``start`` or inserted at ``start``) and the run's result; else the run, and its effect
+    kept when it has that shape."""
+    for x in key:
+        if type(x) not in _KEY_TYPES:
+            return run()
     value = memo.get(key, names)
+    top = body.top
     if value is not _MISS:
         writes, op, new_item, result = value
         for k, v in writes:
@@ -465,31 +483,28 @@ def memo_inject(memo: Memo, body: Body, items: list, start: int, tools: list[dic
             items.insert(start, new_item)
         return result
     before = dict(top)
-    old_items = list(items)
+    n = len(items) if items is not None else 0
+    prev = items[start - 1] if reads_item and 0 < start <= n else None
+    at = items[start] if inserts and 0 <= start < n else None
     result = run()
-    if not all(type(n) is str for n in names) or type(result) is not bool or body.top is not top:
+    if type(result) is not bool or body.top is not top or any(type(x) is not str for x in names):
         return result
-    keys = list(top)
-    if keys[: len(before)] != list(before):
+    if list(top)[: len(before)] != list(before):
         return result  # a key removed or moved: not an effect a replay makes
     writes = tuple((k, _owned(v)) for k, v in top.items() if before.get(k, _MISS) is not v)
-    if not all(type(v) is msgspec.Raw for _, v in writes):
+    if any(type(v) is not msgspec.Raw for _, v in writes):
         return result
-    n = len(old_items)
     op, new_item = 0, None
-    if len(items) == n:
-        if not all(map(_is, items, old_items)):
-            if not (reads_item and start > 0 and all(map(_is, items[: start - 1], old_items))
-                    and all(map(_is, items[start:], old_items[start:]))):
-                return result
-            op, new_item = 1, items[start - 1]
-    elif len(items) == n + 1 and 0 <= start <= n:
-        if not (all(map(_is, items[:start], old_items)) and all(map(_is, items[start + 1:], old_items[start:]))):
+    if items is not None:
+        if len(items) == n:
+            if prev is not None and items[start - 1] is not prev:
+                op, new_item = 1, items[start - 1]
+        elif len(items) == n + 1 and inserts and 0 <= start <= n and (start == n or items[start + 1] is at) \
+                and (prev is None or items[start - 1] is prev):
+            op, new_item = 2, items[start]
+        else:
             return result
-        op, new_item = 2, items[start]
-    else:
-        return result
-    if new_item is not None and type(new_item) is not bytes:
-        return result
-    memo.put(tuple(_owned(x) for x in key), tuple(names), (writes, op, new_item, result))
+        if op and type(new_item) is not bytes:
+            return result
+    memo.put(key, tuple(names), (writes, op, new_item, result))
     return result
