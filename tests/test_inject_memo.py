@@ -361,7 +361,8 @@ WEIRD = [
     ("anthropic", {"messages": [USER], "system": "s", "tools": "Bash"}),
     ("anthropic", {"messages": [USER], "system": "s"}),
     ("anthropic", {"system": {"x": 1}, "messages": [USER], "tools": [{"name": "Bash", "x": [1, {"y": 2}]}]}),
-    ("anthropic", b'{"model":"m", "system" : "s\\u00e9",\n"tools":[ {"name":"Bash"} ],"messages":[{"role":"user","content":"hi"}]}'),
+    ("anthropic", b'{"model":"m", "system" : "s\\u00e9",\n"tools":[ {"name":"Bash"} ],'
+                  b'"messages":[{"role":"user","content":"hi"}]}'),  # (not compact: the general split)
     ("chat", {"messages": [USER], "tools": [{"type": "function", "function": {"name": "Bash"}}]}),
     ("chat", {"messages": [{"role": "system", "content": "s"}, USER],
               "tools": [{"type": "function", "function": {"name": "Bash"}}, {"function": 3}, 4]}),
