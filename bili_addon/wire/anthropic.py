@@ -17,16 +17,25 @@ from bili_addon.wire.base import (
     Body,
     Core,
     LaneDefaults,
+    Memo,
     append_part,
     append_to_text_value,
     append_tools,
     compact_json,
     decode_any,
     encode,
+    memo_prompt,
+    memo_tool_names,
+    memo_tools,
     patch_many,
     tool_names,
 )
 from bili_addon.wire.media import payload_of_source
+
+
+_NAMES = Memo()  # tools bytes -> their names (base.memo_tool_names)
+_TOOLS = Memo()  # the tools half of inject: what it read -> what it wrote (base.memo_tools)
+_PROMPT = Memo()  # the prompt half (base.memo_prompt)
 
 
 class AnthropicLane(LaneDefaults):
@@ -122,6 +131,11 @@ class AnthropicLane(LaneDefaults):
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
+        """Names of the request's tools: the names read before when the tools are those bytes again."""
+        return memo_tool_names(_NAMES, body.top.get("tools"), lambda: AnthropicLane._tool_names(body))
+
+    @staticmethod
+    def _tool_names(body: Body) -> list[str] | None:
         raw = body.top.get("tools")
         if raw is not None and bytes(raw)[:1] == b"[":
             try:  # the names alone read (descriptions and schemas skipped, not made into dicts)
@@ -134,11 +148,30 @@ class AnthropicLane(LaneDefaults):
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
                names: list[str]) -> bool:
+        """:meth:`_inject`, each half replayed when its inputs are the ones it saw before."""
         if not names:
             return False
+        changed = memo_tools(_TOOLS, body, tools, names, lambda: AnthropicLane._inject_tools(body, tools, names))
+        return memo_prompt(_PROMPT, body, items, start, prompt, (body.top.get("system"),),
+                           lambda: AnthropicLane._inject_prompt(body, prompt)) or changed
+
+    @staticmethod
+    def _inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+                names: list[str]) -> bool:
+        """Bili's tools after the agent's, the prompt after its system (none: the prompt is the system)."""
+        if not names:
+            return False
+        changed = AnthropicLane._inject_tools(body, tools, names)
+        return AnthropicLane._inject_prompt(body, prompt) or changed
+
+    @staticmethod
+    def _inject_tools(body: Body, tools: list[dict], names: list[str]) -> bool:
         shaped = [{"_name": t["name"], "name": t["name"], "description": t["description"],
                    "input_schema": t["parameters"]} for t in tools]
-        changed = append_tools(body, "tools", names, shaped) if tools else False
+        return append_tools(body, "tools", names, shaped) if tools else False
+
+    @staticmethod
+    def _inject_prompt(body: Body, prompt: str) -> bool:
         system = body.top.get("system")
         if system is None:
             body.set("system", prompt)
@@ -146,8 +179,8 @@ class AnthropicLane(LaneDefaults):
         new = append_to_text_value(system, prompt, {"type": "text", "text": prompt})
         if new is not None:
             body.top["system"] = new
-            changed = True
-        return changed
+            return True
+        return False
 
     @staticmethod
     def transplant_hints(row: bytes, client: bytes) -> bytes:

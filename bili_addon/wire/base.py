@@ -10,6 +10,7 @@ path are re-encoded, siblings keep their raw bytes.
 from __future__ import annotations
 
 import hashlib
+import operator
 from typing import Any, Iterable
 
 import msgspec
@@ -360,3 +361,150 @@ def append_to_text_value(raw: msgspec.Raw, prompt: str, part: dict) -> msgspec.R
         items.append(msgspec.Raw(encode(part)))
         return msgspec.Raw(encode(items))
     return None
+
+
+# -- the same injection, turn after turn -------------------------------------------------------
+#
+# An agent sends the same tools array on every turn of a session (and of its other sessions), most
+# send the same system prompt too, and bili injects constant tools and a constant prompt: what a
+# lane reads for the injection is almost always the bytes it read before, and so is what it writes.
+# A lane keeps what it wrote for the last few inputs it saw (each input whole: every byte of each
+# raw value it reads, bili's tools as msgspec encodes them, the very prompt and name objects) and
+# sets it back into the body when its inputs are exactly one of those again.  The tools and the
+# prompt are kept apart: a system that changes every request (Claude Code's ``cch`` billing block)
+# misses the prompt's memo and leaves the tools' (the larger part) to hit.
+
+_MISS = object()
+_is = operator.is_
+_KEY_TYPES = (msgspec.Raw, bytes, str, bool, type(None))
+
+
+class Memo:
+    """The values stored under the last few keys, the latest first.  A key is a tuple compared
+    ``==`` element by element (a ``msgspec.Raw`` compares its bytes; the elements are of
+    :data:`_KEY_TYPES`), plus ``names``: a hit needs those very objects (strings, kept alive by the
+    entry, so no other object has their identity)."""
+
+    __slots__ = ("entries", "size")
+
+    def __init__(self, size: int = 8):
+        self.entries: list[tuple[tuple, tuple, Any]] = []
+        self.size = size
+
+    def get(self, key: tuple, names: list | tuple = ()) -> Any:
+        entries = self.entries
+        n = len(names)
+        for i, entry in enumerate(entries):
+            k, ns, value = entry
+            if k == key and len(ns) == n and all(map(_is, ns, names)):
+                if i:  # (a new list, set in one step: a concurrent reader sees one list or the other)
+                    self.entries = [entry, *entries[:i], *entries[i + 1:]]
+                return value
+        return _MISS
+
+    def put(self, key: tuple, names: tuple, value: Any) -> None:
+        self.entries = [(tuple(map(_owned, key)), names, value), *self.entries[: self.size - 1]]
+
+    def clear(self) -> None:
+        self.entries = []
+
+
+def _owned(value: Any) -> Any:
+    """A key's element as the memo keeps it: a raw value's own bytes (not a view that holds the body)."""
+    return value.copy() if type(value) is msgspec.Raw else value
+
+
+def memo_tool_names(memo: Memo, raw: Any, compute) -> list[str] | None:
+    """``compute()`` (a lane's tool names), or the names it gave for the same tools bytes before (a new list)."""
+    if raw is None or (type(raw) is not msgspec.Raw and type(raw) is not bytes):
+        return compute()
+    value = memo.get((raw,))
+    if value is not _MISS:
+        return None if value is None else list(value)
+    names = compute()
+    if names is None:
+        memo.put((raw,), (), None)
+    elif type(names) is list and all(type(n) is str for n in names):
+        memo.put((raw,), (), tuple(names))
+    return names
+
+
+def memo_tools(memo: Memo, body: Body, tools: list[dict], names: list[str], run) -> bool:
+    """``run()`` (a lane's tools half of the injection: bili's tools after the agent's, in
+    ``body.top["tools"]``), or its effect replayed when the agent's tools bytes, bili's tools and
+    the names (the same objects) are the ones it ran on before."""
+    if not tools or type(names) is not list:
+        return run()
+    raw = body.top.get("tools")
+    if type(raw) is not msgspec.Raw and type(raw) is not bytes:
+        return run()  # (none: the lane's own code fails)
+    try:
+        key = (encode(tools), raw)
+    except (TypeError, ValueError):
+        return run()
+    return _replay_or_run(memo, key, names, body, None, 0, run, False, False)
+
+
+def memo_prompt(memo: Memo, body: Body, items: list, start: int, prompt: str, reads: tuple, run, *,
+                reads_item: bool = False, inserts: bool = False) -> bool:
+    """``run()`` (a lane's prompt half of the injection), or its effect replayed when it saw these
+    inputs before.  ``reads``: the raw values of ``body`` it reads, as they are (``None`` for a
+    missing key); ``reads_item``: it also reads the item before ``start`` (and may replace it);
+    ``inserts``: it may insert one item at ``start`` (and changes no other item)."""
+    if type(prompt) is not str or type(items) is not list:
+        return run()
+    item = None
+    if reads_item and start > 0:
+        if start > len(items):
+            return run()  # (the lane's own code fails there)
+        item = items[start - 1]
+    key = (prompt, start > 0, body.array, item, *reads)
+    return _replay_or_run(memo, key, (), body, items, start, run, reads_item, inserts)
+
+
+def _replay_or_run(memo: Memo, key: tuple, names: list | tuple, body: Body, items: list | None, start: int, run,
+                   reads_item: bool, inserts: bool) -> bool:
+    """The effect kept under ``key`` and ``names`` set into the body (the top-level values the run
+    set, in the order they stand: a new key lands last, as the run added it; an item replaced
+    before ``start`` or inserted at ``start``) and the run's result; else the run, and its effect
+    kept when it has that shape."""
+    for x in key:
+        if type(x) not in _KEY_TYPES:
+            return run()
+    value = memo.get(key, names)
+    top = body.top
+    if value is not _MISS:
+        writes, op, new_item, result = value
+        for k, v in writes:
+            top[k] = v
+        if op == 1:
+            items[start - 1] = new_item
+        elif op == 2:
+            items.insert(start, new_item)
+        return result
+    before = dict(top)
+    n = len(items) if items is not None else 0
+    prev = items[start - 1] if reads_item and 0 < start <= n else None
+    at = items[start] if inserts and 0 <= start < n else None
+    result = run()
+    if type(result) is not bool or body.top is not top or any(type(x) is not str for x in names):
+        return result
+    if list(top)[: len(before)] != list(before):
+        return result  # a key removed or moved: not an effect a replay makes
+    writes = tuple((k, _owned(v)) for k, v in top.items() if before.get(k, _MISS) is not v)
+    if any(type(v) is not msgspec.Raw for _, v in writes):
+        return result
+    op, new_item = 0, None
+    if items is not None:
+        if len(items) == n:
+            if prev is not None and items[start - 1] is not prev:
+                op, new_item = 1, items[start - 1]
+        elif len(items) == n + 1 and inserts and 0 <= start <= n and (start == n or items[start + 1] is at) \
+                and (prev is None or items[start - 1] is prev):
+            op, new_item = 2, items[start]
+        else:
+            return result
+        if op and type(new_item) is not bytes:
+            return result
+    memo.put(key, tuple(names), (writes, op, new_item, result))
+    return result

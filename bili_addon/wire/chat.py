@@ -17,6 +17,7 @@ from bili_addon.wire.base import (
     CodecError,
     Core,
     LaneDefaults,
+    Memo,
     append_to_text_value,
     append_tools,
     compact_json,
@@ -25,11 +26,19 @@ from bili_addon.wire.base import (
     decode_list,
     decode_obj,
     encode,
+    memo_prompt,
+    memo_tool_names,
+    memo_tools,
     tool_names,
 )
 from bili_addon.wire.media import payload_of_url
 
 _SYSTEM_ROLES = ("system", "developer")
+
+
+_NAMES = Memo()  # tools bytes -> their names (base.memo_tool_names)
+_TOOLS = Memo()  # the tools half of inject: what it read -> what it wrote (base.memo_tools)
+_PROMPT = Memo()  # the prompt half (base.memo_prompt)
 
 
 class ChatLane(LaneDefaults):
@@ -143,6 +152,11 @@ class ChatLane(LaneDefaults):
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
+        """Names of the request's tools: the names read before when the tools are those bytes again."""
+        return memo_tool_names(_NAMES, body.top.get("tools"), lambda: ChatLane._tool_names(body))
+
+    @staticmethod
+    def _tool_names(body: Body) -> list[str] | None:
         raw = body.top.get("tools")
         if raw is not None and bytes(raw)[:1] == b"[":
             try:  # the names alone read (descriptions and schemas skipped, not made into dicts)
@@ -160,12 +174,32 @@ class ChatLane(LaneDefaults):
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
                names: list[str]) -> bool:
+        """:meth:`_inject`, each half replayed when its inputs are the ones it saw before."""
         if not names:
             return False
+        changed = memo_tools(_TOOLS, body, tools, names, lambda: ChatLane._inject_tools(body, tools, names))
+        return memo_prompt(_PROMPT, body, items, start, prompt, (),
+                           lambda: ChatLane._inject_prompt(items, start, prompt), reads_item=True,
+                           inserts=True) or changed
+
+    @staticmethod
+    def _inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+                names: list[str]) -> bool:
+        """Bili's tools after the agent's, the prompt at the end of its leading system message (or a
+        system message of its own)."""
+        if not names:
+            return False
+        changed = ChatLane._inject_tools(body, tools, names)
+        return ChatLane._inject_prompt(items, start, prompt) or changed
+
+    @staticmethod
+    def _inject_tools(body: Body, tools: list[dict], names: list[str]) -> bool:
         shaped = [{"_name": t["name"], "type": "function", "function": {
             "name": t["name"], "description": t["description"], "parameters": t["parameters"]}} for t in tools]
-        if tools:
-            append_tools(body, "tools", names, shaped)
+        return append_tools(body, "tools", names, shaped) if tools else False
+
+    @staticmethod
+    def _inject_prompt(items: list[bytes], start: int, prompt: str) -> bool:
         if start > 0:  # the agent's leading system message gets the prompt at its end
             obj = decode_obj(items[start - 1])  # the other parts keep their bytes
             raw = obj.get("content")

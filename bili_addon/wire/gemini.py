@@ -19,15 +19,24 @@ from bili_addon.wire.base import (
     Body,
     Core,
     LaneDefaults,
+    Memo,
     append_tools,
     compact_json,
     decode_any,
     encode,
     idless_call_key,
+    memo_prompt,
+    memo_tool_names,
+    memo_tools,
 )
 from bili_addon.wire.media import payload_of_data
 
 _ROLES = {"user": "user", "model": "assistant", "assistant": "assistant", "system": "system"}
+
+
+_NAMES = Memo()  # tools bytes -> their names (base.memo_tool_names)
+_TOOLS = Memo()  # the tools half of inject: what it read -> what it wrote (base.memo_tools)
+_PROMPT = Memo()  # the prompt half (base.memo_prompt)
 
 
 class GeminiLane(LaneDefaults):
@@ -60,6 +69,11 @@ class GeminiLane(LaneDefaults):
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
+        """Names of the request's tools: the names read before when the tools are those bytes again."""
+        return memo_tool_names(_NAMES, body.top.get("tools"), lambda: GeminiLane._tool_names(body))
+
+    @staticmethod
+    def _tool_names(body: Body) -> list[str] | None:
         raw = body.top.get("tools")
         if raw is None or bytes(raw)[:1] != b"[":
             return None
@@ -74,12 +88,31 @@ class GeminiLane(LaneDefaults):
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
                names: list[str]) -> bool:
+        """:meth:`_inject`, each half replayed when its inputs are the ones it saw before."""
         if not names:
             return False
+        changed = memo_tools(_TOOLS, body, tools, names, lambda: GeminiLane._inject_tools(body, tools, names))
+        return memo_prompt(_PROMPT, body, items, start, prompt, (body.top.get("systemInstruction"),),
+                           lambda: GeminiLane._inject_prompt(body, prompt)) or changed
+
+    @staticmethod
+    def _inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+                names: list[str]) -> bool:
+        """Bili's tools (the ones the agent lacks) in a declaration group of their own, the prompt as
+        the last part of the system instruction."""
+        if not names:
+            return False
+        changed = GeminiLane._inject_tools(body, tools, names)
+        return GeminiLane._inject_prompt(body, prompt) or changed
+
+    @staticmethod
+    def _inject_tools(body: Body, tools: list[dict], names: list[str]) -> bool:
         decls = [{"name": t["name"], "description": t["description"], "parameters": t["parameters"]}
                  for t in tools if t["name"] not in names]
-        if decls:
-            append_tools(body, "tools", [], [{"_name": "", "functionDeclarations": decls}])
+        return append_tools(body, "tools", [], [{"_name": "", "functionDeclarations": decls}]) if decls else False
+
+    @staticmethod
+    def _inject_prompt(body: Body, prompt: str) -> bool:
         system = body.get("systemInstruction")
         if not isinstance(system, dict):
             system = {"parts": []}

@@ -20,10 +20,14 @@ from bili_addon.wire.base import (
     Body,
     Core,
     LaneDefaults,
+    Memo,
     append_tools,
     compact_json,
     content_cores,
     encode,
+    memo_prompt,
+    memo_tool_names,
+    memo_tools,
     tool_names,
 )
 from bili_addon.wire.media import payload_of_url
@@ -33,6 +37,11 @@ _MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system", 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # free-form tool calls: which field holds the call's payload
 _CALL_PAYLOAD = ("arguments", "input", "action", "operation")
+
+
+_NAMES = Memo()  # tools bytes -> their names (base.memo_tool_names)
+_TOOLS = Memo()  # the tools half of inject: what it read -> what it wrote (base.memo_tools)
+_PROMPT = Memo()  # the prompt half (base.memo_prompt)
 
 
 class ResponsesLane(LaneDefaults):
@@ -79,6 +88,12 @@ class ResponsesLane(LaneDefaults):
 
     @staticmethod
     def tool_names(body: Body) -> list[str] | None:
+        """Names of the request's tools (:meth:`_tool_names`): the names read before when the tools are those
+        bytes again."""
+        return memo_tool_names(_NAMES, body.top.get("tools"), lambda: ResponsesLane._tool_names(body))
+
+    @staticmethod
+    def _tool_names(body: Body) -> list[str] | None:
         """Names of the request's tools; a namespace's tools (codex nests MCP servers' tools as
         ``{"type": "namespace", "name": "mcp__bili", "tools": [...]}``) as ``<namespace>__<tool>``."""
         names = tool_names(body.top.get("tools"), lambda t: t if isinstance(t, dict) else None)
@@ -89,11 +104,30 @@ class ResponsesLane(LaneDefaults):
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
                names: list[str]) -> bool:
+        """:meth:`_inject`, each half replayed when its inputs are the ones it saw before."""
         if not names:
             return False
+        changed = memo_tools(_TOOLS, body, tools, names, lambda: ResponsesLane._inject_tools(body, tools, names))
+        return memo_prompt(_PROMPT, body, items, start, prompt, (body.top.get("instructions"),),
+                           lambda: ResponsesLane._inject_prompt(body, items, start, prompt), inserts=True) or changed
+
+    @staticmethod
+    def _inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
+                names: list[str]) -> bool:
+        """Bili's tools after the agent's, the prompt after its instructions (or an item of its own)."""
+        if not names:
+            return False
+        changed = ResponsesLane._inject_tools(body, tools, names)
+        return ResponsesLane._inject_prompt(body, items, start, prompt) or changed
+
+    @staticmethod
+    def _inject_tools(body: Body, tools: list[dict], names: list[str]) -> bool:
         shaped = [{"_name": t["name"], "type": "function", "name": t["name"], "description": t["description"],
                    "parameters": t["parameters"]} for t in tools]
-        changed = append_tools(body, "tools", names, shaped) if tools else False
+        return append_tools(body, "tools", names, shaped) if tools else False
+
+    @staticmethod
+    def _inject_prompt(body: Body, items: list[bytes], start: int, prompt: str) -> bool:
         instructions = body.get("instructions")
         if isinstance(instructions, str):
             body.set("instructions", instructions + PROMPT_SEPARATOR + prompt)
@@ -102,7 +136,7 @@ class ResponsesLane(LaneDefaults):
             items.insert(start, encode({"type": "message", "role": "developer",
                                         "content": [{"type": "input_text", "text": prompt}]}))
             return True
-        return changed
+        return False
 
     @staticmethod
     def result_edits(obj: Any, call_id: str, text: str) -> list:
