@@ -13,6 +13,7 @@ import re
 import time
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import attrgetter, is_
 from typing import Any, Iterable, NamedTuple
 
@@ -75,11 +76,34 @@ class Block:
 
     @property
     def summary_tokens(self) -> int:
-        return count_tokens(self.summary)
+        return tokens_of(self.summary)
+
+
+_TOKENS_OF: dict[str, int] = {}  # text -> count_tokens(text): summaries, read on every turn
+_TOKENS_OF_CHARS = 1 << 22  # the characters of the texts kept, at most
+_tokens_of_chars = 0
+
+
+def tokens_of(text: str) -> int:
+    """``count_tokens(text)``, kept for the texts read turn after turn (summaries and what stands
+    for them on the wire: a summary's header is not ASCII, and counting it is a regex pass)."""
+    global _tokens_of_chars
+    n = _TOKENS_OF.get(text)
+    if n is None:
+        n = count_tokens(text)
+        if len(text) <= _TOKENS_OF_CHARS >> 4:
+            if _tokens_of_chars + len(text) > _TOKENS_OF_CHARS:
+                _TOKENS_OF.clear()
+                _tokens_of_chars = 0
+            _TOKENS_OF[text] = n
+            _tokens_of_chars += len(text)
+    return n
 
 
 # one per part per turn: msgspec Structs build ~3x faster than dataclasses
 _TOKENS = attrgetter("tokens")
+_PARTS = attrgetter("parts")
+_REF = attrgetter("ref")
 _UNKNOWN = object()  # (a View's user turns, not looked for yet)
 
 
@@ -143,6 +167,15 @@ class Sums(NamedTuple):
     peak: int  # the most tokens of one part (0: none)
 
 
+class Flat(NamedTuple):
+    """A view's parts in conversation order (:meth:`View.flat`)."""
+
+    refs: list[str]  # each part's ref
+    items: list[int]  # the position of each part's item
+    offsets: list[int]  # at ``k``: how many parts ``items[:k]`` have; len(items) + 1
+    of: list[ViewItem]  # the items they were computed from
+
+
 class Unfolded(NamedTuple):
     """A view's items against a coverage (:meth:`View.unfolded`): the parts no block holds."""
 
@@ -195,6 +228,11 @@ class View:
         self._m: tuple[list, list, int] | None = None  # (the last _shared_with: what, with which, how many)
         self._unfolded: Unfolded | None = None
         self._plans: list[_PlanMemo] = []  # (the plans made of it, newest first: plan)
+        self._parts: list[int] | None = None  # (with the sums: how many parts ``items[:k]`` have)
+        self._user_of: list[ViewItem] | None = None  # (what last_user was found in)
+        self._flat: Flat | None = None  # (flat: the parts' refs and items, in order)
+        # what other modules keep of this view for the next one (compaction's head, the copy's ids)
+        self.memo: dict[str, Any] = {}
         self._prev = prev
         if prev is not None:
             prev._prev = None  # (never a chain of views: only the last one is kept)
@@ -248,9 +286,20 @@ class View:
         return self._first_user
 
     def last_user(self) -> int | None:
+        """The newest user turn.  A follow-up looks at its new items only when the previous view's
+        is among the items the two share (agents' turns are mostly tool results: the newest user
+        turn lies far back, and the same one turn after turn)."""
         if self._last_user is _UNKNOWN:
-            items = self.items
-            self._last_user = next((k for k in range(len(items) - 1, -1, -1) if _user_turn(items[k].parts)), None)
+            items = self._snapshot()
+            lo, found = 0, None
+            prev = self._prev
+            if prev is not None and prev._user_of is not None:
+                m = self._shared_with(prev._user_of)
+                last = prev._last_user
+                if m and (last is None or last < m):  # (None: no user turn in any of its items)
+                    lo, found = m, last
+            self._last_user = next((k for k in range(len(items) - 1, lo - 1, -1) if _user_turn(items[k].parts)), found)
+            self._user_of = items
         return self._last_user
 
     def sums(self) -> Sums:
@@ -261,14 +310,16 @@ class View:
                  and prev._peaks is not None else 0)
             if m:  # the previous view's figures over the items the two share
                 tokens, filled, peaks = prev._sums.tokens[:m + 1], prev._sums.filled[:m + 1], prev._peaks[:m + 1]
-                total, count, peak = tokens[-1], filled[-1], peaks[-1]
+                counts = prev._parts[:m + 1]
+                total, count, peak, many = tokens[-1], filled[-1], peaks[-1], counts[-1]
             else:
-                tokens, filled, peaks = [0], [0], [0]
-                total = count = peak = 0
+                tokens, filled, peaks, counts = [0], [0], [0], [0]
+                total = count = peak = many = 0
             for k in range(m, len(items)):
                 parts = items[k].parts
                 if parts:
                     count += 1
+                    many += len(parts)
                     for p in parts:
                         n = p.tokens
                         total += n
@@ -277,10 +328,44 @@ class View:
                 tokens.append(total)
                 filled.append(count)
                 peaks.append(peak)
+                counts.append(many)
             self._sums = Sums(tokens, filled, peak)
             self._peaks = peaks
+            self._parts = counts
             self._sums_of = items
         return self._sums
+
+    def part_count(self) -> int:
+        """How many parts the items have (with the sums: a follow-up's extend the previous view's)."""
+        self.sums()
+        if self._parts is None or self._sums_of is not self._snapshot():  # (sums given by the caller)
+            return sum(map(len, map(_PARTS, self._snapshot())))
+        return self._parts[-1]
+
+    def flat(self) -> Flat:
+        """The parts' refs in conversation order, and the item each belongs to (:class:`Flat`); a
+        follow-up's extend the previous view's over the items the two share."""
+        items = self._snapshot()
+        f = self._flat
+        if f is not None and f.of is items:
+            return f
+        prev = self._prev
+        pf = prev._flat if prev is not None else None
+        m = self._shared_with(pf.of) if pf is not None else 0
+        if m:
+            at = pf.offsets[m]
+            refs, where, offsets = pf.refs[:at], pf.items[:at], pf.offsets[:m + 1]
+        else:
+            refs, where, offsets, at = [], [], [0], 0
+        for k in range(m, len(items)):
+            parts = items[k].parts
+            if parts:
+                refs += map(_REF, parts)
+                where += repeat(k, len(parts))
+                at += len(parts)
+            offsets.append(at)
+        f = self._flat = Flat(refs, where, offsets, items)
+        return f
 
     def unfolded(self, cov: dict[str, Any]) -> Unfolded:
         """The items against the coverage ``cov`` (ref -> block): what of them no block holds, as

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import logging
 from itertools import accumulate, islice
-from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 from msgspec import Struct
 
 from bili_addon.kernel import fold, reconcile, tags
 from bili_addon.kernel.fold import Block, PartView, View, ViewItem
-from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.state import ItemInfo, Resolved, Session, TurnResult
 from bili_addon.kernel.tools import ProxyTools, call_key
 from bili_addon.wire import Lane, hygiene
@@ -314,21 +312,19 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
     result.folded_items = len(drop)
     tokens = view.sums().tokens
     s.sent_tokens = (unfolded - sum(tokens[e] - tokens[k] for k, e in runs.items())
-                     + sum(count_tokens(b.text()) for b in plan.rendered))
+                     + sum(fold.tokens_of(b.text()) for b in plan.rendered))
     return True
 
 
 def _holding(view: View, refs: dict) -> set[int]:
     """The positions of the view's items that hold a part of one of ``refs``."""
     items, pos = view.items, view.pos
-    if len(pos) == sum(map(len, map(_PARTS, items))):  # each ref in one part: where View found it
+    if len(pos) == (view.part_count() if isinstance(view, View) else sum(len(it.parts) for it in items)):
+        # each ref in one part: where View found it
         found = {pos[r]: r for r in refs if r in pos}
         if all(r in items[k].refs for k, r in found.items()):
             return set(found)
     return {k for k, it in enumerate(items) for p in it.parts if p.ref in refs}
-
-
-_PARTS = attrgetter("parts")
 
 
 def alternate(lane: Lane, out: list[bytes], start: int, ours: dict[int, str]) -> list[bytes]:
