@@ -147,8 +147,11 @@ def marker_in_head(lane: str, view: View) -> tuple[str, PartView, int] | None:
     prev = view._prev if memo else None
     got = prev.memo.get("head") if prev is not None else None
     if got is not None and got[0] == lane and got[1] and view._shared_with(got[3]) >= got[1]:
-        view.memo["head"] = got
-        return got[2]
+        view.memo["head"] = (*got[:3], items)
+        if got[2] is None:
+            return None
+        agent, k, j = got[2]
+        return agent, items[k].parts[j], k  # (this view's part: an equal one)
     shapes = [s for s in SHAPES if lane in s.lanes]
     assistant_seen = False
     found, read = None, 0  # (read: the items the answer depends on; 0: all of them, the head goes on)
@@ -156,10 +159,10 @@ def marker_in_head(lane: str, view: View) -> tuple[str, PartView, int] | None:
         if k >= MAX_HEAD or (k >= HEAD_ITEMS and assistant_seen):
             read = k
             break
-        for p in it.parts:
+        for j, p in enumerate(it.parts):
             for s in shapes:
                 if s.match(p, k):
-                    found, read = (s.agent, p, k), k + 1
+                    found, read = (s.agent, k, j), k + 1
                     break
             if found is not None:
                 break
@@ -168,7 +171,10 @@ def marker_in_head(lane: str, view: View) -> tuple[str, PartView, int] | None:
         assistant_seen = assistant_seen or any(p.role == "assistant" for p in it.parts)
     if memo:
         view.memo["head"] = (lane, read, found, items)
-    return found
+    if found is None:
+        return None
+    agent, k, j = found
+    return agent, items[k].parts[j], k
 
 
 def detect(lane: str, view: View, previous: list[str], known: set[str], minted_from: int) -> Found | None:

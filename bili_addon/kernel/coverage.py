@@ -10,7 +10,7 @@ turn's staged commit when it has one).
 from __future__ import annotations
 
 import logging
-from itertools import chain, compress, islice
+from itertools import chain, compress, islice, repeat
 from itertools import count as _naturals
 from operator import attrgetter, eq, not_
 from typing import TYPE_CHECKING
@@ -98,28 +98,8 @@ def _steady(view: View, blocks: list[fold.Block], copy: reconcile.Copy) -> recon
 
 
 _PARTS = attrgetter("parts")
+_REF = attrgetter("ref")
 _MSG_ID = attrgetter("msg_id")
-
-
-def _ids(view: View, resolved: list[list[Resolved]]) -> list[str]:
-    """The pass's ledger ids in order (a new list): the previous view's, extended over the items
-    the two passes share (the same lists of parts), are kept with the view for the next one."""
-    prev = view._prev
-    got = prev.memo.get("ids") if prev is not None else None
-    of = list(resolved)
-    m = fold._shared(got[0], of) if got is not None else 0
-    if m:
-        offsets = got[1][:m + 1]
-        at = offsets[-1]
-        ids = got[2][:at]
-    else:
-        offsets, ids, at = [0], [], 0
-    for parts in islice(of, m, None):
-        ids += map(_MSG_ID, parts)
-        at += len(parts)
-        offsets.append(at)
-    view.memo["ids"] = (of, offsets, ids)
-    return ids[:]
 
 
 def roll_copy(sessions: Sessions, s: Session, view: View, resolved: list[list[Resolved]],
@@ -141,21 +121,43 @@ def roll_copy(sessions: Sessions, s: Session, view: View, resolved: list[list[Re
         copy.ids = [r.msg_id for ps in resolved for r in ps]
         sessions.save_copy(s)
         return
-    # the view's refs and their items as the previous view's extended (View.flat), the pass's ids
-    # likewise: a follow-up looks at its new parts
-    flat = view.flat()
-    refs = flat.refs
+    # a follow-up's refs, items and ids are the previous pass's (when the copy holds that pass's
+    # lists as this function gave them: they are replaced, never changed in place) over the items
+    # the two views share, and its new items'
+    items = view._snapshot()
+    counts = view.part_counts()
+    of = list(resolved)
+    old, got = copy.refs, view._prev.memo.get("copy") if view._prev is not None else None
+    if got is not None and old is got[0] and copy.items is got[1] and copy.ids is got[2]:
+        m, mr = view._shared_with(got[5]), fold._shared(got[3], of)
+    else:
+        m = mr = 0
+    at = counts[m]
+    refs, where = (old[:at], copy.items[:at]) if m else ([], [])
+    for k in range(m, len(items)):
+        parts = items[k].parts
+        if parts:
+            refs += map(_REF, parts)
+            where += repeat(k, len(parts))
+    if mr:
+        ends = got[4][:mr + 1]
+        ids = copy.ids[:ends[-1]]
+    else:
+        ends, ids = [0], []
+    n = ends[-1]
+    for parts in islice(of, mr, None):
+        ids += map(_MSG_ID, parts)
+        n += len(parts)
+        ends.append(n)
     # fingerprints are per content, so the shared head keeps its own
-    same = min(common_prefix(refs, copy.refs), len(copy.fps))
+    same = min(_common_from(refs, old, at), len(copy.fps))
     fps = copy.fps[:same]
     if same < len(refs):
-        k = flat.items[same]  # the item of the first part whose fingerprint is not kept
-        parts = islice(chain.from_iterable(map(_PARTS, islice(view._snapshot(), k, None))), same - flat.offsets[k], None)
-        fps += map(reconcile.fingerprint, parts)
-    copy.fps = fps
-    copy.refs = refs[:]  # (copies: the view keeps its own for the next view's)
-    copy.items = flat.items[:]
-    copy.ids = _ids(view, resolved)
+        k = where[same]  # the item of the first part whose fingerprint is not kept
+        fps += map(reconcile.fingerprint, islice(chain.from_iterable(map(_PARTS, islice(items, k, None))),
+                                                 same - counts[k], None))
+    copy.fps, copy.refs, copy.items, copy.ids = fps, refs, where, ids
+    view.memo["copy"] = (refs, where, ids, of, ends, items)
     sessions.save_copy(s)  # with the turn's staged commit (one write), or at once
 
 
@@ -171,6 +173,12 @@ def count(sessions: Sessions, s: Session, out: reconcile.Outcome) -> None:
     if out.verdict:
         counts[out.verdict] = counts.get(out.verdict, 0) + 1
     sessions.set_flag(s.row.id, "drift", counts)
+
+
+def _common_from(a: list, b: list, at: int) -> int:
+    """:func:`common_prefix` of ``a`` and ``b`` that share their first ``at`` elements."""
+    return at + next(compress(_naturals(), map(not_, map(eq, islice(a, at, None), islice(b, at, None)))),
+                     min(len(a), len(b)) - at)
 
 
 def common_prefix(a: list, b: list) -> int:

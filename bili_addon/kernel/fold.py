@@ -13,8 +13,7 @@ import re
 import time
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import attrgetter, is_
+from operator import attrgetter
 from typing import Any, Iterable, NamedTuple
 
 import msgspec
@@ -102,8 +101,6 @@ def tokens_of(text: str) -> int:
 
 # one per part per turn: msgspec Structs build ~3x faster than dataclasses
 _TOKENS = attrgetter("tokens")
-_PARTS = attrgetter("parts")
-_REF = attrgetter("ref")
 _UNKNOWN = object()  # (a View's user turns, not looked for yet)
 
 
@@ -167,15 +164,6 @@ class Sums(NamedTuple):
     peak: int  # the most tokens of one part (0: none)
 
 
-class Flat(NamedTuple):
-    """A view's parts in conversation order (:meth:`View.flat`)."""
-
-    refs: list[str]  # each part's ref
-    items: list[int]  # the position of each part's item
-    offsets: list[int]  # at ``k``: how many parts ``items[:k]`` have; len(items) + 1
-    of: list[ViewItem]  # the items they were computed from
-
-
 class Unfolded(NamedTuple):
     """A view's items against a coverage (:meth:`View.unfolded`): the parts no block holds."""
 
@@ -196,12 +184,21 @@ class Unfolded(NamedTuple):
 
 
 def _shared(a: list, b: list) -> int:
-    """How many of the first items of ``a`` and ``b`` are the same objects."""
-    same = list(map(is_, a, b))
-    try:
-        return same.index(False)
-    except ValueError:
-        return len(same)
+    """How many of the first items of ``a`` and ``b`` are equal: mostly the same objects (compared
+    by address, not read), else items made again of the same parts (a follow-up's figures depend
+    on its items' values only).  Lists compared in C: the whole head at once, and where it differs,
+    halves of it until the first item that differs."""
+    n = min(len(a), len(b))
+    if (a if len(a) == n else a[:n]) == (b if len(b) == n else b[:n]):
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class View:
@@ -230,7 +227,6 @@ class View:
         self._plans: list[_PlanMemo] = []  # (the plans made of it, newest first: plan)
         self._parts: list[int] | None = None  # (with the sums: how many parts ``items[:k]`` have)
         self._user_of: list[ViewItem] | None = None  # (what last_user was found in)
-        self._flat: Flat | None = None  # (flat: the parts' refs and items, in order)
         # what other modules keep of this view for the next one (compaction's head, the copy's ids)
         self.memo: dict[str, Any] = {}
         self._prev = prev
@@ -335,37 +331,22 @@ class View:
             self._sums_of = items
         return self._sums
 
-    def part_count(self) -> int:
-        """How many parts the items have (with the sums: a follow-up's extend the previous view's)."""
+    def part_counts(self) -> list[int]:
+        """At ``k``: how many parts ``items[:k]`` have (with the sums: a follow-up's extend the
+        previous view's); len(items) + 1."""
         self.sums()
-        if self._parts is None or self._sums_of is not self._snapshot():  # (sums given by the caller)
-            return sum(map(len, map(_PARTS, self._snapshot())))
-        return self._parts[-1]
-
-    def flat(self) -> Flat:
-        """The parts' refs in conversation order, and the item each belongs to (:class:`Flat`); a
-        follow-up's extend the previous view's over the items the two share."""
         items = self._snapshot()
-        f = self._flat
-        if f is not None and f.of is items:
-            return f
-        prev = self._prev
-        pf = prev._flat if prev is not None else None
-        m = self._shared_with(pf.of) if pf is not None else 0
-        if m:
-            at = pf.offsets[m]
-            refs, where, offsets = pf.refs[:at], pf.items[:at], pf.offsets[:m + 1]
-        else:
-            refs, where, offsets, at = [], [], [0], 0
-        for k in range(m, len(items)):
-            parts = items[k].parts
-            if parts:
-                refs += map(_REF, parts)
-                where += repeat(k, len(parts))
-                at += len(parts)
-            offsets.append(at)
-        f = self._flat = Flat(refs, where, offsets, items)
-        return f
+        if self._parts is None or self._sums_of is not items:  # (sums given by the caller)
+            counts, n = [0], 0
+            for it in items:
+                n += len(it.parts)
+                counts.append(n)
+            return counts
+        return self._parts
+
+    def part_count(self) -> int:
+        """How many parts the items have."""
+        return self.part_counts()[-1]
 
     def unfolded(self, cov: dict[str, Any]) -> Unfolded:
         """The items against the coverage ``cov`` (ref -> block): what of them no block holds, as
