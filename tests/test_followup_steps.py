@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from bili_addon.kernel import compaction, coverage, fold, reconcile, render
+from bili_addon.kernel import compaction, coverage, fold, nudge, reconcile, render
 from bili_addon.kernel.compaction import HEAD_ITEMS, MAX_HEAD, SHAPES, CLAUDE_CODE
 from bili_addon.kernel.fold import Block, FoldConfig, PartView, View, ViewItem
 from bili_addon.kernel.identity import count_tokens
@@ -121,7 +121,39 @@ def old_last_user(self) -> int | None:
     return self._last_user
 
 
+def old_coverage(blocks) -> dict[str, Block]:
+    out: dict[str, Block] = {}
+    for b in blocks:
+        if b.active:
+            for r in b.coverage:
+                out.setdefault(r, b)
+    return out
+
+
+def old_runs(drop) -> dict[int, int]:
+    runs: dict[int, int] = {}
+    head = prev = -2
+    for k in sorted(drop):
+        if k != prev + 1:
+            head = k
+        runs[head] = k + 1
+        prev = k
+    return runs
+
+
+def old_plan(view, blocks, hidden=frozenset(), snoozed=frozenset()):
+    p = real_plan(view, blocks, hidden, snoozed)
+    return fold.Plan(p.drop, p.inserts, p.rendered)  # (its runs made again by assemble)
+
+
+real_plan = fold.plan
+
+
 def patch_oracles(mp: pytest.MonkeyPatch) -> None:
+    for mod in (fold, nudge, reconcile):
+        mp.setattr(mod, "coverage", old_coverage)
+    mp.setattr(fold, "_runs", old_runs)
+    mp.setattr(fold, "plan", old_plan)
     mp.setattr(coverage, "common_prefix", old_common_prefix)
     mp.setattr(coverage, "check", old_check)
     mp.setattr(coverage, "roll_copy", old_roll_copy)
@@ -229,6 +261,39 @@ def test_the_marker_at_the_head_is_the_oracles_view_after_view(seed):
             items = items[:-1] + [ViewItem(last.index, list(last.parts))]
         else:
             items = items[:rng.randint(0, len(items))]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_coverage_is_the_oracles_as_the_blocks_change(seed):
+    """The coverage kept for the same blocks is the one made again: blocks (de)activated, claims
+    made, refs covered, blocks added or dropped, other sessions' blocks asked for between."""
+    rng = random.Random(seed)
+    view, blocks, _hidden = random_view(rng, rng.choice([5, 30, 80]))
+    others = random_view(random.Random(seed + 7), 30)[1]
+    for _ in range(rng.randint(1, 12)):
+        ask = rng.choice([blocks, blocks, others, [b for b in blocks if b.active], blocks[::-1]])
+        got, want = fold.coverage(ask), old_coverage(ask)
+        assert list(got.items()) == list(want.items())  # (the same blocks, the same order)
+        assert all(got[r] is want[r] for r in got)
+        move = rng.random()
+        if blocks and move < 0.2:
+            rng.choice(blocks).active ^= True
+        elif blocks and move < 0.35:
+            b = rng.choice(blocks)
+            if b.covered:
+                b.claimed[rng.choice(b.covered)] = f"m0{rng.randint(1000, 9999)}"
+        elif blocks and move < 0.5:
+            rng.choice(blocks).covered.append(f"m0{rng.randint(1000, 9999)}")  # (in place)
+        elif blocks and move < 0.6:
+            b = rng.choice(blocks)
+            if b.covered:
+                b.covered[rng.randrange(len(b.covered))] = f"m0{rng.randint(1000, 9999)}"  # (in place)
+        elif move < 0.7 and blocks:
+            blocks = blocks[:-1]
+        elif move < 0.8 and (blocks or others):
+            blocks = blocks + [copymod.copy(rng.choice(blocks or others))]
+    drop = {rng.randrange(100) for _ in range(rng.randint(0, 40))}
+    assert fold._runs(drop) == old_runs(drop)
 
 
 def random_blocks_and_copy(rng: random.Random, view: View, blocks: list[Block]) -> Copy:

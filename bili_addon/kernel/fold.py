@@ -399,8 +399,36 @@ class View:
         return keep
 
 
+# the last few coverages made: (the blocks (the same objects), their active flags, each active one's
+# coverage, the coverage); a turn asks for its session's several times (the engine, the plan, the
+# reminder)
+_COVERAGES: list[tuple[list[Block], list[bool], list[list[str] | None], dict[str, Block]]] = []
+_COVERAGES_MAX = 4
+
+
 def coverage(blocks: Iterable[Block]) -> dict[str, Block]:
-    """Each ref an active block holds -> the first such block."""
+    """Each ref an active block holds -> the first such block.  (The same dict again while the
+    blocks, their active flags and their coverage are the same: callers only read it.)"""
+    blocks = list(blocks)
+    n = len(blocks)
+    for i, (bs, actives, covs, out) in enumerate(_COVERAGES):
+        if len(bs) != n:
+            continue
+        for b, was, active, cov in zip(blocks, bs, actives, covs):
+            if b is not was or b.active != active or (cov is not None and b.coverage != cov):
+                break
+        else:
+            if i:
+                _COVERAGES.insert(0, _COVERAGES.pop(i))
+            return out
+    out = _coverage(blocks)
+    _COVERAGES.insert(0, (blocks, [b.active for b in blocks], [list(b.coverage) if b.active else None for b in blocks],
+                          out))
+    del _COVERAGES[_COVERAGES_MAX:]
+    return out
+
+
+def _coverage(blocks: list[Block]) -> dict[str, Block]:
     out: dict[str, Block] | None = None
     for b in blocks:
         if b.active:
@@ -433,6 +461,7 @@ class Plan:
     drop: set[int]  # view positions that leave the wire
     inserts: dict[int, list[Block]]  # view position -> blocks whose summary goes before it
     rendered: list[Block]
+    runs: dict[int, int] | None = None  # ``drop`` in runs, when known (:func:`_runs`; read only)
 
 
 class _PlanMemo(NamedTuple):
@@ -447,6 +476,7 @@ class _PlanMemo(NamedTuple):
     ids: frozenset[str]  # the tool-call ids of the items every part of which is covered (or hidden)
     last: int  # the last of those items (-1: none)
     of: list[ViewItem]  # the view's items
+    runs: dict[int, int]  # ``drop`` in runs (:func:`_runs`)
 
 
 def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snoozed: set[str] = frozenset()) -> Plan:
@@ -465,9 +495,9 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
     if memo is None:
         drop, firsts, ids, last = _plan(view._snapshot(), cov, hidden, first, live)
         memo = _PlanMemo(cov, hidden, first, [(bid, list(refs)) for bid, refs in shape], frozenset(drop), firsts,
-                         ids, last, view._snapshot())
+                         ids, last, view._snapshot(), _runs(drop))
     else:
-        memo = memo._replace(cov=cov, of=view._snapshot())
+        memo = _PlanMemo(cov, *memo[1:8], view._snapshot(), memo.runs)
     view._plans = [memo, *view._plans[:2]]
     inserts: dict[int, list[Block]] = {}
     rendered: list[Block] = []
@@ -478,7 +508,19 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
         if i in memo.firsts:
             inserts.setdefault(memo.firsts[i], []).append(b)
             rendered.append(b)
-    return Plan(set(memo.drop), inserts, rendered)
+    return Plan(set(memo.drop), inserts, rendered, memo.runs)
+
+
+def _runs(drop: Iterable[int]) -> dict[int, int]:
+    """The dropped positions in runs: the first of each -> one past its run's last."""
+    runs: dict[int, int] = {}
+    head = prev = -2
+    for k in sorted(drop):
+        if k != prev + 1:
+            head = k
+        runs[head] = k + 1
+        prev = k
+    return runs
 
 
 def _plan_again(view: View, cov: dict[str, Block], hidden: frozenset[str], first: int | None,
@@ -488,7 +530,8 @@ def _plan_again(view: View, cov: dict[str, Block], hidden: frozenset[str], first
     if prev is None:
         return None
     for memo in prev._plans:
-        if memo.first == first and memo.hidden == hidden and memo.shape == shape and memo.cov.keys() == cov.keys():
+        if (memo.first == first and memo.hidden == hidden and memo.shape == shape
+                and (memo.cov is cov or memo.cov.keys() == cov.keys())):
             break
     else:
         return None

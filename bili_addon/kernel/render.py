@@ -265,14 +265,9 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
     out: list[bytes] = items_out[:start]
     ours: dict[int, str] = {}  # positions in ``out`` of the items the addon added, with their text
     items = view.items
-    # the dropped items in runs: the first of each -> one past its run's last
-    runs: dict[int, int] = {}
-    head = prev = -2
-    for k in sorted(drop):
-        if k != prev + 1:
-            head = k
-        runs[head] = k + 1
-        prev = k
+    # the dropped items in runs: the first of each -> one past its run's last (the plan's, when it
+    # has them: a follow-up's plan is mostly the previous one's)
+    runs = plan.runs if plan.runs is not None else fold._runs(drop)
     # the view's items are the conversation's from ``start`` on: only those where something
     # happens are looked at, the runs between them copied as they are, and each run of dropped
     # items left out as a whole (its items where something stands looked at on their own)
