@@ -294,7 +294,15 @@ class View:
                 last = prev._last_user
                 if m and (last is None or last < m):  # (None: no user turn in any of its items)
                     lo, found = m, last
-            self._last_user = next((k for k in range(len(items) - 1, lo - 1, -1) if _user_turn(items[k].parts)), found)
+            for k in range(len(items) - 1, lo - 1, -1):  # (_user_turn, inlined: read item after item)
+                for p in items[k].parts:
+                    if p.role == "user" and p.ctype == TEXT:
+                        found = k
+                        break
+                else:
+                    continue
+                break
+            self._last_user = found
             self._user_of = items
         return self._last_user
 
