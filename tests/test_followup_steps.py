@@ -226,6 +226,23 @@ def test_the_views_new_figures_are_a_pass_from_the_start(seed):
         assert v.last_user() == old_last_user(View(list(items)))
 
 
+@pytest.mark.parametrize("seed", range(300))
+def test_the_items_holding_reminders_are_the_oracles_view_after_view(seed):
+    """render._holding of a view made after another (refs seen twice among them): the oracle's, for
+    the same refs, more refs, or others."""
+    rng = random.Random(seed)
+    refs: dict[str, str] = {}
+    for v, items, _blocks in chain_of_views(rng, rng.choice([3, 12, 40])):
+        pool = [p.ref for it in items for p in it.parts] + ["m09999"]
+        move = rng.random()
+        if move < 0.3 or not refs:
+            refs = {**refs, rng.choice(pool): "text"}
+        elif move < 0.4:
+            refs = {rng.choice(pool): "text"}
+        for _again in range(rng.randint(1, 2)):
+            assert render._holding(v, refs) == old_holding(View(list(items)), refs)
+
+
 def random_head(rng: random.Random, n: int) -> list[ViewItem]:
     items = []
     for k in range(n):

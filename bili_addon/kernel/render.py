@@ -312,7 +312,25 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
 
 
 def _holding(view: View, refs: dict) -> set[int]:
-    """The positions of the view's items that hold a part of one of ``refs``."""
+    """The positions of the view's items that hold a part of one of ``refs``.  A follow-up's are the
+    previous view's among the items the two share (for the same refs), and its new items' own."""
+    if not isinstance(view, View):
+        return _holding_all(view, refs)
+    items = view._snapshot()
+    prev = view._prev
+    got = prev.memo.get("holding") if prev is not None else None
+    if got is not None and got[0] == refs.keys():
+        m = view._shared_with(got[2])
+        out = {k for k in got[1] if k < m}
+        out.update(k for k in range(m, len(items)) for p in items[k].parts if p.ref in refs)
+    else:
+        out = _holding_all(view, refs)
+    view.memo["holding"] = (frozenset(refs), frozenset(out), items)
+    return out
+
+
+def _holding_all(view: View, refs: dict) -> set[int]:
+    """:func:`_holding` from the start."""
     items, pos = view.items, view.pos
     if len(pos) == (view.part_count() if isinstance(view, View) else sum(len(it.parts) for it in items)):
         # each ref in one part: where View found it
