@@ -101,6 +101,7 @@ def tokens_of(text: str) -> int:
 
 # one per part per turn: msgspec Structs build ~3x faster than dataclasses
 _TOKENS = attrgetter("tokens")
+_PARTS = attrgetter("parts")
 _UNKNOWN = object()  # (a View's user turns, not looked for yet)
 
 
@@ -354,7 +355,11 @@ class View:
 
     def part_count(self) -> int:
         """How many parts the items have."""
-        return self.part_counts()[-1]
+        self.sums()
+        items = self._snapshot()
+        if self._parts is None or self._sums_of is not items:  # (sums given by the caller)
+            return sum(map(len, map(_PARTS, items)))
+        return self._parts[-1]
 
     def unfolded(self, cov: dict[str, Any]) -> Unfolded:
         """The items against the coverage ``cov`` (ref -> block): what of them no block holds, as
