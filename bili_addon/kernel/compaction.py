@@ -138,18 +138,43 @@ class Found:
 
 
 def marker_in_head(lane: str, view: View) -> tuple[str, PartView, int] | None:
-    """The first compaction summary at the head of ``view``: ``(agent, part, position)``."""
+    """The first compaction summary at the head of ``view``: ``(agent, part, position)``.  What it
+    found is kept with the view, with how many of its first items it read: the next view of the
+    conversation that shares those items (the same objects) finds the same (a follow-up's head is
+    the previous request's)."""
+    memo = isinstance(view, View)  # (a view of fold.View's kind keeps it)
+    items = view._snapshot() if memo else view.items
+    prev = view._prev if memo else None
+    got = prev.memo.get("head") if prev is not None else None
+    if got is not None and got[0] == lane and got[1] and view._shared_with(got[3]) >= got[1]:
+        view.memo["head"] = (*got[:3], items)
+        if got[2] is None:
+            return None
+        agent, k, j = got[2]
+        return agent, items[k].parts[j], k  # (this view's part: an equal one)
     shapes = [s for s in SHAPES if lane in s.lanes]
     assistant_seen = False
-    for k, it in enumerate(view.items):
+    found, read = None, 0  # (read: the items the answer depends on; 0: all of them, the head goes on)
+    for k, it in enumerate(items):
         if k >= MAX_HEAD or (k >= HEAD_ITEMS and assistant_seen):
+            read = k
             break
-        for p in it.parts:
+        for j, p in enumerate(it.parts):
             for s in shapes:
                 if s.match(p, k):
-                    return s.agent, p, k
+                    found, read = (s.agent, k, j), k + 1
+                    break
+            if found is not None:
+                break
+        if found is not None:
+            break
         assistant_seen = assistant_seen or any(p.role == "assistant" for p in it.parts)
-    return None
+    if memo:
+        view.memo["head"] = (lane, read, found, items)
+    if found is None:
+        return None
+    agent, k, j = found
+    return agent, items[k].parts[j], k
 
 
 def detect(lane: str, view: View, previous: list[str], known: set[str], minted_from: int) -> Found | None:

@@ -10,6 +10,9 @@ turn's staged commit when it has one).
 from __future__ import annotations
 
 import logging
+from itertools import chain, compress, islice, repeat
+from itertools import count as _naturals
+from operator import attrgetter, eq, not_
 from typing import TYPE_CHECKING
 
 from bili_addon.kernel import fold, reconcile
@@ -29,8 +32,10 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
     if len(view.items) < reconcile.SIDE_REQUEST_MAX_ITEMS:
         return None  # side requests (titles, probes) never touch the copy
     sid = s.row.id
-    fresh = {r.entry.ref for ps in resolved for r in ps if r.incs > 1}
-    out = reconcile.reconcile(view, s.blocks, s.copy, lambda refs: store.originals(sid, refs), fresh)
+    out = _steady(view, s.blocks, s.copy)
+    if out is None:  # a covered part went missing: the channels of kernel/reconcile.py
+        fresh = {r.entry.ref for ps in resolved for r in ps if r.incs > 1}
+        out = reconcile.reconcile(view, s.blocks, s.copy, lambda refs: store.originals(sid, refs), fresh)
     if out.claims:
         by_block: dict[str, list[str]] = {}
         owner = fold.coverage(s.blocks)
@@ -62,6 +67,41 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
     return out
 
 
+def _steady(view: View, blocks: list[fold.Block], copy: reconcile.Copy) -> reconcile.Outcome | None:
+    """:func:`reconcile.reconcile <bili_addon.kernel.reconcile.reconcile>`'s outcome when no covered
+    part is missing (the steady turn: nothing to claim), or None when one is.  The view's positions
+    hold every ref of the pass (``View.pos``: extended from the previous view's, not a set of the
+    pass built again), and what reconcile changes of the copy then (the truncated refs the host
+    sends again) is changed the same."""
+    present = view.pos
+    active = [b for b in blocks if b.active]
+    has = present.__contains__
+    now_of: dict[str, str] | None = None
+    gone: set[str] | None = None
+    for b in active:
+        if all(map(has, b.covered)):
+            continue
+        if now_of is None:  # (the ref a covered message has now: reconcile's ``now_of``)
+            now_of = {}
+            for c in active:
+                now_of.update(c.claimed)
+            gone = set(copy.truncated)
+        get = now_of.get
+        for r in b.covered:
+            if r not in present and get(r) not in present and r not in gone:
+                return None
+    if copy.truncated:  # what the host truncated and now sends again is simply present
+        copy.truncated = [r for r in copy.truncated if r not in present]
+    covered = (len(set(active[0].covered)) if len(active) == 1
+               else len(set().union(*(b.covered for b in active))))
+    return reconcile.Outcome(covered=covered)
+
+
+_PARTS = attrgetter("parts")
+_REF = attrgetter("ref")
+_MSG_ID = attrgetter("msg_id")
+
+
 def roll_copy(sessions: Sessions, s: Session, view: View, resolved: list[list[Resolved]],
               drift: reconcile.Outcome | None) -> None:
     """A steady (or fully verified) pass becomes the canonical copy the next drift is checked
@@ -71,14 +111,53 @@ def roll_copy(sessions: Sessions, s: Session, view: View, resolved: list[list[Re
     if drift is not None and drift.unmatched and drift.verdict != "truncated":
         return
     copy = s.copy
-    parts = [p for it in view.items for p in it.parts]
-    refs = [p.ref for p in parts]
+    if not isinstance(view, View):  # (a view of another kind: from the start)
+        parts = [p for it in view.items for p in it.parts]
+        refs = [p.ref for p in parts]
+        same = min(common_prefix(refs, copy.refs), len(copy.fps))
+        copy.fps = copy.fps[:same] + [reconcile.fingerprint(p) for p in parts[same:]]
+        copy.refs = refs
+        copy.items = [k for k, it in enumerate(view.items) for _p in it.parts]
+        copy.ids = [r.msg_id for ps in resolved for r in ps]
+        sessions.save_copy(s)
+        return
+    # a follow-up's refs, items and ids are the previous pass's (when the copy holds that pass's
+    # lists as this function gave them: they are replaced, never changed in place) over the items
+    # the two views share, and its new items'
+    items = view._snapshot()
+    counts = view.part_counts()
+    of = list(resolved)
+    old, got = copy.refs, view._prev.memo.get("copy") if view._prev is not None else None
+    if got is not None and old is got[0] and copy.items is got[1] and copy.ids is got[2]:
+        m, mr = view._shared_with(got[5]), fold._shared(got[3], of)
+    else:
+        m = mr = 0
+    at = counts[m]
+    refs, where = (old[:at], copy.items[:at]) if m else ([], [])
+    for k in range(m, len(items)):
+        parts = items[k].parts
+        if parts:
+            refs += map(_REF, parts)
+            where += repeat(k, len(parts))
+    if mr:
+        ends = got[4][:mr + 1]
+        ids = copy.ids[:ends[-1]]
+    else:
+        ends, ids = [0], []
+    n = ends[-1]
+    for parts in islice(of, mr, None):
+        ids += map(_MSG_ID, parts)
+        n += len(parts)
+        ends.append(n)
     # fingerprints are per content, so the shared head keeps its own
-    same = min(common_prefix(refs, copy.refs), len(copy.fps))
-    copy.fps = copy.fps[:same] + [reconcile.fingerprint(p) for p in parts[same:]]
-    copy.refs = refs
-    copy.items = [k for k, it in enumerate(view.items) for _p in it.parts]
-    copy.ids = [r.msg_id for ps in resolved for r in ps]
+    same = min(_common_from(refs, old, at), len(copy.fps))
+    fps = copy.fps[:same]
+    if same < len(refs):
+        k = where[same]  # the item of the first part whose fingerprint is not kept
+        fps += map(reconcile.fingerprint, islice(chain.from_iterable(map(_PARTS, islice(items, k, None))),
+                                                 same - counts[k], None))
+    copy.fps, copy.refs, copy.items, copy.ids = fps, refs, where, ids
+    view.memo["copy"] = (refs, where, ids, of, ends, items)
     sessions.save_copy(s)  # with the turn's staged commit (one write), or at once
 
 
@@ -96,13 +175,16 @@ def count(sessions: Sessions, s: Session, out: reconcile.Outcome) -> None:
     sessions.set_flag(s.row.id, "drift", counts)
 
 
+def _common_from(a: list, b: list, at: int) -> int:
+    """:func:`common_prefix` of ``a`` and ``b`` that share their first ``at`` elements."""
+    return at + next(compress(_naturals(), map(not_, map(eq, islice(a, at, None), islice(b, at, None)))),
+                     min(len(a), len(b)) - at)
+
+
 def common_prefix(a: list, b: list) -> int:
-    """How many leading elements ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    """How many leading elements ``a`` and ``b`` share (compared with ``==``, up to the first that
+    differs: one pass in C, read on every turn for the items and the copy's refs)."""
+    return next(compress(_naturals(), map(not_, map(eq, a, b))), min(len(a), len(b)))
 
 
 __all__ = ["check", "count", "roll_copy"]

@@ -13,7 +13,7 @@ import re
 import time
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
-from operator import attrgetter, is_
+from operator import attrgetter
 from typing import Any, Iterable, NamedTuple
 
 import msgspec
@@ -75,11 +75,33 @@ class Block:
 
     @property
     def summary_tokens(self) -> int:
-        return count_tokens(self.summary)
+        return tokens_of(self.summary)
+
+
+_TOKENS_OF: dict[str, int] = {}  # text -> count_tokens(text): summaries, read on every turn
+_TOKENS_OF_CHARS = 1 << 22  # the characters of the texts kept, at most
+_tokens_of_chars = 0
+
+
+def tokens_of(text: str) -> int:
+    """``count_tokens(text)``, kept for the texts read turn after turn (summaries and what stands
+    for them on the wire: a summary's header is not ASCII, and counting it is a regex pass)."""
+    global _tokens_of_chars
+    n = _TOKENS_OF.get(text)
+    if n is None:
+        n = count_tokens(text)
+        if len(text) <= _TOKENS_OF_CHARS >> 4:
+            if _tokens_of_chars + len(text) > _TOKENS_OF_CHARS:
+                _TOKENS_OF.clear()
+                _tokens_of_chars = 0
+            _TOKENS_OF[text] = n
+            _tokens_of_chars += len(text)
+    return n
 
 
 # one per part per turn: msgspec Structs build ~3x faster than dataclasses
 _TOKENS = attrgetter("tokens")
+_PARTS = attrgetter("parts")
 _UNKNOWN = object()  # (a View's user turns, not looked for yet)
 
 
@@ -163,12 +185,21 @@ class Unfolded(NamedTuple):
 
 
 def _shared(a: list, b: list) -> int:
-    """How many of the first items of ``a`` and ``b`` are the same objects."""
-    same = list(map(is_, a, b))
-    try:
-        return same.index(False)
-    except ValueError:
-        return len(same)
+    """How many of the first items of ``a`` and ``b`` are equal: mostly the same objects (compared
+    by address, not read), else items made again of the same parts (a follow-up's figures depend
+    on its items' values only).  Lists compared in C: the whole head at once, and where it differs,
+    halves of it until the first item that differs."""
+    n = min(len(a), len(b))
+    if (a if len(a) == n else a[:n]) == (b if len(b) == n else b[:n]):
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class View:
@@ -195,6 +226,10 @@ class View:
         self._m: tuple[list, list, int] | None = None  # (the last _shared_with: what, with which, how many)
         self._unfolded: Unfolded | None = None
         self._plans: list[_PlanMemo] = []  # (the plans made of it, newest first: plan)
+        self._parts: list[int] | None = None  # (with the sums: how many parts ``items[:k]`` have)
+        self._user_of: list[ViewItem] | None = None  # (what last_user was found in)
+        # what other modules keep of this view for the next one (compaction's head, the copy's ids)
+        self.memo: dict[str, Any] = {}
         self._prev = prev
         if prev is not None:
             prev._prev = None  # (never a chain of views: only the last one is kept)
@@ -248,9 +283,28 @@ class View:
         return self._first_user
 
     def last_user(self) -> int | None:
+        """The newest user turn.  A follow-up looks at its new items only when the previous view's
+        is among the items the two share (agents' turns are mostly tool results: the newest user
+        turn lies far back, and the same one turn after turn)."""
         if self._last_user is _UNKNOWN:
-            items = self.items
-            self._last_user = next((k for k in range(len(items) - 1, -1, -1) if _user_turn(items[k].parts)), None)
+            items = self._snapshot()
+            lo, found = 0, None
+            prev = self._prev
+            if prev is not None and prev._user_of is not None:
+                m = self._shared_with(prev._user_of)
+                last = prev._last_user
+                if m and (last is None or last < m):  # (None: no user turn in any of its items)
+                    lo, found = m, last
+            for k in range(len(items) - 1, lo - 1, -1):  # (_user_turn, inlined: read item after item)
+                for p in items[k].parts:
+                    if p.role == "user" and p.ctype == TEXT:
+                        found = k
+                        break
+                else:
+                    continue
+                break
+            self._last_user = found
+            self._user_of = items
         return self._last_user
 
     def sums(self) -> Sums:
@@ -261,14 +315,16 @@ class View:
                  and prev._peaks is not None else 0)
             if m:  # the previous view's figures over the items the two share
                 tokens, filled, peaks = prev._sums.tokens[:m + 1], prev._sums.filled[:m + 1], prev._peaks[:m + 1]
-                total, count, peak = tokens[-1], filled[-1], peaks[-1]
+                counts = prev._parts[:m + 1]
+                total, count, peak, many = tokens[-1], filled[-1], peaks[-1], counts[-1]
             else:
-                tokens, filled, peaks = [0], [0], [0]
-                total = count = peak = 0
+                tokens, filled, peaks, counts = [0], [0], [0], [0]
+                total = count = peak = many = 0
             for k in range(m, len(items)):
                 parts = items[k].parts
                 if parts:
                     count += 1
+                    many += len(parts)
                     for p in parts:
                         n = p.tokens
                         total += n
@@ -277,10 +333,33 @@ class View:
                 tokens.append(total)
                 filled.append(count)
                 peaks.append(peak)
+                counts.append(many)
             self._sums = Sums(tokens, filled, peak)
             self._peaks = peaks
+            self._parts = counts
             self._sums_of = items
         return self._sums
+
+    def part_counts(self) -> list[int]:
+        """At ``k``: how many parts ``items[:k]`` have (with the sums: a follow-up's extend the
+        previous view's); len(items) + 1."""
+        self.sums()
+        items = self._snapshot()
+        if self._parts is None or self._sums_of is not items:  # (sums given by the caller)
+            counts, n = [0], 0
+            for it in items:
+                n += len(it.parts)
+                counts.append(n)
+            return counts
+        return self._parts
+
+    def part_count(self) -> int:
+        """How many parts the items have."""
+        self.sums()
+        items = self._snapshot()
+        if self._parts is None or self._sums_of is not items:  # (sums given by the caller)
+            return sum(map(len, map(_PARTS, items)))
+        return self._parts[-1]
 
     def unfolded(self, cov: dict[str, Any]) -> Unfolded:
         """The items against the coverage ``cov`` (ref -> block): what of them no block holds, as
@@ -333,8 +412,36 @@ class View:
         return keep
 
 
+# the last few coverages made: (the blocks (the same objects), their active flags, each active one's
+# coverage, the coverage); a turn asks for its session's several times (the engine, the plan, the
+# reminder)
+_COVERAGES: list[tuple[list[Block], list[bool], list[list[str] | None], dict[str, Block]]] = []
+_COVERAGES_MAX = 4
+
+
 def coverage(blocks: Iterable[Block]) -> dict[str, Block]:
-    """Each ref an active block holds -> the first such block."""
+    """Each ref an active block holds -> the first such block.  (The same dict again while the
+    blocks, their active flags and their coverage are the same: callers only read it.)"""
+    blocks = list(blocks)
+    n = len(blocks)
+    for i, (bs, actives, covs, out) in enumerate(_COVERAGES):
+        if len(bs) != n:
+            continue
+        for b, was, active, cov in zip(blocks, bs, actives, covs):
+            if b is not was or b.active != active or (cov is not None and b.coverage != cov):
+                break
+        else:
+            if i:
+                _COVERAGES.insert(0, _COVERAGES.pop(i))
+            return out
+    out = _coverage(blocks)
+    _COVERAGES.insert(0, (blocks, [b.active for b in blocks], [list(b.coverage) if b.active else None for b in blocks],
+                          out))
+    del _COVERAGES[_COVERAGES_MAX:]
+    return out
+
+
+def _coverage(blocks: list[Block]) -> dict[str, Block]:
     out: dict[str, Block] | None = None
     for b in blocks:
         if b.active:
@@ -367,6 +474,7 @@ class Plan:
     drop: set[int]  # view positions that leave the wire
     inserts: dict[int, list[Block]]  # view position -> blocks whose summary goes before it
     rendered: list[Block]
+    runs: dict[int, int] | None = None  # ``drop`` in runs, when known (:func:`_runs`; read only)
 
 
 class _PlanMemo(NamedTuple):
@@ -381,6 +489,7 @@ class _PlanMemo(NamedTuple):
     ids: frozenset[str]  # the tool-call ids of the items every part of which is covered (or hidden)
     last: int  # the last of those items (-1: none)
     of: list[ViewItem]  # the view's items
+    runs: dict[int, int]  # ``drop`` in runs (:func:`_runs`)
 
 
 def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snoozed: set[str] = frozenset()) -> Plan:
@@ -399,9 +508,9 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
     if memo is None:
         drop, firsts, ids, last = _plan(view._snapshot(), cov, hidden, first, live)
         memo = _PlanMemo(cov, hidden, first, [(bid, list(refs)) for bid, refs in shape], frozenset(drop), firsts,
-                         ids, last, view._snapshot())
+                         ids, last, view._snapshot(), _runs(drop))
     else:
-        memo = memo._replace(cov=cov, of=view._snapshot())
+        memo = _PlanMemo(cov, *memo[1:8], view._snapshot(), memo.runs)
     view._plans = [memo, *view._plans[:2]]
     inserts: dict[int, list[Block]] = {}
     rendered: list[Block] = []
@@ -412,7 +521,19 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
         if i in memo.firsts:
             inserts.setdefault(memo.firsts[i], []).append(b)
             rendered.append(b)
-    return Plan(set(memo.drop), inserts, rendered)
+    return Plan(set(memo.drop), inserts, rendered, memo.runs)
+
+
+def _runs(drop: Iterable[int]) -> dict[int, int]:
+    """The dropped positions in runs: the first of each -> one past its run's last."""
+    runs: dict[int, int] = {}
+    head = prev = -2
+    for k in sorted(drop):
+        if k != prev + 1:
+            head = k
+        runs[head] = k + 1
+        prev = k
+    return runs
 
 
 def _plan_again(view: View, cov: dict[str, Block], hidden: frozenset[str], first: int | None,
@@ -422,7 +543,8 @@ def _plan_again(view: View, cov: dict[str, Block], hidden: frozenset[str], first
     if prev is None:
         return None
     for memo in prev._plans:
-        if memo.first == first and memo.hidden == hidden and memo.shape == shape and memo.cov.keys() == cov.keys():
+        if (memo.first == first and memo.hidden == hidden and memo.shape == shape
+                and (memo.cov is cov or memo.cov.keys() == cov.keys())):
             break
     else:
         return None

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import logging
 from itertools import accumulate, islice
-from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 from msgspec import Struct
 
 from bili_addon.kernel import fold, reconcile, tags
 from bili_addon.kernel.fold import Block, PartView, View, ViewItem
-from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.state import ItemInfo, Resolved, Session, TurnResult
 from bili_addon.kernel.tools import ProxyTools, call_key
 from bili_addon.wire import Lane, hygiene
@@ -267,14 +265,9 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
     out: list[bytes] = items_out[:start]
     ours: dict[int, str] = {}  # positions in ``out`` of the items the addon added, with their text
     items = view.items
-    # the dropped items in runs: the first of each -> one past its run's last
-    runs: dict[int, int] = {}
-    head = prev = -2
-    for k in sorted(drop):
-        if k != prev + 1:
-            head = k
-        runs[head] = k + 1
-        prev = k
+    # the dropped items in runs: the first of each -> one past its run's last (the plan's, when it
+    # has them: a follow-up's plan is mostly the previous one's)
+    runs = plan.runs if plan.runs is not None else fold._runs(drop)
     # the view's items are the conversation's from ``start`` on: only those where something
     # happens are looked at, the runs between them copied as they are, and each run of dropped
     # items left out as a whole (its items where something stands looked at on their own)
@@ -314,21 +307,37 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
     result.folded_items = len(drop)
     tokens = view.sums().tokens
     s.sent_tokens = (unfolded - sum(tokens[e] - tokens[k] for k, e in runs.items())
-                     + sum(count_tokens(b.text()) for b in plan.rendered))
+                     + sum(fold.tokens_of(b.text()) for b in plan.rendered))
     return True
 
 
 def _holding(view: View, refs: dict) -> set[int]:
-    """The positions of the view's items that hold a part of one of ``refs``."""
+    """The positions of the view's items that hold a part of one of ``refs``.  A follow-up's are the
+    previous view's among the items the two share (for the same refs), and its new items' own."""
+    if not isinstance(view, View):
+        return _holding_all(view, refs)
+    items = view._snapshot()
+    prev = view._prev
+    got = prev.memo.get("holding") if prev is not None else None
+    if got is not None and got[0] == refs.keys():
+        m = view._shared_with(got[2])
+        out = {k for k in got[1] if k < m}
+        out.update(k for k in range(m, len(items)) for p in items[k].parts if p.ref in refs)
+    else:
+        out = _holding_all(view, refs)
+    view.memo["holding"] = (frozenset(refs), frozenset(out), items)
+    return out
+
+
+def _holding_all(view: View, refs: dict) -> set[int]:
+    """:func:`_holding` from the start."""
     items, pos = view.items, view.pos
-    if len(pos) == sum(map(len, map(_PARTS, items))):  # each ref in one part: where View found it
+    if len(pos) == (view.part_count() if isinstance(view, View) else sum(len(it.parts) for it in items)):
+        # each ref in one part: where View found it
         found = {pos[r]: r for r in refs if r in pos}
         if all(r in items[k].refs for k, r in found.items()):
             return set(found)
     return {k for k, it in enumerate(items) for p in it.parts if p.ref in refs}
-
-
-_PARTS = attrgetter("parts")
 
 
 def alternate(lane: Lane, out: list[bytes], start: int, ours: dict[int, str]) -> list[bytes]:
