@@ -297,6 +297,7 @@ class Session:
     last_view: View | None = None  # the conversation as the last request showed it
     sent_tokens: int = 0  # the last request, as sent
     unfolded_tokens: int = 0  # the last request, had nothing been folded
+    id_sets: tuple | None = None  # the canonical copy's ids as sets (turn._id_sets)
 
 
 @dataclass

@@ -352,10 +352,10 @@ class Engine(ProxyTools, Epochs, Deferred):
         """
         new_rows: list[LedgerRow] = []
         next_ref = s.row.next_ref
-        prev_ids = set(s.copy.ids) if cov and s.copy.ids else None
+        prev_ids = None
         appended_from = 0
-        if prev_ids is not None:
-            prev_bases = {i[:18] for i in prev_ids}
+        if cov and s.copy.ids:
+            prev_ids, prev_bases = _id_sets(s)
             appended_from = next((k + 1 for k in range(len(infos) - 1, -1, -1)
                                   if any(p.base in prev_bases for p in infos[k].parts)), 0)
         out_all: list[list[Resolved]] = []
@@ -487,6 +487,28 @@ def _system_run(infos: list[ItemInfo]) -> int:
     while start < len(infos) and infos[start].is_system:
         start += 1
     return start
+
+
+def _id_sets(s: Session) -> tuple[set[str], set[str]]:
+    """The ledger ids of the session's canonical copy and their bases, as sets.  A folded session's
+    every turn reads them (~1,500 ids at 1,000 messages: ~0.17 ms to build); a turn's copy is the
+    previous one's ids and the new items' (coverage.roll_copy), so the sets of the previous copy are
+    extended by what follows the ids they were built from (kept as a list of their own), and built
+    again when the copy is not such an extension."""
+    ids = s.copy.ids
+    got = s.id_sets
+    if got is not None:
+        seen, id_set, bases = got
+        n = len(seen)
+        if len(ids) >= n and ids[:n] == seen:
+            if len(ids) > n:
+                more = ids[n:]
+                id_set.update(more)
+                bases.update([i[:18] for i in more])
+                seen += more
+            return id_set, bases
+    s.id_sets = (list(ids), set(ids), {i[:18] for i in ids})
+    return s.id_sets[1], s.id_sets[2]
 
 
 def _prefix_counter(memo: Memo | None, q: int) -> Counter:
