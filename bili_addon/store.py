@@ -1023,13 +1023,16 @@ class Store:
     # is at the version the turn was computed from (?10) and, when the turn gives refs (?11: how many),
     # its first (?12) is the session's next free number in the store (its counter, or its family's if
     # higher).  A session with a row (``expect`` > 0) has it updated; a new one (0) has it made, when
-    # there is none.  No row written: what _TURN_STATE reads says why (nothing was written meanwhile).
+    # there is none and it is in no family (a new session's first ref is 1; its SELECT reads no
+    # ``sessions``: an INSERT that reads its own table copies what it reads to a temporary table
+    # first, ~4x the statement).  No row written: what _TURN_STATE reads says why (nothing was
+    # written meanwhile), and the row is written as it was before.
     _TURN_UPDATE = ("UPDATE sessions SET agent=?2, lane=?3, last_seen=?4, requests=?5, messages=?6, next_ref=?7, "
                     "flags=?8, version=?9 WHERE id=?1 AND version=?10 AND (?11=0 OR MAX(next_ref, "
                     f"{_FAMILY})=?12)")
     _TURN_INSERT = ("INSERT OR IGNORE INTO sessions(id, agent, lane, created, last_seen, requests, messages, "
                     "next_ref, flags, version) SELECT ?1, ?2, ?3, ?4, ?4, ?5, ?6, ?7, ?8, ?9 "
-                    f"WHERE ?10=0 AND (?11=0 OR MAX(1, {_FAMILY})=?12)")
+                    "WHERE ?10=0 AND (?11=0 OR (?12=1 AND NOT EXISTS (SELECT 1 FROM lineage WHERE session_id=?1)))")
     # (a new session's row is created with the time of its first write, as _advance creates it)
     _TURN_UPSERT = ("INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, "
                     "version) VALUES(?1,?2,?3,?4,?4,?5,?6,?7,?8,?9) ON CONFLICT(id) DO UPDATE SET "
