@@ -1092,7 +1092,8 @@ class Store:
                         raise StaleSession(sid, row.next_ref - k, first)
                 db.execute(self._TURN_UPSERT, args[:9])
             if k:
-                db.execute("INSERT INTO refs_turns(session_id, seq, n, given) VALUES(?,?,?,?)", (sid, version, k, given))
+                db.execute("INSERT INTO refs_turns(session_id, seq, n, given) VALUES(?,?,?,?)",
+                           (sid, version, k, given))
             if rows is not None:
                 # one row for the turn's new ledger rows (schema 7): a first turn of 1,000 messages
                 # wrote ~1,500 rows one by one before (~5 ms), one JSON text now

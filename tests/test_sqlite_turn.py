@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -31,7 +32,7 @@ from bili_addon.store import (
 
 def reference_commit_turn(self: Store, row, new_refs, chain=None, *, expect, minted=(), fresh=False, copy=None):
     """Store.commit_turn as it was before (read, check, upsert)."""
-    now = time.time()
+    now = store_mod.time.time()
     fresh = fresh and bool(new_refs)
     if fresh and minted:
         raise StoreError("a fresh turn's refs are its rows' (minted must be left out)")
@@ -100,7 +101,7 @@ class Clock:
 
 def test_the_one_statement_commit_writes_and_refuses_as_the_read_check_write_did(tmp_path, monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(store_mod.time, "time", clock)
+    monkeypatch.setattr(store_mod, "time", SimpleNamespace(time=clock, perf_counter=time.perf_counter))
     new, ref = Store(tmp_path / "new"), Store(tmp_path / "ref")
     rnd = random.Random(11)
     sids = ["a", "b", "c", "d", "e"]
@@ -208,7 +209,8 @@ def test_a_legacy_row_at_version_0_takes_its_first_turn(tmp_path):
     """A session row of a schema-1 store (version 0, made before versions): the insert finds it,
     the read-check-write path writes the turn as before."""
     s = Store(tmp_path)
-    s.db.execute("INSERT INTO sessions(id, agent, created, last_seen, next_ref, version) VALUES('old', 'x', 5, 5, 1, 0)")
+    s.db.execute("INSERT INTO sessions(id, agent, created, last_seen, next_ref, version) "
+                 "VALUES('old', 'x', 5, 5, 1, 0)")
     assert s.commit_turn(SessionRow("old", "y", "chat", 0.0, 0.0, 1, 1, 2), rows(1, 1, "o"), expect=0,
                          fresh=True) == 1
     r = s.session("old")
