@@ -46,6 +46,10 @@ BUSY_MS = 500  # how long a write waits for another process's lock before it giv
 # threshold), off the writers' path; a writer checkpoints itself only past the backstop (that thread behind)
 WAL_CHECKPOINT_PAGES = 1000
 WAL_BACKSTOP_PAGES = 10000
+# a commit that says how many pages it may have written (a turn's: ~3-20) looks at the WAL's size only once
+# such commits may have added this many pages since the last look (the stat was ~10 us of a turn's commit):
+# the WAL crosses the threshold by this much at most before the thread is woken
+POKE_PAGES = 128
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -669,15 +673,24 @@ class _Checkpointer:
 
     def __init__(self, path: Path):
         self.path = path
-        self.wal = path.with_name(path.name + "-wal")
+        self.wal = str(path.with_name(path.name + "-wal"))
+        self.owed = 0  # pages commits may have added to the WAL since its size was last looked at
         self.limit = 0
         self.event = threading.Event()
         self.thread: threading.Thread | None = None
         self.stopped = False
         self.runs = 0  # checkpoints made (tests)
 
-    def poke(self, page_size: int) -> None:
-        """After a commit: wake the thread when the WAL has grown past the threshold (one stat)."""
+    def poke(self, page_size: int, pages: int = 0) -> None:
+        """After a commit: wake the thread when the WAL has grown past the threshold (one stat).
+        ``pages``: at most how many pages the commit wrote (0: not known): the WAL's size is looked
+        at once such commits may have added :data:`POKE_PAGES` since the last look."""
+        if pages:
+            owed = self.owed + pages
+            if owed < POKE_PAGES:
+                self.owed = owed
+                return
+        self.owed = 0
         try:
             size = os.stat(self.wal).st_size
         except OSError:
@@ -715,29 +728,52 @@ class _Checkpointer:
             self.thread.join(timeout=10)
 
 
-class Store:
-    @contextmanager
-    def _tx(self):
-        """One atomic write: everything inside commits together or not at all.  A failure keeps
-        its own cause (SQLite rolls back by itself on a full disk: no second error about it)."""
+class _Tx:
+    """:meth:`Store._tx`'s one atomic write (a class of its own: a generator's context manager cost
+    ~1 us more per write)."""
+
+    __slots__ = ("store", "pages")
+
+    def __init__(self, store: "Store", pages: int):
+        self.store, self.pages = store, pages
+
+    def __enter__(self) -> sqlite3.Connection:
+        store = self.store
         try:
-            self.db.execute("BEGIN IMMEDIATE")
+            store.db.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as e:
-            raise store_error("write", self.path, e) from e
-        try:
-            yield self.db
-            self.db.execute("COMMIT")
-            self.writes += 1
-            self._checkpointer.poke(self._page_size)
-        except BaseException as e:
-            if self.db.in_transaction:
-                try:
-                    self.db.execute("ROLLBACK")
-                except sqlite3.Error:
-                    pass
-            if isinstance(e, sqlite3.Error):
-                raise store_error("write", self.path, e) from e
-            raise
+            raise store_error("write", store.path, e) from e
+        return store.db
+
+    def __exit__(self, typ, e, tb) -> bool:
+        store = self.store
+        db = store.db
+        if typ is None:
+            try:
+                db.execute("COMMIT")
+                store.writes += 1
+                store._checkpointer.poke(store._page_size, self.pages)
+                return False
+            except BaseException as err:
+                e = err
+        if db.in_transaction:
+            try:
+                db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+        if isinstance(e, sqlite3.Error):
+            raise store_error("write", store.path, e) from e
+        if typ is None:
+            raise e
+        return False  # the body's own exception goes on
+
+
+class Store:
+    def _tx(self, pages: int = 0) -> _Tx:
+        """One atomic write: everything inside commits together or not at all.  A failure keeps
+        its own cause (SQLite rolls back by itself on a full disk: no second error about it).
+        ``pages``: at most how many pages it writes, when known (:meth:`_Checkpointer.poke`)."""
+        return _Tx(self, pages)
 
     def _advance(self, session_id: str, expect: int) -> int:
         """Inside a write transaction: the session's version must still be ``expect`` (else another
@@ -980,6 +1016,29 @@ class Store:
     _TURN_STATE = ("SELECT s.version, s.next_ref, (SELECT MAX(f.next_ref) FROM lineage m JOIN sessions f "
                    "ON f.id=m.session_id WHERE m.root=(SELECT root FROM lineage WHERE session_id=?1)) "
                    "FROM (SELECT 1) LEFT JOIN sessions s ON s.id=?1")
+    # the family's counter (as in _TURN_STATE; 0: not in a family)
+    _FAMILY = ("COALESCE((SELECT MAX(f.next_ref) FROM lineage m JOIN sessions f ON f.id=m.session_id "
+               "WHERE m.root=(SELECT root FROM lineage WHERE session_id=?1)), 0)")
+    # the session's row written by the statement that checks it (one statement less per turn): the row
+    # is at the version the turn was computed from (?10) and, when the turn gives refs (?11: how many),
+    # its first (?12) is the session's next free number in the store (its counter, or its family's if
+    # higher).  A session with a row (``expect`` > 0) has it updated; a new one (0) has it made, when
+    # there is none and it is in no family (a new session's first ref is 1; its SELECT reads no
+    # ``sessions``: an INSERT that reads its own table copies what it reads to a temporary table
+    # first, ~4x the statement).  No row written: what _TURN_STATE reads says why (nothing was
+    # written meanwhile), and the row is written as it was before.
+    _TURN_UPDATE = ("UPDATE sessions SET agent=?2, lane=?3, last_seen=?4, requests=?5, messages=?6, next_ref=?7, "
+                    "flags=?8, version=?9 WHERE id=?1 AND version=?10 AND (?11=0 OR MAX(next_ref, "
+                    f"{_FAMILY})=?12)")
+    _TURN_INSERT = ("INSERT OR IGNORE INTO sessions(id, agent, lane, created, last_seen, requests, messages, "
+                    "next_ref, flags, version) SELECT ?1, ?2, ?3, ?4, ?4, ?5, ?6, ?7, ?8, ?9 "
+                    "WHERE ?10=0 AND (?11=0 OR (?12=1 AND NOT EXISTS (SELECT 1 FROM lineage WHERE session_id=?1)))")
+    # (a new session's row is created with the time of its first write, as _advance creates it)
+    _TURN_UPSERT = ("INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, "
+                    "version) VALUES(?1,?2,?3,?4,?4,?5,?6,?7,?8,?9) ON CONFLICT(id) DO UPDATE SET "
+                    "agent=excluded.agent, lane=excluded.lane, last_seen=excluded.last_seen, "
+                    "requests=excluded.requests, messages=excluded.messages, next_ref=excluded.next_ref, "
+                    "flags=excluded.flags, version=excluded.version")
 
     def commit_turn(
         self,
@@ -1005,45 +1064,50 @@ class Store:
             raise StoreError("a fresh turn's refs are its rows' (minted must be left out)")
         k = len(new_refs) if fresh else len(minted)
         claimed = (fresh_first(new_refs) if fresh else contiguous(minted)) if k else 0
-        with self._tx():
-            version, counter, family = self.db.execute(self._TURN_STATE, (row.id,)).fetchone()
-            found = version if version is not None else 0
-            if found != expect:
-                raise StaleSession(row.id, expect, found)
-            version = expect + 1
-            if k:  # the one place refs are given: the session's next free numbers in the store, in order
-                first = counter if counter is not None else 1
-                if family:
-                    first = max(first, family)
-                if first + k != row.next_ref or claimed != first:
-                    # given already: another process got there first
-                    raise StaleSession(row.id, row.next_ref - k, first)
-                self.db.execute("INSERT INTO refs_turns(session_id, seq, n, given) VALUES(?,?,?,?)",
-                                (row.id, version, k, FRESH_GIVEN if fresh else _json.encode(minted).decode()))
-            # (a new session's row is created with the time of its first write, as _advance creates it)
-            self.db.execute(
-                "INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, "
-                "version) VALUES(?,?,?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, "
-                "lane=excluded.lane, last_seen=excluded.last_seen, requests=excluded.requests, "
-                "messages=excluded.messages, next_ref=excluded.next_ref, flags=excluded.flags, "
-                "version=excluded.version",
-                (row.id, row.agent, row.lane, now, now, row.requests, row.messages, row.next_ref,
-                 row.flags, version),
-            )
-            if new_refs:
+        sid = row.id
+        version = expect + 1
+        rows = _json.encode(new_refs).decode() if new_refs else None
+        given = (FRESH_GIVEN if fresh else _json.encode(minted).decode()) if k else None
+        # at most the pages this write adds to the WAL (_Checkpointer.poke): each table's leaf, split
+        # or not, their overflow pages, the file's header and pointer map
+        pages = 2 + 6 * (2 + (k > 0) + (chain is not None) + (copy is not None)) + (
+            len(rows or "") + len(copy or "") + len(row.flags)) // 2048
+        args = (sid, row.agent, row.lane, now, row.requests, row.messages, row.next_ref, row.flags, version, expect, k,
+                claimed if claimed + k == row.next_ref else -1)
+        db = self.db
+        with self._tx(pages):
+            # the session's row, checked and written in one statement; else read, checked, written
+            if not db.execute(self._TURN_UPDATE if expect else self._TURN_INSERT, args).rowcount:
+                found, counter, family = db.execute(self._TURN_STATE, (sid,)).fetchone()
+                if found is None:
+                    found = 0
+                if found != expect:
+                    raise StaleSession(sid, expect, found)
+                if k:  # the one place refs are given: the session's next free numbers in the store, in order
+                    first = counter if counter is not None else 1
+                    if family:
+                        first = max(first, family)
+                    if first + k != row.next_ref or claimed != first:
+                        # given already: another process got there first
+                        raise StaleSession(sid, row.next_ref - k, first)
+                db.execute(self._TURN_UPSERT, args[:9])
+            if k:
+                db.execute("INSERT INTO refs_turns(session_id, seq, n, given) VALUES(?,?,?,?)",
+                           (sid, version, k, given))
+            if rows is not None:
                 # one row for the turn's new ledger rows (schema 7): a first turn of 1,000 messages
                 # wrote ~1,500 rows one by one before (~5 ms), one JSON text now
-                self.db.execute("INSERT INTO ledger_turns(session_id, seq, first_seen, n, rows) VALUES(?,?,?,?,?)",
-                                (row.id, version, now, len(new_refs), _json.encode(new_refs).decode()))
+                db.execute("INSERT INTO ledger_turns(session_id, seq, first_seen, n, rows) VALUES(?,?,?,?,?)",
+                           (sid, version, now, len(new_refs), rows))
             if chain is not None:
-                self.db.execute(
+                db.execute(
                     "INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(?,?,?,?) "
                     "ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail, "
                     "last_seen=excluded.last_seen",
-                    (row.id, chain[0], chain[1], now),
+                    (sid, chain[0], chain[1], now),
                 )
             if copy is not None:
-                self.db.execute("INSERT OR REPLACE INTO copies(session_id, doc) VALUES(?,?)", (row.id, copy))
+                db.execute("INSERT OR REPLACE INTO copies(session_id, doc) VALUES(?,?)", (sid, copy))
         return version
 
     def set_flags(self, row: SessionRow, *, expect: int) -> int:
