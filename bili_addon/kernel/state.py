@@ -276,6 +276,7 @@ class Memo:
     tagged_cum: list[int]
     bases: Counter  # instance counts of every base id in the pass
     size: int = 0  # the conversation's bytes (what Sessions.remember weighs it by)
+    marks: list | None = None  # running counts of the agent's cache marks over raws (breakpoints.agent_marks)
 
 
 @dataclass

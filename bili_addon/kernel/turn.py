@@ -151,6 +151,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             k = min(k, len(memo.raws) - 1)  # the previous last item may have been an untagged prefill
             if k <= memo.start:
                 k = 0
+        shares = memo if k else None  # (its first k items are these: whatever becomes of ``memo`` below)
         objs: list = [None] * k  # the items parsed in this pass, as decoded (render_items patches them)
         infos = (memo.infos[:k] if k else []) + self.items.get_many(
             lane, raws[k:], objs, body.top[lane.conv_key] if not k and raws else None)
@@ -283,7 +284,11 @@ class Engine(ProxyTools, Epochs, Deferred):
         pre = strict_inserts(s, lane.name, infos, top, origin)
         changed |= assemble(self, s, lane, items_out, start, view, result, snoozed, pre)
         if active and s.blocks:  # the agent's free cache breakpoint, at the end of the folded head
-            changed |= breakpoints.mark_head(lane.name, items_out, start, raw)
+            counts, run = breakpoints.agent_marks(raw, body, infos, shares.marks if shares is not None else None, k)
+            now = self.sessions.memos.get(sid)
+            if now is not None and now.infos is infos:  # (this pass's memo: the next turn counts its new items only)
+                now.marks = run
+            changed |= breakpoints.mark_head(lane.name, items_out, start, raw, counts)
         if self.inject and active and len(raws) > start:  # no conversation (``input: []``): nothing to add tools to
             names = lane.tool_names(body) or []
             native = any("bili" in n and n.endswith("compress") for n in names)

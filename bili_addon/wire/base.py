@@ -179,15 +179,18 @@ class LaneDefaults:
 class Body:
     """A request body split into untouched top-level raw values and the conversation item array."""
 
-    __slots__ = ("top", "key", "items", "array")
+    __slots__ = ("top", "key", "items", "array", "compact")
 
     def __init__(self, raw: bytes, key: str):
+        # compact: the body's bytes are exactly its members' keys (written without escapes) and raw
+        # values, and the items in its array, with nothing between them but the JSON punctuation
         if key == "messages" and type(raw) is bytes:
             split = _split_compact(raw)
             if split is not None:
                 self.top, self.items = split
-                self.key, self.array = key, True
+                self.key, self.array, self.compact = key, True, True
                 return
+        self.compact = False
         try:
             self.top = _dec_raw_obj.decode(raw)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
