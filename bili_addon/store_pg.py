@@ -14,6 +14,7 @@ when a ``postgresql://`` store is chosen.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 import time
@@ -32,13 +33,19 @@ try:
     import psycopg
     from psycopg import errors as pg_errors
     from psycopg import generators as pg_generators
-    from psycopg.pq import ExecStatus
+    from psycopg.pq import ConnStatus, ExecStatus
     from psycopg_pool import ConnectionPool, PoolTimeout
 except ImportError as e:  # pragma: no cover - the extra is not installed
     psycopg = None
     _IMPORT_ERROR: ImportError | None = e
 else:
     _IMPORT_ERROR = None
+
+try:  # CPython's own SHA-256 (HACL*): the same digest as OpenSSL's, without OpenSSL's dispatch
+    from _sha2 import sha256 as _sha256
+except ImportError:  # pragma: no cover - another Python
+    _sha256 = hashlib.sha256
+_SESSION_KEY = _sha256(b"bili-session:")  # copied per key: the prefix is hashed once
 
 POOL_MAX = 4
 CONNECT_TIMEOUT = 5.0  # seconds to get a connection before the store counts as unreachable
@@ -623,6 +630,7 @@ class PgStore:
         self._conn: psycopg.Connection | None = None  # held inside a transaction or a snapshot
         self.lock_wait = lock_wait
         self._lock_conn: psycopg.Connection | None = None  # holds the sessions' advisory locks
+        self._lock_enc = "utf-8"  # its client encoding (read when it is opened)
         self._unlocking = False  # release's unlock is on its way: its answer is read before the next statement
         self._held: set[str] = set()
         # what :meth:`hold` read right after the session's lock was granted (its version, family and
@@ -746,9 +754,9 @@ class PgStore:
     # -- per-session serialisation across instances ----------------------------------------------
     @staticmethod
     def lock_key(session_id: str) -> int:
-        import hashlib
-
-        return int.from_bytes(hashlib.sha256(b"bili-session:" + session_id.encode()).digest()[:8], "big", signed=True)
+        h = _SESSION_KEY.copy()
+        h.update(session_id.encode())
+        return int.from_bytes(h.digest()[:8], "big", signed=True)
 
     def hold(self, session_id: str, candidates: tuple[str, str] | None = None) -> None:
         """The session's advisory lock, held until :meth:`release`: one instance at a time works on
@@ -788,12 +796,16 @@ class PgStore:
         """One statement of a turn's path (:data:`_HOLD`, :data:`_COMMIT`) sent through libpq as it is:
         its parameters as text, its one result returned (a failure raised as psycopg raises it).
         psycopg's cursor machinery cost the client ~2-3x the statement's own work (39 against 15 us
-        hot; a turn pays it cold), twice per turn."""
-        enc = conn.info.encoding
+        hot; a turn pays it cold), twice per turn.  libpq's own blocking call (``PQexecParams``, the
+        GIL let go while it waits): psycopg's wait generator is Python code run cold each turn; the
+        lock connection's encoding is the one read when it was opened (never changed after)."""
+        enc = self._lock_enc if conn is self._lock_conn else conn.info.encoding
         pgconn = conn.pgconn
-        pgconn.send_query_params(sql, [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in params])
-        result = conn.wait(pg_generators.execute(pgconn))[-1]
+        result = pgconn.exec_params(sql, [p if p is None or isinstance(p, bytes) else str(p).encode(enc)
+                                          for p in params])
         if result.status != ExecStatus.TUPLES_OK:
+            if pgconn.status != ConnStatus.OK:  # the connection is lost (as psycopg's wait would raise it)
+                raise psycopg.OperationalError(f"the connection is lost: {pgconn.get_error_message(enc)}")
             raise pg_errors.error_from_result(result, encoding=enc)
         return result
 
@@ -804,6 +816,7 @@ class PgStore:
         if self._lock_conn is None or self._lock_conn.closed:
             self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
             self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
+            self._lock_enc = self._lock_conn.info.encoding
 
     def release(self, wait: bool = False) -> None:
         """Let go of the sessions :meth:`hold` took.  The unlock is sent without waiting for its answer
@@ -824,9 +837,10 @@ class PgStore:
             # answer read before the connection's next statement (hold): the turn does not wait for a
             # round trip to the database to end
             pgconn = self._lock_conn.pgconn
-            pgconn.send_query(b"SELECT pg_advisory_unlock_all()")
+            pgconn.send_query(b"SELECT pg_advisory_unlock_all()")  # (libpq sends it: not in pipeline mode)
             self._unlocking = True
-            self._lock_conn.wait(pg_generators.send(pgconn))
+            if pgconn.flush():  # what the socket did not take at once
+                self._lock_conn.wait(pg_generators.send(pgconn))
             if wait:
                 self._unlocked()
         except (psycopg.Error, AttributeError):  # a broken connection held nothing any more
@@ -837,7 +851,18 @@ class PgStore:
         whatever it may still hold)."""
         self._unlocking = False
         try:
-            results = self._lock_conn.wait(pg_generators.fetch_many(self._lock_conn.pgconn))
+            conn = self._lock_conn
+            pgconn, results = conn.pgconn, []
+            while True:  # libpq's calls while the answer is in (it came long ago, as a rule), else the wait
+                if pgconn.is_busy():
+                    pgconn.consume_input()
+                    if pgconn.is_busy():
+                        results += conn.wait(pg_generators.fetch_many(pgconn))
+                        break
+                r = pgconn.get_result()
+                if r is None:
+                    break
+                results.append(r)
             ok = bool(results) and all(r.status == ExecStatus.TUPLES_OK for r in results)
         except (psycopg.Error, AttributeError):
             ok = False
@@ -994,21 +1019,26 @@ class PgStore:
             given, k, first = _json.encode(minted).decode(), len(minted), minted[0][0]
         else:
             given, k, first = None, 0, None
+        # the documents as text with their counts (msgspec's JSON, kept as it is: schema 7, sent as its
+        # bytes: UTF-8); psycopg's array dumper would work element by element in Python
+        doc = _json.encode(new_refs) if new_refs else None
+        lock_conn = self._lock_conn if self._conn is None and row.id in self._held and not self._unlocking else None
         try:
-            with self._use() as conn:
-                self.round_trips += 1
-                # the documents as text with their counts (msgspec's JSON, kept as it is: schema 7, sent as
-                # its bytes: UTF-8); psycopg's array dumper would work element by element in Python
-                doc = _json.encode(new_refs) if new_refs else None
-                if doc is not None and conn.info.encoding != "utf-8":
-                    doc = doc.decode().encode(conn.info.encoding)
-                version = int(self._call(conn, _COMMIT, (
-                    row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref,
-                    row.flags, given, k, first, doc, len(new_refs),
-                    chain[0] if chain is not None else None, chain[1] if chain is not None else None, copy),
-                ).get_value(0, 0))
+            if lock_conn is not None:
+                # the session's lock connection (the turn's own: hold took it there, on this thread): the
+                # statement is its own transaction there as on a pooled one (autocommit; an advisory lock
+                # of the session is not a transaction's), without the pool's check-out and return
+                # (~70 us of the client's CPU a turn, cold)
+                version = self._commit_on(lock_conn, row, expect, now, given, k, first, doc, len(new_refs), chain,
+                                          copy)
+            else:
+                with self._use() as conn:
+                    version = self._commit_on(conn, row, expect, now, given, k, first, doc, len(new_refs), chain,
+                                              copy)
         except psycopg.Error as e:
             self._state.pop(row.id, None)
+            if lock_conn is not None and lock_conn.closed:
+                self._drop_lock_conn()  # lost, and the session's lock with it (the next hold opens another)
             if getattr(e, "sqlstate", None) == _STALE:  # the version moved, or a ref was given meanwhile
                 found = int((getattr(e.diag, "message_detail", None) or "0").strip() or 0)
                 raise StaleSession(row.id, expect, found) from e
@@ -1020,6 +1050,19 @@ class PgStore:
         if held is not None:  # the turn moved the version; its family and last usage are as they were
             self._state[row.id] = (int(version), *held[1:])
         return int(version)
+
+    def _commit_on(self, conn, row: SessionRow, expect: int, now: float, given, k: int, first, doc: bytes | None,
+                   n: int, chain, copy) -> int:
+        """``bili_commit_turn`` on ``conn``: the new version."""
+        self.round_trips += 1
+        enc = self._lock_enc if conn is self._lock_conn else conn.info.encoding
+        if doc is not None and enc != "utf-8":
+            doc = doc.decode().encode(enc)
+        return int(self._call(conn, _COMMIT, (
+            row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref,
+            row.flags, given, k, first, doc, n,
+            chain[0] if chain is not None else None, chain[1] if chain is not None else None, copy),
+        ).get_value(0, 0))
 
     def set_flags(self, row: SessionRow, *, expect: int) -> int:
         """A learned fact of an existing session: one statement (its own transaction); a new session
