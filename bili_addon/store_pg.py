@@ -605,8 +605,9 @@ def _reads(fn):
 # what it reads (its version, family, last usage, fork candidates: as one JSON text), the turn's commit.
 # The lock's key is the server's SHA-256 of the session id (the same number as PgStore.lock_key: the first
 # 8 bytes of the digest of its UTF-8 bytes, big-endian, signed), not the client's (~15 us of its CPU cold)
-_HOLD = (b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text FROM bili_hold(('x' || left(encode("
-         b"sha256(convert_to('bili-session:' || $1::text, 'UTF8')), 'hex'), 16))::bit(64)::bigint, $1, $2, $3)")
+_KEY_SQL = "('x' || left(encode(sha256(convert_to('bili-session:' || {}::text, 'UTF8')), 'hex'), 16))::bit(64)::bigint"
+_HOLD = (b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text FROM bili_hold("
+         + _KEY_SQL.format("$1").encode() + b", $1, $2, $3)")
 # what bili_hold answers for a session the store has no row, lineage nor usage of (a new conversation)
 _NEW_HOLD = b"[null, null, null, null]"
 _NEW_HOLD_CANDS = b"[null, null, null, []]"
