@@ -613,6 +613,12 @@ _NEW_HOLD = b"[null, null, null, null]"
 _NEW_HOLD_CANDS = b"[null, null, null, []]"
 _TUPLES_OK = int(ExecStatus.TUPLES_OK) if psycopg is not None else 2
 _COMMIT = b"SELECT bili_commit_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
+# a session's lineage parts from ``keep`` on replaced (PgStore.save_lineage_parts)
+_SAVE_PARTS = ("WITH gone AS (DELETE FROM lineage_parts WHERE session_id=%(s)s AND seq>=%(end)s) "
+               "INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) "
+               "SELECT %(s)s, %(keep)s + u.i - 1, u.r, u.h, u.f FROM unnest(%(r)s::text[], %(h)s::text[], "
+               "%(f)s::text[]) WITH ORDINALITY AS u(r, h, f, i) "
+               "ON CONFLICT(session_id, seq) DO UPDATE SET ref=excluded.ref, chash=excluded.chash, fp=excluded.fp")
 # a new session's fork candidates: the sessions of its lane whose first part has its fingerprint
 _CANDIDATES = ("SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id=p.session_id "
                "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s ORDER BY s.created")
@@ -1326,17 +1332,25 @@ class PgStore:
         """Parts from ``keep`` on replaced by ``rows``, in one statement (its own transaction)."""
         end = keep + len(rows)
         self._cands.clear()  # what hold read of the candidates may miss these
+        params = {"s": session_id, "end": end, "keep": keep, "r": [r[0] for r in rows], "h": [r[1] for r in rows],
+                  "f": [r[2] for r in rows]}
         try:
-            with self._use() as conn:
-                self.round_trips += 1
-                conn.execute(
-                    "WITH gone AS (DELETE FROM lineage_parts WHERE session_id=%(s)s AND seq>=%(end)s) "
-                    "INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) "
-                    "SELECT %(s)s, %(keep)s + u.i - 1, u.r, u.h, u.f FROM unnest(%(r)s::text[], %(h)s::text[], "
-                    "%(f)s::text[]) WITH ORDINALITY AS u(r, h, f, i) "
-                    "ON CONFLICT(session_id, seq) DO UPDATE SET ref=excluded.ref, chash=excluded.chash, fp=excluded.fp",
-                    {"s": session_id, "end": end, "keep": keep, "r": [r[0] for r in rows], "h": [r[1] for r in rows],
-                     "f": [r[2] for r in rows]})
+            if self._conn is None:
+                # the lock connection (the turns' own, on this thread: a statement of its own there as on a
+                # pooled one): the turn's commit went there too, so a pooled connection's check-out and
+                # return, run cold after the answer, would cost more than the turn saved by it
+                try:
+                    self._lock_connection()  # (the unlock's answer read first, when it is on its way)
+                    self.round_trips += 1
+                    self._lock_conn.execute(_SAVE_PARTS, params)
+                except psycopg.Error:
+                    if self._lock_conn is not None and self._lock_conn.closed:
+                        self._drop_lock_conn()  # lost (the next hold opens another)
+                    raise
+            else:
+                with self._use() as conn:
+                    self.round_trips += 1
+                    conn.execute(_SAVE_PARTS, params)
         except (psycopg.Error, PoolTimeout) as e:
             raise pg_error("write", self.url, e) from e
         self.writes += 1

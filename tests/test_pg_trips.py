@@ -215,6 +215,35 @@ def test_a_hold_on_a_lost_connection_is_a_store_error_then_a_new_one(pg_url, tmp
         s.close()
 
 
+def test_the_lineage_after_the_answer_goes_on_the_lock_connection(pg_url, tmp_path, monkeypatch):
+    """A turn's lineage, stored after the answer: one statement on the lock connection (its unlock's
+    answer read first), none on a pooled one; a lost lock connection is a store error, then a new one."""
+    from bili_addon.store_pg import PgStore
+
+    s = pg(pg_url, tmp_path)
+    try:
+        s.hold("ln")
+        s.release()
+        pooled = []
+        real = s.pool.connection
+        monkeypatch.setattr(s.pool, "connection", lambda *a, **k: pooled.append(1) or real(*a, **k))
+        before = s.round_trips
+        s.save_lineage_parts("ln", 0, [("m00001", "c1", "f1"), ("m00002", "c2", "f2")])
+        assert (s.round_trips - before, pooled, s._unlocking) == (1, [], False)
+        with other(pg_url) as c:
+            assert held_keys(c, s._lock_conn.info.backend_pid) == set()
+            assert c.execute("SELECT pg_try_advisory_lock(%s)", (PgStore.lock_key("ln"),)).fetchone()[0]
+            c.execute("SELECT pg_terminate_backend(%s)", (s._lock_conn.info.backend_pid,))
+            time.sleep(0.2)
+        with pytest.raises(StoreError) as e:
+            s.save_lineage_parts("ln", 1, [("m00003", "c3", "f3")])
+        assert e.value.kind == "unreachable" and s._lock_conn is None
+        s.save_lineage_parts("ln", 1, [("m00003", "c3", "f3")])
+        assert s.lineage_parts("ln") == [("m00001", "c1", "f1"), ("m00003", "c3", "f3")]
+    finally:
+        s.close()
+
+
 def test_a_latin1_client_encoding(pg_url, tmp_path):
     """The lock connection's encoding is read once, when it opens: parameters and documents are sent
     in it, the lock key is still the id's UTF-8 bytes' hash."""
