@@ -14,6 +14,7 @@ when a ``postgresql://`` store is chosen.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 import time
@@ -32,13 +33,19 @@ try:
     import psycopg
     from psycopg import errors as pg_errors
     from psycopg import generators as pg_generators
-    from psycopg.pq import ExecStatus
+    from psycopg.pq import ConnStatus, ExecStatus
     from psycopg_pool import ConnectionPool, PoolTimeout
 except ImportError as e:  # pragma: no cover - the extra is not installed
     psycopg = None
     _IMPORT_ERROR: ImportError | None = e
 else:
     _IMPORT_ERROR = None
+
+try:  # CPython's own SHA-256 (HACL*): the same digest as OpenSSL's, without OpenSSL's dispatch
+    from _sha2 import sha256 as _sha256
+except ImportError:  # pragma: no cover - another Python
+    _sha256 = hashlib.sha256
+_SESSION_KEY = _sha256(b"bili-session:")  # copied per key: the prefix is hashed once
 
 POOL_MAX = 4
 CONNECT_TIMEOUT = 5.0  # seconds to get a connection before the store counts as unreachable
@@ -595,9 +602,23 @@ def _reads(fn):
 
 
 # the two statements of every turn, sent through libpq as they are (PgStore._call): the session's lock and
-# what it reads (its version, family, last usage, fork candidates: as one JSON text), the turn's commit
-_HOLD = b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text FROM bili_hold($1, $2, $3, $4)"
+# what it reads (its version, family, last usage, fork candidates: as one JSON text), the turn's commit.
+# The lock's key is the server's SHA-256 of the session id (the same number as PgStore.lock_key: the first
+# 8 bytes of the digest of its UTF-8 bytes, big-endian, signed), not the client's (~15 us of its CPU cold)
+_KEY_SQL = "('x' || left(encode(sha256(convert_to('bili-session:' || {}::text, 'UTF8')), 'hex'), 16))::bit(64)::bigint"
+_HOLD = (b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text FROM bili_hold("
+         + _KEY_SQL.format("$1").encode() + b", $1, $2, $3)")
+# what bili_hold answers for a session the store has no row, lineage nor usage of (a new conversation)
+_NEW_HOLD = b"[null, null, null, null]"
+_NEW_HOLD_CANDS = b"[null, null, null, []]"
+_TUPLES_OK = int(ExecStatus.TUPLES_OK) if psycopg is not None else 2
 _COMMIT = b"SELECT bili_commit_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
+# a session's lineage parts from ``keep`` on replaced (PgStore.save_lineage_parts)
+_SAVE_PARTS = ("WITH gone AS (DELETE FROM lineage_parts WHERE session_id=%(s)s AND seq>=%(end)s) "
+               "INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) "
+               "SELECT %(s)s, %(keep)s + u.i - 1, u.r, u.h, u.f FROM unnest(%(r)s::text[], %(h)s::text[], "
+               "%(f)s::text[]) WITH ORDINALITY AS u(r, h, f, i) "
+               "ON CONFLICT(session_id, seq) DO UPDATE SET ref=excluded.ref, chash=excluded.chash, fp=excluded.fp")
 # a new session's fork candidates: the sessions of its lane whose first part has its fingerprint
 _CANDIDATES = ("SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id=p.session_id "
                "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s ORDER BY s.created")
@@ -623,6 +644,7 @@ class PgStore:
         self._conn: psycopg.Connection | None = None  # held inside a transaction or a snapshot
         self.lock_wait = lock_wait
         self._lock_conn: psycopg.Connection | None = None  # holds the sessions' advisory locks
+        self._lock_enc = "utf-8"  # its client encoding (read when it is opened)
         self._unlocking = False  # release's unlock is on its way: its answer is read before the next statement
         self._held: set[str] = set()
         # what :meth:`hold` read right after the session's lock was granted (its version, family and
@@ -746,9 +768,9 @@ class PgStore:
     # -- per-session serialisation across instances ----------------------------------------------
     @staticmethod
     def lock_key(session_id: str) -> int:
-        import hashlib
-
-        return int.from_bytes(hashlib.sha256(b"bili-session:" + session_id.encode()).digest()[:8], "big", signed=True)
+        h = _SESSION_KEY.copy()
+        h.update(session_id.encode())
+        return int.from_bytes(h.digest()[:8], "big", signed=True)
 
     def hold(self, session_id: str, candidates: tuple[str, str] | None = None) -> None:
         """The session's advisory lock, held until :meth:`release`: one instance at a time works on
@@ -766,8 +788,12 @@ class PgStore:
             self.round_trips += 1
             fp, lane = candidates if candidates is not None else (None, None)
             # one statement (schema 10: the candidates too; a pipeline of two cost ~3x the client's time)
-            version, fam, last, cands = msgspec.json.decode(self._call(self._lock_conn, _HOLD, (
-                self.lock_key(session_id), session_id, fp, lane)).get_value(0, 0))
+            got = self._call(self._lock_conn, _HOLD, (session_id, fp, lane)).get_value(0, 0)
+            if got == _NEW_HOLD or got == _NEW_HOLD_CANDS:  # a new session (nothing to decode)
+                version = fam = last = None
+                cands = ()
+            else:
+                version, fam, last, cands = msgspec.json.decode(got)
             if candidates is not None:
                 self._cands[candidates] = list(cands or ())
         except pg_errors.LockNotAvailable as e:
@@ -788,12 +814,16 @@ class PgStore:
         """One statement of a turn's path (:data:`_HOLD`, :data:`_COMMIT`) sent through libpq as it is:
         its parameters as text, its one result returned (a failure raised as psycopg raises it).
         psycopg's cursor machinery cost the client ~2-3x the statement's own work (39 against 15 us
-        hot; a turn pays it cold), twice per turn."""
-        enc = conn.info.encoding
+        hot; a turn pays it cold), twice per turn.  libpq's own blocking call (``PQexecParams``, the
+        GIL let go while it waits): psycopg's wait generator is Python code run cold each turn; the
+        lock connection's encoding is the one read when it was opened (never changed after)."""
+        enc = self._lock_enc if conn is self._lock_conn else conn.info.encoding
         pgconn = conn.pgconn
-        pgconn.send_query_params(sql, [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in params])
-        result = conn.wait(pg_generators.execute(pgconn))[-1]
+        result = pgconn.exec_params(sql, [p if p is None or isinstance(p, bytes) else str(p).encode(enc)
+                                          for p in params])
         if result.status != ExecStatus.TUPLES_OK:
+            if pgconn.status != ConnStatus.OK:  # the connection is lost (as psycopg's wait would raise it)
+                raise psycopg.OperationalError(f"the connection is lost: {pgconn.get_error_message(enc)}")
             raise pg_errors.error_from_result(result, encoding=enc)
         return result
 
@@ -804,6 +834,7 @@ class PgStore:
         if self._lock_conn is None or self._lock_conn.closed:
             self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
             self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
+            self._lock_enc = self._lock_conn.info.encoding
 
     def release(self, wait: bool = False) -> None:
         """Let go of the sessions :meth:`hold` took.  The unlock is sent without waiting for its answer
@@ -824,9 +855,10 @@ class PgStore:
             # answer read before the connection's next statement (hold): the turn does not wait for a
             # round trip to the database to end
             pgconn = self._lock_conn.pgconn
-            pgconn.send_query(b"SELECT pg_advisory_unlock_all()")
+            pgconn.send_query(b"SELECT pg_advisory_unlock_all()")  # (libpq sends it: not in pipeline mode)
             self._unlocking = True
-            self._lock_conn.wait(pg_generators.send(pgconn))
+            if pgconn.flush():  # what the socket did not take at once
+                self._lock_conn.wait(pg_generators.send(pgconn))
             if wait:
                 self._unlocked()
         except (psycopg.Error, AttributeError):  # a broken connection held nothing any more
@@ -837,8 +869,21 @@ class PgStore:
         whatever it may still hold)."""
         self._unlocking = False
         try:
-            results = self._lock_conn.wait(pg_generators.fetch_many(self._lock_conn.pgconn))
-            ok = bool(results) and all(r.status == ExecStatus.TUPLES_OK for r in results)
+            conn = self._lock_conn
+            pgconn = conn.pgconn
+            pgconn.consume_input()  # what came (it came long ago, as a rule)
+            n = bad = 0
+            while not pgconn.is_busy():  # libpq's calls while the answer is in
+                r = pgconn.get_result()
+                if r is None:
+                    break
+                n += 1
+                bad += r.status != _TUPLES_OK
+            else:  # the rest of it is still on its way: wait for it
+                results = conn.wait(pg_generators.fetch_many(pgconn))
+                n += len(results)
+                bad += sum(r.status != _TUPLES_OK for r in results)
+            ok = n > 0 and not bad
         except (psycopg.Error, AttributeError):
             ok = False
         if not ok:
@@ -994,21 +1039,26 @@ class PgStore:
             given, k, first = _json.encode(minted).decode(), len(minted), minted[0][0]
         else:
             given, k, first = None, 0, None
+        # the documents as text with their counts (msgspec's JSON, kept as it is: schema 7, sent as its
+        # bytes: UTF-8); psycopg's array dumper would work element by element in Python
+        doc = _json.encode(new_refs) if new_refs else None
+        lock_conn = self._lock_conn if self._conn is None and row.id in self._held and not self._unlocking else None
         try:
-            with self._use() as conn:
-                self.round_trips += 1
-                # the documents as text with their counts (msgspec's JSON, kept as it is: schema 7, sent as
-                # its bytes: UTF-8); psycopg's array dumper would work element by element in Python
-                doc = _json.encode(new_refs) if new_refs else None
-                if doc is not None and conn.info.encoding != "utf-8":
-                    doc = doc.decode().encode(conn.info.encoding)
-                version = int(self._call(conn, _COMMIT, (
-                    row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref,
-                    row.flags, given, k, first, doc, len(new_refs),
-                    chain[0] if chain is not None else None, chain[1] if chain is not None else None, copy),
-                ).get_value(0, 0))
+            if lock_conn is not None:
+                # the session's lock connection (the turn's own: hold took it there, on this thread): the
+                # statement is its own transaction there as on a pooled one (autocommit; an advisory lock
+                # of the session is not a transaction's), without the pool's check-out and return
+                # (~70 us of the client's CPU a turn, cold)
+                version = self._commit_on(lock_conn, row, expect, now, given, k, first, doc, len(new_refs), chain,
+                                          copy)
+            else:
+                with self._use() as conn:
+                    version = self._commit_on(conn, row, expect, now, given, k, first, doc, len(new_refs), chain,
+                                              copy)
         except psycopg.Error as e:
             self._state.pop(row.id, None)
+            if lock_conn is not None and lock_conn.closed:
+                self._drop_lock_conn()  # lost, and the session's lock with it (the next hold opens another)
             if getattr(e, "sqlstate", None) == _STALE:  # the version moved, or a ref was given meanwhile
                 found = int((getattr(e.diag, "message_detail", None) or "0").strip() or 0)
                 raise StaleSession(row.id, expect, found) from e
@@ -1020,6 +1070,19 @@ class PgStore:
         if held is not None:  # the turn moved the version; its family and last usage are as they were
             self._state[row.id] = (int(version), *held[1:])
         return int(version)
+
+    def _commit_on(self, conn, row: SessionRow, expect: int, now: float, given, k: int, first, doc: bytes | None,
+                   n: int, chain, copy) -> int:
+        """``bili_commit_turn`` on ``conn``: the new version."""
+        self.round_trips += 1
+        enc = self._lock_enc if conn is self._lock_conn else conn.info.encoding
+        if doc is not None and enc != "utf-8":
+            doc = doc.decode().encode(enc)
+        return int(self._call(conn, _COMMIT, (
+            row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref,
+            row.flags, given, k, first, doc, n,
+            chain[0] if chain is not None else None, chain[1] if chain is not None else None, copy),
+        ).get_value(0, 0))
 
     def set_flags(self, row: SessionRow, *, expect: int) -> int:
         """A learned fact of an existing session: one statement (its own transaction); a new session
@@ -1269,17 +1332,25 @@ class PgStore:
         """Parts from ``keep`` on replaced by ``rows``, in one statement (its own transaction)."""
         end = keep + len(rows)
         self._cands.clear()  # what hold read of the candidates may miss these
+        params = {"s": session_id, "end": end, "keep": keep, "r": [r[0] for r in rows], "h": [r[1] for r in rows],
+                  "f": [r[2] for r in rows]}
         try:
-            with self._use() as conn:
-                self.round_trips += 1
-                conn.execute(
-                    "WITH gone AS (DELETE FROM lineage_parts WHERE session_id=%(s)s AND seq>=%(end)s) "
-                    "INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) "
-                    "SELECT %(s)s, %(keep)s + u.i - 1, u.r, u.h, u.f FROM unnest(%(r)s::text[], %(h)s::text[], "
-                    "%(f)s::text[]) WITH ORDINALITY AS u(r, h, f, i) "
-                    "ON CONFLICT(session_id, seq) DO UPDATE SET ref=excluded.ref, chash=excluded.chash, fp=excluded.fp",
-                    {"s": session_id, "end": end, "keep": keep, "r": [r[0] for r in rows], "h": [r[1] for r in rows],
-                     "f": [r[2] for r in rows]})
+            if self._conn is None:
+                # the lock connection (the turns' own, on this thread: a statement of its own there as on a
+                # pooled one): the turn's commit went there too, so a pooled connection's check-out and
+                # return, run cold after the answer, would cost more than the turn saved by it
+                try:
+                    self._lock_connection()  # (the unlock's answer read first, when it is on its way)
+                    self.round_trips += 1
+                    self._lock_conn.execute(_SAVE_PARTS, params)
+                except psycopg.Error:
+                    if self._lock_conn is not None and self._lock_conn.closed:
+                        self._drop_lock_conn()  # lost (the next hold opens another)
+                    raise
+            else:
+                with self._use() as conn:
+                    self.round_trips += 1
+                    conn.execute(_SAVE_PARTS, params)
         except (psycopg.Error, PoolTimeout) as e:
             raise pg_error("write", self.url, e) from e
         self.writes += 1
