@@ -1479,6 +1479,10 @@ class PgStore:
         sids = list(dict.fromkeys(sids))
         if not sids:
             return None
+        if self._unlocking and not dry_run:
+            # this instance's own last turn let its sessions go without waiting for the answer: read it
+            # first, or the try below may find this instance's own lock not yet let go
+            self._unlocked()
         try:
             with (self.snapshot() if dry_run else self._tx()):
                 if not dry_run and not self._one("SELECT bool_and(pg_try_advisory_xact_lock(k)) FROM "

@@ -290,6 +290,37 @@ def test_the_unlocks_answer_read_before_and_after_it_came(pg_url, tmp_path):
         s.close()
 
 
+def test_a_prune_right_after_a_turn_reads_the_turns_unlock_first(pg_url, tmp_path, monkeypatch):
+    """A turn lets its session go without waiting for the answer (release); a prune on the same
+    instance right after it (retention, on the same worker) reads that answer before it tries the
+    session's lock, so it never finds its own instance's lock still held."""
+    s = pg(pg_url, tmp_path)
+    try:
+        s.commit_turn(row("p"), refs(1), expect=0, fresh=True)
+        sql = "UPDATE sessions SET last_seen = %s WHERE id = %s"
+        with other(pg_url) as c:
+            c.execute(sql, (1.0, "p"))
+        for _ in range(20):
+            s.hold("p")
+            s.release()
+            assert s._unlocking
+            got = s.prune(["p"], before=1e9, dry_run=True)  # (a dry run takes no lock: nothing to read first)
+            assert got is not None
+            assert s._unlocking
+            read = []
+            real = s._unlocked
+            monkeypatch.setattr(s, "_unlocked", lambda: (read.append(1), real())[1])
+            # a prune that is not a dry run: the unlock's answer read before its try of the lock
+            monkeypatch.setattr(s, "_tx", lambda: (_ for _ in ()).throw(RuntimeError("stop here")))
+            with pytest.raises(RuntimeError, match="stop here"):
+                s.prune(["p"], before=1e9)
+            assert read == [1] and not s._unlocking
+            monkeypatch.undo()
+        assert s.prune(["p"], before=1e9) is not None  # (and it prunes: the lock was free)
+    finally:
+        s.close()
+
+
 # -- the same turns, the same bytes and rows ------------------------------------------------------------
 def _stored(store, sid: str):
     row_, ledger, blocks, calls, copy = store.session_state(sid)
