@@ -433,20 +433,10 @@ def _anth_from(body: bytes, rules: Rules, m: _AnthMemo | None, k: int, pre: Any,
         total += n
         cum.append(total)
 
-    def add(raw: bytes, hd: bytes) -> None:  # put(), inlined: the first turn's every block
-        nonlocal total
+    def add(raw: bytes, hd: bytes) -> None:  # a block read from the body
         blob, ttl = _block(raw, rules)
         blob = hd + blob
-        size = len(blob)
-        n = max(1, size // BYTES_PER_TOKEN)
-        upd(size.to_bytes(8, "little"))
-        upd(blob)
-        if ttl is not None:
-            bps.append(len(segs))
-        segs.append(Segment(n, ttl, cp().digest()))
-        blobs.append(blob)
-        total += n
-        cum.append(total)
+        put(blob, ttl, _tok(blob))
 
     if m is not None and head == m.head:  # the same head: every block up to boundary k is kept
         n0 = m.seg_at[k]

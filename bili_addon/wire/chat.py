@@ -174,23 +174,15 @@ class ChatLane(LaneDefaults):
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
                names: list[str]) -> bool:
-        """:meth:`_inject`, each half replayed when its inputs are the ones it saw before."""
+        """Bili's tools after the agent's, the prompt at the end of its leading system message (or a
+        system message of its own): each half (:meth:`_inject_tools`, :meth:`_inject_prompt`)
+        replayed when its inputs are the ones it saw before (wire.base.memo_tools, memo_prompt)."""
         if not names:
             return False
         changed = memo_tools(_TOOLS, body, tools, names, lambda: ChatLane._inject_tools(body, tools, names))
         return memo_prompt(_PROMPT, body, items, start, prompt, (),
                            lambda: ChatLane._inject_prompt(items, start, prompt), reads_item=True,
                            inserts=True) or changed
-
-    @staticmethod
-    def _inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
-                names: list[str]) -> bool:
-        """Bili's tools after the agent's, the prompt at the end of its leading system message (or a
-        system message of its own)."""
-        if not names:
-            return False
-        changed = ChatLane._inject_tools(body, tools, names)
-        return ChatLane._inject_prompt(items, start, prompt) or changed
 
     @staticmethod
     def _inject_tools(body: Body, tools: list[dict], names: list[str]) -> bool:

@@ -88,22 +88,14 @@ class GeminiLane(LaneDefaults):
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
                names: list[str]) -> bool:
-        """:meth:`_inject`, each half replayed when its inputs are the ones it saw before."""
+        """Bili's tools (the ones the agent lacks) in a declaration group of their own, the prompt as
+        the last part of the system instruction: each half (:meth:`_inject_tools`, :meth:`_inject_prompt`)
+        replayed when its inputs are the ones it saw before (wire.base.memo_tools, memo_prompt)."""
         if not names:
             return False
         changed = memo_tools(_TOOLS, body, tools, names, lambda: GeminiLane._inject_tools(body, tools, names))
         return memo_prompt(_PROMPT, body, items, start, prompt, (body.top.get("systemInstruction"),),
                            lambda: GeminiLane._inject_prompt(body, prompt)) or changed
-
-    @staticmethod
-    def _inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
-                names: list[str]) -> bool:
-        """Bili's tools (the ones the agent lacks) in a declaration group of their own, the prompt as
-        the last part of the system instruction."""
-        if not names:
-            return False
-        changed = GeminiLane._inject_tools(body, tools, names)
-        return GeminiLane._inject_prompt(body, prompt) or changed
 
     @staticmethod
     def _inject_tools(body: Body, tools: list[dict], names: list[str]) -> bool:

@@ -104,21 +104,13 @@ class ResponsesLane(LaneDefaults):
     @staticmethod
     def inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
                names: list[str]) -> bool:
-        """:meth:`_inject`, each half replayed when its inputs are the ones it saw before."""
+        """Bili's tools after the agent's, the prompt after its instructions (or an item of its own): each half (:meth:`_inject_tools`, :meth:`_inject_prompt`)
+        replayed when its inputs are the ones it saw before (wire.base.memo_tools, memo_prompt)."""
         if not names:
             return False
         changed = memo_tools(_TOOLS, body, tools, names, lambda: ResponsesLane._inject_tools(body, tools, names))
         return memo_prompt(_PROMPT, body, items, start, prompt, (body.top.get("instructions"),),
                            lambda: ResponsesLane._inject_prompt(body, items, start, prompt), inserts=True) or changed
-
-    @staticmethod
-    def _inject(body: Body, items: list[bytes], start: int, tools: list[dict], prompt: str,
-                names: list[str]) -> bool:
-        """Bili's tools after the agent's, the prompt after its instructions (or an item of its own)."""
-        if not names:
-            return False
-        changed = ResponsesLane._inject_tools(body, tools, names)
-        return ResponsesLane._inject_prompt(body, items, start, prompt) or changed
 
     @staticmethod
     def _inject_tools(body: Body, tools: list[dict], names: list[str]) -> bool:
