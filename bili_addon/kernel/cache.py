@@ -192,15 +192,49 @@ def _block(raw: bytes, rules: Rules) -> tuple[bytes, float | None]:
     return stripped, ttl
 
 
+_BILLING = b"x-anthropic-billing-header:"
+
+
+def _billing(blk: bytes) -> bool:
+    """Whether a system block is Claude Code's billing header (``x-anthropic-billing-header: cc_version=…;
+    cc_entrypoint=…; cch=…;``, first-party: its ``cch`` changes on every request): Anthropic's API
+    reads it as an attribution header, not as prompt, so it is no part of the cached prefix (first-party
+    Claude Code reads its cache turn after turn; providers that cache it as prompt never hit, the
+    reason proxies strip it for them).  A block with a breakpoint of its own is left as prompt."""
+    if _BILLING not in blk or _CC in blk:
+        return False
+    try:
+        obj = msgspec.json.decode(blk)
+    except msgspec.DecodeError:
+        return False
+    return (isinstance(obj, dict) and obj.get("type") == "text" and isinstance(obj.get("text"), str)
+            and obj["text"].startswith(_BILLING.decode()))
+
+
 def _head_blocks(tools: list[msgspec.Raw], system: bytes, add: Callable[[bytes, bytes], None]) -> None:
-    """The tools' and the system's blocks, in cache order."""
+    """The tools' and the system's blocks, in cache order (the billing header's left out: :func:`_billing`)."""
     for t in tools:
         add(bytes(t), b"T")
     if system.startswith(b"["):
         for blk in _raws.decode(system):
-            add(bytes(blk), b"S")
+            blk = bytes(blk)
+            if not _billing(blk):
+                add(blk, b"S")
     elif system != b"null":
         add(system, b"S")
+
+
+def _head_key(head: tuple[bytes | None, bytes | None]) -> tuple:
+    """What of a body's head (tools, system) its blocks depend on: the system without its billing
+    header, whose ``cch`` changes on every request and which is no part of the cached prefix."""
+    system = head[1]
+    if system is None or _BILLING not in system or not system.startswith(b"["):
+        return head
+    try:
+        blocks = [bytes(b) for b in _raws.decode(system)]
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return head
+    return (head[0], tuple(b for b in blocks if not _billing(b)))
 
 
 def _msg_blocks(role: str, content: bytes, add: Callable[[bytes, bytes], None]) -> None:
@@ -373,7 +407,7 @@ class _AnthMemo:
         self.body = body
         self.bounds = bounds  # message boundary i: [0] just after ``[``, [i] the end of message i - 1
         self.pre = pre  # the top-level members before the messages
-        self.head = head  # the tools' and the system's bytes read (None: no such member)
+        self.head = head  # the tools' and the system's bytes read (None: no such member), as _head_key keeps them
         self.seg_at = seg_at  # the segments before boundary i
         self.segs = segs
         self.blobs = blobs  # what each segment hashes (its block as the cache matches it)
@@ -413,6 +447,7 @@ def _anth_from(body: bytes, rules: Rules, m: _AnthMemo | None, k: int, pre: Any,
     tools = tail.tools if tail.tools is not UNSET else pre.tools
     system = tail.system if tail.system is not UNSET else pre.system
     head = (None if tools is UNSET else bytes(tools), None if system is UNSET else bytes(system))
+    key = _head_key(head)
     segs: list[Segment] = []
     blobs: list[bytes] = []
     cum: list[int] = []
@@ -438,7 +473,7 @@ def _anth_from(body: bytes, rules: Rules, m: _AnthMemo | None, k: int, pre: Any,
         blob = hd + blob
         put(blob, ttl, _tok(blob))
 
-    if m is not None and head == m.head:  # the same head: every block up to boundary k is kept
+    if m is not None and key == m.head:  # the same head: every block up to boundary k is kept
         n0 = m.seg_at[k]
         segs, blobs, cum, bps = m.segs[:n0], m.blobs[:n0], m.cum[:n0], m.bps[:bisect_left(m.bps, n0)]
         seg_at, bounds = m.seg_at[: k + 1], m.bounds[: k + 1]
@@ -479,7 +514,7 @@ def _anth_from(body: bytes, rules: Rules, m: _AnthMemo | None, k: int, pre: Any,
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
     bounds.extend(ends)
-    return segs, cum, bps, _AnthMemo(rules, body, bounds, pre, head, seg_at, segs, blobs, cum, bps, states)
+    return segs, cum, bps, _AnthMemo(rules, body, bounds, pre, key, seg_at, segs, blobs, cum, bps, states)
 
 
 class _PrefixMemo:
