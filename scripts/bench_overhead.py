@@ -269,6 +269,42 @@ class DigestCounter:
 ACTIVATE = "always"
 
 
+class TripClock:
+    """CPU seconds a turn spends in a PostgreSQL store's calls on the request's path (``hold``,
+    ``commit_turn``, ``release``: its round trips, the client's side of each), for the follow-up
+    target, which is 2x the floor *plus the round trips* (issue #11).  A store without round trips
+    (SQLite) is left as it is: its commit is the turn's own work."""
+
+    CALLS = ("hold", "commit_turn", "release")
+
+    def __init__(self, store):
+        self.store, self.spent = store, 0.0
+
+    def __enter__(self):
+        if not hasattr(self.store, "round_trips"):
+            return self
+        for name in self.CALLS:
+            real = getattr(self.store, name)
+
+            def timed(*a, _real=real, **kw):
+                t = time.process_time()
+                try:
+                    return _real(*a, **kw)
+                finally:
+                    self.spent += time.process_time() - t
+
+            setattr(self.store, name, timed)  # (on the instance: the class is untouched)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.CALLS:
+            self.store.__dict__.pop(name, None)
+
+    def take(self) -> float:
+        spent, self.spent = self.spent, 0.0
+        return spent
+
+
 def first_turn(case: Case, raw: bytes, reps: int, eng: Engine | None = None
                ) -> tuple[float, float, float, float, bytes]:
     """Median ms of a first turn, of the floor measured right before each one, the median of the
@@ -320,16 +356,18 @@ def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, floa
         msgs = list(case.msgs)
         eng.process(case.body(msgs), case.lane, HEADERS, render=True)  # the history, processed before
         eng.lineage.flush()  # ... and answered
-        samples, floors, digests = [], [], []
-        global LAST_TRIPS, LAST_WALL, LAST_SETTLE_TRIPS
+        samples, floors, digests, in_trips = [], [], [], []
+        global LAST_TRIPS, LAST_WALL, LAST_SETTLE_TRIPS, LAST_NET
         trips, walls, settle_trips = [], [], []
+        clock = TripClock(eng.store)
         for i in range(reps):
             msgs.append(case.new(i))
             raw = case.body(msgs)
             floors.append(cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw))))
             before, w = getattr(eng.store, "round_trips", 0), time.perf_counter()
-            with DigestCounter() as dc:
+            with DigestCounter() as dc, clock:
                 samples.append(cpu(lambda: eng.process(raw, case.lane, HEADERS, render=True)))
+            in_trips.append(clock.take())
             walls.append(time.perf_counter() - w)
             trips.append(getattr(eng.store, "round_trips", 0) - before)
             digests.append(dc.n)
@@ -357,6 +395,7 @@ def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, floa
         st.sort_stats("cumulative").print_stats(28)
         report = buf.getvalue()
     ratio = statistics.median(a / b for a, b in zip(samples, floors))
+    LAST_NET = statistics.median((a - t) / b for a, t, b in zip(samples, in_trips, floors))
     return median_ms(samples), ratio, max(digests), 1, report
 
 
@@ -375,7 +414,8 @@ def round_robin(case: Case, conversations: int, rounds: int) -> tuple[float, flo
             histories[sid] = msgs
             eng.process(case.body(msgs), case.lane, {"x-acp-session": sid}, render=True)
             eng.lineage.flush()
-        samples, floors, kept = [], [], 0
+        samples, floors, kept, in_trips = [], [], 0, []
+        clock = TripClock(eng.store)
         for r in range(rounds):
             for i, (sid, msgs) in enumerate(histories.items()):
                 msgs.append(case.new(r * conversations + i))
@@ -387,10 +427,14 @@ def round_robin(case: Case, conversations: int, rounds: int) -> tuple[float, flo
                     res = eng.process(raw, case.lane, {"x-acp-session": sid}, render=True)
 
                 floors.append(cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw))))
-                samples.append(cpu(run))
+                with clock:
+                    samples.append(cpu(run))
+                in_trips.append(clock.take())
                 kept += res.reused > 0
                 eng.lineage.flush()
         eng.store.close()
+    global LAST_NET
+    LAST_NET = statistics.median((a - t) / b for a, t, b in zip(samples, in_trips, floors))
     return median_ms(samples), statistics.median(a / b for a, b in zip(samples, floors)), kept
 
 
@@ -429,17 +473,22 @@ def folded_follow_up(case: Case, reps: int) -> tuple[float, float, int, int]:
         eng = bench_engine(d)
         headers = {"x-acp-session": f"bench-folded-{time.time_ns()}"}
         msgs = fold_half(eng, case, list(case.msgs), headers)
-        samples, floors, trips, writes = [], [], [], []
+        samples, floors, trips, writes, in_trips = [], [], [], [], []
+        clock = TripClock(eng.store)
         for i in range(reps):
             msgs.append(case.new(i))
             raw = case.body(msgs)
             floors.append(cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw))))
             t0, w0 = getattr(eng.store, "round_trips", 0), eng.store.writes
-            samples.append(cpu(lambda: eng.process(raw, case.lane, headers, render=True)))
+            with clock:
+                samples.append(cpu(lambda: eng.process(raw, case.lane, headers, render=True)))
+            in_trips.append(clock.take())
             trips.append(getattr(eng.store, "round_trips", 0) - t0)
             writes.append(eng.store.writes - w0)
             eng.lineage.flush()  # after the answer, as the proxy does
         eng.store.close()
+    global LAST_NET
+    LAST_NET = statistics.median((a - t) / b for a, t, b in zip(samples, in_trips, floors))
     return (median_ms(samples), statistics.median(a / b for a, b in zip(samples, floors)), max(trips),
             max(writes))
 
@@ -447,6 +496,8 @@ def folded_follow_up(case: Case, reps: int) -> tuple[float, float, int, int]:
 # of the last follow-up measurement: round trips on the request's path (max), wall ms (median), and
 # round trips of the work after the answer (max)
 LAST_TRIPS, LAST_WALL, LAST_SETTLE_TRIPS = 0, 0.0, 0
+# of the last follow-up measurement: its x floor without the CPU of its round trips (TripClock)
+LAST_NET = 0.0
 
 
 def fmt_size(n: int) -> str:
@@ -518,7 +569,7 @@ def run(args, backends) -> None:
             profile = args.profile and backend == "sqlite" and (lane, n) == max(
                 ((lane_, n_) for lane_, n_, *_ in plan if lane_ == "anthropic"), key=lambda x: x[1])
             fol, r2, hashed, new_parts, report = follow_up(case, follow_reps, profile=profile)
-            rows.append((backend, lane, n, r1, r2, hashed, new_parts))
+            rows.append((backend, lane, n, r1, r2, hashed, new_parts, LAST_NET if url else None))
             trips = (f"{f'{LAST_TRIPS}+{LAST_SETTLE_TRIPS}':>8}{LAST_WALL:>9.2f}" if url
                      else f"{'':>8}{LAST_WALL:>9.2f}")
             print(f"{backend:<7}{lane:<10}{n:>7,}{fmt_size(len(raw)):>10}{floor:>10.2f}{first:>10.2f}{r1:>8.1f}x"
@@ -534,7 +585,7 @@ def run(args, backends) -> None:
         ms, ratio, kept = round_robin(case, ROUND_ROBIN, 2)
         print(f"{backend:<7}{rr_case:<10}{rr_n:>7,} msgs, {ROUND_ROBIN} conversations in turn: follow-up {ms:.2f} ms, "
               f"{ratio:.1f}x floor; previous pass kept in {kept} of {2 * ROUND_ROBIN} turns", flush=True)
-        rows.append((backend, rr_case, rr_n, None, ratio, 1, 1))
+        rows.append((backend, rr_case, rr_n, None, ratio, 1, 1, LAST_NET if url else None))
     # a long session's case: the follow-up of a session that has folded
     print()
     for n in ([100] if args.quick else [100, 1000]):
@@ -544,7 +595,7 @@ def run(args, backends) -> None:
             ms, ratio, t, w = folded_follow_up(case, 5 if args.quick else 15)
             print(f"{backend:<7}{'anthropic':<10}{n:>7,} msgs, half of them folded: follow-up {ms:.2f} ms, "
                   f"{ratio:.1f}x floor; {w} store write(s)" + (f", {t} round trips" if url else ""), flush=True)
-            rows.append((backend, "anthropic", n, "folded", ratio, 1, 1))
+            rows.append((backend, "anthropic", n, "folded", ratio, 1, 1, LAST_NET if url else None))
     STORE_URL = ""
     print()
     print("floor: msgspec.json.decode + msgspec.json.encode of the body; first: a new conversation's first turn")
@@ -563,15 +614,21 @@ def run(args, backends) -> None:
     print("  request's path + after the answer; wall ms: the follow-up's wall time (median).")
     print()
     print("targets")
-    for backend, lane, n, r1, r2, hashed, new_parts in rows:
+    def follow(r2: float, net: float | None) -> str:
+        """The follow-up target: 2x the floor, on PostgreSQL plus its round trips (issue #11)."""
+        if net is None:
+            return f"follow-up <= {FOLLOW_TARGET:.0f}x floor: {'met' if r2 <= FOLLOW_TARGET else 'MISSED'} ({r2:.1f}x)"
+        return (f"follow-up <= {FOLLOW_TARGET:.0f}x floor + its round trips: {'met' if net <= FOLLOW_TARGET else 'MISSED'} "
+                f"({r2:.1f}x, {net:.1f}x without the client's CPU in its round trips)")
+
+    for backend, lane, n, r1, r2, hashed, new_parts, net in rows:
         if r1 is None or r1 == "folded":  # conversations in turn, a folded session: the follow-up target only
             what = f"{ROUND_ROBIN} in turn" if r1 is None else "half folded"
-            print(f"  {backend:<7}{lane:<10}{n:>7,} msgs, {what}: follow-up <= {FOLLOW_TARGET:.0f}x floor: "
-                  f"{'met' if r2 <= FOLLOW_TARGET else 'MISSED'} ({r2:.1f}x)")
+            print(f"  {backend:<7}{lane:<10}{n:>7,} msgs, {what}: {follow(r2, net)}")
             continue
-        ok1, ok2, ok3 = r1 <= TARGET_RATIO, r2 <= FOLLOW_TARGET, hashed <= new_parts
+        ok1, ok3 = r1 <= TARGET_RATIO, hashed <= new_parts
         print(f"  {backend:<7}{lane:<10}{n:>7,} msgs: first turn <= {TARGET_RATIO:.0f}x floor: {'met' if ok1 else 'MISSED'} "
-              f"({r1:.1f}x); follow-up <= {FOLLOW_TARGET:.0f}x floor: {'met' if ok2 else 'MISSED'} ({r2:.1f}x); "
+              f"({r1:.1f}x); {follow(r2, net)}; "
               f"follow-up re-hashes no unchanged history: {'met' if ok3 else 'MISSED'} "
               f"({hashed} hashed for {new_parts} new part)")
     print(f"\ntotal runtime {time.perf_counter() - t0:.1f} s")

@@ -36,3 +36,31 @@ def test_every_step_exists_is_timed_and_is_put_back():
     after = [(o, a, vars(o).get(a), getattr(o, a)) for o, a in _owners(case)]
     assert [(o, a, own) for o, a, own, _fn in after] == [(o, a, own) for o, a, own, _fn in before]
     assert "array_cores" not in vars(case.lane)  # the lane's class method shows again
+
+
+def test_the_overhead_benchs_trip_clock_counts_postgresqls_calls_only(backend, tmp_path):
+    """bench_overhead.TripClock: the follow-up target is 2x the floor plus the round trips (issue #11);
+    the clock counts the CPU in a PostgreSQL store's hold, commit and release, nothing on SQLite, and
+    leaves the store as it was."""
+    from bili_addon.kernel.turn import Engine
+
+    store = backend()
+    case = bench_overhead.Case("anthropic", 30)
+    eng = Engine(store)
+    headers = {"x-acp-session": "trip-clock"}
+    msgs = list(case.msgs)
+    eng.process(case.body(msgs), case.lane, headers, render=True)
+    clock = bench_overhead.TripClock(store)
+    before = dict(vars(store))
+    spent = 0.0
+    for i in range(3):
+        msgs.append(case.new(i))
+        with clock:
+            eng.process(case.body(msgs), case.lane, headers, render=True)
+        spent += clock.take()
+        assert clock.spent == 0.0
+    assert vars(store).keys() == before.keys()  # (the wrappers gone: the class's methods again)
+    if backend.kind == "postgresql":
+        assert spent > 0
+    else:
+        assert spent == 0.0
