@@ -19,13 +19,15 @@ import random
 import msgspec
 import pytest
 
-from bili_addon.kernel import nudge
+from bili_addon.kernel import nudge, render, turn
 from bili_addon.kernel.fold import Block, FoldConfig, View, coverage
 from bili_addon.kernel.nudge import NudgeConfig, compressible, distillable
 from bili_addon.kernel.tags import format_tokens
 
 import tests.test_followup_steps as steps
-from tests.test_folded_follow_up import bench_overhead, folds_of_every_kind, long_conversation, random_view
+from bili_addon.wire import LANES
+from tests.test_folded_follow_up import (bench_overhead, folds_of_every_kind, long_conversation, old_assemble,
+                                         random_view)
 
 
 # ---- the oracle: decide as it was ----------------------------------------------------------------
@@ -56,7 +58,8 @@ def old_decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: Nudge
     if urgent:
         head = "[bili] The context is nearly full: fold consumed work now, oldest first."
     elif pending >= cfg.batch_tokens:
-        head = f"[bili] ~{format_tokens(pending)} tokens of older work can be folded; fold what you no longer need verbatim:"
+        head = (f"[bili] ~{format_tokens(pending)} tokens of older work can be folded; fold what you no longer "
+                "need verbatim:")
     else:
         head = "[bili] The summaries have piled up. Fold them into one denser summary:"
     return "\n".join([
@@ -68,6 +71,7 @@ def old_decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: Nudge
 
 def patch_oracle(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(nudge, "decide", old_decide)
+    mp.setattr(turn, "assemble", old_assemble)  # (each reminder merged anew, each summary's text made twice)
 
 
 # ---- (1) the reminder against the oracle over random views ---------------------------------------
@@ -108,6 +112,29 @@ def test_a_regrowth_turn_keeps_the_views_figures_running(seed):
         got = View(list(view.items), prev=view).unfolded(cov)
         fresh = View(list(view.items)).unfolded(cov)
         assert (got.held, got.tokens, got.first, got.last) == (fresh.held, fresh.tokens, fresh.first, fresh.last)
+
+
+def test_a_reminders_merge_is_the_lanes_turn_after_turn(monkeypatch):
+    """The merge kept for a reminder given as an item is the lane's, for any item and text, within
+    its bound (bytes only: anything else is merged anew, never kept)."""
+    monkeypatch.setattr(render, "_NOTES_BYTES", 1 << 12)
+    render._NOTES.clear()
+    monkeypatch.setattr(render, "_notes_bytes", 0)
+    rng = random.Random(5)
+    items = [msgspec.json.encode({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{k}",
+                                                               "content": "x" * rng.randrange(0, 400)}]})
+             for k in range(30)]
+    items += [msgspec.json.encode({"role": "user", "content": "plain prose"}), b'{"role":"user"}', b"not json",
+              msgspec.json.encode({"role": "user", "parts": [{"text": "hi"}]})]
+    for _ in range(400):
+        lane = LANES[rng.choice(["anthropic", "chat", "responses", "gemini"])]
+        item, text = rng.choice(items), rng.choice(["[bili] fold", "[bili] other ✓", ""])
+        want = lane.note_in_item(item, text)
+        assert render._note_in_item(lane.note_in_item, item, text) == want
+        got = render._note_in_item(lane.note_in_item, bytearray(item), text)
+        assert got == lane.note_in_item(bytearray(item), text)
+        assert render._notes_bytes <= 1 << 12
+    assert render._NOTES
 
 
 # ---- (2) whole Engine runs: as they are, and with the oracle patched in ---------------------------
