@@ -27,7 +27,7 @@ from bili_addon.kernel.tags import format_tokens
 import tests.test_followup_steps as steps
 from bili_addon.wire import LANES
 from tests.test_folded_follow_up import (bench_overhead, folds_of_every_kind, long_conversation, old_assemble,
-                                         random_view)
+                                         random_view, same_figures)
 
 
 # ---- the oracle: decide as it was ----------------------------------------------------------------
@@ -135,6 +135,28 @@ def test_a_reminders_merge_is_the_lanes_turn_after_turn(monkeypatch):
         assert got == lane.note_in_item(bytearray(item), text)
         assert render._notes_bytes <= 1 << 12
     assert render._NOTES
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_the_unfolded_figures_extend_the_previous_views_for_equal_refs(seed):
+    """A view's figures against a coverage extend the previous view's when the coverage holds the
+    same refs (an equal dict, not the same one: the previous view's set of them is taken), and are
+    made from the start for other refs: as one pass over the whole gives them."""
+    rng = random.Random(seed)
+    base, blocks, _hidden = random_view(rng, rng.choice([2, 5, 30, 80]))
+    covs = [coverage(blocks), coverage(blocks[:1]), {}]
+    items, last = list(base.items), None
+    for _ in range(rng.randint(2, 7)):
+        v = View(items, prev=last)
+        cov = dict(rng.choice(covs))  # (a dict of its own every time)
+        if rng.random() < 0.3:
+            cov = {r: b for r, b in cov.items() if rng.random() < 0.9}  # (other refs)
+        same_figures(v, items, cov)
+        if last is not None and last._unfolded is not None and last._unfolded.refs == cov.keys():
+            assert v._unfolded.refs is last._unfolded.refs
+        keep = rng.randint(max(0, len(items) - 3), len(items))
+        items = items[:keep] + rng.sample(list(base.items), rng.randint(0, min(3, len(base.items))))
+        last = v
 
 
 # ---- (2) whole Engine runs: as they are, and with the oracle patched in ---------------------------
