@@ -369,10 +369,14 @@ class View:
         if u is not None and u.refs == cov.keys():
             return u
         items = self._snapshot()
-        refs = frozenset(cov)
         prev = self._prev
         pu = prev._unfolded if prev is not None else None
-        m = self._shared_with(pu.of) if pu is not None and pu.refs == refs else 0
+        if pu is not None and pu.refs == cov.keys():  # (the same refs: the previous view's set of them)
+            refs = pu.refs
+            m = self._shared_with(pu.of)
+        else:
+            refs = frozenset(cov)
+            m = 0
         if m:
             held, tokens, first, last = pu.held[:m + 1], pu.tokens[:m + 1], pu.first[:m], pu.last[:m]
             count, total = held[-1], tokens[-1]

@@ -119,6 +119,14 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
     """The reminder for this turn, or None.  ``used``: the input tokens the last answer reported;
     ``last_nudge_at``: ``used`` when the last reminder was given (lowered when the context shrank);
     ``cov``: ``coverage(blocks)``, when the caller has it."""
+    urgent = window > 0 and used >= cfg.pressure * window
+    if not urgent and last_nudge_at and used - last_nudge_at < cfg.regrowth_tokens:
+        # whatever could be folded, nothing is asked again before the context grew: the ranges are
+        # not looked for (the turns after a reminder or a fold stop here).  The view's figures
+        # against the coverage are kept running, for the next view to extend
+        if cov:
+            view.unfolded(cov)
+        return None
     if cov is None:
         cov = coverage(blocks)
     ranges = [r for r in compressible(view, blocks, fold_cfg, cov) if r[3] * 4 >= fold_cfg.min_compress_chars]
@@ -126,12 +134,8 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
     if not ranges and not distil:
         return None
     pending = sum(r[3] for r in ranges)
-    urgent = window > 0 and used >= cfg.pressure * window
-    if not urgent:
-        if pending < cfg.batch_tokens and not distil:
-            return None
-        if last_nudge_at and used - last_nudge_at < cfg.regrowth_tokens:
-            return None
+    if not urgent and pending < cfg.batch_tokens and not distil:
+        return None
     if not distil and (urgent or pending >= cfg.batch_tokens):
         distil = distillable(view, blocks, fold_cfg, cfg, along=True, ranges=ranges, cov=cov)
     listed = sorted(ranges, key=lambda r: -r[3])[:5]

@@ -279,6 +279,7 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
                        if 0 <= k < len(items))
         skip = runs
     at = 0
+    texts: dict[int, str] = {}  # (each summary's text, made once: by its block, which lives meanwhile)
     for k in marks:
         it = items[k]
         if at < k:
@@ -287,14 +288,14 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
             at = skip.get(k, k + 1)
         out.extend(pre.get(it.index, ()))
         for b in plan.inserts.get(k, ()):
-            ours[len(out)] = b.text()
+            ours[len(out)] = texts[id(b)] = b.text()
             out.append(lane.summary_item(ours[len(out)]))
         if k in drop:
             continue
         item, notes = items_out[it.index], []
         if k in nudge_at:  # a reminder goes into the item it was given to, or right after it
             for text in (after[r] for r in it.refs if r in after):
-                merged = lane.note_in_item(item, text)
+                merged = _note_in_item(lane.note_in_item, item, text)
                 if merged is None:
                     ours[len(out) + 1 + len(notes)] = text
                     notes.append(lane.summary_item(text))
@@ -307,8 +308,37 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
     result.folded_items = len(drop)
     tokens = view.sums().tokens
     s.sent_tokens = (unfolded - sum(tokens[e] - tokens[k] for k, e in runs.items())
-                     + sum(fold.tokens_of(b.text()) for b in plan.rendered))
+                     + sum(fold.tokens_of(texts[id(b)] if id(b) in texts else b.text()) for b in plan.rendered))
     return True
+
+
+# a reminder given as an item goes into that item again on every turn after (the same bytes: the
+# previous pass's rendering of it) with the same text: the lane's merge is kept, (the lane's
+# function, item, text) -> the merged item (None: it stands after it), at most _NOTES_BYTES of items
+_NOTES: dict[tuple, bytes | None] = {}
+_NOTES_BYTES = 1 << 22
+_notes_bytes = 0
+_MISSING = object()
+
+
+def _note_in_item(note_in_item, item: bytes, text: str) -> bytes | None:
+    """``note_in_item(item, text)``, kept for the next turn."""
+    global _notes_bytes
+    if type(item) is not bytes or type(text) is not str:  # (bytes: never changed in place)
+        return note_in_item(item, text)
+    key = (note_in_item, item, text)
+    got = _NOTES.get(key, _MISSING)
+    if got is not _MISSING:
+        return got
+    merged = note_in_item(item, text)
+    size = len(item) + len(text) + (len(merged) if merged is not None else 0)
+    if size <= _NOTES_BYTES >> 4:
+        if _notes_bytes + size > _NOTES_BYTES:
+            _NOTES.clear()
+            _notes_bytes = 0
+        _NOTES[key] = merged
+        _notes_bytes += size
+    return merged
 
 
 def _holding(view: View, refs: dict) -> set[int]:
