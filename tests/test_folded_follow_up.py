@@ -34,6 +34,7 @@ from bili_addon.store import Store
 from bili_addon.wire import Lane
 from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, TOOL_RESULT
 
+from tests.oracle_runs import run_both
 from tests.test_fold import ANTH, agent_answers_unknown, body, filler, refs_in, roundtrip_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -654,28 +655,7 @@ class Trace:
 
 def both(tmp_path: Path, scenario) -> None:
     """``scenario(make_engine, trace_of)`` run as the code is and with the oracles: the same traces."""
-    traces = []
-    for old in (False, True):
-        with pytest.MonkeyPatch.context() as mp:
-            if old:
-                patch_oracles(mp)
-            engines = []
-            d = tmp_path / ("old" if old else "new")
-            d.mkdir()
-
-            def make(**kw) -> Trace:
-                e = Engine(Store(d / f"s{len(engines)}.db"), **kw)
-                e.t = 1000.0
-                e.now = lambda e=e: e.t
-                engines.append(e)
-                return Trace(e)
-
-            try:
-                traces.append(scenario(make))
-            finally:
-                for e in engines:
-                    e.store.close()
-    new, old = traces
+    new, old = run_both(tmp_path, scenario, patch_oracles, Trace)
     assert len(new) == len(old)
     for i, (a, b) in enumerate(zip(new, old)):
         assert a == b, f"turn {i} differs"

@@ -33,10 +33,11 @@ from bili_addon.kernel.tags import ref_of
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
 from bili_addon.wire import LANES
-from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, TOOL_RESULT
+from bili_addon.wire.base import TEXT, TOOL_RESULT
 
 import tests.churn as C
 from tests import compactions as CP
+from tests.oracle_runs import run_both
 from tests.test_folded_follow_up import bench_overhead, folds_of_every_kind, random_view
 
 
@@ -379,28 +380,7 @@ class Trace:
 
 
 def both(tmp_path, scenario) -> None:
-    traces = []
-    for old in (False, True):
-        with pytest.MonkeyPatch.context() as mp:
-            if old:
-                patch_oracles(mp)
-            engines = []
-            d = tmp_path / ("old" if old else "new")
-            d.mkdir()
-
-            def make(**kw) -> Trace:
-                e = Engine(Store(d / f"s{len(engines)}.db"), **kw)
-                e.t = 1000.0
-                e.now = lambda e=e: e.t
-                engines.append(e)
-                return Trace(e)
-
-            try:
-                traces.append(scenario(make))
-            finally:
-                for e in engines:
-                    e.store.close()
-    new, old = traces
+    new, old = run_both(tmp_path, scenario, patch_oracles, Trace)
     assert len(new) == len(old) and new
     for i, (a, b) in enumerate(zip(new, old)):
         if a != b and a[:11] == b[:11] and a[11] and b[11]:

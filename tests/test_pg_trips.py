@@ -20,7 +20,6 @@ pytest.importorskip("psycopg")
 from bili_addon.kernel.fold import FoldConfig  # noqa: E402
 from bili_addon.kernel.turn import Engine  # noqa: E402
 from bili_addon.store import LedgerRow, SessionBusy, SessionRow, StaleSession, Store, StoreError  # noqa: E402
-from bili_addon.wire import LANES  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_overhead  # noqa: E402  (its synthetic conversations)
