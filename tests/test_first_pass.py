@@ -405,7 +405,8 @@ def test_the_one_scan_split_is_the_general_split_or_nothing(body):
     items = base._dec_raw_list.decode(conv) if conv is not None and bytes(conv)[:1] == b"[" else None
     got = base._split_compact(body)
     if got is not None:
-        top, its = got
+        top, its, span = got
+        assert bytes(body[span[0]:span[1]]) == bytes(general.top["messages"])  # (where the array lies)
         assert list(top) == list(general.top) and all(bytes(top[k]) == bytes(general.top[k]) for k in top)
         assert [bytes(x) for x in its] == [bytes(x) for x in items]
     else:
@@ -632,7 +633,7 @@ def test_the_one_scan_split_on_members_in_any_order():
             assert got is None
         if got is not None:
             split += 1
-            top, items = got
+            top, items, _span = got
             assert ([(k, bytes(v)) for k, v in top.items()], [bytes(x) for x in items]) == want
         b = Body(body, "messages")  # and Body reads what the general split reads, either way
         assert [(k, bytes(v)) for k, v in b.top.items()] == want[0]

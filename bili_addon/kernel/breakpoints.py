@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from bili_addon.wire.base import Body, encode, patch
+from bili_addon.wire.base import Body, patch
 
 MAX_BREAKPOINTS = 4
 SUMMARY_MARK = b"[Compressed conversation section "
@@ -27,20 +27,17 @@ def agent_marks(raw: bytes, body: Body, infos: list, prev: list[tuple[int, int]]
                 shared: int) -> tuple[tuple[int, int], list[tuple[int, int]] | None]:
     """How often the request's body mentions ``"cache_control"`` and ``"ttl"`` (``raw.count`` of
     each), and the running counts over its conversation items (the next turn's ``prev``).  A compact
-    body (``Body.compact``) is its keys, its values and its items, with only JSON punctuation between
-    them, which neither word holds: the counts add up over those pieces, and the items the previous
-    pass shared (``infos``: the items, each's bytes its ``raw``; the first ``shared`` are the previous
-    pass's, ``prev`` its running counts)
-    are not read again (a folded session's every turn asks; the whole body of 1,000 messages took
-    ~0.5 ms to count).  Any other body is counted whole."""
-    if not body.compact:
+    body (``Body.compact``: where its array lies) is its members and its items, with only JSON
+    punctuation between them, which neither word holds: the counts add up over the body around the
+    array and over each item, and the items the previous pass shared (``infos``: the items, each's
+    bytes its ``raw``; the first ``shared`` are the previous pass's, ``prev`` its running counts) are
+    not read again (a folded session's every turn asks; the whole body of 1,000 messages took ~0.5 ms
+    to count).  Any other body is counted whole."""
+    if body.compact is None:
         return (raw.count(_CC), raw.count(_TTL)), None
-    cc = ttl = 0
-    for k, v in body.top.items():
-        if k != body.key:
-            piece = encode(k) + bytes(v)  # (the key as written: without escapes, in a compact body)
-            cc += piece.count(_CC)
-            ttl += piece.count(_TTL)
+    at, end = body.compact  # (the array: from its ``[`` to past its ``]``)
+    cc = raw.count(_CC, 0, at) + raw.count(_CC, end)
+    ttl = raw.count(_TTL, 0, at) + raw.count(_TTL, end)
     run = prev[: shared + 1] if prev is not None and shared < len(prev) else [(0, 0)]
     c, t = run[-1]
     for info in infos[len(run) - 1:]:

@@ -182,15 +182,16 @@ class Body:
     __slots__ = ("top", "key", "items", "array", "compact")
 
     def __init__(self, raw: bytes, key: str):
-        # compact: the body's bytes are exactly its members' keys (written without escapes) and raw
-        # values, and the items in its array, with nothing between them but the JSON punctuation
+        # compact: where the conversation array lies in the body's bytes, when those are exactly its
+        # members' keys (written without escapes) and raw values, and the items in its array, with
+        # nothing between them but the JSON punctuation (else None)
         if key == "messages" and type(raw) is bytes:
             split = _split_compact(raw)
             if split is not None:
-                self.top, self.items = split
-                self.key, self.array, self.compact = key, True, True
+                self.top, self.items, self.compact = split
+                self.key, self.array = key, True
                 return
-        self.compact = False
+        self.compact = None
         try:
             self.top = _dec_raw_obj.decode(raw)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -265,7 +266,7 @@ _KEY_BYTES = {k: b'"' + k.encode() + b'":' for k in ("messages", *_TOP_KEYS)}
 _KEY_NAMES = {k.encode(): k for k in _KEY_BYTES}  # a key as written (no escapes) -> its name
 
 
-def _split_compact(raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw]] | None:
+def _split_compact(raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw], tuple[int, int]] | None:
     """``(top, items)`` as Body reads them, in one scan of the body instead of two (the top
     object, then the conversation array again), when the body is compact at its top level and in
     its array (``{"k":v,...,"messages":[item,...],...}``, no space between them: Node's
@@ -273,7 +274,8 @@ def _split_compact(raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw
     into a struct (each value a raw slice, the items one each); its size proves it is exactly those
     members written compactly, and the members are then read off in the order they stand, one
     step each (no search through the body: the conversation stands before most keys, as agents
-    write them): those are exactly the keys, order and values the general split would give."""
+    write them): those are exactly the keys, order and values the general split would give.  The
+    third value: where the conversation array lies in ``raw`` (from its ``[`` to past its ``]``)."""
     try:
         t = _dec_top.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError):
@@ -304,11 +306,14 @@ def _split_compact(raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw
             return None  # (cannot happen once the size holds: kept as a guard)
         at = q + 2
         end = at + sizes[k]
-        top[k] = msgspec.Raw(view[at:end]) if k == "messages" else getattr(t, k)
+        if k == "messages":
+            top[k], span = msgspec.Raw(view[at:end]), (at, end)
+        else:
+            top[k] = getattr(t, k)
         off = end + 1  # (past the comma, or the closing brace after the last member)
     if off != len(raw):
         return None
-    return top, items
+    return top, items, span
 
 
 def idless_call_key(name: str, args: Any) -> str:
