@@ -161,11 +161,13 @@ def test_a_commit_waits_for_a_row_another_transaction_holds(pg_url, tmp_path):
         c = other(pg_url)
         c.execute("BEGIN")
         c.execute("SELECT 1 FROM sessions WHERE id='rw' FOR UPDATE")
-        threading.Timer(0.3, lambda: c.execute("COMMIT")).start()
+        other_commits = threading.Timer(0.3, lambda: c.execute("COMMIT"))
+        other_commits.start()
         t = time.monotonic()
         assert s.commit_turn(row("rw", 3), refs(1, 2), expect=1, minted=[("m00002", "h2")]) == 2
         assert time.monotonic() - t >= 0.25
         s.release()
+        other_commits.join()  # (its COMMIT's answer read before the connection closes)
         c.close()
     finally:
         s.close()
