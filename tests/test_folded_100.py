@@ -21,6 +21,7 @@ import pytest
 
 from bili_addon.kernel import nudge, render, turn
 from bili_addon.kernel.fold import Block, FoldConfig, View, coverage
+from bili_addon.kernel.kept import Kept
 from bili_addon.kernel.nudge import NudgeConfig, compressible, distillable
 from bili_addon.kernel.tags import format_tokens
 
@@ -117,9 +118,7 @@ def test_a_regrowth_turn_keeps_the_views_figures_running(seed):
 def test_a_reminders_merge_is_the_lanes_turn_after_turn(monkeypatch):
     """The merge kept for a reminder given as an item is the lane's, for any item and text, within
     its bound (bytes only: anything else is merged anew, never kept)."""
-    monkeypatch.setattr(render, "_NOTES_BYTES", 1 << 12)
-    render._NOTES.clear()
-    monkeypatch.setattr(render, "_notes_bytes", 0)
+    monkeypatch.setattr(render, "_NOTES", Kept(1 << 12))
     rng = random.Random(5)
     items = [msgspec.json.encode({"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{k}",
                                                                "content": "x" * rng.randrange(0, 400)}]})
@@ -133,8 +132,8 @@ def test_a_reminders_merge_is_the_lanes_turn_after_turn(monkeypatch):
         assert render._note_in_item(lane.note_in_item, item, text) == want
         got = render._note_in_item(lane.note_in_item, bytearray(item), text)
         assert got == lane.note_in_item(bytearray(item), text)
-        assert render._notes_bytes <= 1 << 12
-    assert render._NOTES
+        assert render._NOTES.used <= 1 << 12
+    assert render._NOTES.items
 
 
 @pytest.mark.parametrize("seed", range(100))

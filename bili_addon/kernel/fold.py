@@ -19,6 +19,7 @@ from typing import Any, Iterable, NamedTuple
 import msgspec
 
 from bili_addon.kernel.identity import count_tokens
+from bili_addon.kernel.kept import Kept
 from bili_addon.kernel.prompts import summary_header
 from bili_addon.kernel.tags import format_tokens, index_of, ref_of
 from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, TOOL_RESULT
@@ -78,24 +79,16 @@ class Block:
         return tokens_of(self.summary)
 
 
-_TOKENS_OF: dict[str, int] = {}  # text -> count_tokens(text): summaries, read on every turn
-_TOKENS_OF_CHARS = 1 << 22  # the characters of the texts kept, at most
-_tokens_of_chars = 0
+_TOKENS_OF = Kept(1 << 22)  # text -> count_tokens(text): summaries, read on every turn (sized by characters)
 
 
 def tokens_of(text: str) -> int:
     """``count_tokens(text)``, kept for the texts read turn after turn (summaries and what stands
     for them on the wire: a summary's header is not ASCII, and counting it is a regex pass)."""
-    global _tokens_of_chars
-    n = _TOKENS_OF.get(text)
+    n = _TOKENS_OF.get(text, None)
     if n is None:
         n = count_tokens(text)
-        if len(text) <= _TOKENS_OF_CHARS >> 4:
-            if _tokens_of_chars + len(text) > _TOKENS_OF_CHARS:
-                _TOKENS_OF.clear()
-                _tokens_of_chars = 0
-            _TOKENS_OF[text] = n
-            _tokens_of_chars += len(text)
+        _TOKENS_OF.put(text, n, len(text))
     return n
 
 

@@ -19,6 +19,7 @@ from msgspec import Struct
 
 from bili_addon.kernel import fold, reconcile, tags
 from bili_addon.kernel.fold import Block, PartView, View, ViewItem
+from bili_addon.kernel.kept import MISSING, Kept
 from bili_addon.kernel.state import ItemInfo, Resolved, Session, TurnResult
 from bili_addon.kernel.tools import ProxyTools, call_key
 from bili_addon.wire import Lane, hygiene
@@ -314,30 +315,20 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
 
 # a reminder given as an item goes into that item again on every turn after (the same bytes: the
 # previous pass's rendering of it) with the same text: the lane's merge is kept, (the lane's
-# function, item, text) -> the merged item (None: it stands after it), at most _NOTES_BYTES of items
-_NOTES: dict[tuple, bytes | None] = {}
-_NOTES_BYTES = 1 << 22
-_notes_bytes = 0
-_MISSING = object()
+# function, item, text) -> the merged item (None: it stands after it), 4 MB of items at most
+_NOTES = Kept(1 << 22)
 
 
 def _note_in_item(note_in_item, item: bytes, text: str) -> bytes | None:
     """``note_in_item(item, text)``, kept for the next turn."""
-    global _notes_bytes
     if type(item) is not bytes or type(text) is not str:  # (bytes: never changed in place)
         return note_in_item(item, text)
     key = (note_in_item, item, text)
-    got = _NOTES.get(key, _MISSING)
-    if got is not _MISSING:
+    got = _NOTES.get(key)
+    if got is not MISSING:
         return got
     merged = note_in_item(item, text)
-    size = len(item) + len(text) + (len(merged) if merged is not None else 0)
-    if size <= _NOTES_BYTES >> 4:
-        if _notes_bytes + size > _NOTES_BYTES:
-            _NOTES.clear()
-            _notes_bytes = 0
-        _NOTES[key] = merged
-        _notes_bytes += size
+    _NOTES.put(key, merged, len(item) + len(text) + (len(merged) if merged is not None else 0))
     return merged
 
 
