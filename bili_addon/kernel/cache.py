@@ -728,11 +728,15 @@ def _retention(memo: Any, body: bytes) -> tuple[Any, _TopMemo | None]:
                 value = got[2].prompt_cache_retention
                 return (loc[1].prompt_cache_retention if value is UNSET else value,
                         _TopMemo(body, key, [loc[0] + 1] + got[1], loc[1]))
+    return _read_retention(body), None
+
+
+def _read_retention(body: bytes) -> Any:
+    """The body's ``prompt_cache_retention``, read from the whole body (None where it is no JSON object)."""
     try:
-        top = msgspec.json.decode(body, type=_OpenAITop)
+        return msgspec.json.decode(body, type=_OpenAITop).prompt_cache_retention
     except (msgspec.DecodeError, msgspec.ValidationError):
-        top = _OpenAITop()
-    return top.prompt_cache_retention, None
+        return None
 
 
 def bill_request(cache: Cache, body: bytes, now: float) -> Bill:
@@ -749,10 +753,7 @@ def bill_request(cache: Cache, body: bytes, now: float) -> Bill:
         if cache.memo and type(body) is bytes:
             retention, cache._memo_top = _retention(cache._memo_top, body)
         else:
-            try:
-                retention = msgspec.json.decode(body, type=_OpenAITop).prompt_cache_retention
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                retention = None
+            retention = _read_retention(body)
         if retention == "24h":
             ttl = cache.rules.ttl_long
     return cache.send_prefix(body, now, ttl)
