@@ -110,6 +110,19 @@ def _render_prose(lane: Lane, infos: list[ItemInfo], start: int, q: int, resolve
             if not core.path:
                 continue
             edits = None
+        elif len(parts) == 2:  # (the next commonest: an assistant's prose and its tool call)
+            r, other = parts
+            core = r.core
+            if not core.path:
+                r = other
+                core = r.core
+                if not core.path:
+                    continue
+                edits = None
+            elif other.core.path:  # both parts to edit
+                edits, count = _item_edits(parts, active, k != last, nudges)
+            else:
+                edits = None
         else:
             with_path = [r for r in parts if r.core.path]
             if not with_path:
