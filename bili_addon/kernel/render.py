@@ -367,8 +367,8 @@ def _holding_all(view: View, refs: dict) -> set[int]:
     """:func:`_holding` from the start."""
     if isinstance(view, View) and view._pos is None:
         # no ref's position known yet (a conversation's first pass): the parts are read for these
-        # refs alone (a third of the time of making every ref's position, which nothing else of
-        # the turn asks for then)
+        # refs alone (a third to a half of the time of making every ref's position, which nothing
+        # else of the turn asks for then)
         return {k for k, it in enumerate(view.items) for p in it.parts if p.ref in refs}
     items, pos = view.items, view.pos
     if len(pos) == (view.part_count() if isinstance(view, View) else sum(len(it.parts) for it in items)):
