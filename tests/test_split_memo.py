@@ -119,7 +119,7 @@ def test_random_chains_read_what_the_full_split_reads():
             top = [(k, rnd_value(r)) for k in keys]
             top.insert(r.randrange(len(top) + 1), ("messages", [rnd_item(r) for _ in range(r.randrange(0, 8))]))
             splits = Splits()
-            prev_items = None
+            recent: list = []
             for step in range(12):
                 raw = encode(top)
                 if r.random() < 0.08:
@@ -129,10 +129,11 @@ def test_random_chains_read_what_the_full_split_reads():
                 fresh = Body(raw, "messages")
                 body = splits.body(raw, "messages", ("anthropic", chain))
                 same_split(body, fresh)
-                if body.shared is not None:
-                    assert body.shared[0] is prev_items
-                    assert body.shared[1] == coverage.common_prefix(prev_items, body.items)
-                prev_items = body.items if body.compact is not None else None
+                if body.shared is not None:  # read from one of the last two compact bodies' layouts
+                    assert any(body.shared[0].items is x for x in recent[-2:])
+                    assert body.shared[1] == coverage.common_prefix(body.shared[0].items, body.items)
+                if body.compact is not None:
+                    recent.append(body.items)
                 top = mutate(r, top)
     finally:
         Split.derive = orig
@@ -174,16 +175,35 @@ def test_hand_made_edges():
         s.body(bad, "messages", key)
 
 
+def test_side_requests_between_turns():
+    """A conversation's turns with another body under the same id between them (a title request):
+    each turn is still read from the conversation's previous layout."""
+    s = Splits()
+    conv = [("model", "m"), ("messages", [{"a": i} for i in range(5)]), ("system", "long " * 50)]
+    side = [("model", "small"), ("messages", [{"title": "x"}]), ("system", "titles")]
+    shared = []
+    for turn in range(6):
+        raw = encode(conv)
+        body = s.body(raw, "messages", "sid")
+        same_split(body, Body(raw, "messages"))
+        shared.append(body.shared[1] if body.shared is not None else None)
+        s.body(encode(side), "messages", "sid")
+        conv[1] = ("messages", conv[1][1] + [{"b": turn}])
+    assert shared == [None, 5, 6, 7, 8, 9]
+
+
 def test_the_layout_is_bounded():
     s = Splits(keep=3, max_bytes=10_000)
     bodies = [encode([("messages", [{"t": str(i) * 50}] * 20), ("model", "m")]) for i in range(6)]
     for i, raw in enumerate(bodies):
         s.body(raw, "messages", i)
-        assert len(s.last) <= 3 and s.size == sum(len(x.raw) for x in s.last.values())
+        assert len(s.last) <= 3 and s.size == sum(len(x.raw) for k in s.last.values() for x in k)
     assert list(s.last) == [3, 4, 5]
     big = encode([("messages", ["x" * 20_000]), ("model", "m")])
     s.body(big, "messages", "big")
     assert list(s.last) == ["big"] and s.size == len(big)  # (the newest always stays)
+    s.body(big, "messages", "big")  # the same body again: its layout replaced, not kept twice
+    assert len(s.last["big"]) == 1 and s.size == len(big)
     s.body(big, "messages", None)  # no key: nothing kept
     assert list(s.last) == ["big"]
 

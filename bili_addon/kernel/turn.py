@@ -155,7 +155,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             ident = session_from_request(headers, top)
         memo = self._memo_for(ident[0] if ident else None, lane, raws)
         shared = body.shared  # (the items the body was read from and how many it shares: no compare again)
-        k = ((shared[1] if shared is not None and shared[0] is memo.raws else coverage.common_prefix(memo.raws, raws))
+        k = ((shared[1] if shared is not None and shared[0].items is memo.raws else coverage.common_prefix(memo.raws, raws))
              if memo is not None else 0)
         if memo is not None:
             k = min(k, len(memo.raws) - 1)  # the previous last item may have been an untagged prefill

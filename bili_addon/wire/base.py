@@ -184,21 +184,22 @@ class Body:
 
     __slots__ = ("top", "key", "items", "array", "compact", "shared")
 
-    def __init__(self, raw: bytes, key: str, prev: "Split | None" = None):
+    def __init__(self, raw: bytes, key: str, prevs: "Iterable[Split]" = ()):
         # compact: where the conversation array lies in the body's bytes, when those are exactly its
         # members' keys (written without escapes) and raw values, and the items in its array, with
-        # nothing between them but the JSON punctuation (else None).  ``prev``: an earlier compact
-        # body's layout (Splits): this one is read from it where the two share their bytes, and
-        # ``shared`` is then ``(that body's items, how many leading items the two have in common,
-        # [where this body's items end, where they start])``
+        # nothing between them but the JSON punctuation (else None).  ``prevs``: earlier compact
+        # bodies' layouts (Splits): this one is read from the first that applies, where the two
+        # share their bytes, and ``shared`` is then ``(that layout, how many leading items the two
+        # bodies have in common, [where this body's items end, where they start])``
         self.shared = None
         if key == "messages" and type(raw) is bytes:
-            got = prev.derive(raw) if prev is not None else None
-            if got is not None:
-                self.top, self.items, self.compact, j, *layout = got
-                self.shared = (prev.items, j, layout)
-                self.key, self.array = key, True
-                return
+            for prev in prevs:
+                got = prev.derive(raw)
+                if got is not None:
+                    self.top, self.items, self.compact, j, *layout = got
+                    self.shared = (prev, j, layout)
+                    self.key, self.array = key, True
+                    return
             split = _split_compact(raw)
             if split is not None:
                 self.top, self.items, self.compact = split
@@ -444,30 +445,39 @@ class Split:
 class Splits:
     """The layouts of recent compact bodies (:class:`Split`) by a key the caller chooses (a
     conversation's id from its headers, else the body's first bytes): a follow-up turn's body is read
-    from its predecessor's layout, only its new items scanned.  At most ``keep`` layouts whose
-    bodies hold ``max_bytes`` together (the least recently used go first; the newest always stays)."""
+    from its predecessor's layout, only its new items scanned.  Two layouts per key (an agent's side
+    requests, a title or a summary, come with the conversation's id and bodies of their own); at
+    most ``keep`` keys whose bodies hold ``max_bytes`` together (the least recently used go first;
+    the newest always stays)."""
+
+    PER_KEY = 2
 
     def __init__(self, keep: int = 256, max_bytes: int = 128 << 20):
         self.keep, self.max_bytes = keep, max_bytes
         self.size = 0
-        self.last: OrderedDict[Any, Split] = OrderedDict()
+        self.last: OrderedDict[Any, list[Split]] = OrderedDict()
 
     def body(self, raw: bytes, key: str, memo_key: Any) -> Body:
-        """``Body(raw, key)``, read from the layout kept under ``memo_key`` where it applies; a compact
-        body's layout is kept under it for the next (None: neither)."""
+        """``Body(raw, key)``, read from a layout kept under ``memo_key`` where one applies (the most
+        recent first); a compact body's layout is kept under it for the next (None: neither)."""
         if memo_key is None:
             return Body(raw, key)
         last = self.last
-        prev = last.pop(memo_key, None)
-        if prev is not None:
-            self.size -= len(prev.raw)
-        body = Body(raw, key, prev)
+        kept = last.pop(memo_key, None) or []
+        body = Body(raw, key, kept)
+        if body.shared is not None:  # (its layout is replaced by this body's)
+            kept.remove(body.shared[0])
+            self.size -= len(body.shared[0].raw)
         if body.compact is not None:
-            last[memo_key] = Split(raw, body.top, body.items, body.compact[0],
-                                   *(body.shared[2] if body.shared is not None else ()))
+            kept.insert(0, Split(raw, body.top, body.items, body.compact[0],
+                                 *(body.shared[2] if body.shared is not None else ())))
             self.size += len(raw)
+            while len(kept) > self.PER_KEY:
+                self.size -= len(kept.pop().raw)
+        if kept:
+            last[memo_key] = kept
             while len(last) > 1 and (len(last) > self.keep or self.size > self.max_bytes):
-                self.size -= len(last.popitem(last=False)[1].raw)
+                self.size -= sum(len(x.raw) for x in last.popitem(last=False)[1])
         return body
 
 
