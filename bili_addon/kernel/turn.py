@@ -53,10 +53,12 @@ from bili_addon.kernel.tools import ProxyTools
 from bili_addon.kernel.windows import context_window
 from bili_addon.store import LedgerRow, SessionRow, StaleSession, Store, StoreError
 from bili_addon.wire import Lane
-from bili_addon.wire.base import TEXT, Body, Core
+from bili_addon.wire.base import TEXT, Core, Splits
 
 log = logging.getLogger("bili")
 
+_NO_TOP: dict = {}  # (session_from_request with the headers alone)
+_HEAD_KEY = 512  # the bytes of a body that key its layout when no header names its conversation
 _SMALL_TOP_KEYS = ("session_id", "metadata", "prompt_cache_key", "model", "previous_response_id")
 STALE_RETRIES = 2  # a turn computed from a session another process changed meanwhile is computed again
 
@@ -71,6 +73,7 @@ class Engine(ProxyTools, Epochs, Deferred):
                  activate: str = "always", materialize: str = "now"):
         self.store = store
         self.items = ItemCache()
+        self.splits = Splits()  # recent bodies' layouts: a follow-up's body read from its predecessor's
         self.sessions = Sessions(store, max_sessions)  # cached sessions and previous passes (kernel/registry.py)
         self.affinity = PrefixAffinity(store.affinity())
         self.lineage = Lineage(store)  # forks and id-less rewinds (kernel/lineage.py)
@@ -141,12 +144,19 @@ class Engine(ProxyTools, Epochs, Deferred):
 
     def _process(self, raw: bytes, lane: Lane, headers: Mapping[str, str], *, render: bool,
                  origin: str) -> TurnResult:
-        body = Body(raw, lane.conv_key)
+        # the conversation's id when its headers carry it (they are read first): the key of its
+        # previous body's layout; else the body's first bytes are
+        ident = session_from_request(headers, _NO_TOP)
+        body = self.splits.body(raw, lane.conv_key, (lane.name, ident[0]) if ident is not None else
+                                (lane.name, raw[:_HEAD_KEY]))
         top = {k: body.get(k) for k in _SMALL_TOP_KEYS if k in body.top}
         raws = body.items
-        ident = session_from_request(headers, top)
+        if ident is None:
+            ident = session_from_request(headers, top)
         memo = self._memo_for(ident[0] if ident else None, lane, raws)
-        k = coverage.common_prefix(memo.raws, raws) if memo is not None else 0
+        shared = body.shared  # (the items the body was read from and how many it shares: no compare again)
+        k = ((shared[1] if shared is not None and shared[0].items is memo.raws else coverage.common_prefix(memo.raws, raws))
+             if memo is not None else 0)
         if memo is not None:
             k = min(k, len(memo.raws) - 1)  # the previous last item may have been an untagged prefill
             if k <= memo.start:

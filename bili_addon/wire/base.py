@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import operator
+from bisect import bisect_right
+from collections import OrderedDict
+from itertools import accumulate
 from typing import Any, Iterable
 
 import msgspec
@@ -179,13 +182,24 @@ class LaneDefaults:
 class Body:
     """A request body split into untouched top-level raw values and the conversation item array."""
 
-    __slots__ = ("top", "key", "items", "array", "compact")
+    __slots__ = ("top", "key", "items", "array", "compact", "shared")
 
-    def __init__(self, raw: bytes, key: str):
+    def __init__(self, raw: bytes, key: str, prevs: "Iterable[Split]" = ()):
         # compact: where the conversation array lies in the body's bytes, when those are exactly its
         # members' keys (written without escapes) and raw values, and the items in its array, with
-        # nothing between them but the JSON punctuation (else None)
+        # nothing between them but the JSON punctuation (else None).  ``prevs``: earlier compact
+        # bodies' layouts (Splits): this one is read from the first that applies, where the two
+        # share their bytes, and ``shared`` is then ``(that layout, how many leading items the two
+        # bodies have in common, [where this body's items end, where they start])``
+        self.shared = None
         if key == "messages" and type(raw) is bytes:
+            for prev in prevs:
+                got = prev.derive(raw)
+                if got is not None:
+                    self.top, self.items, self.compact, j, *layout = got
+                    self.shared = (prev, j, layout)
+                    self.key, self.array = key, True
+                    return
             split = _split_compact(raw)
             if split is not None:
                 self.top, self.items, self.compact = split
@@ -314,6 +328,157 @@ def _split_compact(raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw
     if off != len(raw):
         return None
     return top, items, span
+
+
+def common_prefix_bytes(a: bytes, b: bytes, limit: int | None = None) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (at most ``limit``): memcmp in
+    chunks (no copy), then halving within the chunk that differs."""
+    n = min(len(a), len(b))
+    if limit is not None:
+        n = min(n, limit)
+    mv = memoryview(a)
+    lo = 0
+    while lo < n:
+        hi = min(n, lo + _CHUNK)
+        if not b.startswith(mv[lo:hi], lo):
+            break
+        lo = hi
+    else:
+        return n
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if b.startswith(mv[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+_CHUNK = 1 << 16
+_PLUS_ONE = (1).__add__
+
+
+class Split:
+    """Where a compact body's members and items lie (:class:`Body` read it so): enough to read a later
+    body that shares its bytes without scanning them again (:meth:`derive`)."""
+
+    __slots__ = ("raw", "keys", "sizes", "at", "items", "ends", "starts")
+
+    def __init__(self, raw: bytes, top: dict[str, msgspec.Raw], items: list[msgspec.Raw], at: int,
+                 ends: list[int] | None = None, starts: list[int] | None = None):
+        self.raw = raw
+        self.keys = list(top)  # in the order they stand (a compact split reads them so)
+        self.sizes = list(map(len, top.values()))
+        self.at = at  # the conversation array's ``[``
+        self.items = items  # (the Body's list, never changed: the pass that follows compares against it)
+        # where each item ends (exclusive; a comma or the ``]`` follows) and starts: computed when
+        # first needed, or carried over from the layout this body was read from
+        self.ends, self.starts = ends, starts
+
+    def derive(self, raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw], tuple[int, int], int,
+                                          list[int], list[int]] | None:
+        """``(top, items, span, j, ends, starts)`` of ``raw``: its split as :func:`_split_compact` reads
+        it, from this layout, how many leading items it shares with this body's (``j``), and where
+        its items end and start; or None.  ``raw`` must hold this body's bytes up to the end of some
+        of its items (a common prefix: the items that end in it are the same items, each where it
+        was) and its bytes from the array's ``]`` to the end (the same members after the array, each
+        shifted by the same amount); between the two, only whole items with a comma before each (no
+        space: compact) are read, by one decode of them alone.  That makes ``raw`` this body with
+        its items after the shared ones replaced: valid JSON with the same members (the grammar's
+        state at each end of the middle is the one the earlier body had there), so exactly what the
+        full split reads."""
+        old = self.raw
+        at = self.at
+        ends, starts = self.ends, self.starts
+        if ends is None:
+            ends = list(accumulate(map(_PLUS_ONE, map(len, self.items)), initial=at))[1:]
+            starts = [at + 1, *map(_PLUS_ONE, ends[:-1])] if ends else []
+        close = ends[-1] if ends else at + 1  # the ``]`` of this body's array
+        tail = len(old) - close
+        close_new = len(raw) - tail
+        if close_new <= at or not raw.endswith(memoryview(old)[close:]):
+            return None
+        shared = common_prefix_bytes(old, raw, close)
+        j = bisect_right(ends, shared)  # items wholly in the shared prefix
+        start = ends[j - 1] if j else at + 1
+        if shared < start or close_new < start:  # (the members before the array and its ``[`` shared too)
+            return None
+        view = memoryview(raw)
+        raw_of = msgspec.Raw
+        ends, starts = ends[:j], starts[:j]
+        items = list(map(raw_of, map(view.__getitem__, map(slice, starts, ends))))
+        if close_new > start:  # new items (after a comma when an item stands before them)
+            first = start
+            if j:
+                if raw[start] != 44:  # ","
+                    return None
+                first += 1
+            try:
+                more = _dec_raw_list.decode(b"[" + raw[first:close_new] + b"]")
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                return None
+            sizes = list(map(len, more))
+            if sum(sizes) + len(sizes) - 1 != close_new - first:  # a space between them: not compact
+                return None
+            new_ends = list(accumulate(map(_PLUS_ONE, sizes), initial=first - 1))[1:]
+            new_starts = list(map(int.__sub__, new_ends, sizes))
+            items += map(raw_of, map(view.__getitem__, map(slice, new_starts, new_ends)))
+            ends += new_ends
+            starts += new_starts
+        # the members in their order, each key then its value: those after the array follow its new end
+        top: dict[str, msgspec.Raw] = {}
+        off = 1
+        key_bytes = _KEY_BYTES
+        for k, size in zip(self.keys, self.sizes):
+            begin = off + len(key_bytes[k])
+            if k == "messages":
+                if begin != at:
+                    return None  # (cannot happen: the layout is the split's own)
+                top[k] = raw_of(view[at:close_new + 1])
+                off = close_new + 2
+            else:
+                top[k] = raw_of(view[begin:begin + size])
+                off = begin + size + 1
+        return top, items, (at, close_new + 1), j, ends, starts
+
+
+class Splits:
+    """The layouts of recent compact bodies (:class:`Split`) by a key the caller chooses (a
+    conversation's id from its headers, else the body's first bytes): a follow-up turn's body is read
+    from its predecessor's layout, only its new items scanned.  Two layouts per key (an agent's side
+    requests, a title or a summary, come with the conversation's id and bodies of their own); at
+    most ``keep`` keys whose bodies hold ``max_bytes`` together (the least recently used go first;
+    the newest always stays)."""
+
+    PER_KEY = 2
+
+    def __init__(self, keep: int = 256, max_bytes: int = 128 << 20):
+        self.keep, self.max_bytes = keep, max_bytes
+        self.size = 0
+        self.last: OrderedDict[Any, list[Split]] = OrderedDict()
+
+    def body(self, raw: bytes, key: str, memo_key: Any) -> Body:
+        """``Body(raw, key)``, read from a layout kept under ``memo_key`` where one applies (the most
+        recent first); a compact body's layout is kept under it for the next (None: neither)."""
+        if memo_key is None:
+            return Body(raw, key)
+        last = self.last
+        kept = last.pop(memo_key, None) or []
+        body = Body(raw, key, kept)
+        if body.shared is not None:  # (its layout is replaced by this body's)
+            kept.remove(body.shared[0])
+            self.size -= len(body.shared[0].raw)
+        if body.compact is not None:
+            kept.insert(0, Split(raw, body.top, body.items, body.compact[0],
+                                 *(body.shared[2] if body.shared is not None else ())))
+            self.size += len(raw)
+            while len(kept) > self.PER_KEY:
+                self.size -= len(kept.pop().raw)
+        if kept:
+            last[memo_key] = kept
+            while len(last) > 1 and (len(last) > self.keep or self.size > self.max_bytes):
+                self.size -= sum(len(x.raw) for x in last.popitem(last=False)[1])
+        return body
 
 
 def idless_call_key(name: str, args: Any) -> str:
