@@ -153,7 +153,8 @@ def _general_path(monkeypatch) -> None:
     monkeypatch.setattr(AnthropicLane, "array_cores", None)  # ... items read one by one, as dicts
     monkeypatch.setattr(ChatLane, "array_cores", None)
     monkeypatch.setattr(LANES["chat"], "tag_typed", staticmethod(lambda *a: None))  # ... tags patched, not put in bytes
-    monkeypatch.setattr(base, "_split_compact", lambda raw: None)  # ... the body split in two scans
+    monkeypatch.setattr(base, "_split_compact", lambda raw, key="messages": None)  # ... the body split in two scans
+    monkeypatch.setattr(base.Split, "derive", lambda self, raw: None)  # ... every body split whole
     monkeypatch.setattr(nudge, "_runs_unfolded", _runs_reference)  # ... the reminder's runs part by part
 
 

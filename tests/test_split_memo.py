@@ -19,7 +19,7 @@ from bili_addon.kernel import coverage
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import Store
 from bili_addon.wire import LANES, base
-from bili_addon.wire.base import Body, Split, Splits
+from bili_addon.wire.base import Body, Split, Splits, _split_compact
 
 from tests.test_folded_follow_up import bench_overhead
 
@@ -65,9 +65,9 @@ def encode(top: list[tuple[str, object]]) -> bytes:
     return msgspec.json.encode(dict(top))
 
 
-def mutate(r: random.Random, top: list[tuple[str, object]]) -> list[tuple[str, object]]:
+def mutate(r: random.Random, top: list[tuple[str, object]], conv: str = "messages") -> list[tuple[str, object]]:
     top = [(k, v) for k, v in top]
-    i = next(n for n, (k, _v) in enumerate(top) if k == "messages")
+    i = next(n for n, (k, _v) in enumerate(top) if k == conv)
     items = list(top[i][1])
     op = r.randrange(12)
     if op < 5:
@@ -80,15 +80,15 @@ def mutate(r: random.Random, top: list[tuple[str, object]]) -> list[tuple[str, o
         items[-1] = items[-1] * r.choice([10, 100, 1000]) + 7  # "12" -> "1207": the old item's bytes a prefix
     elif op == 8:
         j = r.randrange(len(top))
-        if top[j][0] != "messages":
+        if top[j][0] != conv:
             top[j] = (top[j][0], rnd_value(r))
     elif op == 9:
         r.shuffle(top)
-        i = next(n for n, (k, _v) in enumerate(top) if k == "messages")
+        i = next(n for n, (k, _v) in enumerate(top) if k == conv)
     elif op == 10:
         items = []
     # op 11: the same body again
-    top[i] = ("messages", items)
+    top[i] = (conv, items)
     return top
 
 
@@ -100,7 +100,11 @@ def spaced(raw: bytes, r: random.Random) -> bytes:
     return raw[:at + 1] + b" " + raw[at + 1:]
 
 
-def test_random_chains_read_what_the_full_split_reads():
+@pytest.mark.parametrize("conv, others", [
+    ("messages", ["model", "system", "tools", "max_tokens", "metadata", "stream", "temperature"]),
+    ("input", ["model", "instructions", "tools", "include", "reasoning", "prompt_cache_key", "store"]),
+])
+def test_random_chains_read_what_the_full_split_reads(conv, others):
     r = random.Random(20261205)
     derived = 0
     orig = Split.derive
@@ -114,10 +118,11 @@ def test_random_chains_read_what_the_full_split_reads():
     Split.derive = counting
     try:
         for chain in range(250):
-            keys = r.sample(["model", "system", "tools", "max_tokens", "metadata", "stream", "temperature"],
-                            r.randrange(0, 5))
+            keys = r.sample(others, r.randrange(0, 5))
+            if r.random() < 0.05:
+                keys.append("system" if conv == "input" else "instructions")  # a key the lane's split does not know
             top = [(k, rnd_value(r)) for k in keys]
-            top.insert(r.randrange(len(top) + 1), ("messages", [rnd_item(r) for _ in range(r.randrange(0, 8))]))
+            top.insert(r.randrange(len(top) + 1), (conv, [rnd_item(r) for _ in range(r.randrange(0, 8))]))
             splits = Splits()
             recent: list = []
             for step in range(12):
@@ -126,15 +131,18 @@ def test_random_chains_read_what_the_full_split_reads():
                     raw = spaced(raw, r)
                 if r.random() < 0.04:
                     raw = raw.replace(b'"model":', b'"mod\\u0065l":', 1)  # a key written with an escape
-                fresh = Body(raw, "messages")
-                body = splits.body(raw, "messages", ("anthropic", chain))
+                fresh = Body(raw, conv)
+                body = splits.body(raw, conv, ("lane", chain))
                 same_split(body, fresh)
-                if body.shared is not None:  # read from one of the last two compact bodies' layouts
-                    assert any(body.shared[0].items is x for x in recent[-2:])
+                # read from a layout kept: the newest compact body's, or the one before it that a
+                # body read from the newest's did not replace
+                if body.shared is not None:
+                    assert any(body.shared[0].items is x for x in recent)
                     assert body.shared[1] == coverage.common_prefix(body.shared[0].items, body.items)
+                    recent = [x for x in recent if x is not body.shared[0].items]
                 if body.compact is not None:
-                    recent.append(body.items)
-                top = mutate(r, top)
+                    recent = [body.items, *recent][:2]
+                top = mutate(r, top, conv)
     finally:
         Split.derive = orig
     derived = sum(got)
@@ -260,11 +268,55 @@ def test_engine_turns_of_the_captures(tmp_path):
     for f in sorted(CAPTURES.glob("*/*/*.json")):
         req = json.loads(f.read_text())
         url = req.get("orig_url") or ""
-        lane = "anthropic" if url.endswith("/v1/messages") else "chat" if url.endswith("/chat/completions") else None
+        lane = ("anthropic" if url.endswith("/v1/messages") else "chat" if url.endswith("/chat/completions")
+                else "responses" if url.endswith("/responses") else None)
         if lane is None or not isinstance(req.get("body"), dict):
             continue
         headers = {k.lower(): v for k, v in req["headers"]}
         raw = json.dumps(req["body"], separators=(",", ":"), ensure_ascii=False).encode()
         turns.append((lane, headers, raw))
-    assert len(turns) >= 10
+    assert len(turns) >= 10 and any(lane == "responses" for lane, _h, _r in turns)
+    compare(tmp_path, turns)
+
+
+def responses_items(n: int, seed: int = 7) -> list[dict]:
+    """A Codex-like Responses conversation: messages, reasoning, function calls and their outputs."""
+    g = bench_overhead.Gen(seed)
+    items: list[dict] = []
+    i = 0
+    while len(items) < n:
+        items += [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": g.prose(60, 400)}]},
+            {"type": "reasoning", "id": f"rs_{i}", "summary": [], "encrypted_content": "gAAAA" + "x" * 300},
+            {"type": "function_call", "id": f"fc_{i}", "call_id": f"call_{i}", "name": "shell",
+             "arguments": json.dumps({"command": ["bash", "-lc", g.prose(10, 40)]})},
+            {"type": "function_call_output", "call_id": f"call_{i}", "output": g.output(200, 2000)},
+            {"type": "message", "role": "assistant", "id": f"msg_{i}",
+             "content": [{"type": "output_text", "text": g.prose(60, 300)}]},
+        ]
+        i += 1
+    return items[:n]
+
+
+def responses_body(items: list[dict]) -> bytes:
+    # the members in the order Codex writes them (shared/captures/codex), compact as serde_json writes
+    return msgspec.json.encode({
+        "model": "gpt-5-codex", "instructions": "You are Codex. " * 50, "input": items,
+        "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}}], "tool_choice": "auto",
+        "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"}, "store": False,
+        "stream": True, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "pck-1"})
+
+
+def test_engine_turns_of_responses(tmp_path):
+    items = responses_items(60)
+    assert _split_compact(responses_body(items), "input") is not None  # (the one-scan split reads them)
+    turns = []
+    for i in range(6):
+        items = items + [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"more {i}"}]},
+                         {"type": "message", "role": "assistant", "id": f"msg_x{i}",
+                          "content": [{"type": "output_text", "text": f"done {i}"}]}]
+        turns.append(("responses", {"session_id": "codex-1"}, responses_body(items)))
+        turns.append(("responses", {}, responses_body(items[:30] + [{"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": f"side {i}"}]}])))
+    turns.append(("responses", {"session_id": "codex-1"}, responses_body(items[:50])))
     compare(tmp_path, turns)

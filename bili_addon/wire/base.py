@@ -192,15 +192,15 @@ class Body:
         # share their bytes, and ``shared`` is then ``(that layout, how many leading items the two
         # bodies have in common, [where this body's items end, where they start])``
         self.shared = None
-        if key == "messages" and type(raw) is bytes:
+        if key in _COMPACT and type(raw) is bytes:
             for prev in prevs:
-                got = prev.derive(raw)
+                got = prev.derive(raw) if prev.key == key else None
                 if got is not None:
                     self.top, self.items, self.compact, j, *layout = got
                     self.shared = (prev, j, layout)
                     self.key, self.array = key, True
                     return
-            split = _split_compact(raw)
+            split = _split_compact(raw, key)
             if split is not None:
                 self.top, self.items, self.compact = split
                 self.key, self.array = key, True
@@ -261,8 +261,8 @@ class Body:
 
 
 # The top-level keys of the Messages and Chat Completions requests agents send (the conversation
-# under "messages"), for Body's one-scan split (_split_compact); a key not here sends a body the
-# general way.
+# under "messages"), and of the Responses requests (under "input"), for Body's one-scan split
+# (_split_compact); a key not here sends a body the general way.
 _TOP_KEYS = (
     "model", "max_tokens", "system", "tools", "tool_choice", "metadata", "thinking", "context_management",
     "output_config", "output_format", "temperature", "top_p", "top_k", "stop_sequences", "stream",
@@ -271,37 +271,53 @@ _TOP_KEYS = (
     "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias", "modalities",
     "verbosity", "reasoning", "container", "mcp_servers", "betas", "session_id", "biliMsgIds",
 )
-_Top = msgspec.defstruct(
-    "_Top", [("messages", list[msgspec.Raw], msgspec.UNSET)] + [(k, msgspec.Raw, msgspec.UNSET) for k in _TOP_KEYS],
-    gc=False,
+_INPUT_TOP_KEYS = (
+    "model", "instructions", "tools", "tool_choice", "parallel_tool_calls", "reasoning", "store", "stream",
+    "stream_options", "include", "prompt_cache_key", "prompt_cache_retention", "client_metadata", "text",
+    "temperature", "top_p", "top_logprobs", "max_output_tokens", "max_tool_calls", "metadata", "user",
+    "safety_identifier", "service_tier", "truncation", "previous_response_id", "background", "prompt",
+    "conversation", "session_id", "biliMsgIds",
 )
-_dec_top = msgspec.json.Decoder(_Top)
-_KEY_BYTES = {k: b'"' + k.encode() + b'":' for k in ("messages", *_TOP_KEYS)}
+
+
+def _top_struct(key: str, keys: tuple[str, ...]) -> tuple[msgspec.json.Decoder, tuple[str, ...]]:
+    typ = msgspec.defstruct("_Top_" + key, [(key, list[msgspec.Raw], msgspec.UNSET)]
+                            + [(k, msgspec.Raw, msgspec.UNSET) for k in keys], gc=False)
+    return msgspec.json.Decoder(typ), keys
+
+
+# the conversation's key -> the decoder of its compact bodies and their other keys, in its order
+_COMPACT = {"messages": _top_struct("messages", _TOP_KEYS), "input": _top_struct("input", _INPUT_TOP_KEYS)}
+_KEY_BYTES = {k: b'"' + k.encode() + b'":' for k in ("messages", "input", *_TOP_KEYS, *_INPUT_TOP_KEYS)}
 _KEY_NAMES = {k.encode(): k for k in _KEY_BYTES}  # a key as written (no escapes) -> its name
 
 
-def _split_compact(raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw], tuple[int, int]] | None:
+def _split_compact(raw: bytes, key: str = "messages"
+                   ) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw], tuple[int, int]] | None:
     """``(top, items)`` as Body reads them, in one scan of the body instead of two (the top
     object, then the conversation array again), when the body is compact at its top level and in
     its array (``{"k":v,...,"messages":[item,...],...}``, no space between them: Node's
-    ``JSON.stringify``) and holds only keys of :data:`_TOP_KEYS`; else None.  The body is decoded
-    into a struct (each value a raw slice, the items one each); its size proves it is exactly those
-    members written compactly, and the members are then read off in the order they stand, one
-    step each (no search through the body: the conversation stands before most keys, as agents
-    write them): those are exactly the keys, order and values the general split would give.  The
-    third value: where the conversation array lies in ``raw`` (from its ``[`` to past its ``]``)."""
+    ``JSON.stringify``, Rust's serde_json) and holds only keys its conversation's key knows
+    (:data:`_COMPACT`: ``messages``, ``input``); else None.  The body is decoded into a struct (each
+    value a raw slice, the items one each); its size proves it is exactly those members written
+    compactly, and the members are then read off in the order they stand, one step each (no search
+    through the body: the conversation stands before most keys, as agents write them): those are
+    exactly the keys, order and values the general split would give.  The third value: where the
+    conversation array lies in ``raw`` (from its ``[`` to past its ``]``)."""
+    dec, top_keys = _COMPACT[key]
     try:
-        t = _dec_top.decode(raw)
+        t = dec.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
-    items = t.messages
+    values = msgspec.structs.astuple(t)
+    items = values[0]
     if items is msgspec.UNSET:
         return None
     unset = msgspec.UNSET
     # the size of each member's value (the array's as it is written compactly)
     n_items = len(items)
-    sizes = {k: len(v) for k, v in zip(_TOP_KEYS, msgspec.structs.astuple(t)[1:]) if v is not unset}
-    sizes["messages"] = 2 + sum(map(len, items)) + (n_items - 1 if n_items else 0)
+    sizes = {k: len(v) for k, v in zip(top_keys, values[1:]) if v is not unset}
+    sizes[key] = 2 + sum(map(len, items)) + (n_items - 1 if n_items else 0)
     # The body holds at least, apart from each other: its braces, each member's key ("k": at the
     # least: a key written with escapes is longer), its value (a raw slice), a comma between
     # members, and in the array its brackets, the items and a comma between them.  Exactly that
@@ -320,7 +336,7 @@ def _split_compact(raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw
             return None  # (cannot happen once the size holds: kept as a guard)
         at = q + 2
         end = at + sizes[k]
-        if k == "messages":
+        if k == key:
             top[k], span = msgspec.Raw(view[at:end]), (at, end)
         else:
             top[k] = getattr(t, k)
@@ -362,11 +378,12 @@ class Split:
     """Where a compact body's members and items lie (:class:`Body` read it so): enough to read a later
     body that shares its bytes without scanning them again (:meth:`derive`)."""
 
-    __slots__ = ("raw", "keys", "sizes", "at", "items", "ends", "starts")
+    __slots__ = ("raw", "key", "keys", "sizes", "at", "items", "ends", "starts")
 
-    def __init__(self, raw: bytes, top: dict[str, msgspec.Raw], items: list[msgspec.Raw], at: int,
+    def __init__(self, raw: bytes, key: str, top: dict[str, msgspec.Raw], items: list[msgspec.Raw], at: int,
                  ends: list[int] | None = None, starts: list[int] | None = None):
         self.raw = raw
+        self.key = key  # the conversation's
         self.keys = list(top)  # in the order they stand (a compact split reads them so)
         self.sizes = list(map(len, top.values()))
         self.at = at  # the conversation array's ``[``
@@ -429,9 +446,10 @@ class Split:
         top: dict[str, msgspec.Raw] = {}
         off = 1
         key_bytes = _KEY_BYTES
+        conv = self.key
         for k, size in zip(self.keys, self.sizes):
             begin = off + len(key_bytes[k])
-            if k == "messages":
+            if k == conv:
                 if begin != at:
                     return None  # (cannot happen: the layout is the split's own)
                 top[k] = raw_of(view[at:close_new + 1])
@@ -469,7 +487,7 @@ class Splits:
             kept.remove(body.shared[0])
             self.size -= len(body.shared[0].raw)
         if body.compact is not None:
-            kept.insert(0, Split(raw, body.top, body.items, body.compact[0],
+            kept.insert(0, Split(raw, key, body.top, body.items, body.compact[0],
                                  *(body.shared[2] if body.shared is not None else ())))
             self.size += len(raw)
             while len(kept) > self.PER_KEY:
