@@ -1,7 +1,8 @@
 """#11: a new conversation's first turn on SQLite reads its session's row and its fork candidates in
 one statement (``Store.hold`` names the candidates, ``Store.session_state`` reads them with the row,
-``Store.lineage_candidates`` answers from them once), and checks its refs with a list display
-(``fresh_first``).  Each gives exactly what the statements and code before gave: the same
+``Store.lineage_candidates`` answers from them once), checks its refs with a list display
+(``fresh_first``), and stores before its fork check only what other conversations kept back that
+opens as it does (``Lineage._flush_opening``; the rest waits for the flush after their answers).  Each gives exactly what the statements and code before gave: the same
 candidates in the same order, the same session state, the same outgoing bytes and stored rows (the
 old code is patched in as the oracle and both runs compared, over the bench's conversations, forks
 of them and the captures in ``BILI_CAPTURES``)."""
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from bili_addon import store as store_mod
+from bili_addon.kernel.lineage import Lineage
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import LedgerRow, SessionRow, StoreError, Store, ref_names
 from bili_addon.wire import LANES
@@ -57,6 +59,7 @@ def patch_old(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Store, "lineage_candidates", old_lineage_candidates)
     mp.setattr(Store, "hold", lambda self, sid, candidates=None: None)
     mp.setattr(store_mod, "fresh_first", old_fresh_first)
+    mp.setattr(Lineage, "_flush_opening", lambda self, head: self.flush())  # (every kept-back pass, before)
 
 
 # -- the store's one read ------------------------------------------------------------------------
@@ -269,3 +272,46 @@ def test_sqlite3_still_reads_what_the_views_show(store):
     assert got == [(r.ref, r.content_hash) for r in rows]
     assert isinstance(store.db, sqlite3.Connection)
     assert json.loads(store.db.execute("SELECT rows FROM ledger_turns").fetchone()[0])[0][2] == "m00001"
+
+
+def test_conversations_waiting_for_their_answers_are_the_oracles(tmp_path):
+    """New conversations and forks arrive while others' passes are kept back (no flush between
+    turns, as when their answers have not come yet): the same bodies, notes and, once everything is
+    flushed, the same stored rows; what opens otherwise is not stored by a new conversation's turn."""
+    case = bench_overhead.Case("anthropic", 60, seed=9)
+    msgs = list(case.msgs)
+    new = [case.new(i) for i in range(4)]
+    other = bench_overhead.Case("anthropic", 40, seed=13).msgs
+
+    waiting: list[list[str]] = []  # (what is kept back after each turn differs by design: not compared)
+
+    def scenario(eng: Engine) -> list:
+        out = []
+        waiting.clear()
+
+        def send(m, sid):
+            r = eng.process(case.body(m), LANES["anthropic"], {"x-acp-session": sid}, render=True)
+            out.append((r.body, r.refs_new, r.refs_known, r.notes))
+            waiting.append(sorted(eng.lineage.pending))
+
+        send(msgs, "p")  # kept back
+        send(other, "q")  # another opening: "p" stays kept back
+        send(msgs + [new[0]], "f1")  # a fork of "p": its parts are stored first, then compared
+        send(other + [new[1]], "g1")  # a fork of "q"
+        send(msgs[:30] + [new[2]], "f2")
+        send(msgs + [new[0], new[3]], "f1")  # a follow-up, the rest still waiting
+        eng.lineage.flush()
+        return out
+
+    run_twice(tmp_path, scenario)
+    d = tmp_path / "check"
+    d.mkdir()
+    eng = Engine(Store(d))
+    eng.lineage.defer = True
+    try:
+        got = scenario(eng)
+    finally:
+        eng.store.close()
+    assert waiting[1] == ["p", "q"]  # the new conversation "q" stored nothing "p" kept back
+    assert any("a fork of p" in n for n in got[2][3]) and "p" not in waiting[2]
+    assert any("a fork of q" in n for n in got[3][3])
