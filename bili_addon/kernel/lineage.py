@@ -169,6 +169,29 @@ class Lineage:
             elif rec is not None and len(rec) == k + len(tail):
                 rec[k:] = tail
 
+    def _flush_opening(self, head: str) -> None:
+        """:meth:`flush` the kept-back parts of the sessions whose history opens with the part whose
+        fingerprint is ``head`` (a new session's candidates: no other can be one), and of any whose
+        opening is not known here; the others wait for the worker's flush after their answers (a
+        first pass kept back is every part of its conversation to fingerprint: a new conversation
+        arriving while others wait for their answers fingerprinted them all first)."""
+        for key in list(self.pending):
+            job = self.pending.get(key)
+            if job is None:
+                continue
+            k, new = job
+            opening = None
+            if k:  # its opening is recorded (read from the store, or flushed before)
+                rec = self.records.get(key)
+                opening = rec[0][2] if rec else None
+            elif isinstance(new, tuple):  # a first record, kept as the pass had it (see record)
+                part = next((p for info, rs in zip(*new) for p, _r in zip(info.parts, rs)), None)
+                opening = fingerprint(part.core) if part is not None else None
+            elif new:
+                opening = fingerprint(new[0][1].core)
+            if not opening or opening == head:
+                self.flush(key)
+
     def forget(self, sid: str) -> None:
         """Retention pruned the session, or a turn of it was not written: its record, kept-back parts
         and verdict go with it (as after a restart)."""
@@ -235,8 +258,9 @@ class Lineage:
         first = next((info.parts[0] for info in conv if info.parts), None)
         if first is None:
             return None
-        self.flush()  # what this process holds back is part of the candidates' records
-        cands = [c for c in self.store.lineage_candidates(self._first_fingerprint(first.core), s.row.lane)
+        head = self._first_fingerprint(first.core)
+        self._flush_opening(head)  # what this process holds back of the candidates is part of their records
+        cands = [c for c in self.store.lineage_candidates(head, s.row.lane)
                  [-MAX_CANDIDATES:] if c != sid]  # a fork is the same agent's
         if not cands:
             return None
