@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import random
 import sys
-from collections import Counter
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import msgspec
@@ -429,13 +429,14 @@ def _flat_cores(array: Any) -> tuple[list[Core], list[int], list, list[bool]] | 
 '''
 
 
-def _exec(src: str, module) -> dict:
-    ns = dict(vars(module))
+def _exec(src: str, module, **gone) -> dict:
+    """``src`` run in a copy of ``module``'s globals (``gone``: the globals it had that it no longer has)."""
+    ns = {**gone, **vars(module)}
     exec(compile(src, f"<old {module.__name__}>", "exec"), ns)
     return ns
 
 
-_OLD_STATE = _exec(OLD_ITEM_CACHE, state)
+_OLD_STATE = _exec(OLD_ITEM_CACHE, state, OrderedDict=OrderedDict)
 OldItemCache = _OLD_STATE["ItemCache"]
 old_first_pass = _exec(OLD_FIRST_PASS, fresh)["first_pass"]
 old_anthropic_array_cores = _exec(OLD_ANTHROPIC, anthropic)["AnthropicLane"].array_cores
@@ -456,7 +457,7 @@ class _OldLane:
 
 def _patch_old(mp: pytest.MonkeyPatch) -> None:
     """The old code in place of the new (for whole Engine runs)."""
-    for name in ("get_many", "_parts", "_new_parts", "_grown"):
+    for name in ("__init__", "_grown", "forget", "get", "get_many", "_parts", "_new_parts"):
         mp.setattr(ItemCache, name, OldItemCache.__dict__[name])
     mp.setattr(fresh, "first_pass", old_first_pass)
     mp.setattr(anthropic.AnthropicLane, "array_cores", staticmethod(old_anthropic_array_cores))
@@ -771,3 +772,23 @@ def test_engine_as_before(tmp_path, lane_name):
     bodies += _random_bodies(lane_name, 30, seed=4)
     bodies += [raw for name, raw in _capture_bodies() if name == lane_name][:40]
     assert _run(tmp_path, "e", lane_name, bodies, False) == _run(tmp_path, "e", lane_name, bodies, True)
+
+
+def test_get_as_before():
+    """``get`` (the cache is a dict now, an item found again put back last): the same items, order,
+    size and evictions as before, each key holding the item's own bytes (not a second copy)."""
+    lane = LANES["anthropic"]
+    case = bench_overhead.Case("anthropic", 30, seed=2)
+    raws = [msgspec.json.encode(m) for m in case.msgs]
+    rng = random.Random(3)
+    for limit in (0, 3000, 10000, 10 ** 9):
+        new, old = ItemCache(max_bytes=limit), OldItemCache(max_bytes=limit)
+        for _ in range(300):
+            raw = bytes(rng.choice(raws))  # (a copy: equal bytes, another object)
+            if rng.random() < 0.3:
+                batch = [bytes(r) for r in rng.sample(raws, 4)]
+                assert new.get_many(lane, batch) == old.get_many(_OldLane(lane), batch)
+            else:
+                assert new.get(lane, raw) == old.get(lane, raw)
+            assert list(new.items.items()) == list(old.items.items()) and new.size == old.size
+            assert all(k[1] is v.raw for k, v in new.items.items())
