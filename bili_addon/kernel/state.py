@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections import Counter, OrderedDict
+from collections import Counter
 from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,14 +58,26 @@ class ItemCache:
     def __init__(self, max_bytes: int = 256 << 20):
         self.max_bytes = max_bytes
         self.size = 0
-        self.items: OrderedDict[tuple[str, bytes], ItemInfo] = OrderedDict()
+        # oldest first (a dict keeps its insertion order; an item found again is put back last):
+        # a plain dict, not an OrderedDict, which stores each key twice over (its order as a
+        # linked list beside the table) and was twice as slow to fill (a first pass adds every item)
+        self.items: dict[tuple[str, bytes], ItemInfo] = {}
 
     def _grown(self, size: int) -> None:
         """``size`` bytes of items added: the oldest go while the cache is over its limit."""
         self.size += size
-        while self.size > self.max_bytes and self.items:
-            (_, old), _info = self.items.popitem(last=False)
-            self.size -= len(old)
+        if self.size > self.max_bytes and self.items:
+            # (the oldest found in one walk from the front, then dropped: a dict's first key
+            # is found by skipping the slots of the keys dropped before it)
+            size, limit, drop = self.size, self.max_bytes, []
+            for key in self.items:
+                if size <= limit:
+                    break
+                drop.append(key)
+                size -= len(key[1])
+            for key in drop:
+                del self.items[key]
+            self.size = size
 
     def forget(self) -> None:
         """Drop every parsed item (the next pass parses its items anew)."""
@@ -74,9 +86,9 @@ class ItemCache:
 
     def get(self, lane: Lane, raw: bytes) -> ItemInfo:
         key = (lane.name, raw)
-        info = self.items.get(key)
+        info = self.items.pop(key, None)
         if info is not None:
-            self.items.move_to_end(key)
+            self.items[(key[0], info.raw)] = info  # the newest now (keyed by the bytes it holds, not a copy)
             return info
         obj = decode_any(raw)
         parts = []
@@ -106,7 +118,7 @@ class ItemCache:
         new, or at the first new item when at least half of them are new (a new conversation whose
         first items other conversations share, a system prompt: not parsed item by item)."""
         name, items = lane.name, self.items
-        found, move = items.get, items.move_to_end
+        pop = items.pop
         cores_of, is_system, decode = lane.item_cores, lane.is_system_item, decode_any
         out: list[ItemInfo] = []
         add = out.append
@@ -124,8 +136,7 @@ class ItemCache:
             # of all the items into one list, the parts are made of it, each item's are a slice
             braws = list(map(bytes, raws))
             keys = list(zip(repeat(name), braws))
-            cached = list(map(items.__contains__, keys))
-            if not any(cached) and len(set(braws)) == len(braws):
+            if items.keys().isdisjoint(keys) and len(set(braws)) == len(braws):
                 got = array_cores(whole, flat=True)  # (the cores of them all, where each item's end)
                 if got is not None and len(got[1]) == len(raws):
                     flat, ends = got[0], got[1]
@@ -142,13 +153,13 @@ class ItemCache:
                     self._grown(sum(map(len, braws)))
                     return out
                 array_cores = None  # (read them one by one below, the array decoded once)
-            wide = cached.count(False) * 2 >= len(cached)
+            wide = (len(keys) - sum(map(items.__contains__, keys))) * 2 >= len(keys)
         for i, r in enumerate(raws):
             raw = bytes(r)
             key = (name, raw)
-            info = found(key)
+            info = pop(key, None)
             if info is not None:
-                move(key)
+                items[(name, info.raw)] = info  # the newest now (keyed by the bytes it holds, not a copy)
                 add(info)
                 if objs is not None:
                     objs.append(None)
