@@ -740,7 +740,7 @@ class _Tx:
 
     def __enter__(self) -> sqlite3.Connection:
         store = self.store
-        store._cands = None  # this instance writes: the candidates read with a session may not hold any more
+        store._cands = store._usage = None  # this instance writes: what was read with a session may not hold
         try:
             store._cur.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as e:
@@ -802,6 +802,7 @@ class Store:
         # :meth:`lineage_candidates` answers from them once, until this instance writes or releases
         self._want: tuple[str, tuple[str, str]] | None = None
         self._cands: tuple[tuple[str, str], list[str]] | None = None
+        self._usage: tuple[str, tuple[int, int, int, int] | None] | None = None  # (read by version)
         self.tightened: list[str] = []  # existing files and dirs made private at open (logged by the shell)
         try:
             self.tightened = secure(self.path)
@@ -939,11 +940,22 @@ class Store:
                 except sqlite3.Error:
                     pass
 
+    # a session's version and, in the same statement, the usage of its latest answer (the turn that
+    # checks its version asks for that next: the reminder's measure): a follow-up turn's reads in one
+    _VERSION_USAGE = ("SELECT s.version, t.n, t.input_tokens, t.cache_read, t.cache_write, t.output_tokens "
+                      "FROM sessions s LEFT JOIN (SELECT n, input_tokens, cache_read, cache_write, output_tokens "
+                      "FROM turns WHERE session_id=?1 ORDER BY n DESC LIMIT 1) t ON 1 WHERE s.id=?1")
+
     @_reads
     def version(self, session_id: str) -> int:
-        """The session's version in the store (0: never written)."""
-        row = self.db.execute("SELECT version FROM sessions WHERE id=?", (session_id,)).fetchone()
-        return row[0] if row else 0
+        """The session's version in the store (0: never written).  The usage of its latest answer is
+        read with it: :meth:`last_usage` answers from it once, until this instance writes or releases."""
+        row = self._cur.execute(self._VERSION_USAGE, (session_id,)).fetchone()
+        if row is None:
+            self._usage = None
+            return 0
+        self._usage = (session_id, tuple(row[2:]) if row[1] is not None else None)
+        return row[0]
 
     # -- reads ---------------------------------------------------------------------------------
     @_reads
@@ -1026,7 +1038,11 @@ class Store:
 
     @_reads
     def last_usage(self, session_id: str) -> tuple[int, int, int, int] | None:
-        """The usage of the session's latest answer: input, cache read, cache write, output."""
+        """The usage of the session's latest answer: input, cache read, cache write, output (as
+        :meth:`version` read it, when nothing was written since)."""
+        got, self._usage = self._usage, None
+        if got is not None and got[0] == session_id:
+            return got[1]
         last = self.db.execute(
             "SELECT input_tokens, cache_read, cache_write, output_tokens FROM turns WHERE session_id=? "
             "ORDER BY n DESC LIMIT 1",
@@ -1387,7 +1403,7 @@ class Store:
         """Let go of every session :meth:`hold` took (the keeper calls it after each piece of work).
         ``wait``: the locks are free on return (PostgreSQL's unlock is otherwise not waited for).
         (SQLite: what hold asked to read with a session, and what was read, is forgotten.)"""
-        self._want = self._cands = None
+        self._want = self._cands = self._usage = None
 
     @property
     def where(self) -> str:
