@@ -612,6 +612,8 @@ _HOLD = (b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text F
 _NEW_HOLD = b"[null, null, null, null]"
 _NEW_HOLD_CANDS = b"[null, null, null, []]"
 _TUPLES_OK = int(ExecStatus.TUPLES_OK) if psycopg is not None else 2
+_PIPELINE_SYNC = int(ExecStatus.PIPELINE_SYNC) if psycopg is not None else 10
+_UNLOCK = b"SELECT pg_advisory_unlock_all()"
 _COMMIT = b"SELECT bili_commit_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
 # a session's lineage parts from ``keep`` on replaced (PgStore.save_lineage_parts)
 _SAVE_PARTS = ("WITH gone AS (DELETE FROM lineage_parts WHERE session_id=%(s)s AND seq>=%(end)s) "
@@ -647,6 +649,10 @@ class PgStore:
         self._lock_enc = "utf-8"  # its client encoding (read when it is opened)
         self._unlocking = False  # release's unlock is on its way: its answer is read before the next statement
         self._held: set[str] = set()
+        # the sessions whose lock a turn's commit let go (``commit_turn(release=True)``: the commit was to be
+        # the turn's last write of them) until :meth:`release`: a write of one after it takes the lock again
+        # first (:meth:`_again`)
+        self._let_go: set[str] = set()
         # what :meth:`hold` read right after the session's lock was granted (its version, family and
         # last usage), answering :meth:`version`, :meth:`family` and :meth:`last_usage` until this
         # instance writes or lets go of the session: one round trip instead of four
@@ -802,6 +808,7 @@ class PgStore:
             self._drop_lock_conn()  # whatever it may hold goes with it (a lock outlives a failed statement)
             raise pg_error("lock a session in", self.url, e) from e
         self._held.add(session_id)
+        self._let_go.discard(session_id)
         if version is None:
             self._absent.add(session_id)
         self._state[session_id] = (
@@ -844,7 +851,8 @@ class PgStore:
         self._state.clear()
         self._absent.clear()
         self._cands.clear()
-        if not self._held:
+        self._let_go.clear()
+        if not self._held:  # (none, or the turn's commit let them go: nothing left to send)
             return
         self._held.clear()
         try:
@@ -855,7 +863,7 @@ class PgStore:
             # answer read before the connection's next statement (hold): the turn does not wait for a
             # round trip to the database to end
             pgconn = self._lock_conn.pgconn
-            pgconn.send_query(b"SELECT pg_advisory_unlock_all()")  # (libpq sends it: not in pipeline mode)
+            pgconn.send_query(_UNLOCK)  # (libpq sends it: not in pipeline mode)
             self._unlocking = True
             if pgconn.flush():  # what the socket did not take at once
                 self._lock_conn.wait(pg_generators.send(pgconn))
@@ -900,6 +908,7 @@ class PgStore:
 
     def close(self) -> None:
         self._held = set()
+        self._let_go = set()
         self._state = {}
         self._absent = set()
         self._cands = {}
@@ -1021,11 +1030,15 @@ class PgStore:
     # -- writes --------------------------------------------------------------------------------
     def commit_turn(self, row: SessionRow, new_refs: list[LedgerRow], chain: tuple[int, str] | None = None, *,
                     expect: int, minted: list[tuple[str, str]] = (), fresh: bool = False,
-                    copy: str | None = None) -> int:
+                    copy: str | None = None, release: bool = False) -> int:
         """As :meth:`bili_addon.store.Store.commit_turn`, in one round trip: ``bili_commit_turn`` (schema
         11) checks and advances the version, allocates the minted refs, writes the session row, the
         ledger rows, the prefix chain and the canonical copy (``copy``) in one statement (its own
-        transaction); a refusal rolls it all back and names itself (:data:`_STALE`)."""
+        transaction); a refusal rolls it all back and names itself (:data:`_STALE`).  ``release``: this
+        is the turn's last write of the session: the session's lock goes in the same round trip
+        (:meth:`_commit_and_unlock`), and :meth:`release` has nothing left to send."""
+        if self._let_go:
+            self._again(row.id)
         now = time.time()
         fresh = fresh and bool(new_refs)
         if fresh and minted:
@@ -1050,7 +1063,7 @@ class PgStore:
                 # of the session is not a transaction's), without the pool's check-out and return
                 # (~70 us of the client's CPU a turn, cold)
                 version = self._commit_on(lock_conn, row, expect, now, given, k, first, doc, len(new_refs), chain,
-                                          copy)
+                                          copy, release and len(self._held) == 1)
             else:
                 with self._use() as conn:
                     version = self._commit_on(conn, row, expect, now, given, k, first, doc, len(new_refs), chain,
@@ -1072,21 +1085,94 @@ class PgStore:
         return int(version)
 
     def _commit_on(self, conn, row: SessionRow, expect: int, now: float, given, k: int, first, doc: bytes | None,
-                   n: int, chain, copy) -> int:
-        """``bili_commit_turn`` on ``conn``: the new version."""
-        self.round_trips += 1
+                   n: int, chain, copy, unlock: bool = False) -> int:
+        """``bili_commit_turn`` on ``conn``: the new version.  ``unlock``: ``conn`` is the lock connection,
+        which lets its sessions go right after the commit, in the same round trip."""
+        self.round_trips += 1  # (with the unlock: one flush, one wait, both answers read)
         enc = self._lock_enc if conn is self._lock_conn else conn.info.encoding
         if doc is not None and enc != "utf-8":
             doc = doc.decode().encode(enc)
-        return int(self._call(conn, _COMMIT, (
-            row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref,
-            row.flags, given, k, first, doc, n,
-            chain[0] if chain is not None else None, chain[1] if chain is not None else None, copy),
-        ).get_value(0, 0))
+        params = (row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref,
+                  row.flags, given, k, first, doc, n,
+                  chain[0] if chain is not None else None, chain[1] if chain is not None else None, copy)
+        if unlock:
+            return int(self._commit_and_unlock(conn, _COMMIT, params).get_value(0, 0))
+        return int(self._call(conn, _COMMIT, params).get_value(0, 0))
+
+    def _commit_and_unlock(self, conn, sql: bytes, params: tuple):
+        """``sql`` (the turn's commit) on the lock connection, then the unlock of every session it holds,
+        in one libpq pipeline: the statement, a Sync (its own transaction ends there: another instance
+        that gets a lock next sees the commit), the unlock, a Sync; sent in one go, both answers read
+        here.  Returns the statement's result as :meth:`_call` does (its failure raised as psycopg
+        raises it: the unlock ran all the same).  Whatever happens, the sessions are let go (unlocked
+        here, or the connection dropped, which lets them go): :meth:`release` sends nothing for them
+        and a write of one after this takes its lock again (:meth:`_again`).  The unlock alone, sent by
+        :meth:`release` and its answer read before the next statement, cost ~55 us of the client's CPU
+        a turn, cold, plus that read."""
+        enc = self._lock_enc
+        pgconn = conn.pgconn
+        args = [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in params]
+        got: list = []
+        try:
+            pgconn.enter_pipeline_mode()
+            pgconn.send_query_params(sql, args)
+            pgconn.pipeline_sync()  # (libpq flushes here too: a commit bigger than its buffer goes on its way)
+            pgconn.send_query_params(_UNLOCK, None)
+            pgconn.pipeline_sync()
+            if pgconn.flush():  # what the socket did not take at once
+                conn.wait(pg_generators.send(pgconn))
+            # the answers: the statement's result, None, a sync; the unlock's, None, a sync
+            syncs = nones = 0
+            while syncs < 2:
+                r = pgconn.get_result() if not pgconn.is_busy() else conn.wait(pg_generators.fetch(pgconn))
+                if r is None:
+                    nones += 1
+                    if nones > 1:  # nothing more will come (the connection failed)
+                        raise psycopg.OperationalError(f"the connection is lost: {pgconn.get_error_message(enc)}")
+                    continue
+                nones = 0
+                if r.status == _PIPELINE_SYNC:
+                    syncs += 1
+                else:
+                    got.append(r)
+            pgconn.exit_pipeline_mode()
+            if len(got) != 2:
+                raise psycopg.OperationalError(f"{len(got)} answers to a commit and an unlock")
+            if got[1].status != _TUPLES_OK:  # the unlock failed: the connection goes (and what it holds)
+                self._drop_lock_conn()
+        except BaseException:
+            self._drop_lock_conn()  # (whatever it held goes with it)
+            raise
+        finally:
+            self._let_go_all()
+        result = got[0]
+        if result.status != _TUPLES_OK:
+            if pgconn.status != ConnStatus.OK:
+                raise psycopg.OperationalError(f"the connection is lost: {pgconn.get_error_message(enc)}")
+            raise pg_errors.error_from_result(result, encoding=enc)
+        return result
+
+    def _let_go_all(self) -> None:
+        """The sessions held are let go (the lock connection's unlock ran, or it was dropped)."""
+        self._let_go.update(self._held)
+        self._held.clear()
+        self._state.clear()
+        self._absent.clear()
+        self._cands.clear()
+
+    def _again(self, session_id: str) -> None:
+        """Before a write of a session whose lock the turn's commit let go (it was to be the turn's last
+        write): the lock taken again (:meth:`hold`), so the write is one instance's at a time as ever;
+        its version check refuses it (:class:`StaleSession`: the turn is computed again) when another
+        instance's turn came in between."""
+        if session_id in self._let_go:
+            self.hold(session_id)
 
     def set_flags(self, row: SessionRow, *, expect: int) -> int:
         """A learned fact of an existing session: one statement (its own transaction); a new session
         or a version that moved takes the general path (which raises :class:`StaleSession`)."""
+        if self._let_go:
+            self._again(row.id)
         try:
             with self._use() as conn:
                 self.round_trips += 1
@@ -1253,6 +1339,8 @@ class PgStore:
                        (session_id,))
 
     def record_calls(self, session_id: str, calls: list[tuple[str, str, str]], *, expect: int) -> int:
+        if self._let_go:
+            self._again(session_id)
         now = time.time()
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
@@ -1263,6 +1351,8 @@ class PgStore:
     def commit_fold(self, session_id: str, blocks: list[tuple[str, str, bool]],
                     originals: list[tuple[str, str, str, str, str, str, int]], results: list[tuple[str, str]], *,
                     expect: int) -> int:
+        if self._let_go:
+            self._again(session_id)
         now = time.time()
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
@@ -1283,6 +1373,8 @@ class PgStore:
         return row[0] if row else None
 
     def save_copy(self, session_id: str, doc: str, *, expect: int) -> int:
+        if self._let_go:
+            self._again(session_id)
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
             self.round_trips += 1
@@ -1297,6 +1389,8 @@ class PgStore:
 
     def save_transcript(self, session_id: str, keep: int, rows: list[tuple[str, list[str], bytes]], *,
                         expect: int) -> int:
+        if self._let_go:
+            self._again(session_id)
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
             self.round_trips += 1
@@ -1379,6 +1473,8 @@ class PgStore:
               blocks: list[tuple[str, str, bool]], originals: list[tuple], calls: list[tuple[str, str, str, str | None]],
               retired: list[tuple[str, str, str]] = (), *, expect: int) -> int:
         """As :meth:`bili_addon.store.Store.adopt`: one transaction, a versioned session write."""
+        if self._let_go:
+            self._again(child.id)
         now = time.time()
         with self._tx() as conn:
             version = self._advance(conn, child.id, expect)
