@@ -612,8 +612,27 @@ _HOLD = (b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text F
 _NEW_HOLD = b"[null, null, null, null]"
 _NEW_HOLD_CANDS = b"[null, null, null, []]"
 _TUPLES_OK = int(ExecStatus.TUPLES_OK) if psycopg is not None else 2
-_PIPELINE_SYNC = int(ExecStatus.PIPELINE_SYNC) if psycopg is not None else 10
 _UNLOCK = b"SELECT pg_advisory_unlock_all()"
+# a turn's commit that is its last write, with the session's unlock (PgStore.commit_turn(release=True)): the
+# commit's own transaction ends (COMMIT: another instance that gets the lock next sees the turn), then every
+# session the connection holds is let go, in one statement, one round trip.  A procedure of the lock
+# connection's own (pg_temp: made when it opens, gone with it; no schema change); a refused commit raises
+# before its COMMIT: nothing written, the lock kept (release lets it go, as for any other turn)
+_COMMIT_RELEASE_PROC = """CREATE OR REPLACE PROCEDURE pg_temp.bili_commit_release(
+    p_id TEXT, p_expect BIGINT, p_agent TEXT, p_lane TEXT, p_now DOUBLE PRECISION,
+    p_requests BIGINT, p_messages BIGINT, p_next_ref BIGINT, p_flags TEXT,
+    p_given TEXT, p_k BIGINT, p_first TEXT, p_rows TEXT, p_n BIGINT, p_depth BIGINT, p_tail TEXT,
+    p_copy TEXT, INOUT v BIGINT)
+    LANGUAGE plpgsql AS $$
+BEGIN
+    v := bili_commit_turn(p_id, p_expect, p_agent, p_lane, p_now, p_requests, p_messages, p_next_ref, p_flags,
+                          p_given, p_k, p_first, p_rows, p_n, p_depth, p_tail, p_copy);
+    COMMIT;
+    PERFORM pg_advisory_unlock_all();
+END
+$$"""
+_COMMIT_RELEASE = (b"CALL pg_temp.bili_commit_release($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, "
+                   b"$15, $16, $17, NULL)")
 _COMMIT = b"SELECT bili_commit_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
 # a session's lineage parts from ``keep`` on replaced (PgStore.save_lineage_parts)
 _SAVE_PARTS = ("WITH gone AS (DELETE FROM lineage_parts WHERE session_id=%(s)s AND seq>=%(end)s) "
@@ -647,6 +666,7 @@ class PgStore:
         self.lock_wait = lock_wait
         self._lock_conn: psycopg.Connection | None = None  # holds the sessions' advisory locks
         self._lock_enc = "utf-8"  # its client encoding (read when it is opened)
+        self._lock_proc = False  # it has its commit-and-release procedure (:data:`_COMMIT_RELEASE_PROC`)
         self._unlocking = False  # release's unlock is on its way: its answer is read before the next statement
         self._held: set[str] = set()
         # the sessions whose lock a turn's commit let go (``commit_turn(release=True)``: the commit was to be
@@ -842,6 +862,11 @@ class PgStore:
             self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
             self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
             self._lock_enc = self._lock_conn.info.encoding
+            try:  # (a database that refuses temporary objects: release sends the unlock, as it did)
+                self._lock_conn.execute(_COMMIT_RELEASE_PROC)
+                self._lock_proc = True
+            except psycopg.Error:
+                self._lock_proc = False
 
     def release(self, wait: bool = False) -> None:
         """Let go of the sessions :meth:`hold` took.  The unlock is sent without waiting for its answer
@@ -899,6 +924,7 @@ class PgStore:
 
     def _drop_lock_conn(self) -> None:
         self._unlocking = False
+        self._lock_proc = False
         conn, self._lock_conn = self._lock_conn, None
         if conn is not None:
             try:
@@ -1063,7 +1089,7 @@ class PgStore:
                 # of the session is not a transaction's), without the pool's check-out and return
                 # (~70 us of the client's CPU a turn, cold)
                 version = self._commit_on(lock_conn, row, expect, now, given, k, first, doc, len(new_refs), chain,
-                                          copy, release and len(self._held) == 1)
+                                          copy, release and self._lock_proc and len(self._held) == 1)
             else:
                 with self._use() as conn:
                     version = self._commit_on(conn, row, expect, now, given, k, first, doc, len(new_refs), chain,
@@ -1088,7 +1114,7 @@ class PgStore:
                    n: int, chain, copy, unlock: bool = False) -> int:
         """``bili_commit_turn`` on ``conn``: the new version.  ``unlock``: ``conn`` is the lock connection,
         which lets its sessions go right after the commit, in the same round trip."""
-        self.round_trips += 1  # (with the unlock: one flush, one wait, both answers read)
+        self.round_trips += 1  # (with the unlock: the same one statement)
         enc = self._lock_enc if conn is self._lock_conn else conn.info.encoding
         if doc is not None and enc != "utf-8":
             doc = doc.decode().encode(enc)
@@ -1096,60 +1122,27 @@ class PgStore:
                   row.flags, given, k, first, doc, n,
                   chain[0] if chain is not None else None, chain[1] if chain is not None else None, copy)
         if unlock:
-            return int(self._commit_and_unlock(conn, _COMMIT, params).get_value(0, 0))
+            return int(self._commit_and_unlock(conn, params).get_value(0, 0))
         return int(self._call(conn, _COMMIT, params).get_value(0, 0))
 
-    def _commit_and_unlock(self, conn, sql: bytes, params: tuple):
-        """``sql`` (the turn's commit) on the lock connection, then the unlock of every session it holds,
-        in one libpq pipeline: the statement, a Sync (its own transaction ends there: another instance
-        that gets a lock next sees the commit), the unlock, a Sync; sent in one go, both answers read
-        here.  Returns the statement's result as :meth:`_call` does (its failure raised as psycopg
-        raises it: the unlock ran all the same).  Whatever happens, the sessions are let go (unlocked
-        here, or the connection dropped, which lets them go): :meth:`release` sends nothing for them
-        and a write of one after this takes its lock again (:meth:`_again`).  The unlock alone, sent by
-        :meth:`release` and its answer read before the next statement, cost ~55 us of the client's CPU
-        a turn, cold, plus that read."""
-        enc = self._lock_enc
-        pgconn = conn.pgconn
-        args = [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in params]
-        got: list = []
+    def _commit_and_unlock(self, conn, params: tuple):
+        """The turn's commit on the lock connection, then the unlock of every session it holds, in one
+        statement (:data:`_COMMIT_RELEASE`: the commit's transaction ends before the unlock runs).
+        Returns its result as :meth:`_call` does.  Done, the sessions are let go: :meth:`release`
+        sends nothing for them, and a write of one after this takes its lock again (:meth:`_again`).
+        Refused (:data:`_STALE`: before its COMMIT), nothing is written and the lock is kept.  Any
+        other failure drops the connection (the locks go with it; whether the commit was written is
+        the store's to say: the session is read again).  The unlock on its own (:meth:`release`: its
+        send, its answer read before the next statement) cost ~55 us of the client's CPU a turn, cold,
+        plus that read."""
         try:
-            pgconn.enter_pipeline_mode()
-            pgconn.send_query_params(sql, args)
-            pgconn.pipeline_sync()  # (libpq flushes here too: a commit bigger than its buffer goes on its way)
-            pgconn.send_query_params(_UNLOCK, None)
-            pgconn.pipeline_sync()
-            if pgconn.flush():  # what the socket did not take at once
-                conn.wait(pg_generators.send(pgconn))
-            # the answers: the statement's result, None, a sync; the unlock's, None, a sync
-            syncs = nones = 0
-            while syncs < 2:
-                r = pgconn.get_result() if not pgconn.is_busy() else conn.wait(pg_generators.fetch(pgconn))
-                if r is None:
-                    nones += 1
-                    if nones > 1:  # nothing more will come (the connection failed)
-                        raise psycopg.OperationalError(f"the connection is lost: {pgconn.get_error_message(enc)}")
-                    continue
-                nones = 0
-                if r.status == _PIPELINE_SYNC:
-                    syncs += 1
-                else:
-                    got.append(r)
-            pgconn.exit_pipeline_mode()
-            if len(got) != 2:
-                raise psycopg.OperationalError(f"{len(got)} answers to a commit and an unlock")
-            if got[1].status != _TUPLES_OK:  # the unlock failed: the connection goes (and what it holds)
+            result = self._call(conn, _COMMIT_RELEASE, params)
+        except psycopg.Error as e:
+            if getattr(e, "sqlstate", None) != _STALE:
                 self._drop_lock_conn()
-        except BaseException:
-            self._drop_lock_conn()  # (whatever it held goes with it)
+                self._let_go_all()
             raise
-        finally:
-            self._let_go_all()
-        result = got[0]
-        if result.status != _TUPLES_OK:
-            if pgconn.status != ConnStatus.OK:
-                raise psycopg.OperationalError(f"the connection is lost: {pgconn.get_error_message(enc)}")
-            raise pg_errors.error_from_result(result, encoding=enc)
+        self._let_go_all()
         return result
 
     def _let_go_all(self) -> None:

@@ -1,6 +1,6 @@
 """A turn's last write carries the session's unlock (bili_addon/store_pg.py ``commit_turn(release=True)``):
-the commit, a Sync, the unlock, a Sync, in one libpq pipeline on the lock connection.  The commit's own
-transaction ends before the unlock runs (another instance that gets the lock sees the turn), the lock
+one statement on the lock connection (a procedure of its own: the commit, COMMIT, the unlock).  The
+commit's own transaction ends before the unlock runs (another instance that gets the lock sees the turn), the lock
 is free when the turn returns (release has nothing left to send), the round trip counts once, and a
 write of the session after it (a path the turn did not foresee) takes the lock again first: its
 version check refuses it when another instance's turn came in between."""
@@ -57,8 +57,7 @@ def test_a_commit_with_release_lets_the_lock_go_in_its_round_trip(pg_url, tmp_pa
                 assert c.execute("SELECT version FROM sessions WHERE id='r'").fetchone()[0] == i
                 s.release()
                 assert s.round_trips - before == 1  # nothing left to send
-                assert s._lock_conn.info.backend_pid == pid  # (the same connection, out of pipeline mode)
-                assert s._lock_conn.pgconn.pipeline_status == 0
+                assert s._lock_conn.info.backend_pid == pid  # (the same connection)
     finally:
         s.close()
 
@@ -100,22 +99,24 @@ def test_the_commit_ends_before_the_unlock_runs(pg_url, tmp_path):
         s.close()
 
 
-def test_a_refused_commit_with_release_lets_the_lock_go_and_the_retry_holds_again(pg_url, tmp_path):
+def test_a_refused_commit_with_release_keeps_the_lock(pg_url, tmp_path):
+    """Refused before its COMMIT: nothing written, the lock kept for the turn computed again (as a
+    commit without the release), which then lets it go with its own commit."""
     from bili_addon.store_pg import PgStore
 
     a, b = pg(pg_url, tmp_path), pg(pg_url, tmp_path)
     try:
         a.hold("st")
         b.commit_turn(row("st"), refs(1), expect=0, fresh=True)  # written meanwhile (no lock taken)
-        with pytest.raises(StaleSession):
+        with pytest.raises(StaleSession) as e:
             a.commit_turn(row("st"), refs(1), expect=0, fresh=True, release=True)
+        assert "(version 1, this process had 0)" in str(e.value)
         with other(pg_url) as c:
-            assert not a._held and free(c, PgStore.lock_key("st"))
             pid = a._lock_conn.info.backend_pid  # (kept: a refusal is no broken connection)
-            a.hold("st")  # the turn computed again holds it again
-            assert a.version("st") == 1 and held_keys(c, pid) == {PgStore.lock_key("st")}
+            assert a._held == {"st"} and held_keys(c, pid) == {PgStore.lock_key("st")}
+            assert a.version("st") == 1  # (read again: the refusal dropped what hold read)
             assert a.commit_turn(row("st", 3), refs(1, 2), expect=1, minted=[("m00002", "h2")], release=True) == 2
-            assert free(c, PgStore.lock_key("st"))
+            assert not a._held and free(c, PgStore.lock_key("st"))
         a.release()
     finally:
         a.close()
@@ -375,5 +376,26 @@ def test_a_big_commit_with_release(pg_url, tmp_path):
             assert free(c, PgStore.lock_key("big"))
         s.release()
         assert sorted(s.ledger("big"), key=lambda r: r.ref) == rows
+    finally:
+        s.close()
+
+
+def test_a_database_without_temporary_objects_releases_as_before(pg_url, tmp_path, monkeypatch):
+    """No procedure on the lock connection (a database that refuses temporary objects): the commit
+    goes alone, release sends the unlock."""
+    from bili_addon import store_pg
+
+    monkeypatch.setattr(store_pg, "_COMMIT_RELEASE_PROC", "CREATE PROCEDURE no_such_schema.p() LANGUAGE sql AS $$ $$")
+    s = pg(pg_url, tmp_path)
+    try:
+        assert not s._lock_proc
+        s.hold("np")
+        assert s.commit_turn(row("np"), refs(1), expect=0, fresh=True, release=True) == 1
+        assert s._held == {"np"}
+        before = s.round_trips
+        s.release(wait=True)
+        assert s.round_trips - before == 1
+        with other(pg_url) as c:
+            assert free(c, s.lock_key("np"))
     finally:
         s.close()

@@ -252,9 +252,6 @@ def test_a_follow_up_turn_on_postgresql_takes_two_round_trips(pg_url, tmp_path, 
     monkeypatch.setattr(psycopg.Connection, "execute", lambda self, q, *a, **k: sent.append(str(q)) or execute(self, q, *a, **k))
     call = PgStore._call  # the turn's two statements, sent through libpq as they are
     monkeypatch.setattr(PgStore, "_call", lambda self, c, q, p: sent.append(q.decode()) or call(self, c, q, p))
-    piped = PgStore._commit_and_unlock  # (the commit with the unlock)
-    monkeypatch.setattr(PgStore, "_commit_and_unlock",
-                        lambda self, c, q, p: sent.append(q.decode()) or piped(self, c, q, p))
     try:
         turn()
         eng.lineage.flush()
@@ -264,7 +261,7 @@ def test_a_follow_up_turn_on_postgresql_takes_two_round_trips(pg_url, tmp_path, 
         res = turn()
         assert res.refs_new == 2 and res.refs_known == 4
         assert store.round_trips - before == 2, sent
-        assert [q.split("(")[0] for q in sent] == ["SELECT json_build_array", "SELECT bili_commit_turn"], sent
+        assert [q.split("(")[0] for q in sent] == ["SELECT json_build_array", "CALL pg_temp.bili_commit_release"], sent
         assert "FROM bili_hold(" in sent[0]
         assert not store._unlocking and not store._held  # the unlock went with the commit
         with psycopg.connect(pg_url, autocommit=True) as other:  # ... and another instance gets the lock
