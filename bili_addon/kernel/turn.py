@@ -510,7 +510,8 @@ def _writes_after(eng: Engine, s: Session, lane: str, snap, active: bool, names:
     flags = s.flags
     if flags.get(pending.FLAG) or snap:
         return True
-    if (eng.inject and active and conversation and flags.get("native_tools") != True  # noqa: E712 (as set_flag compares)
+    unset = flags.get("native_tools") != True  # noqa: E712 (as set_flag compares: a flag to write)
+    if (eng.inject and active and conversation and unset
             and (names is None or any("bili" in n and n.endswith("compress") for n in names))):
         return True
     try:
