@@ -399,3 +399,36 @@ def test_a_database_without_temporary_objects_releases_as_before(pg_url, tmp_pat
             assert free(c, s.lock_key("np"))
     finally:
         s.close()
+
+
+def test_a_turn_that_foresees_its_flag_keeps_the_lock_for_it(pg_url, tmp_path, monkeypatch):
+    """An agent with bili's tools natively: its first turn writes the native-tools flag after the
+    flush, which the turn foresees (no release with the commit: the flag is written under the lock,
+    not after taking it again); its next turn (the flag set) lets the lock go with its commit."""
+    from bili_addon.store_pg import PgStore
+
+    case = bench_overhead.Case("anthropic", 30, seed=4)
+    eng = _engine(pg(pg_url, tmp_path))
+    s = eng.store
+    released = []
+    real = s.commit_turn
+    monkeypatch.setattr(s, "commit_turn", lambda *a, **kw: (released.append(kw.get("release")), real(*a, **kw))[1])
+
+    def with_bili_tools(raw: bytes) -> bytes:
+        body = json.loads(raw)
+        body["tools"].append({"name": "mcp__bili__compress", "description": "fold", "input_schema": {"type": "object"}})
+        return json.dumps(body).encode()
+
+    try:
+        msgs, h = list(case.msgs), {"x-acp-session": "native"}
+        with other(pg_url) as c:
+            for i, (want, trips) in enumerate([(False, 4), (True, 2)]):
+                before = s.round_trips
+                res = eng.process(with_bili_tools(case.body(msgs)), case.lane, h, render=True)
+                assert released[-1] is want and s.round_trips - before == trips, (i, released, s.round_trips - before)
+                assert free(c, PgStore.lock_key("native")) and not s._held and not s._let_go
+                eng.lineage.flush()
+                msgs.append(case.new(i))
+        assert json.loads(s.session("native").flags)["native_tools"] is True and res.session == "native"
+    finally:
+        s.close()
