@@ -1105,6 +1105,7 @@ class Store:
         minted: list[tuple[str, str]] = (),
         fresh: bool = False,
         copy: str | None = None,
+        release: bool = False,  # (PostgreSQL's: the session's lock goes with it; nothing to let go here)
     ) -> int:
         """Write a turn atomically: the refs it gives for the first time (``minted``: ``(ref,
         content hash)`` in order), its new ledger rows, the session's counters, its prefix chain.

@@ -612,6 +612,27 @@ _HOLD = (b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text F
 _NEW_HOLD = b"[null, null, null, null]"
 _NEW_HOLD_CANDS = b"[null, null, null, []]"
 _TUPLES_OK = int(ExecStatus.TUPLES_OK) if psycopg is not None else 2
+_UNLOCK = b"SELECT pg_advisory_unlock_all()"
+# a turn's commit that is its last write, with the session's unlock (PgStore.commit_turn(release=True)): the
+# commit's own transaction ends (COMMIT: another instance that gets the lock next sees the turn), then every
+# session the connection holds is let go, in one statement, one round trip.  A procedure of the lock
+# connection's own (pg_temp: made when it opens, gone with it; no schema change); a refused commit raises
+# before its COMMIT: nothing written, the lock kept (release lets it go, as for any other turn)
+_COMMIT_RELEASE_PROC = """CREATE OR REPLACE PROCEDURE pg_temp.bili_commit_release(
+    p_id TEXT, p_expect BIGINT, p_agent TEXT, p_lane TEXT, p_now DOUBLE PRECISION,
+    p_requests BIGINT, p_messages BIGINT, p_next_ref BIGINT, p_flags TEXT,
+    p_given TEXT, p_k BIGINT, p_first TEXT, p_rows TEXT, p_n BIGINT, p_depth BIGINT, p_tail TEXT,
+    p_copy TEXT, INOUT v BIGINT)
+    LANGUAGE plpgsql AS $$
+BEGIN
+    v := bili_commit_turn(p_id, p_expect, p_agent, p_lane, p_now, p_requests, p_messages, p_next_ref, p_flags,
+                          p_given, p_k, p_first, p_rows, p_n, p_depth, p_tail, p_copy);
+    COMMIT;
+    PERFORM pg_advisory_unlock_all();
+END
+$$"""
+_COMMIT_RELEASE = (b"CALL pg_temp.bili_commit_release($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, "
+                   b"$15, $16, $17, NULL)")
 _COMMIT = b"SELECT bili_commit_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
 # a session's lineage parts from ``keep`` on replaced (PgStore.save_lineage_parts)
 _SAVE_PARTS = ("WITH gone AS (DELETE FROM lineage_parts WHERE session_id=%(s)s AND seq>=%(end)s) "
@@ -645,8 +666,13 @@ class PgStore:
         self.lock_wait = lock_wait
         self._lock_conn: psycopg.Connection | None = None  # holds the sessions' advisory locks
         self._lock_enc = "utf-8"  # its client encoding (read when it is opened)
+        self._lock_proc = False  # it has its commit-and-release procedure (:data:`_COMMIT_RELEASE_PROC`)
         self._unlocking = False  # release's unlock is on its way: its answer is read before the next statement
         self._held: set[str] = set()
+        # the sessions whose lock a turn's commit let go (``commit_turn(release=True)``: the commit was to be
+        # the turn's last write of them) until :meth:`release`: a write of one after it takes the lock again
+        # first (:meth:`_again`)
+        self._let_go: set[str] = set()
         # what :meth:`hold` read right after the session's lock was granted (its version, family and
         # last usage), answering :meth:`version`, :meth:`family` and :meth:`last_usage` until this
         # instance writes or lets go of the session: one round trip instead of four
@@ -802,6 +828,7 @@ class PgStore:
             self._drop_lock_conn()  # whatever it may hold goes with it (a lock outlives a failed statement)
             raise pg_error("lock a session in", self.url, e) from e
         self._held.add(session_id)
+        self._let_go.discard(session_id)
         if version is None:
             self._absent.add(session_id)
         self._state[session_id] = (
@@ -835,6 +862,11 @@ class PgStore:
             self._lock_conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
             self._lock_conn.execute(f"SET lock_timeout = {max(1, int(self.lock_wait * 1000))}")
             self._lock_enc = self._lock_conn.info.encoding
+            try:  # (a database that refuses temporary objects: release sends the unlock, as it did)
+                self._lock_conn.execute(_COMMIT_RELEASE_PROC)
+                self._lock_proc = True
+            except psycopg.Error:
+                self._lock_proc = False
 
     def release(self, wait: bool = False) -> None:
         """Let go of the sessions :meth:`hold` took.  The unlock is sent without waiting for its answer
@@ -844,7 +876,8 @@ class PgStore:
         self._state.clear()
         self._absent.clear()
         self._cands.clear()
-        if not self._held:
+        self._let_go.clear()
+        if not self._held:  # (none, or the turn's commit let them go: nothing left to send)
             return
         self._held.clear()
         try:
@@ -855,7 +888,7 @@ class PgStore:
             # answer read before the connection's next statement (hold): the turn does not wait for a
             # round trip to the database to end
             pgconn = self._lock_conn.pgconn
-            pgconn.send_query(b"SELECT pg_advisory_unlock_all()")  # (libpq sends it: not in pipeline mode)
+            pgconn.send_query(_UNLOCK)  # (libpq sends it: not in pipeline mode)
             self._unlocking = True
             if pgconn.flush():  # what the socket did not take at once
                 self._lock_conn.wait(pg_generators.send(pgconn))
@@ -891,6 +924,7 @@ class PgStore:
 
     def _drop_lock_conn(self) -> None:
         self._unlocking = False
+        self._lock_proc = False
         conn, self._lock_conn = self._lock_conn, None
         if conn is not None:
             try:
@@ -900,6 +934,7 @@ class PgStore:
 
     def close(self) -> None:
         self._held = set()
+        self._let_go = set()
         self._state = {}
         self._absent = set()
         self._cands = {}
@@ -1021,11 +1056,15 @@ class PgStore:
     # -- writes --------------------------------------------------------------------------------
     def commit_turn(self, row: SessionRow, new_refs: list[LedgerRow], chain: tuple[int, str] | None = None, *,
                     expect: int, minted: list[tuple[str, str]] = (), fresh: bool = False,
-                    copy: str | None = None) -> int:
+                    copy: str | None = None, release: bool = False) -> int:
         """As :meth:`bili_addon.store.Store.commit_turn`, in one round trip: ``bili_commit_turn`` (schema
         11) checks and advances the version, allocates the minted refs, writes the session row, the
         ledger rows, the prefix chain and the canonical copy (``copy``) in one statement (its own
-        transaction); a refusal rolls it all back and names itself (:data:`_STALE`)."""
+        transaction); a refusal rolls it all back and names itself (:data:`_STALE`).  ``release``: this
+        is the turn's last write of the session: the session's lock goes in the same round trip
+        (:meth:`_commit_and_unlock`), and :meth:`release` has nothing left to send."""
+        if self._let_go:
+            self._again(row.id)
         now = time.time()
         fresh = fresh and bool(new_refs)
         if fresh and minted:
@@ -1050,7 +1089,7 @@ class PgStore:
                 # of the session is not a transaction's), without the pool's check-out and return
                 # (~70 us of the client's CPU a turn, cold)
                 version = self._commit_on(lock_conn, row, expect, now, given, k, first, doc, len(new_refs), chain,
-                                          copy)
+                                          copy, release and self._lock_proc and len(self._held) == 1)
             else:
                 with self._use() as conn:
                     version = self._commit_on(conn, row, expect, now, given, k, first, doc, len(new_refs), chain,
@@ -1072,21 +1111,61 @@ class PgStore:
         return int(version)
 
     def _commit_on(self, conn, row: SessionRow, expect: int, now: float, given, k: int, first, doc: bytes | None,
-                   n: int, chain, copy) -> int:
-        """``bili_commit_turn`` on ``conn``: the new version."""
-        self.round_trips += 1
+                   n: int, chain, copy, unlock: bool = False) -> int:
+        """``bili_commit_turn`` on ``conn``: the new version.  ``unlock``: ``conn`` is the lock connection,
+        which lets its sessions go right after the commit, in the same round trip."""
+        self.round_trips += 1  # (with the unlock: the same one statement)
         enc = self._lock_enc if conn is self._lock_conn else conn.info.encoding
         if doc is not None and enc != "utf-8":
             doc = doc.decode().encode(enc)
-        return int(self._call(conn, _COMMIT, (
-            row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref,
-            row.flags, given, k, first, doc, n,
-            chain[0] if chain is not None else None, chain[1] if chain is not None else None, copy),
-        ).get_value(0, 0))
+        params = (row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref,
+                  row.flags, given, k, first, doc, n,
+                  chain[0] if chain is not None else None, chain[1] if chain is not None else None, copy)
+        if unlock:
+            return int(self._commit_and_unlock(conn, params).get_value(0, 0))
+        return int(self._call(conn, _COMMIT, params).get_value(0, 0))
+
+    def _commit_and_unlock(self, conn, params: tuple):
+        """The turn's commit on the lock connection, then the unlock of every session it holds, in one
+        statement (:data:`_COMMIT_RELEASE`: the commit's transaction ends before the unlock runs).
+        Returns its result as :meth:`_call` does.  Done, the sessions are let go: :meth:`release`
+        sends nothing for them, and a write of one after this takes its lock again (:meth:`_again`).
+        Refused (:data:`_STALE`: before its COMMIT), nothing is written and the lock is kept.  Any
+        other failure drops the connection (the locks go with it; whether the commit was written is
+        the store's to say: the session is read again).  The unlock on its own (:meth:`release`: its
+        send, its answer read before the next statement) cost ~55 us of the client's CPU a turn, cold,
+        plus that read."""
+        try:
+            result = self._call(conn, _COMMIT_RELEASE, params)
+        except psycopg.Error as e:
+            if getattr(e, "sqlstate", None) != _STALE:
+                self._drop_lock_conn()
+                self._let_go_all()
+            raise
+        self._let_go_all()
+        return result
+
+    def _let_go_all(self) -> None:
+        """The sessions held are let go (the lock connection's unlock ran, or it was dropped)."""
+        self._let_go.update(self._held)
+        self._held.clear()
+        self._state.clear()
+        self._absent.clear()
+        self._cands.clear()
+
+    def _again(self, session_id: str) -> None:
+        """Before a write of a session whose lock the turn's commit let go (it was to be the turn's last
+        write): the lock taken again (:meth:`hold`), so the write is one instance's at a time as ever;
+        its version check refuses it (:class:`StaleSession`: the turn is computed again) when another
+        instance's turn came in between."""
+        if session_id in self._let_go:
+            self.hold(session_id)
 
     def set_flags(self, row: SessionRow, *, expect: int) -> int:
         """A learned fact of an existing session: one statement (its own transaction); a new session
         or a version that moved takes the general path (which raises :class:`StaleSession`)."""
+        if self._let_go:
+            self._again(row.id)
         try:
             with self._use() as conn:
                 self.round_trips += 1
@@ -1253,6 +1332,8 @@ class PgStore:
                        (session_id,))
 
     def record_calls(self, session_id: str, calls: list[tuple[str, str, str]], *, expect: int) -> int:
+        if self._let_go:
+            self._again(session_id)
         now = time.time()
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
@@ -1263,6 +1344,8 @@ class PgStore:
     def commit_fold(self, session_id: str, blocks: list[tuple[str, str, bool]],
                     originals: list[tuple[str, str, str, str, str, str, int]], results: list[tuple[str, str]], *,
                     expect: int) -> int:
+        if self._let_go:
+            self._again(session_id)
         now = time.time()
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
@@ -1283,6 +1366,8 @@ class PgStore:
         return row[0] if row else None
 
     def save_copy(self, session_id: str, doc: str, *, expect: int) -> int:
+        if self._let_go:
+            self._again(session_id)
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
             self.round_trips += 1
@@ -1297,6 +1382,8 @@ class PgStore:
 
     def save_transcript(self, session_id: str, keep: int, rows: list[tuple[str, list[str], bytes]], *,
                         expect: int) -> int:
+        if self._let_go:
+            self._again(session_id)
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
             self.round_trips += 1
@@ -1379,6 +1466,8 @@ class PgStore:
               blocks: list[tuple[str, str, bool]], originals: list[tuple], calls: list[tuple[str, str, str, str | None]],
               retired: list[tuple[str, str, str]] = (), *, expect: int) -> int:
         """As :meth:`bili_addon.store.Store.adopt`: one transaction, a versioned session write."""
+        if self._let_go:
+            self._again(child.id)
         now = time.time()
         with self._tx() as conn:
             version = self._advance(conn, child.id, expect)

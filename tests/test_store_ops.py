@@ -227,11 +227,11 @@ def test_bili_run_store_sets_bili_store_once(tmp_path, monkeypatch, capsys):
     assert len(seen) == n and "--store" in capsys.readouterr().err
 
 
-def test_a_follow_up_turn_on_postgresql_takes_three_round_trips(pg_url, tmp_path, monkeypatch):
+def test_a_follow_up_turn_on_postgresql_takes_two_round_trips(pg_url, tmp_path, monkeypatch):
     """Issue #11's "a few round trips": the session's lock and its state (version, family, last
-    usage) in one statement, the turn's commit in one statement, the lock's release (sent, its
-    answer not waited for: read before the connection's next statement); the lineage of the turn is
-    stored after the answer, in one statement more."""
+    usage) in one statement, the turn's commit in one statement and the lock's release with it (one
+    pipeline: the turn's last write carries the unlock, tests/test_pg_release.py); the lineage of
+    the turn is stored after the answer, in one statement more."""
     import psycopg
 
     from bili_addon.kernel.turn import Engine
@@ -260,10 +260,10 @@ def test_a_follow_up_turn_on_postgresql_takes_three_round_trips(pg_url, tmp_path
         before, sent[:] = store.round_trips, []
         res = turn()
         assert res.refs_new == 2 and res.refs_known == 4
-        assert store.round_trips - before == 3, sent
-        assert [q.split("(")[0] for q in sent] == ["SELECT json_build_array", "SELECT bili_commit_turn"], sent
+        assert store.round_trips - before == 2, sent
+        assert [q.split("(")[0] for q in sent] == ["SELECT json_build_array", "CALL pg_temp.bili_commit_release"], sent
         assert "FROM bili_hold(" in sent[0]
-        assert store._unlocking and not store._held  # the unlock is on its way
+        assert not store._unlocking and not store._held  # the unlock went with the commit
         with psycopg.connect(pg_url, autocommit=True) as other:  # ... and another instance gets the lock
             other.execute("SET lock_timeout = 5000")
             other.execute("SELECT pg_advisory_lock(%s)", (store.lock_key("rt"),))

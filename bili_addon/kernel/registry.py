@@ -58,7 +58,7 @@ class Sessions(Mapping[str, Session]):
         # a turn's commit held back (:meth:`stage`): the flags the turn learns before :meth:`flush`
         # are written with it, one write instead of two, and so is its canonical copy (``copies``:
         # the document :meth:`save_copy` was given meanwhile)
-        self.staged: dict[str, Callable[[str | None], None]] = {}
+        self.staged: dict[str, Callable[[str | None, bool], None]] = {}
         self.copies: dict[str, str] = {}
 
     # -- the mapping of what is cached (no store read) --------------------------------------------
@@ -134,20 +134,23 @@ class Sessions(Mapping[str, Session]):
         self._memo_size = size
 
     # -- writes ----------------------------------------------------------------------------------
-    def stage(self, sid: str, write: Callable[[str | None], None]) -> None:
-        """Hold the turn's commit (``write``, given the copy to write with it or None) of a session
+    def stage(self, sid: str, write: Callable[[str | None, bool], None]) -> None:
+        """Hold the turn's commit (``write``, given the copy to write with it or None, and whether it is
+        the turn's last write: ``store.commit_turn(release=)``) of a session
         until :meth:`flush`: a flag set meanwhile is kept in the session's row, which that commit
         writes, a copy saved meanwhile goes with it (:meth:`save_copy`).  Anything else of the
         session is written after a flush (:meth:`save_blocks` flushes first; the engine before a
         call lands), and the flush comes before any ref of the turn leaves."""
         self.staged[sid] = write
 
-    def flush(self) -> None:
+    def flush(self, last: bool = False) -> None:
         """Write the staged commits (their flags and copies included).  A write that fails stays
-        staged: :meth:`unstage` then drops what this process holds of its session."""
+        staged: :meth:`unstage` then drops what this process holds of its session.  ``last``: the turn
+        writes nothing of its sessions after these (the last commit lets the sessions' locks go with
+        it, in the same round trip on PostgreSQL; a write after it takes the lock again)."""
         while self.staged:
             sid = next(iter(self.staged))
-            self.staged[sid](self.copies.get(sid))
+            self.staged[sid](self.copies.get(sid), last and len(self.staged) == 1)
             del self.staged[sid]
             self.copies.pop(sid, None)
 

@@ -19,7 +19,8 @@ from typing import Any, Mapping
 
 import msgspec
 
-from bili_addon.kernel import breakpoints, cache, coverage, envelope, fold, fresh, nudge, pressure, registry, tags
+from bili_addon.kernel import (breakpoints, cache, coverage, envelope, fold, fresh, lifetime, nudge, pending, pressure,
+                               registry, tags)
 from bili_addon.kernel.calibration import Calibration
 from bili_addon.kernel.chains import Chains
 from bili_addon.kernel.compaction import Epochs
@@ -252,7 +253,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         if s.copy.latched or not render:
             # observe mode, or a total collapse: nothing verifies the folds against this history,
             # so it passes through as it came until the agent sends a history that aligns again
-            self.sessions.flush()  # (a staged turn the coverage check latched: its commit is still written)
+            self.sessions.flush(last=True)  # (a staged turn the coverage check latched: its commit is still written)
             self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter, None, len(raw))
             if stripped:  # the envelope is ours: it never reaches the provider
                 result.body = body.encode(None)
@@ -268,7 +269,15 @@ class Engine(ProxyTools, Epochs, Deferred):
         active = result.active = pressure.is_active(self, s, view)
         if self.inject and active:
             pressure.apply(self, s, view, resolved, new)
-        self.sessions.flush()  # the turn's staged commit, before anything else is written or sent
+        names = None  # the request's tool names (read here: whether the native-tools flag follows the flush)
+        if self.inject and active and len(raws) > start:
+            try:
+                names = lane.tool_names(body) or []
+            except Exception:  # (read again below, failing there as it would)
+                names = None
+        # the turn's staged commit, before anything else is written or sent (the turn's last write of the
+        # session unless something below may write: then its lock stays until release)
+        self.sessions.flush(last=not _writes_after(self, s, lane.name, snap, active, names, len(raws) > start))
         self._land(s, view, result)  # held folds leave the wire when it pays (kernel/pending.py)
         if s.version != version or (memo is not None and memo.rendered is None):
             q = 0  # this turn changed how old items render (a truncation, a learned flag), or the
@@ -300,7 +309,8 @@ class Engine(ProxyTools, Epochs, Deferred):
                 now.marks = run
             changed |= breakpoints.mark_head(lane.name, items_out, start, raw, counts)
         if self.inject and active and len(raws) > start:  # no conversation (``input: []``): nothing to add tools to
-            names = lane.tool_names(body) or []
+            if names is None:
+                names = lane.tool_names(body) or []
             native = any("bili" in n and n.endswith("compress") for n in names)
             if native and self.set_flag(sid, "native_tools", True):
                 result.notes.append("the agent has bili's tools natively (MCP): wire injection is off for it")
@@ -447,13 +457,15 @@ class Engine(ProxyTools, Epochs, Deferred):
             row.next_ref + len(given), row.flags,
         )
 
-        def write(copy: str | None = None) -> None:
+        def write(copy: str | None = None, release: bool = False) -> None:
             try:
                 # fresh: the store keeps the rows' refs as the turn's without a second copy (schema 10);
-                # copy: the canonical copy saved meanwhile (Sessions.save_copy), in the same write (schema 11)
-                s.stored = (self.store.commit_turn(staged, new_rows, tail, expect=s.stored, fresh=True, copy=copy)
+                # copy: the canonical copy saved meanwhile (Sessions.save_copy), in the same write (schema 11);
+                # release: the turn's last write of the session (Sessions.flush(last=True)): its lock goes with it
+                s.stored = (self.store.commit_turn(staged, new_rows, tail, expect=s.stored, fresh=True, copy=copy,
+                                                   release=release)
                             if fresh else self.store.commit_turn(staged, new_rows, tail, expect=s.stored,
-                                                                 minted=given, copy=copy))
+                                                                 minted=given, copy=copy, release=release))
             except Exception:
                 for r in new_rows:  # nothing of this turn is kept
                     s.refs.pop((r.msg_id, r.content_hash), None)
@@ -496,6 +508,28 @@ class Engine(ProxyTools, Epochs, Deferred):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+def _writes_after(eng: Engine, s: Session, lane: str, snap, active: bool, names: list[str] | None,
+                  conversation: bool) -> bool:
+    """Whether a turn may write its session after the flush before rendering (then that flush is not
+    its last write): held folds landing (``Engine._land``), the transcript (``snapshot_render``), the
+    native-tools flag, a cache lifetime chosen at a cold moment (``pressure.upgrade_lifetime``; cold
+    a second later counts: the turn's clock moves on).  ``names``: the tool names read before the
+    flush (None: unread).  A write it does not foresee stays correct: the store takes the session's
+    lock again first (PgStore._again)."""
+    flags = s.flags
+    if flags.get(pending.FLAG) or snap:
+        return True
+    unset = flags.get("native_tools") != True  # noqa: E712 (as set_flag compares: a flag to write)
+    if (eng.inject and active and conversation and unset
+            and (names is None or any("bili" in n and n.endswith("compress") for n in names))):
+        return True
+    try:
+        return bool(active and lane == "anthropic" and (flags.get(lifetime.FLAG) or {}).get("choice") != lifetime.HOUR
+                    and eng.clocks.cold(s.row.id, eng.now() + 1.0))
+    except Exception:  # (whatever fails here fails below as it would)
+        return True
+
 
 def _system_run(infos: list[ItemInfo]) -> int:
     start = 0  # the leading system run is environment, not conversation
