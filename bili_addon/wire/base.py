@@ -423,7 +423,11 @@ class Split:
         view = memoryview(raw)
         raw_of = msgspec.Raw
         ends, starts = ends[:j], starts[:j]
-        items = list(map(raw_of, map(view.__getitem__, map(slice, starts, ends))))
+        # the shared items are this body's items (the same bytes: each as it was read, a slice of the
+        # body it first came in or its own copy); a new item is a copy of its own bytes, not a slice of
+        # this body (a slice would keep the whole body alive as long as the conversation's items live:
+        # one body per turn)
+        items = self.items[:j]
         if close_new > start:  # new items (after a comma when an item stands before them)
             first = start
             if j:
@@ -439,7 +443,7 @@ class Split:
                 return None
             new_ends = list(accumulate(map(_PLUS_ONE, sizes), initial=first - 1))[1:]
             new_starts = list(map(int.__sub__, new_ends, sizes))
-            items += map(raw_of, map(view.__getitem__, map(slice, new_starts, new_ends)))
+            items += map(raw_of, map(raw.__getitem__, map(slice, new_starts, new_ends)))
             ends += new_ends
             starts += new_starts
         # the members in their order, each key then its value: those after the array follow its new end
