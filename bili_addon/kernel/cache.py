@@ -43,6 +43,8 @@ from typing import Any, Callable
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from bili_addon.wire.base import common_prefix_bytes
+
 BYTES_PER_TOKEN = 4
 MINUTES = 60.0
 
@@ -288,30 +290,11 @@ def anthropic_segments(body: bytes, rules: Rules | None = None) -> list[Segment]
 _WS = re.compile(rb"[ \t\n\r]*")
 _COMMA = re.compile(rb"[ \t\n\r]*,[ \t\n\r]*")
 _CLOSE = re.compile(rb"[ \t\n\r]*\]")
-_CHUNK = 1 << 16
 _EVERY = 16  # a hasher state is kept at every 16th message boundary (and at the last few)
 _LAST = 4
 
 
-def _common(a: bytes, b: bytes) -> int:
-    """The length of the longest common prefix of ``a`` and ``b`` (memcmp in chunks, then halving)."""
-    n = min(len(a), len(b))
-    mv = memoryview(a)
-    lo = 0
-    while lo < n:
-        hi = min(n, lo + _CHUNK)
-        if not b.startswith(mv[lo:hi], lo):
-            break
-        lo = hi
-    else:
-        return n
-    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-        mid = (lo + hi) // 2
-        if b.startswith(mv[lo:mid], lo):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+_common = common_prefix_bytes  # (the longest common prefix of two bodies: memcmp in chunks, no copy)
 
 
 def _top(key: str, **members: Any) -> tuple[type, msgspec.json.Decoder, bytes]:
