@@ -250,6 +250,15 @@ def test_a_late_write_while_another_instance_holds_the_session_waits_then_is_bus
 
 
 # -- the engine -----------------------------------------------------------------------------------------
+def releases(monkeypatch, store) -> list:
+    """The ``release`` argument of each of the store's ``commit_turn`` calls from now on, in order."""
+    released: list = []
+    real = store.commit_turn
+    monkeypatch.setattr(store, "commit_turn",
+                        lambda *a, **kw: (released.append(kw.get("release")), real(*a, **kw))[1])
+    return released
+
+
 def _engine(store) -> Engine:
     eng = Engine(store, fold_cfg=FoldConfig(min_compress_chars=2000))
     eng.lineage.defer = True
@@ -264,9 +273,7 @@ def test_a_turn_lets_its_lock_go_with_its_commit(pg_url, tmp_path, monkeypatch):
     case = bench_overhead.Case("anthropic", 100, seed=5)
     eng = _engine(pg(pg_url, tmp_path))
     s = eng.store
-    released = []
-    real = s.commit_turn
-    monkeypatch.setattr(s, "commit_turn", lambda *a, **kw: (released.append(kw.get("release")), real(*a, **kw))[1])
+    released = releases(monkeypatch, s)
     try:
         with other(pg_url) as c:
             msgs, h = list(case.msgs), {"x-acp-session": "lets-go"}
@@ -423,9 +430,7 @@ def test_a_turn_that_foresees_its_flag_keeps_the_lock_for_it(pg_url, tmp_path, m
     case = bench_overhead.Case("anthropic", 30, seed=4)
     eng = _engine(pg(pg_url, tmp_path))
     s = eng.store
-    released = []
-    real = s.commit_turn
-    monkeypatch.setattr(s, "commit_turn", lambda *a, **kw: (released.append(kw.get("release")), real(*a, **kw))[1])
+    released = releases(monkeypatch, s)
 
     def with_bili_tools(raw: bytes) -> bytes:
         body = json.loads(raw)
