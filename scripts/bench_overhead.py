@@ -2,8 +2,9 @@
 """Per-request overhead of the addon's kernel against the floor of a plain JSON decode + encode.
 
 For synthetic Anthropic-style conversations (user prose, assistant prose + tool_use, tool results
-of 200 B - 4 KB, a system prompt, 20 tools) of 100, 1,000 and 10,000 messages, and one Chat
-Completions conversation of 1,000 messages, this prints side by side:
+of 200 B - 4 KB, a system prompt, 20 tools) of 100, 1,000 and 10,000 messages, one Chat
+Completions conversation of 1,000 messages and one Responses conversation of 1,000 items (Codex's
+shape: reasoning, function calls and their outputs), this prints side by side:
 
 * the floor: ``msgspec.json.decode`` + ``msgspec.json.encode`` of the same body,
 * the first turn: ``Engine.process(..., render=True)`` of a new conversation in a running proxy
@@ -172,6 +173,32 @@ def anthropic_messages(g: Gen, n: int) -> list[dict]:
     return msgs[:n]
 
 
+def tools_responses(g: Gen) -> list[dict]:
+    return [{"type": "function", "name": n, "description": g.prose(200, 600), "strict": False, "parameters": {
+        "type": "object", "properties": {"arg": {"type": "string", "description": g.prose(30, 80)}}, "required": ["arg"]}}
+        for n in TOOL_NAMES]
+
+
+def responses_items(g: Gen, n: int) -> list[dict]:
+    """``n`` Responses input items as Codex sends them: a user message, then tool loops (a reasoning
+    item, a function call, its output, now and then the assistant's prose), now and then a new prompt."""
+    items: list[dict] = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": g.prose(100, 600)}]}]
+    k = 0
+    while len(items) < n:
+        k += 1
+        items.append({"type": "reasoning", "id": f"rs_{k:06d}", "summary": [],
+                      "encrypted_content": "gAAAAB" + "".join(g.r.choice("abcdefABCDEF0123456789") for _ in range(240))})
+        items.append({"type": "function_call", "id": f"fc_{k:06d}", "call_id": f"call_{k:06d}",
+                      "name": g.r.choice(TOOL_NAMES[:6]), "arguments": json.dumps({"arg": g.prose(10, 60)})})
+        items.append({"type": "function_call_output", "call_id": f"call_{k:06d}", "output": g.output(200, 4000)})
+        if g.r.random() < 0.3:
+            items.append({"type": "message", "role": "assistant", "id": f"msg_{k:06d}",
+                          "content": [{"type": "output_text", "text": g.prose(40, 400)}]})
+        if g.r.random() < 0.08:
+            items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": g.prose(40, 400)}]})
+    return items[:n]
+
+
 def chat_messages(g: Gen, n: int) -> list[dict]:
     msgs: list[dict] = [{"role": "user", "content": g.prose(100, 600)}]
     k = 0
@@ -200,21 +227,33 @@ class Case:
                         "tools": tools_anthropic(g), "max_tokens": 32000}
             self.msgs = anthropic_messages(g, n)
             self.new = lambda i: {"role": "user", "content": f"Follow-up {i}: " + g.prose(60, 300)}
+        elif lane == "responses":  # Codex's members and order (shared/captures/codex), serde_json's compact JSON
+            self.top = {"model": "gpt-5-codex", "instructions": system_prompt(g), "input": None,
+                        "tools": tools_responses(g), "tool_choice": "auto", "parallel_tool_calls": False,
+                        "reasoning": {"effort": "medium", "summary": "auto"}, "store": False, "stream": True,
+                        "include": ["reasoning.encrypted_content"], "prompt_cache_key": "bench-overhead"}
+            self.msgs = responses_items(g, n)
+            self.new = lambda i: {"type": "message", "role": "user",
+                                  "content": [{"type": "input_text", "text": f"Follow-up {i}: " + g.prose(60, 300)}]}
         else:
             self.top = {"model": "gpt-4.1", "messages": None, "max_tokens": 32000, "tools": tools_chat(g)}  # (pi's order)
             self.msgs = [{"role": "system", "content": system_prompt(g)}] + chat_messages(g, n)
             self.new = lambda i: {"role": "user", "content": f"Follow-up {i}: " + g.prose(60, 300)}
 
     def body(self, msgs: list[dict]) -> bytes:
-        return msgspec.json.encode({**self.top, "messages": msgs})  # (in the place the key has in ``top``)
+        return msgspec.json.encode({**self.top, self.lane.conv_key: msgs})  # (in the place the key has in ``top``)
 
     def unique_body(self) -> bytes:
         """The conversation with a first message of its own: a new conversation every time, never
         a fork of one measured before on the same (PostgreSQL) database (a fork is adopted, work a
         first turn does not do)."""
-        i = next(i for i, m in enumerate(self.msgs) if m["role"] != "system")
+        i = next(i for i, m in enumerate(self.msgs) if m.get("role") != "system")
         first = dict(self.msgs[i])
-        first["content"] = f"[run {time.time_ns()}] {first['content']}"
+        if isinstance(first["content"], list):  # (a Responses message: its first text part)
+            first["content"] = [{**first["content"][0], "text": f"[run {time.time_ns()}] {first['content'][0]['text']}"},
+                                *first["content"][1:]]
+        else:
+            first["content"] = f"[run {time.time_ns()}] {first['content']}"
         return self.body(self.msgs[:i] + [first] + self.msgs[i + 1:])
 
 
@@ -546,7 +585,7 @@ def run(args, backends) -> None:
         plan = [("anthropic", 100, 5, 9), ("anthropic", 1000, 3, 7), ("chat", 1000, 3, 7)]
     else:
         plan = [("anthropic", 100, 9, 21), ("anthropic", 1000, 7, 15), ("anthropic", 10000, 3, 7),
-                ("chat", 1000, 7, 15)]
+                ("chat", 1000, 7, 15), ("responses", 1000, 7, 15)]
     print(f"bili-addon kernel overhead: Engine.process(render=True) vs msgspec decode+encode "
           f"(CPU time, median); python {sys.version.split()[0]}, msgspec {msgspec.__version__}")
     print()

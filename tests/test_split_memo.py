@@ -279,73 +279,17 @@ def test_engine_turns_of_the_captures(tmp_path):
     compare(tmp_path, turns)
 
 
-def responses_items(n: int, seed: int = 7) -> list[dict]:
-    """A Codex-like Responses conversation: messages, reasoning, function calls and their outputs."""
-    g = bench_overhead.Gen(seed)
-    items: list[dict] = []
-    i = 0
-    while len(items) < n:
-        items += [
-            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": g.prose(60, 400)}]},
-            {"type": "reasoning", "id": f"rs_{i}", "summary": [], "encrypted_content": "gAAAA" + "x" * 300},
-            {"type": "function_call", "id": f"fc_{i}", "call_id": f"call_{i}", "name": "shell",
-             "arguments": json.dumps({"command": ["bash", "-lc", g.prose(10, 40)]})},
-            {"type": "function_call_output", "call_id": f"call_{i}", "output": g.output(200, 2000)},
-            {"type": "message", "role": "assistant", "id": f"msg_{i}",
-             "content": [{"type": "output_text", "text": g.prose(60, 300)}]},
-        ]
-        i += 1
-    return items[:n]
-
-
-def responses_body(items: list[dict]) -> bytes:
-    # the members in the order Codex writes them (shared/captures/codex), compact as serde_json writes
-    return msgspec.json.encode({
-        "model": "gpt-5-codex", "instructions": "You are Codex. " * 50, "input": items,
-        "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}}], "tool_choice": "auto",
-        "parallel_tool_calls": False, "reasoning": {"effort": "medium", "summary": "auto"}, "store": False,
-        "stream": True, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "pck-1"})
-
-
 def test_engine_turns_of_responses(tmp_path):
-    items = responses_items(60)
-    assert _split_compact(responses_body(items), "input") is not None  # (the one-scan split reads them)
+    """The bench's Codex-shaped conversation (Responses: reasoning, function calls, outputs)."""
+    case = bench_overhead.Case("responses", 60)
+    items = list(case.msgs)
+    assert _split_compact(case.body(items), "input") is not None  # (the one-scan split reads them)
+    more = [case.new(i) for i in range(12)]
     turns = []
     for i in range(6):
-        items = items + [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"more {i}"}]},
-                         {"type": "message", "role": "assistant", "id": f"msg_x{i}",
-                          "content": [{"type": "output_text", "text": f"done {i}"}]}]
-        turns.append(("responses", {"session_id": "codex-1"}, responses_body(items)))
-        turns.append(("responses", {}, responses_body(items[:30] + [{"type": "message", "role": "user", "content": [
-            {"type": "input_text", "text": f"side {i}"}]}])))
-    turns.append(("responses", {"session_id": "codex-1"}, responses_body(items[:50])))
+        items = items + [more[i], {"type": "message", "role": "assistant", "id": f"msg_x{i}",
+                                   "content": [{"type": "output_text", "text": f"done {i}"}]}]
+        turns.append(("responses", {"session_id": "codex-1"}, case.body(items)))
+        turns.append(("responses", {}, case.body(items[:30] + [more[6 + i]])))
+    turns.append(("responses", {"session_id": "codex-1"}, case.body(items[:50])))
     compare(tmp_path, turns)
-
-
-def test_a_conversations_items_keep_no_body_but_the_first_alive():
-    """The shared items are the earlier body's items as they are, a new item a copy of its own bytes:
-    over a long session the items never keep a whole body per turn alive (only the first body, which
-    its items were sliced from, and the newest, whose layout is kept for the next turn)."""
-    import sys
-
-    s = Splits()
-    msgs = [{"role": "user", "content": "x" * 200}]
-    bodies, kept_items = [], None
-    for turn in range(40):
-        msgs.append({"role": "assistant" if turn % 2 else "user", "content": f"turn {turn} " + "y" * 300})
-        raw = encode([("model", "m"), ("messages", list(msgs)), ("system", "s" * 100)])
-        bodies.append(raw)
-        body = s.body(raw, "messages", "sid")
-        same_split(body, Body(raw, "messages"))
-        if turn:
-            assert body.shared is not None and body.shared[1] == turn + 1
-            assert all(a is b for a, b in zip(body.items, kept_items))  # (the same objects)
-        kept_items = body.items  # what the session's memo keeps
-        del body
-    # a body's only holders: the list above (and the count's own references, as for a body nothing
-    # else holds: ``alone``), but the first (its items are slices of it) and the newest (its layout's)
-    alone = [sys.getrefcount(b) for b in [bytes(bytearray(bodies[0]))]][0]
-    counts = [sys.getrefcount(b) for b in bodies]
-    assert counts[1:-1] == [alone] * (len(bodies) - 2)
-    assert counts[0] > alone and counts[-1] > alone
-    assert len(kept_items) == 41
