@@ -293,3 +293,32 @@ def test_engine_turns_of_responses(tmp_path):
         turns.append(("responses", {}, case.body(items[:30] + [more[6 + i]])))
     turns.append(("responses", {"session_id": "codex-1"}, case.body(items[:50])))
     compare(tmp_path, turns)
+
+
+def test_a_conversations_items_keep_no_body_but_the_first_alive():
+    """The shared items are the earlier body's items as they are, a new item a copy of its own bytes:
+    over a long session the items never keep a whole body per turn alive (only the first body, which
+    its items were sliced from, and the newest, whose layout is kept for the next turn)."""
+    import sys
+
+    s = Splits()
+    msgs = [{"role": "user", "content": "x" * 200}]
+    bodies, kept_items = [], None
+    for turn in range(40):
+        msgs.append({"role": "assistant" if turn % 2 else "user", "content": f"turn {turn} " + "y" * 300})
+        raw = encode([("model", "m"), ("messages", list(msgs)), ("system", "s" * 100)])
+        bodies.append(raw)
+        body = s.body(raw, "messages", "sid")
+        same_split(body, Body(raw, "messages"))
+        if turn:
+            assert body.shared is not None and body.shared[1] == turn + 1
+            assert all(a is b for a, b in zip(body.items, kept_items))  # (the same objects)
+        kept_items = body.items  # what the session's memo keeps
+        del body
+    # a body's only holders: the list above (and the count's own references, as for a body nothing
+    # else holds: ``alone``), but the first (its items are slices of it) and the newest (its layout's)
+    alone = [sys.getrefcount(b) for b in [bytes(bytearray(bodies[0]))]][0]
+    counts = [sys.getrefcount(b) for b in bodies]
+    assert counts[1:-1] == [alone] * (len(bodies) - 2)
+    assert counts[0] > alone and counts[-1] > alone
+    assert len(kept_items) == 41
