@@ -7,7 +7,9 @@ keyed by ``call_id``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
+
+import msgspec
 
 from bili_addon.wire.base import (
     IMAGE,
@@ -80,6 +82,31 @@ class ResponsesLane(LaneDefaults):
                         # local_shell_call -> "local_shell", computer_call -> "computer", ...
                         return [_call(obj, _str(obj.get("name")) or kind[: -len("_call")], obj[key])]
         return [Core(_opaque_role(kind), OTHER, _json_without_id(obj))]
+
+    @staticmethod
+    def array_cores(array: Any, flat: bool = False) -> tuple[list, ...] | None:
+        """:meth:`item_cores` (and :meth:`is_system_item`) of every item of the conversation array
+        ``array`` (its raw bytes), decoded in one call into typed structs (:class:`_Item`) instead
+        of dicts, as the Anthropic and Chat lanes do: ``(cores of each item, the structs, whether
+        each is a system item)``.  Codex's commonest items only (a message of text parts or a
+        string, reasoning with its text or id, a function or custom tool call, a tool output);
+        None for any other item, part or field type (the caller reads the items one by one with
+        :meth:`item_cores`, which gives the same cores for the shapes held here).  The structs
+        hold only what the cores need: rendering patches such an item from its bytes
+        (:meth:`patch_typed`).  ``flat``: ``(the cores of every item in one list, where each
+        item's cores end in it, the structs, whether each is a system item)`` instead
+        (ItemCache.get_many)."""
+        got = _flat_cores(array)
+        if got is None or flat:
+            return got
+        cores, ends, items, systems = got
+        return [cores[a:b] for a, b in zip([0, *ends], ends)], items, systems
+
+    @staticmethod
+    def patch_typed(raw: bytes, obj: Any, edits: list) -> bytes | None:
+        """None: an :meth:`array_cores` struct holds only what the cores read, not the item (the
+        caller patches the item from its bytes decoded, as for an item read one by one)."""
+        return None
 
     # -- folding and proxy tools ---------------------------------------------------------------
     @staticmethod
@@ -264,3 +291,125 @@ def _reasoning_text(obj: dict) -> str:
     if isinstance(rid, str) and rid:
         return rid
     return compact_json(obj)
+
+
+
+# Codex's commonest items as one typed struct (ResponsesLane.array_cores): every key item_cores
+# reads of them is a field (absent ones UNSET, as ``obj.get`` reads them None), other keys are
+# skipped; a field of another type fails the decode (the caller then reads the items as dicts).
+_UNSET = msgspec.UNSET
+
+
+class _Part(msgspec.Struct, gc=False):
+    type: Any = _UNSET
+    text: Any = _UNSET
+    image_url: Any = _UNSET
+    file_id: Any = _UNSET
+    refusal: Any = _UNSET
+
+
+class _Item(msgspec.Struct, gc=False):
+    type: Any = _UNSET
+    role: Any = _UNSET
+    content: Union[str, list[_Part], None, msgspec.UnsetType] = _UNSET
+    summary: Union[list[_Part], None, msgspec.UnsetType] = _UNSET
+    id: Any = _UNSET
+    call_id: Any = _UNSET
+    name: Any = _UNSET
+    arguments: Any = _UNSET
+    input: Any = _UNSET
+    output: Any = _UNSET
+
+
+_dec_items = msgspec.json.Decoder(list[_Item])
+_CONTENT_PATH = ("content",)
+_N_PATHS = 64
+_TEXT_PATHS = [("content", j, "text") for j in range(_N_PATHS)]
+
+
+def _flat_cores(array: Any) -> tuple[list[Core], list[int], list, list[bool]] | None:
+    """ResponsesLane.array_cores, flat: the cores of all the items in one list, where each item's
+    end, the structs, which are system items; None for an item item_cores reads otherwise."""
+    try:
+        items = _dec_items.decode(array)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    cores: list[Core] = []
+    add = cores.append
+    ends: list[int] = []
+    end = ends.append
+    systems: list[bool] = []
+    system = systems.append
+    unset, roles, text_parts, paths = _UNSET, _MESSAGE_ROLES, _TEXT_PARTS, _TEXT_PATHS
+    for it in items:
+        kind = it.type
+        if kind == "message" or ((kind is None or kind is unset) and it.role is not unset and it.content is not unset):
+            role = it.role
+            role = roles.get(role) if type(role) is str else None
+            if role is None:
+                return None  # (an opaque item: its JSON)
+            content = it.content
+            if type(content) is str:
+                add(Core(role, TEXT, content, "", "", "", 0, _CONTENT_PATH))
+            elif type(content) is list:
+                j = 0
+                for p in content:
+                    pk, text = p.type, p.text
+                    if type(text) is str and pk in text_parts:
+                        add(Core(role, TEXT, text, "", "", "", 0, paths[j] if j < _N_PATHS else ("content", j, "text")))
+                    elif pk == "input_image":
+                        add(Core(role, IMAGE, "[image]", media=_part_slot(p)))
+                    elif pk == "refusal" and type(p.refusal) is str:
+                        add(Core(role, TEXT, p.refusal))
+                    else:
+                        return None  # (an opaque part: its JSON)
+                    j += 1
+            system(it.role in _SYSTEM_ROLES)
+            end(len(cores))
+            continue
+        system(False)
+        if kind == "reasoning":
+            text = None
+            for parts, part_type in ((it.content, "reasoning_text"), (it.summary, "summary_text")):
+                if type(parts) is list:
+                    texts = [p.text for p in parts if p.type == part_type and type(p.text) is str]
+                    if texts:
+                        text = "\n".join(texts)
+                        break
+            if text is None:
+                rid = it.id
+                if type(rid) is not str or not rid:
+                    return None  # (the whole item's JSON)
+                text = rid
+            add(Core("assistant", REASONING, text))
+        elif kind == "function_call" or kind == "custom_tool_call":
+            payload = it.arguments if kind == "function_call" else it.input
+            if type(payload) is not str:
+                payload = "" if payload is None or payload is unset else compact_json(payload)
+            name, cid = it.name, it.call_id
+            add(Core("assistant", TOOL_CALL, payload, name if type(name) is str else "",
+                     cid if type(cid) is str else ""))
+        elif type(kind) is str and kind.endswith("_output") and type(it.call_id) is str and it.output is not unset:
+            output = it.output
+            if type(output) is str:
+                add(Core("tool", TOOL_RESULT, output, "", it.call_id))
+            else:
+                text, media = _output_text(output)
+                add(Core("tool", TOOL_RESULT, text, "", it.call_id, media))
+        else:
+            return None  # (another kind: read as item_cores reads it)
+        end(len(cores))
+    return cores, ends, items, systems
+
+
+def _part_slot(part: _Part) -> str:
+    """_image_slot of a typed part."""
+    url = part.image_url
+    if isinstance(url, dict):  # tolerate the Chat-style {"url": ...}
+        url = url.get("url")
+    if isinstance(url, str) and url:
+        return payload_of_url(url)
+    file_id = part.file_id
+    if isinstance(file_id, str) and file_id:
+        return "file:" + file_id
+    return ""
