@@ -7,6 +7,7 @@ from typing import Any, Union
 import msgspec
 
 from bili_addon.wire.base import (
+    by_item,
     DELETE,
     IMAGE,
     OTHER,
@@ -86,11 +87,7 @@ class AnthropicLane(LaneDefaults):
         :meth:`item_cores`, which gives the same cores for the shapes held here.  ``flat``:
         ``(the cores of every item in one list, where each item's cores end in it, the structs)``
         instead (ItemCache.get_many: no list per item to make and join again)."""
-        got = _flat_cores(array)
-        if got is None or flat:
-            return got
-        cores, ends, msgs = got
-        return [cores[a:b] for a, b in zip([0, *ends], ends)], msgs
+        return by_item(_flat_cores(array), flat)
 
     @staticmethod
     def patch_typed(raw: bytes, msg: Any, edits: list) -> bytes | None:

@@ -94,6 +94,16 @@ def content_cores(role: str, content: Any, part_core) -> list[Core]:
     return [part_core(role, j, part) for j, part in enumerate(content)]
 
 
+def by_item(got: tuple | None, flat: bool) -> tuple | None:
+    """A lane's ``array_cores`` answer from its flat reading ``got`` (``(the cores of every item in
+    one list, where each item's cores end in it, *the rest)``, or None): as it is when ``flat`` (or
+    None), else each item's cores as a list of their own, then the rest."""
+    if got is None or flat:
+        return got
+    cores, ends, *rest = got
+    return ([cores[a:b] for a, b in zip([0, *ends], ends)], *rest)
+
+
 def compact_json(value: Any) -> str:
     """Compact JSON text of a parsed value (key order kept), as tool-call argument text."""
     return _enc.encode(value).decode()

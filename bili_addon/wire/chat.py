@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from bili_addon.wire.base import (
+    by_item,
     IMAGE,
     OTHER,
     REASONING,
@@ -76,11 +77,7 @@ class ChatLane(LaneDefaults):
         the items one by one with :meth:`item_cores`, which gives the same cores for these shapes.
         ``flat``: ``(the cores of every item in one list, where each item's cores end in it, the
         structs, whether each is a system item)`` instead (ItemCache.get_many)."""
-        got = _flat_cores(array)
-        if got is None or flat:
-            return got
-        cores, ends, msgs, systems = got
-        return [cores[a:b] for a, b in zip([0, *ends], ends)], msgs, systems
+        return by_item(_flat_cores(array), flat)
 
     @staticmethod
     def patch_typed(raw: bytes, msg: Any, edits: list) -> bytes | None:

@@ -12,6 +12,7 @@ from typing import Any, Union
 import msgspec
 
 from bili_addon.wire.base import (
+    by_item,
     IMAGE,
     OTHER,
     PROMPT_SEPARATOR,
@@ -96,11 +97,7 @@ class ResponsesLane(LaneDefaults):
         (:meth:`patch_typed`).  ``flat``: ``(the cores of every item in one list, where each
         item's cores end in it, the structs, whether each is a system item)`` instead
         (ItemCache.get_many)."""
-        got = _flat_cores(array)
-        if got is None or flat:
-            return got
-        cores, ends, items, systems = got
-        return [cores[a:b] for a, b in zip([0, *ends], ends)], items, systems
+        return by_item(_flat_cores(array), flat)
 
     @staticmethod
     def patch_typed(raw: bytes, obj: Any, edits: list) -> bytes | None:
