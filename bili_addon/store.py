@@ -1068,12 +1068,11 @@ class Store:
     # -- the one write of a turn ---------------------------------------------------------------
     # what a turn's commit reads first, in one statement: the session's version and ref counter (NULL:
     # no row yet) and its family's counter (a family shares one: a ref is never given twice in it)
-    _TURN_STATE = ("SELECT s.version, s.next_ref, (SELECT MAX(f.next_ref) FROM lineage m JOIN sessions f "
-                   "ON f.id=m.session_id WHERE m.root=(SELECT root FROM lineage WHERE session_id=?1)) "
-                   "FROM (SELECT 1) LEFT JOIN sessions s ON s.id=?1")
+    _FAMILY_NEXT = ("(SELECT MAX(f.next_ref) FROM lineage m JOIN sessions f ON f.id=m.session_id "
+                    "WHERE m.root=(SELECT root FROM lineage WHERE session_id=?1))")
+    _TURN_STATE = f"SELECT s.version, s.next_ref, {_FAMILY_NEXT} FROM (SELECT 1) LEFT JOIN sessions s ON s.id=?1"
     # the family's counter (as in _TURN_STATE; 0: not in a family)
-    _FAMILY = ("COALESCE((SELECT MAX(f.next_ref) FROM lineage m JOIN sessions f ON f.id=m.session_id "
-               "WHERE m.root=(SELECT root FROM lineage WHERE session_id=?1)), 0)")
+    _FAMILY = f"COALESCE({_FAMILY_NEXT}, 0)"
     # the session's row written by the statement that checks it (one statement less per turn): the row
     # is at the version the turn was computed from (?10) and, when the turn gives refs (?11: how many),
     # its first (?12) is the session's next free number in the store (its counter, or its family's if

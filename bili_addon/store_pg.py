@@ -1063,8 +1063,7 @@ class PgStore:
         transaction); a refusal rolls it all back and names itself (:data:`_STALE`).  ``release``: this
         is the turn's last write of the session: the session's lock goes in the same round trip
         (:meth:`_commit_and_unlock`), and :meth:`release` has nothing left to send."""
-        if self._let_go:
-            self._again(row.id)
+        self._again(row.id)
         now = time.time()
         fresh = fresh and bool(new_refs)
         if fresh and minted:
@@ -1154,18 +1153,17 @@ class PgStore:
         self._cands.clear()
 
     def _again(self, session_id: str) -> None:
-        """Before a write of a session whose lock the turn's commit let go (it was to be the turn's last
-        write): the lock taken again (:meth:`hold`), so the write is one instance's at a time as ever;
-        its version check refuses it (:class:`StaleSession`: the turn is computed again) when another
-        instance's turn came in between."""
+        """Before every write of a session: when the turn's commit let its lock go (it was to be the
+        turn's last write), the lock taken again (:meth:`hold`), so the write is one instance's at a
+        time as ever; its version check refuses it (:class:`StaleSession`: the turn is computed again)
+        when another instance's turn came in between.  (Nothing for a session still held.)"""
         if session_id in self._let_go:
             self.hold(session_id)
 
     def set_flags(self, row: SessionRow, *, expect: int) -> int:
         """A learned fact of an existing session: one statement (its own transaction); a new session
         or a version that moved takes the general path (which raises :class:`StaleSession`)."""
-        if self._let_go:
-            self._again(row.id)
+        self._again(row.id)
         try:
             with self._use() as conn:
                 self.round_trips += 1
@@ -1332,8 +1330,7 @@ class PgStore:
                        (session_id,))
 
     def record_calls(self, session_id: str, calls: list[tuple[str, str, str]], *, expect: int) -> int:
-        if self._let_go:
-            self._again(session_id)
+        self._again(session_id)
         now = time.time()
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
@@ -1344,8 +1341,7 @@ class PgStore:
     def commit_fold(self, session_id: str, blocks: list[tuple[str, str, bool]],
                     originals: list[tuple[str, str, str, str, str, str, int]], results: list[tuple[str, str]], *,
                     expect: int) -> int:
-        if self._let_go:
-            self._again(session_id)
+        self._again(session_id)
         now = time.time()
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
@@ -1366,8 +1362,7 @@ class PgStore:
         return row[0] if row else None
 
     def save_copy(self, session_id: str, doc: str, *, expect: int) -> int:
-        if self._let_go:
-            self._again(session_id)
+        self._again(session_id)
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
             self.round_trips += 1
@@ -1382,8 +1377,7 @@ class PgStore:
 
     def save_transcript(self, session_id: str, keep: int, rows: list[tuple[str, list[str], bytes]], *,
                         expect: int) -> int:
-        if self._let_go:
-            self._again(session_id)
+        self._again(session_id)
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
             self.round_trips += 1
@@ -1466,8 +1460,7 @@ class PgStore:
               blocks: list[tuple[str, str, bool]], originals: list[tuple], calls: list[tuple[str, str, str, str | None]],
               retired: list[tuple[str, str, str]] = (), *, expect: int) -> int:
         """As :meth:`bili_addon.store.Store.adopt`: one transaction, a versioned session write."""
-        if self._let_go:
-            self._again(child.id)
+        self._again(child.id)
         now = time.time()
         with self._tx() as conn:
             version = self._advance(conn, child.id, expect)

@@ -311,7 +311,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         if self.inject and active and len(raws) > start:  # no conversation (``input: []``): nothing to add tools to
             if names is None:
                 names = lane.tool_names(body) or []
-            native = any("bili" in n and n.endswith("compress") for n in names)
+            native = _natively(names)
             if native and self.set_flag(sid, "native_tools", True):
                 result.notes.append("the agent has bili's tools natively (MCP): wire injection is off for it")
             changed |= lane.inject(body, items_out, start, [] if native else list(TOOLS), SYSTEM_PROMPT, names)
@@ -522,13 +522,18 @@ def _writes_after(eng: Engine, s: Session, lane: str, snap, active: bool, names:
         return True
     unset = flags.get("native_tools") != True  # noqa: E712 (as set_flag compares: a flag to write)
     if (eng.inject and active and conversation and unset
-            and (names is None or any("bili" in n and n.endswith("compress") for n in names))):
+            and (names is None or _natively(names))):
         return True
     try:
         return bool(active and lane == "anthropic" and (flags.get(lifetime.FLAG) or {}).get("choice") != lifetime.HOUR
                     and eng.clocks.cold(s.row.id, eng.now() + 1.0))
     except Exception:  # (whatever fails here fails below as it would)
         return True
+
+
+def _natively(names: list[str]) -> bool:
+    """Whether the agent's own tools include bili's (its MCP server: ``mcp__bili__compress``, ...)."""
+    return any("bili" in n and n.endswith("compress") for n in names)
 
 
 def _system_run(infos: list[ItemInfo]) -> int:

@@ -200,14 +200,14 @@ class Body:
         # nothing between them but the JSON punctuation (else None).  ``prevs``: earlier compact
         # bodies' layouts (Splits): this one is read from the first that applies, where the two
         # share their bytes, and ``shared`` is then ``(that layout, how many leading items the two
-        # bodies have in common, [where this body's items end, where they start])``
+        # bodies have in common, where this body's items end)``
         self.shared = None
         if key in _COMPACT and type(raw) is bytes:
             for prev in prevs:
                 got = prev.derive(raw) if prev.key == key else None
                 if got is not None:
-                    self.top, self.items, self.compact, j, *layout = got
-                    self.shared = (prev, j, layout)
+                    self.top, self.items, self.compact, j, ends = got
+                    self.shared = (prev, j, ends)
                     self.key, self.array = key, True
                     return
             split = _split_compact(raw, key)
@@ -388,25 +388,25 @@ class Split:
     """Where a compact body's members and items lie (:class:`Body` read it so): enough to read a later
     body that shares its bytes without scanning them again (:meth:`derive`)."""
 
-    __slots__ = ("raw", "key", "keys", "sizes", "at", "items", "ends", "starts")
+    __slots__ = ("raw", "key", "keys", "sizes", "at", "items", "ends")
 
     def __init__(self, raw: bytes, key: str, top: dict[str, msgspec.Raw], items: list[msgspec.Raw], at: int,
-                 ends: list[int] | None = None, starts: list[int] | None = None):
+                 ends: list[int] | None = None):
         self.raw = raw
         self.key = key  # the conversation's
         self.keys = list(top)  # in the order they stand (a compact split reads them so)
         self.sizes = list(map(len, top.values()))
         self.at = at  # the conversation array's ``[``
         self.items = items  # (the Body's list, never changed: the pass that follows compares against it)
-        # where each item ends (exclusive; a comma or the ``]`` follows) and starts: computed when
-        # first needed, or carried over from the layout this body was read from
-        self.ends, self.starts = ends, starts
+        # where each item ends (exclusive; a comma or the ``]`` follows): computed when first
+        # needed, or carried over from the layout this body was read from
+        self.ends = ends
 
     def derive(self, raw: bytes) -> tuple[dict[str, msgspec.Raw], list[msgspec.Raw], tuple[int, int], int,
-                                          list[int], list[int]] | None:
-        """``(top, items, span, j, ends, starts)`` of ``raw``: its split as :func:`_split_compact` reads
-        it, from this layout, how many leading items it shares with this body's (``j``), and where
-        its items end and start; or None.  ``raw`` must hold this body's bytes up to the end of some
+                                          list[int]] | None:
+        """``(top, items, span, j, ends)`` of ``raw``: its split as :func:`_split_compact` reads it,
+        from this layout, how many leading items it shares with this body's (``j``), and where its
+        items end; or None.  ``raw`` must hold this body's bytes up to the end of some
         of its items (a common prefix: the items that end in it are the same items, each where it
         was) and its bytes from the array's ``]`` to the end (the same members after the array, each
         shifted by the same amount); between the two, only whole items with a comma before each (no
@@ -416,10 +416,9 @@ class Split:
         full split reads."""
         old = self.raw
         at = self.at
-        ends, starts = self.ends, self.starts
+        ends = self.ends
         if ends is None:
             ends = list(accumulate(map(_PLUS_ONE, map(len, self.items)), initial=at))[1:]
-            starts = [at + 1, *map(_PLUS_ONE, ends[:-1])] if ends else []
         close = ends[-1] if ends else at + 1  # the ``]`` of this body's array
         tail = len(old) - close
         close_new = len(raw) - tail
@@ -432,7 +431,7 @@ class Split:
             return None
         view = memoryview(raw)
         raw_of = msgspec.Raw
-        ends, starts = ends[:j], starts[:j]
+        ends = ends[:j]
         # the shared items are this body's items (the same bytes: each as it was read, a slice of the
         # body it first came in or its own copy); a new item is a copy of its own bytes, not a slice of
         # this body (a slice would keep the whole body alive as long as the conversation's items live:
@@ -455,7 +454,6 @@ class Split:
             new_starts = list(map(int.__sub__, new_ends, sizes))
             items += map(raw_of, map(raw.__getitem__, map(slice, new_starts, new_ends)))
             ends += new_ends
-            starts += new_starts
         # the members in their order, each key then its value: those after the array follow its new end
         top: dict[str, msgspec.Raw] = {}
         off = 1
@@ -471,7 +469,7 @@ class Split:
             else:
                 top[k] = raw_of(view[begin:begin + size])
                 off = begin + size + 1
-        return top, items, (at, close_new + 1), j, ends, starts
+        return top, items, (at, close_new + 1), j, ends
 
 
 class Splits:
@@ -502,7 +500,7 @@ class Splits:
             self.size -= len(body.shared[0].raw)
         if body.compact is not None:
             kept.insert(0, Split(raw, key, body.top, body.items, body.compact[0],
-                                 *(body.shared[2] if body.shared is not None else ())))
+                                 body.shared[2] if body.shared is not None else None))
             self.size += len(raw)
             while len(kept) > self.PER_KEY:
                 self.size -= len(kept.pop().raw)
