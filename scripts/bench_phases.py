@@ -230,7 +230,7 @@ def report(case: bo.Case, backend: str, reps: int, store_cls) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lane", choices=("anthropic", "chat"), help="one lane only")
+    ap.add_argument("--lane", choices=("anthropic", "chat", "responses"), help="one lane only")
     ap.add_argument("--msgs", type=int, help="one size only")
     ap.add_argument("--reps", type=int, default=0, help="turns per measurement (default: 200 at 100 "
                     "messages, 40 at 1,000, 6 at 10,000)")
