@@ -32,6 +32,7 @@ from typing import Mapping
 import msgspec
 
 from bili_addon import private
+from bili_addon.locks import open_locks
 
 SCHEMA_VERSION = 11  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
 # turn commit and session hold (functions, nothing in SQLite); 7: the ledger and the refs as one row per session write
@@ -42,6 +43,7 @@ SCHEMA_VERSION = 11  # 3: the wire table; 4: the calibration table; 5: the chain
 # 11: a turn's commit writes the session's canonical copy too (``commit_turn(copy=)``: nothing in SQLite, PostgreSQL's
 # ``bili_commit_turn`` takes it). PostgreSQL: store_pg._MIGRATIONS[3..11]
 BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
+LOCK_WAIT = 2.0  # seconds a turn waits for its session held by another process, then passes through (as PostgreSQL's)
 # the WAL is copied into the store file by a thread of the store's own past this many pages (SQLite's own
 # threshold), off the writers' path; a writer checkpoints itself only past the backstop (that thread behind)
 WAL_CHECKPOINT_PAGES = 1000
@@ -804,8 +806,11 @@ class Store:
         self._cands: tuple[tuple[str, str], list[str]] | None = None
         self._usage: tuple[str, tuple[int, int, int, int] | None] | None = None  # (read by version)
         self.tightened: list[str] = []  # existing files and dirs made private at open (logged by the shell)
+        self._locks = None
         try:
             self.tightened = secure(self.path)
+            # the sessions' locks across processes (locks.py): a turn's refs given by one process at a time
+            self._locks = open_locks(self.path.parent, LOCK_WAIT)
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             # one cursor for a turn's statements (its read, its commit): Connection.execute makes a cursor
             # per statement, and its setup and teardown were ~1-2 us of each (whose results are read at
@@ -916,10 +921,18 @@ class Store:
 
     def close(self) -> None:
         self._checkpointer.close()
+        if self._locks is not None:
+            self._locks.close()
         try:
             self.db.close()
         except (sqlite3.Error, AttributeError):
             pass
+
+    @property
+    def exclusive(self) -> bool:
+        """Whether :meth:`hold` keeps every other process off the session until :meth:`release`
+        (then a turn may send its request before its write: ``Engine.write_behind``)."""
+        return self._locks is not None
 
     @contextmanager
     def snapshot(self):
@@ -1391,19 +1404,24 @@ class Store:
     backend = "sqlite"
 
     def hold(self, session_id: str, candidates: tuple[str, str] | None = None) -> None:
-        """Serialise the session's work across processes until :meth:`release`.  Nothing to do for
-        SQLite: its write lock and the session versions already order two processes' turns.
-        ``candidates``: ``(first fingerprint, lane)`` of a session this instance does not know yet:
-        its fork candidates are read with its row (:meth:`session_state`), as PostgreSQL reads them
-        with its lock."""
+        """Serialise the session's work across processes until :meth:`release`: the session's lock
+        in the lock file beside the database (locks.py; waits at most ``LOCK_WAIT`` seconds, then
+        :class:`SessionBusy`: the request passes through unchanged).  The session versions still
+        order what is written without it.  ``candidates``: ``(first fingerprint, lane)`` of a
+        session this instance does not know yet: its fork candidates are read with its row
+        (:meth:`session_state`), as PostgreSQL reads them with its lock."""
+        if self._locks is not None and not self._locks.hold(session_id):
+            raise SessionBusy(session_id, self._locks.wait)
         self._want = (session_id, candidates) if candidates is not None else None
         self._cands = None
 
     def release(self, wait: bool = False) -> None:
-        """Let go of every session :meth:`hold` took (the keeper calls it after each piece of work).
-        ``wait``: the locks are free on return (PostgreSQL's unlock is otherwise not waited for).
-        (SQLite: what hold asked to read with a session, and what was read, is forgotten.)"""
+        """Let go of every session :meth:`hold` took (the keeper calls it after each piece of work;
+        the locks are free on return).  What hold asked to read with a session, and what was read,
+        is forgotten."""
         self._want = self._cands = self._usage = None
+        if self._locks is not None:
+            self._locks.release()
 
     @property
     def where(self) -> str:

@@ -649,6 +649,7 @@ class PgStore:
     """The PostgreSQL store: the same methods as :class:`bili_addon.store.Store`."""
 
     backend = "postgresql"
+    exclusive = True  # a session's advisory lock keeps the other instances off it until release (or the commit's)
 
     def __init__(self, url: str, data_dir: str | None = None, *, pool_max: int = POOL_MAX,
                  timeout: float = CONNECT_TIMEOUT, lock_wait: float = LOCK_WAIT):
