@@ -77,8 +77,9 @@ class Keeper:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        if last is not None and self.ok:
-            self.run(last, DROPPED)
+        eng = self.engine
+        if eng is not None and ((last is not None and self.ok) or eng.pending):
+            self.run(last or _write_pending, DROPPED)  # (a turn's write left for after its request first)
         self._close()
 
     def open(self, data_dir: str) -> None:
@@ -121,7 +122,20 @@ class Keeper:
     def run(self, fn: Callable[["Engine"], T], count: str | None = TURN) -> T | None:
         """Run ``fn(engine)`` here and now (on the worker, or inline outside mitmproxy's loop).
         None when the store is unusable or failed; ``count`` names the counter that says so (a turn
-        forwarded unchanged, an answer's bookkeeping dropped)."""
+        forwarded unchanged, an answer's bookkeeping dropped).  A turn that left its store write for
+        after its request (``Engine.write_behind``) has it written by the worker's next job (inline:
+        right after), and before any other work of the engine in any case."""
+        with self._lock:
+            out = self._run(fn, count)
+            eng = self.engine
+            if eng is not None and eng.pending:
+                if self._pool is not None:
+                    self._pool.submit(self._logged, _write_pending, DROPPED)
+                else:
+                    self._run(_write_pending, DROPPED)
+            return out
+
+    def _run(self, fn: Callable[["Engine"], T], count: str | None) -> T | None:
         with self._lock:
             eng = self._usable()
             if eng is None:
@@ -129,9 +143,11 @@ class Keeper:
                 return None
             try:
                 try:
+                    eng.write_pending()  # a turn's write left for after its request: before anything else
                     out = fn(eng)
                 finally:
-                    eng.store.release()  # the sessions this work held (another instance's turn may wait)
+                    if not eng.pending:  # (a turn's write waiting for its job holds its session until then)
+                        eng.store.release()  # the sessions this work held (another instance's turn may wait)
             except SessionBusy as e:  # another instance works on the session: this request passes
                 self.counts["session_busy"] += 1
                 self._count(count)
@@ -197,7 +213,8 @@ class Keeper:
 
     # -- failure and recovery --------------------------------------------------------------------
     def _usable(self) -> "Engine | None":
-        if self.error is not None:
+        if self.error is not None and not (self.engine is not None and self.engine.pending):
+            # (a turn's write whose request left is tried whatever the pause: it holds its session)
             if time.monotonic() < self.retry_at:
                 return None
             self.retry_at = time.monotonic() + self._pause(self.error)  # one attempt per pause
@@ -240,6 +257,10 @@ class Keeper:
             self.counts["resumed"] += 1
         elif self.error is None:
             self._writes_at_error = eng.store.writes
+
+
+def _write_pending(eng: "Engine") -> None:
+    eng.write_pending()  # (run writes it before any work: this job makes it happen at once)
 
 
 __all__ = ["Keeper"]

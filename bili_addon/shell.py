@@ -254,6 +254,7 @@ class Bili:
             log.warning("[bili] %s was readable by other users; now %s", path, "0700" if os.path.isdir(path) else "0600")
         engine = self._tune(Engine(store))
         engine.lineage.defer = True  # a pass's lineage is stored after the answer (_settle), off the request's path
+        engine.write_behind = True  # a turn's store write right after its request leaves (Engine.write_pending)
         return engine
 
     def _tune(self, engine: Engine) -> Engine:

@@ -13,6 +13,11 @@ shape: reasoning, function calls and their outputs), this prints side by side:
 * a follow-up turn in a proxy serving 48 such conversations in turn (a team gateway),
 * a follow-up turn of a session whose first half is folded (the long sessions bili is for).
 
+Every turn is timed as the proxy runs it: on the request's path.  The store write of a turn goes
+right after its request has left (``Engine.write_behind``, the proxy's; under the session's lock,
+before any other work of the engine) and its lineage after the answer: both are timed apart
+(``write``, ``settle``), never left out of the table.
+
 Times are CPU time (``time.process_time``), median over repeated runs.  The follow-up check also
 counts how many message parts were content-hashed (``identity.digest``) during the timed call:
 with an unchanged history only the new message should be.
@@ -76,7 +81,15 @@ def bench_engine(d: str) -> Engine:
     after the answer, on the worker, not on the request's path (timed apart: ``settle``)."""
     eng = Engine(bench_store(d), fold_cfg=FoldConfig(), activate=ACTIVATE)
     eng.lineage.defer = True
+    eng.write_behind = True  # (a turn's store write right after its request leaves: ``after``)
     return eng
+
+
+def after(eng: Engine) -> None:
+    """What the proxy does off a turn's path: its store write right after the request leaves
+    (write-behind), its lineage after the answer."""
+    eng.write_pending()
+    eng.lineage.flush()
 
 # -- synthetic conversations ---------------------------------------------------------------------
 
@@ -354,7 +367,7 @@ def first_turn(case: Case, raw: bytes, reps: int, eng: Engine | None = None
     new conversation (a session id of its own, its items in no cache), as the proxy meets one.
     None: a new Engine and a new store for every run (a process's very first turn: the store's
     first writes and statements, every lazily built thing of the engine, inside the timed turn)."""
-    samples, floors, settles, out = [], [], [], b""
+    samples, floors, settles, writes, out = [], [], [], [], b""
     global HEADERS
     for _ in range(reps):
         raw = case.unique_body()  # the same size, a conversation of its own
@@ -371,11 +384,14 @@ def first_turn(case: Case, raw: bytes, reps: int, eng: Engine | None = None
 
             floors.append(cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw))))
             samples.append(cpu(run))
+            writes.append(cpu(run_eng.write_pending))
             settles.append(cpu(run_eng.lineage.flush))
             out = res.body or raw
             if eng is None:
                 run_eng.store.close()
     ratio = statistics.median(a / b for a, b in zip(samples, floors))
+    global LAST_WRITE
+    LAST_WRITE = median_ms(writes)
     return median_ms(samples), median_ms(floors), ratio, median_ms(settles), out
 
 
@@ -383,7 +399,7 @@ def running_engine(d: str, case: Case) -> Engine:
     """An engine as a running proxy holds it: its store open, a conversation served before."""
     eng = bench_engine(d)
     eng.process(case.unique_body(), case.lane, HEADERS, render=True)
-    eng.lineage.flush()
+    after(eng)
     return eng
 
 
@@ -394,7 +410,7 @@ def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, floa
         eng = bench_engine(d)
         msgs = list(case.msgs)
         eng.process(case.body(msgs), case.lane, HEADERS, render=True)  # the history, processed before
-        eng.lineage.flush()  # ... and answered
+        after(eng)  # ... and answered
         samples, floors, digests, in_trips = [], [], [], []
         global LAST_TRIPS, LAST_WALL, LAST_SETTLE_TRIPS, LAST_NET
         trips, walls, settle_trips = [], [], []
@@ -411,7 +427,7 @@ def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, floa
             trips.append(getattr(eng.store, "round_trips", 0) - before)
             digests.append(dc.n)
             before = getattr(eng.store, "round_trips", 0)
-            eng.lineage.flush()  # after the answer, as the proxy does
+            after(eng)  # its write after the request, its lineage after the answer, as the proxy does
             settle_trips.append(getattr(eng.store, "round_trips", 0) - before)
         LAST_TRIPS, LAST_WALL, LAST_SETTLE_TRIPS = max(trips), median_ms(walls), max(settle_trips)
         prof = cProfile.Profile() if profile else None
@@ -423,7 +439,7 @@ def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, floa
                 prof.enable()
                 eng.process(raw, case.lane, HEADERS, render=True)
                 prof.disable()
-                eng.lineage.flush()
+                after(eng)
         eng.store.close()
     report = ""
     if prof is not None:
@@ -452,7 +468,7 @@ def round_robin(case: Case, conversations: int, rounds: int) -> tuple[float, flo
             msgs[j]["content"] = f"[conversation {i}] {msgs[j]['content']}"
             histories[sid] = msgs
             eng.process(case.body(msgs), case.lane, {"x-acp-session": sid}, render=True)
-            eng.lineage.flush()
+            after(eng)
         samples, floors, kept, in_trips = [], [], 0, []
         clock = TripClock(eng.store)
         for r in range(rounds):
@@ -470,7 +486,7 @@ def round_robin(case: Case, conversations: int, rounds: int) -> tuple[float, flo
                     samples.append(cpu(run))
                 in_trips.append(clock.take())
                 kept += res.reused > 0
-                eng.lineage.flush()
+                after(eng)
         eng.store.close()
     global LAST_NET
     LAST_NET = statistics.median((a - t) / b for a, t, b in zip(samples, in_trips, floors))
@@ -482,7 +498,7 @@ def fold_half(eng: Engine, case: Case, msgs: list[dict], headers: dict) -> list[
     long session: the call arrives in its answer, the agent answers "unknown tool", and the next
     request runs it.  Returns the agent's messages after that request (Anthropic only)."""
     res = eng.process(case.body(msgs), case.lane, headers, render=True)
-    eng.lineage.flush()
+    after(eng)
     items = eng.sessions[res.session].last_view.items
     # a range from the first message to the end of a user message (its tool results close the
     # calls before it: none is left open inside the range), about half-way
@@ -498,7 +514,7 @@ def fold_half(eng: Engine, case: Case, msgs: list[dict], headers: dict) -> list[
                                       "content": "<tool_use_error>Error: No such tool available: compress</tool_use_error>"}]},
     ]
     res = eng.process(case.body(msgs), case.lane, headers, render=True)
-    eng.lineage.flush()
+    after(eng)
     if res.executed != ["compress"] or not eng.sessions[res.session].blocks:
         raise RuntimeError(f"the bench's fold did not land: {res.executed} {res.declined} {res.notes}")
     return msgs
@@ -523,6 +539,7 @@ def folded_follow_up(case: Case, reps: int) -> tuple[float, float, int, int]:
                 samples.append(cpu(lambda: eng.process(raw, case.lane, headers, render=True)))
             in_trips.append(clock.take())
             trips.append(getattr(eng.store, "round_trips", 0) - t0)
+            eng.write_pending()  # its store write, right after the request leaves (the proxy's write-behind)
             writes.append(eng.store.writes - w0)
             eng.lineage.flush()  # after the answer, as the proxy does
         eng.store.close()
@@ -537,6 +554,8 @@ def folded_follow_up(case: Case, reps: int) -> tuple[float, float, int, int]:
 LAST_TRIPS, LAST_WALL, LAST_SETTLE_TRIPS = 0, 0.0, 0
 # of the last follow-up measurement: its x floor without the CPU of its round trips (TripClock)
 LAST_NET = 0.0
+# of the last first-turn measurement: its store write after the request (write-behind), median ms
+LAST_WRITE = 0.0
 
 
 def fmt_size(n: int) -> str:
@@ -589,7 +608,7 @@ def run(args, backends) -> None:
     print(f"bili-addon kernel overhead: Engine.process(render=True) vs msgspec decode+encode "
           f"(CPU time, median); python {sys.version.split()[0]}, msgspec {msgspec.__version__}")
     print()
-    head = (f"{'store':<7}{'lane':<10}{'msgs':>7}{'body':>10}{'floor ms':>10}{'first ms':>10}{'x floor':>9}"
+    head = (f"{'store':<7}{'lane':<10}{'msgs':>7}{'body':>10}{'floor ms':>10}{'first ms':>10}{'x floor':>9}{'write ms':>9}"
             f"{'new ms':>8}{'x floor':>9}{'settle ms':>10}{'follow ms':>11}{'x floor':>9}{'hashed':>8}{'trips':>8}{'wall ms':>9}")
     print(head)
     print("-" * len(head))
@@ -603,6 +622,7 @@ def run(args, backends) -> None:
             with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
                 eng = running_engine(d, case)
                 first, floor, r1, settle, _ = first_turn(case, raw, first_reps, eng)
+                write = LAST_WRITE
                 eng.store.close()
             cold, _floor, r0, _settle, _ = first_turn(case, raw, first_reps)
             profile = args.profile and backend == "sqlite" and (lane, n) == max(
@@ -611,7 +631,7 @@ def run(args, backends) -> None:
             rows.append((backend, lane, n, r1, r2, hashed, new_parts, LAST_NET if url else None))
             trips = (f"{f'{LAST_TRIPS}+{LAST_SETTLE_TRIPS}':>8}{LAST_WALL:>9.2f}" if url
                      else f"{'':>8}{LAST_WALL:>9.2f}")
-            print(f"{backend:<7}{lane:<10}{n:>7,}{fmt_size(len(raw)):>10}{floor:>10.2f}{first:>10.2f}{r1:>8.1f}x"
+            print(f"{backend:<7}{lane:<10}{n:>7,}{fmt_size(len(raw)):>10}{floor:>10.2f}{first:>10.2f}{r1:>8.1f}x{write:>9.2f}"
                   f"{cold:>8.2f}{r0:>8.1f}x{settle:>10.2f}{fol:>11.2f}{r2:>8.1f}x{hashed:>8}{trips}", flush=True)
             if report:
                 print("\n" + report)
@@ -641,6 +661,8 @@ def run(args, backends) -> None:
     print("  in a running proxy (its engine and store in use, the conversation's items in no cache); new: the")
     print("  same turn as a new process's very first (a new Engine, a new store: first writes, cold statements);")
     print("x floor: the median of the ratios of each run to the floor measured right before it;")
+    print("write: the first turn's store write, which the proxy makes right after the request has left (its")
+    print("  write-behind: on the worker, under the session's lock, before any other work), CPU ms, median;")
     print("follow: same Engine, one new message appended (its own floor, the body one message longer);")
     print(f"conversations in turn: {ROUND_ROBIN} conversations of that size served in turn by one proxy, a follow-up of")
     print("  each in turn (each previous pass must still be kept when its conversation's turn comes again);")
@@ -650,7 +672,8 @@ def run(args, backends) -> None:
     print("settle: the first turn's work after the answer (its lineage fingerprints stored, on the proxy's worker,")
     print("  off the request's path; CPU ms, median);")
     print("trips: round trips to PostgreSQL in one follow-up turn (max; pipelined statements count once), on the")
-    print("  request's path + after the answer; wall ms: the follow-up's wall time (median).")
+    print("  request's path + after it (its write, then its lineage after the answer); wall ms: the follow-up's wall")
+    print("  time (median).")
     print()
     print("targets")
     def follow(r2: float, net: float | None) -> str:

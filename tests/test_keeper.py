@@ -91,15 +91,30 @@ def test_an_internal_error_in_work_fails_open_and_is_counted(bili, caplog):
     assert "internal error" in caplog.text
 
 
+@pytest.mark.parametrize("behind", [False, True], ids=["write-first", "write-behind"])
 @pytest.mark.parametrize("kind", ["locked", "read-only"])
-def test_a_failed_turn_write_goes_out_unchanged_and_health_says_why(bili, monkeypatch, kind):
+def test_a_failed_turn_write_goes_out_unchanged_and_health_says_why(bili, monkeypatch, kind, behind):
+    """Written before its request goes, a turn whose write fails goes out unchanged; written behind
+    it (the proxy's way), the request has gone with its refs: the failure drops what the engine
+    holds of the session (its next turn reads the store again), is counted, and health says why."""
     def boom(*a, **k):
         raise StoreError(f"cannot write the store at X: {kind}", kind, "a hint")
 
+    assert bili.engine.write_behind and bili.engine.store.exclusive  # (the proxy's engine)
+    bili.engine.write_behind = behind
     monkeypatch.setattr(bili.engine.store, "commit_turn", boom)
     f = model_flow(ANTH_BODY, headers=session_headers())
     bili.request(f)
-    assert f.request.content == ANTH_BODY
+    if behind:
+        assert f.request.content != ANTH_BODY and b"<acp " in f.request.content
+        assert bili.keeper.counts["writes_dropped"] == 1 and bili.keeper.counts["forwarded_unchanged"] == 0
+        assert not bili.keeper.ok or bili.engine is None or "s1" not in bili.engine.sessions
+        # the next request finds the store down: it goes out unchanged
+        g = model_flow(ANTH_BODY, headers=session_headers())
+        bili.request(g)
+        assert g.request.content == ANTH_BODY
+    else:
+        assert f.request.content == ANTH_BODY
     h = health_flow()
     bili.request(h)
     doc = json.loads(h.response.content)

@@ -2,7 +2,9 @@
 
 ``Engine.process`` takes the decoded body bytes of a model request and returns the bytes to send
 upstream (or None when they are unchanged).  It never mutates the caller's input; the store write
-of a turn happens before any rendered ref leaves, so a ref the model sees is always persisted.
+of a turn happens before any rendered ref leaves, or, with write-behind (the proxy's), right after
+its request leaves, under the session's lock, before anything else of the engine runs: a ref the
+model sees is persisted before its answer comes back.
 
 Agents re-send the whole conversation every turn.  The previous pass of each session is kept (a
 :class:`~bili_addon.kernel.state.Memo`), and the items a request shares with it byte for byte are
@@ -91,6 +93,11 @@ class Engine(ProxyTools, Epochs, Deferred):
         self.clocks = cache.Clocks(max_sessions)  # each session's provider cache, as the model predicts it
         self.calibration = Calibration(store, self.clocks)  # ... against the provider's reports
         self.now = time.time  # when a request leaves (replay: the recorded time)
+        # write-behind: a turn whose store write is its last leaves it staged; the request goes at
+        # once and :meth:`write_pending` writes it next (the shell's keeper does before any other work
+        # of the engine; a store that holds its sessions across processes only: ``store.exclusive``)
+        self.write_behind = False
+        self._pending = False  # a turn's write is staged past its request (write_pending writes it)
 
     # -- sessions: kernel/registry.py; these two are the way in for the shell, the admin endpoints
     # -- and the tests (and, until they are next edited, for _process and kernel/pressure.py)
@@ -108,13 +115,41 @@ class Engine(ProxyTools, Epochs, Deferred):
         return int(learned) if learned else (self.window or context_window(s.model))
 
     # -- the turn ------------------------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        """Whether a turn's store write waits for :meth:`write_pending` (write-behind)."""
+        return self._pending
+
+    def write_pending(self) -> None:
+        """Write the store write a turn left staged when its request went (write-behind), and let its
+        session's lock go with it (one round trip on PostgreSQL).  The turn's refs left with its
+        request, each given by the session's lock in this process alone (``store.exclusive``), in
+        order from the store's counter: a write that fails here (the store failed) drops what this
+        process holds of the session, as a failed turn does, and the next turn computes it again
+        from the store, where the same history gets the same refs.  Raises what the store raised."""
+        if not self._pending:
+            return
+        self._pending = False
+        sid = next(iter(self.sessions.staged), None)
+        try:
+            self.sessions.flush(last=True)
+        except BaseException as e:
+            self._unstage()
+            log.warning("[bili] session=%s: the store write of its turn failed after its request left (%s: %s); "
+                        "the session is read again from the store on its next turn", sid, type(e).__name__, e)
+            raise
+        finally:
+            self.store.release()
+
     def process(
         self, raw: bytes, lane: Lane, headers: Mapping[str, str], *, render: bool, origin: str = ""
     ) -> TurnResult:
+        self.write_pending()  # (a previous turn's write first: the keeper's work does it before)
         # a turn allocates many small objects and frees them all; the cyclic collector would only
         # walk the (acyclic) conversation again and again
         enabled = gc.isenabled()
         gc.disable()
+        behind = False
         try:
             for attempt in range(STALE_RETRIES + 1):
                 self._turn_sid = None
@@ -124,6 +159,8 @@ class Engine(ProxyTools, Epochs, Deferred):
                         # noted only; billed off the request's path
                         self.clocks.sent(res.session, lane.name, raw if res.body is None else res.body, self.now(),
                                          origin.lower())
+                    # write-behind: the staged write (the turn's last, _process left it) goes after the request
+                    behind = self.write_behind and bool(self.sessions.staged)
                     return res
                 except StaleSession as e:
                     # another process advanced the session while this turn was computed: nothing
@@ -138,8 +175,11 @@ class Engine(ProxyTools, Epochs, Deferred):
                     raise
             raise AssertionError("unreachable")
         finally:
-            self._unstage()  # a turn that failed before its staged commit was written: nothing of it kept
-            self.store.release()  # the session's lock (another instance's turn of it may wait)
+            if behind:
+                self._pending = True  # its lock is held until then
+            else:
+                self._unstage()  # a turn that failed before its staged commit was written: nothing of it kept
+                self.store.release()  # the session's lock (another instance's turn of it may wait)
             if enabled:
                 gc.enable()
 
@@ -276,8 +316,11 @@ class Engine(ProxyTools, Epochs, Deferred):
             except Exception:  # (read again below, failing there as it would)
                 names = None
         # the turn's staged commit, before anything else is written or sent (the turn's last write of the
-        # session unless something below may write: then its lock stays until release)
-        self.sessions.flush(last=not _writes_after(self, s, lane.name, snap, active, names, len(raws) > start))
+        # session unless something below may write: then its lock stays until release); with
+        # write-behind, a last write stays staged and goes after the request (write_pending)
+        last = not _writes_after(self, s, lane.name, snap, active, names, len(raws) > start)
+        if not (last and self.write_behind and self.store.exclusive):
+            self.sessions.flush(last=last)
         self._land(s, view, result)  # held folds leave the wire when it pays (kernel/pending.py)
         if s.version != version or (memo is not None and memo.rendered is None):
             q = 0  # this turn changed how old items render (a truncation, a learned flag), or the

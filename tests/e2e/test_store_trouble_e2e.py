@@ -140,7 +140,8 @@ def test_a_locked_store_stalls_no_flow_and_storing_resumes(fake, proxies, tmp_pa
         t.start()
         h_during = health(proxy)
         t.join(30)
-        assert out["rec"].raw == raw, "the locked session's turn goes out unchanged"
+        # its request goes at once, tagged; its write follows it (bili's write-behind) and fails
+        assert tagged(out["rec"]) == 3, "the locked session's turn goes out as computed"
         other = body("Another session's question while the store is locked.")
         assert send(fake, proxy, "locked-b", other).raw == other
         h = health(proxy)
@@ -149,7 +150,7 @@ def test_a_locked_store_stalls_no_flow_and_storing_resumes(fake, proxies, tmp_pa
         assert h["store"] is False and h["store_cause"] == "locked", h
         assert f"PID {locker.pid}" in h["store_error"], h
         stats = proxy.stats()["store_status"]
-        assert stats["forwarded_unchanged"] >= 2
+        assert stats["forwarded_unchanged"] >= 1 and stats["writes_dropped"] >= 1, stats
     finally:
         locker.stdin.close()
         locker.wait(10)
