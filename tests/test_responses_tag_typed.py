@@ -345,6 +345,44 @@ def test_the_captured_bodies_are_the_patching_path_s():
     assert len(placed) >= 4 and all(placed.values())
 
 
+def _proxy_items(rng: random.Random) -> list[bytes]:
+    """Items with ``msg-proxy-`` ids and look-alikes: as the id of a message or of another item
+    (short and long), twice (the decode keeps the last), an id of another type, in a text only."""
+    long = "msg-proxy-" + "x" * 70
+    msg = b'{"type":"message","role":"assistant","content":[{"type":"output_text","text":"hi"}]'
+    return rng.choice([
+        [msg + b',"id":"msg-proxy-1"}'],
+        [msg + b',"id":"msg_1"}'],
+        [b'{"type":"message","id":"msg-proxy-1","role":"user","content":"x","id":"msg_1"}'],
+        [b'{"type":"message","id":"msg_1","role":"user","content":"x","id":"msg-proxy-1"}'],
+        [b'{"type":"function_call","id":"' + long.encode() + b'","call_id":"c","name":"n","arguments":"{}"}'],
+        [b'{"type":"function_call","id":"msg-proxy-2","call_id":"c","name":"n","arguments":"{}"}'],
+        [b'{"type":"reasoning","id":"msg-proxy-3","summary":[]}'],
+        [b'{"type":"message","id":["msg-proxy-1"],"role":"user","content":"x"}'],
+        [b'{"type":"message","id":"msg_1","role":"user","content":"say \\"msg-proxy-1\\""}'],
+        [b'{"type":"message","id":"msg-proxy-1","role":"user","content":"x","annotations_x":{"a":1}}'],
+        [b'{"type":"item_reference","id":"msg-proxy-1"}'],  # (an item array_cores does not read)
+        [b'{"type":"message","role":"user","content":"x"}'],
+    ])
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_proxy_ids_finds_every_item_with_proxy_id_edits(seed):
+    """No item the lane says holds no replayed proxy id has edits for one (the general loop's
+    hygiene); items not read typed: the bytes searched, as the general loop does."""
+    rng = random.Random(seed)
+    raws = [r for _ in range(rng.randint(1, 6)) for r in _proxy_items(rng)]
+    got = LANE.array_cores(b"[" + b",".join(raws) + b"]")
+    objs = got[1] if got is not None else [None if rng.random() < 0.5 else json.loads(r) for r in raws]
+    edits = [hygiene.proxy_id_edits("responses", json.loads(r)) for r in raws if b'"msg-proxy-' in r]
+    for some in (objs, None):
+        says = LANE.proxy_ids(raws, some)
+        if any(edits):
+            assert says
+        if some is None or got is None:
+            assert says == any(b'"msg-proxy-' in r for r in raws)
+
+
 # ---- (2) whole Engine runs: as the code is, and with the oracle patched in --------------------------------
 
 def both(tmp_path, scenario, placed: int = 1) -> list:
@@ -446,7 +484,7 @@ def test_odd_conversations(tmp_path, proxy, seed):
             t.send(body(conv), f"odd-{seed}", LANE)
         return t.turns
 
-    turns = both(tmp_path, scenario, placed=0 if proxy else 1)  # (proxy ids: the general loop)
+    turns = both(tmp_path, scenario, placed=0 if proxy == "id" else 1)  # (proxy ids: the general loop)
     assert turns[0][0] is not None and turns[0][3] > 0
 
 

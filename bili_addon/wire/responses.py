@@ -33,6 +33,7 @@ from bili_addon.wire.base import (
     memo_tools,
     tool_names,
 )
+from bili_addon.wire.hygiene import PROXY_ID_PREFIX
 from bili_addon.wire.media import payload_of_url
 
 _SYSTEM_ROLES = ("system", "developer")
@@ -122,6 +123,24 @@ class ResponsesLane(LaneDefaults):
             return _tag_at(raw, obj, path, text, tag)
         except (msgspec.DecodeError, msgspec.ValidationError, msgspec.EncodeError):
             return None
+
+    @staticmethod
+    def proxy_ids(raws: list[bytes], objs: list | None) -> bool:
+        """Whether any of the items ``raws`` (``objs``: each as this pass decoded it, None where it
+        did not) may carry a replayed proxy id (hygiene.proxy_id_edits): one read into its typed
+        struct whose ``id`` is one (the id the item decodes to: the last, as a dict keeps it), any
+        other whose bytes hold ``"msg-proxy-``.  (A first pass reads a whole conversation typed:
+        its ids looked at, not its bytes searched.)"""
+        if objs is None:
+            return any(b'"msg-proxy-' in raw for raw in raws)
+        for raw, obj in zip(raws, objs):
+            if type(obj) is _Item:
+                rid = obj.id
+                if type(rid) is str and rid.startswith(PROXY_ID_PREFIX):
+                    return True
+            elif b'"msg-proxy-' in raw:
+                return True
+        return False
 
     # -- folding and proxy tools ---------------------------------------------------------------
     @staticmethod
