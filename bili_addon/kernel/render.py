@@ -54,7 +54,10 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
     model = top.get("model") if isinstance(top.get("model"), str) else ""
     strict_chat = lane.name == "chat" and (s.flags.get("strict_reasoning") or hygiene.strict_by_name(origin, model))
     call_edits = bool(s.calls or s.flags.get("truncated"))
-    responses = lane.name == "responses"
+    # (Responses: a replayed proxy id to drop; none in these items, they render as the other lanes' do)
+    responses = lane.name == "responses" and lane.proxy_ids(
+        [info.raw for info in infos[start + q:start + len(resolved)]],
+        objs[start + q:start + len(resolved)] if objs is not None else None)
     if not (call_edits or responses or strict_chat):
         _render_prose(lane, infos, start, q, resolved, rendered, changed_cum, tagged_cum, active, nudges, objs)
         return

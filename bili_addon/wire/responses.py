@@ -33,6 +33,7 @@ from bili_addon.wire.base import (
     memo_tools,
     tool_names,
 )
+from bili_addon.wire.hygiene import PROXY_ID_PREFIX
 from bili_addon.wire.media import payload_of_url
 
 _SYSTEM_ROLES = ("system", "developer")
@@ -104,6 +105,42 @@ class ResponsesLane(LaneDefaults):
         """None: an :meth:`array_cores` struct holds only what the cores read, not the item (the
         caller patches the item from its bytes decoded, as for an item read one by one)."""
         return None
+
+    @staticmethod
+    def tag_typed(raw: bytes, obj: Any, path: tuple, tag: bytes, text: str) -> bytes | None:
+        """What patching ``raw`` (wire.base.patch_many) makes of it with one edit, the text at
+        ``path`` (which is ``text``) with a tag put before it (``tag``: the tag's JSON-escaped
+        bytes), made without the new text or a re-encode: ``raw`` with ``tag`` put where the text
+        starts in it.  Patching re-encodes the item's object, its ``content`` array and the
+        text's part around values it keeps byte for byte; when those re-encode to what they are
+        (written compactly, keys escaped as msgspec escapes them, none twice) and the text is
+        written as msgspec writes it, the new bytes are the old with the tag's bytes before the
+        text's (escaping is per character).  An :meth:`array_cores` struct (``obj``) does not
+        hold the item's other members (Codex's ``id`` before ``role``, its metadata after
+        ``content``), so that is proven on the bytes (:func:`_tag_at`).  None when it is not (the
+        caller patches the item the general way)."""
+        try:
+            return _tag_at(raw, obj, path, text, tag)
+        except (msgspec.DecodeError, msgspec.ValidationError, msgspec.EncodeError):
+            return None
+
+    @staticmethod
+    def proxy_ids(raws: list[bytes], objs: list | None) -> bool:
+        """Whether any of the items ``raws`` (``objs``: each as this pass decoded it, None where it
+        did not) may carry a replayed proxy id (hygiene.proxy_id_edits): one read into its typed
+        struct whose ``id`` is one (the id the item decodes to: the last, as a dict keeps it), any
+        other whose bytes hold ``"msg-proxy-``.  (A first pass reads a whole conversation typed:
+        its ids looked at, not its bytes searched.)"""
+        if objs is None:
+            return any(b'"msg-proxy-' in raw for raw in raws)
+        for raw, obj in zip(raws, objs):
+            if type(obj) is _Item:
+                rid = obj.id
+                if type(rid) is str and rid.startswith(PROXY_ID_PREFIX):
+                    return True
+            elif b'"msg-proxy-' in raw:
+                return True
+        return False
 
     # -- folding and proxy tools ---------------------------------------------------------------
     @staticmethod
@@ -410,3 +447,69 @@ def _part_slot(part: _Part) -> str:
     if isinstance(file_id, str) and file_id:
         return "file:" + file_id
     return ""
+
+
+_enc = msgspec.json.Encoder()
+_dec_members = msgspec.json.Decoder(dict[str, msgspec.Raw])  # an object's members, their values as they are
+_CONTENT_KEY = b'"content":'
+
+
+def _tag_at(raw: bytes, it: _Item, path: tuple, text: str, tag: bytes) -> bytes | None:
+    """ResponsesLane.tag_typed: ``raw`` with ``tag`` where the text at ``path`` starts, when
+    ``raw`` is, around that text, what patching writes (below); else None.
+
+    ``raw`` is read as three runs: the members before ``content`` (from ``{`` to the first
+    ``,"content":``), the ``content`` value, the members after it.  The first run closed with
+    ``}`` must decode (so that ``,`` is the item's own: ``content`` is its member, not a nested
+    one's) and re-encode to itself, as must the last run opened with ``{``: then the item is
+    written compactly, its keys as msgspec writes them, none twice (a key twice re-encodes
+    once), and patching re-encodes it to itself but for ``content``.  The ``content`` value must
+    be msgspec's encoding of the struct's (every part holds only the members ``_Part`` reads, in
+    its order): then patching re-encodes the array and the part to themselves but for the text,
+    whose bytes are msgspec's encoding of ``text``."""
+    content = it.content
+    if len(path) == 1:  # ("content",): the content is the text
+        if type(content) is not str or not (content is text or content == text):
+            return None
+        value = _enc.encode(content)
+    else:  # ("content", j, "text"): a text part's
+        j = path[1]
+        if type(content) is not list or type(j) is not int or not 0 <= j < len(content):
+            return None
+        part = content[j]
+        now = part.text
+        if not (now is text or now == text) or type(part.type) is not str:
+            return None
+        value = _enc.encode(content)
+    at = raw.find(_CONTENT_KEY)
+    if at == 1:
+        if raw[0] != 0x7B:  # "{"
+            return None
+        before = None
+    elif at > 1 and raw[at - 1] == 0x2C:  # ","
+        head = raw[:at - 1] + b"}"
+        before = _dec_members.decode(head)
+        if "content" in before or _enc.encode(before) != head:
+            return None
+    else:
+        return None
+    start = at + len(_CONTENT_KEY)
+    if not raw.startswith(value, start):  # (an array or a string: where its bytes end, it ends)
+        return None
+    rest = raw[start + len(value):]
+    if rest != b"}":  # members after ``content``
+        if rest[:1] != b",":
+            return None
+        tail = b"{" + rest[1:]
+        after = _dec_members.decode(tail)
+        if "content" in after or _enc.encode(after) != tail or (before is not None and not after.keys().isdisjoint(before)):
+            return None
+    at = start + 1  # (after the string's ``"`` or the array's ``[``)
+    if len(path) > 1:  # after the parts before it and their commas, and the part's ``{"type":...,"text":"``
+        if j:
+            at += sum([len(_enc.encode(p)) + 1 for p in content[:j]])
+        at += len(_enc.encode(part.type)) + _PART_HEAD
+    return raw[:at] + tag + raw[at:]
+
+
+_PART_HEAD = len(b'{"type":') + len(b',"text":"')  # (a text part's members around its type)
