@@ -89,6 +89,7 @@ def test_a_view_from_the_first_pass_is_the_view_of_its_items():
     for counter in (Counter(), Counter({infos[5].parts[0].base: 1})):
         s = Session(SessionRow("v", "", "", 0, 0, 0, 0, 1))
         resolved, rows, items, sums = fresh.first_pass(s, infos, counter, 0)
+        rows = rows.get()
         fast, general = View(items, sums), View(items)
         assert fast.sums() == general.sums() and sums.peak == max(p.tokens for it in items for p in it.parts)
         assert fast.pos == general.pos and list(fast.pos) == list(general.pos)

@@ -22,7 +22,7 @@ import msgspec
 import pytest
 
 from bili_addon.kernel import fresh, state
-from bili_addon.kernel.state import ItemCache, Session
+from bili_addon.kernel.state import ItemCache, Session, hash_parts
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import MAX_REF, SessionRow, Store
 from bili_addon.wire import LANES, anthropic, chat
@@ -603,6 +603,9 @@ def _same_get_many(lane, raws, whole, pre: list | None = None) -> None:
     new_objs, old_objs = [], []
     new = new_cache.get_many(lane, raws, new_objs, whole)
     old = old_cache.get_many(old_lane, raws, old_objs, whole)
+    lazy = [p for i in new for p in i.parts if p.h_chash is None]  # (a first pass's: hashed when first read)
+    assert not lazy or whole is not None
+    hash_parts([p for i in new for p in i.parts])
     assert new == old and _cores(new) == _cores(old)
     assert [type(o) for o in new_objs] == [type(o) for o in old_objs] and new_objs == old_objs
     assert list(new_cache.items.items()) == list(old_cache.items.items())
@@ -699,6 +702,9 @@ def _same_first_pass(infos, counter: Counter, first_index: int, next_ref: int = 
     c_new, c_old = Counter(counter), Counter(counter)
     new = fresh.first_pass(s_new, infos, c_new, first_index)
     old = old_first_pass(s_old, infos, c_old, first_index)
+    if new is not None:  # (its rows, and the parts' msg_ids and counts, made when it is written)
+        assert not s_new.refs and len(new[1]) == sum(len(i.parts) for i in infos)
+        new = (new[0], new[1].get(), new[2], new[3])
     assert new == old
     assert list(s_new.refs.items()) == list(s_old.refs.items())
     assert list(c_new.items()) == list(c_old.items())

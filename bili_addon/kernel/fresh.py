@@ -11,11 +11,11 @@ refs in the same order, the same ledger rows and view.  Anything else takes the 
 from __future__ import annotations
 
 from collections import Counter
-from itertools import accumulate, islice
+from itertools import accumulate, islice, repeat
 
 from bili_addon.kernel.fold import PartView, Sums, ViewItem
 from bili_addon.kernel.identity import count_tokens
-from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session
+from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session, hash_parts
 from bili_addon.store import MAX_REF, LedgerRow, ref_names  # past MAX_REF the general path raises
 
 
@@ -25,13 +25,34 @@ def applies(s: Session, cov: dict, reused: int, pinned, vouched) -> bool:
     return not reused and not s.refs and not s.owners and not cov and not pinned and vouched is None
 
 
+class Rows:
+    """A first pass's new ledger rows, made when its store write is (:meth:`get`): a part's ref
+    depends on its place alone here, so its content hash, its ``msg_id`` and its row wait until
+    then, after the request has gone when the engine writes behind it (kernel/turn.py)."""
+
+    __slots__ = ("n", "_make", "_rows")
+
+    def __init__(self, n: int, make):
+        self.n, self._make, self._rows = n, make, None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get(self) -> list[LedgerRow]:
+        if self._rows is None:
+            self._rows = self._make()
+            self._make = None
+        return self._rows
+
+
 def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
-               first_index: int) -> tuple[list[list[Resolved]], list[LedgerRow], list[ViewItem],
-                                          Sums] | None:
+               first_index: int) -> tuple[list[list[Resolved]], Rows, list[ViewItem], Sums] | None:
     """``(resolved, new ledger rows, view items, sums)`` of a pass whose every part is new (see
-    :func:`applies`); the rows are staged in ``s.refs`` as ``_resolve`` stages them; ``sums``: what
-    the :class:`~bili_addon.kernel.fold.View` of the items computes (``View(items, sums)``).  None
-    when the refs would run past the last one (the general path says so).
+    :func:`applies`); ``sums``: what the :class:`~bili_addon.kernel.fold.View` of the items
+    computes (``View(items, sums)``).  None when the refs would run past the last one (the general
+    path says so).  The rows are made when they are written (:class:`Rows`): then the parts are
+    hashed (state.hash_parts), numbered in ``counter``, staged in ``s.refs`` as ``_resolve``
+    stages them, and the resolved parts get their ``msg_id`` and ``base``.
 
     Column by column: each field of every part in one comprehension (attribute reads of the
     parts' structs, specialised by the interpreter: faster than ``map(attrgetter)``), the objects
@@ -43,26 +64,32 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
         return None
     names = ref_names(next_ref, total)  # tags.ref_of of each number, in order
     cores = [p.core for p in parts]
-    bases = [p.base for p in parts]
-    chashes = [p.chash for p in parts]
-    if not counter:
-        counter.update(bases)  # (C-level count)
-        if len(counter) == total:  # no base twice: every msg_id is its base
-            msg_ids = bases
-        else:
-            counter.clear()
-            msg_ids = _numbered(bases, counter)
-    else:
-        msg_ids = _numbered(bases, counter)
     texts = [c.text for c in cores]
     roles = [c.role for c in cores]
     ctypes = [c.ctype for c in cores]
     # identity.count_tokens (its ASCII case inlined)
     tokens = [-(-len(t) // 4) if t.isascii() else count_tokens(t) for t in texts]
     entries = list(map(Entry, names, tokens))
-    s.refs.update(zip(zip(msg_ids, chashes), entries))  # staged: forgotten again if the commit fails
-    rows = list(map(LedgerRow, msg_ids, chashes, names, roles, ctypes, tokens))
-    flat = list(map(Resolved, cores, entries, [p.dirty for p in parts], msg_ids, bases))
+    flat = list(map(Resolved, cores, entries, [p.dirty for p in parts], repeat(None), repeat(None)))
+
+    def rows() -> list[LedgerRow]:
+        hash_parts(parts)
+        bases = [p.h_base for p in parts]
+        chashes = [p.h_chash for p in parts]
+        if not counter:
+            counter.update(bases)  # (C-level count)
+            if len(counter) == total:  # no base twice: every msg_id is its base
+                msg_ids = bases
+            else:
+                counter.clear()
+                msg_ids = _numbered(bases, counter)
+        else:
+            msg_ids = _numbered(bases, counter)
+        s.refs.update(zip(zip(msg_ids, chashes), entries))  # staged: forgotten again if the commit fails
+        for r, msg_id, base in zip(flat, msg_ids, bases):
+            r.msg_id, r.base = msg_id, base
+        return list(map(LedgerRow, msg_ids, chashes, names, roles, ctypes, tokens))
+
     views_flat = list(map(PartView, names, roles, ctypes, [c.tool_name for c in cores],
                           [c.tool_call_id for c in cores], texts, tokens))
     counts = [len(info.parts) for info in infos]
@@ -75,7 +102,7 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
     # what the View of these items computes from them (View.sums), from the columns
     cum = list(accumulate(tokens, initial=0))
     sums = Sums(list(map(cum.__getitem__, ends)), list(accumulate(map(bool, counts), initial=0)), max(tokens, default=0))
-    return resolved, rows, views, sums
+    return resolved, Rows(total, rows), views, sums
 
 
 def _numbered(bases: list[str], counter: Counter) -> list[str]:
@@ -89,4 +116,4 @@ def _numbered(bases: list[str], counter: Counter) -> list[str]:
     return msg_ids
 
 
-__all__ = ["applies", "first_pass"]
+__all__ = ["Rows", "applies", "first_pass"]

@@ -32,12 +32,54 @@ def clean_replayed_prose(text: str) -> str:
 
 
 class Part(msgspec.Struct, gc=False):
-    """A core (prose already cleaned) with its identity digest, computed once per distinct item bytes."""
+    """A core (prose already cleaned) with its identity digest, computed once per distinct item
+    bytes: when the part is made, or (a conversation's first pass: :func:`hash_parts`, after its
+    request has gone, kernel/fresh.py) when first read."""
 
     core: Core
-    base: str  # h_ + 16 hex
-    chash: str  # full sha256 hex of the seed
+    h_base: str | None  # h_ + 16 hex (None: not computed yet; read ``base``)
+    h_chash: str | None  # full sha256 hex of the seed (None: not computed yet; read ``chash``)
     dirty: bool  # the wire text differs from core.text (cleaned at ingress)
+
+    @property
+    def base(self) -> str:
+        base = self.h_base
+        if base is None:
+            base, self.h_chash = digest(self.core)
+            self.h_base = base
+        return base
+
+    @property
+    def chash(self) -> str:
+        chash = self.h_chash
+        if chash is None:
+            self.h_base, chash = digest(self.core)
+            self.h_chash = chash
+        return chash
+
+    def __eq__(self, other: object) -> bool:  # (a part not hashed yet equals its hashed twin)
+        if type(other) is not Part:
+            return NotImplemented
+        return (self.core == other.core and self.dirty == other.dirty and self.chash == other.chash
+                and self.base == other.base)
+
+
+def hash_parts(parts: list[Part]) -> None:
+    """The identity digest of every part of ``parts`` that has none yet, in one C-level loop
+    (identity.digest inlined: the same seed, the same hash; encoded strictly first, which gives
+    the same bytes for every text without a lone surrogate, else as digest encodes)."""
+    todo = [p for p in parts if p.h_chash is None]
+    if not todo:
+        return
+    h = sha256
+    try:
+        hashes = [h((f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}|{c.media}" if c.media else
+                     f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}").encode()).hexdigest()
+                  for c in [p.core for p in todo]]
+    except UnicodeEncodeError:
+        hashes = [digest(p.core)[1] for p in todo]
+    for p, x in zip(todo, hashes):
+        p.h_base, p.h_chash = "h_" + x[:16], x
 
 
 class ItemInfo(msgspec.Struct, gc=False):
@@ -143,7 +185,7 @@ class ItemCache:
                     if objs is not None:
                         objs.extend(got[2])
                     if flat:
-                        parts = self._new_parts(flat)
+                        parts = self._new_parts(flat, lazy=True)  # (hashed when first read: fresh.py)
                         lists = [parts[a:b] for a, b in zip([0, *ends], ends)]  # (no slice object made)
                     else:
                         lists = [[] for _raw in braws]
@@ -216,9 +258,11 @@ class ItemCache:
             begin = end
 
     @staticmethod
-    def _new_parts(flat: list[Core]) -> list[Part]:
+    def _new_parts(flat: list[Core], lazy: bool = False) -> list[Part]:
         """The :class:`Part` of every core in ``flat`` (changed in place where assistant prose is
-        cleaned), identity.digest of each inlined."""
+        cleaned), identity.digest of each inlined.  ``lazy``: the digests are left for when they
+        are first read (:func:`hash_parts`; a conversation's first pass needs none before its
+        request goes)."""
         dirty = [False] * len(flat)
         # clean_replayed_prose changes only a text that starts with a marker line (MARKER_LINE) or
         # holds an angle bracket (every echo shape has one): the others are not passed to it
@@ -228,6 +272,8 @@ class ItemCache:
             clean = clean_replayed_prose(core.text)
             if clean != core.text:
                 flat[j], dirty[j] = msgspec.structs.replace(core, text=clean), True
+        if lazy:
+            return list(map(Part, flat, repeat(None), repeat(None), dirty))
         h = sha256
         # identity.digest, inlined (the same seed, the same hash); encoded strictly first (the
         # same bytes for every text without a lone surrogate, and a cheaper call), else as digest
@@ -260,7 +306,7 @@ class Resolved(msgspec.Struct, gc=False):
     core: Core
     entry: Entry
     dirty: bool
-    msg_id: str
+    msg_id: str  # (with ``base``: a first pass's are set when its ledger rows are made, fresh.Rows)
     base: str
     incs: int = 1  # instance numbers this part used up (more than one when it was renumbered)
 
@@ -338,5 +384,5 @@ class TurnResult:
 
 __all__ = [
     "Call", "Entry", "ItemCache", "ItemInfo", "MARKER_LINE", "Memo", "Part", "Resolved", "Session",
-    "TurnResult", "clean_replayed_prose",
+    "TurnResult", "clean_replayed_prose", "hash_parts",
 ]

@@ -27,6 +27,7 @@ from bili_addon.kernel.calibration import Calibration
 from bili_addon.kernel.chains import Chains
 from bili_addon.kernel.compaction import Epochs
 from bili_addon.kernel.fold import FoldConfig, PartView, View, ViewItem
+from bili_addon.kernel.fresh import Rows
 from bili_addon.kernel.identity import count_tokens, digest
 from bili_addon.kernel.lineage import Lineage
 from bili_addon.kernel.pending import Deferred
@@ -51,6 +52,7 @@ from bili_addon.kernel.state import (
     Session,
     TurnResult,
     clean_replayed_prose,
+    hash_parts,
 )
 from bili_addon.kernel.tools import ProxyTools
 from bili_addon.kernel.windows import context_window
@@ -418,6 +420,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         folded original: it gets a fresh suffix.  Old content the host sends again further up (a
         truncation undone) is an echo and stays folded.
         """
+        hash_parts([p for info in infos for p in info.parts])  # (a first pass's parts are hashed when first read)
         new_rows: list[LedgerRow] = []
         next_ref = s.row.next_ref
         prev_ids = None
@@ -479,38 +482,43 @@ class Engine(ProxyTools, Epochs, Deferred):
         for sid in self.sessions.unstage():
             self.lineage.forget(sid)  # as a restart would (registry.stages: nothing of it was pending before the turn)
 
-    def _commit(self, s: Session, agent: str, lane: str, messages: int, new_rows: list[LedgerRow], tail,
-                fresh: bool = False, stage: bool = False) -> None:
-        """``fresh``: every row gives its ref for the first time (kernel/fresh.py).  ``stage``: the
-        session is as written at once in memory, its write waits for ``Sessions.flush`` (its row
-        written as it is then: with the flags learned meanwhile); a write that fails then, or a turn
-        that fails before it, drops the session from this process (``Engine._unstage``); the copy
-        saved before the flush goes in it (``Sessions.save_copy``)."""
+    def _commit(self, s: Session, agent: str, lane: str, messages: int, new_rows: list[LedgerRow] | Rows,
+                tail, fresh: bool = False, stage: bool = False) -> None:
+        """``fresh``: every row gives its ref for the first time (kernel/fresh.py: ``new_rows`` are
+        then made when they are written, their parts hashed then).  ``stage``: the session is as
+        written at once in memory, its write waits for ``Sessions.flush`` (its row written as it is
+        then: with the flags learned meanwhile); a write that fails then, or a turn that fails
+        before it, drops the session from this process (``Engine._unstage``); the copy saved before
+        the flush goes in it (``Sessions.save_copy``)."""
         row = s.row
         if fresh:  # every ref once, in order
-            given = [(r.ref, r.content_hash) for r in new_rows]
+            k = len(new_rows)
         else:
             minted: dict[str, str] = {}
             for r in new_rows:
                 if r.ref not in s.owners:
                     minted.setdefault(r.ref, r.content_hash)
             given = list(minted.items())
+            k = len(given)
         staged = SessionRow(
             row.id, agent, lane, row.created, row.last_seen, row.requests + 1, messages,
-            row.next_ref + len(given), row.flags,
+            row.next_ref + k, row.flags,
         )
 
         def write(copy: str | None = None, release: bool = False) -> None:
+            rows = new_rows.get() if isinstance(new_rows, Rows) else new_rows
+            if fresh:
+                s.owners.update([(r.ref, r.content_hash) for r in rows])
             try:
                 # fresh: the store keeps the rows' refs as the turn's without a second copy (schema 10);
                 # copy: the canonical copy saved meanwhile (Sessions.save_copy), in the same write (schema 11);
                 # release: the turn's last write of the session (Sessions.flush(last=True)): its lock goes with it
-                s.stored = (self.store.commit_turn(staged, new_rows, tail, expect=s.stored, fresh=True, copy=copy,
+                s.stored = (self.store.commit_turn(staged, rows, tail, expect=s.stored, fresh=True, copy=copy,
                                                    release=release)
-                            if fresh else self.store.commit_turn(staged, new_rows, tail, expect=s.stored,
+                            if fresh else self.store.commit_turn(staged, rows, tail, expect=s.stored,
                                                                  minted=given, copy=copy, release=release))
             except Exception:
-                for r in new_rows:  # nothing of this turn is kept
+                for r in rows:  # nothing of this turn is kept
                     s.refs.pop((r.msg_id, r.content_hash), None)
                 self.sessions.memos.pop(row.id, None)
                 raise
@@ -520,9 +528,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         else:
             write()
         s.row = staged
-        if fresh:
-            s.owners.update(given)
-        else:
+        if not fresh:
             for r in new_rows:
                 s.owners.setdefault(r.ref, r.content_hash)
 
