@@ -589,6 +589,14 @@ def pg_error(action: str, url: str, e: BaseException) -> StoreError:
                       _HINTS.get(kind, ""))
 
 
+def _failed(pgconn, result, enc: str):
+    """A turn's statement (:data:`_HOLD`, :data:`_COMMIT`) that did not answer rows: raised as psycopg
+    raises it."""
+    if pgconn.status != _CONN_OK:  # the connection is lost (as psycopg's wait would raise it)
+        raise psycopg.OperationalError(f"the connection is lost: {pgconn.get_error_message(enc)}")
+    raise pg_errors.error_from_result(result, encoding=enc)
+
+
 def _reads(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kw):
@@ -601,7 +609,12 @@ def _reads(fn):
     return wrapper
 
 
-# the two statements of every turn, sent through libpq as they are (PgStore._call): the session's lock and
+# the two statements of every turn, sent through libpq as they are (PgStore.hold, PgStore._commit_on: their
+# parameters as text, their one result read; a failure raised as psycopg raises it, :func:`_failed`).
+# psycopg's cursor machinery cost the client ~2-3x the statement's own work (39 against 15 us hot; a turn
+# pays it cold), twice per turn.  libpq's own blocking call (``PQexecParams``, the GIL let go while it
+# waits): psycopg's wait generator is Python code run cold each turn; the lock connection's encoding is
+# the one read when it was opened (never changed after).  The session's lock and
 # what it reads (its version, family, last usage, fork candidates: as one JSON text), the turn's commit.
 # The lock's key is the server's SHA-256 of the session id (the same number as PgStore.lock_key: the first
 # 8 bytes of the digest of its UTF-8 bytes, big-endian, signed), not the client's (~15 us of its CPU cold)
@@ -612,6 +625,8 @@ _HOLD = (b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text F
 _NEW_HOLD = b"[null, null, null, null]"
 _NEW_HOLD_CANDS = b"[null, null, null, []]"
 _TUPLES_OK = int(ExecStatus.TUPLES_OK) if psycopg is not None else 2
+_CONN_OK = int(ConnStatus.OK) if psycopg is not None else 0
+_BAD = int(ConnStatus.BAD) if psycopg is not None else 1  # a connection psycopg calls ``closed``
 _UNLOCK = b"SELECT pg_advisory_unlock_all()"
 # a turn's commit that is its last write, with the session's unlock (PgStore.commit_turn(release=True)): the
 # commit's own transaction ends (COMMIT: another instance that gets the lock next sees the turn), then every
@@ -810,11 +825,26 @@ class PgStore:
         if session_id in self._held:
             return
         try:
-            self._lock_connection()
+            conn = self._lock_conn
+            if conn is None or self._unlocking or conn.pgconn.status == _BAD:  # (BAD: psycopg's ``closed``)
+                self._lock_connection()
+                conn = self._lock_conn
             self.round_trips += 1
-            fp, lane = candidates if candidates is not None else (None, None)
-            # one statement (schema 10: the candidates too; a pipeline of two cost ~3x the client's time)
-            got = self._call(self._lock_conn, _HOLD, (session_id, fp, lane)).get_value(0, 0)
+            # one statement (schema 10: the candidates too; a pipeline of two cost ~3x the client's time),
+            # sent through libpq (see :data:`_HOLD`), inline: a turn runs these steps cold, each call and
+            # lookup less is CPU less
+            enc = self._lock_enc
+            pgconn = conn.pgconn
+            if candidates is None:
+                result = pgconn.exec_params(_HOLD, [str(session_id).encode(enc), None, None])
+            else:
+                fp, lane = candidates
+                result = pgconn.exec_params(_HOLD, [str(session_id).encode(enc),
+                                                    None if fp is None else str(fp).encode(enc),
+                                                    None if lane is None else str(lane).encode(enc)])
+            if result.status != _TUPLES_OK:
+                _failed(pgconn, result, enc)
+            got = result.get_value(0, 0)
             if got == _NEW_HOLD or got == _NEW_HOLD_CANDS:  # a new session (nothing to decode)
                 version = fam = last = None
                 cands = ()
@@ -836,23 +866,6 @@ class PgStore:
             (fam[0], fam[1], int(fam[2]), int(fam[3] or 1)) if fam is not None else None,
             tuple(int(x) for x in last) if last is not None else None,
         )
-
-    def _call(self, conn, sql: bytes, params: tuple):
-        """One statement of a turn's path (:data:`_HOLD`, :data:`_COMMIT`) sent through libpq as it is:
-        its parameters as text, its one result returned (a failure raised as psycopg raises it).
-        psycopg's cursor machinery cost the client ~2-3x the statement's own work (39 against 15 us
-        hot; a turn pays it cold), twice per turn.  libpq's own blocking call (``PQexecParams``, the
-        GIL let go while it waits): psycopg's wait generator is Python code run cold each turn; the
-        lock connection's encoding is the one read when it was opened (never changed after)."""
-        enc = self._lock_enc if conn is self._lock_conn else conn.info.encoding
-        pgconn = conn.pgconn
-        result = pgconn.exec_params(sql, [p if p is None or isinstance(p, bytes) else str(p).encode(enc)
-                                          for p in params])
-        if result.status != ExecStatus.TUPLES_OK:
-            if pgconn.status != ConnStatus.OK:  # the connection is lost (as psycopg's wait would raise it)
-                raise psycopg.OperationalError(f"the connection is lost: {pgconn.get_error_message(enc)}")
-            raise pg_errors.error_from_result(result, encoding=enc)
-        return result
 
     def _lock_connection(self) -> None:
         """The connection that holds the sessions' advisory locks (opened when missing)."""
@@ -1062,8 +1075,9 @@ class PgStore:
         ledger rows, the prefix chain and the canonical copy (``copy``) in one statement (its own
         transaction); a refusal rolls it all back and names itself (:data:`_STALE`).  ``release``: this
         is the turn's last write of the session: the session's lock goes in the same round trip
-        (:meth:`_commit_and_unlock`), and :meth:`release` has nothing left to send."""
-        self._again(row.id)
+        (:meth:`_commit_on`), and :meth:`release` has nothing left to send."""
+        if row.id in self._let_go:  # (:meth:`_again`, inline)
+            self.hold(row.id)
         now = time.time()
         fresh = fresh and bool(new_refs)
         if fresh and minted:
@@ -1111,38 +1125,41 @@ class PgStore:
 
     def _commit_on(self, conn, row: SessionRow, expect: int, now: float, given, k: int, first, doc: bytes | None,
                    n: int, chain, copy, unlock: bool = False) -> int:
-        """``bili_commit_turn`` on ``conn``: the new version.  ``unlock``: ``conn`` is the lock connection,
-        which lets its sessions go right after the commit, in the same round trip."""
+        """``bili_commit_turn`` on ``conn``: the new version, sent through libpq (see :data:`_HOLD`; its
+        steps inline: a turn runs them cold, each call less is CPU less).  ``unlock``: ``conn`` is the
+        lock connection, which lets its sessions go right after the commit, in the same round trip
+        (:data:`_COMMIT_RELEASE`: the commit's transaction ends before the unlock runs).  Done, the
+        sessions are let go: :meth:`release` sends nothing for them, and a write of one after this takes
+        its lock again (:meth:`_again`).  Refused (:data:`_STALE`: before its COMMIT), nothing is written
+        and the lock is kept.  Any other failure drops the connection (the locks go with it; whether the
+        commit was written is the store's to say: the session is read again).  The unlock on its own
+        (:meth:`release`: its send, its answer read before the next statement) cost ~55 us of the
+        client's CPU a turn, cold, plus that read."""
         self.round_trips += 1  # (with the unlock: the same one statement)
         enc = self._lock_enc if conn is self._lock_conn else conn.info.encoding
         if doc is not None and enc != "utf-8":
             doc = doc.decode().encode(enc)
-        params = (row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref,
-                  row.flags, given, k, first, doc, n,
-                  chain[0] if chain is not None else None, chain[1] if chain is not None else None, copy)
-        if unlock:
-            return int(self._commit_and_unlock(conn, params).get_value(0, 0))
-        return int(self._call(conn, _COMMIT, params).get_value(0, 0))
-
-    def _commit_and_unlock(self, conn, params: tuple):
-        """The turn's commit on the lock connection, then the unlock of every session it holds, in one
-        statement (:data:`_COMMIT_RELEASE`: the commit's transaction ends before the unlock runs).
-        Returns its result as :meth:`_call` does.  Done, the sessions are let go: :meth:`release`
-        sends nothing for them, and a write of one after this takes its lock again (:meth:`_again`).
-        Refused (:data:`_STALE`: before its COMMIT), nothing is written and the lock is kept.  Any
-        other failure drops the connection (the locks go with it; whether the commit was written is
-        the store's to say: the session is read again).  The unlock on its own (:meth:`release`: its
-        send, its answer read before the next statement) cost ~55 us of the client's CPU a turn, cold,
-        plus that read."""
+        params = [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in (
+            row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref, row.flags,
+            given, k, first, doc, n, chain[0] if chain is not None else None, chain[1] if chain is not None else None,
+            copy)]
+        pgconn = conn.pgconn
+        if not unlock:
+            result = pgconn.exec_params(_COMMIT, params)
+            if result.status != _TUPLES_OK:
+                _failed(pgconn, result, enc)
+            return int(result.get_value(0, 0))
         try:
-            result = self._call(conn, _COMMIT_RELEASE, params)
+            result = pgconn.exec_params(_COMMIT_RELEASE, params)
+            if result.status != _TUPLES_OK:
+                _failed(pgconn, result, enc)
         except psycopg.Error as e:
             if getattr(e, "sqlstate", None) != _STALE:
                 self._drop_lock_conn()
                 self._let_go_all()
             raise
         self._let_go_all()
-        return result
+        return int(result.get_value(0, 0))
 
     def _let_go_all(self) -> None:
         """The sessions held are let go (the lock connection's unlock ran, or it was dropped)."""
