@@ -590,8 +590,8 @@ def pg_error(action: str, url: str, e: BaseException) -> StoreError:
 
 
 def _failed(pgconn, result, enc: str):
-    """A turn's statement (:data:`_HOLD`, :data:`_COMMIT`) that did not answer rows: raised as psycopg
-    raises it."""
+    """A statement sent through libpq (:data:`_HOLD`, :data:`_COMMIT`, :data:`_SAVE_PARTS`) that did not
+    answer as it does: raised as psycopg raises it."""
     if pgconn.status != _CONN_OK:  # the connection is lost (as psycopg's wait would raise it)
         raise psycopg.OperationalError(f"the connection is lost: {pgconn.get_error_message(enc)}")
     raise pg_errors.error_from_result(result, encoding=enc)
@@ -609,12 +609,7 @@ def _reads(fn):
     return wrapper
 
 
-# the two statements of every turn, sent through libpq as they are (PgStore.hold, PgStore._commit_on: their
-# parameters as text, their one result read; a failure raised as psycopg raises it, :func:`_failed`).
-# psycopg's cursor machinery cost the client ~2-3x the statement's own work (39 against 15 us hot; a turn
-# pays it cold), twice per turn.  libpq's own blocking call (``PQexecParams``, the GIL let go while it
-# waits): psycopg's wait generator is Python code run cold each turn; the lock connection's encoding is
-# the one read when it was opened (never changed after).  The session's lock and
+# the two statements of every turn, sent through libpq as they are (PgStore._call): the session's lock and
 # what it reads (its version, family, last usage, fork candidates: as one JSON text), the turn's commit.
 # The lock's key is the server's SHA-256 of the session id (the same number as PgStore.lock_key: the first
 # 8 bytes of the digest of its UTF-8 bytes, big-endian, signed), not the client's (~15 us of its CPU cold)
@@ -649,18 +644,24 @@ $$"""
 _COMMIT_RELEASE = (b"CALL pg_temp.bili_commit_release($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, "
                    b"$15, $16, $17, NULL)")
 _COMMIT = b"SELECT bili_commit_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
+# a session's lineage parts from ``keep`` on replaced (PgStore.save_lineage_parts): the rows as one JSON
+# text (msgspec's: ``[[ref, chash, fp], ...]``, each row numbered by its place), not three text arrays
+# (psycopg's list dumper adapts them element by element in Python: ~0.6 ms of the client's CPU after a
+# first turn of 100 messages); spelled for libpq ($n, the lock connection) and for psycopg (%s)
+_SAVE_PARTS_SQL = ("WITH gone AS (DELETE FROM lineage_parts WHERE session_id={s} AND seq>={end}) "
+                   "INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) "
+                   "SELECT {s}, {keep} + u.i - 1, u.v->>0, u.v->>1, u.v->>2 FROM json_array_elements({rows}::json) "
+                   "WITH ORDINALITY AS u(v, i) "
+                   "ON CONFLICT(session_id, seq) DO UPDATE SET ref=excluded.ref, chash=excluded.chash, fp=excluded.fp")
+_SAVE_PARTS = _SAVE_PARTS_SQL.format(s="$1", end="$2", keep="$3", rows="$4").encode()
+_SAVE_PARTS_PG = _SAVE_PARTS_SQL.format(s="%(s)s", end="%(end)s", keep="%(keep)s", rows="%(rows)s")
 # the lock connection's own prepared statements of these (PgStore._prepare_turns: parsed once when it opens,
 # not per turn: the hold's answer came ~35 us sooner here, a little less client CPU, less of the server's);
-# names psycopg's own (``_pg3_N``) never take
-_PREPARED = ((b"bili_hold", _HOLD), (b"bili_commit", _COMMIT), (b"bili_commit_release", _COMMIT_RELEASE))
-_HOLD_NAME, _COMMIT_NAME, _COMMIT_RELEASE_NAME = (name for name, _sql in _PREPARED)
+# names psycopg's own (``_pg3_N``) never take.  The last one where the connection has its procedure.
+_PREPARED = ((b"bili_hold", _HOLD), (b"bili_commit", _COMMIT), (b"bili_save_parts", _SAVE_PARTS),
+             (b"bili_commit_release", _COMMIT_RELEASE))
+_PREPARED_NAMES = {sql: name for name, sql in _PREPARED}
 _COMMAND_OK = int(ExecStatus.COMMAND_OK) if psycopg is not None else 1
-# a session's lineage parts from ``keep`` on replaced (PgStore.save_lineage_parts)
-_SAVE_PARTS = ("WITH gone AS (DELETE FROM lineage_parts WHERE session_id=%(s)s AND seq>=%(end)s) "
-               "INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) "
-               "SELECT %(s)s, %(keep)s + u.i - 1, u.r, u.h, u.f FROM unnest(%(r)s::text[], %(h)s::text[], "
-               "%(f)s::text[]) WITH ORDINALITY AS u(r, h, f, i) "
-               "ON CONFLICT(session_id, seq) DO UPDATE SET ref=excluded.ref, chash=excluded.chash, fp=excluded.fp")
 # a new session's fork candidates: the sessions of its lane whose first part has its fingerprint
 _CANDIDATES = ("SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id=p.session_id "
                "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s ORDER BY s.created")
@@ -837,21 +838,9 @@ class PgStore:
                 self._lock_connection()
                 conn = self._lock_conn
             self.round_trips += 1
-            # one statement (schema 10: the candidates too; a pipeline of two cost ~3x the client's time),
-            # sent through libpq (see :data:`_HOLD`), inline: a turn runs these steps cold, each call and
-            # lookup less is CPU less
-            enc = self._lock_enc
-            pgconn = conn.pgconn
-            if candidates is None:
-                params = [str(session_id).encode(enc), None, None]
-            else:
-                fp, lane = candidates
-                params = [str(session_id).encode(enc), None if fp is None else str(fp).encode(enc),
-                          None if lane is None else str(lane).encode(enc)]
-            result = pgconn.exec_prepared(_HOLD_NAME, params) if self._lock_prep else pgconn.exec_params(_HOLD, params)
-            if result.status != _TUPLES_OK:
-                _failed(pgconn, result, enc)
-            got = result.get_value(0, 0)
+            fp, lane = candidates if candidates is not None else (None, None)
+            # one statement (schema 10: the candidates too; a pipeline of two cost ~3x the client's time)
+            got = self._call(conn, _HOLD, (session_id, fp, lane)).get_value(0, 0)
             if got == _NEW_HOLD or got == _NEW_HOLD_CANDS:  # a new session (nothing to decode)
                 version = fam = last = None
                 cands = ()
@@ -873,6 +862,27 @@ class PgStore:
             (fam[0], fam[1], int(fam[2]), int(fam[3] or 1)) if fam is not None else None,
             tuple(int(x) for x in last) if last is not None else None,
         )
+
+    def _call(self, conn, sql: bytes, params: tuple):
+        """One statement of a turn's path (:data:`_HOLD`, :data:`_COMMIT`, :data:`_COMMIT_RELEASE`) sent
+        through libpq as it is, or as the lock connection's prepared statement of it (:data:`_PREPARED`):
+        its parameters as text, its one result returned (a failure raised as psycopg raises it).
+        psycopg's cursor machinery cost the client ~2-3x the statement's own work (39 against 15 us
+        hot; a turn pays it cold), twice per turn.  libpq's own blocking call (``PQexecParams``, the
+        GIL let go while it waits): psycopg's wait generator is Python code run cold each turn; the
+        lock connection's encoding is the one read when it was opened (never changed after)."""
+        if conn is self._lock_conn:
+            enc = self._lock_enc
+            name = _PREPARED_NAMES.get(sql) if self._lock_prep else None
+        else:
+            enc = conn.info.encoding
+            name = None
+        pgconn = conn.pgconn
+        params = [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in params]
+        result = pgconn.exec_params(sql, params) if name is None else pgconn.exec_prepared(name, params)
+        if result.status != _TUPLES_OK:
+            _failed(pgconn, result, enc)
+        return result
 
     def _lock_connection(self) -> None:
         """The connection that holds the sessions' advisory locks (opened when missing)."""
@@ -1146,8 +1156,7 @@ class PgStore:
 
     def _commit_on(self, conn, row: SessionRow, expect: int, now: float, given, k: int, first, doc: bytes | None,
                    n: int, chain, copy, unlock: bool = False) -> int:
-        """``bili_commit_turn`` on ``conn``: the new version, sent through libpq (see :data:`_HOLD`; its
-        steps inline: a turn runs them cold, each call less is CPU less).  ``unlock``: ``conn`` is the
+        """``bili_commit_turn`` on ``conn``: the new version (:meth:`_call`).  ``unlock``: ``conn`` is the
         lock connection, which lets its sessions go right after the commit, in the same round trip
         (:data:`_COMMIT_RELEASE`: the commit's transaction ends before the unlock runs).  Done, the
         sessions are let go: :meth:`release` sends nothing for them, and a write of one after this takes
@@ -1160,22 +1169,13 @@ class PgStore:
         enc = self._lock_enc if conn is self._lock_conn else conn.info.encoding
         if doc is not None and enc != "utf-8":
             doc = doc.decode().encode(enc)
-        params = [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in (
-            row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref, row.flags,
-            given, k, first, doc, n, chain[0] if chain is not None else None, chain[1] if chain is not None else None,
-            copy)]
-        pgconn = conn.pgconn
-        prep = self._lock_prep and conn is self._lock_conn
+        params = (row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref,
+                  row.flags, given, k, first, doc, n,
+                  chain[0] if chain is not None else None, chain[1] if chain is not None else None, copy)
         if not unlock:
-            result = pgconn.exec_prepared(_COMMIT_NAME, params) if prep else pgconn.exec_params(_COMMIT, params)
-            if result.status != _TUPLES_OK:
-                _failed(pgconn, result, enc)
-            return int(result.get_value(0, 0))
+            return int(self._call(conn, _COMMIT, params).get_value(0, 0))
         try:
-            result = (pgconn.exec_prepared(_COMMIT_RELEASE_NAME, params) if prep
-                      else pgconn.exec_params(_COMMIT_RELEASE, params))
-            if result.status != _TUPLES_OK:
-                _failed(pgconn, result, enc)
+            result = self._call(conn, _COMMIT_RELEASE, params)
         except psycopg.Error as e:
             if getattr(e, "sqlstate", None) != _STALE:
                 self._drop_lock_conn()
@@ -1453,17 +1453,24 @@ class PgStore:
         """Parts from ``keep`` on replaced by ``rows``, in one statement (its own transaction)."""
         end = keep + len(rows)
         self._cands.clear()  # what hold read of the candidates may miss these
-        params = {"s": session_id, "end": end, "keep": keep, "r": [r[0] for r in rows], "h": [r[1] for r in rows],
-                  "f": [r[2] for r in rows]}
+        doc = _json.encode(rows)  # (see _SAVE_PARTS: UTF-8)
         try:
             if self._conn is None:
                 # the lock connection (the turns' own, on this thread: a statement of its own there as on a
                 # pooled one): the turn's commit went there too, so a pooled connection's check-out and
-                # return, run cold after the answer, would cost more than the turn saved by it
+                # return, run cold after the answer, would cost more than the turn saved by it; sent
+                # through libpq as the turn's statements are (see _HOLD)
                 try:
                     self._lock_connection()  # (the unlock's answer read first, when it is on its way)
                     self.round_trips += 1
-                    self._lock_conn.execute(_SAVE_PARTS, params)
+                    enc = self._lock_enc
+                    pgconn = self._lock_conn.pgconn
+                    params = [str(session_id).encode(enc), str(end).encode(enc), str(keep).encode(enc),
+                              doc if enc == "utf-8" else doc.decode().encode(enc)]
+                    result = (pgconn.exec_prepared(b"bili_save_parts", params) if self._lock_prep
+                              else pgconn.exec_params(_SAVE_PARTS, params))
+                    if result.status != _COMMAND_OK:
+                        _failed(pgconn, result, enc)
                 except psycopg.Error:
                     if self._lock_conn is not None and self._lock_conn.closed:
                         self._drop_lock_conn()  # lost (the next hold opens another)
@@ -1471,7 +1478,7 @@ class PgStore:
             else:
                 with self._use() as conn:
                     self.round_trips += 1
-                    conn.execute(_SAVE_PARTS, params)
+                    conn.execute(_SAVE_PARTS_PG, {"s": session_id, "end": end, "keep": keep, "rows": doc.decode()})
         except (psycopg.Error, PoolTimeout) as e:
             raise pg_error("write", self.url, e) from e
         self.writes += 1
