@@ -589,6 +589,14 @@ def pg_error(action: str, url: str, e: BaseException) -> StoreError:
                       _HINTS.get(kind, ""))
 
 
+def _failed(pgconn, result, enc: str):
+    """A statement sent through libpq (:data:`_HOLD`, :data:`_COMMIT`, :data:`_SAVE_PARTS`) that did not
+    answer as it does: raised as psycopg raises it."""
+    if pgconn.status != _CONN_OK:  # the connection is lost (as psycopg's wait would raise it)
+        raise psycopg.OperationalError(f"the connection is lost: {pgconn.get_error_message(enc)}")
+    raise pg_errors.error_from_result(result, encoding=enc)
+
+
 def _reads(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kw):
@@ -612,6 +620,8 @@ _HOLD = (b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text F
 _NEW_HOLD = b"[null, null, null, null]"
 _NEW_HOLD_CANDS = b"[null, null, null, []]"
 _TUPLES_OK = int(ExecStatus.TUPLES_OK) if psycopg is not None else 2
+_CONN_OK = int(ConnStatus.OK) if psycopg is not None else 0
+_BAD = int(ConnStatus.BAD) if psycopg is not None else 1  # a connection psycopg calls ``closed``
 _UNLOCK = b"SELECT pg_advisory_unlock_all()"
 # a turn's commit that is its last write, with the session's unlock (PgStore.commit_turn(release=True)): the
 # commit's own transaction ends (COMMIT: another instance that gets the lock next sees the turn), then every
@@ -634,12 +644,24 @@ $$"""
 _COMMIT_RELEASE = (b"CALL pg_temp.bili_commit_release($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, "
                    b"$15, $16, $17, NULL)")
 _COMMIT = b"SELECT bili_commit_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)"
-# a session's lineage parts from ``keep`` on replaced (PgStore.save_lineage_parts)
-_SAVE_PARTS = ("WITH gone AS (DELETE FROM lineage_parts WHERE session_id=%(s)s AND seq>=%(end)s) "
-               "INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) "
-               "SELECT %(s)s, %(keep)s + u.i - 1, u.r, u.h, u.f FROM unnest(%(r)s::text[], %(h)s::text[], "
-               "%(f)s::text[]) WITH ORDINALITY AS u(r, h, f, i) "
-               "ON CONFLICT(session_id, seq) DO UPDATE SET ref=excluded.ref, chash=excluded.chash, fp=excluded.fp")
+# a session's lineage parts from ``keep`` on replaced (PgStore.save_lineage_parts): the rows as one JSON
+# text (msgspec's: ``[[ref, chash, fp], ...]``, each row numbered by its place), not three text arrays
+# (psycopg's list dumper adapts them element by element in Python: ~0.6 ms of the client's CPU after a
+# first turn of 100 messages); spelled for libpq ($n, the lock connection) and for psycopg (%s)
+_SAVE_PARTS_SQL = ("WITH gone AS (DELETE FROM lineage_parts WHERE session_id={s} AND seq>={end}) "
+                   "INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) "
+                   "SELECT {s}, {keep} + u.i - 1, u.v->>0, u.v->>1, u.v->>2 FROM json_array_elements({rows}::json) "
+                   "WITH ORDINALITY AS u(v, i) "
+                   "ON CONFLICT(session_id, seq) DO UPDATE SET ref=excluded.ref, chash=excluded.chash, fp=excluded.fp")
+_SAVE_PARTS = _SAVE_PARTS_SQL.format(s="$1", end="$2", keep="$3", rows="$4").encode()
+_SAVE_PARTS_PG = _SAVE_PARTS_SQL.format(s="%(s)s", end="%(end)s", keep="%(keep)s", rows="%(rows)s")
+# the lock connection's own prepared statements of these (PgStore._prepare_turns: parsed once when it opens,
+# not per turn: the hold's answer came ~35 us sooner here, a little less client CPU, less of the server's);
+# names psycopg's own (``_pg3_N``) never take.  The last one where the connection has its procedure.
+_PREPARED = ((b"bili_hold", _HOLD), (b"bili_commit", _COMMIT), (b"bili_save_parts", _SAVE_PARTS),
+             (b"bili_commit_release", _COMMIT_RELEASE))
+_PREPARED_NAMES = {sql: name for name, sql in _PREPARED}
+_COMMAND_OK = int(ExecStatus.COMMAND_OK) if psycopg is not None else 1
 # a new session's fork candidates: the sessions of its lane whose first part has its fingerprint
 _CANDIDATES = ("SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id=p.session_id "
                "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s ORDER BY s.created")
@@ -668,6 +690,7 @@ class PgStore:
         self._lock_conn: psycopg.Connection | None = None  # holds the sessions' advisory locks
         self._lock_enc = "utf-8"  # its client encoding (read when it is opened)
         self._lock_proc = False  # it has its commit-and-release procedure (:data:`_COMMIT_RELEASE_PROC`)
+        self._lock_prep = False  # it has the turn's statements prepared (:data:`_PREPARED`)
         self._unlocking = False  # release's unlock is on its way: its answer is read before the next statement
         self._held: set[str] = set()
         # the sessions whose lock a turn's commit let go (``commit_turn(release=True)``: the commit was to be
@@ -811,11 +834,14 @@ class PgStore:
         if session_id in self._held:
             return
         try:
-            self._lock_connection()
+            conn = self._lock_conn
+            if conn is None or self._unlocking or conn.pgconn.status == _BAD:  # (BAD: psycopg's ``closed``)
+                self._lock_connection()
+                conn = self._lock_conn
             self.round_trips += 1
             fp, lane = candidates if candidates is not None else (None, None)
             # one statement (schema 10: the candidates too; a pipeline of two cost ~3x the client's time)
-            got = self._call(self._lock_conn, _HOLD, (session_id, fp, lane)).get_value(0, 0)
+            got = self._call(conn, _HOLD, (session_id, fp, lane)).get_value(0, 0)
             if got == _NEW_HOLD or got == _NEW_HOLD_CANDS:  # a new session (nothing to decode)
                 version = fam = last = None
                 cands = ()
@@ -839,20 +865,24 @@ class PgStore:
         )
 
     def _call(self, conn, sql: bytes, params: tuple):
-        """One statement of a turn's path (:data:`_HOLD`, :data:`_COMMIT`) sent through libpq as it is:
+        """One statement of a turn's path (:data:`_HOLD`, :data:`_COMMIT`, :data:`_COMMIT_RELEASE`) sent
+        through libpq as it is, or as the lock connection's prepared statement of it (:data:`_PREPARED`):
         its parameters as text, its one result returned (a failure raised as psycopg raises it).
         psycopg's cursor machinery cost the client ~2-3x the statement's own work (39 against 15 us
         hot; a turn pays it cold), twice per turn.  libpq's own blocking call (``PQexecParams``, the
         GIL let go while it waits): psycopg's wait generator is Python code run cold each turn; the
         lock connection's encoding is the one read when it was opened (never changed after)."""
-        enc = self._lock_enc if conn is self._lock_conn else conn.info.encoding
+        if conn is self._lock_conn:
+            enc = self._lock_enc
+            name = _PREPARED_NAMES.get(sql) if self._lock_prep else None
+        else:
+            enc = conn.info.encoding
+            name = None
         pgconn = conn.pgconn
-        result = pgconn.exec_params(sql, [p if p is None or isinstance(p, bytes) else str(p).encode(enc)
-                                          for p in params])
-        if result.status != ExecStatus.TUPLES_OK:
-            if pgconn.status != ConnStatus.OK:  # the connection is lost (as psycopg's wait would raise it)
-                raise psycopg.OperationalError(f"the connection is lost: {pgconn.get_error_message(enc)}")
-            raise pg_errors.error_from_result(result, encoding=enc)
+        params = [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in params]
+        result = pgconn.exec_params(sql, params) if name is None else pgconn.exec_prepared(name, params)
+        if result.status != _TUPLES_OK:
+            _failed(pgconn, result, enc)
         return result
 
     def _lock_connection(self) -> None:
@@ -868,6 +898,19 @@ class PgStore:
                 self._lock_proc = True
             except psycopg.Error:
                 self._lock_proc = False
+            self._lock_prep = self._prepare_turns(self._lock_conn.pgconn)
+
+    def _prepare_turns(self, pgconn) -> bool:
+        """The turn's statements (:data:`_PREPARED`; the commit-and-release one where the connection has
+        its procedure) prepared on the lock connection as it opens; False (they are sent as they are,
+        parsed per turn) when one is refused."""
+        try:
+            for name, sql in _PREPARED if self._lock_proc else _PREPARED[:-1]:
+                if pgconn.prepare(name, sql).status != _COMMAND_OK:
+                    return False
+        except psycopg.Error:
+            return False
+        return True
 
     def release(self, wait: bool = False) -> None:
         """Let go of the sessions :meth:`hold` took.  The unlock is sent without waiting for its answer
@@ -926,6 +969,7 @@ class PgStore:
     def _drop_lock_conn(self) -> None:
         self._unlocking = False
         self._lock_proc = False
+        self._lock_prep = False
         conn, self._lock_conn = self._lock_conn, None
         if conn is not None:
             try:
@@ -1063,8 +1107,9 @@ class PgStore:
         ledger rows, the prefix chain and the canonical copy (``copy``) in one statement (its own
         transaction); a refusal rolls it all back and names itself (:data:`_STALE`).  ``release``: this
         is the turn's last write of the session: the session's lock goes in the same round trip
-        (:meth:`_commit_and_unlock`), and :meth:`release` has nothing left to send."""
-        self._again(row.id)
+        (:meth:`_commit_on`), and :meth:`release` has nothing left to send."""
+        if row.id in self._let_go:  # (:meth:`_again`, inline)
+            self.hold(row.id)
         now = time.time()
         fresh = fresh and bool(new_refs)
         if fresh and minted:
@@ -1112,8 +1157,15 @@ class PgStore:
 
     def _commit_on(self, conn, row: SessionRow, expect: int, now: float, given, k: int, first, doc: bytes | None,
                    n: int, chain, copy, unlock: bool = False) -> int:
-        """``bili_commit_turn`` on ``conn``: the new version.  ``unlock``: ``conn`` is the lock connection,
-        which lets its sessions go right after the commit, in the same round trip."""
+        """``bili_commit_turn`` on ``conn``: the new version (:meth:`_call`).  ``unlock``: ``conn`` is the
+        lock connection, which lets its sessions go right after the commit, in the same round trip
+        (:data:`_COMMIT_RELEASE`: the commit's transaction ends before the unlock runs).  Done, the
+        sessions are let go: :meth:`release` sends nothing for them, and a write of one after this takes
+        its lock again (:meth:`_again`).  Refused (:data:`_STALE`: before its COMMIT), nothing is written
+        and the lock is kept.  Any other failure drops the connection (the locks go with it; whether the
+        commit was written is the store's to say: the session is read again).  The unlock on its own
+        (:meth:`release`: its send, its answer read before the next statement) cost ~55 us of the
+        client's CPU a turn, cold, plus that read."""
         self.round_trips += 1  # (with the unlock: the same one statement)
         enc = self._lock_enc if conn is self._lock_conn else conn.info.encoding
         if doc is not None and enc != "utf-8":
@@ -1121,20 +1173,8 @@ class PgStore:
         params = (row.id, expect, row.agent, row.lane, repr(now), row.requests, row.messages, row.next_ref,
                   row.flags, given, k, first, doc, n,
                   chain[0] if chain is not None else None, chain[1] if chain is not None else None, copy)
-        if unlock:
-            return int(self._commit_and_unlock(conn, params).get_value(0, 0))
-        return int(self._call(conn, _COMMIT, params).get_value(0, 0))
-
-    def _commit_and_unlock(self, conn, params: tuple):
-        """The turn's commit on the lock connection, then the unlock of every session it holds, in one
-        statement (:data:`_COMMIT_RELEASE`: the commit's transaction ends before the unlock runs).
-        Returns its result as :meth:`_call` does.  Done, the sessions are let go: :meth:`release`
-        sends nothing for them, and a write of one after this takes its lock again (:meth:`_again`).
-        Refused (:data:`_STALE`: before its COMMIT), nothing is written and the lock is kept.  Any
-        other failure drops the connection (the locks go with it; whether the commit was written is
-        the store's to say: the session is read again).  The unlock on its own (:meth:`release`: its
-        send, its answer read before the next statement) cost ~55 us of the client's CPU a turn, cold,
-        plus that read."""
+        if not unlock:
+            return int(self._call(conn, _COMMIT, params).get_value(0, 0))
         try:
             result = self._call(conn, _COMMIT_RELEASE, params)
         except psycopg.Error as e:
@@ -1143,7 +1183,7 @@ class PgStore:
                 self._let_go_all()
             raise
         self._let_go_all()
-        return result
+        return int(result.get_value(0, 0))
 
     def _let_go_all(self) -> None:
         """The sessions held are let go (the lock connection's unlock ran, or it was dropped)."""
@@ -1414,17 +1454,24 @@ class PgStore:
         """Parts from ``keep`` on replaced by ``rows``, in one statement (its own transaction)."""
         end = keep + len(rows)
         self._cands.clear()  # what hold read of the candidates may miss these
-        params = {"s": session_id, "end": end, "keep": keep, "r": [r[0] for r in rows], "h": [r[1] for r in rows],
-                  "f": [r[2] for r in rows]}
+        doc = _json.encode(rows)  # (see _SAVE_PARTS: UTF-8)
         try:
             if self._conn is None:
                 # the lock connection (the turns' own, on this thread: a statement of its own there as on a
                 # pooled one): the turn's commit went there too, so a pooled connection's check-out and
-                # return, run cold after the answer, would cost more than the turn saved by it
+                # return, run cold after the answer, would cost more than the turn saved by it; sent
+                # through libpq as the turn's statements are (see _HOLD)
                 try:
                     self._lock_connection()  # (the unlock's answer read first, when it is on its way)
                     self.round_trips += 1
-                    self._lock_conn.execute(_SAVE_PARTS, params)
+                    enc = self._lock_enc
+                    pgconn = self._lock_conn.pgconn
+                    params = [str(session_id).encode(enc), str(end).encode(enc), str(keep).encode(enc),
+                              doc if enc == "utf-8" else doc.decode().encode(enc)]
+                    result = (pgconn.exec_prepared(b"bili_save_parts", params) if self._lock_prep
+                              else pgconn.exec_params(_SAVE_PARTS, params))
+                    if result.status != _COMMAND_OK:
+                        _failed(pgconn, result, enc)
                 except psycopg.Error:
                     if self._lock_conn is not None and self._lock_conn.closed:
                         self._drop_lock_conn()  # lost (the next hold opens another)
@@ -1432,7 +1479,7 @@ class PgStore:
             else:
                 with self._use() as conn:
                     self.round_trips += 1
-                    conn.execute(_SAVE_PARTS, params)
+                    conn.execute(_SAVE_PARTS_PG, {"s": session_id, "end": end, "keep": keep, "rows": doc.decode()})
         except (psycopg.Error, PoolTimeout) as e:
             raise pg_error("write", self.url, e) from e
         self.writes += 1
