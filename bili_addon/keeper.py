@@ -119,21 +119,27 @@ class Keeper:
     def offloading(self) -> bool:
         return self._pool is not None
 
-    def run(self, fn: Callable[["Engine"], T], count: str | None = TURN) -> T | None:
+    def run(self, fn: Callable[["Engine"], T], count: str | None = TURN, *, queued: bool = False) -> T | None:
         """Run ``fn(engine)`` here and now (on the worker, or inline outside mitmproxy's loop).
         None when the store is unusable or failed; ``count`` names the counter that says so (a turn
         forwarded unchanged, an answer's bookkeeping dropped).  A turn that left its store write for
-        after its request (``Engine.write_behind``) has it written by the worker's next job (inline:
-        right after), and before any other work of the engine in any case."""
+        after its request (``Engine.write_behind``) has it written by a job of its own on the worker
+        (inline: right after; ``queued``: the caller queues that job, :meth:`call`), and before any
+        other work of the engine in any case."""
         with self._lock:
             out = self._run(fn, count)
             eng = self.engine
-            if eng is not None and eng.pending:
+            if eng is not None and eng.pending and not queued:
                 if self._pool is not None:
-                    self._pool.submit(self._logged, _write_pending, DROPPED)
+                    self._write_later()
                 else:
                     self._run(_write_pending, DROPPED)
             return out
+
+    def _write_later(self) -> None:
+        pool = self._pool
+        if pool is not None:
+            pool.submit(self._logged, _write_pending, DROPPED)
 
     def _run(self, fn: Callable[["Engine"], T], count: str | None) -> T | None:
         with self._lock:
@@ -174,10 +180,19 @@ class Keeper:
         if name:
             self.counts[name] += 1
 
-    def call(self, fn: Callable[["Engine"], T], count: str | None = TURN) -> "asyncio.Future[T | None]":
-        """``run`` on the worker thread, awaitable from the event loop (which never waits on SQLite)."""
+    async def call(self, fn: Callable[["Engine"], T], count: str | None = TURN) -> T | None:
+        """``run`` on the worker thread, awaited from the event loop (which never waits on SQLite).
+        A turn's store write left for after its request is queued once the caller has had the
+        result and the loop has run on (mitmproxy sends the request as its hook returns: the write
+        follows it onto the worker, not the other way round)."""
         assert self._pool is not None
-        return asyncio.get_running_loop().run_in_executor(self._pool, lambda: self.run(fn, count))
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, lambda: self.run(fn, count, queued=True))
+        finally:
+            eng = self.engine
+            if eng is not None and eng.pending:
+                loop.call_soon(self._write_later)
 
     def submit(self, fn: Callable[["Engine"], Any], count: str | None = DROPPED) -> Future | None:
         """Run bookkeeping on the worker without waiting for it (inline outside mitmproxy); ``count``:

@@ -309,3 +309,41 @@ def test_locks_in_one_process_exclude_each_other(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_the_keeper_queues_the_write_after_its_caller_had_the_turn(tmp_path):
+    """On mitmproxy's loop: the turn's result comes back with its write still to make (the session
+    held meanwhile); the write is queued when the loop runs on (after the request went) and lands
+    before any later work."""
+    import asyncio
+
+    from bili_addon.keeper import Keeper
+
+    case = bench_overhead.Case("anthropic", 20)
+    k = Keeper(lambda d: engine(Store(d), True))
+    k.open(str(tmp_path))
+    k.start()
+
+    async def main():
+        res = await k.call(lambda eng: eng.process(case.body(case.msgs), LANES["anthropic"],
+                                                   {"x-acp-session": "kq"}, render=True))
+        assert b"<acp " in res.body and k.engine.pending  # (nothing queued yet: the loop has not run on)
+        other = Store(str(tmp_path))
+        try:
+            other._locks.wait = 0.05
+            assert other.version("kq") == 0
+            with pytest.raises(SessionBusy):
+                other.hold("kq")
+            await asyncio.sleep(0)  # the loop runs on: the write is queued
+            await asyncio.get_running_loop().run_in_executor(k._pool, lambda: None)  # ... and made
+            assert not k.engine.pending and other.version("kq") == 1
+            other.hold("kq")
+            other.release()
+        finally:
+            other.close()
+        assert await k.call(lambda eng: eng.store.version("kq")) == 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        k.stop()
