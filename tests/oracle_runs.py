@@ -39,3 +39,27 @@ def run_both(tmp_path: Path, scenario: Callable, patch_oracles: Callable, trace:
                 for e in engines:
                     e.store.close()
     return runs[0], runs[1]
+
+
+CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "captures"
+
+
+def capture_turns() -> list[tuple[str, dict, bytes]]:
+    """``(lane, headers, body)`` of every captured request in ``shared/captures`` (skipped where
+    there are none), in file order: the agents' real bodies as fixtures."""
+    import json
+
+    if not CAPTURES.is_dir():
+        pytest.skip(f"no captures at {CAPTURES}")
+    turns = []
+    for f in sorted(CAPTURES.glob("*/*/*.json")):
+        req = json.loads(f.read_text())
+        url = req.get("orig_url") or ""
+        lane = ("anthropic" if url.endswith("/v1/messages") else "chat" if url.endswith("/chat/completions")
+                else "responses" if url.endswith("/responses") else None)
+        if lane is None or not isinstance(req.get("body"), dict):
+            continue
+        headers = {k.lower(): v for k, v in req["headers"]}
+        turns.append((lane, headers, json.dumps(req["body"], separators=(",", ":"), ensure_ascii=False).encode()))
+    return turns
+

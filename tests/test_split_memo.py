@@ -21,6 +21,7 @@ from bili_addon.store import Store
 from bili_addon.wire import LANES, base
 from bili_addon.wire.base import Body, Split, Splits, _split_compact
 
+from tests.oracle_runs import capture_turns
 from tests.test_folded_follow_up import bench_overhead
 
 CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "captures"
@@ -262,19 +263,7 @@ def test_engine_turns_of_the_bench(tmp_path, lane):
 
 
 def test_engine_turns_of_the_captures(tmp_path):
-    if not CAPTURES.is_dir():
-        pytest.skip(f"no captures at {CAPTURES}")
-    turns = []
-    for f in sorted(CAPTURES.glob("*/*/*.json")):
-        req = json.loads(f.read_text())
-        url = req.get("orig_url") or ""
-        lane = ("anthropic" if url.endswith("/v1/messages") else "chat" if url.endswith("/chat/completions")
-                else "responses" if url.endswith("/responses") else None)
-        if lane is None or not isinstance(req.get("body"), dict):
-            continue
-        headers = {k.lower(): v for k, v in req["headers"]}
-        raw = json.dumps(req["body"], separators=(",", ":"), ensure_ascii=False).encode()
-        turns.append((lane, headers, raw))
+    turns = capture_turns()
     assert len(turns) >= 10 and any(lane == "responses" for lane, _h, _r in turns)
     compare(tmp_path, turns)
 

@@ -8,7 +8,6 @@ go, and the next turn over the same history gives the same refs the failed one s
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -22,9 +21,9 @@ from bili_addon import locks, stores
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import SessionBusy, Store, StoreError
 from bili_addon.wire import LANES
+from tests.oracle_runs import capture_turns
 from tests.test_folded_follow_up import bench_overhead
 
-CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "captures"
 _CLOCKS = {"created", "last_seen", "first_seen", "ts", "executed", "pruned"}  # (when: not what)
 _CREATED = re.compile(r'"created": [0-9.]+')  # (a block's clock)
 TABLES = [(t, tuple(c for c in cols if c not in _CLOCKS), key) for t, (cols, key) in stores.TABLES.items()]
@@ -141,18 +140,7 @@ def test_the_other_lanes(tmp_path, lane):
 
 
 def test_the_captures(tmp_path):
-    if not CAPTURES.is_dir():
-        pytest.skip(f"no captures at {CAPTURES}")
-    turns = []
-    for f in sorted(CAPTURES.glob("*/*/*.json")):
-        req = json.loads(f.read_text())
-        url = req.get("orig_url") or ""
-        lane = ("anthropic" if url.endswith("/v1/messages") else "chat" if url.endswith("/chat/completions")
-                else "responses" if url.endswith("/responses") else None)
-        if lane is None or not isinstance(req.get("body"), dict):
-            continue
-        headers = {k.lower(): v for k, v in req["headers"]}
-        turns.append((lane, headers, json.dumps(req["body"], separators=(",", ":"), ensure_ascii=False).encode()))
+    turns = capture_turns()
     assert len(turns) >= 10
     compare(tmp_path, turns)
 
