@@ -457,8 +457,14 @@ class _OldLane:
 
 def _patch_old(mp: pytest.MonkeyPatch) -> None:
     """The old code in place of the new (for whole Engine runs)."""
-    for name in ("__init__", "_grown", "forget", "get", "get_many", "_parts", "_new_parts"):
+    for name in ("__init__", "_grown", "forget", "get", "_parts", "_new_parts"):
         mp.setattr(ItemCache, name, OldItemCache.__dict__[name])
+    old_get_many = OldItemCache.__dict__["get_many"]
+
+    def get_many(self, lane, raws, objs=None, whole=None, later=None):  # (the old one keeps its record at once)
+        return old_get_many(self, lane, raws, objs, whole)
+
+    mp.setattr(ItemCache, "get_many", get_many)
     mp.setattr(fresh, "first_pass", old_first_pass)
     mp.setattr(anthropic.AnthropicLane, "array_cores", staticmethod(old_anthropic_array_cores))
     mp.setattr(chat.ChatLane, "array_cores", staticmethod(old_chat_array_cores))
@@ -607,7 +613,11 @@ def _same_get_many(lane, raws, whole, pre: list | None = None) -> None:
     assert not lazy or whole is not None
     hash_parts([p for i in new for p in i.parts])
     assert new == old and _cores(new) == _cores(old)
-    assert [type(o) for o in new_objs] == [type(o) for o in old_objs] and new_objs == old_objs
+    # an item the cache held, or one twice, is read typed with the others (the old loop left it
+    # undecoded: None), and so is one the old loop decoded alone (a dict)
+    assert len(new_objs) == len(old_objs)
+    for n, o in zip(new_objs, old_objs):
+        assert n == o or (o is None or type(o) is dict) and type(n) is not dict
     assert list(new_cache.items.items()) == list(old_cache.items.items())
     assert [k[1] is v.raw for k, v in new_cache.items.items()] == [k[1] is v.raw for k, v in old_cache.items.items()]
     assert new_cache.size == old_cache.size

@@ -295,8 +295,8 @@ def test_get_many_with_and_without():
             for n, o, raw in zip(new[1], old[1], r):
                 assert n is None or isinstance(n, msgspec.Struct) or n == o
                 assert (n is None) == (o is None) or isinstance(n, msgspec.Struct)
-                if isinstance(n, msgspec.Struct):
-                    assert o == decode_any(raw)
+                if isinstance(n, msgspec.Struct):  # (None: an item the old loop found cached or twice, not decoded)
+                    assert o is None or o == decode_any(raw)
 
 
 def test_patch_from_structs_is_patch_from_dicts():

@@ -147,7 +147,8 @@ class ItemCache:
         self._grown(len(raw))
         return info
 
-    def get_many(self, lane: Lane, raws, objs: list | None = None, whole=None) -> list[ItemInfo]:
+    def get_many(self, lane: Lane, raws, objs: list | None = None, whole=None,
+                 later: list | None = None) -> list[ItemInfo]:
         """:meth:`get` of each of ``raws`` (``bytes`` or ``msgspec.Raw``), in one pass: a
         conversation's first pass parses every item, and the per-call work of :meth:`get` (and of
         :func:`~bili_addon.kernel.identity.digest`, inlined here: the same seed, the same hash) was
@@ -156,9 +157,13 @@ class ItemCache:
         ``map``), not one Python step per part.  ``objs``: gets each item as decoded here (None
         for one found in the cache, the lane's typed struct for one its ``array_cores`` read), for
         the pass's rendering to patch (wire.base.patch_decoded, the lane's ``patch_typed``).
-        ``whole``: the array ``raws`` were split from, decoded in one call when the first item is
-        new, or at the first new item when at least half of them are new (a new conversation whose
-        first items other conversations share, a system prompt: not parsed item by item)."""
+        ``whole``: the array ``raws`` were split from (a pass that shares no item with a previous
+        one: a conversation's first), decoded in one call, the lane's typed reading of every item
+        in order when it has one (any item the cache holds, or one twice, read again: the same
+        values), else when the first item is new, or at the first new item when at least half of
+        them are new.  ``later``: where to leave the cache's record of items so read, for after the
+        request (the bytes of every item hashed for its key, ~0.15x the floor: ``Engine._later``);
+        None: at once."""
         name, items = lane.name, self.items
         pop = items.pop
         cores_of, is_system, decode = lane.item_cores, lane.is_system_item, decode_any
@@ -173,28 +178,28 @@ class ItemCache:
         new: dict[bytes, ItemInfo] = {}  # an item repeated in ``raws`` is the same item
         wide = tried = False  # whether to decode ``whole`` at the first new item (not only the first item)
         if whole is not None and array_cores is not None and raws:
-            # a conversation's first pass, every item new and none twice: the loop below in C-level
-            # steps (the same ItemInfos, cores, objs, cache order and size): the lane reads the cores
-            # of all the items into one list, the parts are made of it, each item's are a slice
-            braws = list(map(bytes, raws))
-            keys = list(zip(repeat(name), braws))
-            if items.keys().isdisjoint(keys) and len(set(braws)) == len(braws):
-                got = array_cores(whole, flat=True)  # (the cores of them all, where each item's end)
-                if got is not None and len(got[1]) == len(raws):
-                    flat, ends = got[0], got[1]
-                    if objs is not None:
-                        objs.extend(got[2])
-                    if flat:
-                        parts = self._new_parts(flat, lazy=True)  # (hashed when first read: fresh.py)
-                        lists = [parts[a:b] for a, b in zip([0, *ends], ends)]  # (no slice object made)
-                    else:
-                        lists = [[] for _raw in braws]
-                    out = list(map(ItemInfo, braws, got[3] if len(got) > 3 else repeat(False), lists))
-                    if flat:
-                        items.update(zip(keys, out))
-                    self._grown(sum(map(len, braws)))
-                    return out
-                array_cores = None  # (read them one by one below, the array decoded once)
+            # a conversation's first pass: the loop below in C-level steps (the same ItemInfos,
+            # cores, cache order and size; objs typed for every item): the lane reads the cores of
+            # all the items into one list, the parts are made of it, each item's are a slice
+            got = array_cores(whole, flat=True)  # (the cores of them all, where each item's end)
+            if got is not None and len(got[1]) == len(raws):
+                braws = list(map(bytes, raws))
+                flat, ends = got[0], got[1]
+                if objs is not None:
+                    objs.extend(got[2])
+                if flat:
+                    parts = self._new_parts(flat, lazy=True)  # (hashed when first read: fresh.py)
+                    lists = [parts[a:b] for a, b in zip([0, *ends], ends)]  # (no slice object made)
+                else:
+                    lists = [[] for _raw in braws]
+                out = list(map(ItemInfo, braws, got[3] if len(got) > 3 else repeat(False), lists))
+                if later is not None:
+                    later.append(lambda: self._keep(name, braws, out))
+                else:
+                    self._keep(name, braws, out)
+                return out
+            array_cores = None  # (read them one by one below, the array decoded once)
+            keys = [(name, bytes(r)) for r in raws]
             wide = (len(keys) - sum(map(items.__contains__, keys))) * 2 >= len(keys)
         for i, r in enumerate(raws):
             raw = bytes(r)
@@ -246,6 +251,23 @@ class ItemCache:
         if size:
             self._grown(size)
         return out
+
+    def _keep(self, name: str, braws: list[bytes], out: list[ItemInfo]) -> None:
+        """The cache's record of the items of a first pass (:meth:`get_many`), as the item-by-item
+        loop leaves it: an item the cache held is kept as it was and made the newest where it comes,
+        then the others follow in order (the first of twins), the size grown by their bytes."""
+        items = self.items
+        pop = items.pop
+        new: dict[tuple[str, bytes], ItemInfo] = {}
+        for key, info in zip(zip(repeat(name), braws), out):
+            held = pop(key, None)
+            if held is not None:
+                items[(name, held.raw)] = held
+            elif key not in new:
+                new[key] = info
+        if any(info.parts for info in new.values()):
+            items.update(new)
+        self._grown(sum(len(key[1]) for key in new))
 
     @staticmethod
     def _parts(flat: list[Core], made: list[tuple[ItemInfo, int]]) -> None:

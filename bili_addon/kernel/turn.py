@@ -100,6 +100,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         # of the engine; a store that holds its sessions across processes only: ``store.exclusive``)
         self.write_behind = False
         self._pending = False  # a turn's write is staged past its request (write_pending writes it)
+        self._later: list = []  # a turn's bookkeeping that waits for its request to go (the item cache's record)
 
     # -- sessions: kernel/registry.py; these two are the way in for the shell, the admin endpoints
     # -- and the tests (and, until they are next edited, for _process and kernel/pressure.py)
@@ -142,6 +143,12 @@ class Engine(ProxyTools, Epochs, Deferred):
             raise
         finally:
             self.store.release()
+            self._run_later()
+
+    def _run_later(self) -> None:
+        later, self._later = self._later, []
+        for fn in later:
+            fn()
 
     def process(
         self, raw: bytes, lane: Lane, headers: Mapping[str, str], *, render: bool, origin: str = ""
@@ -182,6 +189,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             else:
                 self._unstage()  # a turn that failed before its staged commit was written: nothing of it kept
                 self.store.release()  # the session's lock (another instance's turn of it may wait)
+                self._run_later()
             if enabled:
                 gc.enable()
 
@@ -207,7 +215,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         shares = memo if k else None  # (its first k items are these: whatever becomes of ``memo`` below)
         objs: list = [None] * k  # the items parsed in this pass, as decoded (render_items patches them)
         infos = (memo.infos[:k] if k else []) + self.items.get_many(
-            lane, raws[k:], objs, body.top[lane.conv_key] if not k and raws else None)
+            lane, raws[k:], objs, body.top[lane.conv_key] if not k and raws else None, self._later)
         start = memo.start if k else _system_run(infos)
 
         if ident is not None:
