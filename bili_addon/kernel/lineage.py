@@ -236,8 +236,9 @@ class Lineage:
     # -- adoption --------------------------------------------------------------------------------
     @staticmethod
     def _fresh(s: Session) -> bool:
+        flags = s.flags
         return (not s.blocks and not s.calls and
-                not any(k in s.flags for k in ("envelope", "nudges", "truncated")))
+                "envelope" not in flags and "nudges" not in flags and "truncated" not in flags)
 
     def _record(self, sid: str) -> list[tuple[str, str, str]]:
         if sid in self.pending:  # its record is complete once its kept-back parts are in
@@ -373,9 +374,27 @@ def fingerprint(core: Core) -> str:
     text (JSON key-sorted and compacted, prose whitespace-normalised), with its call id and kind;
     reasoning on its role alone, as the fold-coverage layer does (providers re-mint what stands
     for it)."""
-    text = "" if core.ctype == REASONING else canonical_text(core.text)
+    text = "" if core.ctype == REASONING else _canonical(core.text)
     seed = "\x00".join((core.role, core.ctype, core.tool_call_id, core.tool_name, text, core.media or ""))
     return hashlib.sha256(seed.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _canonical(text: str) -> str:
+    """``canonical_text(text)``: the text itself where that is what it gives, ASCII prose (NFC
+    leaves it as it is; not a JSON text: it opens with no bracket, or closes with none) whose only
+    whitespace is single spaces and line breaks between words (normalize_text's lines and words
+    then join back into the same text), found by a few scans of it instead of splitting it into
+    words and joining them again; anything else as canonical_text makes it."""
+    if (text.isascii() and text and text[0] not in _EDGE and text[-1] not in _EDGE
+            and (text[0] not in "{[" or text[-1] not in "}]")
+            and "  " not in text and " \n" not in text and "\n " not in text and "\n\n" not in text
+            and "\t" not in text and "\r" not in text and "\x0b" not in text and "\x0c" not in text
+            and "\x1c" not in text and "\x1d" not in text and "\x1e" not in text and "\x1f" not in text):
+        return text
+    return canonical_text(text)
+
+
+_EDGE = frozenset(" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f")  # (an ASCII text's whitespace: str.split's and strip's)
 
 
 __all__ = ["Lineage"]
