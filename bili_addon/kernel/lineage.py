@@ -81,7 +81,7 @@ class Lineage:
             family = self.store.family(sid)  # from the store: another proxy on it may have made one
         if family is None and sid not in self.checked and self._fresh(s):
             conv = infos[start:]
-            if any(p.core.role == "assistant" for info in conv for p in info.parts):
+            if _answered(conv):
                 # a history that goes on from the session's own earlier request is its own, even
                 # where another conversation said the same (a fork's first request carries the
                 # parent's history; at most a side request of other words comes before it)
@@ -98,9 +98,9 @@ class Lineage:
     def head(self, sid: str, conv: list[ItemInfo], lane: str) -> tuple[str, str] | None:
         """What :meth:`before_turn`'s fork check of a session not loaded yet would look up in the
         store (its first part's fingerprint and its lane), or None when it would not look."""
-        if sid in self.checked or not any(p.core.role == "assistant" for info in conv for p in info.parts):
+        if sid in self.checked or not _answered(conv):
             return None
-        first = next((info.parts[0] for info in conv if info.parts), None)
+        first = _opening(conv)
         return (self._first_fingerprint(first.core), lane) if first is not None else None
 
     def _first_fingerprint(self, core: Core) -> str:
@@ -256,7 +256,7 @@ class Lineage:
     def _adopt(self, s: Session, conv: list[ItemInfo], parts: list[Part] | None = None) -> str | None:
         """``parts``: those of ``conv``, when the caller has them (else made once a candidate is found)."""
         sid = s.row.id
-        first = next((info.parts[0] for info in conv if info.parts), None)
+        first = _opening(conv)
         if first is None:
             return None
         head = self._first_fingerprint(first.core)
@@ -367,6 +367,25 @@ class Lineage:
         if retired:
             note += f"; {len(retired)} ref(s) it gave before it was recognised are given anew"
         return note
+
+
+def _answered(conv: list[ItemInfo]) -> bool:
+    """Whether a part of ``conv`` is the assistant's (a plain loop: it stops at the first, mostly
+    the conversation's second item)."""
+    for info in conv:
+        for p in info.parts:
+            if p.core.role == "assistant":
+                return True
+    return False
+
+
+def _opening(conv: list[ItemInfo]) -> Part | None:
+    """The first part of ``conv`` (None: no item has one)."""
+    for info in conv:
+        parts = info.parts
+        if parts:
+            return parts[0]
+    return None
 
 
 def fingerprint(core: Core) -> str:

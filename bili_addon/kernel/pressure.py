@@ -86,7 +86,7 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
         return  # not even the whole context would be worth a fold, and the window is far
     nudges = dict(flags.get("nudges", {}))
     newest = resolved[-1]
-    if newest and not any(r.entry.ref in nudges for r in newest):
+    if newest and not (nudges and _given(newest, nudges)):
         text = nudge.decide(view, blocks, host.fold_cfg, cfg, used, window, int(at), cov)
         if text and not asks_for_summary(view):  # (asked only when there is a reminder to give)
             prose = None
@@ -104,6 +104,14 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
     known = flags.get("truncated", {})
     if any(ref not in known for ref in cut):
         host.set_flag(s.row.id, "truncated", {**cut, **known})
+
+
+def _given(newest: list[Resolved], nudges: dict) -> bool:
+    """Whether a part of the newest item carries a reminder already."""
+    for r in newest:
+        if r.entry.ref in nudges:
+            return True
+    return False
 
 
 def upgrade_lifetime(host: PressureHost, s: Session, body: Body, items: list[bytes], raw: bytes,
