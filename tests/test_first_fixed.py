@@ -25,7 +25,7 @@ from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.pressure import PressureHost
 from bili_addon.kernel.reconcile import canonical_text
 from bili_addon.kernel.render import WireFolds
-from bili_addon.kernel.state import Resolved, Session, TurnResult
+from bili_addon.kernel.state import ItemInfo, Resolved, Session, TurnResult
 from bili_addon.kernel.tags import format_tokens
 from bili_addon.store import Store
 from bili_addon.wire import LANES, Lane
@@ -251,6 +251,35 @@ def old_fresh(s: Session) -> bool:
             not any(k in s.flags for k in ("envelope", "nudges", "truncated")))
 
 
+def old_before_turn(self, s: Session, infos: list[ItemInfo], start: int) -> str | None:
+    """Before refs are given: a fresh session may turn out to be a fork (returns the note
+    saying so); a family member's next ref is the family's."""
+    sid = s.row.id
+    note = None
+    if s.unstored:  # a new session: nothing of it in the store to read (two reads less)
+        s.unstored = False
+        family = None
+        if sid not in self.records and sid not in self.pending:
+            self.records[sid] = []
+    else:
+        family = self.store.family(sid)  # from the store: another proxy on it may have made one
+    if family is None and sid not in self.checked and self._fresh(s):
+        conv = infos[start:]
+        if any(p.core.role == "assistant" for info in conv for p in info.parts):
+            # a history that goes on from the session's own earlier request is its own, even
+            # where another conversation said the same (a fork's first request carries the
+            # parent's history; at most a side request of other words comes before it)
+            own = self._record(sid)
+            parts = [p for info in conv for p in info.parts] if own else None
+            continues = parts is not None and len(parts) >= len(own) and all(
+                o[1] == p.chash for o, p in zip(own, parts))
+            note = None if continues else self._adopt(s, conv, parts)
+            self.checked.add(sid)  # never compared again (after a restart: its own record says it)
+    if family is not None:
+        s.row.next_ref = max(s.row.next_ref, family[3])
+    return note
+
+
 def patch_oracles(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(pressure, "apply", old_apply)
     mp.setattr(nudge, "decide", old_decide)
@@ -262,6 +291,7 @@ def patch_oracles(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(lineage, "_answered", lambda conv: any(p.core.role == "assistant" for info in conv for p in info.parts))
     mp.setattr(lineage, "_opening", lambda conv: next((info.parts[0] for info in conv if info.parts), None))
     mp.setattr(Lineage, "_fresh", staticmethod(old_fresh))
+    mp.setattr(Lineage, "before_turn", old_before_turn)
 
 
 # -- (1) property by property -----------------------------------------------------------------------

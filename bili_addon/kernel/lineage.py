@@ -72,11 +72,13 @@ class Lineage:
         saying so); a family member's next ref is the family's."""
         sid = s.row.id
         note = None
+        made = False  # (its record made here: empty, the newest)
         if s.unstored:  # a new session: nothing of it in the store to read (two reads less)
             s.unstored = False
             family = None
             if sid not in self.records and sid not in self.pending:
                 self.records[sid] = []
+                made = True
         else:
             family = self.store.family(sid)  # from the store: another proxy on it may have made one
         if family is None and sid not in self.checked and self._fresh(s):
@@ -85,7 +87,7 @@ class Lineage:
                 # a history that goes on from the session's own earlier request is its own, even
                 # where another conversation said the same (a fork's first request carries the
                 # parent's history; at most a side request of other words comes before it)
-                own = self._record(sid)
+                own = [] if made else self._record(sid)  # (what _record gives of a record made just now)
                 parts = [p for info in conv for p in info.parts] if own else None
                 continues = parts is not None and len(parts) >= len(own) and all(
                     o[1] == p.chash for o, p in zip(own, parts))
@@ -402,14 +404,14 @@ def _canonical(text: str) -> str:
     """``canonical_text(text)``: the text itself where that is what it gives, ASCII prose (NFC
     leaves it as it is; not a JSON text: it opens with no bracket, or closes with none) whose only
     whitespace is single spaces and line breaks between words (normalize_text's lines and words
-    then join back into the same text), found by a few scans of it instead of splitting it into
-    words and joining them again; anything else as canonical_text makes it."""
+    then join back into the same text): no control character but its line breaks, and no two of
+    those and spaces in a row.  Found by a few scans of it instead of splitting it into words and
+    joining them again; anything else as canonical_text makes it."""
     if (text.isascii() and text and text[0] not in _EDGE and text[-1] not in _EDGE
-            and (text[0] not in "{[" or text[-1] not in "}]")
-            and "  " not in text and " \n" not in text and "\n " not in text and "\n\n" not in text
-            and "\t" not in text and "\r" not in text and "\x0b" not in text and "\x0c" not in text
-            and "\x1c" not in text and "\x1d" not in text and "\x1e" not in text and "\x1f" not in text):
-        return text
+            and (text[0] not in "{[" or text[-1] not in "}]")):
+        flat = text.replace("\n", " ")
+        if flat.isprintable() and "  " not in flat:
+            return text
     return canonical_text(text)
 
 
