@@ -405,12 +405,16 @@ def _canonical(text: str) -> str:
     leaves it as it is; not a JSON text: it opens with no bracket, or closes with none) whose only
     whitespace is single spaces and line breaks between words (normalize_text's lines and words
     then join back into the same text): no control character but its line breaks, and no two of
-    those and spaces in a row.  Found by a few scans of it instead of splitting it into words and
-    joining them again; anything else as canonical_text makes it."""
+    those and spaces in a row.  Found by a few scans of it (each stops at what it looks for) instead
+    of splitting it into words and joining them again; anything else as canonical_text makes it."""
     if (text.isascii() and text and text[0] not in _EDGE and text[-1] not in _EDGE
-            and (text[0] not in "{[" or text[-1] not in "}]")):
-        flat = text.replace("\n", " ")
-        if flat.isprintable() and "  " not in flat:
+            and (text[0] not in "{[" or text[-1] not in "}]") and "  " not in text):
+        # (a text that is not, mostly a tool's output, is told by its first two spaces in a row)
+        if "\n" not in text:
+            if text.isprintable():
+                return text
+        elif (" \n" not in text and "\n " not in text and "\n\n" not in text
+              and text.replace("\n", " ").isprintable()):
             return text
     return canonical_text(text)
 
