@@ -72,20 +72,22 @@ class Lineage:
         saying so); a family member's next ref is the family's."""
         sid = s.row.id
         note = None
+        made = False  # (its record made here: empty, the newest)
         if s.unstored:  # a new session: nothing of it in the store to read (two reads less)
             s.unstored = False
             family = None
             if sid not in self.records and sid not in self.pending:
                 self.records[sid] = []
+                made = True
         else:
             family = self.store.family(sid)  # from the store: another proxy on it may have made one
         if family is None and sid not in self.checked and self._fresh(s):
             conv = infos[start:]
-            if any(p.core.role == "assistant" for info in conv for p in info.parts):
+            if _answered(conv):
                 # a history that goes on from the session's own earlier request is its own, even
                 # where another conversation said the same (a fork's first request carries the
                 # parent's history; at most a side request of other words comes before it)
-                own = self._record(sid)
+                own = [] if made else self._record(sid)  # (what _record gives of a record made just now)
                 parts = [p for info in conv for p in info.parts] if own else None
                 continues = parts is not None and len(parts) >= len(own) and all(
                     o[1] == p.chash for o, p in zip(own, parts))
@@ -98,9 +100,9 @@ class Lineage:
     def head(self, sid: str, conv: list[ItemInfo], lane: str) -> tuple[str, str] | None:
         """What :meth:`before_turn`'s fork check of a session not loaded yet would look up in the
         store (its first part's fingerprint and its lane), or None when it would not look."""
-        if sid in self.checked or not any(p.core.role == "assistant" for info in conv for p in info.parts):
+        if sid in self.checked or not _answered(conv):
             return None
-        first = next((info.parts[0] for info in conv if info.parts), None)
+        first = _opening(conv)
         return (self._first_fingerprint(first.core), lane) if first is not None else None
 
     def _first_fingerprint(self, core: Core) -> str:
@@ -236,8 +238,9 @@ class Lineage:
     # -- adoption --------------------------------------------------------------------------------
     @staticmethod
     def _fresh(s: Session) -> bool:
+        flags = s.flags
         return (not s.blocks and not s.calls and
-                not any(k in s.flags for k in ("envelope", "nudges", "truncated")))
+                "envelope" not in flags and "nudges" not in flags and "truncated" not in flags)
 
     def _record(self, sid: str) -> list[tuple[str, str, str]]:
         if sid in self.pending:  # its record is complete once its kept-back parts are in
@@ -255,7 +258,7 @@ class Lineage:
     def _adopt(self, s: Session, conv: list[ItemInfo], parts: list[Part] | None = None) -> str | None:
         """``parts``: those of ``conv``, when the caller has them (else made once a candidate is found)."""
         sid = s.row.id
-        first = next((info.parts[0] for info in conv if info.parts), None)
+        first = _opening(conv)
         if first is None:
             return None
         head = self._first_fingerprint(first.core)
@@ -368,14 +371,55 @@ class Lineage:
         return note
 
 
+def _answered(conv: list[ItemInfo]) -> bool:
+    """Whether a part of ``conv`` is the assistant's (a plain loop: it stops at the first, mostly
+    the conversation's second item)."""
+    for info in conv:
+        for p in info.parts:
+            if p.core.role == "assistant":
+                return True
+    return False
+
+
+def _opening(conv: list[ItemInfo]) -> Part | None:
+    """The first part of ``conv`` (None: no item has one)."""
+    for info in conv:
+        parts = info.parts
+        if parts:
+            return parts[0]
+    return None
+
+
 def fingerprint(core: Core) -> str:
     """What verifies a message at its position when the bytes differ: the churn rules' canonical
     text (JSON key-sorted and compacted, prose whitespace-normalised), with its call id and kind;
     reasoning on its role alone, as the fold-coverage layer does (providers re-mint what stands
     for it)."""
-    text = "" if core.ctype == REASONING else canonical_text(core.text)
+    text = "" if core.ctype == REASONING else _canonical(core.text)
     seed = "\x00".join((core.role, core.ctype, core.tool_call_id, core.tool_name, text, core.media or ""))
     return hashlib.sha256(seed.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _canonical(text: str) -> str:
+    """``canonical_text(text)``: the text itself where that is what it gives, ASCII prose (NFC
+    leaves it as it is; not a JSON text: it opens with no bracket, or closes with none) whose only
+    whitespace is single spaces and line breaks between words (normalize_text's lines and words
+    then join back into the same text): no control character but its line breaks, and no two of
+    those and spaces in a row.  Found by a few scans of it (each stops at what it looks for) instead
+    of splitting it into words and joining them again; anything else as canonical_text makes it."""
+    if (text.isascii() and text and text[0] not in _EDGE and text[-1] not in _EDGE
+            and (text[0] not in "{[" or text[-1] not in "}]") and "  " not in text):
+        # (a text that is not, mostly a tool's output, is told by its first two spaces in a row)
+        if "\n" not in text:
+            if text.isprintable():
+                return text
+        elif (" \n" not in text and "\n " not in text and "\n\n" not in text
+              and text.replace("\n", " ").isprintable()):
+            return text
+    return canonical_text(text)
+
+
+_EDGE = frozenset(" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f")  # (an ASCII text's whitespace: str.split's and strip's)
 
 
 __all__ = ["Lineage"]

@@ -6,6 +6,7 @@ the very same bytes on every later turn (the prefix cache never sees them change
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
 from bili_addon.kernel import rewrite
@@ -59,19 +60,24 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig,
 
 def _runs_unfolded(view: View, protected: set[int]) -> list[tuple[str, str, int, int]]:
     """:func:`compressible` where no block is active: the runs are the stretches between protected
-    items, each part of them counts (the view's running sums: it runs on every request)."""
+    items, each part of them counts (the view's running sums: it runs on every request).  A run's
+    first and last items with parts are where its count of them steps (as Unfolded.first_held and
+    last_held find them)."""
     out = []
     items = view.items
     tokens, filled, _peak = view.sums()
     begin = 0
-    for stop in [*sorted(protected), len(items)]:
+    stops = sorted(protected)
+    stops.append(len(items))
+    for stop in stops:
         if stop > begin:
             n = filled[stop] - filled[begin]  # the items with parts
             if n:
-                first = next(k for k in range(begin, stop) if items[k].parts)
-                last = next(k for k in range(stop - 1, begin - 1, -1) if items[k].parts)
+                first = bisect_right(filled, filled[begin], begin) - 1
+                last = bisect_left(filled, filled[stop], 0, stop) - 1
                 out.append((items[first].parts[0].ref, items[last].parts[-1].ref, n, tokens[stop] - tokens[begin]))
-        begin = max(begin, stop + 1)
+        if stop >= begin:
+            begin = stop + 1
     return out
 
 
@@ -129,17 +135,29 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
         return None
     if cov is None:
         cov = coverage(blocks)
-    ranges = [r for r in compressible(view, blocks, fold_cfg, cov) if r[3] * 4 >= fold_cfg.min_compress_chars]
-    distil = distillable(view, blocks, fold_cfg, cfg, ranges=ranges, cov=cov)
+    least = fold_cfg.min_compress_chars
+    if cov:
+        ranges = [r for r in compressible(view, blocks, fold_cfg, cov) if r[3] * 4 >= least]
+    else:  # (compressible where nothing is folded, as it reads it)
+        ranges = [r for r in _runs_unfolded(view, view.protected(fold_cfg)) if r[3] * 4 >= least]
+    # a pile of summaries needs two active blocks (distillable's first question, asked here: a
+    # conversation's first turns have none)
+    piled = len(blocks) > 1 and _two_active(blocks)
+    distil = distillable(view, blocks, fold_cfg, cfg, ranges=ranges, cov=cov) if piled else None
     if not ranges and not distil:
         return None
-    pending = sum(r[3] for r in ranges)
+    pending = 0
+    for r in ranges:
+        pending += r[3]
     if not urgent and pending < cfg.batch_tokens and not distil:
         return None
-    if not distil and (urgent or pending >= cfg.batch_tokens):
+    if piled and not distil and (urgent or pending >= cfg.batch_tokens):
         distil = distillable(view, blocks, fold_cfg, cfg, along=True, ranges=ranges, cov=cov)
-    listed = sorted(ranges, key=lambda r: -r[3])[:5]
-    listed.sort(key=lambda r: int(r[0][1:]))
+    if len(ranges) > 5:
+        listed = sorted(ranges, key=_by_tokens)[:5]
+        listed.sort(key=_by_start)
+    else:  # (every range listed: by start, the ranges of one start in the order of their tokens)
+        listed = sorted(ranges, key=_by_start_tokens) if len(ranges) > 1 else ranges
     lines = [f"  {s}–{e}  {n} messages  ~{format_tokens(t)} tokens" for s, e, n, t in listed]
     if distil:  # the pile stands before every range: oldest first, as the wire has them
         first, last, n, t = distil
@@ -155,6 +173,30 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
         *lines,
         "One compress call, one entry per range, alongside your next step if you like.",
     ])
+
+
+def _two_active(blocks: list[Block]) -> bool:
+    """Whether two of ``blocks`` are active (distillable's pile needs them)."""
+    n = 0
+    for b in blocks:
+        if b.active:
+            n += 1
+            if n > 1:
+                return True
+    return False
+
+
+def _by_tokens(r: tuple) -> int:
+    return -r[3]
+
+
+def _by_start(r: tuple) -> int:
+    return int(r[0][1:])
+
+
+def _by_start_tokens(r: tuple) -> tuple[int, int]:
+    """The order of :func:`_by_tokens` then (stably) :func:`_by_start`, in one sort."""
+    return int(r[0][1:]), -r[3]
 
 
 def truncations(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, used: int,

@@ -64,37 +64,54 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
     last = None if new else host.reported_usage(s)
     # the size the provider reported for the last request; without one (a Chat stream without
     # include_usage), the conversation's own estimate
-    cov = fold.coverage(s.blocks) if s.blocks else {}  # (read by the reminder and the truncations too)
+    blocks = s.blocks
+    cov = fold.coverage(blocks) if blocks else {}  # (read by the reminder and the truncations too)
     if last:
         used = last[0]
-    elif not s.blocks:  # nothing folded: every part counts
+    elif not blocks:  # nothing folded: every part counts
         used = view.sums().tokens[-1]
     else:
         # (the tokens of the parts no block holds)
         used = ((view.unfolded(cov).tokens[-1] if cov else view.sums().tokens[-1])
-                + sum(b.summary_tokens for b in s.blocks if b.active))
+                + sum(b.summary_tokens for b in blocks if b.active))
     window = host.window_for(s)
-    if used < int(s.flags.get("last_nudge_at", 0)):
+    flags = s.flags
+    at = flags.get("last_nudge_at", 0)
+    if used < int(at):
         # a fold (or the host's own compaction) shrank the context: growth counts from here
         host.set_flag(s.row.id, "last_nudge_at", used)
+        at = flags.get("last_nudge_at", 0)
     cfg = host.nudge_cfg
     if used < min(cfg.batch_tokens, cfg.distil_tokens, cfg.pressure * window, cfg.truncate_at * window):
         return  # not even the whole context would be worth a fold, and the window is far
-    nudges = dict(s.flags.get("nudges", {}))
+    nudges = dict(flags.get("nudges", {}))
     newest = resolved[-1]
-    if newest and not any(r.entry.ref in nudges for r in newest):
-        text = nudge.decide(view, s.blocks, host.fold_cfg, host.nudge_cfg, used, window,
-                            int(s.flags.get("last_nudge_at", 0)), cov)
+    if newest and not (nudges and _given(newest, nudges)):
+        text = nudge.decide(view, blocks, host.fold_cfg, cfg, used, window, int(at), cov)
         if text and not asks_for_summary(view):  # (asked only when there is a reminder to give)
-            prose = [r for r in newest if r.core.role == "user" and r.core.ctype == TEXT and r.core.path
-                     and r.core.text.strip()]
-            ref = (prose[-1] if prose else newest[-1]).entry.ref
-            nudges[ref] = {"text": text, "how": "suffix" if prose else "item"}
+            prose = None
+            for r in reversed(newest):  # (the last of the user's prose parts, else the last part)
+                core = r.core
+                if core.role == "user" and core.ctype == TEXT and core.path and core.text.strip():
+                    prose = r
+                    break
+            nudges[(newest[-1] if prose is None else prose).entry.ref] = {
+                "text": text, "how": "item" if prose is None else "suffix"}
             host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
-    cut = nudge.truncations(view, s.blocks, host.fold_cfg, host.nudge_cfg, used, window, cov)
-    known = s.flags.get("truncated", {})
+    if not rewrite.window_forces(used, window, cfg.truncate_at):
+        return  # (nudge.truncations' first question: nothing to cut, nothing to write)
+    cut = nudge.truncations(view, blocks, host.fold_cfg, cfg, used, window, cov)
+    known = flags.get("truncated", {})
     if any(ref not in known for ref in cut):
         host.set_flag(s.row.id, "truncated", {**cut, **known})
+
+
+def _given(newest: list[Resolved], nudges: dict) -> bool:
+    """Whether a part of the newest item carries a reminder already."""
+    for r in newest:
+        if r.entry.ref in nudges:
+            return True
+    return False
 
 
 def upgrade_lifetime(host: PressureHost, s: Session, body: Body, items: list[bytes], raw: bytes,

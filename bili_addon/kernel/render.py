@@ -23,7 +23,8 @@ from bili_addon.kernel.kept import MISSING, Kept
 from bili_addon.kernel.state import ItemInfo, Resolved, Session, TurnResult
 from bili_addon.kernel.tools import ProxyTools, call_key
 from bili_addon.wire import Lane, hygiene
-from bili_addon.wire.base import TEXT, TOOL_CALL, TOOL_RESULT, Core, decode_any, encode, patch_decoded, patch_many
+from bili_addon.wire.base import (TEXT, TOOL_CALL, TOOL_RESULT, Core, LaneDefaults, decode_any, encode, patch_decoded,
+                                  patch_many)
 
 if TYPE_CHECKING:
     from bili_addon.store import Store
@@ -272,8 +273,12 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
     s.unfolded_tokens = s.sent_tokens = unfolded
     blocks, calls = folds.wire_blocks(s)  # held folds are not on the wire yet (kernel/pending.py)
     hidden = folds.spent_calls(s, view, blocks=calls) if s.calls else set()
-    active = any(b.active for b in blocks)
-    plan = fold.plan(view, blocks, hidden, snoozed) if hidden or active else fold.Plan(set(), {}, [])
+    active = False
+    for b in blocks:
+        if b.active:
+            active = True
+            break
+    plan = fold.plan(view, blocks, hidden, snoozed) if hidden or active else _NO_PLAN
     after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
     nudge_at = _holding(view, after) if after else set()
     drop = plan.drop
@@ -292,8 +297,12 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
         marks = range(len(items))  # (not laid out so: each item on its own)
         skip: dict[int, int] = {}
     else:
-        marks = sorted(k for k in {*runs, *plan.inserts, *nudge_at, *(i - start for i in pre)}
-                       if 0 <= k < len(items))
+        marks = {*runs, *plan.inserts, *nudge_at}
+        if pre:
+            marks.update([i - start for i in pre])
+        # (the positions of the view's items, mostly: the others are left out)
+        marks = sorted(marks) if not marks or (min(marks) >= 0 and max(marks) < len(items)) else \
+            sorted(k for k in marks if 0 <= k < len(items))
         skip = runs
     at = 0
     texts: dict[int, str] = {}  # (each summary's text, made once: by its block, which lives meanwhile)
@@ -321,13 +330,19 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
         out.append(item)
         out.extend(notes)
     out.extend(items_out[start + at:])
-    items_out[:] = alternate(lane, out, start, ours) if ours else out
+    # (a lane that never joins an item of ours to a user turn keeps ``out`` as it is: alternate's copy of it)
+    items_out[:] = alternate(lane, out, start, ours) if ours and lane.join_user is not _NO_JOIN else out
     result.folded_items = len(drop)
     tokens = view.sums().tokens
+    rendered = plan.rendered
     s.sent_tokens = (unfolded - sum(tokens[e] - tokens[k] for k, e in runs.items())
-                     + sum(fold.tokens_of(texts[id(b)] if id(b) in texts else b.text()) for b in plan.rendered))
+                     + sum(fold.tokens_of(texts[id(b)] if id(b) in texts else b.text()) for b in rendered)
+                     if runs or rendered else unfolded)  # (nothing left out, nothing stands for it)
     return True
 
+
+_NO_JOIN = LaneDefaults.join_user  # (the lanes whose API takes user turns in a row: it joins nothing)
+_NO_PLAN = fold.Plan(frozenset(), {}, [], {})  # (nothing dropped, nothing inserted: never changed by assemble)
 
 # a reminder given as an item goes into that item again on every turn after (the same bytes: the
 # previous pass's rendering of it) with the same text: the lane's merge is kept, (the lane's
