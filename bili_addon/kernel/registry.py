@@ -140,7 +140,8 @@ class Sessions(Mapping[str, Session]):
         until :meth:`flush`: a flag set meanwhile is kept in the session's row, which that commit
         writes, a copy saved meanwhile goes with it (:meth:`save_copy`).  Anything else of the
         session is written after a flush (:meth:`save_blocks` flushes first; the engine before a
-        call lands), and the flush comes before any ref of the turn leaves."""
+        call lands), and the flush comes before any ref of the turn leaves (or, the turn's last write
+        written behind its request, right after it: ``Engine.write_pending``)."""
         self.staged[sid] = write
 
     def flush(self, last: bool = False) -> None:

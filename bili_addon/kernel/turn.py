@@ -3,8 +3,9 @@
 ``Engine.process`` takes the decoded body bytes of a model request and returns the bytes to send
 upstream (or None when they are unchanged).  It never mutates the caller's input; the store write
 of a turn happens before any rendered ref leaves, or, with write-behind (the proxy's), right after
-its request leaves, under the session's lock, before anything else of the engine runs: a ref the
-model sees is persisted before its answer comes back.
+its request leaves, under the session's lock, before anything else of the engine runs (a ref the
+model sees is in the store before any other turn, of any session, is computed; a write that fails
+there drops the session from memory and its next turn gives the same history the same refs).
 
 Agents re-send the whole conversation every turn.  The previous pass of each session is kept (a
 :class:`~bili_addon.kernel.state.Memo`), and the items a request shares with it byte for byte are
