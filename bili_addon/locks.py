@@ -47,21 +47,20 @@ class SessionLocks:
         self.held: set[str] = set()
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
 
-    def _try(self, off: int, lock: bool) -> bool:
+    def _try(self, off: int, lock: bool, length: int = 1) -> bool:
+        """Lock (or unlock) ``length`` bytes from ``off`` (0: to the end of any file); False when
+        another holds them."""
         if _OFD is not None:
             kind = fcntl.F_WRLCK if lock else fcntl.F_UNLCK
             try:
-                fcntl.fcntl(self.fd, _OFD, _FLOCK.pack(kind, os.SEEK_SET, off, 1 if lock else 0, 0))
+                fcntl.fcntl(self.fd, _OFD, _FLOCK.pack(kind, os.SEEK_SET, off, length, 0))
             except OSError as e:
                 if lock and e.errno in _BUSY:
                     return False
                 raise
             return True
         try:
-            if lock:
-                fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, off, os.SEEK_SET)
-            else:
-                fcntl.lockf(self.fd, fcntl.LOCK_UN, 0, 0, os.SEEK_SET)
+            fcntl.lockf(self.fd, (fcntl.LOCK_EX | fcntl.LOCK_NB) if lock else fcntl.LOCK_UN, length, off, os.SEEK_SET)
         except OSError as e:
             if lock and e.errno in _BUSY:
                 return False
@@ -86,11 +85,32 @@ class SessionLocks:
         self.held.add(session_id)
         return True
 
+    def try_hold(self, session_ids: list[str]) -> list[str] | None:
+        """Lock every one of the sessions without waiting, or none: the ones it took (not held
+        before), or None when another process holds one (what it took is let go again)."""
+        taken: list[str] = []
+        for sid in session_ids:
+            if sid in self.held:
+                continue
+            if not self._try(offset(sid), True):
+                self.let_go(taken)
+                return None
+            self.held.add(sid)
+            taken.append(sid)
+        return taken
+
+    def let_go(self, session_ids: list[str]) -> None:
+        """Unlock these sessions (the others held stay held)."""
+        for sid in session_ids:
+            if sid in self.held:
+                self.held.discard(sid)
+                self._try(offset(sid), False)
+
     def release(self) -> None:
         """Let every held session go (one call: the whole file's range)."""
         if self.held:
             self.held.clear()
-            self._try(0, False)
+            self._try(0, False, 0)
 
     def close(self) -> None:
         self.held.clear()

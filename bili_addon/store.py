@@ -1616,11 +1616,23 @@ class Store:
         which stay as tombstones: their ref counters (each raised to the family's), the provider's
         learned facts, the usage totals; ``pruned`` set, the version advanced (a process holding one
         of them reloads it).  One transaction, which first checks again that none was seen since
-        ``before`` (else nothing is done: None).  Chain rows another session's rows are based on
-        stay.  Returns the rows removed per table (``dry_run``: would remove; nothing is written)."""
+        ``before`` (else nothing is done: None), taken with every session's lock (locks.py) tried
+        without waiting: one a process is serving (its turn's request may have left before its
+        write) is not pruned (None).  Chain rows another session's rows are based on stay.  Returns
+        the rows removed per table (``dry_run``: would remove; nothing is written)."""
         sids = list(dict.fromkeys(sids))
         if not sids:
             return None
+        taken = self._locks.try_hold(sids) if not dry_run and self._locks is not None else []
+        if taken is None:
+            return None  # a process is serving one of them (its turn holds the session: locks.py)
+        try:
+            return self._prune(sids, before, dry_run)
+        finally:
+            if taken:
+                self._locks.let_go(taken)
+
+    def _prune(self, sids: list[str], before: float, dry_run: bool) -> dict[str, int] | None:
         q = ",".join("?" * len(sids))
         ctx = self.snapshot() if dry_run else self._tx()
         with ctx:

@@ -335,3 +335,20 @@ def test_the_keeper_queues_the_write_after_its_caller_had_the_turn(tmp_path):
         asyncio.run(main())
     finally:
         k.stop()
+
+
+def test_a_prune_skips_a_session_a_process_serves_and_lets_go_only_its_own(tmp_path):
+    a = locks.SessionLocks(tmp_path / "l", 0.02)
+    b = locks.SessionLocks(tmp_path / "l", 0.02)
+    try:
+        assert a.hold("turn")
+        assert b.try_hold(["x", "turn"]) is None and b.held == set()  # all or none
+        assert a.hold("x") is True  # (b let x go again)
+        a.release()
+        assert b.try_hold(["x", "y"]) == ["x", "y"] and b.hold("own")
+        b.let_go(["x", "y"])
+        assert b.held == {"own"} and a.hold("x") and a.hold("y") and not a.hold("own")
+    finally:
+        a.close()
+        b.close()
+
