@@ -136,14 +136,8 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
     if cov is None:
         cov = coverage(blocks)
     least = fold_cfg.min_compress_chars
-    if cov:
-        ranges = [r for r in compressible(view, blocks, fold_cfg, cov) if r[3] * 4 >= least]
-    else:  # (compressible where nothing is folded, as it reads it)
-        ranges = [r for r in _runs_unfolded(view, view.protected(fold_cfg)) if r[3] * 4 >= least]
-    # a pile of summaries needs two active blocks (distillable's first question, asked here: a
-    # conversation's first turns have none)
-    piled = len(blocks) > 1 and _two_active(blocks)
-    distil = distillable(view, blocks, fold_cfg, cfg, ranges=ranges, cov=cov) if piled else None
+    ranges = [r for r in compressible(view, blocks, fold_cfg, cov) if r[3] * 4 >= least]
+    distil = distillable(view, blocks, fold_cfg, cfg, ranges=ranges, cov=cov)
     if not ranges and not distil:
         return None
     pending = 0
@@ -151,7 +145,7 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
         pending += r[3]
     if not urgent and pending < cfg.batch_tokens and not distil:
         return None
-    if piled and not distil and (urgent or pending >= cfg.batch_tokens):
+    if not distil and (urgent or pending >= cfg.batch_tokens):
         distil = distillable(view, blocks, fold_cfg, cfg, along=True, ranges=ranges, cov=cov)
     if len(ranges) > 5:
         listed = sorted(ranges, key=_by_tokens)[:5]
@@ -173,17 +167,6 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
         *lines,
         "One compress call, one entry per range, alongside your next step if you like.",
     ])
-
-
-def _two_active(blocks: list[Block]) -> bool:
-    """Whether two of ``blocks`` are active (distillable's pile needs them)."""
-    n = 0
-    for b in blocks:
-        if b.active:
-            n += 1
-            if n > 1:
-                return True
-    return False
 
 
 def _by_tokens(r: tuple) -> int:

@@ -98,8 +98,6 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
             nudges[(newest[-1] if prose is None else prose).entry.ref] = {
                 "text": text, "how": "item" if prose is None else "suffix"}
             host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
-    if not rewrite.window_forces(used, window, cfg.truncate_at):
-        return  # (nudge.truncations' first question: nothing to cut, nothing to write)
     cut = nudge.truncations(view, blocks, host.fold_cfg, cfg, used, window, cov)
     known = flags.get("truncated", {})
     if any(ref not in known for ref in cut):

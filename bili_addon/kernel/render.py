@@ -330,8 +330,7 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
         out.append(item)
         out.extend(notes)
     out.extend(items_out[start + at:])
-    # (a lane that never joins an item of ours to a user turn keeps ``out`` as it is: alternate's copy of it)
-    items_out[:] = alternate(lane, out, start, ours) if ours and lane.join_user is not _NO_JOIN else out
+    items_out[:] = alternate(lane, out, start, ours) if ours else out
     result.folded_items = len(drop)
     tokens = view.sums().tokens
     rendered = plan.rendered
@@ -401,7 +400,9 @@ def alternate(lane: Lane, out: list[bytes], start: int, ours: dict[int, str]) ->
     """Where the lane needs user and assistant turns to alternate, an item the addon added joins
     the user message before it (or else the one after it) instead of standing as a second user
     turn in a row.  Only the items the addon added are looked at, the runs between them copied
-    as they are."""
+    as they are.  A lane whose API takes user turns in a row joins nothing: ``out`` as it is."""
+    if lane.join_user is _NO_JOIN:
+        return out
     res = out[:start]
     at = start  # ``out`` up to here is in ``res`` (an item the join below changes comes later)
     for i in sorted(ours):

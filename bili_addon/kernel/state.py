@@ -64,22 +64,24 @@ class Part(msgspec.Struct, gc=False):
                 and self.base == other.base)
 
 
-def hash_parts(parts: list[Part]) -> None:
-    """The identity digest of every part of ``parts`` that has none yet, in one C-level loop
-    (identity.digest inlined: the same seed, the same hash; encoded strictly first, which gives
-    the same bytes for every text without a lone surrogate, else as digest encodes)."""
-    todo = [p for p in parts if p.h_chash is None]
-    if not todo:
-        return
+def _chashes(cores: list[Core]) -> list[str]:
+    """identity.digest's content hash of each core, in one C-level loop (inlined: the same seed,
+    the same hash; encoded strictly first, which gives the same bytes for every text without a
+    lone surrogate and is a cheaper call, else as digest encodes)."""
     h = sha256
     try:
-        hashes = [h((f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}|{c.media}" if c.media else
-                     f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}").encode()).hexdigest()
-                  for c in [p.core for p in todo]]
+        return [h((f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}|{c.media}" if c.media else
+                   f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}").encode()).hexdigest() for c in cores]
     except UnicodeEncodeError:
-        hashes = [digest(p.core)[1] for p in todo]
-    for p, x in zip(todo, hashes):
-        p.h_base, p.h_chash = "h_" + x[:16], x
+        return [digest(c)[1] for c in cores]
+
+
+def hash_parts(parts: list[Part]) -> None:
+    """The identity digest of every part of ``parts`` that has none yet (:func:`_chashes`)."""
+    todo = [p for p in parts if p.h_chash is None]
+    if todo:
+        for p, x in zip(todo, _chashes([p.core for p in todo])):
+            p.h_base, p.h_chash = "h_" + x[:16], x
 
 
 class ItemInfo(msgspec.Struct, gc=False):
@@ -282,7 +284,7 @@ class ItemCache:
     @staticmethod
     def _new_parts(flat: list[Core], lazy: bool = False) -> list[Part]:
         """The :class:`Part` of every core in ``flat`` (changed in place where assistant prose is
-        cleaned), identity.digest of each inlined.  ``lazy``: the digests are left for when they
+        cleaned), each with its digest (:func:`_chashes`).  ``lazy``: the digests are left for when they
         are first read (:func:`hash_parts`; a conversation's first pass needs none before its
         request goes)."""
         dirty = [False] * len(flat)
@@ -296,16 +298,7 @@ class ItemCache:
                 flat[j], dirty[j] = msgspec.structs.replace(core, text=clean), True
         if lazy:
             return list(map(Part, flat, repeat(None), repeat(None), dirty))
-        h = sha256
-        # identity.digest, inlined (the same seed, the same hash); encoded strictly first (the
-        # same bytes for every text without a lone surrogate, and a cheaper call), else as digest
-        try:
-            hashes = [h((f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}|{c.media}" if c.media else
-                         f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}").encode()).hexdigest() for c in flat]
-        except UnicodeEncodeError:
-            hashes = [h((f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}|{c.media}" if c.media else
-                         f"{c.role}|{c.ctype}|{c.tool_call_id}|{c.tool_name}|{c.text}").encode("utf-8", "surrogatepass")
-                        ).hexdigest() for c in flat]
+        hashes = _chashes(flat)
         return list(map(Part, flat, ["h_" + x[:16] for x in hashes], hashes, dirty))
 
 
