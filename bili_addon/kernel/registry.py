@@ -28,6 +28,9 @@ from bili_addon.store import SessionRow, Store
 MEMO_BYTES = 256 << 20
 # flags that change how old items render (activation: tags appear on every prose part)
 RENDER_FLAGS = ("truncated", "strict_reasoning", ACTIVE)
+# a session's flags as its row stores them: ``json.dumps(flags, sort_keys=True)`` (which makes this
+# very encoder on every call: made once here, the same bytes)
+_FLAGS_JSON = json.JSONEncoder(sort_keys=True).encode
 
 
 def stages(s: Session, tail, render: bool, lineage) -> bool:
@@ -60,6 +63,9 @@ class Sessions(Mapping[str, Session]):
         # the document :meth:`save_copy` was given meanwhile)
         self.staged: dict[str, Callable[[str | None, bool], None]] = {}
         self.copies: dict[str, str] = {}
+        # the flags :meth:`set_flags` changed while their session's commit was staged: the row (the one
+        # that commit writes) and the session's flags, whose JSON goes into it when :meth:`flush` writes it
+        self.unwritten: dict[str, tuple[SessionRow, dict[str, Any]]] = {}
 
     # -- the mapping of what is cached (no store read) --------------------------------------------
     def __getitem__(self, sid: str) -> Session:
@@ -151,6 +157,9 @@ class Sessions(Mapping[str, Session]):
         it, in the same round trip on PostgreSQL; a write after it takes the lock again)."""
         while self.staged:
             sid = next(iter(self.staged))
+            flagged = self.unwritten.pop(sid, None)
+            if flagged is not None:  # the row as set_flags left it, written now (its JSON made once)
+                flagged[0].flags = _FLAGS_JSON(flagged[1])
             self.staged[sid](self.copies.get(sid), last and len(self.staged) == 1)
             del self.staged[sid]
             self.copies.pop(sid, None)
@@ -162,6 +171,7 @@ class Sessions(Mapping[str, Session]):
         dropped = list(self.staged)
         self.staged.clear()
         self.copies.clear()
+        self.unwritten.clear()
         for sid in dropped:
             self.forget(sid)
         return dropped
@@ -177,8 +187,12 @@ class Sessions(Mapping[str, Session]):
         if not changed:
             return False
         s.flags.update(changed)
-        s.row.flags = json.dumps(s.flags, sort_keys=True)
-        if sid not in self.staged:  # else the staged commit writes the row with them
+        if sid in self.staged:
+            # the staged commit writes the row with them: their JSON is made when :meth:`flush` writes
+            # it (a turn's reminder, learned before its request goes, is stored after it: write-behind)
+            self.unwritten[sid] = (s.row, s.flags)
+        else:
+            s.row.flags = _FLAGS_JSON(s.flags)
             s.stored = self.store.set_flags(s.row, expect=s.stored)
         if any(k in RENDER_FLAGS for k in changed):
             s.version += 1  # old items render differently now
