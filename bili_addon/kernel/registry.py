@@ -182,20 +182,27 @@ class Sessions(Mapping[str, Session]):
 
     def set_flags(self, sid: str, values: dict[str, Any]) -> bool:
         """Persist learned per-session facts in one write; True when one changed."""
-        s = self.load(sid)
-        changed = {k: v for k, v in values.items() if s.flags.get(k) != v}
+        s = self._cache.get(sid)
+        if s is None:
+            s = self.load(sid)
+        else:  # (load's own way with a cached session)
+            self._cache.move_to_end(sid)
+        flags = s.flags
+        changed = {k: v for k, v in values.items() if flags.get(k) != v}
         if not changed:
             return False
-        s.flags.update(changed)
+        flags.update(changed)
         if sid in self.staged:
             # the staged commit writes the row with them: their JSON is made when :meth:`flush` writes
             # it (a turn's reminder, learned before its request goes, is stored after it: write-behind)
-            self.unwritten[sid] = (s.row, s.flags)
+            self.unwritten[sid] = (s.row, flags)
         else:
-            s.row.flags = _FLAGS_JSON(s.flags)
+            s.row.flags = _FLAGS_JSON(flags)
             s.stored = self.store.set_flags(s.row, expect=s.stored)
-        if any(k in RENDER_FLAGS for k in changed):
-            s.version += 1  # old items render differently now
+        for k in changed:
+            if k in RENDER_FLAGS:
+                s.version += 1  # old items render differently now
+                break
         return True
 
     def save_copy(self, s: Session) -> None:
