@@ -13,13 +13,17 @@ both backends, the row a first turn with a reminder stores."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import random
 import sys
+from bisect import bisect_left, bisect_right
 from pathlib import Path
 
 import pytest
 
-from bili_addon.kernel import registry
+from bili_addon import locks
+from bili_addon.kernel import nudge, registry
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import StaleSession
@@ -27,7 +31,8 @@ from bili_addon.wire import LANES
 
 from tests.oracle_runs import run_both
 from tests.test_first_fixed import Trace, conversation
-from tests.test_folded_follow_up import folds_of_every_kind
+from tests.test_first_fixed import again
+from tests.test_folded_follow_up import folds_of_every_kind, random_view
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_overhead  # noqa: E402  (its synthetic conversations)
@@ -66,7 +71,33 @@ def old_set_flags(self, sid: str, values: dict) -> bool:
     return True
 
 
+def old_runs_unfolded(view, protected: set[int]) -> list[tuple[str, str, int, int]]:
+    out = []
+    items = view.items
+    tokens, filled, _peak = view.sums()
+    begin = 0
+    stops = sorted(protected)
+    stops.append(len(items))
+    for stop in stops:
+        if stop > begin:
+            n = filled[stop] - filled[begin]  # the items with parts
+            if n:
+                first = bisect_right(filled, filled[begin], begin) - 1
+                last = bisect_left(filled, filled[stop], 0, stop) - 1
+                out.append((items[first].parts[0].ref, items[last].parts[-1].ref, n, tokens[stop] - tokens[begin]))
+        if stop >= begin:
+            begin = stop + 1
+    return out
+
+
+def old_offset(session_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(session_id.encode("utf-8", "surrogatepass"), digest_size=8).digest(),
+                          "big") >> 2
+
+
 def patch_oracles(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(nudge, "_runs_unfolded", old_runs_unfolded)
+    mp.setattr(locks, "offset", old_offset)
     mp.setattr(registry.Sessions, "flush", old_flush)
     mp.setattr(registry.Sessions, "unstage", old_unstage)
     mp.setattr(registry.Sessions, "set_flags", old_set_flags)
@@ -278,3 +309,28 @@ def test_a_failed_turn_drops_what_it_deferred(tmp_path):
     sessions.set_flag("y", "native_tools", True)
     assert sessions.unstage() == ["y"] and not sessions.unwritten
     store.close()
+
+
+# -- property by property ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(100))
+def test_the_unfolded_runs_are_the_oracles(seed):
+    """nudge._runs_unfolded (a run's own first and last items looked at before a search) as it was,
+    over random views (items without parts among them) and protected sets of every shape."""
+    rng = random.Random(seed)
+    view, _blocks, _hidden = random_view(rng, rng.choice([1, 3, 8, 20, 60, 150]))
+    n = len(view.items)
+    for _ in range(20):
+        protected = ({k for k in range(n) if rng.random() < rng.choice([0.0, 0.1, 0.5, 0.9])} if rng.random() < 0.7
+                     else view.protected(FoldConfig(recent_parts=rng.choice([0, 1, 4, 40]))))
+        assert nudge._runs_unfolded(again(view), protected) == old_runs_unfolded(again(view), protected)
+
+
+def test_the_lock_offsets_are_the_hashes():
+    """A session's byte in the lock file is its hash's, made once (another process running the old
+    code locks the same byte); the offsets kept are bounded."""
+    rng = random.Random(1)
+    ids = [f"s{i}" for i in range(locks._OFFSETS_KEPT + 50)] + ["\udcff\x00é", "", "x" * 5000]
+    for sid in ids + [rng.choice(ids) for _ in range(2000)]:
+        assert locks.offset(sid) == old_offset(sid)
+        assert len(locks._OFFSETS) <= locks._OFFSETS_KEPT

@@ -68,16 +68,16 @@ def _runs_unfolded(view: View, protected: set[int]) -> list[tuple[str, str, int,
     tokens, filled, _peak = view.sums()
     begin = 0
     stops = sorted(protected)
-    stops.append(len(items))
+    stops.append(len(items))  # (after every protected position: the stops ascend, each past ``begin``)
     for stop in stops:
         if stop > begin:
             n = filled[stop] - filled[begin]  # the items with parts
             if n:
-                first = bisect_right(filled, filled[begin], begin) - 1
-                last = bisect_left(filled, filled[stop], 0, stop) - 1
+                # (mostly the run's own first and last items: no search)
+                first = begin if items[begin].parts else bisect_right(filled, filled[begin], begin) - 1
+                last = stop - 1 if items[stop - 1].parts else bisect_left(filled, filled[stop], 0, stop) - 1
                 out.append((items[first].parts[0].ref, items[last].parts[-1].ref, n, tokens[stop] - tokens[begin]))
-        if stop >= begin:
-            begin = stop + 1
+        begin = stop + 1
     return out
 
 
