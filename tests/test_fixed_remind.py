@@ -23,7 +23,14 @@ from pathlib import Path
 import pytest
 
 from bili_addon import locks
-from bili_addon.kernel import nudge, registry
+from bili_addon.kernel import fold, nudge, pressure, registry
+from bili_addon.kernel.compaction import asks_for_summary
+from bili_addon.kernel.fold import Block, View
+from bili_addon.kernel.nudge import NudgeConfig
+from bili_addon.kernel.pressure import PressureHost
+from bili_addon.kernel.state import Resolved, Session
+from bili_addon.kernel.tags import format_tokens
+from bili_addon.wire.base import TEXT
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.turn import Engine
 from bili_addon.store import StaleSession
@@ -90,6 +97,104 @@ def old_runs_unfolded(view, protected: set[int]) -> list[tuple[str, str, int, in
     return out
 
 
+def old_decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, used: int, window: int,
+           last_nudge_at: int, cov: dict[str, Block] | None = None) -> str | None:
+    """The reminder for this turn, or None.  ``used``: the input tokens the last answer reported;
+    ``last_nudge_at``: ``used`` when the last reminder was given (lowered when the context shrank);
+    ``cov``: ``fold.coverage(blocks)``, when the caller has it."""
+    urgent = window > 0 and used >= cfg.pressure * window
+    if not urgent and last_nudge_at and used - last_nudge_at < cfg.regrowth_tokens:
+        # whatever could be folded, nothing is asked again before the context grew: the ranges are
+        # not looked for (the turns after a reminder or a fold stop here).  The view's figures
+        # against the coverage are kept running, for the next view to extend
+        if cov:
+            view.unfolded(cov)
+        return None
+    if cov is None:
+        cov = fold.coverage(blocks)
+    least = fold_cfg.min_compress_chars
+    ranges = [r for r in nudge.compressible(view, blocks, fold_cfg, cov) if r[3] * 4 >= least]
+    distil = nudge.distillable(view, blocks, fold_cfg, cfg, ranges=ranges, cov=cov)
+    if not ranges and not distil:
+        return None
+    pending = 0
+    for r in ranges:
+        pending += r[3]
+    if not urgent and pending < cfg.batch_tokens and not distil:
+        return None
+    if not distil and (urgent or pending >= cfg.batch_tokens):
+        distil = nudge.distillable(view, blocks, fold_cfg, cfg, along=True, ranges=ranges, cov=cov)
+    if len(ranges) > 5:
+        listed = sorted(ranges, key=nudge._by_tokens)[:5]
+        listed.sort(key=nudge._by_start)
+    else:  # (every range listed: by start, the ranges of one start in the order of their tokens)
+        listed = sorted(ranges, key=nudge._by_start_tokens) if len(ranges) > 1 else ranges
+    lines = [f"  {s}–{e}  {n} messages  ~{format_tokens(t)} tokens" for s, e, n, t in listed]
+    if distil:  # the pile stands before every range: oldest first, as the wire has them
+        first, last, n, t = distil
+        lines.insert(0, f"  {first}–{last}  {n} summaries  ~{format_tokens(t)} tokens (distil them into one)")
+    if urgent:
+        head = "[bili] The context is nearly full: fold consumed work now, oldest first."
+    elif pending >= cfg.batch_tokens:
+        head = f"[bili] ~{format_tokens(pending)} tokens of older work can be folded; fold what you no longer need verbatim:"
+    else:
+        head = "[bili] The summaries have piled up. Fold them into one denser summary:"
+    return "\n".join([
+        head,
+        *lines,
+        "One compress call, one entry per range, alongside your next step if you like.",
+    ])
+
+
+def old_apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolved]], new: bool = False) -> None:
+    """Nudge and emergency truncation, decided from the usage the last answer reported.  ``new``:
+    the store had no row of the session when this turn loaded it, so no answer of it is recorded
+    (usage is recorded for a stored session only): nothing to read."""
+    if not view.items:
+        return
+    last = None if new else host.reported_usage(s)
+    # the size the provider reported for the last request; without one (a Chat stream without
+    # include_usage), the conversation's own estimate
+    blocks = s.blocks
+    cov = fold.coverage(blocks) if blocks else {}  # (read by the reminder and the truncations too)
+    if last:
+        used = last[0]
+    elif not blocks:  # nothing folded: every part counts
+        used = view.sums().tokens[-1]
+    else:
+        # (the tokens of the parts no block holds)
+        used = ((view.unfolded(cov).tokens[-1] if cov else view.sums().tokens[-1])
+                + sum(b.summary_tokens for b in blocks if b.active))
+    window = host.window_for(s)
+    flags = s.flags
+    at = flags.get("last_nudge_at", 0)
+    if used < int(at):
+        # a fold (or the host's own compaction) shrank the context: growth counts from here
+        host.set_flag(s.row.id, "last_nudge_at", used)
+        at = flags.get("last_nudge_at", 0)
+    cfg = host.nudge_cfg
+    if used < min(cfg.batch_tokens, cfg.distil_tokens, cfg.pressure * window, cfg.truncate_at * window):
+        return  # not even the whole context would be worth a fold, and the window is far
+    nudges = dict(flags.get("nudges", {}))
+    newest = resolved[-1]
+    if newest and not (nudges and pressure._given(newest, nudges)):
+        text = old_decide(view, blocks, host.fold_cfg, cfg, used, window, int(at), cov)
+        if text and not asks_for_summary(view):  # (asked only when there is a reminder to give)
+            prose = None
+            for r in reversed(newest):  # (the last of the user's prose parts, else the last part)
+                core = r.core
+                if core.role == "user" and core.ctype == TEXT and core.path and core.text.strip():
+                    prose = r
+                    break
+            nudges[(newest[-1] if prose is None else prose).entry.ref] = {
+                "text": text, "how": "item" if prose is None else "suffix"}
+            host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
+    cut = nudge.truncations(view, blocks, host.fold_cfg, cfg, used, window, cov)
+    known = flags.get("truncated", {})
+    if any(ref not in known for ref in cut):
+        host.set_flag(s.row.id, "truncated", {**cut, **known})
+
+
 def old_offset(session_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(session_id.encode("utf-8", "surrogatepass"), digest_size=8).digest(),
                           "big") >> 2
@@ -97,6 +202,8 @@ def old_offset(session_id: str) -> int:
 
 def patch_oracles(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(nudge, "_runs_unfolded", old_runs_unfolded)
+    mp.setattr(nudge, "decide", old_decide)
+    mp.setattr(pressure, "apply", old_apply)
     mp.setattr(locks, "offset", old_offset)
     mp.setattr(registry.Sessions, "flush", old_flush)
     mp.setattr(registry.Sessions, "unstage", old_unstage)
@@ -334,3 +441,27 @@ def test_the_lock_offsets_are_the_hashes():
     for sid in ids + [rng.choice(ids) for _ in range(2000)]:
         assert locks.offset(sid) == old_offset(sid)
         assert len(locks._OFFSETS) <= locks._OFFSETS_KEPT
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_the_reminder_is_the_oracles(seed):
+    """nudge.decide (no pile asked for without blocks; two ranges ordered without a sort) as it was,
+    over random views and blocks, nothing folded or folds active, urgent or not, given before or not."""
+    rng = random.Random(seed)
+    view, blocks, _hidden = random_view(rng, rng.choice([3, 8, 20, 60, 150]))
+    if rng.random() < 0.4:
+        blocks = []
+    elif rng.random() < 0.3:
+        for b in blocks:
+            b.active = rng.random() < 0.5
+    fcfg = FoldConfig(min_compress_chars=rng.choice([0, 200, 5000]), recent_parts=rng.choice([1, 4, 12]))
+    ncfg = NudgeConfig(batch_tokens=rng.choice([0, 500, 12_000]), distil_tokens=rng.choice([0, 600, 5000]),
+                       distil_along_tokens=rng.choice([0, 200, 1500]))
+    for _ in range(4):
+        used = rng.choice([0, 1_000, 20_000, 150_000])
+        window = rng.choice([0, 25_000, 200_000])
+        last = rng.choice([0, used, max(0, used - 20_000)])
+        cov = fold.coverage(blocks) if rng.random() < 0.5 else None
+        want = old_decide(again(view), blocks, fcfg, ncfg, used, window, last)
+        assert nudge.decide(again(view), blocks, fcfg, ncfg, used, window, last, cov) == want
+        assert nudge.decide(view, blocks, fcfg, ncfg, used, window, last) == want
