@@ -143,8 +143,9 @@ class Sessions(Mapping[str, Session]):
     def stage(self, sid: str, write: Callable[[str | None, bool], None]) -> None:
         """Hold the turn's commit (``write``, given the copy to write with it or None, and whether it is
         the turn's last write: ``store.commit_turn(release=)``) of a session
-        until :meth:`flush`: a flag set meanwhile is kept in the session's row, which that commit
-        writes, a copy saved meanwhile goes with it (:meth:`save_copy`).  Anything else of the
+        until :meth:`flush`: a flag set meanwhile goes into the session's row, which that commit
+        writes (its JSON made by the flush: until then ``row.flags`` is the row's as staged), a copy
+        saved meanwhile goes with it (:meth:`save_copy`).  Anything else of the
         session is written after a flush (:meth:`save_blocks` flushes first; the engine before a
         call lands), and the flush comes before any ref of the turn leaves (or, the turn's last write
         written behind its request, right after it: ``Engine.write_pending``)."""
