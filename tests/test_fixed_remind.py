@@ -356,7 +356,13 @@ def _first_turns(store, behind: bool) -> list:
 def test_a_staged_turns_row_is_the_oracles_on_both_backends(backend, behind):
     """A first turn with a reminder and a truncation, its follow-up, another first turn: the rows
     stored (their flags' JSON byte for byte) and the bytes out as before, on SQLite and PostgreSQL."""
-    new = _first_turns(backend(), behind)
+    deferred: list[bool] = []
+    real = registry.Sessions.flush
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry.Sessions, "flush", lambda self, last=False: deferred.append(bool(self.unwritten))
+                   or real(self, last))
+        new = _first_turns(backend(), behind)
+    assert any(deferred)  # (flags were set while staged: their JSON made by the flush)
     with pytest.MonkeyPatch.context() as mp:
         patch_oracles(mp)
         old = _first_turns(backend("old"), behind)
