@@ -68,16 +68,16 @@ def _runs_unfolded(view: View, protected: set[int]) -> list[tuple[str, str, int,
     tokens, filled, _peak = view.sums()
     begin = 0
     stops = sorted(protected)
-    stops.append(len(items))
+    stops.append(len(items))  # (after every protected position: the stops ascend, each past ``begin``)
     for stop in stops:
         if stop > begin:
             n = filled[stop] - filled[begin]  # the items with parts
             if n:
-                first = bisect_right(filled, filled[begin], begin) - 1
-                last = bisect_left(filled, filled[stop], 0, stop) - 1
+                # (mostly the run's own first and last items: no search)
+                first = begin if items[begin].parts else bisect_right(filled, filled[begin], begin) - 1
+                last = stop - 1 if items[stop - 1].parts else bisect_left(filled, filled[stop], 0, stop) - 1
                 out.append((items[first].parts[0].ref, items[last].parts[-1].ref, n, tokens[stop] - tokens[begin]))
-        if stop >= begin:
-            begin = stop + 1
+        begin = stop + 1
     return out
 
 
@@ -137,7 +137,8 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
         cov = coverage(blocks)
     least = fold_cfg.min_compress_chars
     ranges = [r for r in compressible(view, blocks, fold_cfg, cov) if r[3] * 4 >= least]
-    distil = distillable(view, blocks, fold_cfg, cfg, ranges=ranges, cov=cov)
+    # (no blocks, no pile: a conversation's first turns ask distillable nothing)
+    distil = distillable(view, blocks, fold_cfg, cfg, ranges=ranges, cov=cov) if blocks else None
     if not ranges and not distil:
         return None
     pending = 0
@@ -145,13 +146,17 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
         pending += r[3]
     if not urgent and pending < cfg.batch_tokens and not distil:
         return None
-    if not distil and (urgent or pending >= cfg.batch_tokens):
+    if blocks and not distil and (urgent or pending >= cfg.batch_tokens):
         distil = distillable(view, blocks, fold_cfg, cfg, along=True, ranges=ranges, cov=cov)
     if len(ranges) > 5:
         listed = sorted(ranges, key=_by_tokens)[:5]
         listed.sort(key=_by_start)
     else:  # (every range listed: by start, the ranges of one start in the order of their tokens)
-        listed = sorted(ranges, key=_by_start_tokens) if len(ranges) > 1 else ranges
+        if len(ranges) == 2:  # (sorted's order of two: the first stays first unless it sorts after)
+            a, b = ranges
+            listed = ranges if _by_start_tokens(a) <= _by_start_tokens(b) else [b, a]
+        else:
+            listed = sorted(ranges, key=_by_start_tokens) if len(ranges) > 1 else ranges
     lines = [f"  {s}–{e}  {n} messages  ~{format_tokens(t)} tokens" for s, e, n, t in listed]
     if distil:  # the pile stands before every range: oldest first, as the wire has them
         first, last, n, t = distil

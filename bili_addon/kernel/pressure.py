@@ -100,7 +100,7 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
             host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
     cut = nudge.truncations(view, blocks, host.fold_cfg, cfg, used, window, cov)
     known = flags.get("truncated", {})
-    if any(ref not in known for ref in cut):
+    if cut and any(ref not in known for ref in cut):
         host.set_flag(s.row.id, "truncated", {**cut, **known})
 
 

@@ -28,6 +28,9 @@ from bili_addon.store import SessionRow, Store
 MEMO_BYTES = 256 << 20
 # flags that change how old items render (activation: tags appear on every prose part)
 RENDER_FLAGS = ("truncated", "strict_reasoning", ACTIVE)
+# a session's flags as its row stores them: ``json.dumps(flags, sort_keys=True)`` (which makes this
+# very encoder on every call: made once here, the same bytes)
+_FLAGS_JSON = json.JSONEncoder(sort_keys=True).encode
 
 
 def stages(s: Session, tail, render: bool, lineage) -> bool:
@@ -60,6 +63,9 @@ class Sessions(Mapping[str, Session]):
         # the document :meth:`save_copy` was given meanwhile)
         self.staged: dict[str, Callable[[str | None, bool], None]] = {}
         self.copies: dict[str, str] = {}
+        # the flags :meth:`set_flags` changed while their session's commit was staged: the row (the one
+        # that commit writes) and the session's flags, whose JSON goes into it when :meth:`flush` writes it
+        self.unwritten: dict[str, tuple[SessionRow, dict[str, Any]]] = {}
 
     # -- the mapping of what is cached (no store read) --------------------------------------------
     def __getitem__(self, sid: str) -> Session:
@@ -137,8 +143,9 @@ class Sessions(Mapping[str, Session]):
     def stage(self, sid: str, write: Callable[[str | None, bool], None]) -> None:
         """Hold the turn's commit (``write``, given the copy to write with it or None, and whether it is
         the turn's last write: ``store.commit_turn(release=)``) of a session
-        until :meth:`flush`: a flag set meanwhile is kept in the session's row, which that commit
-        writes, a copy saved meanwhile goes with it (:meth:`save_copy`).  Anything else of the
+        until :meth:`flush`: a flag set meanwhile goes into the session's row, which that commit
+        writes (its JSON made by the flush: until then ``row.flags`` is the row's as staged), a copy
+        saved meanwhile goes with it (:meth:`save_copy`).  Anything else of the
         session is written after a flush (:meth:`save_blocks` flushes first; the engine before a
         call lands), and the flush comes before any ref of the turn leaves (or, the turn's last write
         written behind its request, right after it: ``Engine.write_pending``)."""
@@ -151,6 +158,9 @@ class Sessions(Mapping[str, Session]):
         it, in the same round trip on PostgreSQL; a write after it takes the lock again)."""
         while self.staged:
             sid = next(iter(self.staged))
+            flagged = self.unwritten.pop(sid, None)
+            if flagged is not None:  # the row as set_flags left it, written now (its JSON made once)
+                flagged[0].flags = _FLAGS_JSON(flagged[1])
             self.staged[sid](self.copies.get(sid), last and len(self.staged) == 1)
             del self.staged[sid]
             self.copies.pop(sid, None)
@@ -162,6 +172,7 @@ class Sessions(Mapping[str, Session]):
         dropped = list(self.staged)
         self.staged.clear()
         self.copies.clear()
+        self.unwritten.clear()
         for sid in dropped:
             self.forget(sid)
         return dropped
@@ -172,16 +183,27 @@ class Sessions(Mapping[str, Session]):
 
     def set_flags(self, sid: str, values: dict[str, Any]) -> bool:
         """Persist learned per-session facts in one write; True when one changed."""
-        s = self.load(sid)
-        changed = {k: v for k, v in values.items() if s.flags.get(k) != v}
+        s = self._cache.get(sid)
+        if s is None:
+            s = self.load(sid)
+        else:  # (load's own way with a cached session)
+            self._cache.move_to_end(sid)
+        flags = s.flags
+        changed = {k: v for k, v in values.items() if flags.get(k) != v}
         if not changed:
             return False
-        s.flags.update(changed)
-        s.row.flags = json.dumps(s.flags, sort_keys=True)
-        if sid not in self.staged:  # else the staged commit writes the row with them
+        flags.update(changed)
+        if sid in self.staged:
+            # the staged commit writes the row with them: their JSON is made when :meth:`flush` writes
+            # it (a turn's reminder, learned before its request goes, is stored after it: write-behind)
+            self.unwritten[sid] = (s.row, flags)
+        else:
+            s.row.flags = _FLAGS_JSON(flags)
             s.stored = self.store.set_flags(s.row, expect=s.stored)
-        if any(k in RENDER_FLAGS for k in changed):
-            s.version += 1  # old items render differently now
+        for k in changed:
+            if k in RENDER_FLAGS:
+                s.version += 1  # old items render differently now
+                break
         return True
 
     def save_copy(self, s: Session) -> None:
