@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import accumulate, islice, repeat
+from operator import sub
 
 from bili_addon.kernel.fold import PartView, Sums, ViewItem
 from bili_addon.kernel.identity import count_tokens
-from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session, hash_parts
+from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session, first_flat, hash_parts
 from bili_addon.store import MAX_REF, LedgerRow, ref_names  # past MAX_REF the general path raises
 
 
@@ -58,19 +59,26 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
     parts' structs, specialised by the interpreter: faster than ``map(attrgetter)``), the objects
     made by ``map`` over those columns, then the per-item lists cut from the flat ones."""
     next_ref = s.row.next_ref
-    parts = [p for info in infos for p in info.parts]
+    got = first_flat(infos)  # (the lists below, as ItemCache.get_many made them for these items)
+    if got is not None:
+        parts, cores, dirty, item_ends = got
+    else:
+        parts = [p for info in infos for p in info.parts]
+        cores = dirty = item_ends = None
     total = len(parts)
     if next_ref < 1 or next_ref + total - 1 > MAX_REF:
         return None
     names = ref_names(next_ref, total)  # tags.ref_of of each number, in order
-    cores = [p.core for p in parts]
+    if cores is None:
+        cores = [p.core for p in parts]
+        dirty = [p.dirty for p in parts]
     texts = [c.text for c in cores]
     roles = [c.role for c in cores]
     ctypes = [c.ctype for c in cores]
     # identity.count_tokens (its ASCII case inlined)
     tokens = [-(-len(t) // 4) if t.isascii() else count_tokens(t) for t in texts]
     entries = list(map(Entry, names, tokens))
-    flat = list(map(Resolved, cores, entries, [p.dirty for p in parts], repeat(None), repeat(None)))
+    flat = list(map(Resolved, cores, entries, dirty, repeat(None), repeat(None)))
 
     def rows() -> list[LedgerRow]:
         hash_parts(parts)
@@ -92,8 +100,10 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
 
     views_flat = list(map(PartView, names, roles, ctypes, [c.tool_name for c in cores],
                           [c.tool_call_id for c in cores], texts, tokens))
-    counts = [len(info.parts) for info in infos]
-    ends = list(accumulate(counts, initial=0))
+    if item_ends is None:
+        ends = list(accumulate([len(info.parts) for info in infos], initial=0))
+    else:
+        ends = [0, *item_ends]
     resolved, views = [], []
     add_resolved, add_view = resolved.append, views.append
     for k, begin, end in zip(range(first_index, first_index + len(infos)), ends, islice(ends, 1, None)):
@@ -101,7 +111,10 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
         add_view(ViewItem(k, views_flat[begin:end]))
     # what the View of these items computes from them (View.sums), from the columns
     cum = list(accumulate(tokens, initial=0))
-    sums = Sums(list(map(cum.__getitem__, ends)), list(accumulate(map(bool, counts), initial=0)), max(tokens, default=0))
+    # (the items with parts: every item, unless one ends where the one before it does)
+    filled = (list(range(len(ends))) if len(set(ends)) == len(ends) else
+              list(accumulate(map(bool, map(sub, islice(ends, 1, None), ends)), initial=0)))
+    sums = Sums([cum[e] for e in ends], filled, max(tokens, default=0))
     return resolved, Rows(total, rows), views, sums
 
 
