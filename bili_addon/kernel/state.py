@@ -261,7 +261,11 @@ class ItemCache:
     def _keep(self, name: str, braws: list[bytes], out: list[ItemInfo]) -> None:
         """The cache's record of the items of a first pass (:meth:`get_many`), as the item-by-item
         loop leaves it: an item the cache held is kept as it was and made the newest where it comes,
-        then the others follow in order (the first of twins), the size grown by their bytes."""
+        then the others follow in order (the first of twins), the size grown by their bytes.  (The
+        pass's lists for its first_pass go: it has run.)"""
+        global _flat
+        if _flat is not None and _flat[0] is out:
+            _flat = None
         items = self.items
         pop = items.pop
         new: dict[tuple[str, bytes], ItemInfo] = {}
@@ -292,8 +296,9 @@ class ItemCache:
         are first read (:func:`hash_parts`; a conversation's first pass needs none before its
         request goes).  ``dirty``: an empty list, given each part's ``dirty``."""
         if dirty is None:
-            dirty = []
-        dirty += repeat(False, len(flat))
+            dirty = [False] * len(flat)
+        else:
+            dirty += [False] * len(flat)
         # clean_replayed_prose changes only a text that starts with a marker line (MARKER_LINE) or
         # holds an angle bracket (every echo shape has one): the others are not passed to it
         for j in [j for j, c in enumerate(flat) if c.ctype == TEXT and c.role == "assistant"
