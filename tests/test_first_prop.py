@@ -1,6 +1,6 @@
 """#11, a conversation's first turn: its per-message work cut without changing a byte (fresh.first_pass
 takes the flat lists ItemCache.get_many made of the pass's parts instead of making them again:
-state.first_flat).  The oracles are the functions as they were before (kept below, patched in),
+state.first_flat; its entries are made with its rows, after the request).  The oracles are the functions as they were before (kept below, patched in),
 compared with the code as it is: whole Engine runs (tests/oracle_runs.py) over the bench's
 conversations (first turns, forks, follow-ups, folded follow-ups, urgent reminders, truncations)
 and the captures (BILI_CAPTURES): the same bytes out, the same results, flags, ledgers and lineage;
@@ -16,11 +16,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from msgspec import Struct
-
-from bili_addon.kernel import fresh, render, state, tags
-from bili_addon.kernel.render import _item_edits, _patch, _tag_edit
-from bili_addon.wire.base import encode
+from bili_addon.kernel import fresh, state
 from bili_addon.kernel.fold import PartView, Sums, ViewItem
 from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.state import (TEXT, Core, Entry, ItemCache, ItemInfo, Part, Resolved, Session, _chashes,
@@ -227,92 +223,10 @@ def old_first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
 
 
 
-def old_render_prose(lane: Lane, infos: list[ItemInfo], start: int, q: int, resolved: list[list[Resolved]],
-                  rendered: list[bytes], changed_cum: list[int], tagged_cum: list[int], active: bool,
-                  nudges: dict[str, str], objs: list | None) -> None:
-    """:func:`render_items` where the only edits are the parts' own (tags, truncations): only
-    the parts with a text path are looked at, one by one; the rest of the items go as they came.
-    An item whose one edit is its tag (the commonest: a conversation's prose) is tagged by its
-    lane in its bytes (``tag_typed``) when the pass decoded it into the lane's typed struct."""
-    end = len(resolved)
-    outs = [info.raw for info in infos[start + q:start + end]]  # the items' bytes (infos were looked up by them)
-    changed = [0] * (end - q)
-    tagged = [0] * (end - q)
-    last = len(infos) - 1 - start  # (the last item: an assistant's text there is a prefill)
-    tag_typed = getattr(lane, "tag_typed", None) if objs is not None else None
-    format_tokens, formatted = tags.format_tokens, tags._FORMATTED  # (its cache: a count seen before, one lookup)
-    for k in range(q, end):
-        parts = resolved[k]
-        if len(parts) == 1:  # (the commonest item: one part)
-            r = parts[0]
-            core = r.core
-            if not core.path:
-                continue
-            edits = None
-        elif len(parts) == 2:  # (the next commonest: an assistant's prose and its tool call)
-            r, other = parts
-            core = r.core
-            if not core.path:
-                r = other
-                core = r.core
-                if not core.path:
-                    continue
-                edits = None
-            elif other.core.path:  # both parts to edit
-                edits, count = _item_edits(parts, active, k != last, nudges)
-            else:
-                edits = None
-        else:
-            with_path = [r for r in parts if r.core.path]
-            if not with_path:
-                continue
-            if len(with_path) > 1:  # more parts of this item to edit
-                edits, count = _item_edits(parts, active, k != last, nudges)
-            else:
-                r = with_path[0]
-                core = r.core
-                edits = None
-        if edits is None:  # the one part of the item with a path: ``r``
-            text = core.text
-            # (taggable(core, k != last), inline: it runs for every such part)
-            if (active and core.ctype == TEXT and text and (core.role == "user" or (core.role == "assistant" and k != last))
-                    and not text.isspace()):
-                entry = r.entry
-                ref = entry.ref
-                tokens = formatted.get(entry.tokens) or format_tokens(entry.tokens)
-                if tag_typed is not None and not r.dirty and not (nudges and nudges.get(ref)):
-                    obj = objs[start + k]
-                    if isinstance(obj, Struct):
-                        # the tag's JSON-escaped bytes (a token count's and an alphanumeric
-                        # ref's characters escape to themselves)
-                        tag = (f'<acp tokens=\\"{tokens}\\" type=\\"text\\">{ref}</acp>\\n'.encode() if ref.isalnum()
-                               else encode(f'<acp tokens="{tokens}" type="{TEXT}">{ref}</acp>\n')[1:-1])
-                        out = tag_typed(outs[k - q], obj, core.path, tag, text)
-                        if out is not None:
-                            outs[k - q] = out
-                            changed[k - q] = tagged[k - q] = 1
-                            continue
-                edits, count = [_tag_edit(core, tokens, ref, nudges.get(ref) if nudges else None)], 1
-            elif r.dirty:
-                edits, count = [(core.path, text)], 0
-            else:
-                continue
-        if edits:
-            src = outs[k - q]
-            out = outs[k - q] = _patch(lane, src, objs[start + k] if objs is not None else None, edits)
-            changed[k - q] = out != src
-            tagged[k - q] = count
-    rendered += outs
-    changed_cum += islice(accumulate(changed, initial=changed_cum[-1]), 1, None)
-    tagged_cum += islice(accumulate(tagged, initial=tagged_cum[-1]), 1, None)
-
-
-
 def patch_oracles(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(ItemCache, "get_many", OldItemCache.get_many)
     mp.setattr(ItemCache, "_new_parts", OldItemCache.__dict__["_new_parts"])
     mp.setattr(fresh, "first_pass", old_first_pass)
-    mp.setattr(render, "_render_prose", old_render_prose)
 
 
 # -- (1) unit by unit: the first pass's refs, view and sums, with and without get_many's lists -------------
