@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import accumulate, islice, repeat
+from operator import sub
 
 from bili_addon.kernel.fold import PartView, Sums, ViewItem
 from bili_addon.kernel.identity import count_tokens
-from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session, hash_parts
+from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session, first_flat, hash_parts
 from bili_addon.store import MAX_REF, LedgerRow, ref_names  # past MAX_REF the general path raises
 
 
@@ -52,25 +53,37 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
     computes (``View(items, sums)``).  None when the refs would run past the last one (the general
     path says so).  The rows are made when they are written (:class:`Rows`): then the parts are
     hashed (state.hash_parts), numbered in ``counter``, staged in ``s.refs`` as ``_resolve``
-    stages them, and the resolved parts get their ``msg_id`` and ``base``.
+    stages them (their :class:`Entry`), and the resolved parts get their ``msg_id``, ``base`` and
+    that entry (until then a part's ``entry`` is its PartView: the same ``ref`` and ``tokens``,
+    all that is read of an entry; the entries are for the session's refs, which the commit and
+    the turns after read: made with the rows, after the request when the engine writes behind it).
 
     Column by column: each field of every part in one comprehension (attribute reads of the
     parts' structs, specialised by the interpreter: faster than ``map(attrgetter)``), the objects
     made by ``map`` over those columns, then the per-item lists cut from the flat ones."""
     next_ref = s.row.next_ref
-    parts = [p for info in infos for p in info.parts]
+    got = first_flat(infos)  # (the lists below, as ItemCache.get_many made them for these items)
+    if got is not None:
+        parts, cores, dirty, item_ends = got
+    else:
+        parts = [p for info in infos for p in info.parts]
+        cores = dirty = item_ends = None
     total = len(parts)
     if next_ref < 1 or next_ref + total - 1 > MAX_REF:
         return None
     names = ref_names(next_ref, total)  # tags.ref_of of each number, in order
-    cores = [p.core for p in parts]
+    if cores is None:
+        cores = [p.core for p in parts]
+        dirty = [p.dirty for p in parts]
     texts = [c.text for c in cores]
     roles = [c.role for c in cores]
     ctypes = [c.ctype for c in cores]
     # identity.count_tokens (its ASCII case inlined)
     tokens = [-(-len(t) // 4) if t.isascii() else count_tokens(t) for t in texts]
-    entries = list(map(Entry, names, tokens))
-    flat = list(map(Resolved, cores, entries, [p.dirty for p in parts], repeat(None), repeat(None)))
+    views_flat = list(map(PartView, names, roles, ctypes, [c.tool_name for c in cores],
+                          [c.tool_call_id for c in cores], texts, tokens))
+    # (each part's entry is its PartView until its rows are made: its ``ref`` and ``tokens``)
+    flat = list(map(Resolved, cores, views_flat, dirty, repeat(None), repeat(None)))
 
     def rows() -> list[LedgerRow]:
         hash_parts(parts)
@@ -85,15 +98,16 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
                 msg_ids = _numbered(bases, counter)
         else:
             msg_ids = _numbered(bases, counter)
+        entries = list(map(Entry, names, tokens))
         s.refs.update(zip(zip(msg_ids, chashes), entries))  # staged: forgotten again if the commit fails
-        for r, msg_id, base in zip(flat, msg_ids, bases):
-            r.msg_id, r.base = msg_id, base
+        for r, msg_id, base, entry in zip(flat, msg_ids, bases, entries):
+            r.msg_id, r.base, r.entry = msg_id, base, entry
         return list(map(LedgerRow, msg_ids, chashes, names, roles, ctypes, tokens))
 
-    views_flat = list(map(PartView, names, roles, ctypes, [c.tool_name for c in cores],
-                          [c.tool_call_id for c in cores], texts, tokens))
-    counts = [len(info.parts) for info in infos]
-    ends = list(accumulate(counts, initial=0))
+    if item_ends is None:
+        ends = list(accumulate([len(info.parts) for info in infos], initial=0))
+    else:
+        ends = [0, *item_ends]
     resolved, views = [], []
     add_resolved, add_view = resolved.append, views.append
     for k, begin, end in zip(range(first_index, first_index + len(infos)), ends, islice(ends, 1, None)):
@@ -101,7 +115,10 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
         add_view(ViewItem(k, views_flat[begin:end]))
     # what the View of these items computes from them (View.sums), from the columns
     cum = list(accumulate(tokens, initial=0))
-    sums = Sums(list(map(cum.__getitem__, ends)), list(accumulate(map(bool, counts), initial=0)), max(tokens, default=0))
+    # (the items with parts: every item, unless one ends where the one before it does)
+    filled = (list(range(len(ends))) if len(set(ends)) == len(ends) else
+              list(accumulate(map(bool, map(sub, islice(ends, 1, None), ends)), initial=0)))
+    sums = Sums([cum[e] for e in ends], filled, max(tokens, default=0))
     return resolved, Rows(total, rows), views, sums
 
 

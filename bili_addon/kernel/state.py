@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from itertools import repeat
+from itertools import islice, repeat
+from operator import is_
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,12 +190,15 @@ class ItemCache:
                 flat, ends = got[0], got[1]
                 if objs is not None:
                     objs.extend(got[2])
+                dirty: list[bool] = []
                 if flat:
-                    parts = self._new_parts(flat, lazy=True)  # (hashed when first read: fresh.py)
+                    parts = self._new_parts(flat, lazy=True, dirty=dirty)  # (hashed when first read: fresh.py)
                     lists = [parts[a:b] for a, b in zip([0, *ends], ends)]  # (no slice object made)
                 else:
-                    lists = [[] for _raw in braws]
+                    parts, lists = [], [[] for _raw in braws]
                 out = list(map(ItemInfo, braws, got[3] if len(got) > 3 else repeat(False), lists))
+                global _flat
+                _flat = (out, parts, flat, dirty, ends)  # (for the pass's fresh.first_pass: first_flat)
                 if later is not None:
                     later.append(lambda: self._keep(name, braws, out))
                 else:
@@ -257,7 +261,11 @@ class ItemCache:
     def _keep(self, name: str, braws: list[bytes], out: list[ItemInfo]) -> None:
         """The cache's record of the items of a first pass (:meth:`get_many`), as the item-by-item
         loop leaves it: an item the cache held is kept as it was and made the newest where it comes,
-        then the others follow in order (the first of twins), the size grown by their bytes."""
+        then the others follow in order (the first of twins), the size grown by their bytes.  (The
+        pass's lists for its first_pass go: it has run.)"""
+        global _flat
+        if _flat is not None and _flat[0] is out:
+            _flat = None
         items = self.items
         pop = items.pop
         new: dict[tuple[str, bytes], ItemInfo] = {}
@@ -282,12 +290,15 @@ class ItemCache:
             begin = end
 
     @staticmethod
-    def _new_parts(flat: list[Core], lazy: bool = False) -> list[Part]:
+    def _new_parts(flat: list[Core], lazy: bool = False, dirty: list[bool] | None = None) -> list[Part]:
         """The :class:`Part` of every core in ``flat`` (changed in place where assistant prose is
         cleaned), each with its digest (:func:`_chashes`).  ``lazy``: the digests are left for when they
         are first read (:func:`hash_parts`; a conversation's first pass needs none before its
-        request goes)."""
-        dirty = [False] * len(flat)
+        request goes).  ``dirty``: an empty list, given each part's ``dirty``."""
+        if dirty is None:
+            dirty = [False] * len(flat)
+        else:
+            dirty += [False] * len(flat)
         # clean_replayed_prose changes only a text that starts with a marker line (MARKER_LINE) or
         # holds an angle bracket (every echo shape has one): the others are not passed to it
         for j in [j for j, c in enumerate(flat) if c.ctype == TEXT and c.role == "assistant"
@@ -300,6 +311,31 @@ class ItemCache:
             return list(map(Part, flat, repeat(None), repeat(None), dirty))
         hashes = _chashes(flat)
         return list(map(Part, flat, ["h_" + x[:16] for x in hashes], hashes, dirty))
+
+
+# a conversation's first pass, as ItemCache.get_many read it (its ItemInfos, their parts in one
+# list, the parts' cores and ``dirty``, where each item's parts end), for fresh.first_pass (first_flat)
+_flat: tuple | None = None
+
+
+def first_flat(infos: list[ItemInfo]) -> tuple[list[Part], list[Core], list[bool], list[int]] | None:
+    """The flat lists of ``infos`` as the last first pass of :meth:`ItemCache.get_many` made them
+    (their parts in one list, the parts' cores, their ``dirty``, where each item's parts end in
+    them): the lists ``fresh.first_pass`` would make again of them.  When ``infos`` are the items
+    of that pass (the same objects: ``get_many`` makes a first pass's ItemInfos anew, and their
+    parts are never changed), or its last ones; else None.  Taken once (a later call: None)."""
+    global _flat
+    got, _flat = _flat, None
+    if got is None:
+        return None
+    out, parts, cores, dirty, ends = got
+    off = len(out) - len(infos)
+    if off < 0 or not all(map(is_, infos, islice(out, off, None) if off else out)):
+        return None
+    if off:
+        base = ends[off - 1]
+        return parts[base:], cores[base:], dirty[base:], [e - base for e in islice(ends, off, None)]
+    return parts, cores, dirty, ends
 
 
 # Entry and Resolved are made per part of every new item: msgspec Structs build ~3x faster than dataclasses
@@ -319,7 +355,7 @@ class Call:
 
 class Resolved(msgspec.Struct, gc=False):
     core: Core
-    entry: Entry
+    entry: Entry  # (a first pass's: its PartView until its rows are made, fresh.Rows: the same ref and tokens)
     dirty: bool
     msg_id: str  # (with ``base``: a first pass's are set when its ledger rows are made, fresh.Rows)
     base: str
