@@ -250,17 +250,8 @@ def first_of(raw: bytes, lane, old: bool, cut: int = 0):
     counter = Counter()
     got = (old_first_pass if old else fresh.first_pass)(s, infos[cut:], counter, cut)
     resolved, rows, views, sums = got
-    before = [[(r.core, r.entry.ref, r.entry.tokens, r.dirty, r.msg_id, r.base, r.incs) for r in rs] for rs in resolved]
-    made = rows.get()
-    after = [[msgspec.structs.asdict(r) for r in rs] for rs in resolved]
-    assert all(type(r.entry) is Entry and s.refs[(r.msg_id, infos_chash(r))] is r.entry
-               for rs in resolved for r in rs)
-    return before, made, views, sums, after, dict(s.refs), counter
-
-
-def infos_chash(r) -> str:
-    """(The content hash a resolved part's ref is staged under: its core's.)"""
-    return state._chashes([r.core])[0]
+    return ([[msgspec.structs.asdict(r) for r in rs] for rs in resolved], rows.get(), views, sums,
+            [[msgspec.structs.asdict(r) for r in rs] for rs in resolved], dict(s.refs), counter)
 
 
 @pytest.mark.parametrize("lane", ["anthropic", "chat", "responses"])

@@ -53,10 +53,7 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
     computes (``View(items, sums)``).  None when the refs would run past the last one (the general
     path says so).  The rows are made when they are written (:class:`Rows`): then the parts are
     hashed (state.hash_parts), numbered in ``counter``, staged in ``s.refs`` as ``_resolve``
-    stages them (their :class:`Entry`), and the resolved parts get their ``msg_id``, ``base`` and
-    that entry (until then a part's ``entry`` is its PartView: the same ``ref`` and ``tokens``,
-    all that is read of an entry; the entries are for the session's refs, which the commit and
-    the turns after read: made with the rows, after the request when the engine writes behind it).
+    stages them, and the resolved parts get their ``msg_id`` and ``base``.
 
     Column by column: each field of every part in one comprehension (attribute reads of the
     parts' structs, specialised by the interpreter: faster than ``map(attrgetter)``), the objects
@@ -80,10 +77,8 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
     ctypes = [c.ctype for c in cores]
     # identity.count_tokens (its ASCII case inlined)
     tokens = [-(-len(t) // 4) if t.isascii() else count_tokens(t) for t in texts]
-    views_flat = list(map(PartView, names, roles, ctypes, [c.tool_name for c in cores],
-                          [c.tool_call_id for c in cores], texts, tokens))
-    # (each part's entry is its PartView until its rows are made: its ``ref`` and ``tokens``)
-    flat = list(map(Resolved, cores, views_flat, dirty, repeat(None), repeat(None)))
+    entries = list(map(Entry, names, tokens))
+    flat = list(map(Resolved, cores, entries, dirty, repeat(None), repeat(None)))
 
     def rows() -> list[LedgerRow]:
         hash_parts(parts)
@@ -98,12 +93,13 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
                 msg_ids = _numbered(bases, counter)
         else:
             msg_ids = _numbered(bases, counter)
-        entries = list(map(Entry, names, tokens))
         s.refs.update(zip(zip(msg_ids, chashes), entries))  # staged: forgotten again if the commit fails
-        for r, msg_id, base, entry in zip(flat, msg_ids, bases, entries):
-            r.msg_id, r.base, r.entry = msg_id, base, entry
+        for r, msg_id, base in zip(flat, msg_ids, bases):
+            r.msg_id, r.base = msg_id, base
         return list(map(LedgerRow, msg_ids, chashes, names, roles, ctypes, tokens))
 
+    views_flat = list(map(PartView, names, roles, ctypes, [c.tool_name for c in cores],
+                          [c.tool_call_id for c in cores], texts, tokens))
     if item_ends is None:
         ends = list(accumulate([len(info.parts) for info in infos], initial=0))
     else:

@@ -355,7 +355,7 @@ class Call:
 
 class Resolved(msgspec.Struct, gc=False):
     core: Core
-    entry: Entry  # (a first pass's: its PartView until its rows are made, fresh.Rows: the same ref and tokens)
+    entry: Entry
     dirty: bool
     msg_id: str  # (with ``base``: a first pass's are set when its ledger rows are made, fresh.Rows)
     base: str
