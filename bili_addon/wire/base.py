@@ -300,6 +300,7 @@ def _top_struct(key: str, keys: tuple[str, ...]) -> tuple[msgspec.json.Decoder, 
 _COMPACT = {"messages": _top_struct("messages", _TOP_KEYS), "input": _top_struct("input", _INPUT_TOP_KEYS)}
 _KEY_BYTES = {k: b'"' + k.encode() + b'":' for k in ("messages", "input", *_TOP_KEYS, *_INPUT_TOP_KEYS)}
 _KEY_NAMES = {k.encode(): k for k in _KEY_BYTES}  # a key as written (no escapes) -> its name
+_ORDER: dict[str, tuple] = {}  # the conversation's key -> the order of the members of the last compact body (_ordered)
 
 
 def _split_compact(raw: bytes, key: str = "messages"
@@ -321,13 +322,38 @@ def _split_compact(raw: bytes, key: str = "messages"
         return None
     values = msgspec.structs.astuple(t)
     items = values[0]
-    if items is msgspec.UNSET:
-        return None
     unset = msgspec.UNSET
-    # the size of each member's value (the array's as it is written compactly)
+    if items is unset:
+        return None
     n_items = len(items)
+    array = 2 + sum(map(len, items)) + (n_items - 1 if n_items else 0)  # the array's size, written compactly
+    # The members mostly stand in the order the last body of this conversation key had them (an agent
+    # writes its bodies alike): that order is tried first, its members' keys checked where they
+    # would stand (see _ordered); else the members are read off one by one (_members), and their order
+    # kept for the next body.  Both read the same members in the same order, or give None.
+    order = _ORDER.get(key)
+    if order is not None and len(values) - values.count(unset) == len(order[0]):
+        got = _ordered(raw, t, values, order, array)
+        if got is not _MISS:
+            return (got[0], items, got[1]) if got is not None else None
     sizes = {k: len(v) for k, v in zip(top_keys, values[1:]) if v is not unset}
-    sizes[key] = 2 + sum(map(len, items)) + (n_items - 1 if n_items else 0)
+    sizes[key] = array
+    got = _members(raw, key, t, sizes)
+    if got is None:
+        return None
+    top, span = got
+    # (the order learnt: which values stand where, their keys as written, the fixed bytes before each value)
+    index = {k: i for i, k in enumerate((key, *top_keys))}
+    names = tuple(top)
+    fixed = list(accumulate(len(_KEY_BYTES[k]) + 1 for k in names))  # each member's key and the separator before it
+    conv = names.index(key)
+    _ORDER[key] = (tuple(index[k] for k in names), names, tuple(_KEY_BYTES[k] for k in names), fixed, conv)
+    return top, items, span
+
+
+def _members(raw: bytes, key: str, t: Any, sizes: dict[str, int]
+             ) -> tuple[dict[str, msgspec.Raw], tuple[int, int]] | None:
+    """:func:`_split_compact`'s members, read off one by one in the order they stand, and the array's span."""
     # The body holds at least, apart from each other: its braces, each member's key ("k": at the
     # least: a key written with escapes is longer), its value (a raw slice), a comma between
     # members, and in the array its brackets, the items and a comma between them.  Exactly that
@@ -353,7 +379,33 @@ def _split_compact(raw: bytes, key: str = "messages"
         off = end + 1  # (past the comma, or the closing brace after the last member)
     if off != len(raw):
         return None
-    return top, items, span
+    return top, span
+
+
+def _ordered(raw: bytes, t: Any, values: tuple, order: tuple, array: int) -> Any:
+    """:func:`_members` read in a known ``order`` (``(value indices, names, keys as written, fixed
+    bytes before each value, the array's position)``) when the body holds exactly the members it
+    names (the caller checked how many): the members (None: the body is not compact, as
+    _members finds it) or _MISS (not in that order: _members reads it).  The size proves the body
+    is those members in some order (see _members); each key then stands where this order puts it
+    exactly when it is this order (no key's name holds ``"``), which is what _members reads."""
+    idx, names, keys, fixed, conv = order
+    vals = list(map(values.__getitem__, idx))
+    if msgspec.UNSET in vals:
+        return _MISS  # (other members than the order's)
+    sizes = list(map(len, vals))
+    sizes[conv] = array
+    ends = list(accumulate(sizes))  # each value's end, less the bytes before it of keys and separators
+    if fixed[-1] + ends[-1] + 1 != len(raw):
+        return None  # (_members would find the size wrong)
+    offs = list(map(int.__add__, fixed, ends))  # past each value, less one: the next member's separator
+    if not all(map(raw.startswith, keys, [1, *[o + 1 for o in offs[:-1]]])):
+        return _MISS
+    top = dict(zip(names, vals))
+    end = offs[conv]  # (past the array's ``]``)
+    at = end - array
+    top[names[conv]] = msgspec.Raw(memoryview(raw)[at:end])
+    return top, (at, end)
 
 
 def common_prefix_bytes(a: bytes, b: bytes, limit: int | None = None) -> int:
