@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 from collections import OrderedDict
+from itertools import islice
 
 from bili_addon.kernel.fold import Block
 from bili_addon.kernel.identity import InstanceCounter, count_tokens
@@ -139,7 +140,7 @@ class Lineage:
             self.whole[sid] = True
             self.pending[sid] = (0, (infos[start:], list(resolved)))
             return
-        off = min(sum(map(len, resolved[:first])), len(old)) if first else 0
+        off = min(sum(map(len, islice(resolved, first))), len(old)) if first else 0
         parts = [(r.entry.ref, p) for info, rs in zip(infos[start + first:], resolved[first:])
                  for p, r in zip(info.parts, rs)]
         k, n = off, min(len(old), off + len(parts))
@@ -151,7 +152,11 @@ class Lineage:
             return
         new = parts[k - off:]
         # compared on refs and content hashes only: the fingerprints are for the forks to come
-        self.records[sid] = old[:k] + [(ref, p.chash, "") for ref, p in new]
+        # (the record changed in place, not copied every turn: ``old`` is this session's in ``records``,
+        # held by nothing else)
+        del old[k:]
+        old += [(ref, p.chash, "") for ref, p in new]
+        self.records[sid] = old
         self.whole[sid] = True
         self.pending[sid] = (k, new)
         if not self.defer:

@@ -632,6 +632,7 @@ def append_to_text_value(raw: msgspec.Raw, prompt: str, part: dict) -> msgspec.R
 _MISS = object()
 _is = operator.is_
 _KEY_TYPES = (msgspec.Raw, bytes, str, bool, type(None))
+_KEY_TYPESET = frozenset(_KEY_TYPES)
 
 
 class Memo:
@@ -723,9 +724,8 @@ def _replay_or_run(memo: Memo, key: tuple, names: list | tuple, body: Body, item
     set, in the order they stand: a new key lands last, as the run added it; an item replaced
     before ``start`` or inserted at ``start``) and the run's result; else the run, and its effect
     kept when it has that shape."""
-    for x in key:
-        if type(x) not in _KEY_TYPES:
-            return run()
+    if not _KEY_TYPESET.issuperset(map(type, key)):  # (a type of _KEY_TYPES each)
+        return run()
     value = memo.get(key, names)
     top = body.top
     if value is not _MISS:
