@@ -18,12 +18,13 @@ from typing import Any, Mapping
 import msgspec
 import pytest
 
-from bili_addon.kernel import lineage, sessions, turn
+from bili_addon.kernel import envelope, lineage, sessions, turn
+from bili_addon.kernel.envelope import FIELD, EnvelopeRejected, parse, shape_of  # noqa: F401  (the oracle's)
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.identity import digest
 from bili_addon.kernel.lineage import SIDE_REQUEST_MAX_ITEMS  # noqa: F401  (the oracle's)
 from bili_addon.kernel.sessions import SESSION_HEADERS, _CONTENT_KEYED_CACHE_KEY_PREFIXES, _header, codex_thread  # noqa: F401
-from bili_addon.kernel.state import Entry, ItemInfo, Memo, Part, Resolved, Session
+from bili_addon.kernel.state import Entry, ItemInfo, Memo, Part, Resolved, Session, TurnResult
 from bili_addon.wire import LANES, base
 from bili_addon.wire.base import _COMPACT, _KEY_BYTES, _KEY_NAMES, Core
 
@@ -177,6 +178,39 @@ def old_record(self, s: Session, infos: list[ItemInfo], start: int, resolved: li
         self.flush(sid)
 
 
+def old_pins(s: Session, body: Body, headers: Mapping[str, str], infos: list[ItemInfo], start: int,
+         result: TurnResult) -> tuple[Envelope | None, dict[int, list[Entry]], bool]:
+    """The host-vouched ids of this request, and the refs they pin (by conversation item)."""
+    stripped = FIELD in body.top
+    field = body.top.pop(FIELD, None)
+    try:
+        env = parse(msgspec.json.decode(field) if field is not None else None, headers, len(infos))
+    except EnvelopeRejected as e:
+        result.notes.append(f"message ids ignored for this turn ({e}); content identity applies")
+        return None, {}, stripped
+    if env is None:
+        return None, {}, stripped
+    bound = s.flags.get("envelope", {})
+    pinned: dict[int, list[Entry]] = {}
+    for i in range(start, len(infos)):
+        stored = bound.get(env.ids[i])
+        if stored is None:
+            continue
+        shape, refs = stored
+        if shape == shape_of(infos[i].parts) and len(refs) == len(infos[i].parts):
+            pinned[i - start] = [Entry(r, t) for r, t in refs]
+        elif not env.resync:
+            result.status = 400
+            result.error = (f"message id {env.ids[i]!r} is already bound to a different message; "
+                            f"send resync: true to re-claim the whole set")
+            return env, {}, stripped
+    return env, pinned, stripped
+
+
+def old_result(session, lane, messages, source):
+    return TurnResult(None, session=session, lane=lane, messages=messages, source=source)
+
+
 def old_key_types_ok(key) -> bool:
     for x in key:
         if type(x) not in base._KEY_TYPES:
@@ -192,6 +226,8 @@ def patch_oracles(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(turn, "_natively", old_natively)
     mp.setattr(lineage, "_fingerprint_cold", lineage.fingerprint)
     mp.setattr(lineage.Lineage, "record", old_record)
+    mp.setattr(envelope, "pins", old_pins)
+    mp.setattr(turn, "_result", old_result)
 
 
 # -- (1) property by property -----------------------------------------------------------------------
@@ -351,6 +387,46 @@ def test_the_prefix_counter_is_the_oracles(seed):
         assert got is not bases and got["never"] == 0
         got["b1"] += 1
         assert bases == Counter(r.base for parts in resolved for r in parts for _ in range(r.incs))
+
+
+def test_a_turns_result_is_made_as_its_constructor_makes_it():
+    a, b = turn._result("sid", "chat", 12, "header:x-acp-session"), old_result("sid", "chat", 12, "header:x-acp-session")
+    assert type(a) is TurnResult and a == b and list(vars(a).items()) == list(vars(b).items())
+    c = turn._result("sid", "chat", 12, "")
+    for name in ("notes", "executed", "declined"):
+        assert getattr(a, name) == [] and getattr(a, name) is not getattr(c, name)  # (a new list each)
+    a.notes.append("x")
+    assert turn._result("s", "l", 0, "").notes == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pins_are_the_oracles(seed):
+    """envelope.pins without an envelope (no field, no header: its shortcut) and with one, valid or not."""
+    from bili_addon.wire.base import Body
+
+    rng = random.Random(seed)
+    case = bench_overhead.Case("anthropic", 4)
+    for _ in range(200):
+        d = json.loads(case.body(case.msgs))
+        n = len(d["messages"])
+        if rng.random() < 0.3:
+            d[FIELD] = rng.choice([[f"id{i}" for i in range(n)], ["x"] * n, [1], {"ids": [f"i{i}" for i in range(n)]},
+                                   None])
+        headers = {}
+        if rng.random() < 0.3:
+            headers[envelope.HEADER] = rng.choice(["", "[]", "nope", json.dumps([f"h{i}" for i in range(n)])])
+        raw = msgspec.json.encode(d)
+        runs = []
+        for fn in (envelope.pins, old_pins):
+            from bili_addon.kernel.state import Session as S
+            from bili_addon.store import SessionRow
+            s = S(SessionRow("s", "a", "anthropic", 0.0, 0.0, 0, 0, 1, "{}"))
+            body = Body(raw, "messages")
+            res = TurnResult(None)
+            env, pinned, stripped = fn(s, body, headers, [None] * n, 0, res)
+            runs.append((None if env is None else (env.ids, env.resync), pinned, stripped, list(body.top),
+                         vars(res)))
+        assert runs[0] == runs[1]
 
 
 def test_natively_is_the_oracles():
