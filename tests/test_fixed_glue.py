@@ -224,7 +224,7 @@ def patch_oracles(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(turn, "agent_of", old_agent_of)
     mp.setattr(turn, "_prefix_counter", old_prefix_counter)
     mp.setattr(turn, "_natively", old_natively)
-    mp.setattr(lineage, "_fingerprint_cold", lineage.fingerprint)
+    mp.setattr(lineage, "fingerprint", lineage._fingerprint)
     mp.setattr(lineage.Lineage, "record", old_record)
     mp.setattr(envelope, "pins", old_pins)
     mp.setattr(turn, "_result", old_result)
@@ -446,7 +446,7 @@ def test_the_fork_keys_fingerprint_is_fingerprints():
             for text in _TEXTS:
                 core = Core(role, ctype, text=text, tool_call_id="c1" if ctype != "text" else "",
                             tool_name="Bash" if ctype == "tool-call" else "", media="m" if ctype == "image" else None)
-                assert lineage._fingerprint_cold(core) == lineage.fingerprint(core)
+                assert lineage.fingerprint(core) == lineage._fingerprint(core)
 
 
 def test_the_key_types_are_checked_as_before():

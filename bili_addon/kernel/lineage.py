@@ -46,7 +46,7 @@ from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, Core
 log = logging.getLogger("bili")
 
 try:  # a conversation's first part, fingerprinted once on a cold path (the fork key): HACL*'s SHA-256, the same
-    # digest as OpenSSL's in fewer instructions cold (~10 us less there; warm, as flush runs it, OpenSSL's is faster)
+    # digest as OpenSSL's in fewer instructions cold (~half; warm, as flush runs it, OpenSSL's is faster)
     from _sha2 import sha256 as _sha256_cold
 except ImportError:  # pragma: no cover
     _sha256_cold = hashlib.sha256
@@ -118,7 +118,7 @@ class Lineage:
         known = self._first
         if known is not None and known[0] is core:
             return known[1]
-        fp = _fingerprint_cold(core)
+        fp = fingerprint(core)
         self._first = (core, fp)
         return fp
 
@@ -174,7 +174,7 @@ class Lineage:
             if first:  # a first record, kept as the pass had it (see record)
                 infos, resolved = new
                 new = [(r.entry.ref, p) for info, rs in zip(infos, resolved) for p, r in zip(info.parts, rs)]
-            tail = [(ref, p.chash, fingerprint(p.core)) for ref, p in new]
+            tail = [(ref, p.chash, _fingerprint(p.core)) for ref, p in new]
             self.store.save_lineage_parts(key, k, tail)
             rec = self.records.get(key)
             if rec is None and first:
@@ -284,7 +284,7 @@ class Lineage:
 
         def fp(i: int) -> str:  # the child's fingerprints, computed as far as they are compared
             while len(fps) <= i:
-                fps.append(fingerprint(parts[len(fps)].core))
+                fps.append(_fingerprint(parts[len(fps)].core))
             return fps[i]
 
         best, best_rec, best_n = None, [], 0
@@ -405,17 +405,19 @@ def fingerprint(core: Core) -> str:
     """What verifies a message at its position when the bytes differ: the churn rules' canonical
     text (JSON key-sorted and compacted, prose whitespace-normalised), with its call id and kind;
     reasoning on its role alone, as the fold-coverage layer does (providers re-mint what stands
-    for it)."""
-    text = "" if core.ctype == REASONING else _canonical(core.text)
-    seed = "\x00".join((core.role, core.ctype, core.tool_call_id, core.tool_name, text, core.media or ""))
-    return hashlib.sha256(seed.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-def _fingerprint_cold(core: Core) -> str:
-    """:func:`fingerprint` (the same digest) where it runs once, cold: a conversation's first part."""
+    for it).  One part's, cold (a conversation's first part, the fork key): HACL*'s SHA-256, the
+    same digest as OpenSSL's in fewer instructions there; :func:`_fingerprint` gives it for many
+    parts in a row (OpenSSL's, faster warm)."""
     text = "" if core.ctype == REASONING else _canonical(core.text)
     seed = "\x00".join((core.role, core.ctype, core.tool_call_id, core.tool_name, text, core.media or ""))
     return _sha256_cold(seed.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _fingerprint(core: Core) -> str:
+    """:func:`fingerprint` (the same digest) of parts fingerprinted many in a row (a pass's new parts)."""
+    text = "" if core.ctype == REASONING else _canonical(core.text)
+    seed = "\x00".join((core.role, core.ctype, core.tool_call_id, core.tool_name, text, core.media or ""))
+    return hashlib.sha256(seed.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def _canonical(text: str) -> str:
