@@ -244,12 +244,13 @@ class Body:
         add = pieces.append
         sep = b"{"
         at = end = 0  # where the array lies in the result
+        written = _KEY_BYTES  # (the keys agents send, as msgspec writes them, with their colon)
         for k, v in self.top.items():
             add(sep)
             sep = b","
-            add(_enc.encode(k))
+            kb = written.get(k)
+            add(kb if kb is not None else _enc.encode(k) + b":")
             if k == self.key:
-                add(b":")
                 at = sum(map(len, pieces))
                 n = len(items)
                 if n:  # ``[``, the items with a comma between each two, ``]``: laid out by slices
@@ -262,7 +263,6 @@ class Body:
                     add(b"[]")
                     end = at + 2
             else:
-                add(b":")
                 add(v)
         add(b"}" if pieces else b"{}")
         joined = b"".join(pieces)
