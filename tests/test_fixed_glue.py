@@ -244,10 +244,6 @@ def old_encode(self, items: list[bytes] | None) -> bytes:
     return joined
 
 
-def old_result(session, lane, messages, source):
-    return TurnResult(None, session=session, lane=lane, messages=messages, source=source)
-
-
 def old_key_types_ok(key) -> bool:
     for x in key:
         if type(x) not in base._KEY_TYPES:
@@ -264,7 +260,6 @@ def patch_oracles(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(lineage, "fingerprint", lineage._fingerprint)
     mp.setattr(lineage.Lineage, "record", old_record)
     mp.setattr(envelope, "pins", old_pins)
-    mp.setattr(turn, "_result", old_result)
     mp.setattr(base.Body, "encode", old_encode)
 
 
@@ -425,16 +420,6 @@ def test_the_prefix_counter_is_the_oracles(seed):
         assert got is not bases and got["never"] == 0
         got["b1"] += 1
         assert bases == Counter(r.base for parts in resolved for r in parts for _ in range(r.incs))
-
-
-def test_a_turns_result_is_made_as_its_constructor_makes_it():
-    a, b = turn._result("sid", "chat", 12, "header:x-acp-session"), old_result("sid", "chat", 12, "header:x-acp-session")
-    assert type(a) is TurnResult and a == b and list(vars(a).items()) == list(vars(b).items())
-    c = turn._result("sid", "chat", 12, "")
-    for name in ("notes", "executed", "declined"):
-        assert getattr(a, name) == [] and getattr(a, name) is not getattr(c, name)  # (a new list each)
-    a.notes.append("x")
-    assert turn._result("s", "l", 0, "").notes == []
 
 
 @pytest.mark.parametrize("seed", range(4))

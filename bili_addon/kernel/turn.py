@@ -246,7 +246,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             s.model = top["model"]
         # conversation items whose session work (refs, view, rendering) is reused as it is
         q = k - start if memo is not None and k and memo.sid == sid and memo.version == s.version else 0
-        result = _result(sid, lane.name, len(infos) - start, source)
+        result = TurnResult(None, session=sid, lane=lane.name, messages=len(infos) - start, source=source)
         if forked:
             result.notes.append(forked)
 
@@ -587,38 +587,6 @@ def _writes_after(eng: Engine, s: Session, lane: str, snap, active: bool, names:
                     and eng.clocks.cold(s.row.id, eng.now() + 1.0))
     except Exception:  # (whatever fails here fails below as it would)
         return True
-
-
-def _result_maker():
-    """``_result(session, lane, messages, source)``: ``TurnResult(None, session=..., lane=..., messages=...,
-    source=...)``, as its dataclass __init__ makes it (every field in its order, a new object from each
-    default factory), from a copy of its defaults instead of its Python-level __init__ (every turn
-    makes one); the constructor itself where TurnResult is not such a plain dataclass."""
-    import dataclasses
-
-    params = getattr(TurnResult, "__dataclass_params__", None)
-    if (params is None or params.frozen or "__slots__" in vars(TurnResult) or hasattr(TurnResult, "__post_init__")
-            or any(not f.init for f in dataclasses.fields(TurnResult))):
-        return lambda session, lane, messages, source: TurnResult(None, session=session, lane=lane, messages=messages,
-                                                                  source=source)
-    template = vars(TurnResult(None))
-    made = tuple((f.name, f.default_factory) for f in dataclasses.fields(TurnResult)
-                 if f.default_factory is not dataclasses.MISSING)
-    new, update = object.__new__, dict.update
-
-    def make(session: str, lane: str, messages: int, source: str) -> TurnResult:
-        res = new(TurnResult)
-        d = res.__dict__
-        update(d, template)
-        d["session"], d["lane"], d["messages"], d["source"] = session, lane, messages, source
-        for name, factory in made:
-            d[name] = factory()
-        return res
-
-    return make
-
-
-_result = _result_maker()
 
 
 def _natively(names: list[str]) -> bool:
