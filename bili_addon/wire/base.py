@@ -300,7 +300,8 @@ def _top_struct(key: str, keys: tuple[str, ...]) -> tuple[msgspec.json.Decoder, 
 _COMPACT = {"messages": _top_struct("messages", _TOP_KEYS), "input": _top_struct("input", _INPUT_TOP_KEYS)}
 _KEY_BYTES = {k: b'"' + k.encode() + b'":' for k in ("messages", "input", *_TOP_KEYS, *_INPUT_TOP_KEYS)}
 _KEY_NAMES = {k.encode(): k for k in _KEY_BYTES}  # a key as written (no escapes) -> its name
-_ORDER: dict[str, tuple] = {}  # the conversation's key -> the order of the members of the last compact body (_ordered)
+# (the conversation's key, how many members) -> their order in the last such compact body (_ordered)
+_ORDER: dict[tuple[str, int], tuple] = {}
 
 
 def _split_compact(raw: bytes, key: str = "messages"
@@ -331,8 +332,8 @@ def _split_compact(raw: bytes, key: str = "messages"
     # writes its bodies alike): that order is tried first, its members' keys checked where they
     # would stand (see _ordered); else the members are read off one by one (_members), and their order
     # kept for the next body.  Both read the same members in the same order, or give None.
-    order = _ORDER.get(key)
-    if order is not None and len(values) - values.count(unset) == len(order[0]):
+    order = _ORDER.get((key, len(values) - values.count(unset)))  # (by how many members: agents of other kinds)
+    if order is not None:
         got = _ordered(raw, t, values, order, array)
         if got is not _MISS:
             return (got[0], items, got[1]) if got is not None else None
@@ -347,7 +348,7 @@ def _split_compact(raw: bytes, key: str = "messages"
     names = tuple(top)
     fixed = list(accumulate(len(_KEY_BYTES[k]) + 1 for k in names))  # each member's key and the separator before it
     conv = names.index(key)
-    _ORDER[key] = (tuple(index[k] for k in names), names, tuple(_KEY_BYTES[k] for k in names), fixed, conv)
+    _ORDER[key, len(names)] = (tuple(index[k] for k in names), names, tuple(_KEY_BYTES[k] for k in names), fixed, conv)
     return top, items, span
 
 
@@ -385,7 +386,7 @@ def _members(raw: bytes, key: str, t: Any, sizes: dict[str, int]
 def _ordered(raw: bytes, t: Any, values: tuple, order: tuple, array: int) -> Any:
     """:func:`_members` read in a known ``order`` (``(value indices, names, keys as written, fixed
     bytes before each value, the array's position)``) when the body holds exactly the members it
-    names (the caller checked how many): the members (None: the body is not compact, as
+    names (the caller found as many): the members (None: the body is not compact, as
     _members finds it) or _MISS (not in that order: _members reads it).  The size proves the body
     is those members in some order (see _members); each key then stands where this order puts it
     exactly when it is this order (no key's name holds ``"``), which is what _members reads."""
