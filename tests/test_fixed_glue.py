@@ -142,7 +142,7 @@ def old_natively(names):
 
 
 def old_record(self, s: Session, infos: list[ItemInfo], start: int, resolved: list[list[Resolved]],
-           reused: int = 0) -> None:
+               reused: int = 0, _parts=None) -> None:
     """Keep the session's history (per part: ref, content hash, verification fingerprint) for
     the forks to come.  A request that only repeats a prefix of it (a side request, a retry of
     an older turn) keeps the longer record.  ``reused``: leading items this pass shares with
@@ -552,7 +552,11 @@ def test_the_lineage_record_is_the_oracles(seed, tmp_path):
             s = type("S", (), {})()
             s.row = type("R", (), {"id": sid})()
             reused = rng.randint(0, len(infos)) if rng.random() < 0.5 else 0
-            rec(lin, s, infos, 0, resolved, reused)
+            counted = rng.random() < 0.5
+            if old or not counted:
+                rec(lin, s, infos, 0, resolved, reused)
+            else:  # (the parts counted by the caller)
+                rec(lin, s, infos, 0, resolved, reused, sum(map(len, resolved)))
             if rng.random() < 0.4:
                 lin.flush()
             out.append((sid, {k: list(v) for k, v in lin.records.items()}, dict(lin.whole),

@@ -123,11 +123,13 @@ class Lineage:
         return fp
 
     def record(self, s: Session, infos: list[ItemInfo], start: int, resolved: list[list[Resolved]],
-               reused: int = 0) -> None:
+               reused: int = 0, parts: int | None = None) -> None:
         """Keep the session's history (per part: ref, content hash, verification fingerprint) for
         the forks to come.  A request that only repeats a prefix of it (a side request, a retry of
         an older turn) keeps the longer record.  ``reused``: leading items this pass shares with
-        the session's previous one, unchanged (not compared again when that pass was recorded)."""
+        the session's previous one, unchanged (not compared again when that pass was recorded);
+        ``parts``: how many parts ``resolved`` holds, when the caller counted them (the reused ones are
+        then counted from the few after them)."""
         sid = s.row.id
         if sid in self.pending:  # the previous pass's parts were not stored yet (no answer came)
             self.flush(sid)
@@ -140,7 +142,11 @@ class Lineage:
             self.whole[sid] = True
             self.pending[sid] = (0, (infos[start:], list(resolved)))
             return
-        off = min(sum(map(len, islice(resolved, first))), len(old)) if first else 0
+        if first:
+            off = min(sum(map(len, islice(resolved, first))) if parts is None else
+                      parts - sum(map(len, islice(resolved, first, None))), len(old))
+        else:
+            off = 0
         parts = [(r.entry.ref, p) for info, rs in zip(infos[start + first:], resolved[first:])
                  for p, r in zip(info.parts, rs)]
         k, n = off, min(len(old), off + len(parts))

@@ -268,7 +268,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             view_tail = None
         resolved = (memo.resolved[:q] if q else []) + resolved_tail
         minted = s.row.next_ref
-        result.refs_known = sum(map(len, resolved))
+        result.refs_known = n_parts = sum(map(len, resolved))
 
         # staged: written with the flags the turn learns below (one write), by the flush before
         # anything else of the session is written or sent; in memory it is done either way
@@ -282,7 +282,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             self.affinity.note(sid, *tail)
             self._lineage("note_points", sid, hashes, known)
         else:
-            self._lineage("record", s, infos, start, resolved, q)
+            self._lineage("record", s, infos, start, resolved, q, n_parts)
         if isinstance(top.get("previous_response_id"), str) and top["previous_response_id"]:
             if self.set_flag(sid, "delta_history", True):
                 result.notes.append(
