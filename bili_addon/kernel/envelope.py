@@ -79,6 +79,8 @@ def shape_of(parts) -> str:
 def pins(s: Session, body: Body, headers: Mapping[str, str], infos: list[ItemInfo], start: int,
          result: TurnResult) -> tuple[Envelope | None, dict[int, list[Entry]], bool]:
     """The host-vouched ids of this request, and the refs they pin (by conversation item)."""
+    if FIELD not in body.top and not headers.get(HEADER):  # (mostly: no envelope, as parse finds)
+        return None, {}, False
     stripped = FIELD in body.top
     field = body.top.pop(FIELD, None)
     try:

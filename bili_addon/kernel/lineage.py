@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 from collections import OrderedDict
+from itertools import islice
 
 from bili_addon.kernel.fold import Block
 from bili_addon.kernel.identity import InstanceCounter, count_tokens
@@ -43,6 +44,12 @@ from bili_addon.store import LedgerRow, Store
 from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, Core
 
 log = logging.getLogger("bili")
+
+try:  # a conversation's first part, fingerprinted once on a cold path (the fork key): HACL*'s SHA-256, the same
+    # digest as OpenSSL's in fewer instructions cold (~half; warm, as flush runs it, OpenSSL's is faster)
+    from _sha2 import sha256 as _sha256_cold
+except ImportError:  # pragma: no cover
+    _sha256_cold = hashlib.sha256
 
 MAX_CANDIDATES = 64  # sessions opening with the same message that a new one is compared with
 MAX_RECORDS = 256
@@ -116,11 +123,13 @@ class Lineage:
         return fp
 
     def record(self, s: Session, infos: list[ItemInfo], start: int, resolved: list[list[Resolved]],
-               reused: int = 0) -> None:
+               reused: int = 0, parts: int | None = None) -> None:
         """Keep the session's history (per part: ref, content hash, verification fingerprint) for
         the forks to come.  A request that only repeats a prefix of it (a side request, a retry of
         an older turn) keeps the longer record.  ``reused``: leading items this pass shares with
-        the session's previous one, unchanged (not compared again when that pass was recorded)."""
+        the session's previous one, unchanged (not compared again when that pass was recorded);
+        ``parts``: how many parts ``resolved`` holds, when the caller counted them (the reused ones are
+        then counted from the few after them)."""
         sid = s.row.id
         if sid in self.pending:  # the previous pass's parts were not stored yet (no answer came)
             self.flush(sid)
@@ -133,7 +142,11 @@ class Lineage:
             self.whole[sid] = True
             self.pending[sid] = (0, (infos[start:], list(resolved)))
             return
-        off = min(sum(map(len, resolved[:first])), len(old)) if first else 0
+        if first:
+            off = min(sum(map(len, islice(resolved, first))) if parts is None else
+                      parts - sum(map(len, islice(resolved, first, None))), len(old))
+        else:
+            off = 0
         parts = [(r.entry.ref, p) for info, rs in zip(infos[start + first:], resolved[first:])
                  for p, r in zip(info.parts, rs)]
         k, n = off, min(len(old), off + len(parts))
@@ -145,7 +158,11 @@ class Lineage:
             return
         new = parts[k - off:]
         # compared on refs and content hashes only: the fingerprints are for the forks to come
-        self.records[sid] = old[:k] + [(ref, p.chash, "") for ref, p in new]
+        # (the record changed in place, not copied every turn: ``old`` is this session's in ``records``,
+        # held by nothing else)
+        del old[k:]
+        old += [(ref, p.chash, "") for ref, p in new]
+        self.records[sid] = old
         self.whole[sid] = True
         self.pending[sid] = (k, new)
         if not self.defer:
@@ -163,7 +180,7 @@ class Lineage:
             if first:  # a first record, kept as the pass had it (see record)
                 infos, resolved = new
                 new = [(r.entry.ref, p) for info, rs in zip(infos, resolved) for p, r in zip(info.parts, rs)]
-            tail = [(ref, p.chash, fingerprint(p.core)) for ref, p in new]
+            tail = [(ref, p.chash, _fingerprint(p.core)) for ref, p in new]
             self.store.save_lineage_parts(key, k, tail)
             rec = self.records.get(key)
             if rec is None and first:
@@ -273,7 +290,7 @@ class Lineage:
 
         def fp(i: int) -> str:  # the child's fingerprints, computed as far as they are compared
             while len(fps) <= i:
-                fps.append(fingerprint(parts[len(fps)].core))
+                fps.append(_fingerprint(parts[len(fps)].core))
             return fps[i]
 
         best, best_rec, best_n = None, [], 0
@@ -394,7 +411,16 @@ def fingerprint(core: Core) -> str:
     """What verifies a message at its position when the bytes differ: the churn rules' canonical
     text (JSON key-sorted and compacted, prose whitespace-normalised), with its call id and kind;
     reasoning on its role alone, as the fold-coverage layer does (providers re-mint what stands
-    for it)."""
+    for it).  One part's, cold (a conversation's first part, the fork key): HACL*'s SHA-256, the
+    same digest as OpenSSL's in fewer instructions there; :func:`_fingerprint` gives it for many
+    parts in a row (OpenSSL's, faster warm)."""
+    text = "" if core.ctype == REASONING else _canonical(core.text)
+    seed = "\x00".join((core.role, core.ctype, core.tool_call_id, core.tool_name, text, core.media or ""))
+    return _sha256_cold(seed.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _fingerprint(core: Core) -> str:
+    """:func:`fingerprint` (the same digest) of parts fingerprinted many in a row (a pass's new parts)."""
     text = "" if core.ctype == REASONING else _canonical(core.text)
     seed = "\x00".join((core.role, core.ctype, core.tool_call_id, core.tool_name, text, core.media or ""))
     return hashlib.sha256(seed.encode("utf-8", "surrogatepass")).hexdigest()[:32]

@@ -30,6 +30,7 @@ SESSION_HEADERS = (
 _CONTENT_KEYED_CACHE_KEY_PREFIXES = ("pck_",)
 
 MIN_CANONICAL_BYTES = 24
+_HEADER_SOURCES = {name: f"header:{name}" for name in SESSION_HEADERS}
 
 
 def _header(headers: Mapping[str, str], name: str) -> str:
@@ -60,13 +61,17 @@ def session_from_request(headers: Mapping[str, str], top: Mapping[str, Any]) -> 
 
     ``top`` is the decoded top-level body (only small scalar fields are read).
     """
-    thread = codex_thread(headers)
-    if thread:
-        return thread, "codex-thread"
+    get = headers.get  # (every turn: the headers read as ``_header`` reads them, without a call each)
+    if get("x-codex-turn-metadata") is not None:  # (else codex_thread finds no thread)
+        thread = codex_thread(headers)
+        if thread:
+            return thread, "codex-thread"
     for name in SESSION_HEADERS:
-        v = _header(headers, name)
-        if v:
-            return v, f"header:{name}"
+        v = get(name)
+        if isinstance(v, str):
+            v = v.strip()
+            if v:
+                return v, _HEADER_SOURCES[name]
     sid = top.get("session_id")
     if isinstance(sid, str) and sid.strip():
         return sid.strip(), "body:session_id"
@@ -93,9 +98,12 @@ def agent_of(headers: Mapping[str, str]) -> str:
     ua = _header(headers, "user-agent").lower()
     if "claude-cli" in ua or "claude-code" in ua:
         return "claude-code"
-    if "codex" in ua or _header(headers, "originator").startswith("codex"):
+    if "codex" in ua:
         return "codex"
-    if ua.startswith("opencode") or _header(headers, "originator") == "opencode":
+    originator = _header(headers, "originator")  # (read once: both checks below ask for it)
+    if originator.startswith("codex"):
+        return "codex"
+    if ua.startswith("opencode") or originator == "opencode":
         return "opencode"
     if ua.startswith("omp/"):
         return "omp"

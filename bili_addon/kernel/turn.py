@@ -268,7 +268,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             view_tail = None
         resolved = (memo.resolved[:q] if q else []) + resolved_tail
         minted = s.row.next_ref
-        result.refs_known = sum(map(len, resolved))
+        result.refs_known = n_parts = sum(map(len, resolved))
 
         # staged: written with the flags the turn learns below (one write), by the flush before
         # anything else of the session is written or sent; in memory it is done either way
@@ -282,7 +282,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             self.affinity.note(sid, *tail)
             self._lineage("note_points", sid, hashes, known)
         else:
-            self._lineage("record", s, infos, start, resolved, q)
+            self._lineage("record", s, infos, start, resolved, q, n_parts)
         if isinstance(top.get("previous_response_id"), str) and top["previous_response_id"]:
             if self.set_flag(sid, "delta_history", True):
                 result.notes.append(
@@ -591,7 +591,10 @@ def _writes_after(eng: Engine, s: Session, lane: str, snap, active: bool, names:
 
 def _natively(names: list[str]) -> bool:
     """Whether the agent's own tools include bili's (its MCP server: ``mcp__bili__compress``, ...)."""
-    return any("bili" in n and n.endswith("compress") for n in names)
+    for n in names:  # (a loop, not any() over a generator: read twice a turn)
+        if "bili" in n and n.endswith("compress"):
+            return True
+    return False
 
 
 def _system_run(infos: list[ItemInfo]) -> int:
@@ -625,13 +628,20 @@ def _id_sets(s: Session) -> tuple[set[str], set[str]]:
 
 def _prefix_counter(memo: Memo | None, q: int) -> Counter:
     """Instance counts of base ids over the first ``q`` conversation items of the previous pass."""
+    # (made as ``Counter()`` and ``Counter(memo.bases)`` make them, the same items in the same order,
+    # without their Python-level __init__ and update: every turn makes one)
+    counts = _new_counter(Counter)
     if memo is None or q == 0:
-        return Counter()
-    counts = Counter(memo.bases)
+        return counts
+    _dict_update(counts, memo.bases)
     for parts in memo.resolved[q:]:
         for r in parts:
             counts[r.base] -= r.incs
     return counts
+
+
+_new_counter = dict.__new__
+_dict_update = dict.update
 
 
 def _view_items(resolved: list[list[Resolved]], first_index: int) -> list[ViewItem]:

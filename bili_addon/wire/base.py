@@ -244,12 +244,13 @@ class Body:
         add = pieces.append
         sep = b"{"
         at = end = 0  # where the array lies in the result
+        written = _KEY_BYTES  # (the keys agents send, as msgspec writes them, with their colon)
         for k, v in self.top.items():
             add(sep)
             sep = b","
-            add(_enc.encode(k))
+            kb = written.get(k)
+            add(kb if kb is not None else _enc.encode(k) + b":")
             if k == self.key:
-                add(b":")
                 at = sum(map(len, pieces))
                 n = len(items)
                 if n:  # ``[``, the items with a comma between each two, ``]``: laid out by slices
@@ -262,7 +263,6 @@ class Body:
                     add(b"[]")
                     end = at + 2
             else:
-                add(b":")
                 add(v)
         add(b"}" if pieces else b"{}")
         joined = b"".join(pieces)
@@ -300,6 +300,8 @@ def _top_struct(key: str, keys: tuple[str, ...]) -> tuple[msgspec.json.Decoder, 
 _COMPACT = {"messages": _top_struct("messages", _TOP_KEYS), "input": _top_struct("input", _INPUT_TOP_KEYS)}
 _KEY_BYTES = {k: b'"' + k.encode() + b'":' for k in ("messages", "input", *_TOP_KEYS, *_INPUT_TOP_KEYS)}
 _KEY_NAMES = {k.encode(): k for k in _KEY_BYTES}  # a key as written (no escapes) -> its name
+# (the conversation's key, how many members) -> their order in the last such compact body (_ordered)
+_ORDER: dict[tuple[str, int], tuple] = {}
 
 
 def _split_compact(raw: bytes, key: str = "messages"
@@ -321,13 +323,38 @@ def _split_compact(raw: bytes, key: str = "messages"
         return None
     values = msgspec.structs.astuple(t)
     items = values[0]
-    if items is msgspec.UNSET:
-        return None
     unset = msgspec.UNSET
-    # the size of each member's value (the array's as it is written compactly)
+    if items is unset:
+        return None
     n_items = len(items)
+    array = 2 + sum(map(len, items)) + (n_items - 1 if n_items else 0)  # the array's size, written compactly
+    # The members mostly stand in the order the last body of this conversation key had them (an agent
+    # writes its bodies alike): that order is tried first, its members' keys checked where they
+    # would stand (see _ordered); else the members are read off one by one (_members), and their order
+    # kept for the next body.  Both read the same members in the same order, or give None.
+    order = _ORDER.get((key, len(values) - values.count(unset)))  # (by how many members: agents of other kinds)
+    if order is not None:
+        got = _ordered(raw, t, values, order, array)
+        if got is not _MISS:
+            return (got[0], items, got[1]) if got is not None else None
     sizes = {k: len(v) for k, v in zip(top_keys, values[1:]) if v is not unset}
-    sizes[key] = 2 + sum(map(len, items)) + (n_items - 1 if n_items else 0)
+    sizes[key] = array
+    got = _members(raw, key, t, sizes)
+    if got is None:
+        return None
+    top, span = got
+    # (the order learnt: which values stand where, their keys as written, the fixed bytes before each value)
+    index = {k: i for i, k in enumerate((key, *top_keys))}
+    names = tuple(top)
+    fixed = list(accumulate(len(_KEY_BYTES[k]) + 1 for k in names))  # each member's key and the separator before it
+    conv = names.index(key)
+    _ORDER[key, len(names)] = (tuple(index[k] for k in names), names, tuple(_KEY_BYTES[k] for k in names), fixed, conv)
+    return top, items, span
+
+
+def _members(raw: bytes, key: str, t: Any, sizes: dict[str, int]
+             ) -> tuple[dict[str, msgspec.Raw], tuple[int, int]] | None:
+    """:func:`_split_compact`'s members, read off one by one in the order they stand, and the array's span."""
     # The body holds at least, apart from each other: its braces, each member's key ("k": at the
     # least: a key written with escapes is longer), its value (a raw slice), a comma between
     # members, and in the array its brackets, the items and a comma between them.  Exactly that
@@ -353,7 +380,33 @@ def _split_compact(raw: bytes, key: str = "messages"
         off = end + 1  # (past the comma, or the closing brace after the last member)
     if off != len(raw):
         return None
-    return top, items, span
+    return top, span
+
+
+def _ordered(raw: bytes, t: Any, values: tuple, order: tuple, array: int) -> Any:
+    """:func:`_members` read in a known ``order`` (``(value indices, names, keys as written, fixed
+    bytes before each value, the array's position)``) when the body holds exactly the members it
+    names (the caller found as many): the members (None: the body is not compact, as
+    _members finds it) or _MISS (not in that order: _members reads it).  The size proves the body
+    is those members in some order (see _members); each key then stands where this order puts it
+    exactly when it is this order (no key's name holds ``"``), which is what _members reads."""
+    idx, names, keys, fixed, conv = order
+    vals = list(map(values.__getitem__, idx))
+    if msgspec.UNSET in vals:
+        return _MISS  # (other members than the order's)
+    sizes = list(map(len, vals))
+    sizes[conv] = array
+    ends = list(accumulate(sizes))  # each value's end, less the bytes before it of keys and separators
+    if fixed[-1] + ends[-1] + 1 != len(raw):
+        return None  # (_members would find the size wrong)
+    offs = list(map(int.__add__, fixed, ends))  # past each value, less one: the next member's separator
+    if not all(map(raw.startswith, keys, [1, *[o + 1 for o in offs[:-1]]])):
+        return _MISS
+    top = dict(zip(names, vals))
+    end = offs[conv]  # (past the array's ``]``)
+    at = end - array
+    top[names[conv]] = msgspec.Raw(memoryview(raw)[at:end])
+    return top, (at, end)
 
 
 def common_prefix_bytes(a: bytes, b: bytes, limit: int | None = None) -> int:
@@ -580,6 +633,7 @@ def append_to_text_value(raw: msgspec.Raw, prompt: str, part: dict) -> msgspec.R
 _MISS = object()
 _is = operator.is_
 _KEY_TYPES = (msgspec.Raw, bytes, str, bool, type(None))
+_KEY_TYPESET = frozenset(_KEY_TYPES)
 
 
 class Memo:
@@ -671,9 +725,8 @@ def _replay_or_run(memo: Memo, key: tuple, names: list | tuple, body: Body, item
     set, in the order they stand: a new key lands last, as the run added it; an item replaced
     before ``start`` or inserted at ``start``) and the run's result; else the run, and its effect
     kept when it has that shape."""
-    for x in key:
-        if type(x) not in _KEY_TYPES:
-            return run()
+    if not _KEY_TYPESET.issuperset(map(type, key)):  # (a type of _KEY_TYPES each)
+        return run()
     value = memo.get(key, names)
     top = body.top
     if value is not _MISS:
