@@ -247,6 +247,8 @@ def test_the_tools_are_frozen_and_encode_as_plain():
     assert freeze(PLAIN_TOOLS) == PLAIN_TOOLS
     with pytest.raises(TypeError):
         freeze({"a": object()})
+    with pytest.raises(TypeError):
+        Frozen({"a": 1})  # (only freeze makes one: its values frozen, its JSON written)
 
 
 def test_tools_json_is_encode():

@@ -696,6 +696,9 @@ class Frozen(dict):
 
     __slots__ = ("json",)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a Frozen dict is made by freeze() (its values frozen, its JSON written)")
+
     def _frozen(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a Frozen dict cannot be changed")
 
