@@ -6,6 +6,8 @@ move the provider's prefix cache.
 
 from __future__ import annotations
 
+from bili_addon.wire.base import freeze
+
 TOOL_NAMES = ("compress", "decompress", "search_context", "acp_status")
 
 _RANGE = {
@@ -19,7 +21,8 @@ _RANGE = {
     },
     "required": ["startId", "endId", "summary"],
 }
-TOOLS: tuple[dict, ...] = (
+# (frozen: a tool that cannot change is encoded once, not in each turn's injection memo key)
+TOOLS: tuple[dict, ...] = tuple(freeze([
     {
         "name": "compress",
         "description": "Replace consumed ranges of this conversation with your summaries, one entry per range "
@@ -59,7 +62,7 @@ TOOLS: tuple[dict, ...] = (
         "description": "Context usage, foldable ranges and summary blocks.",
         "parameters": {"type": "object", "properties": {}},
     },
-)
+]))
 SYSTEM_PROMPT = """\
 # Context folding (bili)
 

@@ -243,7 +243,7 @@ class Body:
         pieces: list = []
         add = pieces.append
         sep = b"{"
-        at = end = 0  # where the array lies in the result
+        at = after = 0  # where the array lies in the result: its start, the first piece after it
         written = _KEY_BYTES  # (the keys agents send, as msgspec writes them, with their colon)
         for k, v in self.top.items():
             add(sep)
@@ -258,14 +258,16 @@ class Body:
                     array[0], array[-1] = b"[", b"]"
                     array[1::2] = items
                     pieces += array
-                    end = at + sum(map(len, items)) + n + 1  # (n - 1 commas, two brackets)
                 else:
                     add(b"[]")
-                    end = at + 2
+                after = len(pieces)
             else:
                 add(v)
         add(b"}" if pieces else b"{}")
         joined = b"".join(pieces)
+        # (its end: the result's length less what follows it, the few top-level values after it,
+        # not the sum of every item's length)
+        end = len(joined) - sum(map(len, pieces[after:]))
         self.top[self.key] = msgspec.Raw(memoryview(joined)[at:end])  # the new array (no copy of it)
         return joined
 
@@ -686,6 +688,90 @@ def memo_tool_names(memo: Memo, raw: Any, compute) -> list[str] | None:
     return names
 
 
+class Frozen(dict):
+    """A dict that is never changed (its values are Frozen, FrozenList or immutable too: made by
+    :func:`freeze`), so its JSON is written once, when it is made (``json``: msgspec's encoding of
+    it), and a memo key reads it from there.  Its methods that change a dict raise; a copy of it
+    (``copy.copy``, ``copy.deepcopy``, pickling) is a plain, changeable dict."""
+
+    __slots__ = ("json",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a Frozen dict is made by freeze() (its values frozen, its JSON written)")
+
+    def _frozen(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a Frozen dict cannot be changed")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _frozen
+
+    def __copy__(self) -> dict:
+        return dict(self)
+
+    def __deepcopy__(self, memo: dict) -> dict:
+        import copy
+        return {copy.deepcopy(k, memo): copy.deepcopy(v, memo) for k, v in self.items()}
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self),)
+
+
+class FrozenList(list):
+    """A list that is never changed (see :class:`Frozen`); a copy of it is a plain list."""
+
+    __slots__ = ()
+
+    def _frozen(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a FrozenList cannot be changed")
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = append = extend = insert = pop = remove = clear = \
+        sort = reverse = _frozen
+
+    def __copy__(self) -> list:
+        return list(self)
+
+    def __deepcopy__(self, memo: dict) -> list:
+        import copy
+        return [copy.deepcopy(v, memo) for v in self]
+
+    def __reduce__(self) -> Any:
+        return list, (list(self),)
+
+
+def freeze(value: Any) -> Any:
+    """``value`` (dicts, lists and JSON scalars) made :class:`Frozen` and :class:`FrozenList`, all the
+    way down; a Frozen's ``json`` is its encoding (the same bytes as the plain value's)."""
+    if type(value) is dict:
+        out = dict.__new__(Frozen)
+        for k, v in value.items():
+            dict.__setitem__(out, k, freeze(v))
+        out.json = encode(out)
+        return out
+    if type(value) is list:
+        return FrozenList(freeze(v) for v in value)
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    raise TypeError(f"cannot freeze a {type(value).__name__}")
+
+
+_TOOLS_JSON: tuple[tuple, bytes] = ((), b"[]")  # (the last Frozen tools _tools_json wrote, and their JSON)
+
+
+def _tools_json(tools: list) -> bytes:
+    """``encode(tools)``: from the Frozen tools' own encodings, when every one is Frozen (never changed
+    since it was written), else encoded; the very bytes object of the last call when the tools are
+    the same Frozen objects again (the memo's key then compares by identity, not byte by byte)."""
+    global _TOOLS_JSON
+    last, written = _TOOLS_JSON
+    if len(tools) == len(last) and all(map(_is, tools, last)):
+        return written
+    for t in tools:
+        if type(t) is not Frozen:
+            return encode(tools)
+    written = b"[" + b",".join([t.json for t in tools]) + b"]"
+    _TOOLS_JSON = (tuple(tools), written)  # (one assignment: a concurrent reader sees either)
+    return written
+
+
 def memo_tools(memo: Memo, body: Body, tools: list[dict], names: list[str], run) -> bool:
     """``run()`` (a lane's tools half of the injection: bili's tools after the agent's, in
     ``body.top["tools"]``), or its effect replayed when the agent's tools bytes, bili's tools and
@@ -696,10 +782,10 @@ def memo_tools(memo: Memo, body: Body, tools: list[dict], names: list[str], run)
     if type(raw) is not msgspec.Raw and type(raw) is not bytes:
         return run()  # (none: the lane's own code fails)
     try:
-        key = (encode(tools), raw)
+        key = (_tools_json(tools), raw)
     except (TypeError, ValueError):
         return run()
-    return _replay_or_run(memo, key, names, body, None, 0, run, False, False)
+    return _replay_or_run(memo, key, names, body, None, 0, run, False, False, True)
 
 
 def memo_prompt(memo: Memo, body: Body, items: list, start: int, prompt: str, reads: tuple, run, *,
@@ -720,12 +806,12 @@ def memo_prompt(memo: Memo, body: Body, items: list, start: int, prompt: str, re
 
 
 def _replay_or_run(memo: Memo, key: tuple, names: list | tuple, body: Body, items: list | None, start: int, run,
-                   reads_item: bool, inserts: bool) -> bool:
+                   reads_item: bool, inserts: bool, typed: bool = False) -> bool:
     """The effect kept under ``key`` and ``names`` set into the body (the top-level values the run
     set, in the order they stand: a new key lands last, as the run added it; an item replaced
     before ``start`` or inserted at ``start``) and the run's result; else the run, and its effect
-    kept when it has that shape."""
-    if not _KEY_TYPESET.issuperset(map(type, key)):  # (a type of _KEY_TYPES each)
+    kept when it has that shape.  ``typed``: the caller made the key of :data:`_KEY_TYPES` (not checked again)."""
+    if not typed and not _KEY_TYPESET.issuperset(map(type, key)):  # (a type of _KEY_TYPES each)
         return run()
     value = memo.get(key, names)
     top = body.top
