@@ -1,6 +1,6 @@
 """Whole Engine runs twice, as the code is and with old functions patched in as oracles: the turns
 of both runs are compared by the tests that use it (test_folded_follow_up, test_followup_steps,
-test_folded_100)."""
+test_folded_100, test_first_fixed, test_first_prop, test_fixed_*)."""
 
 from __future__ import annotations
 
@@ -63,3 +63,51 @@ def capture_turns() -> list[tuple[str, dict, bytes]]:
         turns.append((lane, headers, json.dumps(req["body"], separators=(",", ":"), ensure_ascii=False).encode()))
     return turns
 
+
+
+def replays_both(patch_oracles: Callable, materialize: str) -> tuple[list, list]:
+    """Every capture (``wirecases.capture_files``, skipped where there are none) replayed through
+    ``bili_addon.replay`` as the code is, then with ``patch_oracles(monkeypatch)`` applied: each
+    run's turns (session, flow, turn, body, blocks, folded, executed).  Returns (new, old)."""
+    from bili_addon import replay
+    from wirecases import capture_files
+
+    files = capture_files()
+    if not files:
+        pytest.skip("no captures here (BILI_CAPTURES)")
+    runs = []
+    for old in (False, True):
+        with pytest.MonkeyPatch.context() as mp:
+            if old:
+                patch_oracles(mp)
+            out = []
+            for f in files:
+                report = replay.replay_file(Path(f), activate="always", materialize=materialize, min_compress_chars=200)
+                out.append([(t.session, t.flow, t.turn, t.body, t.blocks, t.folded, t.executed) for t in report.turns])
+            runs.append(out)
+    return runs[0], runs[1]
+
+
+def folded_follow_ups(window: int, turns: int = 5) -> Callable:
+    """A scenario for :func:`run_both`: the bench's 100-message Anthropic conversation, its first half
+    folded by the model (``bench_overhead.fold_half``), then ``turns`` follow-ups of one new message
+    each, ten seconds apart (``window``: the engine's context window, 0 for the model's)."""
+    import bench_overhead
+    from bili_addon.kernel.fold import FoldConfig
+
+    case = bench_overhead.Case("anthropic", 100)
+    news = [case.new(i) for i in range(turns)]
+
+    def scenario(make):
+        cfg = FoldConfig(min_compress_chars=2000)
+        t = make(window=window, fold_cfg=cfg) if window else make(fold_cfg=cfg)
+        sid = "bench-folded"
+        t.sids.append(sid)
+        msgs = bench_overhead.fold_half(t.e, case, list(case.msgs), {"x-acp-session": sid})
+        for new in news:
+            msgs.append(new)
+            t.e.t += 10
+            t.send(case.body(msgs), sid, case.lane)
+        return [t.turns, t.stored()]
+
+    return scenario

@@ -21,11 +21,11 @@ import msgspec
 import pytest
 
 from bili_addon.kernel import prompts, turn
-from bili_addon.kernel.fold import FoldConfig
 from bili_addon.wire import LANES, anthropic, base, chat, responses
 from bili_addon.wire.base import Body, Frozen, FrozenList, encode, freeze
 
 from tests import test_fixed_remind as fr
+from tests import oracle_runs
 from tests.oracle_runs import run_both
 from tests.test_first_fixed import Trace
 from tests.test_folded_follow_up import folds_of_every_kind
@@ -124,22 +124,7 @@ def test_the_benchs_turns_written_behind_are_the_oracles(tmp_path, lane):
 
 @pytest.mark.parametrize("window", [0, 40_000, 20_000])
 def test_the_benchs_folded_follow_ups_are_the_oracles(tmp_path, window):
-    case = bench_overhead.Case("anthropic", 100)
-    news = [case.new(i) for i in range(5)]
-
-    def scenario(make):
-        t = make(window=window, fold_cfg=FoldConfig(min_compress_chars=2000)) if window else \
-            make(fold_cfg=FoldConfig(min_compress_chars=2000))
-        sid = "bench-folded"
-        t.sids.append(sid)
-        msgs = bench_overhead.fold_half(t.e, case, list(case.msgs), {"x-acp-session": sid})
-        for i in range(5):
-            msgs.append(news[i])
-            t.e.t += 10
-            t.send(case.body(msgs), sid, case.lane)
-        return [t.turns, t.stored()]
-
-    both(tmp_path, scenario)
+    both(tmp_path, oracle_runs.folded_follow_ups(window))
 
 
 @pytest.mark.parametrize("window", [0, 12_000])

@@ -18,9 +18,11 @@ from typing import Any, Mapping
 import msgspec
 import pytest
 
+from bili_addon.kernel.envelope import Envelope
+from bili_addon.wire.base import Body
+
 from bili_addon.kernel import envelope, lineage, sessions, turn
 from bili_addon.kernel.envelope import FIELD, EnvelopeRejected, parse, shape_of  # noqa: F401  (the oracle's)
-from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.identity import digest
 from bili_addon.kernel.lineage import SIDE_REQUEST_MAX_ITEMS  # noqa: F401  (the oracle's)
 from bili_addon.kernel.sessions import SESSION_HEADERS, _CONTENT_KEYED_CACHE_KEY_PREFIXES, _header, codex_thread  # noqa: F401
@@ -28,6 +30,7 @@ from bili_addon.kernel.state import Entry, ItemInfo, Memo, Part, Resolved, Sessi
 from bili_addon.wire import LANES, base
 from bili_addon.wire.base import _COMPACT, _KEY_BYTES, _KEY_NAMES, Core
 
+from tests import oracle_runs
 from tests.oracle_runs import capture_turns, run_both
 from tests.test_first_fixed import Trace, conversation
 from tests.test_folded_follow_up import folds_of_every_kind
@@ -605,22 +608,7 @@ def test_the_benchs_first_turns_forks_and_follow_ups_are_the_oracles(tmp_path, l
 
 @pytest.mark.parametrize("window", [0, 20_000])
 def test_the_benchs_folded_follow_ups_are_the_oracles(tmp_path, window):
-    case = bench_overhead.Case("anthropic", 100)
-    news = [case.new(i) for i in range(5)]
-
-    def scenario(make):
-        cfg = FoldConfig(min_compress_chars=2000)
-        t = make(window=window, fold_cfg=cfg) if window else make(fold_cfg=cfg)
-        sid = "bench-folded"
-        t.sids.append(sid)
-        msgs = bench_overhead.fold_half(t.e, case, list(case.msgs), {"x-acp-session": sid})
-        for i in range(5):
-            msgs.append(news[i])
-            t.e.t += 10
-            t.send(case.body(msgs), sid, case.lane)
-        return [t.turns, t.stored()]
-
-    both(tmp_path, scenario)
+    both(tmp_path, oracle_runs.folded_follow_ups(window))
 
 
 @pytest.mark.parametrize("window", [0, 12_000])
@@ -651,20 +639,5 @@ def test_the_captured_turns_are_the_oracles(tmp_path):
 
 @pytest.mark.parametrize("materialize", ["now", "cost"])
 def test_the_captures_replay_as_the_oracles(materialize):
-    from bili_addon import replay
-    from wirecases import capture_files
-
-    files = capture_files()
-    if not files:
-        pytest.skip("no captures here (BILI_CAPTURES)")
-    runs = []
-    for old in (False, True):
-        with pytest.MonkeyPatch.context() as mp:
-            if old:
-                patch_oracles(mp)
-            out = []
-            for f in files:
-                report = replay.replay_file(Path(f), activate="always", materialize=materialize, min_compress_chars=200)
-                out.append([(t.session, t.flow, t.turn, t.body, t.blocks, t.folded, t.executed) for t in report.turns])
-            runs.append(out)
-    assert runs[0] == runs[1]
+    new, old = oracle_runs.replays_both(patch_oracles, materialize)
+    assert new == old

@@ -36,6 +36,7 @@ from bili_addon.kernel.turn import Engine
 from bili_addon.store import StaleSession
 from bili_addon.wire import LANES
 
+from tests import oracle_runs
 from tests.oracle_runs import run_both
 from tests.test_first_fixed import Trace, conversation
 from tests.test_first_fixed import again
@@ -288,22 +289,7 @@ def test_the_benchs_turns_written_behind_are_the_oracles(tmp_path, lane, window)
 @pytest.mark.parametrize("window", [0, 40_000, 20_000])
 @pytest.mark.parametrize("behind", [False, True])
 def test_the_benchs_folded_follow_ups_are_the_oracles(tmp_path, window, behind):
-    case = bench_overhead.Case("anthropic", 100)
-    news = [case.new(i) for i in range(5)]
-
-    def scenario(make):
-        t = make(window=window, fold_cfg=FoldConfig(min_compress_chars=2000)) if window else \
-            make(fold_cfg=FoldConfig(min_compress_chars=2000))
-        sid = "bench-folded"
-        t.sids.append(sid)
-        msgs = bench_overhead.fold_half(t.e, case, list(case.msgs), {"x-acp-session": sid})
-        for i in range(5):
-            msgs.append(news[i])
-            t.e.t += 10
-            t.send(case.body(msgs), sid, case.lane)
-        return [t.turns, t.stored()]
-
-    both(tmp_path, scenario, Behind if behind else Trace)
+    both(tmp_path, oracle_runs.folded_follow_ups(window), Behind if behind else Trace)
 
 
 @pytest.mark.parametrize("window", [0, 30_000, 12_000])
@@ -314,23 +300,8 @@ def test_folds_of_every_kind_are_the_oracles(tmp_path, window, materialize):
 
 @pytest.mark.parametrize("materialize", ["now", "cost"])
 def test_the_captures_replay_as_the_oracles(materialize):
-    from bili_addon import replay
-    from wirecases import capture_files
-
-    files = capture_files()
-    if not files:
-        pytest.skip("no captures here (BILI_CAPTURES)")
-    runs = []
-    for old in (False, True):
-        with pytest.MonkeyPatch.context() as mp:
-            if old:
-                patch_oracles(mp)
-            out = []
-            for f in files:
-                report = replay.replay_file(Path(f), activate="always", materialize=materialize, min_compress_chars=200)
-                out.append([(t.session, t.flow, t.turn, t.body, t.blocks, t.folded, t.executed) for t in report.turns])
-            runs.append(out)
-    assert runs[0] == runs[1]
+    new, old = oracle_runs.replays_both(patch_oracles, materialize)
+    assert new == old
 
 
 # -- the row a staged turn writes, on both backends --------------------------------------------------
