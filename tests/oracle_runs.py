@@ -65,10 +65,11 @@ def capture_turns() -> list[tuple[str, dict, bytes]]:
 
 
 
-def replays_both(patch_oracles: Callable, materialize: str) -> tuple[list, list]:
+def replays_both(patch_oracles: Callable, materialize: str, before: Callable | None = None) -> tuple[list, list]:
     """Every capture (``wirecases.capture_files``, skipped where there are none) replayed through
     ``bili_addon.replay`` as the code is, then with ``patch_oracles(monkeypatch)`` applied: each
-    run's turns (session, flow, turn, body, blocks, folded, executed).  Returns (new, old)."""
+    run's turns (session, flow, turn, body, blocks, folded, executed).  ``before()``: called at the
+    start of each run (e.g. to clear a process-wide memo).  Returns (new, old)."""
     from bili_addon import replay
     from wirecases import capture_files
 
@@ -80,6 +81,8 @@ def replays_both(patch_oracles: Callable, materialize: str) -> tuple[list, list]
         with pytest.MonkeyPatch.context() as mp:
             if old:
                 patch_oracles(mp)
+            if before is not None:
+                before()
             out = []
             for f in files:
                 report = replay.replay_file(Path(f), activate="always", materialize=materialize, min_compress_chars=200)

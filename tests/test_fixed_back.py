@@ -133,24 +133,8 @@ def test_folds_of_every_kind_are_the_oracles(tmp_path, window):
 
 
 def test_the_captures_replay_as_the_oracles():
-    from bili_addon import replay
-    from wirecases import capture_files
-
-    files = capture_files()
-    if not files:
-        pytest.skip("no captures here (BILI_CAPTURES)")
-    runs = []
-    for old in (False, True):
-        with pytest.MonkeyPatch.context() as mp:
-            if old:
-                patch_oracles(mp)
-            _clear_memos()
-            out = []
-            for f in files:
-                report = replay.replay_file(Path(f), activate="always", materialize="now", min_compress_chars=200)
-                out.append([(t.session, t.flow, t.turn, t.body, t.blocks, t.folded, t.executed) for t in report.turns])
-            runs.append(out)
-    assert runs[0] == runs[1]
+    new, old = oracle_runs.replays_both(patch_oracles, "now", before=_clear_memos)
+    assert new == old
 
 
 # -- the parts on their own -----------------------------------------------------------------------------

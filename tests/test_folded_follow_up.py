@@ -34,6 +34,7 @@ from bili_addon.store import Store
 from bili_addon.wire import Lane
 from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, TOOL_RESULT
 
+from tests import oracle_runs
 from tests.oracle_runs import run_both
 from tests.test_fold import ANTH, agent_answers_unknown, body, filler, refs_in, roundtrip_call
 
@@ -804,22 +805,8 @@ def capture_files() -> list[str]:
 
 @pytest.mark.parametrize("materialize", ["now", "cost"])
 def test_the_captures_replay_as_the_oracles(materialize, monkeypatch):
-    from bili_addon import replay
-
-    files = capture_files()
-    if not files:
-        pytest.skip("no captures here (BILI_CAPTURES)")
-    runs = []
-    for old in (False, True):
-        with pytest.MonkeyPatch.context() as mp:
-            if old:
-                patch_oracles(mp)
-            out = []
-            for f in files:
-                report = replay.replay_file(Path(f), activate="always", materialize=materialize, min_compress_chars=200)
-                out.append([(t.session, t.flow, t.turn, t.body, t.blocks, t.folded, t.executed) for t in report.turns])
-            runs.append(out)
-    assert runs[0] == runs[1]
+    new, old = oracle_runs.replays_both(patch_oracles, materialize)
+    assert new == old
 
 
 def test_the_engine_hands_each_view_the_sessions_previous_one(tmp_path, monkeypatch):

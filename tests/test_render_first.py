@@ -353,21 +353,8 @@ def test_odd_texts_first_turns(tmp_path, lane, seed):
 
 
 def test_the_captures_replay_as_the_oracle(monkeypatch):
-    from bili_addon import replay
-    from tests.test_folded_follow_up import capture_files
+    from tests import oracle_runs
 
-    files = capture_files()
-    if not files:
-        pytest.skip("no captures here (BILI_CAPTURES)")
-    runs = []
-    for old in (False, True):
-        with pytest.MonkeyPatch.context() as mp:
-            if old:
-                patch_oracles(mp)
-            out = []
-            for f in files:
-                report = replay.replay_file(Path(f), activate="always", materialize="now", min_compress_chars=200)
-                out.append([(t.session, t.flow, t.turn, t.body, t.blocks, t.folded, t.executed) for t in report.turns])
-            runs.append(out)
-    assert runs[0] == runs[1]
-    assert any(t[3] for run in runs[0] for t in run)  # bodies were rendered
+    new, old = oracle_runs.replays_both(patch_oracles, "now")
+    assert new == old
+    assert any(t[3] for run in new for t in run)  # bodies were rendered
