@@ -1,5 +1,5 @@
 """#11, the back half of a turn (after the items are rendered): its fixed costs cut without changing a
-byte.  bili's tools are frozen (wire.base.freeze: a tool that cannot change has its JSON written once),
+byte.  bili's tools are frozen (wire.frozen.freeze: a tool that cannot change has its JSON written once),
 so the injection's memo key reads that JSON, the same bytes object turn after turn, not an encoding of
 the tools made each turn; Body.encode finds the array's end from the joined body's length.
 
@@ -22,7 +22,8 @@ import pytest
 
 from bili_addon.kernel import prompts, turn
 from bili_addon.wire import LANES, anthropic, base, chat, responses
-from bili_addon.wire.base import Body, Frozen, FrozenList, encode, freeze
+from bili_addon.wire.base import Body, encode
+from bili_addon.wire.frozen import Frozen, FrozenList, freeze
 
 from tests import test_fixed_remind as fr
 from tests import oracle_runs

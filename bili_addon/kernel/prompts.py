@@ -6,7 +6,7 @@ move the provider's prefix cache.
 
 from __future__ import annotations
 
-from bili_addon.wire.base import freeze
+from bili_addon.wire.frozen import freeze
 
 TOOL_NAMES = ("compress", "decompress", "search_context", "acp_status")
 
