@@ -1,6 +1,6 @@
 """#11, a conversation's first turn: its per-message work cut without changing a byte (fresh.first_pass
 takes the flat lists ItemCache.get_many made of the pass's parts instead of making them again:
-state.first_flat; its entries are made with its rows, after the request).  The oracles are the functions as they were before (kept below, patched in),
+ItemCache.first_flat; its entries are made with its rows, after the request).  The oracles are the functions as they were before (kept below, patched in),
 compared with the code as it is: whole Engine runs (tests/oracle_runs.py) over the bench's
 conversations (first turns, forks, follow-ups, folded follow-ups, urgent reminders, truncations)
 and the captures (BILI_CAPTURES): the same bytes out, the same results, flags, ledgers and lineage;
@@ -18,7 +18,7 @@ import pytest
 
 from bili_addon.wire import Lane
 
-from bili_addon.kernel import fresh, state
+from bili_addon.kernel import fresh
 from bili_addon.kernel.fold import PartView, Sums, ViewItem
 from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.state import (TEXT, Core, Entry, ItemCache, ItemInfo, Part, Resolved, Session, _chashes,
@@ -229,7 +229,8 @@ def old_first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
 def patch_oracles(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(ItemCache, "get_many", OldItemCache.get_many)
     mp.setattr(ItemCache, "_new_parts", OldItemCache.__dict__["_new_parts"])
-    mp.setattr(fresh, "first_pass", old_first_pass)
+    mp.setattr(fresh, "first_pass", lambda s, infos, counter, first_index, flat=None:
+               old_first_pass(s, infos, counter, first_index))  # (the old one made its lists itself)
 
 
 # -- (1) unit by unit: the first pass's refs, view and sums, with and without get_many's lists -------------
@@ -251,7 +252,8 @@ def first_of(raw: bytes, lane, old: bool, cut: int = 0):
     s = Session(SessionRow(id="x", agent="", lane=lane.name, created=0.0, last_seen=0.0, requests=0, messages=0,
                            next_ref=1))
     counter = Counter()
-    got = (old_first_pass if old else fresh.first_pass)(s, infos[cut:], counter, cut)
+    got = (old_first_pass(s, infos[cut:], counter, cut) if old else
+           fresh.first_pass(s, infos[cut:], counter, cut, flat=cache.first_flat(infos[cut:])))
     resolved, rows, views, sums = got
     return ([[msgspec.structs.asdict(r) for r in rs] for rs in resolved], rows.get(), views, sums,
             [[msgspec.structs.asdict(r) for r in rs] for rs in resolved], dict(s.refs), counter)
@@ -276,21 +278,25 @@ def test_first_flat_is_taken_only_for_its_own_items():
     from bili_addon.wire.base import Body
 
     b = Body(raw, "messages")
-    infos = ItemCache().get_many(L, b.items, [], b.top["messages"], [])
-    twins = ItemCache().get_many(L, b.items, [], b.top["messages"], [])  # (equal items, other objects)
-    assert twins == infos and state.first_flat(infos) is None and state.first_flat(twins) is None
+    c = ItemCache()
+    infos = c.get_many(L, b.items, [], b.top["messages"], [])
+    twins = c.get_many(L, b.items, [], b.top["messages"], [])  # (equal items, other objects)
+    assert twins == infos and c.first_flat(infos) is None and c.first_flat(twins) is None
     for cut in (0, 1, 5, len(infos)):
-        got = ItemCache().get_many(L, b.items, [], b.top["messages"], [])
-        flat = state.first_flat(got[cut:])
+        c = ItemCache()
+        got = c.get_many(L, b.items, [], b.top["messages"], [])
+        flat = c.first_flat(got[cut:])
         parts = [p for info in got[cut:] for p in info.parts]
         assert flat is not None and flat[0] == parts and all(map(lambda a, b: a is b, flat[0], parts))
         assert flat[1] == [p.core for p in parts] and flat[2] == [p.dirty for p in parts]
         assert flat[3] == list(accumulate(len(info.parts) for info in got[cut:]))
-        assert state.first_flat(got[cut:]) is None  # (taken)
-    got = ItemCache().get_many(L, b.items, [], b.top["messages"], [])
-    assert state.first_flat(got[:3]) is None and state.first_flat(got) is None  # (not its last items: none, and gone)
-    got = ItemCache().get_many(L, b.items, [], b.top["messages"], [])
-    assert state.first_flat(got + got[:1]) is None
+        assert c.first_flat(got[cut:]) is None  # (taken)
+    c = ItemCache()
+    got = c.get_many(L, b.items, [], b.top["messages"], [])
+    assert c.first_flat(got[:3]) is None and c.first_flat(got) is None  # (not its last items: none, and gone)
+    c = ItemCache()
+    got = c.get_many(L, b.items, [], b.top["messages"], [])
+    assert c.first_flat(got + got[:1]) is None
 
 
 def test_a_pass_of_items_without_parts():
@@ -380,8 +386,8 @@ def test_a_first_turn_takes_the_lists_get_many_made(tmp_path, monkeypatch):
     from bili_addon.store import Store
 
     seen = []
-    real = state.first_flat
-    monkeypatch.setattr(fresh, "first_flat", lambda infos: seen.append(real(infos)) or seen[-1])
+    real = ItemCache.first_flat
+    monkeypatch.setattr(ItemCache, "first_flat", lambda self, infos: seen.append(real(self, infos)) or seen[-1])
     for lane in ("anthropic", "chat", "responses"):
         case = bench_overhead.Case(lane, 100)
         e = Engine(Store(tmp_path / f"{lane}.db"))

@@ -465,7 +465,8 @@ def _patch_old(mp: pytest.MonkeyPatch) -> None:
         return old_get_many(self, lane, raws, objs, whole)
 
     mp.setattr(ItemCache, "get_many", get_many)
-    mp.setattr(fresh, "first_pass", old_first_pass)
+    mp.setattr(fresh, "first_pass", lambda s, infos, counter, first_index, flat=None:
+               old_first_pass(s, infos, counter, first_index))  # (the old one made its lists itself)
     mp.setattr(anthropic.AnthropicLane, "array_cores", staticmethod(old_anthropic_array_cores))
     mp.setattr(chat.ChatLane, "array_cores", staticmethod(old_chat_array_cores))
 

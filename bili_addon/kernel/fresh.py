@@ -16,7 +16,7 @@ from operator import sub
 
 from bili_addon.kernel.fold import PartView, Sums, ViewItem
 from bili_addon.kernel.identity import count_tokens
-from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session, first_flat, hash_parts
+from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session, hash_parts
 from bili_addon.store import MAX_REF, LedgerRow, ref_names  # past MAX_REF the general path raises
 
 
@@ -46,22 +46,23 @@ class Rows:
         return self._rows
 
 
-def first_pass(s: Session, infos: list[ItemInfo], counter: Counter,
-               first_index: int) -> tuple[list[list[Resolved]], Rows, list[ViewItem], Sums] | None:
+def first_pass(s: Session, infos: list[ItemInfo], counter: Counter, first_index: int,
+               flat: tuple | None = None) -> tuple[list[list[Resolved]], Rows, list[ViewItem], Sums] | None:
     """``(resolved, new ledger rows, view items, sums)`` of a pass whose every part is new (see
     :func:`applies`); ``sums``: what the :class:`~bili_addon.kernel.fold.View` of the items
     computes (``View(items, sums)``).  None when the refs would run past the last one (the general
     path says so).  The rows are made when they are written (:class:`Rows`): then the parts are
     hashed (state.hash_parts), numbered in ``counter``, staged in ``s.refs`` as ``_resolve``
-    stages them, and the resolved parts get their ``msg_id`` and ``base``.
+    stages them, and the resolved parts get their ``msg_id`` and ``base``.  ``flat``: what
+    ``ItemCache.first_flat`` gives of ``infos`` (the lists the item read made of their parts), else
+    made here.
 
     Column by column: each field of every part in one comprehension (attribute reads of the
     parts' structs, specialised by the interpreter: faster than ``map(attrgetter)``), the objects
     made by ``map`` over those columns, then the per-item lists cut from the flat ones."""
     next_ref = s.row.next_ref
-    got = first_flat(infos)  # (the lists below, as ItemCache.get_many made them for these items)
-    if got is not None:
-        parts, cores, dirty, item_ends = got
+    if flat is not None:  # (the lists below, as ItemCache.get_many made them for these items)
+        parts, cores, dirty, item_ends = flat
     else:
         parts = [p for info in infos for p in info.parts]
         cores = dirty = item_ends = None

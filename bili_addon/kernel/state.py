@@ -108,6 +108,11 @@ class ItemCache:
         # linked list beside the table) and was twice as slow to fill (a first pass adds every item)
         self.items: dict[tuple[str, bytes], ItemInfo] = {}
 
+    # the last first pass :meth:`get_many` read (its ItemInfos, their parts in one list, the parts'
+    # cores and ``dirty``, where each item's parts end) until its first_pass takes it (first_flat) or
+    # its record is kept (_keep)
+    _flat: tuple | None = None
+
     def _grown(self, size: int) -> None:
         """``size`` bytes of items added: the oldest go while the cache is over its limit."""
         self.size += size
@@ -197,8 +202,7 @@ class ItemCache:
                 else:
                     parts, lists = [], [[] for _raw in braws]
                 out = list(map(ItemInfo, braws, got[3] if len(got) > 3 else repeat(False), lists))
-                global _flat
-                _flat = (out, parts, flat, dirty, ends)  # (for the pass's fresh.first_pass: first_flat)
+                self._flat = (out, parts, flat, dirty, ends)  # (for the pass's fresh.first_pass: first_flat)
                 if later is not None:
                     later.append(lambda: self._keep(name, braws, out))
                 else:
@@ -263,9 +267,8 @@ class ItemCache:
         loop leaves it: an item the cache held is kept as it was and made the newest where it comes,
         then the others follow in order (the first of twins), the size grown by their bytes.  (The
         pass's lists for its first_pass go: it has run.)"""
-        global _flat
-        if _flat is not None and _flat[0] is out:
-            _flat = None
+        if self._flat is not None and self._flat[0] is out:
+            self._flat = None
         items = self.items
         pop = items.pop
         new: dict[tuple[str, bytes], ItemInfo] = {}
@@ -278,6 +281,24 @@ class ItemCache:
         if any(info.parts for info in new.values()):
             items.update(new)
         self._grown(sum(len(key[1]) for key in new))
+
+    def first_flat(self, infos: list[ItemInfo]) -> tuple[list[Part], list[Core], list[bool], list[int]] | None:
+        """The flat lists of ``infos`` as this cache's last first pass (:meth:`get_many`) made them
+        (their parts in one list, the parts' cores, their ``dirty``, where each item's parts end in
+        them): the lists ``fresh.first_pass`` would make again of them.  When ``infos`` are the items
+        of that pass (the same objects: ``get_many`` makes a first pass's ItemInfos anew, and their
+        parts are never changed), or its last ones; else None.  Taken once (a later call: None)."""
+        got, self._flat = self._flat, None
+        if got is None:
+            return None
+        out, parts, cores, dirty, ends = got
+        off = len(out) - len(infos)
+        if off < 0 or not all(map(is_, infos, islice(out, off, None) if off else out)):
+            return None
+        if off:
+            base = ends[off - 1]
+            return parts[base:], cores[base:], dirty[base:], [e - base for e in islice(ends, off, None)]
+        return parts, cores, dirty, ends
 
     @staticmethod
     def _parts(flat: list[Core], made: list[tuple[ItemInfo, int]]) -> None:
@@ -311,31 +332,6 @@ class ItemCache:
             return list(map(Part, flat, repeat(None), repeat(None), dirty))
         hashes = _chashes(flat)
         return list(map(Part, flat, ["h_" + x[:16] for x in hashes], hashes, dirty))
-
-
-# a conversation's first pass, as ItemCache.get_many read it (its ItemInfos, their parts in one
-# list, the parts' cores and ``dirty``, where each item's parts end), for fresh.first_pass (first_flat)
-_flat: tuple | None = None
-
-
-def first_flat(infos: list[ItemInfo]) -> tuple[list[Part], list[Core], list[bool], list[int]] | None:
-    """The flat lists of ``infos`` as the last first pass of :meth:`ItemCache.get_many` made them
-    (their parts in one list, the parts' cores, their ``dirty``, where each item's parts end in
-    them): the lists ``fresh.first_pass`` would make again of them.  When ``infos`` are the items
-    of that pass (the same objects: ``get_many`` makes a first pass's ItemInfos anew, and their
-    parts are never changed), or its last ones; else None.  Taken once (a later call: None)."""
-    global _flat
-    got, _flat = _flat, None
-    if got is None:
-        return None
-    out, parts, cores, dirty, ends = got
-    off = len(out) - len(infos)
-    if off < 0 or not all(map(is_, infos, islice(out, off, None) if off else out)):
-        return None
-    if off:
-        base = ends[off - 1]
-        return parts[base:], cores[base:], dirty[base:], [e - base for e in islice(ends, off, None)]
-    return parts, cores, dirty, ends
 
 
 # Entry and Resolved are made per part of every new item: msgspec Structs build ~3x faster than dataclasses

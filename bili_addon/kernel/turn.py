@@ -259,8 +259,10 @@ class Engine(ProxyTools, Epochs, Deferred):
         counter = _prefix_counter(memo, q)
         vouched = env.ids[start:] if env is not None else None
         # a conversation's first pass: every part new, refs, rows and view in one loop (kernel/fresh.py)
-        first = (fresh.first_pass(s, infos[start:], counter, start)
-                 if fresh.applies(s, cov, q, pinned, vouched) else None)
+        first = None
+        if fresh.applies(s, cov, q, pinned, vouched):
+            conv = infos[start:]  # (with the lists the item read made of their parts: ItemCache.first_flat)
+            first = fresh.first_pass(s, conv, counter, start, flat=self.items.first_flat(conv))
         if first is not None:
             resolved_tail, new_rows, view_tail, sums = first
         else:
