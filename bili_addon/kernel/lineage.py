@@ -414,16 +414,19 @@ def fingerprint(core: Core) -> str:
     for it).  One part's, cold (a conversation's first part, the fork key): HACL*'s SHA-256, the
     same digest as OpenSSL's in fewer instructions there; :func:`_fingerprint` gives it for many
     parts in a row (OpenSSL's, faster warm)."""
-    text = "" if core.ctype == REASONING else _canonical(core.text)
-    seed = "\x00".join((core.role, core.ctype, core.tool_call_id, core.tool_name, text, core.media or ""))
-    return _sha256_cold(seed.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return _sha256_cold(_seed(core)).hexdigest()[:32]
 
 
 def _fingerprint(core: Core) -> str:
     """:func:`fingerprint` (the same digest) of parts fingerprinted many in a row (a pass's new parts)."""
+    return hashlib.sha256(_seed(core)).hexdigest()[:32]
+
+
+def _seed(core: Core) -> bytes:
+    """What a part's fingerprint hashes."""
     text = "" if core.ctype == REASONING else _canonical(core.text)
-    seed = "\x00".join((core.role, core.ctype, core.tool_call_id, core.tool_name, text, core.media or ""))
-    return hashlib.sha256(seed.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return "\x00".join((core.role, core.ctype, core.tool_call_id, core.tool_name, text, core.media or "")).encode(
+        "utf-8", "surrogatepass")
 
 
 def _canonical(text: str) -> str:
