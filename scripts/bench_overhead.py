@@ -367,7 +367,7 @@ def first_turn(case: Case, raw: bytes, reps: int, eng: Engine | None = None
     new conversation (a session id of its own, its items in no cache), as the proxy meets one.
     None: a new Engine and a new store for every run (a process's very first turn: the store's
     first writes and statements, every lazily built thing of the engine, inside the timed turn)."""
-    samples, floors, settles, writes, out = [], [], [], [], b""
+    samples, floors, settles, writes, in_trips, out = [], [], [], [], [], b""
     global HEADERS
     for _ in range(reps):
         raw = case.unique_body()  # the same size, a conversation of its own
@@ -383,15 +383,20 @@ def first_turn(case: Case, raw: bytes, reps: int, eng: Engine | None = None
                 res = run_eng.process(raw, case.lane, HEADERS, render=True)
 
             floors.append(cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw))))
-            samples.append(cpu(run))
+            with TripClock(run_eng.store) as clock:
+                samples.append(cpu(run))
+            in_trips.append(clock.take())
             writes.append(cpu(run_eng.write_pending))
             settles.append(cpu(run_eng.lineage.flush))
             out = res.body or raw
             if eng is None:
                 run_eng.store.close()
     ratio = statistics.median(a / b for a, b in zip(samples, floors))
-    global LAST_WRITE
+    global LAST_WRITE, LAST_FIRST_NET
     LAST_WRITE = median_ms(writes)
+    # (PostgreSQL: the same ratio without the client's CPU in the turn's one round trip, the hold: shown
+    # beside the target, which is judged on the whole turn)
+    LAST_FIRST_NET = statistics.median((a - t) / b for a, t, b in zip(samples, in_trips, floors))
     return median_ms(samples), median_ms(floors), ratio, median_ms(settles), out
 
 
@@ -562,8 +567,10 @@ def folded_follow_up(case: Case, reps: int) -> tuple[float, float, int, int]:
 LAST_TRIPS, LAST_WALL, LAST_SETTLE_TRIPS = 0, 0.0, 0
 # of the last follow-up measurement: its x floor without the CPU of its round trips (TripClock)
 LAST_NET = 0.0
-# of the last first-turn measurement: its store write after the request (write-behind), median ms
+# of the last first-turn measurement: its store write after the request (write-behind), median ms, and its x
+# floor without the CPU of its round trip (TripClock: PostgreSQL's hold; SQLite's the same as its x floor)
 LAST_WRITE = 0.0
+LAST_FIRST_NET = 0.0
 
 
 def fmt_size(n: int) -> str:
@@ -631,13 +638,14 @@ def run(args, backends) -> None:
             with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
                 eng = running_engine(d, case)
                 first, floor, r1, settle, _ = first_turn(case, raw, first_reps, eng)
-                write = LAST_WRITE
+                write, first_net = LAST_WRITE, LAST_FIRST_NET
                 eng.store.close()
             cold, _floor, r0, _settle, _ = first_turn(case, raw, first_reps)
             profile = args.profile and backend == "sqlite" and (lane, n) == max(
                 ((lane_, n_) for lane_, n_, *_ in plan if lane_ == "anthropic"), key=lambda x: x[1])
             fol, r2, hashed, new_parts, report = follow_up(case, follow_reps, profile=profile)
-            rows.append((backend, lane, n, r1, r2, hashed, new_parts, LAST_NET if url else None))
+            rows.append((backend, lane, n, (r1, first_net if url else None), r2, hashed, new_parts,
+                         LAST_NET if url else None))
             trips = (f"{f'{LAST_TRIPS}+{LAST_SETTLE_TRIPS}':>8}{LAST_WALL:>9.2f}" if url
                      else f"{'':>8}{LAST_WALL:>9.2f}")
             print(f"{backend:<7}{lane:<10}{n:>7,}{fmt_size(len(raw)):>10}{floor:>10.2f}{first:>10.2f}{r1:>8.1f}x{write:>9.2f}"
@@ -669,7 +677,9 @@ def run(args, backends) -> None:
     print("floor: msgspec.json.decode + msgspec.json.encode of the body; first: a new conversation's first turn")
     print("  in a running proxy (its engine and store in use, the conversation's items in no cache); new: the")
     print("  same turn as a new process's very first (a new Engine, a new store: first writes, cold statements);")
-    print("x floor: the median of the ratios of each run to the floor measured right before it;")
+    print("x floor: the median of the ratios of each run to the floor measured right before it (the targets below")
+    print("  also give a PostgreSQL turn's without the client's CPU in its round trips: a first turn's one, the hold,")
+    print("  is ~0.1 ms on this kind of VM, the wake of the database's idle vCPU; the targets judge the whole turn);")
     print("write: the first turn's store write, which the proxy makes right after the request has left (its")
     print("  write-behind: on the worker, under the session's lock, before any other work), CPU ms, median;")
     print("follow: same Engine, one new message appended (its own floor, the body one message longer);")
@@ -697,9 +707,11 @@ def run(args, backends) -> None:
             what = f"{ROUND_ROBIN} in turn" if r1 is None else "half folded"
             print(f"  {backend:<7}{lane:<10}{n:>7,} msgs, {what}: {follow(r2, net)}")
             continue
+        r1, first_net = r1
         ok1, ok3 = r1 <= TARGET_RATIO, hashed <= new_parts
+        without = f", {first_net:.2f}x without the client's CPU in its round trip" if first_net is not None else ""
         print(f"  {backend:<7}{lane:<10}{n:>7,} msgs: first turn <= {TARGET_RATIO:.0f}x floor: {'met' if ok1 else 'MISSED'} "
-              f"({r1:.1f}x); {follow(r2, net)}; "
+              f"({r1:.2f}x{without}); {follow(r2, net)}; "
               f"follow-up re-hashes no unchanged history: {'met' if ok3 else 'MISSED'} "
               f"({hashed} hashed for {new_parts} new part)")
     print(f"\ntotal runtime {time.perf_counter() - t0:.1f} s")
