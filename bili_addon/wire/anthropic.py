@@ -457,7 +457,7 @@ def _tag_typed_rare(raw: bytes, msg: _Msg, path: tuple, tag: bytes, text: str) -
     # the first text block's start is the j-th block's (neither the head nor an encoded string holds
     # one): the tag put after it, ``raw`` copied once (a tool result before it is most of its bytes)
     out = raw.replace(_TEXT_BLOCK, _TEXT_BLOCK + tag, 1)
-    return out if len(out) > len(raw) else None  # (not found: nothing put in)
+    return out if len(out) > len(raw) else None  # (not found: nothing put in; a tag is never empty)
 
 
 _TEXT_BLOCK = b'{"type":"text","text":"'
