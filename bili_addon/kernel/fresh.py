@@ -76,8 +76,8 @@ def first_pass(s: Session, infos: list[ItemInfo], counter: Counter, first_index:
     texts = [c.text for c in cores]
     roles = [c.role for c in cores]
     ctypes = [c.ctype for c in cores]
-    # identity.count_tokens (its ASCII case inlined)
-    tokens = [-(-len(t) // 4) if t.isascii() else count_tokens(t) for t in texts]
+    # identity.count_tokens (its ASCII case inlined: the length's quarter rounded up, in two steps)
+    tokens = [(len(t) + 3) // 4 if t.isascii() else count_tokens(t) for t in texts]
     entries = list(map(Entry, names, tokens))
     flat = list(map(Resolved, cores, entries, dirty, repeat(None), repeat(None)))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Union
 
 import msgspec
+from msgspec.structs import astuple
 
 from bili_addon.wire.base import (
     by_item,
@@ -448,16 +449,15 @@ def _tag_typed_rare(raw: bytes, msg: _Msg, path: tuple, tag: bytes, text: str) -
     if type(j) is not int or not 0 < j < len(content) or type(content[j]) is not _Text or content[j].text != text:
         return None
     for block in content[:j]:  # their encodings hold no ``{"`` but where each starts
-        if type(block) is _Text or not all(type(getattr(block, f)) in _SCALARS for f in block.__struct_fields__):
+        if type(block) is _Text or not _SCALARS.issuperset(map(type, astuple(block))):
             return None
     head += b"["
     if not raw.startswith(head) or _enc_msg.encode(msg) != raw:
         return None
-    at = raw.find(_TEXT_BLOCK, len(head))  # the first text block's: the j-th block
-    if at < 0:
-        return None
-    at += len(_TEXT_BLOCK)
-    return raw[:at] + tag + raw[at:]
+    # the first text block's start is the j-th block's (neither the head nor an encoded string holds
+    # one): the tag put after it, ``raw`` copied once (a tool result before it is most of its bytes)
+    out = raw.replace(_TEXT_BLOCK, _TEXT_BLOCK + tag, 1)
+    return out if len(out) > len(raw) else None  # (not found: nothing put in; a tag is never empty)
 
 
 _TEXT_BLOCK = b'{"type":"text","text":"'
