@@ -407,7 +407,7 @@ def test_the_unfolded_runs_are_the_oracles(seed):
     for _ in range(20):
         protected = ({k for k in range(n) if rng.random() < rng.choice([0.0, 0.1, 0.5, 0.9])} if rng.random() < 0.7
                      else view.protected(FoldConfig(recent_parts=rng.choice([0, 1, 4, 40]))))
-        assert nudge._runs_unfolded(again(view), protected) == old_runs_unfolded(again(view), protected)
+        assert nudge._runs_unfolded(again(view), sorted(protected)) == old_runs_unfolded(again(view), protected)
 
 
 def test_the_lock_offsets_are_the_hashes():

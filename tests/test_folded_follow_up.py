@@ -193,7 +193,7 @@ def old_compressible(view: View, blocks: list[Block], cfg: FoldConfig) -> list[t
     cov = old_coverage(blocks)
     protected = view.protected(cfg)
     if not cov:  # nothing folded (no summary stands anywhere): the loop below, an item at a time
-        return nudge._runs_unfolded(view, protected)
+        return nudge._runs_unfolded(view, sorted(protected))  # (it takes them ascending)
     stops = old_anchors(view, blocks)  # a range never takes a block's summary in: that would re-fold it
     runs: list[list[int]] = [[]]
     for k, it in enumerate(view.items):

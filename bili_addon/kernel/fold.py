@@ -272,7 +272,12 @@ class View:
 
     def first_user(self) -> int | None:
         if self._first_user is _UNKNOWN:
-            self._first_user = next((k for k, it in enumerate(self.items) if _user_turn(it.parts)), None)
+            found = None
+            for k, it in enumerate(self.items):  # (a loop, not next() over a generator: mostly the first item)
+                if _user_turn(it.parts):
+                    found = k
+                    break
+            self._first_user = found
         return self._first_user
 
     def last_user(self) -> int | None:
@@ -396,17 +401,26 @@ class View:
 
     def protected(self, cfg: FoldConfig) -> set[int]:
         """Positions never folded: the first user turn, the recent zone and the newest user turn."""
-        keep: set[int] = set()
-        parts = 0
-        for k in range(len(self.items) - 1, -1, -1):
-            if parts >= cfg.recent_parts:
-                break
-            keep.add(k)
-            parts += len(self.items[k].parts)
-        for k in (None if self.first_free else self.first_user(), self.last_user()):
-            if k is not None:
-                keep.add(k)
-        return keep
+        return set(self.protected_order(cfg))
+
+    def protected_order(self, cfg: FoldConfig) -> list[int]:
+        """:meth:`protected`, ascending (the reminder's runs stop at them: no set made and sorted).
+        The recent zone is the newest items back to the one that brings their parts to
+        ``cfg.recent_parts``; the first user turn (unless it is the agent's summary: ``first_free``)
+        and the newest one before it, when they lie before it."""
+        items = self.items
+        n = k = len(items)
+        parts, least = 0, cfg.recent_parts
+        while k and parts < least:
+            k -= 1
+            parts += len(items[k].parts)
+        first = None if self.first_free else self.first_user()
+        last = self.last_user()
+        out = [first] if first is not None and first < k else []
+        if last is not None and last < k and last != first:  # (the newest user turn is never before the first)
+            out.append(last)
+        out += range(k, n)
+        return out
 
 
 # the last few coverages made: (the blocks (the same objects), their active flags, each active one's

@@ -39,9 +39,9 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig,
     ``cov``: ``coverage(blocks)``, when the caller has it."""
     if cov is None:
         cov = coverage(blocks)
-    protected = view.protected(cfg)
     if not cov:  # nothing folded (no summary stands anywhere): the loop below, an item at a time
-        return _runs_unfolded(view, protected)
+        return _runs_unfolded(view, view.protected_order(cfg))
+    protected = view.protected(cfg)
     stops = anchors(view, blocks)  # a range never takes a block's summary in: that would re-fold it
     # a run is the items (with a part not folded) between protected items and summaries; it counts
     # its items and the parts of them not folded (the view's running figures against the coverage)
@@ -58,18 +58,16 @@ def compressible(view: View, blocks: list[Block], cfg: FoldConfig,
     return out
 
 
-def _runs_unfolded(view: View, protected: set[int]) -> list[tuple[str, str, int, int]]:
+def _runs_unfolded(view: View, protected: list[int]) -> list[tuple[str, str, int, int]]:
     """:func:`compressible` where no block is active: the runs are the stretches between protected
-    items, each part of them counts (the view's running sums: it runs on every request).  A run's
-    first and last items with parts are where its count of them steps (as Unfolded.first_held and
-    last_held find them)."""
+    items (``protected``: ascending, ``View.protected_order``), each part of them counts (the view's
+    running sums: it runs on every request).  A run's first and last items with parts are where its
+    count of them steps (as Unfolded.first_held and last_held find them)."""
     out = []
     items = view.items
     tokens, filled, _peak = view.sums()
     begin = 0
-    stops = sorted(protected)
-    stops.append(len(items))  # (after every protected position: the stops ascend, each past ``begin``)
-    for stop in stops:
+    for stop in (*protected, len(items)):  # (after every protected position: each past ``begin``)
         if stop > begin:
             n = filled[stop] - filled[begin]  # the items with parts
             if n:
