@@ -1,0 +1,123 @@
+"""#11: the reminder's runs stop at the protected positions in order (``fold.View.protected_order``:
+the rule in one place, ``View.protected`` its set; no set made and sorted each turn), and
+``View.first_user`` is a plain loop.  The oracles are the code as it was, patched back in: the old
+``protected`` and ``first_user`` (below), the old ``nudge.compressible`` and ``_runs_unfolded``
+(tests/test_first_fixed.py keeps them).  Property by property over random views, then whole Engine
+runs (tests/oracle_runs.py) over the bench's first turns, forks and follow-ups, its folded
+follow-ups, folds of every kind and the captures: the same bytes out, results, flags and rows."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from bili_addon.kernel import fold, nudge
+from bili_addon.kernel.fold import FoldConfig, View, _user_turn
+from bili_addon.wire import LANES
+
+from tests import oracle_runs
+from tests.oracle_runs import run_both
+from tests.test_first_fixed import Trace, bench_overhead, conversation, old_compressible, old_runs_unfolded
+from tests.test_folded_follow_up import folds_of_every_kind, random_view
+
+
+def old_protected(self: View, cfg: FoldConfig) -> set[int]:
+    """Positions never folded: the first user turn, the recent zone and the newest user turn."""
+    keep: set[int] = set()
+    parts = 0
+    for k in range(len(self.items) - 1, -1, -1):
+        if parts >= cfg.recent_parts:
+            break
+        keep.add(k)
+        parts += len(self.items[k].parts)
+    for k in (None if self.first_free else self.first_user(), self.last_user()):
+        if k is not None:
+            keep.add(k)
+    return keep
+
+
+def old_first_user(self: View) -> int | None:
+    if self._first_user is fold._UNKNOWN:
+        self._first_user = next((k for k, it in enumerate(self.items) if _user_turn(it.parts)), None)
+    return self._first_user
+
+
+def patch_oracles(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(View, "protected", old_protected)
+    mp.setattr(View, "first_user", old_first_user)
+    mp.setattr(nudge, "compressible", old_compressible)
+    mp.setattr(nudge, "_runs_unfolded", old_runs_unfolded)
+
+
+def _again(view: View) -> View:
+    """The same items in a view that has computed nothing yet."""
+    v = View(view.items)
+    v.first_free = view.first_free
+    return v
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_protected_positions_in_order_are_the_oracles(seed):
+    """protected_order is the old protected set, ascending (first user turns that are the agent's
+    summary or not, items without parts, recent zones of every size); protected() its set; the runs
+    they stop; first_user as it was."""
+    rng = random.Random(seed)
+    for _ in range(30):
+        view, _blocks, _hidden = random_view(rng, rng.choice([1, 2, 3, 8, 20, 60]))
+        view.first_free = rng.random() < 0.2
+        cfg = FoldConfig(recent_parts=rng.choice([0, 1, 2, 4, 9, 40, 400]))
+        want = old_protected(_again(view), cfg)
+        assert view.protected_order(cfg) == sorted(want)
+        assert _again(view).protected(cfg) == want
+        assert _again(view).first_user() == old_first_user(_again(view))
+        assert nudge.compressible(_again(view), [], cfg) == old_compressible(_again(view), [], cfg)
+
+
+def both(tmp_path: Path, scenario) -> None:
+    new, old = run_both(tmp_path, scenario, patch_oracles, Trace)
+    assert len(new) == len(old)
+    for i, (a, b) in enumerate(zip(new, old)):
+        assert a == b, f"part {i} differs"
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat", "responses"])
+@pytest.mark.parametrize("window", [0, 25_000, 6_000])
+def test_the_benchs_first_turns_forks_and_follow_ups_are_the_oracles(tmp_path, lane, window):
+    """First turns (one while another waits for its answer), a fork, follow-ups; windows that make
+    the reminder urgent."""
+    case = bench_overhead.Case(lane, 100)
+    news = [case.new(i) for i in range(4)]
+    L = LANES[lane]
+
+    def scenario(make):
+        t = make(window=window) if window else make()
+        convs = [conversation(case, i) for i in range(3)]
+        t.send(case.body(convs[0]), "c0", L)
+        t.send(case.body(convs[1]), "c1", L, answered=False)
+        t.send(case.body(convs[2]), "c2", L)
+        t.send(case.body(convs[0] + [news[0]]), "fork-of-c0", L)
+        for k in range(1, 4):
+            convs[1].append(news[k])
+            t.e.t += 10
+            t.send(case.body(convs[1]), "c1", L)
+        return [t.turns, t.stored()]
+
+    both(tmp_path, scenario)
+
+
+@pytest.mark.parametrize("window", [0, 40_000, 20_000])
+def test_the_benchs_folded_follow_ups_are_the_oracles(tmp_path, window):
+    both(tmp_path, oracle_runs.folded_follow_ups(window))
+
+
+@pytest.mark.parametrize("window", [0, 12_000])
+def test_folds_of_every_kind_are_the_oracles(tmp_path, window):
+    both(tmp_path, lambda make: folds_of_every_kind(make, window, "now"))
+
+
+@pytest.mark.parametrize("materialize", ["now", "cost"])
+def test_the_captures_replay_as_the_oracles(materialize):
+    new, old = oracle_runs.replays_both(patch_oracles, materialize)
+    assert new == old
