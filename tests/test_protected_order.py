@@ -19,23 +19,12 @@ from bili_addon.wire import LANES
 
 from tests import oracle_runs
 from tests.oracle_runs import run_both
-from tests.test_first_fixed import Trace, bench_overhead, conversation, old_compressible, old_runs_unfolded
-from tests.test_folded_follow_up import folds_of_every_kind, random_view
+from tests.test_first_fixed import Trace, again, bench_overhead, conversation, old_compressible, old_runs_unfolded
+from tests.test_folded_follow_up import OldView, folds_of_every_kind, random_view
 
 
-def old_protected(self: View, cfg: FoldConfig) -> set[int]:
-    """Positions never folded: the first user turn, the recent zone and the newest user turn."""
-    keep: set[int] = set()
-    parts = 0
-    for k in range(len(self.items) - 1, -1, -1):
-        if parts >= cfg.recent_parts:
-            break
-        keep.add(k)
-        parts += len(self.items[k].parts)
-    for k in (None if self.first_free else self.first_user(), self.last_user()):
-        if k is not None:
-            keep.add(k)
-    return keep
+# (test_folded_follow_up keeps an older View whole: its protected set is the one protected_order replaced)
+old_protected = OldView.protected
 
 
 def old_first_user(self: View) -> int | None:
@@ -51,13 +40,6 @@ def patch_oracles(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(nudge, "_runs_unfolded", old_runs_unfolded)
 
 
-def _again(view: View) -> View:
-    """The same items in a view that has computed nothing yet."""
-    v = View(view.items)
-    v.first_free = view.first_free
-    return v
-
-
 @pytest.mark.parametrize("seed", range(40))
 def test_the_protected_positions_in_order_are_the_oracles(seed):
     """protected_order is the old protected set, ascending (first user turns that are the agent's
@@ -68,11 +50,11 @@ def test_the_protected_positions_in_order_are_the_oracles(seed):
         view, _blocks, _hidden = random_view(rng, rng.choice([1, 2, 3, 8, 20, 60]))
         view.first_free = rng.random() < 0.2
         cfg = FoldConfig(recent_parts=rng.choice([0, 1, 2, 4, 9, 40, 400]))
-        want = old_protected(_again(view), cfg)
+        want = old_protected(again(view), cfg)
         assert view.protected_order(cfg) == sorted(want)
-        assert _again(view).protected(cfg) == want
-        assert _again(view).first_user() == old_first_user(_again(view))
-        assert nudge.compressible(_again(view), [], cfg) == old_compressible(_again(view), [], cfg)
+        assert again(view).protected(cfg) == want
+        assert again(view).first_user() == old_first_user(again(view))
+        assert nudge.compressible(again(view), [], cfg) == old_compressible(again(view), [], cfg)
 
 
 def both(tmp_path: Path, scenario) -> None:
