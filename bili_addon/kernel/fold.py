@@ -406,8 +406,8 @@ class View:
     def protected_order(self, cfg: FoldConfig) -> list[int]:
         """:meth:`protected`, ascending (the reminder's runs stop at them: no set made and sorted).
         The recent zone is the newest items back to the one that brings their parts to
-        ``cfg.recent_parts``; the first user turn (unless it is the agent's summary: ``first_free``)
-        and the newest one before it, when they lie before it."""
+        ``cfg.recent_parts``; before it, the first user turn (unless it is the agent's summary:
+        ``first_free``) and the newest user turn, each when it lies before that zone."""
         items = self.items
         n = k = len(items)
         parts, least = 0, cfg.recent_parts
