@@ -1,6 +1,6 @@
 """Whole Engine runs twice, as the code is and with old functions patched in as oracles: the turns
 of both runs are compared by the tests that use it (test_folded_follow_up, test_followup_steps,
-test_folded_100, test_first_fixed, test_first_prop, test_fixed_*)."""
+test_folded_100, test_first_fixed, test_first_prop, test_fixed_*); :func:`same_runs` compares them."""
 
 from __future__ import annotations
 
@@ -43,6 +43,17 @@ def run_both(tmp_path: Path, scenario: Callable, patch_oracles: Callable, trace:
 
 CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "captures"
 
+
+
+def same_runs(tmp_path: Path, scenario: Callable, patch_oracles: Callable, trace: Callable,
+              what: str = "part") -> list:
+    """:func:`run_both`, asserting the two runs give the same results, ``what`` by ``what`` (the
+    first that differs named); the new run's results."""
+    new, old = run_both(tmp_path, scenario, patch_oracles, trace)
+    assert len(new) == len(old)
+    for i, (a, b) in enumerate(zip(new, old)):
+        assert a == b, f"{what} {i} differs"
+    return new
 
 def capture_turns() -> list[tuple[str, dict, bytes]]:
     """``(lane, headers, body)`` of every captured request in ``shared/captures`` (skipped where

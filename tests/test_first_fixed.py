@@ -32,7 +32,7 @@ from bili_addon.wire import LANES, Lane
 from bili_addon.wire.base import TEXT
 
 from tests import oracle_runs
-from tests.oracle_runs import run_both
+from tests.oracle_runs import same_runs
 from tests.test_folded_follow_up import folds_of_every_kind, random_view
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -433,10 +433,7 @@ class Trace:
 
 
 def both(tmp_path: Path, scenario) -> None:
-    new, old = run_both(tmp_path, scenario, patch_oracles, Trace)
-    assert len(new) == len(old)
-    for i, (a, b) in enumerate(zip(new, old)):
-        assert a == b, f"part {i} differs"
+    same_runs(tmp_path, scenario, patch_oracles, Trace)
 
 
 def conversation(case, i: int, big: bool = False) -> list[dict]:

@@ -33,7 +33,7 @@ from bili_addon.wire.anthropic import (_HEADS, _NO_ROLE, _SCALARS, _TEXT_BLOCK, 
 from bili_addon.wire.base import Body
 
 from tests import oracle_runs
-from tests.oracle_runs import run_both
+from tests.oracle_runs import same_runs
 from tests.test_first_fixed import Trace, conversation
 from tests.test_render_tags import ODD, TAG, _anthropic_items, _escaped, _odd_writings, _text_paths, _writings
 
@@ -289,10 +289,7 @@ def test_a_first_pass_counts_tokens_as_the_oracle(lane):
 # -- (2) whole Engine runs: as they are, and with the oracles patched in -------------------------------
 
 def both(tmp_path: Path, scenario) -> None:
-    new, old = run_both(tmp_path, scenario, patch_oracles, Trace)
-    assert len(new) == len(old)
-    for i, (a, b) in enumerate(zip(new, old)):
-        assert a == b, f"part {i} differs"
+    same_runs(tmp_path, scenario, patch_oracles, Trace)
 
 
 @pytest.mark.parametrize("lane", ["anthropic", "chat", "responses"])

@@ -28,7 +28,7 @@ from bili_addon.store import MAX_REF, LedgerRow, ref_names
 from bili_addon.wire import LANES
 
 from tests import oracle_runs
-from tests.oracle_runs import run_both
+from tests.oracle_runs import same_runs
 from tests.test_first_fixed import Trace, conversation, folds_of_every_kind
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -313,10 +313,7 @@ def test_a_pass_of_items_without_parts():
 # -- (2) whole Engine runs: as they are, and with the oracles patched in -------------------------------
 
 def both(tmp_path: Path, scenario) -> None:
-    new, old = run_both(tmp_path, scenario, patch_oracles, Trace)
-    assert len(new) == len(old)
-    for i, (a, b) in enumerate(zip(new, old)):
-        assert a == b, f"part {i} differs"
+    same_runs(tmp_path, scenario, patch_oracles, Trace)
 
 
 @pytest.mark.parametrize("lane", ["anthropic", "chat", "responses"])

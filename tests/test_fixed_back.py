@@ -27,7 +27,7 @@ from bili_addon.wire.frozen import Frozen, FrozenList, freeze
 
 from tests import test_fixed_remind as fr
 from tests import oracle_runs
-from tests.oracle_runs import run_both
+from tests.oracle_runs import same_runs
 from tests.test_first_fixed import Trace
 from tests.test_folded_follow_up import folds_of_every_kind
 
@@ -102,10 +102,7 @@ def both(tmp_path: Path, scenario, trace=Trace) -> None:
         _clear_memos()
         return scenario(make)
 
-    new, old = run_both(tmp_path, fresh, patch_oracles, trace)
-    assert len(new) == len(old)
-    for i, (a, b) in enumerate(zip(new, old)):
-        assert a == b, f"part {i} differs"
+    same_runs(tmp_path, fresh, patch_oracles, trace)
 
 
 # -- whole Engine runs ---------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from bili_addon.wire import LANES, base
 from bili_addon.wire.base import _COMPACT, _KEY_BYTES, _KEY_NAMES, Core
 
 from tests import oracle_runs
-from tests.oracle_runs import capture_turns, run_both
+from tests.oracle_runs import capture_turns, same_runs
 from tests.test_first_fixed import Trace, conversation
 from tests.test_folded_follow_up import folds_of_every_kind
 
@@ -574,10 +574,7 @@ def test_the_lineage_record_is_the_oracles(seed, tmp_path):
 # -- (2) whole Engine runs: as they are, and with the oracles patched in -------------------------------
 
 def both(tmp_path: Path, scenario) -> None:
-    new, old = run_both(tmp_path, scenario, patch_oracles, Trace)
-    assert len(new) == len(old)
-    for i, (a, b) in enumerate(zip(new, old)):
-        assert a == b, f"part {i} differs"
+    same_runs(tmp_path, scenario, patch_oracles, Trace)
 
 
 @pytest.mark.parametrize("lane", ["anthropic", "chat", "responses"])

@@ -37,7 +37,7 @@ from bili_addon.store import StaleSession
 from bili_addon.wire import LANES
 
 from tests import oracle_runs
-from tests.oracle_runs import run_both
+from tests.oracle_runs import same_runs
 from tests.test_first_fixed import Trace, conversation
 from tests.test_first_fixed import again
 from tests.test_folded_follow_up import folds_of_every_kind, random_view
@@ -238,11 +238,7 @@ class Behind(Trace):
 
 
 def both(tmp_path: Path, scenario, trace=Trace) -> list:
-    new, old = run_both(tmp_path, scenario, patch_oracles, trace)
-    assert len(new) == len(old)
-    for i, (a, b) in enumerate(zip(new, old)):
-        assert a == b, f"part {i} differs"
-    return new
+    return same_runs(tmp_path, scenario, patch_oracles, trace)
 
 
 def benchs_turns(lane: str, n: int, window: int, big: bool, trace=Trace):

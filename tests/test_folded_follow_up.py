@@ -35,7 +35,7 @@ from bili_addon.wire import Lane
 from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, TOOL_RESULT
 
 from tests import oracle_runs
-from tests.oracle_runs import run_both
+from tests.oracle_runs import same_runs
 from tests.test_fold import ANTH, agent_answers_unknown, body, filler, refs_in, roundtrip_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -656,10 +656,7 @@ class Trace:
 
 def both(tmp_path: Path, scenario) -> None:
     """``scenario(make_engine, trace_of)`` run as the code is and with the oracles: the same traces."""
-    new, old = run_both(tmp_path, scenario, patch_oracles, Trace)
-    assert len(new) == len(old)
-    for i, (a, b) in enumerate(zip(new, old)):
-        assert a == b, f"turn {i} differs"
+    same_runs(tmp_path, scenario, patch_oracles, Trace, "turn")
 
 
 @pytest.mark.parametrize("n", [30, 100, 300])

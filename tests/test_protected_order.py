@@ -18,7 +18,7 @@ from bili_addon.kernel.fold import FoldConfig, View, _user_turn
 from bili_addon.wire import LANES
 
 from tests import oracle_runs
-from tests.oracle_runs import run_both
+from tests.oracle_runs import same_runs
 from tests.test_first_fixed import Trace, again, bench_overhead, conversation, old_compressible, old_runs_unfolded
 from tests.test_folded_follow_up import OldView, folds_of_every_kind, random_view
 
@@ -58,10 +58,7 @@ def test_the_protected_positions_in_order_are_the_oracles(seed):
 
 
 def both(tmp_path: Path, scenario) -> None:
-    new, old = run_both(tmp_path, scenario, patch_oracles, Trace)
-    assert len(new) == len(old)
-    for i, (a, b) in enumerate(zip(new, old)):
-        assert a == b, f"part {i} differs"
+    same_runs(tmp_path, scenario, patch_oracles, Trace)
 
 
 @pytest.mark.parametrize("lane", ["anthropic", "chat", "responses"])
