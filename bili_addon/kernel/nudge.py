@@ -150,11 +150,7 @@ def decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConf
         listed = sorted(ranges, key=_by_tokens)[:5]
         listed.sort(key=_by_start)
     else:  # (every range listed: by start, the ranges of one start in the order of their tokens)
-        if len(ranges) == 2:  # (sorted's order of two: the first stays first unless it sorts after)
-            a, b = ranges
-            listed = ranges if _by_start_tokens(a) <= _by_start_tokens(b) else [b, a]
-        else:
-            listed = sorted(ranges, key=_by_start_tokens) if len(ranges) > 1 else ranges
+        listed = sorted(ranges, key=_by_start_tokens) if len(ranges) > 1 else ranges
     lines = [f"  {s}–{e}  {n} messages  ~{format_tokens(t)} tokens" for s, e, n, t in listed]
     if distil:  # the pile stands before every range: oldest first, as the wire has them
         first, last, n, t = distil
