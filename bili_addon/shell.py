@@ -129,10 +129,6 @@ class Bili:
     def engine(self) -> Engine | None:
         return self.keeper.engine
 
-    @property
-    def store_ok(self) -> bool:
-        return self.keeper.ok
-
     def store_status(self) -> dict:
         """What health says about the store: usable or not, and why not."""
         st = self.keeper.status()

@@ -89,10 +89,6 @@ class Facts:
     def learned(self) -> bool:
         return bool(self.ttl or self.no_cache or self.min_tokens)
 
-    @property
-    def informative(self) -> int:
-        return self.hits + self.misses + self.extra
-
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if v not in (None, False)}
         if self.ttl:
