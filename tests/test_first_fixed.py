@@ -459,14 +459,14 @@ def conversation(case, i: int, big: bool = False) -> list[dict]:
     return msgs
 
 
-@pytest.mark.parametrize("lane", ["anthropic", "chat", "responses"])
-@pytest.mark.parametrize("n", [12, 100])
-@pytest.mark.parametrize("window", [0, 40_000, 25_000, 6_000])
-@pytest.mark.parametrize("big", [False, True])
-def test_the_benchs_first_turns_forks_and_follow_ups_are_the_oracles(tmp_path, lane, n, window, big):
-    """New conversations' first turns (one while another waits for its answer), a fork of one (its
-    history under a new id: adopted), follow-ups; windows that make the reminder urgent and cut
-    tool outputs."""
+def benchs_turns(lane: str, n: int, window: int, big: bool = False, *, again: bool = False, rewind: bool = False,
+                 side: bool = True):
+    """The scenario the oracle tests run their Engines through: the bench's conversations' first turns
+    (one while another waits for its answer), a fork of one (its history under a new id: adopted),
+    follow-ups; ``window``: the model's (0: none) that makes the reminder urgent and cuts tool outputs;
+    ``big``: tool outputs four times as long.  ``again``: the same body once more under a new id (its
+    items found in the cache); ``rewind``: the last follow-up's history less two messages (its record
+    kept); ``side``: a short opening last (no history to verify)."""
     case = bench_overhead.Case(lane, n)
     news = [case.new(i) for i in range(4)]
     L = LANES[lane]
@@ -478,14 +478,30 @@ def test_the_benchs_first_turns_forks_and_follow_ups_are_the_oracles(tmp_path, l
         t.send(case.body(convs[1]), "c1", L, answered=False)  # (its answer not in yet: kept back)
         t.send(case.body(convs[2]), "c2", L)
         t.send(case.body(convs[0] + [news[0]]), "fork-of-c0", L)  # c0's history under a new id: a fork
+        if again:
+            t.send(case.body(convs[2]), "again-c2", L)  # (the same items again: found in the cache)
         for k in range(1, 4):
             convs[1].append(news[k])
             t.e.t += 10
             t.send(case.body(convs[1]), "c1", L)
-        t.send(case.body(conversation(case, 0, big)[:3]), "side", L)  # (a short opening: no history to verify)
+        if rewind:
+            t.send(case.body(convs[1][:-2]), "c1", L)  # (a rewind: its record kept)
+        if side:
+            t.send(case.body(conversation(case, 0, big)[:3]), "side", L)  # (a short opening: no history to verify)
         return [t.turns, t.stored()]
 
-    both(tmp_path, scenario)
+    return scenario
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat", "responses"])
+@pytest.mark.parametrize("n", [12, 100])
+@pytest.mark.parametrize("window", [0, 40_000, 25_000, 6_000])
+@pytest.mark.parametrize("big", [False, True])
+def test_the_benchs_first_turns_forks_and_follow_ups_are_the_oracles(tmp_path, lane, n, window, big):
+    """New conversations' first turns (one while another waits for its answer), a fork of one (its
+    history under a new id: adopted), follow-ups; windows that make the reminder urgent and cut
+    tool outputs."""
+    both(tmp_path, benchs_turns(lane, n, window, big))
 
 
 @pytest.mark.parametrize("window", [0, 40_000, 20_000])

@@ -29,7 +29,7 @@ from bili_addon.wire import LANES
 
 from tests import oracle_runs
 from tests.oracle_runs import same_runs
-from tests.test_first_fixed import Trace, conversation, folds_of_every_kind
+from tests.test_first_fixed import Trace, benchs_turns, conversation, folds_of_every_kind
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_overhead  # noqa: E402  (its synthetic conversations)
@@ -324,26 +324,7 @@ def test_the_benchs_first_turns_forks_and_follow_ups_are_the_oracles(tmp_path, l
     """New conversations' first turns (one while another waits for its answer), a fork of one (its
     history under a new id: adopted), follow-ups, the same body again under a new id; windows that
     make the reminder urgent and cut tool outputs."""
-    case = bench_overhead.Case(lane, n)
-    news = [case.new(i) for i in range(4)]
-    L = LANES[lane]
-
-    def scenario(make):
-        t = make(window=window) if window else make()
-        convs = [conversation(case, i, big) for i in range(3)]
-        t.send(case.body(convs[0]), "c0", L)
-        t.send(case.body(convs[1]), "c1", L, answered=False)  # (its answer not in yet: kept back)
-        t.send(case.body(convs[2]), "c2", L)
-        t.send(case.body(convs[0] + [news[0]]), "fork-of-c0", L)  # c0's history under a new id: a fork
-        t.send(case.body(convs[2]), "again-c2", L)  # (the same items again: found in the cache)
-        for k in range(1, 4):
-            convs[1].append(news[k])
-            t.e.t += 10
-            t.send(case.body(convs[1]), "c1", L)
-        t.send(case.body(conversation(case, 0, big)[:3]), "side", L)  # (a short opening: no history to verify)
-        return [t.turns, t.stored()]
-
-    both(tmp_path, scenario)
+    both(tmp_path, benchs_turns(lane, n, window, big, again=True))
 
 
 @pytest.mark.parametrize("window", [0, 40_000, 20_000])

@@ -28,7 +28,7 @@ from bili_addon.wire.frozen import Frozen, FrozenList, freeze
 from tests import test_fixed_remind as fr
 from tests import oracle_runs
 from tests.oracle_runs import same_runs
-from tests.test_first_fixed import Trace
+from tests.test_first_fixed import Trace, benchs_turns
 from tests.test_folded_follow_up import folds_of_every_kind
 
 bench_overhead = fr.bench_overhead
@@ -112,12 +112,12 @@ def both(tmp_path: Path, scenario, trace=Trace) -> None:
 @pytest.mark.parametrize("window", [0, 25_000, 6_000])
 @pytest.mark.parametrize("big", [False, True])
 def test_the_benchs_turns_are_the_oracles(tmp_path, lane, n, window, big):
-    both(tmp_path, fr.benchs_turns(lane, n, window, big))
+    both(tmp_path, benchs_turns(lane, n, window, big))
 
 
 @pytest.mark.parametrize("lane", ["anthropic", "chat", "responses"])
 def test_the_benchs_turns_written_behind_are_the_oracles(tmp_path, lane):
-    both(tmp_path, fr.benchs_turns(lane, 100, 25_000, True, fr.Behind), fr.Behind)
+    both(tmp_path, benchs_turns(lane, 100, 25_000, True), fr.Behind)
 
 
 @pytest.mark.parametrize("window", [0, 40_000, 20_000])

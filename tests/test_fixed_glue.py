@@ -32,7 +32,7 @@ from bili_addon.wire.base import _COMPACT, _KEY_BYTES, _KEY_NAMES, Core
 
 from tests import oracle_runs
 from tests.oracle_runs import capture_turns, same_runs
-from tests.test_first_fixed import Trace, conversation
+from tests.test_first_fixed import Trace, benchs_turns
 from tests.test_folded_follow_up import folds_of_every_kind
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -581,26 +581,7 @@ def both(tmp_path: Path, scenario) -> None:
 @pytest.mark.parametrize("n", [12, 100])
 @pytest.mark.parametrize("window", [0, 25_000])
 def test_the_benchs_first_turns_forks_and_follow_ups_are_the_oracles(tmp_path, lane, n, window):
-    case = bench_overhead.Case(lane, n)
-    news = [case.new(i) for i in range(4)]
-    L = LANES[lane]
-
-    def scenario(make):
-        t = make(window=window) if window else make()
-        convs = [conversation(case, i, window > 0) for i in range(3)]
-        t.send(case.body(convs[0]), "c0", L)
-        t.send(case.body(convs[1]), "c1", L, answered=False)
-        t.send(case.body(convs[2]), "c2", L)
-        t.send(case.body(convs[0] + [news[0]]), "fork-of-c0", L)
-        for k in range(1, 4):
-            convs[1].append(news[k])
-            t.e.t += 10
-            t.send(case.body(convs[1]), "c1", L)
-        t.send(case.body(convs[1][:-2]), "c1", L)  # (a rewind: its record kept)
-        t.send(case.body(conversation(case, 0, window > 0)[:3]), "side", L)
-        return [t.turns, t.stored()]
-
-    both(tmp_path, scenario)
+    both(tmp_path, benchs_turns(lane, n, window, window > 0, rewind=True))
 
 
 @pytest.mark.parametrize("window", [0, 20_000])

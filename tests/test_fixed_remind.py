@@ -38,7 +38,7 @@ from bili_addon.wire import LANES
 
 from tests import oracle_runs
 from tests.oracle_runs import same_runs
-from tests.test_first_fixed import Trace, conversation
+from tests.test_first_fixed import Trace, benchs_turns, conversation
 from tests.test_first_fixed import again
 from tests.test_folded_follow_up import folds_of_every_kind, random_view
 
@@ -241,28 +241,6 @@ def both(tmp_path: Path, scenario, trace=Trace) -> list:
     return same_runs(tmp_path, scenario, patch_oracles, trace)
 
 
-def benchs_turns(lane: str, n: int, window: int, big: bool, trace=Trace):
-    case = bench_overhead.Case(lane, n)
-    news = [case.new(i) for i in range(4)]
-    L = LANES[lane]
-
-    def scenario(make):
-        t = make(window=window) if window else make()
-        convs = [conversation(case, i, big) for i in range(3)]
-        t.send(case.body(convs[0]), "c0", L)
-        t.send(case.body(convs[1]), "c1", L, answered=False)  # (its answer not in yet: kept back)
-        t.send(case.body(convs[2]), "c2", L)
-        t.send(case.body(convs[0] + [news[0]]), "fork-of-c0", L)  # c0's history under a new id: a fork
-        for k in range(1, 4):
-            convs[1].append(news[k])
-            t.e.t += 10
-            t.send(case.body(convs[1]), "c1", L)
-        t.send(case.body(conversation(case, 0, big)[:3]), "side", L)  # (a short opening: no history to verify)
-        return [t.turns, t.stored()]
-
-    return scenario
-
-
 @pytest.mark.parametrize("lane", ["anthropic", "chat", "responses"])
 @pytest.mark.parametrize("n", [12, 100])
 @pytest.mark.parametrize("window", [0, 40_000, 25_000, 6_000])
@@ -278,7 +256,7 @@ def test_the_benchs_turns_are_the_oracles(tmp_path, lane, n, window, big):
 def test_the_benchs_turns_written_behind_are_the_oracles(tmp_path, lane, window):
     """The same, each turn's write after its request (as the proxy runs): the row as stored and as
     the session holds it once written."""
-    new = both(tmp_path, benchs_turns(lane, 100, window, True, Behind), Behind)
+    new = both(tmp_path, benchs_turns(lane, 100, window, True), Behind)
     assert any(t[1] for t in new[0])  # (turns were written behind their requests)
 
 

@@ -15,11 +15,10 @@ import pytest
 
 from bili_addon.kernel import fold, nudge
 from bili_addon.kernel.fold import FoldConfig, View, _user_turn
-from bili_addon.wire import LANES
 
 from tests import oracle_runs
 from tests.oracle_runs import same_runs
-from tests.test_first_fixed import Trace, again, bench_overhead, conversation, old_compressible, old_runs_unfolded
+from tests.test_first_fixed import Trace, again, benchs_turns, old_compressible, old_runs_unfolded
 from tests.test_folded_follow_up import OldView, folds_of_every_kind, random_view
 
 
@@ -66,24 +65,7 @@ def both(tmp_path: Path, scenario) -> None:
 def test_the_benchs_first_turns_forks_and_follow_ups_are_the_oracles(tmp_path, lane, window):
     """First turns (one while another waits for its answer), a fork, follow-ups; windows that make
     the reminder urgent."""
-    case = bench_overhead.Case(lane, 100)
-    news = [case.new(i) for i in range(4)]
-    L = LANES[lane]
-
-    def scenario(make):
-        t = make(window=window) if window else make()
-        convs = [conversation(case, i) for i in range(3)]
-        t.send(case.body(convs[0]), "c0", L)
-        t.send(case.body(convs[1]), "c1", L, answered=False)
-        t.send(case.body(convs[2]), "c2", L)
-        t.send(case.body(convs[0] + [news[0]]), "fork-of-c0", L)
-        for k in range(1, 4):
-            convs[1].append(news[k])
-            t.e.t += 10
-            t.send(case.body(convs[1]), "c1", L)
-        return [t.turns, t.stored()]
-
-    both(tmp_path, scenario)
+    both(tmp_path, benchs_turns(lane, 100, window, side=False))
 
 
 @pytest.mark.parametrize("window", [0, 40_000, 20_000])
