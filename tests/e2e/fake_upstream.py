@@ -989,6 +989,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's listen backlog is 5: a proxy's burst of connections (32 clients starting at
+    # once) overflowed it, and each dropped connect waited a SYN retransmission (1 s) in the timings
+    request_queue_size = 128
     fake: "FakeUpstream"
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
