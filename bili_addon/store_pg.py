@@ -1228,24 +1228,61 @@ class PgStore:
             )
         return version
 
-    def record_usage(self, session_id: str, lane: str, usage: tuple[int, int, int, int]) -> None:
-        inp, read, write, out = usage
-        with self._tx() as conn:
-            self.round_trips += 1
-            cur = conn.execute(
-                "UPDATE sessions SET turns=turns+1, input_tokens=input_tokens+%s, cache_read=cache_read+%s, "
-                "cache_write=cache_write+%s, output_tokens=output_tokens+%s WHERE id=%s RETURNING turns",
-                (inp, read, write, out, session_id),
-            ).fetchone()
-            if cur is not None:
+    def _write_one(self, sql: str, params: tuple):
+        """One write that is one statement, its own transaction (the pooled connections commit each
+        statement): one round trip where :meth:`_tx` makes three (BEGIN, the statement, COMMIT).
+        Returns its first row (None: none)."""
+        nested = self._conn is not None
+        if not nested:
+            self._state.clear()  # (as _tx: this instance writes, what hold read may not hold any more)
+            self._cands.clear()
+        try:
+            with self._use() as conn:
                 self.round_trips += 1
-                conn.execute(
-                    "INSERT INTO turns(session_id, n, ts, lane, input_tokens, cache_read, cache_write, output_tokens) "
-                    "VALUES(%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT(session_id, n) DO UPDATE SET ts=excluded.ts, "
-                    "lane=excluded.lane, input_tokens=excluded.input_tokens, cache_read=excluded.cache_read, "
-                    "cache_write=excluded.cache_write, output_tokens=excluded.output_tokens",
-                    (session_id, cur[0], time.time(), lane, inp, read, write, out),
-                )
+                cur = conn.execute(sql, params)
+                row = cur.fetchone() if cur.description is not None else None
+        except (psycopg.Error, PoolTimeout) as e:
+            raise pg_error("write", self.url, e) from e
+        if not nested:
+            self.writes += 1
+        return row
+
+    def record_usage(self, session_id: str, lane: str, usage: tuple[int, int, int, int]) -> None:
+        """An answer's usage: the session's totals and its turn's row, in one statement (the row
+        numbered by the totals' update, as the update locks the session's row)."""
+        inp, read, write, out = usage
+        self._write_one(
+            "WITH u AS (UPDATE sessions SET turns=turns+1, input_tokens=input_tokens+%s, cache_read=cache_read+%s, "
+            "cache_write=cache_write+%s, output_tokens=output_tokens+%s WHERE id=%s RETURNING turns) "
+            "INSERT INTO turns(session_id, n, ts, lane, input_tokens, cache_read, cache_write, output_tokens) "
+            "SELECT %s, turns, %s, %s, %s, %s, %s, %s FROM u ON CONFLICT(session_id, n) DO UPDATE SET ts=excluded.ts, "
+            "lane=excluded.lane, input_tokens=excluded.input_tokens, cache_read=excluded.cache_read, "
+            "cache_write=excluded.cache_write, output_tokens=excluded.output_tokens",
+            (inp, read, write, out, session_id, session_id, time.time(), lane, inp, read, write, out),
+        )
+
+    def _numbered(self, key: int, table: str, cols: str, values: str, params: tuple, session_id: str) -> int:
+        """Insert a row numbered as the session's next ``n`` of ``table`` (:meth:`record_wire`,
+        :meth:`record_calibration`): first in one statement that takes the session's transaction-scoped
+        advisory lock of those rows and inserts unless the number is taken (one round trip); a number
+        taken meanwhile (its snapshot is the statement's, taken before the lock was granted: another
+        instance's row committed in between is not in it) leaves it to the two statements below, whose
+        insert's snapshot comes after the lock (those two alone were the way before: every instance,
+        of this version or an older one, numbers under the same lock)."""
+        n = self._write_one(
+            f"WITH l AS (SELECT pg_advisory_xact_lock(%s)) INSERT INTO {table}(session_id, {cols}) "
+            f"SELECT %s, (SELECT COALESCE(MAX(n), 0) + 1 FROM {table} WHERE session_id=%s), {values} FROM l "
+            "ON CONFLICT(session_id, n) DO NOTHING RETURNING n",
+            (key, session_id, session_id, *params))
+        if n is not None:
+            return int(n[0])
+        with self._tx() as conn:
+            self.round_trips += 2
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
+            n = conn.execute(
+                f"INSERT INTO {table}(session_id, {cols}) SELECT %s, COALESCE(MAX(n), 0) + 1, {values} "
+                f"FROM {table} WHERE session_id=%s RETURNING n", (session_id, *params, session_id)).fetchone()
+        return int(n[0])
 
     # -- what went on the wire, per answered turn (stats, the page, the log line) ---------------
     @staticmethod
@@ -1261,24 +1298,19 @@ class PgStore:
         read the same ``MAX(n)`` and the second insert would fail on the primary key.  So the
         transaction first takes a transaction-scoped advisory lock of the session's wire rows, then
         numbers and inserts in one statement, which (a new snapshot per statement) sees every turn
-        committed before the lock was granted; the lock goes with the commit.  Not the session's
+        committed before the lock was granted; the lock goes with the commit (:meth:`_numbered`: mostly
+        one statement that takes the lock itself).  Not the session's
         row lock: the SQLite store numbers answers of a session that has no row too, and a lock on
         nothing serialises nothing.  Not :meth:`hold`'s key either: this instance may hold that one
         on its lock connection while it records the answer (a pooled connection waiting on it
         would wait on itself, with no timeout)."""
-        with self._tx() as conn:
-            self.round_trips += 2
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (self.wire_lock_key(session_id),))
-            n = conn.execute(
-                "INSERT INTO wire(session_id, n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, "
-                "folded, executed, input_tokens, cache_read, cache_write, output_tokens, cache_write_1h, write_split) "
-                "SELECT %s, COALESCE(MAX(n), 0) + 1, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s "
-                "FROM wire WHERE session_id=%s RETURNING n",
-                (session_id, row.ts or time.time(), row.request, row.model, row.agent_tokens, row.sent_tokens,
-                 row.predicted, row.blocks, row.folded, ",".join(row.executed), row.input_tokens, row.cache_read,
-                 row.cache_write, row.output_tokens, row.cache_write_1h, row.write_split, session_id),
-            ).fetchone()[0]
-        return int(n)
+        return self._numbered(
+            self.wire_lock_key(session_id), "wire",
+            "n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, folded, executed, input_tokens, "
+            "cache_read, cache_write, output_tokens, cache_write_1h, write_split", ", ".join(["%s"] * 15),
+            (row.ts or time.time(), row.request, row.model, row.agent_tokens, row.sent_tokens, row.predicted,
+             row.blocks, row.folded, ",".join(row.executed), row.input_tokens, row.cache_read, row.cache_write,
+             row.output_tokens, row.cache_write_1h, row.write_split), session_id)
 
     @_reads
     def wire_totals(self, session_id: str) -> tuple[int, WireTurn | None, int, int, list[tuple]]:
@@ -1305,22 +1337,15 @@ class PgStore:
     # -- the cache model's calibration (kernel/calibration.py) -------------------------------------
     def record_calibration(self, session_id: str, row: CalibrationRow) -> int:
         """As :meth:`bili_addon.store.Store.record_calibration`; numbered as :meth:`record_wire` numbers
-        (a transaction-scoped advisory lock of the session's observations, then one statement)."""
+        (under a transaction-scoped advisory lock of the session's observations: :meth:`_numbered`)."""
         import hashlib
 
         key = int.from_bytes(hashlib.sha256(b"bili-calibration:" + session_id.encode()).digest()[:8], "big",
                              signed=True)
-        with self._tx() as conn:
-            self.round_trips += 2
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
-            n = conn.execute(
-                f"INSERT INTO calibration(session_id, {CALIBRATION_COLS}) SELECT %s, COALESCE(MAX(n), 0) + 1, "
-                "%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s FROM calibration WHERE session_id=%s RETURNING n",
-                (session_id, row.ts, row.host, row.family, row.lane, row.gap, row.age, row.predicted_input,
-                 row.predicted_read, row.predicted_write, row.reported_input, row.reported_read, row.reported_write,
-                 session_id),
-            ).fetchone()[0]
-        return int(n)
+        return self._numbered(
+            key, "calibration", CALIBRATION_COLS, ", ".join(["%s"] * 12),
+            (row.ts, row.host, row.family, row.lane, row.gap, row.age, row.predicted_input, row.predicted_read,
+             row.predicted_write, row.reported_input, row.reported_read, row.reported_write), session_id)
 
     @_reads
     def calibration(self, session_id: str, limit: int = 0) -> list[CalibrationRow]:
