@@ -556,8 +556,13 @@ class Bili:
             whole = st.chain.prompt() if st.chain is not None else None
             st.record["predicted"] = self.meter.predict(st.session, whole or st.sent)
             st.sent = b""
-        rw = st.rewriter
         self.retention.answered()  # counts; a due pass is queued on the worker, after this answer's work
+        with eng.store.answer():  # (its usage, cache observation and wire figures: one statement on PostgreSQL)
+            self._answer_records(eng, st)
+
+    def _answer_records(self, eng: Engine, st: FlowState) -> None:
+        """What the answer leaves: the calls it made, its usage and cost, the log line."""
+        rw = st.rewriter
         called = eng.record_answer(st.session, st.lane, rw)
         flowmeta.record_answer(st.record, rw, called)
         if called:

@@ -1188,6 +1188,12 @@ class Store:
             )
         return version
 
+    @contextmanager
+    def answer(self):
+        """One answer's records (usage, cache observation, wire figures) are made inside: here each is
+        its own transaction, as outside (PostgreSQL sends them as one statement: store_pg.PgStore.answer)."""
+        yield
+
     def record_usage(self, session_id: str, lane: str, usage: tuple[int, int, int, int]) -> None:
         """One upstream answer's usage: input (all prompt tokens), cache read, cache write, output."""
         inp, read, write, out = usage

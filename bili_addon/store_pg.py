@@ -667,6 +667,29 @@ _CANDIDATES = ("SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id
                "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s ORDER BY s.created")
 
 
+_USAGE_UPDATE = ("UPDATE sessions SET turns=turns+1, input_tokens=input_tokens+%s, cache_read=cache_read+%s, "
+                 "cache_write=cache_write+%s, output_tokens=output_tokens+%s WHERE id=%s RETURNING turns")
+_USAGE_INSERT = ("INSERT INTO turns(session_id, n, ts, lane, input_tokens, cache_read, cache_write, output_tokens) "
+                 "SELECT %s, turns, %s, %s, %s, %s, %s, %s FROM {src} ON CONFLICT(session_id, n) DO UPDATE SET "
+                 "ts=excluded.ts, lane=excluded.lane, input_tokens=excluded.input_tokens, cache_read=excluded.cache_read, "
+                 "cache_write=excluded.cache_write, output_tokens=excluded.output_tokens")
+
+
+def _wire_insert(row: WireTurn) -> tuple[str, str, tuple]:
+    """A wire row's columns (``n`` first), the placeholders of its values after ``n``, and those values."""
+    return WIRE_COLS, ", ".join(["%s"] * 15), (
+        row.ts or time.time(), row.request, row.model, row.agent_tokens, row.sent_tokens, row.predicted, row.blocks,
+        row.folded, ",".join(row.executed), row.input_tokens, row.cache_read, row.cache_write, row.output_tokens,
+        row.cache_write_1h, row.write_split)
+
+
+def _calibration_insert(row: CalibrationRow) -> tuple[str, str, tuple]:
+    """As :func:`_wire_insert`, of a cache observation."""
+    return CALIBRATION_COLS, ", ".join(["%s"] * 12), (
+        row.ts, row.host, row.family, row.lane, row.gap, row.age, row.predicted_input, row.predicted_read,
+        row.predicted_write, row.reported_input, row.reported_read, row.reported_write)
+
+
 class PgStore:
     """The PostgreSQL store: the same methods as :class:`bili_addon.store.Store`."""
 
@@ -708,6 +731,7 @@ class PgStore:
         # the fork candidates :meth:`hold` read with the lock (``(first fingerprint, lane) -> ids``):
         # :meth:`lineage_candidates` answers from them once, until this instance writes lineage parts
         self._cands: dict[tuple[str, str], list[str]] = {}
+        self._answer: list[tuple] | None = None  # an answer's records queued (:meth:`answer`), None: none being made
         try:
             # one direct connection first: a server that is down or refuses us fails at once, with its
             # own words (the pool would retry until its timeout while requests wait on the worker)
@@ -741,6 +765,8 @@ class PgStore:
             yield conn
 
     def _q(self, sql: str, params=()) -> list[tuple]:
+        if self._answer:
+            self._send_answer()
         with self._use() as conn:
             self.round_trips += 1
             cur = conn.execute(sql, params)
@@ -753,6 +779,8 @@ class PgStore:
     def _many(self, sql: str, rows: list) -> None:
         if not rows:
             return
+        if self._answer:
+            self._send_answer()
         with self._use() as conn, conn.cursor() as cur:
             self.round_trips += 1
             cur.executemany(sql, rows)  # psycopg pipelines the batch: one round trip
@@ -763,6 +791,8 @@ class PgStore:
         if self._conn is not None:  # nested: part of the enclosing transaction
             yield self._conn
             return
+        if self._answer:  # (an answer's records queued so far go first: see answer)
+            self._send_answer()
         self._state.clear()  # this instance writes: what hold read may not hold any more
         self._cands.clear()
         try:
@@ -784,6 +814,8 @@ class PgStore:
         if self._conn is not None:
             yield
             return
+        if self._answer:
+            self._send_answer()
         try:
             with self.pool.connection() as conn:
                 self._conn = conn
@@ -872,6 +904,8 @@ class PgStore:
         hot; a turn pays it cold), twice per turn.  libpq's own blocking call (``PQexecParams``, the
         GIL let go while it waits): psycopg's wait generator is Python code run cold each turn; the
         lock connection's encoding is the one read when it was opened (never changed after)."""
+        if self._answer:
+            self._send_answer()
         if conn is self._lock_conn:
             enc = self._lock_enc
             name = _PREPARED_NAMES.get(sql) if self._lock_prep else None
@@ -981,6 +1015,7 @@ class PgStore:
         self._held = set()
         self._let_go = set()
         self._state = {}
+        self._answer = None
         self._absent = set()
         self._cands = {}
         self._drop_lock_conn()
@@ -1232,6 +1267,8 @@ class PgStore:
         """One write that is one statement, its own transaction (the pooled connections commit each
         statement): one round trip where :meth:`_tx` makes three (BEGIN, the statement, COMMIT).
         Returns its first row (None: none)."""
+        if self._answer:
+            self._send_answer()
         nested = self._conn is not None
         if not nested:
             self._state.clear()  # (as _tx: this instance writes, what hold read may not hold any more)
@@ -1251,25 +1288,22 @@ class PgStore:
         """An answer's usage: the session's totals and its turn's row, in one statement (the row
         numbered by the totals' update, as the update locks the session's row)."""
         inp, read, write, out = usage
-        self._write_one(
-            "WITH u AS (UPDATE sessions SET turns=turns+1, input_tokens=input_tokens+%s, cache_read=cache_read+%s, "
-            "cache_write=cache_write+%s, output_tokens=output_tokens+%s WHERE id=%s RETURNING turns) "
-            "INSERT INTO turns(session_id, n, ts, lane, input_tokens, cache_read, cache_write, output_tokens) "
-            "SELECT %s, turns, %s, %s, %s, %s, %s, %s FROM u ON CONFLICT(session_id, n) DO UPDATE SET ts=excluded.ts, "
-            "lane=excluded.lane, input_tokens=excluded.input_tokens, cache_read=excluded.cache_read, "
-            "cache_write=excluded.cache_write, output_tokens=excluded.output_tokens",
-            (inp, read, write, out, session_id, session_id, time.time(), lane, inp, read, write, out),
-        )
+        if self._answer is not None:
+            self._queue(("usage", session_id, (lane, usage, time.time())))
+            return
+        self._write_one(f"WITH u AS ({_USAGE_UPDATE}) {_USAGE_INSERT.format(src='u')}",
+                        (inp, read, write, out, session_id, session_id, time.time(), lane, inp, read, write, out))
 
-    def _numbered(self, key: int, table: str, cols: str, values: str, params: tuple, session_id: str) -> int:
+    def _numbered(self, key: int, table: str, cols: str, values: str, params: tuple, session_id: str,
+                  locked: bool = False) -> int:
         """Insert a row numbered as the session's next ``n`` of ``table`` (:meth:`record_wire`,
         :meth:`record_calibration`): first in one statement that takes the session's transaction-scoped
         advisory lock of those rows and inserts unless the number is taken (one round trip); a number
         taken meanwhile (its snapshot is the statement's, taken before the lock was granted: another
         instance's row committed in between is not in it) leaves it to the two statements below, whose
         insert's snapshot comes after the lock (those two alone were the way before: every instance,
-        of this version or an older one, numbers under the same lock)."""
-        n = self._write_one(
+        of this version or an older one, numbers under the same lock).  ``locked``: those two only."""
+        n = None if locked else self._write_one(
             f"WITH l AS (SELECT pg_advisory_xact_lock(%s)) INSERT INTO {table}(session_id, {cols}) "
             f"SELECT %s, (SELECT COALESCE(MAX(n), 0) + 1 FROM {table} WHERE session_id=%s), {values} FROM l "
             "ON CONFLICT(session_id, n) DO NOTHING RETURNING n",
@@ -1284,11 +1318,76 @@ class PgStore:
                 f"FROM {table} WHERE session_id=%s RETURNING n", (session_id, *params, session_id)).fetchone()
         return int(n[0])
 
+    @contextmanager
+    def answer(self):
+        """One answer's records (:meth:`record_usage`, :meth:`record_calibration`, :meth:`record_wire`),
+        made inside, sent as one statement: the usage's, then each numbered insert as a data-modifying
+        part of its own (its lock taken by the statement, as :meth:`_numbered` takes it), when
+        :meth:`record_wire` is called (it needs its number) or at the end.  Inside, a cache observation
+        is numbered when the batch goes (:meth:`record_calibration` returns 0).  One round trip where
+        the records made three; a number another instance took meanwhile is given again as
+        :meth:`_numbered` gives it.  Any other statement meanwhile (a read of what they write
+        included) sends the queue first.  Nested: part of the enclosing batch."""
+        if self._answer is not None:
+            yield
+            return
+        self._answer = []
+        try:
+            yield
+        finally:  # (what was queued goes even when the work after it failed, as it went before)
+            try:
+                if self._answer:
+                    self._send_answer()
+            finally:
+                self._answer = None
+
+    def _queue(self, record: tuple) -> None:
+        """A record of :meth:`answer`, queued: as a write would, it ends what :meth:`hold` read (a read of
+        the session's usage now reads the store, which sends the queue first)."""
+        if any(kind == record[0] for kind, _s, _w in self._answer):  # (one of a kind per statement)
+            self._send_answer()
+        self._state.clear()
+        self._cands.clear()
+        self._answer.append(record)
+
+    def _send_answer(self) -> dict[str, int]:
+        """The queued records of :meth:`answer`, in one statement; ``{table: n}`` of the numbered ones."""
+        batch, self._answer = self._answer, []
+        ctes: list[str] = []
+        params: list = []
+        numbered: list[tuple[str, str, object]] = []  # (table, session, row) in the statement's order
+        for kind, sid, what in batch:
+            i = len(ctes)
+            if kind == "usage":
+                lane, (inp, read, write, out), ts = what
+                ctes.append(f"u{i} AS ({_USAGE_UPDATE})")
+                params += [inp, read, write, out, sid]
+                ctes.append(f"t{i} AS ({_USAGE_INSERT.format(src=f'u{i}')})")
+                params += [sid, ts, lane, inp, read, write, out]
+                continue
+            key = self.wire_lock_key(sid) if kind == "wire" else self.calibration_lock_key(sid)
+            cols, values, vals = (_wire_insert if kind == "wire" else _calibration_insert)(what)
+            ctes.append(f"l{i} AS (SELECT pg_advisory_xact_lock(%s))")
+            params.append(key)
+            ctes.append(f"n_{kind} AS (INSERT INTO {kind}(session_id, {cols}) SELECT %s, (SELECT COALESCE(MAX(n), 0) + 1 "
+                        f"FROM {kind} WHERE session_id=%s), {values} FROM l{i} "
+                        "ON CONFLICT(session_id, n) DO NOTHING RETURNING n)")
+            params += [sid, sid, *vals]
+            numbered.append((kind, sid, what))
+        tail = ", ".join(f"(SELECT n FROM n_{t})" for t, _s, _r in numbered) or "NULL"
+        got = self._write_one(f"WITH {', '.join(ctes)} SELECT {tail}", tuple(params))
+        out: dict[str, int] = {}
+        for (table, sid, row), n in zip(numbered, got or ()):
+            if n is None:  # taken meanwhile: numbered again under the lock
+                key = self.wire_lock_key(sid) if table == "wire" else self.calibration_lock_key(sid)
+                n = self._numbered(key, table, *(_wire_insert if table == "wire" else _calibration_insert)(row), sid,
+                                   locked=True)
+            out[table] = int(n)
+        return out
+
     # -- what went on the wire, per answered turn (stats, the page, the log line) ---------------
     @staticmethod
     def wire_lock_key(session_id: str) -> int:
-        import hashlib
-
         return int.from_bytes(hashlib.sha256(b"bili-wire:" + session_id.encode()).digest()[:8], "big", signed=True)
 
     def record_wire(self, session_id: str, row: WireTurn) -> int:
@@ -1304,13 +1403,10 @@ class PgStore:
         nothing serialises nothing.  Not :meth:`hold`'s key either: this instance may hold that one
         on its lock connection while it records the answer (a pooled connection waiting on it
         would wait on itself, with no timeout)."""
-        return self._numbered(
-            self.wire_lock_key(session_id), "wire",
-            "n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, folded, executed, input_tokens, "
-            "cache_read, cache_write, output_tokens, cache_write_1h, write_split", ", ".join(["%s"] * 15),
-            (row.ts or time.time(), row.request, row.model, row.agent_tokens, row.sent_tokens, row.predicted,
-             row.blocks, row.folded, ",".join(row.executed), row.input_tokens, row.cache_read, row.cache_write,
-             row.output_tokens, row.cache_write_1h, row.write_split), session_id)
+        if self._answer is not None:  # the answer's last record: the batch goes now, in one statement
+            self._queue(("wire", session_id, row))
+            return self._send_answer()["wire"]
+        return self._numbered(self.wire_lock_key(session_id), "wire", *_wire_insert(row), session_id)
 
     @_reads
     def wire_totals(self, session_id: str) -> tuple[int, WireTurn | None, int, int, list[tuple]]:
@@ -1338,14 +1434,16 @@ class PgStore:
     def record_calibration(self, session_id: str, row: CalibrationRow) -> int:
         """As :meth:`bili_addon.store.Store.record_calibration`; numbered as :meth:`record_wire` numbers
         (under a transaction-scoped advisory lock of the session's observations: :meth:`_numbered`)."""
-        import hashlib
+        if self._answer is not None:
+            self._queue(("calibration", session_id, row))
+            return 0  # (numbered when the batch goes: see answer)
+        return self._numbered(self.calibration_lock_key(session_id), "calibration", *_calibration_insert(row),
+                              session_id)
 
-        key = int.from_bytes(hashlib.sha256(b"bili-calibration:" + session_id.encode()).digest()[:8], "big",
-                             signed=True)
-        return self._numbered(
-            key, "calibration", CALIBRATION_COLS, ", ".join(["%s"] * 12),
-            (row.ts, row.host, row.family, row.lane, row.gap, row.age, row.predicted_input, row.predicted_read,
-             row.predicted_write, row.reported_input, row.reported_read, row.reported_write), session_id)
+    @staticmethod
+    def calibration_lock_key(session_id: str) -> int:
+        return int.from_bytes(hashlib.sha256(b"bili-calibration:" + session_id.encode()).digest()[:8], "big",
+                              signed=True)
 
     @_reads
     def calibration(self, session_id: str, limit: int = 0) -> list[CalibrationRow]:

@@ -163,3 +163,99 @@ def test_usage_recorded_at_once_by_several_instances_counts_every_answer(backend
         "SELECT n, input_tokens, cache_read, cache_write, output_tokens FROM turns WHERE session_id='u' ORDER BY n")
     rows = [tuple(r) for r in rows]
     assert rows == [(n, 1, 2, 3, 4) for n in range(1, len(instances) * each + 1)]
+
+
+# -- one answer's records as one statement (PgStore.answer) -----------------------------------------------
+def test_an_answers_records_go_as_one_statement_with_the_same_rows(pg_url, tmp_path):
+    """usage, cache observation and wire figures made inside ``answer()``: one round trip in all, and
+    the rows the three made one by one (the SQLite store's ``answer()`` changes nothing)."""
+    from bili_addon.store import Store
+
+    s = pg(pg_url, tmp_path)
+    lite = Store(tmp_path / "lite")
+    try:
+        for st in (s, lite):
+            session(st, "x")
+            for k in range(4):
+                before = getattr(st, "round_trips", 0)
+                with st.answer():
+                    st.record_usage("x", "anthropic", (100 * k, 50 * k, k, 7))
+                    st.record_calibration("x", cal_row(k))
+                    assert st.record_wire("x", wire_row(k)) == k + 1
+                if st is s:
+                    assert s.round_trips - before == 1
+            with st.answer():  # an answer without wire figures: sent at the end
+                st.record_usage("x", "anthropic", (1, 2, 3, 4))
+                st.record_calibration("x", cal_row(9))
+        assert s.usage("x") == lite.usage("x") and s.usage("x").turns == 5
+        assert s.last_usage("x") == (1, 2, 3, 4)
+        assert s.wire("x") == lite.wire("x") and [w.n for w in s.wire("x")] == [1, 2, 3, 4]
+        assert s.calibration("x") == lite.calibration("x") and [r.n for r in s.calibration("x")] == [1, 2, 3, 4, 5]
+    finally:
+        s.close()
+        lite.close()
+
+
+def test_anything_else_sent_inside_an_answer_goes_after_what_was_queued(pg_url, tmp_path):
+    """A read (or another write) inside ``answer()`` sees the records queued before it: they go first."""
+    s = pg(pg_url, tmp_path)
+    try:
+        session(s, "x")
+        s.hold("x")  # (its read answers last_usage until this instance writes)
+        assert s.last_usage("x") is None
+        with s.answer():
+            s.record_usage("x", "anthropic", (10, 5, 2, 1))
+            assert s.last_usage("x") == (10, 5, 2, 1)  # the queue went before the read
+            s.record_calibration("x", cal_row(0))
+            assert [r.n for r in s.calibration("x")] == [1]
+            s.record_calibration("x", cal_row(1))  # two of a kind: the first goes before the second is queued
+            s.record_calibration("x", cal_row(2))
+        assert [r.n for r in s.calibration("x")] == [1, 2, 3]
+        s.release()
+    finally:
+        s.close()
+
+
+def test_what_was_queued_goes_even_when_the_work_after_it_fails(pg_url, tmp_path):
+    s = pg(pg_url, tmp_path)
+    try:
+        session(s, "x")
+        with pytest.raises(RuntimeError):
+            with s.answer():
+                s.record_usage("x", "anthropic", (10, 5, 2, 1))
+                raise RuntimeError("the meter failed")
+        assert s.last_usage("x") == (10, 5, 2, 1)
+    finally:
+        s.close()
+
+
+def test_a_number_taken_meanwhile_inside_an_answer_is_given_again_under_the_lock(pg_url, tmp_path):
+    import psycopg
+
+    s = pg(pg_url, tmp_path)
+    other = psycopg.connect(pg_url)
+    try:
+        session(s, "x")
+        other.execute("INSERT INTO wire(session_id, n, ts, request, model, agent_tokens, sent_tokens, blocks, folded, "
+                      "executed, input_tokens, cache_read, cache_write, output_tokens) "
+                      "VALUES('x', 1, 0, 0, 'm', 1, 1, 0, 0, '', 1, 1, 1, 1)")  # open transaction
+        got: list = []
+
+        def answer():
+            with s.answer():
+                s.record_usage("x", "anthropic", (10, 5, 2, 1))
+                s.record_calibration("x", cal_row(0))
+                got.append(s.record_wire("x", wire_row(0)))
+
+        t = threading.Thread(target=answer)
+        t.start()
+        time.sleep(0.3)  # (the statement waits for the other transaction's row; not a timing assertion)
+        assert not got
+        other.commit()
+        t.join(10)
+        assert got == [2]
+        assert [w.n for w in s.wire("x")] == [1, 2]
+        assert [r.n for r in s.calibration("x")] == [1] and s.last_usage("x") == (10, 5, 2, 1)
+    finally:
+        other.close()
+        s.close()

@@ -36,7 +36,10 @@ by the evidence.
 from __future__ import annotations
 
 import logging
+from bisect import insort
 from collections import OrderedDict
+from operator import itemgetter
+from time import monotonic as _now
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,10 +50,14 @@ if TYPE_CHECKING:
     from bili_addon.store import Store
 
 log = logging.getLogger("bili")
+_TS = itemgetter(0)
 
 EVIDENCE = 3  # consistent observations a learned fact needs
 SHORT = 20.0  # seconds: an entry unused this briefly is still alive in any cache worth the name
 KEEP = 64  # observations judged per session and per host (the newest)
+# seconds a host's observations read from the store serve before they are read again (the other
+# processes on the store add theirs); this process's own are added as it makes them
+HOST_FRESH = 10.0
 SESSIONS = 512  # sessions whose observations are kept in memory
 
 
@@ -153,7 +160,9 @@ class Calibration:
         self.store = store
         self.clocks = clocks
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
-        self.hosts: dict[tuple[str, str], list[Observation]] = {}  # read from the store (shared by processes)
+        # per (host, family): when read from the store (monotonic seconds), and the newest KEEP observations
+        # there, oldest first, each with its time, this process's own added as it stores them
+        self.hosts: dict[tuple[str, str], tuple[float, list[tuple[float, Observation]]]] = {}
         clocks.on_new = self._on_new
 
     # -- the narrow interface for decisions --------------------------------------------------------
@@ -202,7 +211,11 @@ class Calibration:
             self.store.record_calibration(sid, row)
         except StoreError as e:  # learned in memory all the same; the stats miss this one
             log.warning("[bili] session=%s: cannot store the cache observation: %s", sid, e)
-        self.hosts.pop((turn.host, family), None)  # read again (other processes add theirs) when next needed
+        else:
+            pooled = self.hosts.get((turn.host, family))
+            if pooled is not None:  # the host's newest as the store now has them (a read would give the same)
+                insort(pooled[1], (row.ts, s.obs[-1]), key=_TS)
+                del pooled[1][:-KEEP]
         before = clk.learned()
         self._apply(sid, clk)
         after = clk.learned()
@@ -243,9 +256,12 @@ class Calibration:
 
     def _host(self, host: str, family: str) -> list[Observation]:
         key = (host, family)
-        if key not in self.hosts:
-            self.hosts[key] = [observation(r) for r in self.store.host_calibration(host, family, KEEP)]
-        return self.hosts[key]
+        pooled = self.hosts.get(key)
+        now = _now()
+        if pooled is None or now - pooled[0] > HOST_FRESH:
+            pooled = self.hosts[key] = (now, [(r.ts, observation(r)) for r in
+                                              self.store.host_calibration(host, family, KEEP)])
+        return [o for _ts, o in pooled[1]]
 
     # -- stats -------------------------------------------------------------------------------------
     def summary(self, sid: str, recent: int = 10) -> dict[str, Any] | None:
