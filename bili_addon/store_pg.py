@@ -667,6 +667,7 @@ _CANDIDATES = ("SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id
                "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s ORDER BY s.created")
 
 
+_MAX_PARAMS = 30000  # values sent in one versioned statement at most (the protocol takes 65,535 parameters)
 _USAGE_UPDATE = ("UPDATE sessions SET turns=turns+1, input_tokens=input_tokens+%s, cache_read=cache_read+%s, "
                  "cache_write=cache_write+%s, output_tokens=output_tokens+%s WHERE id=%s RETURNING turns")
 _USAGE_INSERT = ("INSERT INTO turns(session_id, n, ts, lane, input_tokens, cache_read, cache_write, output_tokens) "
@@ -1493,9 +1494,38 @@ class PgStore:
         return self._q("SELECT call_key, name, args, result FROM calls WHERE session_id=%s ORDER BY created, call_key",
                        (session_id,))
 
+    def _versioned(self, session_id: str, expect: int, writes: list[tuple[str, list]]) -> int | None:
+        """A versioned write of a session the store has, in one statement (one round trip where a
+        transaction makes four or more): the session's version advanced when it is still ``expect``,
+        and ``writes``, each a data-modifying statement with the rows it writes (``(sql, rows)``:
+        ``{rows}`` in ``sql`` stands for their ``VALUES`` list as table ``x``, which reads the version's
+        update ``v``, so nothing is written when the version moved).  Returns the new version, or None
+        (a new session, a version that moved, or more values than one statement takes: the caller's
+        transaction says which, or writes them)."""
+        if sum(len(rows) * len(rows[0]) for _sql, rows in writes if rows) > _MAX_PARAMS:
+            return None
+        ctes = ["v AS (UPDATE sessions SET version=version+1 WHERE id=%s AND version=%s RETURNING version)"]
+        params: list = [session_id, expect]
+        for i, (sql, rows) in enumerate(writes):
+            if not rows:
+                continue
+            width = len(rows[0])
+            one = "(" + ", ".join(["%s"] * width) + ")"
+            ctes.append(f"w{i} AS ({sql.format(rows='(VALUES ' + ', '.join([one] * len(rows)) + ')')})")
+            params += [x for r in rows for x in r]
+        row = self._write_one(f"WITH {', '.join(ctes)} SELECT version FROM v", tuple(params))
+        return int(row[0]) if row else None
+
     def record_calls(self, session_id: str, calls: list[tuple[str, str, str]], *, expect: int) -> int:
         self._again(session_id)
         now = time.time()
+        if expect and calls:
+            version = self._versioned(session_id, expect, [(
+                "INSERT INTO calls(session_id, call_key, name, args, created) SELECT x.* FROM v, {rows} "
+                "AS x(session_id, call_key, name, args, created) ON CONFLICT DO NOTHING",
+                [(session_id, k, n, a, now) for k, n, a in calls])])
+            if version is not None:
+                return version
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
             self._many("INSERT INTO calls(session_id, call_key, name, args, created) VALUES(%s,%s,%s,%s,%s) "
@@ -1507,6 +1537,24 @@ class PgStore:
                     expect: int) -> int:
         self._again(session_id)
         now = time.time()
+        # (one statement but where a block or a call comes twice: one statement's upsert or update
+        # touches a row once, the transaction's statements one after the other)
+        if expect and len({b[0] for b in blocks}) == len(blocks) and len({k for k, _r in results}) == len(results):
+            version = self._versioned(session_id, expect, [
+                ("INSERT INTO blocks(session_id, block_id, body, active) SELECT x.* FROM v, {rows} "
+                 "AS x(session_id, block_id, body, active) ON CONFLICT(session_id, block_id) DO UPDATE SET "
+                 "body=excluded.body, active=excluded.active", [(session_id, bid, body, int(active))
+                                                                for bid, body, active in blocks]),
+                ("INSERT INTO originals(session_id, ref, role, ctype, tool_name, tool_call_id, text, tokens) "
+                 "SELECT x.* FROM v, {rows} AS x(session_id, ref, role, ctype, tool_name, tool_call_id, text, "
+                 "tokens) ON CONFLICT DO NOTHING", [(session_id, *o) for o in originals]),
+                # a call's result is written once: the claim (``result IS NULL``) makes it execute once
+                ("UPDATE calls c SET result=x.result, executed=x.executed FROM v, {rows} "
+                 "AS x(session_id, call_key, result, executed) WHERE c.session_id=x.session_id "
+                 "AND c.call_key=x.call_key AND c.result IS NULL", [(session_id, key, res, now) for key, res in results]),
+            ])
+            if version is not None:
+                return version
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
             self._many("INSERT INTO blocks(session_id, block_id, body, active) VALUES(%s,%s,%s,%s) "
@@ -1527,6 +1575,12 @@ class PgStore:
 
     def save_copy(self, session_id: str, doc: str, *, expect: int) -> int:
         self._again(session_id)
+        if expect:
+            version = self._versioned(session_id, expect, [(
+                "INSERT INTO copies(session_id, doc) SELECT x.* FROM v, {rows} AS x(session_id, doc) "
+                "ON CONFLICT(session_id) DO UPDATE SET doc=excluded.doc", [(session_id, doc)])])
+            if version is not None:
+                return version
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
             self.round_trips += 1
