@@ -53,9 +53,13 @@ def test_each_record_of_an_answer_is_one_round_trip(pg_url, tmp_path):
         s.close()
 
 
-def test_the_records_read_back_as_the_sqlite_store_reads_them(pg_url, tmp_path):
-    """The same answers recorded in both stores: the same usage totals and turns, wire rows and
-    observations, numbered alike."""
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "answer"])
+def test_the_records_read_back_as_the_sqlite_store_reads_them(pg_url, tmp_path, batched):
+    """The same answers recorded in both stores, each record on its own (three round trips) or made
+    inside ``answer()`` (one; the SQLite store's ``answer()`` changes nothing): the same usage totals
+    and turns, wire rows and observations, numbered alike."""
+    from contextlib import nullcontext
+
     from bili_addon.store import Store
 
     s = pg(pg_url, tmp_path)
@@ -64,15 +68,22 @@ def test_the_records_read_back_as_the_sqlite_store_reads_them(pg_url, tmp_path):
         for st in (s, store):
             session(st, "x")
             for k in range(5):
-                st.record_usage("x", "anthropic" if k % 2 else "chat", (100 * k, 50 * k, k, 7))
-                assert st.record_wire("x", wire_row(k)) == k + 1
-                assert st.record_calibration("x", cal_row(k)) == k + 1
+                before = getattr(st, "round_trips", 0)
+                with st.answer() if batched else nullcontext():
+                    st.record_usage("x", "anthropic" if k % 2 else "chat", (100 * k, 50 * k, k, 7))
+                    st.record_calibration("x", cal_row(k))
+                    assert st.record_wire("x", wire_row(k)) == k + 1
+                if st is s:
+                    assert s.round_trips - before == (1 if batched else 3)
+            with st.answer() if batched else nullcontext():  # an answer without wire figures
+                st.record_usage("x", "anthropic", (1, 2, 3, 4))
+                st.record_calibration("x", cal_row(9))
             st.record_usage("nobody", "anthropic", (1, 1, 1, 1))  # no session row: nothing recorded
-        assert s.last_usage("x") == store.last_usage("x") == (400, 200, 4, 7)
+        assert s.last_usage("x") == store.last_usage("x") == (1, 2, 3, 4)
         assert s.last_usage("nobody") is store.last_usage("nobody") is None
-        assert s.usage("x") == store.usage("x") and s.usage("x").turns == 5
-        assert s.wire("x") == store.wire("x")
-        assert s.calibration("x") == store.calibration("x")
+        assert s.usage("x") == store.usage("x") and s.usage("x").turns == 6
+        assert s.wire("x") == store.wire("x") and [w.n for w in s.wire("x")] == [1, 2, 3, 4, 5]
+        assert s.calibration("x") == store.calibration("x") and [r.n for r in s.calibration("x")] == [1, 2, 3, 4, 5, 6]
         assert s.calibration_totals("x") == store.calibration_totals("x")
         assert s.wire_totals("x") == store.wire_totals("x")
     finally:
@@ -166,36 +177,6 @@ def test_usage_recorded_at_once_by_several_instances_counts_every_answer(backend
 
 
 # -- one answer's records as one statement (PgStore.answer) -----------------------------------------------
-def test_an_answers_records_go_as_one_statement_with_the_same_rows(pg_url, tmp_path):
-    """usage, cache observation and wire figures made inside ``answer()``: one round trip in all, and
-    the rows the three made one by one (the SQLite store's ``answer()`` changes nothing)."""
-    from bili_addon.store import Store
-
-    s = pg(pg_url, tmp_path)
-    lite = Store(tmp_path / "lite")
-    try:
-        for st in (s, lite):
-            session(st, "x")
-            for k in range(4):
-                before = getattr(st, "round_trips", 0)
-                with st.answer():
-                    st.record_usage("x", "anthropic", (100 * k, 50 * k, k, 7))
-                    st.record_calibration("x", cal_row(k))
-                    assert st.record_wire("x", wire_row(k)) == k + 1
-                if st is s:
-                    assert s.round_trips - before == 1
-            with st.answer():  # an answer without wire figures: sent at the end
-                st.record_usage("x", "anthropic", (1, 2, 3, 4))
-                st.record_calibration("x", cal_row(9))
-        assert s.usage("x") == lite.usage("x") and s.usage("x").turns == 5
-        assert s.last_usage("x") == (1, 2, 3, 4)
-        assert s.wire("x") == lite.wire("x") and [w.n for w in s.wire("x")] == [1, 2, 3, 4]
-        assert s.calibration("x") == lite.calibration("x") and [r.n for r in s.calibration("x")] == [1, 2, 3, 4, 5]
-    finally:
-        s.close()
-        lite.close()
-
-
 def test_anything_else_sent_inside_an_answer_goes_after_what_was_queued(pg_url, tmp_path):
     """A read (or another write) inside ``answer()`` sees the records queued before it: they go first."""
     s = pg(pg_url, tmp_path)
