@@ -550,18 +550,18 @@ class Bili:
                 )
 
     def _account(self, eng: Engine, st: FlowState) -> None:
-        self._settle(eng, st.session)
+        with eng.store.answer():  # (the lineage, usage, cache observation and wire figures: one statement on PostgreSQL)
+            self._settle(eng, st.session)
+            self._answer_records(eng, st)
+
+    def _answer_records(self, eng: Engine, st: FlowState) -> None:
+        """What the answer leaves: the calls it made, its usage and cost, the log line."""
         if st.sent and "agent_tokens" in st.record:  # the request's predicted cache-read share, off its path
             # a chained turn's prompt is the whole chain the provider holds, not the delta that went up
             whole = st.chain.prompt() if st.chain is not None else None
             st.record["predicted"] = self.meter.predict(st.session, whole or st.sent)
             st.sent = b""
         self.retention.answered()  # counts; a due pass is queued on the worker, after this answer's work
-        with eng.store.answer():  # (its usage, cache observation and wire figures: one statement on PostgreSQL)
-            self._answer_records(eng, st)
-
-    def _answer_records(self, eng: Engine, st: FlowState) -> None:
-        """What the answer leaves: the calls it made, its usage and cost, the log line."""
         rw = st.rewriter
         called = eng.record_answer(st.session, st.lane, rw)
         flowmeta.record_answer(st.record, rw, called)

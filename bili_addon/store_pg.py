@@ -648,11 +648,12 @@ _COMMIT = b"SELECT bili_commit_turn($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11
 # text (msgspec's: ``[[ref, chash, fp], ...]``, each row numbered by its place), not three text arrays
 # (psycopg's list dumper adapts them element by element in Python: ~0.6 ms of the client's CPU after a
 # first turn of 100 messages); spelled for libpq ($n, the lock connection) and for psycopg (%s)
-_SAVE_PARTS_SQL = ("WITH gone AS (DELETE FROM lineage_parts WHERE session_id={s} AND seq>={end}) "
-                   "INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) "
-                   "SELECT {s}, {keep} + u.i - 1, u.v->>0, u.v->>1, u.v->>2 FROM json_array_elements({rows}::json) "
-                   "WITH ORDINALITY AS u(v, i) "
-                   "ON CONFLICT(session_id, seq) DO UPDATE SET ref=excluded.ref, chash=excluded.chash, fp=excluded.fp")
+_SAVE_PARTS_DELETE = "DELETE FROM lineage_parts WHERE session_id={s} AND seq>={end}"
+_SAVE_PARTS_INSERT = ("INSERT INTO lineage_parts(session_id, seq, ref, chash, fp) "
+                      "SELECT {s}, {keep} + u.i - 1, u.v->>0, u.v->>1, u.v->>2 FROM json_array_elements({rows}::json) "
+                      "WITH ORDINALITY AS u(v, i) "
+                      "ON CONFLICT(session_id, seq) DO UPDATE SET ref=excluded.ref, chash=excluded.chash, fp=excluded.fp")
+_SAVE_PARTS_SQL = f"WITH gone AS ({_SAVE_PARTS_DELETE}) {_SAVE_PARTS_INSERT}"
 _SAVE_PARTS = _SAVE_PARTS_SQL.format(s="$1", end="$2", keep="$3", rows="$4").encode()
 _SAVE_PARTS_PG = _SAVE_PARTS_SQL.format(s="%(s)s", end="%(end)s", keep="%(keep)s", rows="%(rows)s")
 # the lock connection's own prepared statements of these (PgStore._prepare_turns: parsed once when it opens,
@@ -1321,8 +1322,8 @@ class PgStore:
 
     @contextmanager
     def answer(self):
-        """One answer's records (:meth:`record_usage`, :meth:`record_calibration`, :meth:`record_wire`),
-        made inside, sent as one statement: the usage's, then each numbered insert as a data-modifying
+        """One answer's records (:meth:`record_usage`, :meth:`record_calibration`, :meth:`record_wire`;
+        the lineage its request kept back, :meth:`save_lineage_parts`), made inside, sent as one statement: the usage's, then each numbered insert as a data-modifying
         part of its own (its lock taken by the statement, as :meth:`_numbered` takes it), when
         :meth:`record_wire` is called (it needs its number) or at the end.  Inside, a cache observation
         is numbered when the batch goes (:meth:`record_calibration` returns 0).  One round trip where
@@ -1359,6 +1360,12 @@ class PgStore:
         numbered: list[tuple[str, str, object]] = []  # (table, session, row) in the statement's order
         for kind, sid, what in batch:
             i = len(ctes)
+            if kind == "lineage":
+                keep, end, doc = what
+                ctes.append(f"g{i} AS ({_SAVE_PARTS_DELETE.format(s='%s', end='%s')})")
+                ctes.append(f"p{i} AS ({_SAVE_PARTS_INSERT.format(s='%s', keep='%s', rows='%s')})")
+                params += [sid, end, sid, keep, doc]
+                continue
             if kind == "usage":
                 lane, (inp, read, write, out), ts = what
                 ctes.append(f"u{i} AS ({_USAGE_UPDATE})")
@@ -1632,6 +1639,9 @@ class PgStore:
         end = keep + len(rows)
         self._cands.clear()  # what hold read of the candidates may miss these
         doc = _json.encode(rows)  # (see _SAVE_PARTS: UTF-8)
+        if self._answer is not None:  # an answer's lineage: with its records (see answer)
+            self._queue(("lineage", session_id, (keep, end, doc.decode())))
+            return
         try:
             if self._conn is None:
                 # the lock connection (the turns' own, on this thread: a statement of its own there as on a

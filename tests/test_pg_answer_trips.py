@@ -240,3 +240,31 @@ def test_a_number_taken_meanwhile_inside_an_answer_is_given_again_under_the_lock
     finally:
         other.close()
         s.close()
+
+
+def test_an_answers_lineage_goes_with_its_records(pg_url, tmp_path):
+    """The lineage its request kept back (``save_lineage_parts``, made inside ``answer()``) is part of
+    the answer's one statement, and the store has the parts as the statement of its own leaves them."""
+    s, alone = pg(pg_url, tmp_path), None
+    try:
+        session(s, "x")
+        parts = [(f"m{i:05d}", f"h{i}", f"fp{i}é") for i in range(1, 6)]
+        before = s.round_trips
+        with s.answer():
+            s.save_lineage_parts("x", 0, parts)
+            s.record_usage("x", "anthropic", (10, 5, 2, 1))
+            assert s.record_wire("x", wire_row(0)) == 1
+        assert s.round_trips - before == 1
+        with s.answer():  # the next turn replaces the parts from the third on
+            s.save_lineage_parts("x", 2, parts[2:3])
+        got = s.lineage_parts("x")
+        from bili_addon.store_pg import PgStore
+
+        alone = PgStore(pg_url, str(tmp_path))
+        alone.save_lineage_parts("y", 0, parts)
+        alone.save_lineage_parts("y", 2, parts[2:3])
+        assert [tuple(r) for r in got] == [tuple(r) for r in alone.lineage_parts("y")] == [*parts[:2], parts[2]]
+    finally:
+        s.close()
+        if alone is not None:
+            alone.close()

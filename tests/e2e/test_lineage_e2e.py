@@ -61,8 +61,11 @@ def fork_of(parent: Agent, proxy, sid: str, script: str) -> Agent:
     return child
 
 
-@pytest.fixture(scope="module")
-def proxy(make_proxy):
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def proxy(make_proxy, request):
+    """Once per store backend (on PostgreSQL an answer's lineage goes with its records, one statement)."""
+    if request.param == "postgresql":
+        return make_proxy("reverse", "fold", bili_store=request.getfixturevalue("pg_server").fresh())
     return make_proxy("reverse", "fold")
 
 
