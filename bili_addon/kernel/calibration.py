@@ -150,6 +150,28 @@ class _Session:
     family: str = ""
     obs: list[Observation] = field(default_factory=list)
     loaded: bool = False
+    # what its observations taught, kept until they change (``changed`` counts the changes): an answer
+    # applies the host's facts to every live session on the host, which would learn each one's again
+    changed: int = 0
+    taught: tuple | None = None  # (changed, KEEP, Facts)
+    against: tuple | None = None  # (changed, the host's pool and its changes, contradicts(pool's facts, obs))
+
+
+class _Pool:
+    """A host's newest observations as the store has them: read at ``read_at`` (monotonic seconds),
+    oldest first with their times, this process's own added as it stores them (``changed`` counts the
+    additions; what they teach is kept until the next)."""
+
+    __slots__ = ("read_at", "rows", "changed", "taught")
+
+    def __init__(self, read_at: float, rows: list[tuple[float, Observation]]):
+        self.read_at, self.rows, self.changed, self.taught = read_at, rows, 0, None
+
+    def facts(self) -> Facts:
+        t = self.taught
+        if t is None or t[0] != self.changed:
+            t = self.taught = (self.changed, learn([o for _ts, o in self.rows]))
+        return t[1]
 
 
 class Calibration:
@@ -160,9 +182,7 @@ class Calibration:
         self.store = store
         self.clocks = clocks
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
-        # per (host, family): when read from the store (monotonic seconds), and the newest KEEP observations
-        # there, oldest first, each with its time, this process's own added as it stores them
-        self.hosts: dict[tuple[str, str], tuple[float, list[tuple[float, Observation]]]] = {}
+        self.hosts: dict[tuple[str, str], _Pool] = {}  # per (host, family)
         clocks.on_new = self._on_new
 
     # -- the narrow interface for decisions --------------------------------------------------------
@@ -172,13 +192,22 @@ class Calibration:
         ``host`` or ``""`` (the documented rules)."""
         s = self._session(sid)
         host, family = host or s.host, family or s.family
-        own = learn(s.obs[-KEEP:])
+        t = s.taught
+        if t is None or t[0] != s.changed or t[1] != KEEP:
+            t = s.taught = (s.changed, KEEP, learn(s.obs[-KEEP:]))
+        own = t[2]
         if own.learned:
             return own, "session"
         if host and family:
-            pooled = learn(self._host(host, family))
-            if pooled.learned and not contradicts(pooled, s.obs[-KEEP:]):
-                return pooled, "host"
+            pool = self._pool(host, family)
+            pooled = pool.facts()
+            if pooled.learned:
+                key = (s.changed, pool, pool.changed)
+                a = s.against
+                if a is None or a[0] != key:
+                    a = s.against = (key, contradicts(pooled, s.obs[-KEEP:]))
+                if not a[1]:
+                    return pooled, "host"
         return own, ""
 
     def effective_ttl(self, sid: str, host: str = "") -> float | None:
@@ -207,15 +236,17 @@ class Calibration:
         s.host, s.family = turn.host, family
         s.obs.append(observation(row))
         del s.obs[:-KEEP]
+        s.changed += 1
         try:
             self.store.record_calibration(sid, row)
         except StoreError as e:  # learned in memory all the same; the stats miss this one
             log.warning("[bili] session=%s: cannot store the cache observation: %s", sid, e)
         else:
-            pooled = self.hosts.get((turn.host, family))
-            if pooled is not None:  # the host's newest as the store now has them (a read would give the same)
-                insort(pooled[1], (row.ts, s.obs[-1]), key=_TS)
-                del pooled[1][:-KEEP]
+            pool = self.hosts.get((turn.host, family))
+            if pool is not None:  # the host's newest as the store now has them (a read would give the same)
+                insort(pool.rows, (row.ts, s.obs[-1]), key=_TS)
+                del pool.rows[:-KEEP]
+                pool.changed += 1
         before = clk.learned()
         self._apply(sid, clk)
         after = clk.learned()
@@ -251,17 +282,18 @@ class Calibration:
             rows = self.store.calibration(sid, KEEP)
             if rows:
                 s.obs[:0] = [observation(r) for r in rows]
+                s.changed += 1
                 s.host, s.family = s.host or rows[-1].host, s.family or rows[-1].family
         return s
 
-    def _host(self, host: str, family: str) -> list[Observation]:
+    def _pool(self, host: str, family: str) -> _Pool:
         key = (host, family)
-        pooled = self.hosts.get(key)
+        pool = self.hosts.get(key)
         now = _now()
-        if pooled is None or now - pooled[0] > HOST_FRESH:
-            pooled = self.hosts[key] = (now, [(r.ts, observation(r)) for r in
-                                              self.store.host_calibration(host, family, KEEP)])
-        return [o for _ts, o in pooled[1]]
+        if pool is None or now - pool.read_at > HOST_FRESH:
+            pool = self.hosts[key] = _Pool(now, [(r.ts, observation(r)) for r in
+                                                 self.store.host_calibration(host, family, KEEP)])
+        return pool
 
     # -- stats -------------------------------------------------------------------------------------
     def summary(self, sid: str, recent: int = 10) -> dict[str, Any] | None:
