@@ -38,9 +38,9 @@ from __future__ import annotations
 import logging
 from bisect import insort
 from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
 from operator import itemgetter
 from time import monotonic as _now
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from bili_addon.kernel.cache import Clock, Clocks, Turn
