@@ -1,0 +1,27 @@
+"""scripts/bench_fleet.py runs a fleet of real mitmdump instances on one PostgreSQL store against one
+SQLite instance: the script runs, every session's turns are answered through each fleet, and the
+upstream received the same bytes from each fleet as from the SQLite instance (figures printed, not
+judged: no timing assertion)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ROW = re.compile(r"^(sqlite|postgresql)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)\s*$")
+
+
+def test_the_fleet_bench_runs_its_fleets_and_proves_the_bytes(pg_url, tmp_path):
+    sessions = 3
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_fleet.py"), "--quick", "--sessions",
+                        str(sessions), "--postgresql", pg_url], capture_output=True, text=True, timeout=300,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
+    rows = [m.groups() for m in map(ROW.match, r.stdout.splitlines()) if m]
+    assert [(store, int(n)) for store, n, *_ in rows] == [("sqlite", 1), ("postgresql", 1), ("postgresql", 2)], r.stdout
+    for _store, _n, requests, rps, p50, p99, same in rows:
+        assert int(requests) == sessions * 12 and float(rps) > 0 and 0 < float(p50) <= float(p99)
+    assert [same for *_, same in rows] == ["reference", "yes", "yes"], r.stdout
