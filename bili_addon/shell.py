@@ -550,7 +550,8 @@ class Bili:
                 )
 
     def _account(self, eng: Engine, st: FlowState) -> None:
-        with eng.store.answer():  # (the lineage, usage, cache observation and wire figures: one statement on PostgreSQL)
+        # the lineage, usage, cache observation and wire figures: one statement on PostgreSQL
+        with eng.store.answer():
             self._settle(eng, st.session)
             self._answer_records(eng, st)
 

@@ -1289,29 +1289,28 @@ class PgStore:
     def record_usage(self, session_id: str, lane: str, usage: tuple[int, int, int, int]) -> None:
         """An answer's usage: the session's totals and its turn's row, in one statement (the row
         numbered by the totals' update, as the update locks the session's row)."""
-        inp, read, write, out = usage
-        if self._answer is not None:
-            self._queue(("usage", session_id, (lane, usage, time.time())))
-            return
-        self._write_one(f"WITH u AS ({_USAGE_UPDATE}) {_USAGE_INSERT.format(src='u')}",
-                        (inp, read, write, out, session_id, session_id, time.time(), lane, inp, read, write, out))
+        self._record(("usage", session_id, (lane, usage, time.time())))
 
-    def _numbered(self, key: int, table: str, cols: str, values: str, params: tuple, session_id: str,
-                  locked: bool = False) -> int:
+    def _record(self, record: tuple, send: bool = False) -> dict[str, int]:
+        """An answer's record (``(kind, session, what)``): queued inside :meth:`answer` (sent now when
+        ``send``), else a statement of its own, made as the queue's is.  ``{table: n}`` of what went."""
+        if self._answer is None:
+            self._answer = [record]
+            try:
+                return self._send_answer()
+            finally:
+                self._answer = None
+        self._queue(record)
+        return self._send_answer() if send else {}
+
+    def _numbered(self, key: int, table: str, cols: str, values: str, params: tuple, session_id: str) -> int:
         """Insert a row numbered as the session's next ``n`` of ``table`` (:meth:`record_wire`,
-        :meth:`record_calibration`): first in one statement that takes the session's transaction-scoped
-        advisory lock of those rows and inserts unless the number is taken (one round trip); a number
-        taken meanwhile (its snapshot is the statement's, taken before the lock was granted: another
-        instance's row committed in between is not in it) leaves it to the two statements below, whose
-        insert's snapshot comes after the lock (those two alone were the way before: every instance,
-        of this version or an older one, numbers under the same lock).  ``locked``: those two only."""
-        n = None if locked else self._write_one(
-            f"WITH l AS (SELECT pg_advisory_xact_lock(%s)) INSERT INTO {table}(session_id, {cols}) "
-            f"SELECT %s, (SELECT COALESCE(MAX(n), 0) + 1 FROM {table} WHERE session_id=%s), {values} FROM l "
-            "ON CONFLICT(session_id, n) DO NOTHING RETURNING n",
-            (key, session_id, session_id, *params))
-        if n is not None:
-            return int(n[0])
+        :meth:`record_calibration`) in a transaction of two statements: the session's transaction-scoped
+        advisory lock of those rows, then the insert, whose snapshot comes after the lock.  The way when
+        the one statement of :meth:`_send_answer` found the number taken (its snapshot is the statement's,
+        taken before the lock was granted: another instance's row committed in between is not in it),
+        and the only way before it (every instance, of this version or an older one, numbers under the
+        same lock)."""
         with self._tx() as conn:
             self.round_trips += 2
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (key,))
@@ -1323,13 +1322,14 @@ class PgStore:
     @contextmanager
     def answer(self):
         """One answer's records (:meth:`record_usage`, :meth:`record_calibration`, :meth:`record_wire`;
-        the lineage its request kept back, :meth:`save_lineage_parts`), made inside, sent as one statement: the usage's, then each numbered insert as a data-modifying
-        part of its own (its lock taken by the statement, as :meth:`_numbered` takes it), when
-        :meth:`record_wire` is called (it needs its number) or at the end.  Inside, a cache observation
-        is numbered when the batch goes (:meth:`record_calibration` returns 0).  One round trip where
-        the records made three; a number another instance took meanwhile is given again as
-        :meth:`_numbered` gives it.  Any other statement meanwhile (a read of what they write
-        included) sends the queue first.  Nested: part of the enclosing batch."""
+        the lineage its request kept back, :meth:`save_lineage_parts`), made inside, sent as one
+        statement (:meth:`_send_answer`, which sends each record of its own outside): the usage's,
+        then each numbered insert as a data-modifying part of its own (taking the lock :meth:`_numbered`
+        takes), when :meth:`record_wire` is called (it needs its number) or at the end.  Inside, a cache
+        observation is numbered when the batch goes (:meth:`record_calibration` returns 0).  One round
+        trip where the records made three; a number another instance took meanwhile is given again by
+        :meth:`_numbered`.  Any other statement meanwhile (a read of what they write included) sends
+        the queue first.  Nested: part of the enclosing batch."""
         if self._answer is not None:
             yield
             return
@@ -1357,7 +1357,7 @@ class PgStore:
         batch, self._answer = self._answer, []
         ctes: list[str] = []
         params: list = []
-        numbered: list[tuple[str, str, object]] = []  # (table, session, row) in the statement's order
+        numbered: list[tuple] = []  # (table, session, lock key, its insert) in the statement's order
         for kind, sid, what in batch:
             i = len(ctes)
             if kind == "lineage":
@@ -1374,22 +1374,21 @@ class PgStore:
                 params += [sid, ts, lane, inp, read, write, out]
                 continue
             key = self.wire_lock_key(sid) if kind == "wire" else self.calibration_lock_key(sid)
-            cols, values, vals = (_wire_insert if kind == "wire" else _calibration_insert)(what)
+            insert = (_wire_insert if kind == "wire" else _calibration_insert)(what)
+            cols, values, vals = insert
             ctes.append(f"l{i} AS (SELECT pg_advisory_xact_lock(%s))")
             params.append(key)
             ctes.append(f"n_{kind} AS (INSERT INTO {kind}(session_id, {cols}) SELECT %s, (SELECT COALESCE(MAX(n), 0) + 1 "
                         f"FROM {kind} WHERE session_id=%s), {values} FROM l{i} "
                         "ON CONFLICT(session_id, n) DO NOTHING RETURNING n)")
             params += [sid, sid, *vals]
-            numbered.append((kind, sid, what))
-        tail = ", ".join(f"(SELECT n FROM n_{t})" for t, _s, _r in numbered) or "NULL"
+            numbered.append((kind, sid, key, insert))
+        tail = ", ".join(f"(SELECT n FROM n_{t[0]})" for t in numbered) or "NULL"
         got = self._write_one(f"WITH {', '.join(ctes)} SELECT {tail}", tuple(params))
         out: dict[str, int] = {}
-        for (table, sid, row), n in zip(numbered, got or ()):
+        for (table, sid, key, insert), n in zip(numbered, got or ()):
             if n is None:  # taken meanwhile: numbered again under the lock
-                key = self.wire_lock_key(sid) if table == "wire" else self.calibration_lock_key(sid)
-                n = self._numbered(key, table, *(_wire_insert if table == "wire" else _calibration_insert)(row), sid,
-                                   locked=True)
+                n = self._numbered(key, table, *insert, sid)
             out[table] = int(n)
         return out
 
@@ -1405,16 +1404,13 @@ class PgStore:
         read the same ``MAX(n)`` and the second insert would fail on the primary key.  So the
         transaction first takes a transaction-scoped advisory lock of the session's wire rows, then
         numbers and inserts in one statement, which (a new snapshot per statement) sees every turn
-        committed before the lock was granted; the lock goes with the commit (:meth:`_numbered`: mostly
-        one statement that takes the lock itself).  Not the session's
+        committed before the lock was granted; the lock goes with the commit (:meth:`_numbered`; mostly
+        one statement that takes the lock itself: :meth:`_send_answer`).  Not the session's
         row lock: the SQLite store numbers answers of a session that has no row too, and a lock on
         nothing serialises nothing.  Not :meth:`hold`'s key either: this instance may hold that one
         on its lock connection while it records the answer (a pooled connection waiting on it
         would wait on itself, with no timeout)."""
-        if self._answer is not None:  # the answer's last record: the batch goes now, in one statement
-            self._queue(("wire", session_id, row))
-            return self._send_answer()["wire"]
-        return self._numbered(self.wire_lock_key(session_id), "wire", *_wire_insert(row), session_id)
+        return self._record(("wire", session_id, row), send=True)["wire"]  # (an answer's last record: it goes now)
 
     @_reads
     def wire_totals(self, session_id: str) -> tuple[int, WireTurn | None, int, int, list[tuple]]:
@@ -1441,12 +1437,9 @@ class PgStore:
     # -- the cache model's calibration (kernel/calibration.py) -------------------------------------
     def record_calibration(self, session_id: str, row: CalibrationRow) -> int:
         """As :meth:`bili_addon.store.Store.record_calibration`; numbered as :meth:`record_wire` numbers
-        (under a transaction-scoped advisory lock of the session's observations: :meth:`_numbered`)."""
-        if self._answer is not None:
-            self._queue(("calibration", session_id, row))
-            return 0  # (numbered when the batch goes: see answer)
-        return self._numbered(self.calibration_lock_key(session_id), "calibration", *_calibration_insert(row),
-                              session_id)
+        (under a transaction-scoped advisory lock of the session's observations).  Inside :meth:`answer`:
+        0, the row is numbered when the batch goes."""
+        return self._record(("calibration", session_id, row)).get("calibration", 0)
 
     @staticmethod
     def calibration_lock_key(session_id: str) -> int:

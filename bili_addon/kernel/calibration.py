@@ -153,7 +153,7 @@ class _Session:
     # what its observations taught, kept until they change (``changed`` counts the changes): an answer
     # applies the host's facts to every live session on the host, which would learn each one's again
     changed: int = 0
-    taught: tuple | None = None  # (changed, KEEP, Facts)
+    taught: tuple | None = None  # (changed, Facts)
     against: tuple | None = None  # (changed, the host's pool and its changes, contradicts(pool's facts, obs))
 
 
@@ -193,9 +193,9 @@ class Calibration:
         s = self._session(sid)
         host, family = host or s.host, family or s.family
         t = s.taught
-        if t is None or t[0] != s.changed or t[1] != KEEP:
-            t = s.taught = (s.changed, KEEP, learn(s.obs[-KEEP:]))
-        own = t[2]
+        if t is None or t[0] != s.changed:
+            t = s.taught = (s.changed, learn(s.obs[-KEEP:]))
+        own = t[1]
         if own.learned:
             return own, "session"
         if host and family:
