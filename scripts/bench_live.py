@@ -17,7 +17,9 @@ things) are left out.
     python scripts/bench_live.py --quick              # 100 messages, fewer turns
 
 Needs the test extras (``scripts/bootstrap --test``).  Prints per store and size: the turns, the
-floor and turn CPU ms (medians), the median of the per-turn ratios, and the hold's CPU.
+floor and turn CPU ms (medians), the median of the per-turn ratios, and the hold's CPU; with a
+PostgreSQL store, a bare round trip's CPU after the same gap, for reference (the machine's share of
+the hold).
 """
 
 from __future__ import annotations
@@ -111,6 +113,30 @@ def turns(fake: FakeUpstream, proxy: Timed, log: Path, case: Case, n: int, gap: 
     return {kind: rows[a:b] for kind, (a, b) in out.items()}
 
 
+def bare_round_trip(url: str, gap: float, n: int) -> tuple[float, float]:
+    """A statement's round trip alone, for reference: ``SELECT 1`` on a connection of its own to the
+    same server, the client's CPU (median, us) after ``gap`` seconds idle (as the turns are sent) and
+    back to back.  What a round trip costs this machine whatever the statement (the hold's column
+    beside it is the turn's own)."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        pg = conn.pgconn
+
+        def once() -> int:
+            t = time.thread_time_ns()
+            pg.exec_params(b"SELECT 1", [])
+            return time.thread_time_ns() - t
+
+        once()
+        idle = []
+        for _ in range(n):
+            time.sleep(gap)
+            idle.append(once())
+        hot = [once() for _ in range(n)]
+    return statistics.median(idle) / 1e3, statistics.median(hot) / 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="100 messages only, 9 turns of each kind")
@@ -149,6 +175,10 @@ def main() -> None:
                     print(f"{store:<7}{size:>7,}{kind:>11}{len(rows):>5}"
                           f"{statistics.median(r['floor'] for r in rows) / 1e6:>10.2f}"
                           f"{statistics.median(r['turn'] for r in rows) / 1e6:>9.2f}{ratio:>8.2f}x{hold}", flush=True)
+        if url:
+            idle, hot = bare_round_trip(url, args.gap, n)
+            print(f"\nfor reference, a bare round trip to the same server (SELECT 1, its own connection): "
+                  f"client CPU {idle:.0f} us after {args.gap:g} s idle, {hot:.0f} us back to back")
     finally:
         fake.stop()
         if server is not None:
@@ -157,7 +187,8 @@ def main() -> None:
     print("turn: Engine.process in the proxy (bili_activate=always, as bench_overhead.py); first: a new")
     print("  conversation each; follow-up: one conversation, a message longer each turn; floor: decode +")
     print("  encode of the same body on the same thread right before it; x floor: the median of the per-turn")
-    print("  ratios; hold us: a PostgreSQL turn's lock-and-read round trip, the client's CPU (median).")
+    print("  ratios; hold us: a PostgreSQL turn's lock-and-read round trip, the client's CPU (median); a bare")
+    print("  round trip: what any round trip costs the client on this machine after the same idle gap.")
 
 
 if __name__ == "__main__":
