@@ -1,6 +1,10 @@
 """A real PostgreSQL server for the tests: the distribution's server binaries (``initdb``,
 ``pg_ctl``) in a temp dir on a loopback port, installed with apt-get when missing (a fresh CI
-machine), run as the ``postgres`` user when the tests run as root (initdb refuses root)."""
+machine), run as the ``postgres`` user when the tests run as root (initdb refuses root).
+
+A run that was killed (a timeout, ``kill -9``, Ctrl-C twice) leaves its server running and its
+directory behind (40-130 MB each).  Each new server first sweeps those: a directory whose owner
+(the process that made it, recorded in ``owner``) is gone has its server stopped and is removed."""
 
 from __future__ import annotations
 
@@ -37,6 +41,54 @@ def _install() -> None:
             raise NoServer(f"{' '.join(cmd)} failed: {r.stderr.strip()[-400:]}")
 
 
+PREFIX = "bili-pg-"
+OWNER = "owner"  # the pid of the process that made the directory
+UNOWNED_AFTER = 600.0  # seconds: a directory without an owner file (made before it was written) is left this long
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(tmp: str | Path, pg_ctl: Path, prefix: list[str]) -> list[Path]:
+    """Stop and remove the servers of runs that are gone: each ``bili-pg-*`` directory in ``tmp`` whose
+    owner process no longer runs (or, without an owner file, older than :data:`UNOWNED_AFTER`).
+    A directory whose owner still runs is never touched.  Returns the directories removed."""
+    gone = []
+    for root in sorted(Path(tmp).glob(PREFIX + "*")):
+        try:
+            owner = int((root / OWNER).read_text())
+        except FileNotFoundError:
+            try:
+                if time.time() - root.stat().st_mtime < UNOWNED_AFTER:
+                    continue
+            except OSError:
+                continue
+        except (OSError, ValueError):
+            continue
+        else:
+            if _alive(owner):
+                continue
+        data = root / "data"
+        pid_file = data / "postmaster.pid"
+        if pid_file.exists():  # its server may still run: stopped first (as the user who runs the servers)
+            try:
+                subprocess.run([*prefix, str(pg_ctl), "-D", str(data), "-m", "immediate", "-w", "stop"],
+                               capture_output=True, timeout=60)
+            except (OSError, subprocess.SubprocessError):
+                pass
+        shutil.rmtree(root, ignore_errors=True)
+        if not root.exists():
+            gone.append(root)
+    return gone
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,7 +104,8 @@ class PgServer:
         if bindir is None:
             raise NoServer("postgresql-15 was installed but initdb is still not found")
         self.bindir = bindir
-        self.root = Path(tempfile.mkdtemp(prefix="bili-pg-"))
+        self.root = Path(tempfile.mkdtemp(prefix=PREFIX))
+        (self.root / OWNER).write_text(str(os.getpid()))
         self.data = self.root / "data"
         self.port = _port()
         self.prefix: list[str] = []
@@ -69,6 +122,7 @@ class PgServer:
             self.prefix = ([runuser, "-u", "postgres", "--"] if runuser.endswith("runuser") else
                            [runuser, f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups"])
         self.user = "postgres" if os.geteuid() == 0 else (os.environ.get("USER") or "postgres")
+        sweep(self.root.parent, self.bindir / "pg_ctl", self.prefix)  # (runs killed before: the module's doc)
 
     def _run(self, *cmd: str) -> None:
         r = subprocess.run([*self.prefix, *cmd], capture_output=True, text=True, timeout=120)
