@@ -15,6 +15,7 @@ Needs the test extras (``scripts/bootstrap --test``) and PostgreSQL server binar
     python scripts/bench_fleet.py --quick           # 8 sessions, 1/2 instances
     python scripts/bench_fleet.py --route sticky    # a session stays on one instance
     python scripts/bench_fleet.py --postgresql URL  # a server of your own (its database must be empty)
+    python scripts/bench_fleet.py --postgresql auto # a throw-away server (the default)
 
 Latency here is the client's wall time for one request through the proxy to the fake upstream and
 back; the fake answers at once, so it is mostly the proxy's (and this 2-core machine is shared by
@@ -24,6 +25,7 @@ the clients, the fake, the instances and PostgreSQL: read the ratios, not the ab
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -35,6 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from pgserver import PgServer  # noqa: E402
+
+from bili_addon.stores import is_url  # noqa: E402
 
 from tests.e2e.fake_upstream import FakeUpstream  # noqa: E402
 from tests.e2e.support import AnthropicAgent, Mitmdump  # noqa: E402
@@ -95,7 +99,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8 sessions; 1 and 2 instances")
     ap.add_argument("--sessions", type=int, default=0)
-    ap.add_argument("--postgresql", metavar="URL", help="use this database instead of a throw-away server")
+    ap.add_argument("--postgresql", metavar="URL|auto",
+                    help="use this database instead of a throw-away server (auto, the default)")
     ap.add_argument("--route", choices=("round-robin", "sticky"), default="round-robin",
                     help="round-robin: every turn to the next instance (the worst case: each turn reloads the "
                          "session another instance advanced); sticky: a session stays on one instance")
@@ -106,7 +111,9 @@ def main() -> None:
     counts = [1, 2] if args.quick else [1, 2, 4]
 
     server = None
-    if args.postgresql:
+    if args.postgresql and args.postgresql != "auto":
+        if not is_url(args.postgresql):  # (else each instance would open a SQLite store in a directory of that name)
+            ap.error(f"--postgresql takes a postgresql:// URL or auto, not {args.postgresql!r}")
         urls = iter(lambda: args.postgresql, None)
     else:
         server = PgServer().start()
@@ -151,6 +158,7 @@ def main() -> None:
         fake.stop()
         if server is not None:
             server.stop()
+        shutil.rmtree(work, ignore_errors=True)  # (the instances' stores and logs: ~150 MB a run)
     print()
     print("req/s: requests of all sessions / wall time of the run; p50/p99: one request's wall time at the")
     print("client (through the proxy to the fake upstream and back); same bytes: every session's every turn")
