@@ -18,6 +18,8 @@ import time
 import uuid
 from pathlib import Path
 
+from bili_addon.procs import alive
+
 
 class NoServer(Exception):
     """No PostgreSQL server can be had here (the reason is the message)."""
@@ -46,16 +48,6 @@ OWNER = "owner"  # the pid of the process that made the directory
 UNOWNED_AFTER = 600.0  # seconds: a directory without an owner file (made before it was written) is left this long
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep(tmp: str | Path, pg_ctl: Path, prefix: list[str]) -> list[Path]:
     """Stop and remove the servers of runs that are gone: each ``bili-pg-*`` directory in ``tmp`` whose
     owner process no longer runs (or, without an owner file, older than :data:`UNOWNED_AFTER`).
@@ -73,7 +65,7 @@ def sweep(tmp: str | Path, pg_ctl: Path, prefix: list[str]) -> list[Path]:
         except (OSError, ValueError):
             continue
         else:
-            if _alive(owner):
+            if alive(owner):
                 continue
         data = root / "data"
         pid_file = data / "postmaster.pid"
