@@ -121,6 +121,7 @@ def main() -> None:
     fake = FakeUpstream().start()
     work = Path(tempfile.mkdtemp(prefix="bili-fleet-"))
     started: list[Mitmdump] = []
+    keep = False  # the work dir, when a fleet's bytes differed (its logs say why)
 
     def instances(n: int, **options: str) -> list[Mitmdump]:
         procs = [Mitmdump(work / f"{uuid.uuid4().hex[:6]}", fake.port, options=options) for _ in range(n)]
@@ -146,10 +147,14 @@ def main() -> None:
             procs = instances(n, bili_store=next(urls))
             tag = f"pg{n}"
             wall, lat = run(fake, procs, sessions, tag)
-            same = all(Turns(fake, f"{tag}-{k}")[t].raw == Turns(fake, f"lite-{k}")[t].raw
-                       for k in range(sessions) for t in range(1, TURNS + 1))
+            differ = [(k, t) for k in range(sessions) for t in range(1, TURNS + 1)
+                      if Turns(fake, f"{tag}-{k}")[t].raw != Turns(fake, f"lite-{k}")[t].raw]
             print(f"{'postgresql':<12}{n:>10}{len(lat):>10}{len(lat) / wall:>8.1f}{pct(lat, 50):>9.1f}"
-                  f"{pct(lat, 99):>9.1f}{'yes' if same else 'NO':>12}", flush=True)
+                  f"{pct(lat, 99):>9.1f}{'NO' if differ else 'yes':>12}", flush=True)
+            if differ:  # (where to look: the instances' logs are in the work dir, kept when this happens)
+                keep = True
+                print(f"    {len(differ)} of {sessions * TURNS} turns differ, first session {differ[0][0]} turn "
+                      f"{differ[0][1]}; the instances' logs: {work}", flush=True)
             for p in procs:
                 p.stop()
     finally:
@@ -158,7 +163,8 @@ def main() -> None:
         fake.stop()
         if server is not None:
             server.stop()
-        shutil.rmtree(work, ignore_errors=True)  # (the instances' stores and logs: ~150 MB a run)
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)  # (the instances' stores and logs: ~150 MB a run)
     print()
     print("req/s: requests of all sessions / wall time of the run; p50/p99: one request's wall time at the")
     print("client (through the proxy to the fake upstream and back); same bytes: every session's every turn")
