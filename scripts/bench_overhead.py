@@ -408,6 +408,52 @@ def running_engine(d: str, case: Case) -> Engine:
     return eng
 
 
+def paired_round_trip(case: Case, url: str, reps: int) -> tuple[dict[str, float], int]:
+    """A first turn three ways, alternating run by run (each against the floor measured right before
+    it, the median of the ratios): on SQLite; on SQLite with a bare round trip to the same PostgreSQL
+    server (``SELECT 1`` on a connection of its own) made where the turn takes its session's lock;
+    on PostgreSQL, whose one round trip on the path is there (``bili_hold``).  Paired, they say how
+    much of the PostgreSQL turn's cost over SQLite's any one round trip costs this machine.  Returns
+    the medians per way and how many bare round trips the timed turns made (one each)."""
+    import psycopg
+
+    global STORE_URL, HEADERS
+    with tempfile.TemporaryDirectory(prefix="bili-bench-") as d1, \
+            tempfile.TemporaryDirectory(prefix="bili-bench-") as d2, \
+            tempfile.TemporaryDirectory(prefix="bili-bench-") as d3, \
+            psycopg.connect(url, autocommit=True) as bare:
+        STORE_URL = ""
+        engines = {"sqlite": running_engine(d1, case), "sqlite + a round trip": running_engine(d2, case)}
+        STORE_URL = url
+        engines["pg"] = running_engine(d3, case)
+        STORE_URL = ""
+        pgconn, extra = bare.pgconn, engines["sqlite + a round trip"].store
+        hold = extra.hold
+        trips = 0
+
+        def hold_and_trip(sid, candidates=None):
+            nonlocal trips
+            pgconn.exec_params(b"SELECT 1", [])
+            trips += 1
+            return hold(sid, candidates)
+
+        extra.hold = hold_and_trip
+        ratios: dict[str, list[float]] = {name: [] for name in engines}
+        names = list(engines)
+        for i in range(reps):
+            for name in names if i % 2 else names[::-1]:
+                eng = engines[name]
+                raw = case.unique_body()
+                HEADERS = {"x-acp-session": f"bench-overhead-{time.time_ns()}"}
+                eng.items.forget()
+                floor = cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw)))
+                ratios[name].append(cpu(lambda: eng.process(raw, case.lane, HEADERS, render=True)) / floor)
+                after(eng)
+        for eng in engines.values():
+            eng.store.close()
+    return {name: statistics.median(r) for name, r in ratios.items()}, trips
+
+
 def follow_up(case: Case, reps: int, profile: bool = False) -> tuple[float, float, int, int, str]:
     """Median ms of a follow-up turn, the median ratio to its own floor (measured right before it),
     digests computed per turn (max), new parts per turn, and a profile report when asked."""
@@ -686,6 +732,13 @@ def run(args, backends) -> None:
                   f"{ratio:.1f}x floor; {w} store write(s)" + (f", {t} round trips" if url else ""), flush=True)
             rows.append((backend, "anthropic", n, "folded", ratio, 1, 1, LAST_NET if url else None))
     STORE_URL = ""
+    pg_url = next((url for _backend, url in backends if url), None)
+    if pg_url:  # what one round trip costs here, side by side with the PostgreSQL turn
+        case = Case("anthropic", 100)
+        got, _trips = paired_round_trip(case, pg_url, 9 if args.quick else 31)
+        print()
+        print("anthropic 100 msgs, first turn, paired (alternating): " + ", ".join(
+            f"{name} {ratio:.2f}x" for name, ratio in got.items()) + " floor", flush=True)
     print()
     print("floor: msgspec.json.decode + msgspec.json.encode of the body; first: a new conversation's first turn")
     print("  in a running proxy (its engine and store in use, the conversation's items in no cache); new: the")
@@ -706,6 +759,10 @@ def run(args, backends) -> None:
     print("trips: round trips to PostgreSQL in one follow-up turn (max; pipelined statements count once), on the")
     print("  request's path + after it (its write, then its lineage after the answer); wall ms: the follow-up's wall")
     print("  time (median).")
+    if pg_url:
+        print("paired: first turns on SQLite, on SQLite with a bare round trip to the same server (SELECT 1, a")
+        print("  connection of its own) where the turn takes its session's lock, and on PostgreSQL, alternating run")
+        print("  by run: what any one round trip costs this machine, beside the PostgreSQL turn's cost over SQLite's.")
     print()
     print("targets")
     def follow(r2: float, net: float | None) -> str:
