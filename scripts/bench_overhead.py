@@ -30,7 +30,10 @@ with an unchanged history only the new message should be.
 
 PostgreSQL rows (``pg``) time the proxy's side: CPU time of the process as above, plus the wall
 time of the turn and the database round trips it made (statements sent; the server's own work is
-not in the CPU time, the wall time includes it on loopback).
+not in the CPU time, the wall time includes it on loopback).  With them, the 100-message first turn
+also runs paired three ways, alternating run by run: on SQLite, on SQLite with a bare round trip to
+the same server where the turn takes its session's lock, and on PostgreSQL (what one round trip
+costs this machine, beside what the PostgreSQL turn costs over SQLite's).
 """
 
 from __future__ import annotations
