@@ -692,6 +692,16 @@ def _calibration_insert(row: CalibrationRow) -> tuple[str, str, tuple]:
         row.predicted_write, row.reported_input, row.reported_read, row.reported_write)
 
 
+def _rows_lock_key(kind: str, session_id: str) -> int:
+    """The transaction-scoped advisory lock under which a session's ``kind`` rows (``wire``,
+    ``calibration``) are numbered: the first 8 bytes of SHA-256 of ``bili-<kind>:<session>``."""
+    return int.from_bytes(hashlib.sha256(f"bili-{kind}:{session_id}".encode()).digest()[:8], "big", signed=True)
+
+
+# the numbered records of an answer (PgStore._send_answer): each kind's insert
+_NUMBERED_INSERT = {"wire": _wire_insert, "calibration": _calibration_insert}
+
+
 class PgStore:
     """The PostgreSQL store: the same methods as :class:`bili_addon.store.Store`."""
 
@@ -1373,8 +1383,8 @@ class PgStore:
                 ctes.append(f"t{i} AS ({_USAGE_INSERT.format(src=f'u{i}')})")
                 params += [sid, ts, lane, inp, read, write, out]
                 continue
-            key = self.wire_lock_key(sid) if kind == "wire" else self.calibration_lock_key(sid)
-            insert = (_wire_insert if kind == "wire" else _calibration_insert)(what)
+            key = _rows_lock_key(kind, sid)
+            insert = _NUMBERED_INSERT[kind](what)
             cols, values, vals = insert
             ctes.append(f"l{i} AS (SELECT pg_advisory_xact_lock(%s))")
             params.append(key)
@@ -1393,10 +1403,6 @@ class PgStore:
         return out
 
     # -- what went on the wire, per answered turn (stats, the page, the log line) ---------------
-    @staticmethod
-    def wire_lock_key(session_id: str) -> int:
-        return int.from_bytes(hashlib.sha256(b"bili-wire:" + session_id.encode()).digest()[:8], "big", signed=True)
-
     def record_wire(self, session_id: str, row: WireTurn) -> int:
         """As :meth:`bili_addon.store.Store.record_wire`: the turn's number is the session's next.
 
@@ -1440,11 +1446,6 @@ class PgStore:
         (under a transaction-scoped advisory lock of the session's observations).  Inside :meth:`answer`:
         0, the row is numbered when the batch goes."""
         return self._record(("calibration", session_id, row)).get("calibration", 0)
-
-    @staticmethod
-    def calibration_lock_key(session_id: str) -> int:
-        return int.from_bytes(hashlib.sha256(b"bili-calibration:" + session_id.encode()).digest()[:8], "big",
-                              signed=True)
 
     @_reads
     def calibration(self, session_id: str, limit: int = 0) -> list[CalibrationRow]:

@@ -156,6 +156,13 @@ class _Session:
     taught: tuple | None = None  # (changed, Facts)
     against: tuple | None = None  # (changed, the host's pool and its changes, contradicts(pool's facts, obs))
 
+    def facts(self) -> Facts:
+        """What its newest observations teach (learned again only when they changed)."""
+        t = self.taught
+        if t is None or t[0] != self.changed:
+            t = self.taught = (self.changed, learn(self.obs[-KEEP:]))
+        return t[1]
+
 
 class _Pool:
     """A host's newest observations as the store has them: read at ``read_at`` (monotonic seconds),
@@ -192,10 +199,7 @@ class Calibration:
         ``host`` or ``""`` (the documented rules)."""
         s = self._session(sid)
         host, family = host or s.host, family or s.family
-        t = s.taught
-        if t is None or t[0] != s.changed:
-            t = s.taught = (s.changed, learn(s.obs[-KEEP:]))
-        own = t[1]
+        own = s.facts()
         if own.learned:
             return own, "session"
         if host and family:
