@@ -8,9 +8,12 @@ before the end (that would terminate an HTTP/1.1 chunked body).
 
 from __future__ import annotations
 
+import logging
 import re
 import zlib
 from typing import Callable, Iterable
+
+log = logging.getLogger("bili")
 
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r|\r\n\n|\n\r\n")
 _LINE = re.compile(rb"\r\n|\n|\r")
@@ -60,7 +63,16 @@ class SSEStream:
     def __call__(self, chunk: bytes) -> list[bytes]:
         final = chunk == b""
         if self.decoder is not None:
-            chunk = self.decoder.flush() if final else self.decoder.feed(chunk)
+            try:
+                chunk = self.decoder.flush() if final else self.decoder.feed(chunk)
+            except Exception as e:  # (mitmproxy calls this outside its addon guard: a raise drops the connection)
+                # fail open: the rest goes on as it arrives (a stream labelled compressed but sent plain
+                # is then read right; a corrupt one reaches the agent as it would have without bili)
+                log.warning("[bili] a %s stream did not decode (%s: %s); the rest passes as it arrives",
+                            self.decoder.encoding, type(e).__name__, e)
+                self.decoder = None
+                if isinstance(e, Undecodable):  # what decoded before the failure, then the rest as it came
+                    chunk = e.decoded + e.rest
         self.buf += chunk
         out: list[bytes] = []
         pos = 0
@@ -83,7 +95,7 @@ class Decoder:
     def __init__(self, encoding: str):
         enc = encoding.strip().lower()
         if enc in ("gzip", "x-gzip"):
-            self._d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            self._d = _Members(lambda: zlib.decompressobj(16 + zlib.MAX_WBITS))
         elif enc == "deflate":
             self._d = _Deflate()
         elif enc == "br":
@@ -95,7 +107,7 @@ class Decoder:
                 from compression import zstd  # Python 3.14
             except ImportError:
                 from backports import zstd  # mitmproxy depends on it
-            self._d = zstd.ZstdDecompressor()
+            self._d = _Members(zstd.ZstdDecompressor)
         else:
             raise ValueError(f"unsupported content-encoding {encoding!r}")
         self.encoding = enc
@@ -105,6 +117,42 @@ class Decoder:
         if hasattr(d, "decompress"):
             return d.decompress(chunk)
         return d.process(chunk)  # brotli.Decompressor
+
+    def flush(self) -> bytes:
+        d = self._d
+        return d.flush() if hasattr(d, "flush") else b""
+
+
+class Undecodable(Exception):
+    """A chunk that did not decode past some point: ``decoded``, what did before it (earlier
+    members of the chunk); ``rest``, the chunk's bytes from the failing member on."""
+
+    def __init__(self, decoded: bytes, rest: bytes, cause: Exception):
+        super().__init__(str(cause))
+        self.decoded, self.rest = decoded, rest
+
+
+class _Members:
+    """A stream of concatenated gzip members or zstd frames (a server that compresses event by
+    event sends one per event; both formats allow it): each decoded by a decompressor of its own."""
+
+    def __init__(self, make: Callable):
+        self._make = make
+        self._d = make()
+
+    def decompress(self, chunk: bytes) -> bytes:
+        out = []
+        while True:
+            d = self._d
+            if d.eof:  # the last member ended: this chunk starts the next
+                d = self._d = self._make()
+            try:
+                out.append(d.decompress(chunk))
+            except Exception as e:
+                raise Undecodable(b"".join(out), chunk, e) from e
+            if not (d.eof and d.unused_data):
+                return b"".join(out)
+            chunk = d.unused_data
 
     def flush(self) -> bytes:
         d = self._d

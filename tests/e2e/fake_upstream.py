@@ -23,6 +23,10 @@ validate them (``api_exact``: merged consecutive turns, complete call/result pai
 
 Paced streams: ``fake.gate(key)`` and ``x-fake-gate: <key>`` make the fake write each SSE event
 only when the test releases it, so a test can see where a streamed event is held.
+
+Encoded streams: ``x-fake-stream-encoding`` sends an SSE answer compressed the ways servers in the
+wild do: ``gzip-members`` (one gzip member per event), ``zstd-frames`` (one zstd frame per event),
+``gzip-label`` (labelled gzip, sent plain).
 """
 
 from __future__ import annotations
@@ -863,6 +867,8 @@ class _Handler(BaseHTTPRequestHandler):
             chunks, encoding = [gzip.compress(b"".join(chunks), mtime=0)], "gzip"
         rec.status = status
         rec.response = b"".join(chunks)
+        if ctype == "text/event-stream" and self.headers.get("x-fake-stream-encoding"):
+            chunks, encoding = _encode_stream(self.headers["x-fake-stream-encoding"], chunks)
         rec.response_encoding = encoding
         gate = fake.gate_of(self.headers) if ctype == "text/event-stream" else None
         if gate is not None:
@@ -1000,6 +1006,21 @@ class _HTTPServer(ThreadingHTTPServer):
             self.fake._ws_server.handler(request, client_address)
             return
         super().process_request_thread(request, client_address)
+
+
+def _encode_stream(how: str, chunks: list[bytes]) -> tuple[list[bytes], str]:
+    """An SSE answer's chunks as ``x-fake-stream-encoding`` asks (see the module's docstring)."""
+    if how == "gzip-members":
+        return [gzip.compress(c, mtime=0) for c in chunks], "gzip"
+    if how == "zstd-frames":
+        try:
+            from compression import zstd  # Python 3.14
+        except ImportError:
+            from backports import zstd
+        return [zstd.compress(c) for c in chunks], "zstd"
+    if how == "gzip-label":
+        return chunks, "gzip"
+    raise BadRequest(f"unknown x-fake-stream-encoding {how!r}")
 
 
 def _accepts_gzip(accept: str) -> bool:

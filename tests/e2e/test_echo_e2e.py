@@ -159,3 +159,22 @@ def test_gemini(fake, proxy, sid, kind):
     parts = [p for c in chunks for p in c["candidates"][0]["content"]["parts"]]
     assert "".join(p.get("text", "") for p in parts) == CLEAN
     assert [p["functionCall"]["args"] for p in parts if "functionCall" in p] == [json.loads(TOOL_ARGS)]
+
+
+@pytest.mark.parametrize("how", ["gzip-members", "zstd-frames", "gzip-label"])
+def test_anthropic_sse_compressed_as_servers_in_the_wild_do(fake, proxy, sid, how):
+    """A stream compressed event by event (a gzip member or zstd frame each), or labelled gzip and
+    sent plain: the agent gets the whole answer, cleaned.  A decoder that raised on these dropped
+    the connection (mitmproxy calls the stream outside its addon guard)."""
+    client, tee = anthropic_client(proxy.url)
+    with client.messages.stream(
+        model="claude-fake-1", max_tokens=64, messages=[{"role": "user", "content": "Plan it."}],
+        extra_headers={**fake_headers(sid, tool=True), "x-fake-stream-encoding": how},
+    ) as stream:
+        final = stream.get_final_message()
+    rec = fake.last(lambda r: r.header("x-session-id") == sid)
+    assert rec.response_encoding in ("gzip", "zstd") and b"m00003" in rec.response
+    assert final.content[0].text == CLEAN
+    assert final.content[1].input == json.loads(TOOL_ARGS)
+    names = [e for e, _ in sse_events(tee.last.response_body)]
+    assert names[0] == "message_start" and names[-1] == "message_stop"
