@@ -618,6 +618,9 @@ _HOLD = (b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text F
          + _KEY_SQL.format("$1").encode() + b", $1, $2, $3)")
 # what bili_hold answers for a session the store has no row, lineage nor usage of (a new conversation)
 _NEW_HOLD = b"[null, null, null, null]"
+# libpq reads a text parameter up to its first NUL byte: such a text (PostgreSQL cannot store it) is
+# refused before it is sent, for the turn to pass unchanged, never cut to another value
+_NUL = "a text with a NUL character cannot go to PostgreSQL (libpq would cut it there)"
 _NEW_HOLD_CANDS = b"[null, null, null, []]"
 _TUPLES_OK = int(ExecStatus.TUPLES_OK) if psycopg is not None else 2
 _CONN_OK = int(ConnStatus.OK) if psycopg is not None else 0
@@ -926,6 +929,8 @@ class PgStore:
             name = None
         pgconn = conn.pgconn
         params = [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in params]
+        if any(b"\0" in p for p in params if p is not None):
+            raise ValueError(_NUL)
         result = pgconn.exec_params(sql, params) if name is None else pgconn.exec_prepared(name, params)
         if result.status != _TUPLES_OK:
             _failed(pgconn, result, enc)
@@ -1647,6 +1652,8 @@ class PgStore:
                     self.round_trips += 1
                     enc = self._lock_enc
                     pgconn = self._lock_conn.pgconn
+                    if "\0" in session_id:
+                        raise ValueError(_NUL)
                     params = [str(session_id).encode(enc), str(end).encode(enc), str(keep).encode(enc),
                               doc if enc == "utf-8" else doc.decode().encode(enc)]
                     result = (pgconn.exec_prepared(b"bili_save_parts", params) if self._lock_prep

@@ -297,3 +297,20 @@ def test_previous_passes_are_kept_by_the_bytes_of_their_conversations(engine):
     for i in range(7, 10):
         engine.process(body(user(f"{i}")), ANTH, {"x-acp-session": f"c{i}"}, render=True)
     assert list(engine.sessions.memos) == ["c8", "c9"]
+
+
+def test_a_conversation_whose_id_holds_a_nul_never_touches_the_session_before_it(engine):
+    """On PostgreSQL, libpq read ``"victim\\u0000other"`` as ``victim``: the other conversation's
+    turn locked, read and wrote the victim's ledger (misattribution), and its next turn, read
+    through psycopg, stopped the whole store.  Both backends now keep them apart."""
+    victim = body(user("the victim's opening"), assistant("noted"), user("go on"), metadata={"session_id": "victim"})
+    engine.process(victim, ANTH, {}, render=True)
+    engine.write_pending()
+    before = [(r.msg_id, r.ref) for r in engine.store.ledger("victim")]
+    assert before
+    other = [user("another conversation"), assistant("other answer"), user("more of it")]
+    for n in (3, 3):  # its first turn, then the same again (as another instance would read it)
+        res = engine.process(body(*other[:n], metadata={"session_id": "victim\0other"}), ANTH, {}, render=True)
+        engine.write_pending()
+        assert res.session != "victim"
+    assert [(r.msg_id, r.ref) for r in engine.store.ledger("victim")] == before

@@ -452,3 +452,28 @@ def test_a_turn_that_foresees_its_flag_keeps_the_lock_for_it(pg_url, tmp_path, m
         assert json.loads(s.session("native").flags)["native_tools"] is True and res.session == "native"
     finally:
         s.close()
+
+
+def test_a_text_holding_a_nul_is_refused_before_libpq_cuts_it(pg_url, tmp_path):
+    """libpq sends a text parameter up to its first NUL: ``hold("victim\\0x")`` locked and read
+    ``victim``, and its commit wrote there.  Refused before anything is sent (the turn passes
+    unchanged); no lock taken, the victim untouched, and the connection still serves the next turn."""
+    s = pg(pg_url, tmp_path)
+    c = other(pg_url)
+    try:
+        s.hold("victim")
+        s.commit_turn(row("victim", 4), refs(3), expect=0, fresh=True, release=True)
+        s.release(wait=True)
+        before = [(r.msg_id, r.ref) for r in s.ledger("victim")]
+        with pytest.raises(ValueError, match="NUL"):
+            s.hold("victim\0other")
+        assert free(c, s.lock_key("victim"))
+        with pytest.raises(ValueError, match="NUL"):
+            s.save_lineage_parts("victim\0other", 0, [("m00001", "h", "fp")])
+        s.hold("victim")  # the same connection, the next turn
+        assert s.version("victim") == 1
+        s.release(wait=True)
+        assert [(r.msg_id, r.ref) for r in s.ledger("victim")] == before
+    finally:
+        c.close()
+        s.close()

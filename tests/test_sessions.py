@@ -101,3 +101,25 @@ def test_two_conversations_that_open_alike_do_not_share_state():
     assert other != first
     aff.note(other, 1, b[0])
     assert aff.resolve(b) == other and aff.resolve(a + [chain([b"x"])[0]]) == first
+
+
+@pytest.mark.parametrize("where", ["header", "session_id", "metadata", "user_id", "prompt_cache_key"])
+def test_an_id_holding_a_nul_is_no_id(where):
+    """PostgreSQL cannot store a NUL and libpq cuts a text parameter there: ``"victim\\u0000x"`` was
+    locked, read and written as session ``victim``.  Such an id is skipped: the next source is read."""
+    bad = "victim\0other"
+    headers, top = {}, {}
+    if where == "header":
+        headers["x-session-id"] = bad
+    elif where == "session_id":
+        top["session_id"] = bad
+    elif where == "metadata":
+        top["metadata"] = {"session_id": bad}
+    elif where == "user_id":
+        top["metadata"] = {"user_id": '{"session_id": "victim\\u0000other"}'}
+    else:
+        top["prompt_cache_key"] = bad
+    assert session_from_request(headers, top) is None
+    top["metadata"] = {**top.get("metadata", {}), "session_id": "fine"} if where != "metadata" else {"session_id": "fine"}
+    got = session_from_request(headers, top)
+    assert got is not None and got[0] == "fine"

@@ -59,7 +59,9 @@ def codex_thread(headers: Mapping[str, str]) -> str | None:
 def session_from_request(headers: Mapping[str, str], top: Mapping[str, Any]) -> tuple[str, str] | None:
     """``(session_id, source)`` from the agent's own ids, or None for an anonymous request.
 
-    ``top`` is the decoded top-level body (only small scalar fields are read).
+    ``top`` is the decoded top-level body (only small scalar fields are read).  An id holding a NUL
+    character is no id (the next source is read): PostgreSQL cannot store it, and libpq would cut it
+    there, so ``"a\\u0000b"`` would have been read and written as session ``a`` (another one's).
     """
     get = headers.get  # (every turn: the headers read as ``_header`` reads them, without a call each)
     if get("x-codex-turn-metadata") is not None:  # (else codex_thread finds no thread)
@@ -70,14 +72,14 @@ def session_from_request(headers: Mapping[str, str], top: Mapping[str, Any]) -> 
         v = get(name)
         if isinstance(v, str):
             v = v.strip()
-            if v:
+            if v and "\0" not in v:
                 return v, _HEADER_SOURCES[name]
     sid = top.get("session_id")
-    if isinstance(sid, str) and sid.strip():
+    if isinstance(sid, str) and sid.strip() and "\0" not in sid:
         return sid.strip(), "body:session_id"
     meta = top.get("metadata")
     if isinstance(meta, dict):
-        if isinstance(meta.get("session_id"), str) and meta["session_id"].strip():
+        if isinstance(meta.get("session_id"), str) and meta["session_id"].strip() and "\0" not in meta["session_id"]:
             return meta["session_id"].strip(), "body:metadata.session_id"
         uid = meta.get("user_id")
         if isinstance(uid, str) and uid.startswith("{"):
@@ -85,10 +87,12 @@ def session_from_request(headers: Mapping[str, str], top: Mapping[str, Any]) -> 
                 inner = json.loads(uid)
             except ValueError:
                 inner = None
-            if isinstance(inner, dict) and isinstance(inner.get("session_id"), str) and inner["session_id"]:
+            if (isinstance(inner, dict) and isinstance(inner.get("session_id"), str) and inner["session_id"]
+                    and "\0" not in inner["session_id"]):
                 return inner["session_id"], "body:metadata.user_id"
     pck = top.get("prompt_cache_key")
-    if isinstance(pck, str) and pck.strip() and not pck.startswith(_CONTENT_KEYED_CACHE_KEY_PREFIXES):
+    if (isinstance(pck, str) and pck.strip() and not pck.startswith(_CONTENT_KEYED_CACHE_KEY_PREFIXES)
+            and "\0" not in pck):
         return pck.strip(), "body:prompt_cache_key"
     return None
 
