@@ -34,14 +34,16 @@ import msgspec
 from bili_addon import private
 from bili_addon.locks import open_locks
 
-SCHEMA_VERSION = 11  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
+SCHEMA_VERSION = 12  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
 # turn commit and session hold (functions, nothing in SQLite); 7: the ledger and the refs as one row per session write
 # (``ledger_turns``, ``refs_turns``; ``ledger`` and ``refs`` are views of them); 8: retention (``sessions.pruned``,
 # indexes of the chains' bases: bili_addon/retention.py); 9: the cache writes' 1-hour part per answered turn
 # (``wire.cache_write_1h``, ``wire.write_split``: who said it); 10: a first turn's refs_turns row names the refs of the
 # ledger_turns row of the same write instead of repeating them (``FRESH_GIVEN``; the ``refs`` view reads both forms);
 # 11: a turn's commit writes the session's canonical copy too (``commit_turn(copy=)``: nothing in SQLite, PostgreSQL's
-# ``bili_commit_turn`` takes it). PostgreSQL: store_pg._MIGRATIONS[3..11]
+# ``bili_commit_turn`` takes it); 12: a family's commits serialised (nothing in SQLite, whose one writer reads the
+# family's counter inside its write; PostgreSQL's ``bili_commit_turn`` takes the family's lock). PostgreSQL:
+# store_pg._MIGRATIONS[3..12]
 BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
 LOCK_WAIT = 2.0  # seconds a turn waits for its session held by another process, then passes through (as PostgreSQL's)
 # the WAL is copied into the store file by a thread of the store's own past this many pages (SQLite's own
@@ -848,7 +850,7 @@ class Store:
         with self._tx():
             # 3: the wire table, 4: the calibration table, 5: the chains table, made by _SCHEMA like
             # every table; nothing to move. 6: nothing in SQLite (PostgreSQL's turn commit became functions);
-            # 11: nothing either (PostgreSQL's turn commit takes the copy)
+            # 11, 12: nothing either (PostgreSQL's turn commit takes the copy; a family's commits serialised)
             if legacy is not None:  # a store of schema 6 or older: its ledger and refs one row per part
                 self.db.execute(_LEGACY)  # (a store of schema 1 may have none)
                 if have < 2:

@@ -552,6 +552,77 @@ _MIGRATIONS[11] = [
     END
     $$""",
 ]
+# 12: a family's commits serialised (a transaction lock on the family's root, taken before its ref counter
+# is read): two sessions of one family committing at once gave the same refs (nothing in SQLite, whose one
+# writer reads the family's counter inside its write)
+_MIGRATIONS[12] = [
+    """CREATE OR REPLACE FUNCTION bili_commit_turn(
+        p_id TEXT, p_expect BIGINT, p_agent TEXT, p_lane TEXT, p_now DOUBLE PRECISION,
+        p_requests BIGINT, p_messages BIGINT, p_next_ref BIGINT, p_flags TEXT,
+        p_given TEXT, p_k BIGINT, p_first TEXT, p_rows TEXT, p_n BIGINT, p_depth BIGINT, p_tail TEXT,
+        p_copy TEXT)
+        RETURNS BIGINT LANGUAGE plpgsql AS $$
+    DECLARE
+        v BIGINT;
+        first BIGINT;
+        fam BIGINT;
+        r TEXT;
+    BEGIN
+        -- the session's version must still be the one the turn was computed from (its row lock
+        -- makes a second instance wait here, then find the version moved)
+        UPDATE sessions SET version = version + 1 WHERE id = p_id AND version = p_expect RETURNING version INTO v;
+        IF v IS NULL AND p_expect = 0 THEN
+            INSERT INTO sessions(id, created, last_seen, version) VALUES(p_id, p_now, p_now, 1)
+                ON CONFLICT(id) DO NOTHING RETURNING version INTO v;
+        END IF;
+        IF v IS NULL THEN
+            SELECT version INTO v FROM sessions WHERE id = p_id;
+            RAISE EXCEPTION 'session % was changed by another instance', p_id
+                USING ERRCODE = 'BL001', DETAIL = COALESCE(v, 0)::TEXT;
+        END IF;
+        -- refs: the session's next free numbers (a family shares one counter), in order (the client
+        -- checked they are consecutive and that p_first is the first of them), so none is given twice
+        IF p_k > 0 THEN
+            -- a family's sessions give refs from one counter: their commits take the family's lock
+            -- first (until this transaction ends), so the counter read below has every earlier
+            -- commit of the family in it; without it, a parent and its fork committing at once on
+            -- two instances each read the other's counter as it was, and gave the same refs
+            SELECT root INTO r FROM lineage WHERE session_id = p_id;
+            IF r IS NOT NULL THEN
+                PERFORM pg_advisory_xact_lock(('x' || left(encode(sha256(convert_to('bili-family:' || r, 'UTF8')), 'hex'), 16))::bit(64)::bigint);
+            END IF;
+            SELECT (SELECT next_ref FROM sessions WHERE id = p_id),
+                   (SELECT MAX(s.next_ref) FROM lineage m JOIN sessions s ON s.id = m.session_id
+                     WHERE m.root = r)
+              INTO first, fam;
+            first := GREATEST(COALESCE(first, 1), COALESCE(fam, 0));
+            IF first + p_k <> p_next_ref OR p_first IS DISTINCT FROM 'm' || lpad(first::TEXT, 5, '0') THEN
+                RAISE EXCEPTION 'refs of session % were given by another instance', p_id
+                    USING ERRCODE = 'BL001', DETAIL = first::TEXT;
+            END IF;
+            INSERT INTO refs_turns(session_id, seq, n, given) VALUES(p_id, v, p_k, p_given);
+        END IF;
+        INSERT INTO sessions(id, agent, lane, created, last_seen, requests, messages, next_ref, flags, version)
+            VALUES(p_id, p_agent, p_lane, p_now, p_now, p_requests, p_messages, p_next_ref, p_flags, v)
+            ON CONFLICT(id) DO UPDATE SET agent=excluded.agent, lane=excluded.lane, last_seen=excluded.last_seen,
+                requests=excluded.requests, messages=excluded.messages, next_ref=excluded.next_ref,
+                flags=excluded.flags, version=excluded.version;
+        IF p_n > 0 THEN
+            INSERT INTO ledger_turns(session_id, seq, first_seen, n, rows) VALUES(p_id, v, p_now, p_n, p_rows);
+        END IF;
+        IF p_tail IS NOT NULL THEN
+            INSERT INTO affinity(session_id, depth, tail, last_seen) VALUES(p_id, p_depth, p_tail, p_now)
+                ON CONFLICT(session_id) DO UPDATE SET depth=excluded.depth, tail=excluded.tail,
+                    last_seen=excluded.last_seen;
+        END IF;
+        IF p_copy IS NOT NULL THEN
+            INSERT INTO copies(session_id, doc) VALUES(p_id, p_copy)
+                ON CONFLICT(session_id) DO UPDATE SET doc=excluded.doc;
+        END IF;
+        RETURN v;
+    END
+    $$""",
+]
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
 
 
