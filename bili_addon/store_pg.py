@@ -687,6 +687,7 @@ def _reads(fn):
 _KEY_SQL = "('x' || left(encode(sha256(convert_to('bili-session:' || {}::text, 'UTF8')), 'hex'), 16))::bit(64)::bigint"
 _HOLD = (b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text FROM bili_hold("
          + _KEY_SQL.format("$1").encode() + b", $1, $2, $3)")
+_UNLOCK_ONE = b"SELECT pg_advisory_unlock(" + _KEY_SQL.format("$1").encode() + b")"  # (false, a warning: not held)
 # what bili_hold answers for a session the store has no row, lineage nor usage of (a new conversation)
 _NEW_HOLD = b"[null, null, null, null]"
 # libpq reads a text parameter up to its first NUL byte: such a text (PostgreSQL cannot store it) is
@@ -836,8 +837,10 @@ class PgStore:
             # the sessions' lock connection too, now: a proxy's first turn does not wait for it
             # (hold opens it again when it is lost)
             self._lock_connection()
-        except (psycopg.Error, PoolTimeout) as e:
-            self.close()
+        except (psycopg.Error, PoolTimeout, StoreError) as e:  # (StoreError: a schema newer than this bili's)
+            self.close()  # (the pool's connection and threads with it)
+            if isinstance(e, StoreError):
+                raise
             raise pg_error("open", url, e) from e
 
     # -- connections and transactions ----------------------------------------------------------
@@ -968,6 +971,10 @@ class PgStore:
             if candidates is not None:
                 self._cands[candidates] = list(cands or ())
         except pg_errors.LockNotAvailable as e:
+            # the lock not granted in time, or granted and then a read of bili_hold waited past the
+            # timeout on a table's lock (another instance's migration, a VACUUM FULL): the session's
+            # lock outlives that failed statement, so it is let go here (not held: a no-op)
+            self._unlock_after(conn, session_id)
             raise SessionBusy(session_id, self.lock_wait) from e
         except psycopg.Error as e:
             self._drop_lock_conn()  # whatever it may hold goes with it (a lock outlives a failed statement)
@@ -981,6 +988,14 @@ class PgStore:
             (fam[0], fam[1], int(fam[2]), int(fam[3] or 1)) if fam is not None else None,
             tuple(int(x) for x in last) if last is not None else None,
         )
+
+    def _unlock_after(self, conn, session_id: str) -> None:
+        """The session's lock let go after :meth:`hold` failed, in case its statement took it before
+        failing; when that cannot be said, the connection goes, and every lock with it."""
+        try:
+            self._call(conn, _UNLOCK_ONE, (session_id,))
+        except Exception:
+            self._drop_lock_conn()
 
     def _call(self, conn, sql: bytes, params: tuple):
         """One statement of a turn's path (:data:`_HOLD`, :data:`_COMMIT`, :data:`_COMMIT_RELEASE`) sent

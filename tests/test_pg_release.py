@@ -477,3 +477,64 @@ def test_a_text_holding_a_nul_is_refused_before_libpq_cuts_it(pg_url, tmp_path):
     finally:
         c.close()
         s.close()
+
+
+@pytest.mark.parametrize("blocker_sql", [
+    "LOCK TABLE turns IN ACCESS EXCLUSIVE MODE",  # (a VACUUM FULL, a LOCK TABLE)
+    "ALTER TABLE sessions ADD COLUMN IF NOT EXISTS future BIGINT NOT NULL DEFAULT 0",  # a newer instance's migration
+])
+def test_a_hold_whose_read_waits_past_the_timeout_lets_its_lock_go(pg_url, tmp_path, blocker_sql):
+    """bili_hold takes the session's lock, then reads the session's tables: a read that waits on a
+    table's lock past ``lock_wait`` fails the statement (SessionBusy: the turn passes), but the
+    session's lock outlived it, and nothing would ever let it go: every other instance found the
+    session busy from then on."""
+    import psycopg
+
+    from bili_addon.store_pg import PgStore
+
+    a = PgStore(pg_url, str(tmp_path / "a"), lock_wait=0.5)
+    b = PgStore(pg_url, str(tmp_path / "b"), lock_wait=0.5)
+    c = other(pg_url)
+    blocker = psycopg.connect(pg_url)  # (its transaction holds the table's lock until it ends)
+    try:
+        blocker.execute(blocker_sql)
+        with pytest.raises(SessionBusy):
+            a.hold("S")
+        blocker.rollback()
+        a.release(wait=True)  # (the keeper's, after the failed turn: it has nothing to send)
+        assert free(c, a.lock_key("S"))
+        b.hold("S")  # another instance serves the session
+        b.release(wait=True)
+        a.hold("S")  # and this one still does, on its connection
+        a.release(wait=True)
+    finally:
+        blocker.close()
+        c.close()
+        a.close()
+        b.close()
+
+
+def test_a_store_of_a_newer_schema_is_refused_without_leaving_its_pool_open(pg_url, tmp_path):
+    """The keeper tries the store again every few seconds while requests come: each refused open
+    left its pool (a connection and its threads) behind."""
+    import threading
+
+    import psycopg
+
+    from bili_addon.store import StoreError
+    from bili_addon.store_pg import PgStore
+
+    PgStore(pg_url, str(tmp_path)).close()
+    with psycopg.connect(pg_url, autocommit=True) as c:
+        c.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
+    threads = threading.active_count()
+    kept = []
+    for _ in range(3):
+        with pytest.raises(StoreError, match="newer") as e:
+            PgStore(pg_url, str(tmp_path))
+        kept.append(e.value)  # (as the keeper keeps its last error: the store it came from stays reachable)
+    assert threading.active_count() == threads
+    with psycopg.connect(pg_url, autocommit=True) as c:
+        mine = c.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type='client backend' "
+                         "AND pid <> pg_backend_pid() AND datname = current_database()").fetchone()[0]
+    assert mine == 0
