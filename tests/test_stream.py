@@ -132,8 +132,8 @@ def test_undecodable_bytes_after_a_good_member_keep_what_decoded():
 
 @SETTINGS
 @given(
-    words=st.lists(st.sampled_from(["alpha", "beta gamma", "x < y", "<div>", "acpi.h", "I'm", "m", "\n", " "]
-                                   + ECHO_SHAPES), max_size=14),
+    words=st.lists(st.sampled_from(["alpha", "beta gamma", "x < y", "<div>", "acpi.h", "I'm", "m", "\n", " ",
+                                    " x > 0 holds."] + ECHO_SHAPES), max_size=14),
     seed=st.integers(0, 10_000),
 )
 def test_streamed_filter_equals_whole_text_filter(words, seed):
@@ -179,6 +179,36 @@ def test_the_echoes_taken_out_are_reported_as_written():
 )
 def test_strip_echoes_cases(text, want):
     assert strip_echoes(text) == want
+
+
+PROSE_ABOUT_TAGS = [
+    # prose that names the tag: an opening left unclosed to the end of the text is not a stream cut
+    # off mid-tag (which dropped the whole rest of the answer), nor is a later ">" its end
+    ("Those <acp markers are added by the proxy in front of each message; I do not need to repeat them. "
+     "Here is the fix for your bug: change line 12 to use a lock.", None),
+    ("The <acp tags mark each message, so a long answer that mentions them once and then talks about how "
+     "the parser handles x > 0 and other cases keeps every word of it.", None),
+    # the prose after a close is not part of it, up to a later ">"
+    ("Done.</acp> Note that x > 0 holds.", "Done. Note that x > 0 holds."),
+    ('Done.<acp tokens="1" type="text">m00001</acp> Then x > 0.', "Done. Then x > 0."),
+    # what a cut-off echo looks like is still dropped at the end
+    ('Answer. <acp tokens="12" ty', "Answer. "),
+    ("Answer. <acp tokens='1.2K' type=", "Answer. "),
+    ("Answer. </acp", "Answer. "),
+]
+
+
+@pytest.mark.parametrize("text,want", PROSE_ABOUT_TAGS)
+def test_prose_that_names_the_tag_is_kept_whole_or_streamed(text, want):
+    want = text if want is None else want
+    assert strip_echoes(text) == want
+    for size in (1, 3, 7, 40):
+        f = EchoFilter()
+        out = "".join(f.feed(text[i:i + size]) for i in range(0, len(text), size)) + f.flush()
+        assert out == want, size
+    body = json.dumps({"content": [{"type": "text", "text": text}]}).encode()
+    got = ResponseRewriter("anthropic").json_body(body)
+    assert json.loads(got if got is not None else body)["content"][0]["text"] == want
 
 
 def test_amplified_echo_collapses():

@@ -29,7 +29,10 @@ _N = "(?:" + "|".join(sorted(NAMES, key=len, reverse=True)) + ")"
 # of splitting a run of spaces between them)
 _REFS = r"m\d{4,}(?:\s*(?:[–—,\-]\s*)?m\d{4,})*"
 _AFTER_NAME = r"(?=[\s>/=])"
-_ATTRS = r"(?:\s[^<>]*)?"
+# An echo's attributes are short (bili's own: `` tokens="12.3k" type="tool-result"``): a longer run after
+# a tag's name up to a ``>`` is prose that happens to hold both ("the <acp markers ... if x > 0"), kept
+ATTRS_MAX = 64
+_ATTRS = rf"(?:\s[^<>]{{0,{ATTRS_MAX}}})?"
 
 # one alternation, tried left to right at each position; ``nl`` eats the blank lines a removed
 # tag drags along when the tag stood at the start of a line
@@ -38,16 +41,15 @@ _ECHO = re.compile(
     + rf"<{_N}{_AFTER_NAME}{_ATTRS}>\s*(?:{_REFS})?\s*</[^<>\n]{{1,32}}>"  # paired, refs-only or empty body
     + rf"|(?P<open><{_N}{_AFTER_NAME}{_ATTRS}>)(?P<prose>[^<]*?)</{_N}\s*>"  # paired around prose: keep it
     + rf"|(?<![\w>]){_REFS}\s*</{_N}[^<>]{{0,32}}>"  # orphan refs before a close
-    + rf"|<{_N}{_AFTER_NAME}[^<>]*/>"  # self-closing
-    + rf"|<{_N}=[^<>]*>"  # mangled open
+    + rf"|<{_N}{_AFTER_NAME}[^<>]{{0,{ATTRS_MAX}}}/>"  # self-closing
+    + rf"|<{_N}=[^<>]{{0,{ATTRS_MAX}}}>"  # mangled open
     + rf"|<{_N}{_AFTER_NAME}{_ATTRS}>[ \t]*(?:{_REFS})?"  # lone open (with a ref run right after it)
-    + rf"|</{_N}(?:[\s>][^<>]{{0,31}})?>"  # lone close
+    + rf"|</{_N}(?:\s[^<>]{{0,31}})?>"  # lone close (not the prose after it, up to a later ">")
     + r")(?P<nl>[ \t]*\n+)?",
     re.IGNORECASE,
 )
 _QUICK = re.compile(rf"</?{_N}|{_REFS}\s*</", re.IGNORECASE)
 
-OPEN_CAP = 4096  # a definite opening tag is held this long at most
 BODY_CAP = 80  # text after a complete opening tag is held this long waiting for its close
 HOLD_LIMIT = 128  # an ambiguous tail (``<ac``, ``m001``) is held this long at most
 
@@ -85,15 +87,16 @@ def strip_echoes(text: str, *, before: str = "", final: bool = True, removed: li
     """
     if "<" not in text:  # every echo shape has an angle bracket
         return text
+    # (the text's own end only: an opening that removing an echo leaves last was not cut off there)
+    cut = _TRUNCATED_TAIL.search(text) if final else None
+    if cut:
+        text = text[: cut.start()]
     prev = None
     while prev != text and _QUICK.search(text):  # removing one echo can expose another
         prev = text
-        cut = _TRUNCATED_TAIL.search(text) if final else None
-        if cut:
-            text = text[: cut.start()]
         text = _one_pass(text, before, removed)
-        if cut and removed is not None:
-            removed.append(cut.group(0))
+    if cut and removed is not None:
+        removed.append(cut.group(0))
     return text
 
 
@@ -135,8 +138,10 @@ def _undecided_tag_at(buf: str, i: int) -> bool:
     if name not in NAMES or rest[0] not in " \t\r\n>/=":
         return False
     gt = rest.find(">")
-    if gt == -1:
-        return len(buf) - i <= OPEN_CAP
+    if gt == -1:  # an opening still arriving, while its attributes may still be an echo's
+        return len(rest) <= ATTRS_MAX + 1
+    if gt > ATTRS_MAX + 1:
+        return False  # no echo's opening: prose that holds a tag's name and, later, a ">"
     after = rest[gt + 1 :]
     if closing or rest[gt - 1 : gt] == "/" or rest[0] == "=":
         return _only_space(after)  # complete, but the blank lines it drags may still arrive
@@ -176,4 +181,14 @@ class EchoFilter:
         return clean
 
 
-_TRUNCATED_TAIL = re.compile(rf"(?:</?{_N}[\s=][^<>]*|</{_N}|m\d{{4,}}</\w*)$", re.IGNORECASE)
+# An echo cut off at the very end of a stream: an opening whose attributes stop mid-way (each one
+# ``name=value`` as echoes write them, the last one possibly cut; no prose sentence is that), a close, or a
+# ref run before a close; within what a stream holds back (ATTRS_MAX), so a stream drops what a whole text does
+_A_NAME = r"[\w:.\-]+"
+_A_VALUE = r"""(?:"[^"<>]*"|'[^'<>]*'|[^\s"'<>]+)"""
+_A_CUT = rf"""{_A_NAME}(?:\s*=\s*(?:"[^"<>]*|'[^'<>]*|[^\s"'<>]*)?)?"""
+_TRUNCATED_TAIL = re.compile(
+    rf"(?:<{_N}(?=[\s=][^<>]{{0,{ATTRS_MAX}}}$)(?:=[^\s<>]*)?(?:\s+{_A_NAME}\s*=\s*{_A_VALUE})*(?:\s+(?:{_A_CUT})?)?\s*"
+    rf"|</{_N}(?:\s[^<>]{{0,31}})?|m\d{{4,}}</\w*)$",
+    re.IGNORECASE,
+)
