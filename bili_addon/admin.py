@@ -110,7 +110,32 @@ def authenticated(flow: http.HTTPFlow, bili: Host) -> bool:
 
 def handle(flow: http.HTTPFlow, bili: Host):
     """Answers the request; returns an awaitable when the answer needs the store (its work runs on
-    the store's worker thread: health never waits on it)."""
+    the store's worker thread: health never waits on it).  An internal error answers 500: a
+    ``/__bili/`` request is never forwarded (mitmproxy sends on a request whose hook raised, to the
+    host it names, with its token)."""
+    try:
+        pending = _handle(flow, bili)
+    except Exception as e:
+        _internal(flow, e)
+        return None
+    if pending is None:
+        return None
+
+    async def guarded() -> None:
+        try:
+            await pending
+        except Exception as e:
+            _internal(flow, e)
+
+    return guarded()
+
+
+def _internal(flow: http.HTTPFlow, e: Exception) -> None:
+    log.exception("[bili] %s %s: internal error (%s)", flow.request.method, flow.request.path.split("?", 1)[0], e)
+    flow.response = _fail(500, f"internal error in the bili proxy ({type(e).__name__}); see the proxy's log")
+
+
+def _handle(flow: http.HTTPFlow, bili: Host):
     if not _loopback(flow):
         flow.response = _fail(403, "bili admin endpoints are loopback-only")
         return None

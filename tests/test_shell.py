@@ -282,3 +282,35 @@ def test_remind_at_sets_when_the_model_is_reminded_to_fold(bili):
     assert reminded("eager")
     bili.tctx.configure(bili, bili_remind_at=0)
     assert not reminded("never")
+
+
+@pytest.mark.parametrize("offloading", [False, True])
+def test_an_admin_request_that_fails_inside_answers_500_and_never_leaves(bili, monkeypatch, offloading):
+    """The stats figures raising (any internal bug): mitmproxy only logs a hook's exception and sends
+    the request on, to the host it names, with the admin token in its headers.  It is answered 500
+    here, on the event loop's path and on the store worker's."""
+    import asyncio
+
+    from bili_addon import meter
+
+    bili.request(model_flow(ANTH_BODY, headers=session_headers("sess-a")))
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug in the stats figures")
+
+    monkeypatch.setattr(meter, "totals", broken)
+    token = (tmp_data(bili) / "admin-token").read_text().strip()
+    f = model_flow(b"", path="/__bili/stats", headers={"x-bili-token": token})
+    f.request.method = "GET"
+    if offloading:
+        bili.keeper.start()
+        try:
+            pending = bili.request(f)
+            assert pending is not None
+            asyncio.run(pending)
+        finally:
+            bili.keeper.stop()
+    else:
+        assert bili.request(f) is None
+    assert f.response is not None and f.response.status_code == 500
+    assert json.loads(f.response.content)["ok"] is False
