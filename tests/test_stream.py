@@ -416,3 +416,37 @@ def test_echo_filter_stays_linear_on_code_with_a_lone_m():
     out = "".join(f.feed(p) for p in pieces) + f.flush()
     assert out == "".join(pieces)
     assert strip_echoes("m00012 " * 30 + "x") == "m00012 " * 30 + "x"
+
+
+def _lane_events(lane: str, events: list[dict]) -> list[dict]:
+    s = ResponseRewriter(lane).stream()
+    out = []
+    for e in events:
+        out += s(b"data: " + json.dumps(e).encode() + b"\n\n")
+    out += s(b"")
+    return [json.loads(b.split(b"data: ", 1)[1]) for b in out]
+
+
+def test_gemini_held_prose_goes_out_before_the_call_that_follows_it():
+    """A text chunk held back (it ends in an echo that may still grow) and then a functionCall
+    chunk: the held chunk went after the call, and the client rebuilds its parts in the order they
+    come (the history it sends back then has them swapped)."""
+    text = {"candidates": [{"index": 0, "content": {"role": "model", "parts": [
+        {"text": "Reading the file <acp>m00012</acp>"}]}}]}
+    call = {"candidates": [{"index": 0, "content": {"role": "model", "parts": [
+        {"functionCall": {"name": "read_file", "args": {"path": "a.py"}}}]}}]}
+    fin = {"candidates": [{"index": 0, "content": {"role": "model", "parts": [{"text": ""}]}, "finishReason": "STOP"}]}
+    got = _lane_events("gemini", [text, call, fin])
+    parts = [e["candidates"][0]["content"]["parts"][0] for e in got]
+    assert ["functionCall" in p for p in parts] == [False, True, False]
+    assert parts[0]["text"] == "Reading the file "
+
+
+def test_chat_held_prose_goes_out_before_the_tool_call_chunk():
+    text = {"choices": [{"index": 0, "delta": {"content": "Let me look <"}}]}
+    call = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                                               "function": {"name": "Bash", "arguments": "{}"}}]}}]}
+    fin = {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
+    got = _lane_events("chat", [text, call, fin])
+    deltas = [e["choices"][0]["delta"] for e in got]
+    assert [("tool_calls" in d, d.get("content")) for d in deltas] == [(False, "Let me look <"), (True, None), (False, None)]

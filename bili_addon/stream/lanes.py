@@ -167,9 +167,20 @@ class LaneResponse:
             self.rest = rest
         return out
 
-    def _prose_spots(self, ev: Event, spots: list[tuple[Any, Slot]], finishing: list) -> list:
+    def _prose_spots(self, ev: Event, spots: list[tuple[Any, Slot]], finishing: list, touched: list = ()) -> list:
         """One event with prose in ``spots`` (block key, where the text is), some blocks finishing.
-        A single spot may be held back; several in one event (n > 1 choices) are filtered whole."""
+        A single spot may be held back; several in one event (n > 1 choices) are filtered whole.
+        ``touched``: the blocks the event belongs to (a choice's, a candidate's): one of them whose
+        prose is held and that this event carries none of (a tool call's chunk) ends its prose run
+        first, so the held event goes out before it, not after (Gemini rebuilds its parts in the
+        order they come)."""
+        early = [e for k in touched if k not in finishing and not any(k == key for key, _slot in spots)
+                 and (b := self.blocks.get(k)) is not None and b.held is not None
+                 for e in self._close(k)] if touched and self.blocks else []
+        out = self._spots(ev, spots, finishing)
+        return early + out if early else out
+
+    def _spots(self, ev: Event, spots: list[tuple[Any, Slot]], finishing: list) -> list:
         if len(spots) == 1:
             out = self._prose(spots[0][0], ev, spots[0][1])
         elif spots:
@@ -329,7 +340,8 @@ class ChatResponse(LaneResponse):
             if ch.get("finish_reason"):
                 finishing.append(_hashable(ch.get("index", ci)))
         spots = [(_hashable(choices[ci].get("index", ci)), Slot(choices[ci]["delta"], "content")) for ci in text_choices]
-        return self._prose_spots(ev, spots, finishing)
+        touched = [_hashable(ch.get("index", ci)) for ci, ch in enumerate(choices) if isinstance(ch, dict)]
+        return self._prose_spots(ev, spots, finishing, touched)
 
     def body(self, obj: Any) -> bool:
         if not isinstance(obj, dict):
@@ -470,7 +482,7 @@ class GeminiResponse(LaneResponse):
                 finishing.append(_hashable(c.get("index", ci)))
         return self._prose_spots(
             ev, [(_hashable(cands[ci].get("index", ci)), Slot(cands[ci]["content"]["parts"][pi], "text")) for ci, pi in spots],
-            finishing,
+            finishing, [_hashable(c.get("index", ci)) for ci, c in enumerate(cands) if isinstance(c, dict)],
         )
 
     def body(self, obj: Any) -> bool:
