@@ -458,10 +458,16 @@ class Bili:
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         st = self._flows.get(flow)
         resp = flow.response
-        if st is None or resp is None or not 200 <= resp.status_code < 300:
-            return
-        if "text/event-stream" not in resp.headers.get("content-type", ""):
+        if resp is None or "text/event-stream" not in resp.headers.get("content-type", ""):
             return  # a JSON body is handled whole in ``response``
+        if st is None:
+            # a stream bili does not read (a body it passed on unchanged, passthrough, not a model's):
+            # streamed as it comes; mitmproxy would hold it until its end (an agent sees nothing before)
+            if resp.stream is False:
+                resp.stream = True
+            return
+        if not 200 <= resp.status_code < 300:
+            return
         decoder = None
         enc = resp.headers.get("content-encoding", "").strip().lower()
         if enc and enc != "identity":
@@ -469,6 +475,7 @@ class Bili:
                 decoder = Decoder(enc)
             except ValueError:
                 log.warning("[bili] session=%s: stream encoded as %r; passing it untouched", st.session, enc)
+                resp.stream = True  # (as it comes, not held to its end)
                 return
         if st.rewriter.rewrite or decoder is not None:
             resp.headers.pop("content-length", None)

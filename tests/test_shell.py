@@ -314,3 +314,21 @@ def test_an_admin_request_that_fails_inside_answers_500_and_never_leaves(bili, m
         assert bili.request(f) is None
     assert f.response is not None and f.response.status_code == 500
     assert json.loads(f.response.content)["ok"] is False
+
+
+@pytest.mark.parametrize("mode", ["fold", "passthrough"])
+def test_a_stream_bili_does_not_read_is_streamed_not_held_to_its_end(bili, mode):
+    """A body bili passes on unchanged (here: not JSON; or passthrough) keeps no state for its flow:
+    its answer's stream went to mitmproxy's default, the whole answer held until its end."""
+    bili.tctx.configure(bili, bili_mode=mode)
+    f = model_flow(b"{not json", headers=session_headers())
+    bili.request(f)
+    f.response = tutils.tresp(headers=http.Headers(content_type="text/event-stream"), content=None)
+    bili.responseheaders(f)
+    assert f.response.stream is True
+    # a JSON answer is still left to mitmproxy (read whole in ``response``)
+    g = model_flow(b"{not json", headers=session_headers())
+    bili.request(g)
+    g.response = tutils.tresp(headers=http.Headers(content_type="application/json"), content=None)
+    bili.responseheaders(g)
+    assert g.response.stream is False

@@ -165,3 +165,32 @@ def test_a_held_event_is_late_by_one_event_at_most(fake, proxy, client, sid, lan
     assert held[0] and not any(held[1:]), "the first piece must end in a possible tag start, the rest not"
     events = run_paced(fake, proxy, client, sid, lane, HELD, must_have=lambda i: i)
     assert prose_of(lane, events) == HELD
+
+
+@pytest.fixture(scope="module")
+def passthrough_proxy(make_proxy):
+    return make_proxy("reverse", "passthrough")
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat"])
+def test_a_stream_bili_leaves_alone_reaches_the_client_event_by_event(fake, passthrough_proxy, client, sid, lane):
+    """Passthrough (as any request bili passes on unchanged): no state for the flow, and mitmproxy
+    held the whole answer until its end, where without the proxy the agent reads it as it comes."""
+    gate = fake.gate(sid)
+    path, body, headers = request_for(lane, sid, PLAIN)
+    headers["x-fake-gate"] = sid
+    with client.stream("POST", passthrough_proxy.url + path, content=json.dumps(body).encode(),
+                       headers=headers) as resp:
+        assert resp.status_code == 200
+        assert gate.ready.wait(15), "the fake never got the request"
+        n = len(gate.events)
+        got = Events(resp.iter_raw())
+        for i in range(n):
+            gate.release(i)
+            got.read_until(i + 1)  # (a proxy holding the stream fails here on the read timeout)
+            if i + 1 < n:
+                assert not gate.sent[i + 1].is_set()
+        got.read_to_end()
+    rec = fake.last(lambda r: r.header("x-fake-gate") == sid)
+    assert rec.json == body  # (passthrough: sent on as the client wrote it)
+    assert b"".join(got.events) == rec.response
