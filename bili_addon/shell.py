@@ -93,6 +93,24 @@ def check_deferred(options) -> None:
             log.error("[bili] %s; mitmproxy would drop the bili addon and forward everything unchanged", e)
 
 
+def _drop_envelope(flow: http.HTTPFlow) -> None:
+    """A body passed on unchanged, without bili's own ``biliMsgIds`` (a host that vouches its message
+    ids sends it for bili alone; a provider answers 400 to a field it does not know, and the agent's
+    turn would fail because of bili); its header too."""
+    req = flow.request
+    for name in (envelope.HEADER, envelope.RESYNC_HEADER):
+        req.headers.pop(name, None)
+    try:
+        raw = req.get_content(strict=True)
+        if not raw or b'"' + envelope.FIELD.encode() + b'"' not in raw:
+            return
+        top = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
+    except (ValueError, msgspec.DecodeError):  # (ValidationError: not an object; a body it cannot decode)
+        return
+    if top.pop(envelope.FIELD, None) is not None:
+        req.content = msgspec.json.encode(top)  # (re-encoded with the request's own content-encoding)
+
+
 def _sent(raw: bytes, res: TurnResult | None) -> bytes:
     """The body that goes upstream (the agent's when the turn changed nothing)."""
     return raw if res is None or res.body is None else res.body
@@ -294,6 +312,8 @@ class Bili:
         if admin.is_admin(flow):
             return admin.handle(flow, self)
         if not self.active:
+            if detect_lane(flow.request.method, flow.request.path) is not None:
+                _drop_envelope(flow)  # (bili's own field: a provider refuses a body with it)
             return None
         req = flow.request
         if (
@@ -373,6 +393,8 @@ class Bili:
         for name in (envelope.HEADER, envelope.RESYNC_HEADER):
             req.headers.pop(name, None)  # ours: never forwarded
         res, record, turn, sent = out or (None, None, None, b"")
+        if res is None:  # passed on unchanged (the store down, the session busy, an internal error)
+            _drop_envelope(flow)
         if turn is not None and (res is None or not res.session):  # no session: the answer is still chained
             rw = ResponseRewriter(lane.name, False)
             rw.tap = self.chain_tap(turn)

@@ -332,3 +332,34 @@ def test_a_stream_bili_does_not_read_is_streamed_not_held_to_its_end(bili, mode)
     g.response = tutils.tresp(headers=http.Headers(content_type="application/json"), content=None)
     bili.responseheaders(g)
     assert g.response.stream is False
+
+
+ENVELOPED = json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hello there"}],
+                        "biliMsgIds": ["a1"]}).encode()
+
+
+@pytest.mark.parametrize("how", ["passthrough", "internal error", "store down"])
+def test_a_body_passed_on_unchanged_leaves_without_bilis_own_envelope(bili, monkeypatch, how):
+    """A host that vouches its message ids sends ``biliMsgIds`` for bili alone: the engine removes it,
+    but a body passed on unchanged kept it, and the provider answers 400 to a field it does not
+    know: the agent's turn failed because of bili."""
+    from bili_addon.kernel.turn import Engine
+    from bili_addon.store import StoreError
+
+    if how == "passthrough":
+        bili.tctx.configure(bili, bili_mode="passthrough")
+    else:
+        def broken(*a, **k):
+            raise RuntimeError("a bug") if how == "internal error" else StoreError("the disk is gone", "error")
+
+        monkeypatch.setattr(Engine, "process", broken)
+    f = model_flow(ENVELOPED, headers={**session_headers(), "x_bili_msg_ids": '["a1"]'})
+    bili.request(f)
+    sent = json.loads(f.request.content)
+    assert "biliMsgIds" not in sent and "x-bili-msg-ids" not in f.request.headers
+    assert sent == {k: v for k, v in json.loads(ENVELOPED).items() if k != "biliMsgIds"}
+    # a body without it passes byte for byte
+    g = model_flow(ANTH_BODY, headers=session_headers("s2"))
+    bili.request(g)
+    if how == "passthrough":
+        assert g.request.raw_content == ANTH_BODY
