@@ -102,13 +102,22 @@ def _drop_envelope(flow: http.HTTPFlow) -> None:
         req.headers.pop(name, None)
     try:
         raw = req.get_content(strict=True)
-        if not raw or b'"' + envelope.FIELD.encode() + b'"' not in raw:
-            return
-        top = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
-    except (ValueError, msgspec.DecodeError):  # (ValidationError: not an object; a body it cannot decode)
+    except ValueError:  # (a body it cannot decode)
         return
-    if top.pop(envelope.FIELD, None) is not None:
-        req.content = msgspec.json.encode(top)  # (re-encoded with the request's own content-encoding)
+    out = _without_envelope(raw)
+    if out is not None:
+        req.content = out  # (re-encoded with the request's own content-encoding)
+
+
+def _without_envelope(raw: bytes | None) -> bytes | None:
+    """``raw`` (a JSON object) without its top-level ``biliMsgIds``; None when it has none."""
+    if not raw or b'"' + envelope.FIELD.encode() + b'"' not in raw:
+        return None
+    try:
+        top = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
+    except msgspec.DecodeError:  # (ValidationError too: not an object)
+        return None
+    return msgspec.json.encode(top) if top.pop(envelope.FIELD, None) is not None else None
 
 
 def _sent(raw: bytes, res: TurnResult | None) -> bytes:
@@ -673,6 +682,8 @@ class Bili:
         frame as the agent sent it."""
         try:
             res, record, turn, sent = out or (None, None, None, b"")
+            if res is None:  # the frame goes as the agent sent it, but never with bili's own envelope
+                msg.content = _without_envelope(msg.content) or msg.content
             if res is not None and res.status:
                 log.warning("[bili] session=%s: %s (WebSocket frame forwarded unchanged)", res.session, res.error)
                 return

@@ -250,3 +250,15 @@ def test_a_chained_turn_s_predicted_cache_share_is_of_the_whole_chain(bili, mode
         answer(bili, f, f"resp_p{n}", step(n + 1))
     rec = f.metadata[flowmeta.WS_KEY][-1]
     assert rec["predicted"] is not None and rec["predicted"] > 0.6, rec.get("predicted")
+
+
+def test_a_frame_passed_on_unchanged_leaves_without_bilis_own_envelope(bili, monkeypatch):
+    f = ws_flow("ws-envelope")
+    frame = create([user("first words")], biliMsgIds=["a1"])
+
+    def boom(*a, **kw):
+        raise RuntimeError("kernel bug")
+
+    monkeypatch.setattr(bili.engine, "process", boom)
+    sent = json.loads(send(bili, f, frame))
+    assert sent == {k: v for k, v in frame.items() if k != "biliMsgIds"}
