@@ -278,10 +278,20 @@ class StoreError(RuntimeError):
 class StaleSession(StoreError):
     """Another process changed this session since it was loaded: reload it and try again."""
 
-    def __init__(self, session_id: str, expected: int, found: int):
-        super().__init__(f"session {session_id!r} was changed by another process (version {found}, "
-                         f"this process had {expected})", "stale")
+    def __init__(self, session_id: str, expected: int, found: int, why: str = ""):
+        super().__init__(why or f"session {session_id!r} was changed by another process (version {found}, "
+                                f"this process had {expected})", "stale")
         self.session_id = session_id
+
+
+def retired_taken(child: str, retired, family_next: int, expect: int) -> None:
+    """An adoption's ``retired`` rows take refs from the family's counter as the caller read it: when
+    another session of the family has given numbers since (``family_next``, read inside the write),
+    those may be the same ones, and a ref names one text in a family: :class:`StaleSession` (the
+    turn is computed again)."""
+    if retired and min(int(ref[1:]) for _msg_id, _chash, ref in retired) < family_next:
+        raise StaleSession(child, expect, expect, f"session {child!r}: another session of its family gave refs "
+                                                  "while it was recognised as a fork")
 
 
 class SessionBusy(StoreError):
@@ -1516,6 +1526,11 @@ class Store:
         now = time.time()
         with self._tx():
             version = self._advance(child.id, expect)
+            if retired:  # (the one writer: the family's counter as every earlier write left it; its root's
+                # too, not in lineage before its first fork)
+                got = self.db.execute("SELECT MAX(next_ref) FROM sessions WHERE id=? OR id IN "
+                                      "(SELECT session_id FROM lineage WHERE root=?)", (root, root)).fetchone()
+                retired_taken(child.id, retired, int(got[0]) if got and got[0] else 1, expect)
             # the child's own rows and refs the inherited ones replace, and its retired rows' new refs
             led, given = rebase(
                 self.db.execute("SELECT seq, rows FROM ledger_turns WHERE session_id=?", (child.id,)).fetchall(),

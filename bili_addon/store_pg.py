@@ -26,7 +26,7 @@ import msgspec
 from bili_addon.store import (
     CALIBRATION_COLS, CHAIN_COLS, DB_NAME, HANGING, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
     FRESH_GIVEN, StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, WIRE_SUMS, _json, contiguous, dead_chains,
-    fresh_first, ledger_rows, rebase, tombstone_flags, wire_turn,
+    fresh_first, ledger_rows, rebase, retired_taken, tombstone_flags, wire_turn,
 )
 
 try:
@@ -1786,6 +1786,13 @@ class PgStore:
         now = time.time()
         with self._tx() as conn:
             version = self._advance(conn, child.id, expect)
+            if retired:
+                # the family's counter (its root's too: not in lineage before its first fork), its rows
+                # locked: a commit of the family in progress is waited for, one after it waits for this
+                self.round_trips += 1
+                got = conn.execute("SELECT MAX(next_ref) FROM (SELECT next_ref FROM sessions WHERE id=%s OR id IN "
+                                   "(SELECT session_id FROM lineage WHERE root=%s) FOR UPDATE) f", (root, root)).fetchone()
+                retired_taken(child.id, retired, int(got[0]) if got and got[0] else 1, expect)
             # the child's own rows and refs the inherited ones replace, and its retired rows' new refs
             self.round_trips += 2
             led, given = rebase(

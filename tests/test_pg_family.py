@@ -94,3 +94,23 @@ def test_two_instances_committing_a_parent_and_its_fork_at_once(pg_url, tmp_path
         ext.close()
         a.close()
         b.close()
+
+
+def test_a_fork_recognised_late_gives_its_own_rows_numbers_no_one_took_meanwhile(backend):
+    """A session that gave refs before it was recognised as a fork gives those rows new numbers from
+    the family's counter (``retired``), as it read it before the adoption's write: a parent's commit
+    in between may have given the same numbers.  Refused then (the turn is computed again)."""
+    s = backend()
+    p = refs(3, 1, "p")
+    assert s.commit_turn(row("P", 4), p, expect=0, fresh=True) == 1
+    own = refs(1, 1, "own")  # C's own first row, on its own counter: m00001, which P's m00001 takes
+    assert s.commit_turn(row("C", 2), own, expect=0, fresh=True) == 1
+    assert s.session("P").next_ref == 4  # what the adoption numbers the retired row from: m00004
+    assert turn(s, "P", "pp") == 2  # P gives m00004 meanwhile
+    retired = [(own[0].msg_id, own[0].content_hash, "m00004")]
+    with pytest.raises(StaleSession):
+        s.adopt(row("C", 5, 1), "P", "P", 3, p, [], [], [], retired, expect=1)
+    # computed again from the counter as it is now: m00005
+    assert s.adopt(row("C", 6, 1), "P", "P", 3, p, [], [], [], [(own[0].msg_id, own[0].content_hash, "m00005")],
+                   expect=1) == 2
+    assert not given_twice(s)
