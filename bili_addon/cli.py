@@ -198,10 +198,12 @@ def _health_target(modes: list, host: str, port: int) -> tuple[str, int] | None:
     return None
 
 
-def _serve(cmd: list[str], target: tuple[str, int] | None, ready: Callable[[dict], None]) -> int:
-    """Run mitmdump as our child (its output is ours), wait until ``/__bili/health`` answers as bili,
-    then call ``ready``; forward signals to it and return its exit code.  If it answers, but not as
-    bili (the addon did not load: traffic would flow with bili off), stop it and return 1."""
+def _serve(cmd: list[str], target: tuple[str, int] | None, ready: Callable[[dict], None],
+           env: dict[str, str] | None = None) -> int:
+    """Run mitmdump as our child (its output is ours; ``env``: its environment, else ours), wait until
+    ``/__bili/health`` answers as bili, then call ``ready``; forward signals to it and return its exit
+    code.  If it answers, but not as bili (the addon did not load: traffic would flow with bili off),
+    stop it and return 1."""
     import time
 
     failed: list[str] = []
@@ -237,7 +239,7 @@ def _serve(cmd: list[str], target: tuple[str, int] | None, ready: Callable[[dict
         launch.SharedProxy._kill(pid, None)
 
     try:
-        rc = launch.run_child(cmd, os.environ, on_start=check)
+        rc = launch.run_child(cmd, os.environ if env is None else env, on_start=check)
     except OSError as e:
         _err(f"cannot start {cmd[0]}: {e}")
         return 1
@@ -303,8 +305,10 @@ def _run(args: argparse.Namespace) -> int:
         _err(str(e))
         return 2
     bili_mode = launch.option_value(sets, "bili_mode", args.bili_mode or "fold")
+    env = None
     if args.store and all(name != "bili_store" for name, _v in sets):
-        sets.append(("bili_store", args.store))
+        # (the addon reads $BILI_STORE: a URL's password in mitmdump's arguments is every local user's to read)
+        env = {**os.environ, "BILI_STORE": args.store}
     for m in modes:
         host, port = m.listen_host(args.listen_host), m.listen_port(args.listen_port)
         if port and port_in_use(host, port):
@@ -352,7 +356,7 @@ def _run(args: argparse.Namespace) -> int:
 
     sys.stdout.flush()
     sys.stderr.flush()
-    return _serve(cmd, _health_target(modes, args.listen_host, args.listen_port), ready)
+    return _serve(cmd, _health_target(modes, args.listen_host, args.listen_port), ready, env)
 
 
 COMMANDS: dict[str, Command] = {

@@ -627,8 +627,13 @@ assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its Pos
 
 
 def redact(url: str) -> str:
-    """The URL without its password (for logs, health and errors)."""
-    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
+    """The URL (or libpq's ``key=value`` string) without its password, in every form libpq takes:
+    ``user:pw@``, ``:pw@`` and a ``password=`` setting (for logs, health and errors)."""
+    url = re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
+    return _PASSWORD_SETTING.sub(r"\1***", url)
+
+
+_PASSWORD_SETTING = re.compile(r"(?i)((?:^|[?&\s])(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'|[^&\s]*)")
 
 
 def _classify(e: BaseException) -> tuple[str, str]:

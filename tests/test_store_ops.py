@@ -215,13 +215,19 @@ def test_bili_run_store_sets_bili_store_once(tmp_path, monkeypatch, capsys):
     from bili_addon import cli
 
     seen: list[list[str]] = []
-    monkeypatch.setattr(cli, "_serve", lambda cmd, target, ready: seen.append(list(cmd)) or 0)
+    envs: list = []
+    monkeypatch.setattr(cli, "_serve", lambda cmd, target, ready, env=None: seen.append(list(cmd)) or envs.append(env) or 0)
     monkeypatch.setattr(cli, "port_in_use", lambda host, port: False)
     ca = ["--confdir", str(tmp_path / "ca")]
     url = "postgresql://bili@db.internal/bili"
     assert cli.main(["run", *ca, "--store", url, "--", "--set", f"bili_store={url}"]) == 0
     sets = [seen[-1][i + 1] for i, a in enumerate(seen[-1]) if a == "--set"]
     assert [s for s in sets if s.startswith("bili_store=")] == [f"bili_store={url}"]
+    # --store alone: to mitmdump through $BILI_STORE, never in its arguments (a password there is every
+    # local user's to read in the process list)
+    secret = "postgresql://bili:s3cret@db.internal/bili"
+    assert cli.main(["run", *ca, "--store", secret]) == 0
+    assert not any("s3cret" in a for a in seen[-1]) and envs[-1]["BILI_STORE"] == secret
     n = len(seen)
     assert cli.main(["run", *ca, "--store", url, "--", "--set", "bili_store=postgresql://other/db"]) == 2
     assert len(seen) == n and "--store" in capsys.readouterr().err
@@ -358,3 +364,16 @@ def test_a_release_whose_answer_never_comes_costs_the_lock_connection_only(pg_ur
         store.release()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql://bob:s3cret@db/bili", "postgresql://:s3cret@db/bili", "postgresql://db/bili?user=bob&password=s3cret",
+    "postgres://db/bili?sslpassword=s3cret&password=s3cret", "host=db password=s3cret dbname=bili",
+    "host=db password='s3 cret' dbname=bili",
+])
+def test_a_store_url_is_shown_without_its_password_in_every_form(url):
+    """/__bili/health (no token needed) and every log and error name the store by this."""
+    from bili_addon.store_pg import redact
+
+    shown = redact(url)
+    assert "s3cret" not in shown and "s3 cret" not in shown and "db" in shown
