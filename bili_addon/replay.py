@@ -64,6 +64,7 @@ class Turn:
     body: bytes = b""  # what would have been sent upstream (not in --json)
     raw: bytes = b""  # the agent's own body (not in --json)
     at: float = 0.0  # when the request was sent (the flow's timestamp; for --cost)
+    shadowed: tuple[str, ...] = ()  # bili's tool names the agent's own tools have (not in --json)
 
     @property
     def tokens_in(self) -> int:
@@ -77,6 +78,7 @@ class Turn:
         d = asdict(self)
         d.pop("body")
         d.pop("raw")
+        d.pop("shadowed")
         d["tokens_in"], d["tokens_out"] = self.tokens_in, self.tokens_out
         return d
 
@@ -150,7 +152,7 @@ class Replayer:
             report.path, index, res.session, n, lane.name, via, host, res.messages, res.refs_new, res.refs_known,
             len(raw), len(body), sum(b.active for b in s.blocks) if s else 0, res.folded_items, list(res.executed),
             first_party=fp, changed=res.body is not None and res.body != raw, body=body, raw=raw, at=self.at,
-            reason=" ".join(res.declined),
+            reason=" ".join(res.declined), shadowed=res.shadowed,
         )
         if fp:
             turn.first_block_kept = _system_head(body) == _system_head(raw)
@@ -182,6 +184,7 @@ class Replayer:
                 self.account(turn, _RecordedAnswer(live, rewrite))  # a streamed answer: the flow kept no body
             return
         rw = ResponseRewriter(turn.lane, rewrite, marker)
+        rw.lane.shadowed = turn.shadowed
         if "text/event-stream" in resp.headers.get("content-type", ""):
             stream = rw.stream(None)
             stream(content)

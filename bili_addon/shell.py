@@ -428,6 +428,7 @@ class Bili:
             req.headers["accept-encoding"] = "identity"
         marker = res.marker if ctx.options.bili_marker else ""
         rw = ResponseRewriter(lane.name, rewrite, marker)
+        rw.lane.shadowed = res.shadowed
         if turn is not None:
             rw.tap = self.chain_tap(turn)
         self._flows[flow] = FlowState(lane.name, res.session, rw, record, turn, sent)
@@ -693,6 +694,8 @@ class Bili:
             rewrite = self.mode == "fold" and res is not None and bool(res.session) and res.active
             marker = res.marker if rewrite and ctx.options.bili_marker else ""
             rw = ResponseRewriter("responses", rewrite, marker)
+            if res is not None:
+                rw.lane.shadowed = res.shadowed
             if turn is not None:
                 rw.tap = self.chain_tap(turn)  # the answer goes into the chains transcript
             if record is not None:

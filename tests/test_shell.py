@@ -363,3 +363,27 @@ def test_a_body_passed_on_unchanged_leaves_without_bilis_own_envelope(bili, monk
     bili.request(g)
     if how == "passthrough":
         assert g.request.raw_content == ANTH_BODY
+
+
+def test_a_call_of_the_agents_own_tool_named_like_bilis_is_the_agents(bili):
+    """An agent with a tool of its own named ``search_context``: bili does not offer its own then,
+    and a call of that name is the agent's.  It was recorded as bili's, run on the next request,
+    and the agent's real result replaced by bili's answer."""
+    own = [{"name": "Bash", "description": "run", "input_schema": {"type": "object"}},
+           {"name": "search_context", "description": "the agent's own code search", "input_schema": {"type": "object"}}]
+    req = json.dumps({"model": "m", "max_tokens": 5, "tools": own,
+                      "messages": [{"role": "user", "content": "find load_config"}]}).encode()
+    f = model_flow(req, headers=session_headers("own-tools"))
+    bili.request(f)
+    sent = json.loads(f.request.content)
+    assert [t["name"] for t in sent["tools"]].count("search_context") == 1  # (the agent's)
+    answer = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "stop_reason": "tool_use",
+              "content": [{"type": "tool_use", "id": "toolu_own", "name": "search_context",
+                           "input": {"query": "def load_config"}},
+                          {"type": "tool_use", "id": "toolu_bili", "name": "acp_status", "input": {}}],
+              "usage": {"input_tokens": 10, "output_tokens": 5}}
+    f.response = tutils.tresp(headers=http.Headers(content_type="application/json"), content=json.dumps(answer).encode())
+    bili.responseheaders(f)
+    bili.response(f)
+    calls = bili.engine.sessions.load("own-tools", fresh=True).calls
+    assert "toolu_bili" in calls and "toolu_own" not in calls

@@ -427,6 +427,7 @@ class TurnResult:
     epoch: int = 0  # the epoch this request began (the agent compacted its history), else 0
     status: int = 0  # non-zero: answer the client with this status instead of forwarding
     error: str = ""
+    shadowed: tuple[str, ...] = ()  # bili's tool names the agent's own tools have: its calls of them are the agent's
 
 
 __all__ = [

@@ -32,7 +32,7 @@ from bili_addon.kernel.fresh import Rows
 from bili_addon.kernel.identity import count_tokens, digest
 from bili_addon.kernel.lineage import Lineage
 from bili_addon.kernel.pending import Deferred
-from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOLS
+from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOL_NAMES, TOOLS
 from bili_addon.kernel.registry import Sessions
 from bili_addon.kernel.render import assemble, render_items, snapshot_join, snapshot_render, strict_inserts
 from bili_addon.kernel.sessions import (
@@ -368,6 +368,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             if names is None:
                 names = lane.tool_names(body) or []
             native = _natively(names)
+            result.shadowed = tuple(n for n in TOOL_NAMES if n in names)  # (not offered: the agent's own)
             if native and self.set_flag(sid, "native_tools", True):
                 result.notes.append("the agent has bili's tools natively (MCP): wire injection is off for it")
             changed |= lane.inject(body, items_out, start, [] if native else list(TOOLS), SYSTEM_PROMPT, names)

@@ -110,6 +110,8 @@ class LaneResponse:
         self.hold_events = True
         self.rest = ""
         self.finished = False  # the answer's final event came (a stream that has one: Responses)
+        # bili's tool names the agent's own tools have (not offered then: a call of one is the agent's)
+        self.shadowed: tuple[str, ...] = ()
 
     @property
     def stripped(self) -> int:
@@ -117,7 +119,7 @@ class LaneResponse:
         return len(self.echoes)
 
     def _call(self, key: str, name: Any, args: Any) -> None:
-        if isinstance(name, str) and name in TOOL_NAMES and key:
+        if isinstance(name, str) and name in TOOL_NAMES and key and name not in self.shadowed:
             if not isinstance(args, str):
                 args = compact_json({} if args is None else args)
             self.calls.append((key, name, args))
