@@ -347,3 +347,28 @@ def test_with_the_head_kept_for_an_hour_a_held_distil_waits_for_the_head_to_expi
     assert res.landed == 1 and SECTION + "b3" in text and SECTION + "b1" not in text
     assert_valid_anthropic(out)
     e.store.close()
+
+
+def test_a_range_that_ends_inside_a_held_fold_is_refused_not_stretched_over_it(backend):
+    """A held fold's messages stay on the wire, tagged: the model may compress a range that starts
+    before the fold and ends inside it.  Taking the held block in made the new summary stand for
+    the block's messages past the range's end (steps 4 and 5 under "steps 0 to 3").  Refused, with
+    where to end it; a range that takes the block in whole still does."""
+    e = make(backend())
+    msgs = conversation(10)
+    _, first = send(e, msgs)
+    msgs = ask(e, msgs, refs_in(first), "Step 2:", "Step 5:", "c1")
+    res, out = send(e, msgs)
+    assert res.executed == ["compress"] and pending.held(e.sessions.get(SID))[0]  # b1 held, its steps on the wire
+    refs = refs_in(out)
+    msgs = ask(e, msgs, refs, "Step 0:", "Step 3:", "c2")
+    res, out = send(e, msgs)
+    said = out["messages"][-1]["content"][0]["content"]
+    assert "not compressed" in said and "part of b1" in said
+    s = e.sessions.get(SID)
+    assert [b.id for b in s.blocks if b.active] == ["b1"]
+    msgs = ask(e, msgs, refs, "Step 0:", "Step 6:", "c3")  # (all of b1 in it)
+    res, out = send(e, msgs)
+    assert out["messages"][-1]["content"][0]["content"].startswith("Compressed ")
+    b2 = next(b for b in e.sessions.get(SID).blocks if b.active)
+    assert b2.consumed == ["b1"]

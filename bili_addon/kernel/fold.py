@@ -788,6 +788,7 @@ def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_i
             else:
                 tier = 1
                 absorbed = [b for b in nested if b.tier == 1]
+            _whole(view, absorbed, s, e)
             parts = [p for k in positions for p in view.items[k].parts]
             direct = [p for p in parts if p.ref not in cov]
             if not direct and not absorbed:
@@ -840,6 +841,19 @@ def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_i
         ids = ", ".join(b.id for b in made)
         lines.append(f"The summaries stand in place of the originals; decompress {ids} shows them.")
     return CompressOutcome("\n".join(lines), made, gone, originals)
+
+
+def _whole(view: View, absorbed: list[Block], s: int, e: int) -> None:
+    """A block the range takes in must lie in it whole: a held block's messages are still on the wire
+    (kernel/pending.py), tagged, so a range may end inside one, and taking the block in would put
+    the new summary in place of messages past the range's end."""
+    if not absorbed:
+        return
+    for b in absorbed:
+        shown = [view.pos[ref] for ref in b.coverage if ref in view.pos]
+        if shown and (min(shown) < s or max(shown) > e):
+            raise CompressError(f"it takes in part of {b.id} ({b.covered[0]}–{b.covered[-1]}, folded already): "
+                                f"end it at {b.covered[-1]} or later, or before {b.covered[0]}")
 
 
 def _resolve(r: Range, view: View, by_id: dict[str, Block]) -> tuple[int, int, bool]:
