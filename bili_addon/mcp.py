@@ -86,8 +86,8 @@ class Server:
         """One line of the transport: the reply to write (a dict or a list), or None."""
         try:
             msg = json.loads(line)
-        except ValueError as e:
-            return _error(None, PARSE_ERROR, f"Parse error: {e}")
+        except (ValueError, RecursionError) as e:  # (RecursionError: nested past the parser's depth)
+            return _error(None, PARSE_ERROR, f"Parse error: {type(e).__name__}: {e}")
         if isinstance(msg, list):  # a batch (MCP 2025-03-26)
             if not msg:
                 return _error(None, INVALID_REQUEST, "Invalid Request: empty batch")
@@ -221,10 +221,14 @@ def serve(server: Server, stdin: IO[bytes], stdout: IO[bytes]) -> int:
     for line in stdin:
         if not line.strip():
             continue
-        reply = server.handle_line(line)
+        try:
+            reply = server.handle_line(line)
+        except Exception as e:  # one message's failure is its reply, never the server's end
+            reply = _error(None, INTERNAL_ERROR, f"Internal error: {type(e).__name__}: {e}")
         if reply is None:
             continue
-        stdout.write(json.dumps(reply, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
+        # (ASCII escapes: a lone surrogate the client sent, echoed in an id, is no UTF-8)
+        stdout.write(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
         stdout.flush()
     return 0
 

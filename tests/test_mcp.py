@@ -232,6 +232,21 @@ def test_protocol_basics_in_process():
     assert s.handle_line('{"jsonrpc": "2.0", "id": 3}')["error"]["code"] == -32600
 
 
+def test_malformed_lines_are_answered_and_the_server_goes_on():
+    """A lone surrogate in an echoed id (not UTF-8) and a line nested past the parser's depth ended
+    the server (the agent's MCP tools then gone); each is an error reply, the next line answered."""
+    import io
+
+    lines = ['{"jsonrpc": "2.0", "id": "\\ud800", "method": "ping"}', "[" * 100_000 + "]" * 100_000,
+             '{"jsonrpc": "2.0", "id": 7, "method": "ping"}']
+    out = io.BytesIO()
+    assert mcp.serve(mcp.Server(), io.BytesIO("\n".join(lines).encode() + b"\n"), out) == 0
+    replies = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert replies[0]["id"] == "\ud800" and replies[0]["result"] == {}
+    assert replies[1]["error"]["code"] == -32700
+    assert replies[2] == {"jsonrpc": "2.0", "id": 7, "result": {}}
+
+
 def test_cli_registers_mcp():
     assert "mcp" in cli.COMMANDS
     args = cli.build_parser().parse_args(["mcp", "--proxy", "http://127.0.0.1:1", "--conversation", "c"])
