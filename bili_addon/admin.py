@@ -142,8 +142,11 @@ def _handle(flow: http.HTTPFlow, bili: Host):
     path = flow.request.path.split("?", 1)[0]
     method = flow.request.method
     if path == PREFIX + "health" and method in ("GET", "HEAD"):
+        challenge = flow.request.headers.get(private.CHALLENGE_HEADER, "")
+        token = bili.token or (bili.load_token() if challenge else None)
+        proof = {"proof": private.proof(token, challenge)} if challenge and token and len(challenge) <= 128 else {}
         flow.response = _json(200, {"ok": True, "version": __version__, "mode": bili.mode, **bili.store_status(),
-                                    "authenticated": authenticated(flow, bili),
+                                    "authenticated": authenticated(flow, bili), **proof,
                                     # the proxy's listeners: a launcher re-using it checks for the one it needs
                                     "modes": list(getattr(ctx.options, "mode", None) or [])})
     elif page.sign_in(flow, bili):  # GET /__bili/?code=...: the one-time code of `bili page`

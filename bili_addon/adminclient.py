@@ -41,7 +41,8 @@ class Answer:
 
 
 def call(address: str, path: str, *, method: str = "GET", body: Any = None, token: str | None = None,
-         timeout: float = 10.0, proxy_form: bool = False, limit: int | None = None) -> Answer:
+         timeout: float = 10.0, proxy_form: bool = False, limit: int | None = None,
+         headers: dict[str, str] | None = None) -> Answer:
     """``method path`` at the proxy ``address`` (``http://host:port`` or ``host:port``).
 
     ``body`` is sent as JSON (``b""`` for a POST without one). ``proxy_form`` asks in the absolute
@@ -49,7 +50,7 @@ def call(address: str, path: str, *, method: str = "GET", body: Any = None, toke
     mitmproxy in regular mode answers both for its own endpoints."""
     host, port, prefix = split(address)
     path = prefix + path
-    headers = {"accept": "application/json", "connection": "close"}
+    headers = {"accept": "application/json", "connection": "close", **(headers or {})}
     if token:
         headers[private.TOKEN_HEADER] = token
     data = None

@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hmac
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -244,13 +246,16 @@ class Probe:
 def probe(port: int, host: str = DEFAULT_HOST, timeout: float = 2.0, token: str | None = None) -> Probe:
     """Is a bili proxy answering ``/__bili/health`` on ``host:port``?  Asked in origin form (what
     a forward proxy in mitmproxy answers itself) and, failing that, in proxy form.  With ``token``
-    the answer's ``authenticated`` says whether that proxy is this install's."""
+    the answer's ``authenticated`` says whether that proxy is this install's: it proves it holds
+    the token (its answer to a challenge, :func:`private.proof`); the token itself is never sent
+    to whatever listens on the port."""
     detail = ""
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    challenge = secrets.token_hex(16) if token else ""
     for proxy_form in (False, True):
         try:
-            got = adminclient.call(address, "/__bili/health", token=token, timeout=timeout,
-                                   proxy_form=proxy_form, limit=65536)
+            got = adminclient.call(address, "/__bili/health", timeout=timeout, proxy_form=proxy_form, limit=65536,
+                                   headers={private.CHALLENGE_HEADER: challenge} if token else None)
         except adminclient.Unreachable as e:
             if e.refused:
                 return Probe("free")
@@ -258,6 +263,10 @@ def probe(port: int, host: str = DEFAULT_HOST, timeout: float = 2.0, token: str 
             continue
         doc = got.doc
         if got.status == 200 and isinstance(doc, dict) and doc.get("ok") is True and "version" in doc:
+            if token:
+                shown = doc.get("proof")
+                doc["authenticated"] = isinstance(shown, str) and hmac.compare_digest(
+                    shown, private.proof(token, challenge))
             return Probe("bili", doc)
         detail = f"HTTP {got.status}: {got.raw[:120]!r}"
     return Probe("other", detail=detail)
@@ -427,9 +436,9 @@ class SharedProxy:
         """The agent's traffic never goes through a proxy that does not know this install's token:
         another user's (it would read the conversation and the API keys) or another data dir's."""
         if found.health.get("authenticated") is False:
-            raise LaunchError(f"the bili proxy on {self.host}:{self.port} does not accept this install's admin "
-                              "token: another user's proxy, or one started with another --data-dir; choose "
-                              "another port with --port (or give the same --data-dir)")
+            raise LaunchError(f"the bili proxy on {self.host}:{self.port} does not prove it holds this install's "
+                              "admin token: another user's proxy, one started with another --data-dir, or an "
+                              "older bili's (stop it); choose another port with --port (or give the same --data-dir)")
 
     def detach(self, hurry=None) -> None:
         """``hurry()``: true once the stop should not wait for a clean exit any more."""

@@ -8,6 +8,8 @@ but health answers only a request that carries it (header ``x-bili-token``, or
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import secrets
 import stat
@@ -118,6 +120,15 @@ def presented_token(headers) -> str:
     auth = headers.get("authorization", "")
     scheme, _, value = auth.partition(" ")
     return value.strip() if scheme.lower() == "bearer" else ""
+
+
+CHALLENGE_HEADER = "x-bili-challenge"
+
+
+def proof(token: str, challenge: str) -> str:
+    """What a proxy that holds ``token`` answers to ``challenge`` on ``/__bili/health``: a client
+    tells its own proxy from anything else on the port without sending the token there first."""
+    return hmac.new(token.encode(), b"bili-health:" + challenge.encode(), hashlib.sha256).hexdigest()
 
 
 def token_matches(presented: str, token: str | None) -> bool:

@@ -207,7 +207,7 @@ def test_bili_modes_match_the_addon():
 def test_bili_run_builds_the_mitmdump_command(tmp_path, monkeypatch, capsys):
     seen: list[list[str]] = []
 
-    def fake_serve(cmd, target, ready):
+    def fake_serve(cmd, target, ready, env=None):
         seen.append(list(cmd))
         ready({"ok": True, "version": __version__, "mode": "observe", "store": True})
         return 0
@@ -256,7 +256,7 @@ def _sets(argv: list[str]) -> list[str]:
 
 def test_options_after_dashdash_are_merged_with_bilis_own_never_doubled(tmp_path, monkeypatch, capsys):
     seen: list[list[str]] = []
-    monkeypatch.setattr(cli, "_serve", lambda cmd, target, ready: seen.append(list(cmd)) or 0)
+    monkeypatch.setattr(cli, "_serve", lambda cmd, target, ready, env=None: seen.append(list(cmd)) or 0)
     monkeypatch.setattr(cli, "port_in_use", lambda host, port: False)
     ca = ["--confdir", str(tmp_path / "ca")]
 

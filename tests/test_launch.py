@@ -549,7 +549,7 @@ def test_a_bili_proxy_that_refuses_this_installs_token_is_not_reused(lab):
     lab.procs.append(run)
     wait_for(lambda: launch.probe(port).kind == "bili", 30, "bili run")
     rc, _, err = finish(lab.launch("claude", port, "t"))
-    assert rc == 1 and "does not accept this install's admin token" in err, err
+    assert rc == 1 and "does not prove it holds this install's" in err, err
     assert not lab.out("t").exists()
     assert run.poll() is None  # not ours to stop
 
@@ -576,6 +576,55 @@ def test_a_port_held_by_something_else_is_an_error(lab):
         srv.close()
     assert rc == 1 and "is in use by something that is not a bili proxy" in err
     assert not lab.out("x").exists()
+
+
+def test_the_admin_token_is_never_sent_to_whatever_listens_on_the_port(tmp_path):
+    """Something else on the port that answers health as bili does (another local user's listener):
+    the launcher asked it with the install's token in a header, then refused it, too late.  It now
+    sends a challenge only; the listener's answer cannot prove the token, so it is not ours."""
+    import http.server
+
+    token = "a-secret-admin-token-0123456789"
+    seen: list[dict] = []
+
+    class Fake(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(dict(self.headers))
+            body = json.dumps({"ok": True, "version": "9.9", "mode": "fold", "proof": "0" * 64}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Fake)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        found = launch.probe(srv.server_address[1], token=token)
+    finally:
+        srv.shutdown()
+    assert found.kind == "bili" and found.health["authenticated"] is False
+    assert seen and not any(token in v for h in seen for v in h.values())
+
+
+def test_a_bili_proxy_proves_it_holds_the_token(bili):
+    """The health answer to a challenge (private.proof) is what the launcher checks."""
+    from bili_addon import private
+    from mitmproxy import http as mhttp
+    from mitmproxy.test import tflow, tutils
+
+    token = bili.load_token()
+    req = tutils.treq(method=b"GET", path=b"/__bili/health", host="127.0.0.1", port=8787, scheme=b"http",
+                      headers=mhttp.Headers(**{private.CHALLENGE_HEADER: "nonce-1"}), content=b"")
+    f = tflow.tflow(req=req)
+    f.client_conn.peername = ("127.0.0.1", 50000)
+    bili.request(f)
+    doc = json.loads(f.response.content)
+    assert doc["proof"] == private.proof(token, "nonce-1") and doc["proof"] != private.proof(token, "nonce-2")
+    assert token not in f.response.text
 
 
 def test_a_missing_agent_is_exit_127(lab, monkeypatch, capsys):
@@ -777,7 +826,7 @@ def test_bili_run_as_a_system_proxy_intercepts_only_model_hosts(lab):
 def test_bili_run_intercept_options_build_the_allow_list(tmp_path, monkeypatch):
     seen: list[list[str]] = []
 
-    monkeypatch.setattr(cli, "_serve", lambda cmd, target, ready: seen.append(list(cmd)) or 0)
+    monkeypatch.setattr(cli, "_serve", lambda cmd, target, ready, env=None: seen.append(list(cmd)) or 0)
     monkeypatch.setattr(cli, "port_in_use", lambda host, port: False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     base = ["run", "--quiet", "--confdir", str(tmp_path / "ca")]
