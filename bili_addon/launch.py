@@ -899,9 +899,14 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
     try:
         try:
             proxy.attach()
+            if proxy.reused and not plan.transparent:
+                _forwards(proxy.health, plan.proxy_url)
         except LaunchError as e:
             _say(f"error: {e}")
             return 1
+        if not proxy.health.get("store", True):  # (said even with --quiet: the agent runs with bili off)
+            _say(f"warning: the proxy's store is unusable ({proxy.health.get('store_error') or 'see its log'}): its "
+                 "requests pass through unchanged, bili is off until the store works again", False)
         if proxy.started:
             _say(f"started the proxy on {plan.proxy_url} (pid {proxy.pid}, log {proxy.log_path}); "
                  f"intercepting {len(plan.hosts.hosts)} model hosts", args.quiet)
@@ -953,6 +958,17 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
         if proxy.stopped:
             _say(f"stopped the proxy (pid {proxy.stopped})", args.quiet)
     return _exit_like(rc)
+
+
+def _forwards(health: dict, url: str) -> None:
+    """A proxy re-used as the agent's ``HTTPS_PROXY`` must listen as a forward proxy: one started as a
+    reverse proxy (``bili run --mode reverse:...``) answers an agent's CONNECT with 400, every request
+    of it failing."""
+    modes = health.get("modes")
+    if isinstance(modes, list) and modes and not any(
+            isinstance(m, str) and m.split("@", 1)[0].split(":", 1)[0] in ("regular", "upstream") for m in modes):
+        raise LaunchError(f"the bili proxy at {url} runs as {', '.join(map(str, modes))}, not as a forward proxy "
+                          "an agent can use; choose another port with --port (or start it without --mode)")
 
 
 def _print_plan(plan: Plan) -> int:

@@ -661,7 +661,7 @@ _HINTS = {
 
 def pg_error(action: str, url: str, e: BaseException) -> StoreError:
     kind, words = _classify(e)
-    return StoreError(f"cannot {action} the store at {redact(url)}: {words} ({e})".strip(), kind,
+    return StoreError(redact(f"cannot {action} the store at {redact(url)}: {words} ({e})".strip()), kind,
                       _HINTS.get(kind, ""))
 
 

@@ -627,6 +627,34 @@ def test_a_bili_proxy_proves_it_holds_the_token(bili):
     assert token not in f.response.text
 
 
+@pytest.mark.e2e
+def test_a_reverse_proxy_on_the_port_is_not_reused_as_the_agents_https_proxy(lab):
+    """`bili run --mode reverse:...` on the port: the launcher re-used it as HTTPS_PROXY, and every
+    CONNECT of the agent got 400."""
+    port = free_port()
+    run = subprocess.Popen([sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir",
+                            str(lab.confdir), "--data-dir", str(lab.tmp / "data"), "--quiet",
+                            "--mode", "reverse:http://127.0.0.1:9"],
+                           env=lab.env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    lab.procs.append(run)
+    wait_for(lambda: launch.probe(port).kind == "bili", 30, "bili run")
+    rc, _, err = finish(lab.launch("claude", port, "t"))
+    assert rc == 1 and "not as a forward proxy" in err, err
+    assert not lab.out("t").exists()
+    assert run.poll() is None  # not ours to stop
+
+
+@pytest.mark.e2e
+def test_an_agent_run_with_the_store_unusable_is_told_so(lab):
+    """The data dir is a file: the proxy starts, but passes every request through unchanged. The
+    launcher said only "started the proxy" and ran the agent with bili off."""
+    (lab.tmp / "a-file").write_text("not a directory")
+    rc, _, err = finish(lab.launch("claude", free_port(), "t", launcher=("--data-dir", str(lab.tmp / "a-file"))))
+    assert rc == 0 and "store is unusable" in err and "bili is off" in err, err
+    assert lab.record("t")
+
+
 def test_a_missing_agent_is_exit_127(lab, monkeypatch, capsys):
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.setenv("HOME", str(lab.home))
