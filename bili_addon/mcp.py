@@ -24,7 +24,7 @@ import os
 import sys
 from typing import IO, Any
 
-from bili_addon import DEFAULT_HOST, DEFAULT_PORT, __version__, adminclient, private
+from bili_addon import DEFAULT_HOST, DEFAULT_PORT, __version__, adminclient, default_proxy, private
 from bili_addon.kernel.prompts import TOOLS
 
 log = logging.getLogger("bili.mcp")
@@ -236,7 +236,7 @@ def serve(server: Server, stdin: IO[bytes], stdout: IO[bytes]) -> int:
 # -- command line (``bili mcp`` and ``python -m bili_addon.mcp``) ---------------------------------------
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proxy", metavar="URL", default=None,
-                   help=f"the running bili proxy (default: $BILI_PROXY, else {DEFAULT_PROXY})")
+                   help=f"the running bili proxy (default: $BILI_PROXY, else {DEFAULT_HOST}:$BILI_PORT, else {DEFAULT_PROXY})")
     p.add_argument("--conversation", metavar="ID", default=None,
                    help="the conversation the tools act on (default: $BILI_CONVERSATION_ID, else the "
                         "conversation that most recently went through the proxy)")
@@ -249,7 +249,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
-    proxy = args.proxy or os.environ.get("BILI_PROXY") or DEFAULT_PROXY
+    proxy = args.proxy or default_proxy()
     conversation = args.conversation or os.environ.get("BILI_CONVERSATION_ID") or None
     token, source = find_token(getattr(args, "data_dir", None), os.environ)
     if token is None:

@@ -20,7 +20,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from bili_addon import adminclient
+from bili_addon import DEFAULT_HOST, adminclient, default_proxy
 from bili_addon.mcp import DEFAULT_PROXY, find_token, normalize_proxy
 from bili_addon.meter import pct, tokens
 from bili_addon.prices import money
@@ -183,7 +183,7 @@ def _secs(x: float | None) -> str:
 # -- the command ---------------------------------------------------------------------------------------
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proxy", metavar="URL", default=None,
-                   help=f"the running bili proxy (default: $BILI_PROXY, else {DEFAULT_PROXY})")
+                   help=f"the running bili proxy (default: $BILI_PROXY, else {DEFAULT_HOST}:$BILI_PORT, else {DEFAULT_PROXY})")
     p.add_argument("--data-dir", metavar="DIR", default=None,
                    help="the proxy's data directory, where its admin token is (default: $BILI_DATA_DIR, "
                         "else $XDG_DATA_HOME/bili-addon); $BILI_TOKEN overrides the token")
@@ -198,7 +198,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def _target(args: argparse.Namespace) -> tuple[str, str | None, str]:
-    proxy = normalize_proxy(args.proxy or os.environ.get("BILI_PROXY") or DEFAULT_PROXY)
+    proxy = normalize_proxy(args.proxy or default_proxy())
     token, source = find_token(args.data_dir, os.environ)
     return proxy, token, source
 

@@ -89,3 +89,26 @@ def test_the_cache_writes_by_lifetime_and_who_split_them():
     assert len(line) <= 80 and "cost $0.250, saved $0.100" in view and "no price" not in view
     none = statscmd.session_view({"session": {"id": "s", "wire": {"cache_write": 0}}, "turns": []}, now=1000.0)
     assert "writes" not in none
+
+
+def test_stats_page_and_mcp_find_the_proxy_at_bili_port(monkeypatch, capsys):
+    """`bili run` and the launchers listen on $BILI_PORT; stats, page and mcp looked at 8787 whatever it said."""
+    from bili_addon import default_proxy
+
+    monkeypatch.delenv("BILI_PROXY", raising=False)
+    monkeypatch.setenv("BILI_PORT", "18971")
+    assert default_proxy() == "http://127.0.0.1:18971"
+    monkeypatch.setenv("BILI_PROXY", "http://127.0.0.1:9")
+    assert default_proxy() == "http://127.0.0.1:9"  # (the address, said outright, wins)
+    monkeypatch.delenv("BILI_PROXY")
+    monkeypatch.setenv("BILI_PORT", "not-a-port")
+    assert default_proxy() == "http://127.0.0.1:8787"
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("BILI_PORT", str(port))
+    monkeypatch.setenv("BILI_TOKEN", "t")
+    assert statscmd.run(argparse.Namespace(proxy=None, data_dir=None, session="x", json=False, watch=None)) == 1
+    assert f"127.0.0.1:{port}" in capsys.readouterr().err
