@@ -503,3 +503,27 @@ def test_gemini_call_without_id_or_args_runs_and_gets_its_result(engine):
     assert res.executed == ["acp_status"]
     response = json.loads(res.body)["contents"][-1]["parts"][0]["functionResponse"]["response"]
     assert response["content"].startswith("Context: ~")
+
+
+def test_an_id_given_again_to_the_agents_own_call_leaves_that_call_alone(engine):
+    """A provider that numbers its calls per answer (``call_0``) gives an executed proxy call's id
+    again, to a later call of the agent's own tool: that call went upstream renamed to ``compress``
+    with compress's arguments, and its real output replaced by compress's result."""
+    conv = Chat()
+    for t in range(8):
+        conv.step(t)
+    refs = refs_of(engine.process(conv.body(), conv.lane, H, render=True).body)
+    args = {"content": [{"startId": refs["Step 0."], "endId": refs["Step 2."], "summary": summary(1)}]}
+    engine.record_calls("lanes", [("call_0", "compress", json.dumps(args))])
+    conv.proxy_call("call_0", "compress", args)
+    res = engine.process(conv.body(), conv.lane, H, render=True)
+    assert res.executed == ["compress"]
+    conv.msgs += [{"role": "assistant", "content": "Now listing.", "tool_calls": [
+                      {"id": "call_0", "type": "function", "function": {"name": "sh", "arguments": '{"cmd":"ls"}'}}]},
+                  {"role": "tool", "tool_call_id": "call_0", "content": "README.md  setup.py  src/"}]
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)["messages"]
+    assert out[-2]["tool_calls"][0]["function"] == {"name": "sh", "arguments": '{"cmd":"ls"}'}
+    assert out[-1]["content"] == "README.md  setup.py  src/"
+    # the proxy call itself still shows its real result
+    mine = next(m for m in out if m.get("role") == "tool" and m["content"].startswith("Compressed "))
+    assert mine["tool_call_id"] == "call_0"

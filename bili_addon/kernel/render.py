@@ -63,6 +63,18 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
         _render_prose(lane, infos, start, q, resolved, rendered, changed_cum, tagged_cum, active, nudges, objs)
         return
     idless: dict[str, list[str]] = {}
+    called: dict[str, bool] = {}  # (ProxyTools.call_edits)
+    firsts: dict[str, str] = {}
+
+    def first_call(cid: str) -> str | None:
+        """The ref of the first call part with id ``cid`` in the request (read once, when asked)."""
+        if not firsts:
+            for parts in resolved:
+                for r in parts:
+                    if r.core.ctype == TOOL_CALL and r.core.tool_call_id:
+                        firsts.setdefault(r.core.tool_call_id, r.entry.ref)
+            firsts.setdefault("", "")  # (read: not again)
+        return firsts.get(cid)
     if q and lane.name == "gemini":  # id-less calls answered further on: pair from the start
         for parts in resolved[:q]:
             for r in parts:
@@ -79,7 +91,7 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
         edits, tagged = _item_edits(resolved[k], active, i != last, nudges)
         more = []
         if call_edits:
-            more += ProxyTools.call_edits(s, lane, info, resolved[k], idless)
+            more += ProxyTools.call_edits(s, lane, info, resolved[k], idless, called, first_call)
         if responses and b'"msg-proxy-' in src:
             more += hygiene.proxy_id_edits("responses", info.obj)
         if strict_chat and b'"tool_calls"' in src:

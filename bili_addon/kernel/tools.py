@@ -218,10 +218,15 @@ class ProxyTools:
             s.stored = self.store.commit_fold(s.row.id, [], [], done, expect=s.stored)
 
     @staticmethod
-    def call_edits(s: Session, lane: Lane, info: ItemInfo, refs_parts, idless: dict[str, list[str]]) -> list:
+    def call_edits(s: Session, lane: Lane, info: ItemInfo, refs_parts, idless: dict[str, list[str]],
+                   called: dict[str, bool] | None = None, first_call=None) -> list:
         """Edits for one item: executed calls as the model made them, real results for the agent's
         errors, emergency-truncated tool outputs.  ``idless``: per tool name, the keys of the calls
-        without ids seen so far, which results without a matching id pair with, in order."""
+        without ids seen so far, which results without a matching id pair with, in order.
+        ``first_call(id)``: the ref of the first call part with that id in the request; a recorded
+        call is that one, since a provider that numbers its calls per answer (``call_0``) gives an id
+        again, to the agent's own later calls, which are left as they are, with their results
+        (``called``: per id, whether its latest call part seen so far was the recorded one)."""
         cut = s.flags.get("truncated", {})
         edits: list = []
         obj = None
@@ -251,6 +256,12 @@ class ProxyTools:
                 continue
             if call.result is None:
                 continue
+            cid = p.core.tool_call_id
+            if cid and called is not None:
+                if p.core.ctype == TOOL_CALL:
+                    called[cid] = first_call is None or first_call(cid) in (None, p.entry.ref)
+                if called.get(cid) is False:
+                    continue  # the id given again, to another call: the agent's own
             obj = obj if obj is not None else info.obj
             if p.core.ctype == TOOL_CALL:
                 args = call.args
