@@ -527,3 +527,32 @@ def test_an_id_given_again_to_the_agents_own_call_leaves_that_call_alone(engine)
     # the proxy call itself still shows its real result
     mine = next(m for m in out if m.get("role") == "tool" and m["content"].startswith("Compressed "))
     assert mine["tool_call_id"] == "call_0"
+
+
+def test_gemini_spent_idless_calls_leave_with_their_responses(engine):
+    """Failed compress calls beyond the newest two leave the wire; Gemini's have no ids, and their
+    functionResponses stayed behind: user turns in a row answering nothing (a request Gemini
+    refuses)."""
+    from bili_addon.stream import ResponseRewriter
+
+    conv = Gemini()
+    for t in range(8):
+        conv.step(t)
+    engine.process(conv.body(), conv.lane, H, render=True)
+    for n in range(4):
+        parts = [{"functionCall": {"name": "compress", "args": {"content": [
+            {"startId": f"m9999{n}", "endId": "m99999", "summary": "x" * 60}]}}}]
+        rw = ResponseRewriter("gemini")
+        rw.json_body(json.dumps({"candidates": [{"content": {"role": "model", "parts": parts},
+                                                 "finishReason": "STOP"}]}).encode())
+        engine.record_calls("lanes", rw.calls)
+        conv.contents += [{"role": "model", "parts": parts},
+                          {"role": "user", "parts": [{"functionResponse": {"name": "compress",
+                                                                           "response": {"error": "unknown"}}}]}]
+        res = engine.process(conv.body(), conv.lane, H, render=True)
+    out = json.loads(res.body)["contents"]
+    calls = [p for c in out for p in c["parts"] if p.get("functionCall", {}).get("name") == "compress"]
+    answers = [p for c in out for p in c["parts"] if p.get("functionResponse", {}).get("name") == "compress"]
+    assert len(calls) == len(answers) == 2
+    roles = [c["role"] for c in out]
+    assert all(a != b for a, b in zip(roles, roles[1:])), roles  # no two turns of one role in a row

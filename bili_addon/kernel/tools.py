@@ -292,8 +292,25 @@ class ProxyTools:
         if not spent:
             return set()
         keys = set(spent)
-        return {p.ref for it in view.items for p in it.parts
-                if (call_key(p.tool_call_id, p.tool_name, p.text) if p.ctype == TOOL_CALL else p.tool_call_id) in keys}
+        out: set[str] = set()
+        idless: dict[str, list[str]] = {}  # per tool, its id-less calls not answered yet (Gemini), in order
+        for it in view.items:
+            for p in it.parts:
+                if p.ctype == TOOL_CALL:
+                    key = call_key(p.tool_call_id, p.tool_name, p.text)
+                    if not p.tool_call_id and key:
+                        idless.setdefault(p.tool_name, []).append(key)
+                    if key in keys:
+                        out.add(p.ref)
+                elif p.ctype == TOOL_RESULT:
+                    # a result answers the call of its id, or the oldest unanswered id-less call of its
+                    # tool (as call_edits pairs them): it leaves with that call, never stays behind alone
+                    if p.tool_call_id:
+                        if p.tool_call_id in keys:
+                            out.add(p.ref)
+                    elif idless.get(p.tool_name) and idless[p.tool_name].pop(0) in keys:
+                        out.add(p.ref)
+        return out
 
 
 def shown_blocks(s: Session) -> set[str]:
