@@ -380,3 +380,13 @@ def test_a_compress_whose_turn_is_computed_again_runs_once(engine, monkeypatch):
     last = out["messages"][-1]["content"][0]
     assert last["content"].startswith("Compressed m") and "→ b1" in last["content"]
     assert len(engine.store.blocks("fold-1")) == 1
+
+
+def test_an_id_twice_in_one_answer_is_its_first_call_in_memory_as_in_the_store(engine):
+    """The store keeps the first of two calls with one id (INSERT OR IGNORE); the session in memory
+    kept the second: another instance, or this one after a restart, saw other arguments."""
+    engine.process(body(conversation(2)), ANTH, H, render=True)
+    engine.record_calls("fold-1", [("toolu_x", "search_context", '{"query":"alpha"}'),
+                                   ("toolu_x", "search_context", '{"query":"file-3"}')])
+    assert engine.sessions.get("fold-1").calls["toolu_x"].args == '{"query":"alpha"}'
+    assert [c for c in engine.store.calls("fold-1") if c[0] == "toolu_x"][0][2] == '{"query":"alpha"}'

@@ -99,7 +99,8 @@ class ProxyTools:
         """Proxy tool calls seen in an answer; each runs once, when the next request carries it."""
         for attempt in range(2):
             s = self.sessions.load(sid, fresh=True)
-            fresh = [c for c in calls if c[0] not in s.calls]
+            seen: set[str] = set()  # (an id twice in one answer: its first call, as the store keeps it)
+            fresh = [c for c in calls if c[0] not in s.calls and not (c[0] in seen or seen.add(c[0]))]
             if not fresh:
                 return
             try:
