@@ -556,3 +556,30 @@ def test_gemini_spent_idless_calls_leave_with_their_responses(engine):
     assert len(calls) == len(answers) == 2
     roles = [c["role"] for c in out]
     assert all(a != b for a, b in zip(roles, roles[1:])), roles  # no two turns of one role in a row
+
+
+def test_gemini_two_idless_calls_of_one_tool_get_each_its_own_result(engine):
+    """Two decompress calls without ids in one answer: their responses, in one user turn, both got
+    the last call's result (every response of the tool was rewritten with each result in turn)."""
+    from bili_addon.stream import ResponseRewriter
+
+    conv = Gemini()
+    for t in range(12):
+        conv.step(t)
+    refs = refs_of(engine.process(conv.body(), conv.lane, H, render=True).body)
+    args = {"content": [{"startId": refs["Step 0."], "endId": refs["Step 2."], "summary": "FIRST: " + summary(1)},
+                        {"startId": refs["Step 3."], "endId": refs["Step 5."], "summary": "SECOND: " + summary(2)}]}
+    engine.record_calls("lanes", [("call_fold", "compress", json.dumps(args))])
+    conv.proxy_call("call_fold", "compress", args)
+    engine.process(conv.body(), conv.lane, H, render=True)
+    parts = [{"functionCall": {"name": "decompress", "args": {"blockId": b}}} for b in ("b1", "b2")]
+    rw = ResponseRewriter("gemini")
+    rw.json_body(json.dumps({"candidates": [{"content": {"role": "model", "parts": parts}, "finishReason": "STOP"}]}).encode())
+    engine.record_calls("lanes", rw.calls)
+    conv.contents += [{"role": "model", "parts": parts},
+                      {"role": "user", "parts": [{"functionResponse": {"name": "decompress",
+                                                                       "response": {"error": "unknown tool"}}}] * 2}]
+    res = engine.process(conv.body(), conv.lane, H, render=True)
+    assert res.executed == ["decompress", "decompress"]
+    got = [p["functionResponse"]["response"]["content"] for p in json.loads(res.body)["contents"][-1]["parts"]]
+    assert got[0].startswith("b1 ") and got[1].startswith("b2 ")

@@ -232,6 +232,7 @@ class ProxyTools:
         edits: list = []
         obj = None
         shown: set[str] | None = None
+        nth: dict[str, int] = {}  # id-less results of one tool in this item: which one each is
         for p in refs_parts:
             if p.core.ctype not in (TOOL_CALL, TOOL_RESULT):
                 continue
@@ -244,6 +245,8 @@ class ProxyTools:
                 # a result is edited under its own key; it answers the call with its id, or the
                 # oldest unanswered id-less call of its tool (agents may invent ids for those)
                 key = p.core.tool_call_id or (f"name:{p.core.tool_name}" if p.core.tool_name else "")
+                if key and not p.core.tool_call_id:
+                    nth[key] = nth.get(key, -1) + 1
                 target = key if key in s.calls else None
                 if target is None and idless.get(p.core.tool_name):
                     target = idless[p.core.tool_name].pop(0)
@@ -270,6 +273,8 @@ class ProxyTools:
                     shown = shown_blocks(s) if shown is None else shown
                     args = shown_args(s, target, args, shown)
                 edits += lane.call_edits(obj, key, call.name, args)
+            elif key.startswith("name:"):  # (id-less: Gemini's) its own response, not every one of its tool
+                edits += lane.result_edits(obj, key, call.result, nth=nth[key])
             else:
                 edits += lane.result_edits(obj, key, call.result)
         return edits

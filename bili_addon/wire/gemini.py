@@ -114,11 +114,17 @@ class GeminiLane(LaneDefaults):
         return True
 
     @staticmethod
-    def result_edits(obj: Any, call_id: str, text: str) -> list:
+    def result_edits(obj: Any, call_id: str, text: str, nth: int | None = None) -> list:
+        """``nth``: only the nth response with that key in the item (id-less responses of one tool,
+        ``name:TOOL``, each answering a call of its own)."""
         edits: list = []
+        n = -1
         for j, part in enumerate(_parts(obj)):
             fr = part.get("functionResponse")
             if isinstance(fr, dict) and _response_key(fr) == call_id:
+                n += 1
+                if nth is not None and n != nth:
+                    continue
                 want = {"content": text}
                 if fr.get("response") != want:
                     edits.append((("parts", j, "functionResponse", "response"), want))
