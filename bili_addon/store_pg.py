@@ -1872,6 +1872,11 @@ class PgStore:
         with self._tx():
             self._many(f"INSERT INTO {table}({', '.join(cols)}) VALUES({', '.join(['%s'] * len(cols))})", rows)
 
+    def clear(self, tables) -> None:
+        with self._tx() as conn:
+            for table in tables:
+                conn.execute(f"DELETE FROM {table}")
+
     def is_empty(self) -> bool:
         return self._one("SELECT COUNT(*) FROM sessions")[0] == 0
 

@@ -8,6 +8,8 @@ the same rules (refs allocated in the turn's transaction, a per-session version 
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from typing import Mapping, Protocol, runtime_checkable
 
@@ -108,6 +110,7 @@ class StoreProtocol(Protocol):
     def add_affinity_points(self, session_id: str, points: list[tuple[int, str]]) -> None: ...
     def dump(self, table: str, cols: tuple[str, ...], key: tuple[str, ...]) -> list[tuple]: ...
     def load(self, table: str, cols: tuple[str, ...], rows: list[tuple]) -> None: ...
+    def clear(self, tables) -> None: ...
     def is_empty(self) -> bool: ...
     def save_chain(self, row: tuple, *, replace: bool = False) -> bool: ...
     def chain(self, response_id: str) -> tuple | None: ...
@@ -158,8 +161,15 @@ def copy_store(src: StoreProtocol, dst: StoreProtocol) -> dict[str, int]:
     if src.schema_version() != dst.schema_version():
         raise StoreError(f"schema versions differ ({src.schema_version()} vs {dst.schema_version()})")
     counts = {}
-    for table, (cols, key) in TABLES.items():
-        rows = src.dump(table, cols, key)
-        dst.load(table, cols, rows)
-        counts[table] = len(rows)
+    try:
+        for table, (cols, key) in TABLES.items():
+            rows = src.dump(table, cols, key)
+            dst.load(table, cols, rows)
+            counts[table] = len(rows)
+    except BaseException:
+        # (each table is a transaction of its own): what was copied goes, so the target is empty again
+        # and the same command can be run once the cause is mended, not refused as "not empty"
+        with contextlib.suppress(Exception):
+            dst.clear(list(TABLES))
+        raise
     return counts

@@ -110,3 +110,32 @@ def test_a_store_migrated_from_schema_6_round_trips_too(tmp_path, pg_url, capsys
     back = Store(tmp_path / "b")
     assert dump_all(back) == before and rows_of(back) == rows
     back.close()
+
+
+def test_a_migration_that_fails_midway_leaves_the_target_empty_to_run_again(tmp_path, pg_url, monkeypatch, capsys):
+    """Each table is copied in a transaction of its own: a failure part way left the tables before it
+    in the target, and the same command was then refused ("already holds conversations")."""
+    from bili_addon.store import StoreError
+    from bili_addon.store_pg import PgStore
+
+    e, _ = folded_store(tmp_path / "a")
+    want = dump_all(e.store)
+    e.store.close()
+    real = PgStore.load
+    tables = list(TABLES)
+
+    def failing(self, table, cols, rows):
+        if table == tables[3]:
+            raise StoreError("cannot write the store: the database server's disk is full", "disk full")
+        return real(self, table, cols, rows)
+
+    monkeypatch.setattr(PgStore, "load", failing)
+    assert cli.main(["store", "migrate", "--from", str(tmp_path / "a"), "--to", pg_url]) != 0
+    monkeypatch.setattr(PgStore, "load", real)
+    target = open_store(pg_url, str(tmp_path / "x"))
+    assert target.is_empty() and all(not rows for rows in dump_all(target).values())
+    target.close()
+    assert cli.main(["store", "migrate", "--from", str(tmp_path / "a"), "--to", pg_url]) == 0
+    target = open_store(pg_url, str(tmp_path / "x"))
+    assert dump_all(target) == want
+    target.close()
