@@ -406,6 +406,15 @@ class Lab:
         self.procs.append(p)
         return p
 
+    def bili_run(self, port: int, *args: str) -> subprocess.Popen:
+        """``bili run`` of its own on ``port`` (``args``: its options), once its health answers."""
+        run = subprocess.Popen([sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir",
+                                str(self.confdir), "--quiet", *args], env=self.env(), stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(run)
+        wait_for(lambda: launch.probe(port).kind == "bili", 30, "bili run")
+        return run
+
     def record(self, tag: str, timeout: float = 30) -> dict:
         path = self.out(tag)
         wait_for(path.exists, timeout, f"the fake agent {tag}")
@@ -542,12 +551,7 @@ def test_a_bili_proxy_that_refuses_this_installs_token_is_not_reused(lab):
     """Another user's proxy (here: one with another data dir, hence another token) on the port: the
     agent's traffic, API keys included, must not go through it."""
     port = free_port()
-    run = subprocess.Popen([sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir",
-                            str(lab.confdir), "--data-dir", str(lab.tmp / "someone-else"), "--quiet"],
-                           env=lab.env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
-    lab.procs.append(run)
-    wait_for(lambda: launch.probe(port).kind == "bili", 30, "bili run")
+    run = lab.bili_run(port, "--data-dir", str(lab.tmp / "someone-else"))
     rc, _, err = finish(lab.launch("claude", port, "t"))
     assert rc == 1 and "does not prove it holds this install's" in err, err
     assert not lab.out("t").exists()
@@ -632,13 +636,7 @@ def test_a_reverse_proxy_on_the_port_is_not_reused_as_the_agents_https_proxy(lab
     """`bili run --mode reverse:...` on the port: the launcher re-used it as HTTPS_PROXY, and every
     CONNECT of the agent got 400."""
     port = free_port()
-    run = subprocess.Popen([sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir",
-                            str(lab.confdir), "--data-dir", str(lab.tmp / "data"), "--quiet",
-                            "--mode", "reverse:http://127.0.0.1:9"],
-                           env=lab.env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
-    lab.procs.append(run)
-    wait_for(lambda: launch.probe(port).kind == "bili", 30, "bili run")
+    run = lab.bili_run(port, "--data-dir", str(lab.tmp / "data"), "--mode", "reverse:http://127.0.0.1:9")
     rc, _, err = finish(lab.launch("claude", port, "t"))
     assert rc == 1 and "not as a forward proxy" in err, err
     assert not lab.out("t").exists()

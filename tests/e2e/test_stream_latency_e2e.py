@@ -126,9 +126,10 @@ def client():
     c.close()
 
 
-def run_paced(fake, proxy, client, sid: str, lane: str, text: str, must_have) -> list[bytes]:
+def run_paced(fake, proxy, client, sid: str, lane: str, text: str, must_have, folded: bool = True) -> list[bytes]:
     """Stream one answer event by event; after releasing event ``i`` the client must hold
-    ``must_have(i)`` events before event ``i + 1`` may be sent.  Returns the client's events."""
+    ``must_have(i)`` events before event ``i + 1`` may be sent.  Returns the client's events.
+    ``folded``: the proxy folds (tools injected); else it sent the body on as the client wrote it."""
     gate = fake.gate(sid)
     path, body, headers = request_for(lane, sid, text)
     headers["x-fake-gate"] = sid
@@ -146,7 +147,10 @@ def run_paced(fake, proxy, client, sid: str, lane: str, text: str, must_have) ->
     assert not gate.aborted
     assert len(got.events) == n, "the proxy neither invents nor drops events"
     rec = fake.last(lambda r: r.header("x-fake-gate") == sid)
-    assert rec.status == 200 and rec.json.get("tools")  # a fold-mode model request (tools injected)
+    if folded:
+        assert rec.status == 200 and rec.json.get("tools") != body["tools"]  # a fold-mode model request (tools injected)
+    else:
+        assert rec.status == 200 and rec.json == body
     return got.events
 
 
@@ -176,21 +180,6 @@ def passthrough_proxy(make_proxy):
 def test_a_stream_bili_leaves_alone_reaches_the_client_event_by_event(fake, passthrough_proxy, client, sid, lane):
     """Passthrough (as any request bili passes on unchanged): no state for the flow, and mitmproxy
     held the whole answer until its end, where without the proxy the agent reads it as it comes."""
-    gate = fake.gate(sid)
-    path, body, headers = request_for(lane, sid, PLAIN)
-    headers["x-fake-gate"] = sid
-    with client.stream("POST", passthrough_proxy.url + path, content=json.dumps(body).encode(),
-                       headers=headers) as resp:
-        assert resp.status_code == 200
-        assert gate.ready.wait(15), "the fake never got the request"
-        n = len(gate.events)
-        got = Events(resp.iter_raw())
-        for i in range(n):
-            gate.release(i)
-            got.read_until(i + 1)  # (a proxy holding the stream fails here on the read timeout)
-            if i + 1 < n:
-                assert not gate.sent[i + 1].is_set()
-        got.read_to_end()
+    events = run_paced(fake, passthrough_proxy, client, sid, lane, PLAIN, must_have=lambda i: i + 1, folded=False)
     rec = fake.last(lambda r: r.header("x-fake-gate") == sid)
-    assert rec.json == body  # (passthrough: sent on as the client wrote it)
-    assert b"".join(got.events) == rec.response
+    assert b"".join(events) == rec.response
