@@ -534,7 +534,14 @@ def test_a_store_of_a_newer_schema_is_refused_without_leaving_its_pool_open(pg_u
             PgStore(pg_url, str(tmp_path))
         kept.append(e.value)  # (as the keeper keeps its last error: the store it came from stays reachable)
     assert threading.active_count() == threads
+    import time
+
     with psycopg.connect(pg_url, autocommit=True) as c:
-        mine = c.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type='client backend' "
-                         "AND pid <> pg_backend_pid() AND datname = current_database()").fetchone()[0]
+        deadline = time.monotonic() + 10  # (a closed connection's backend leaves a moment later; a leaked one never)
+        while True:
+            mine = c.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type='client backend' "
+                             "AND pid <> pg_backend_pid() AND datname = current_database()").fetchone()[0]
+            if mine == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     assert mine == 0
