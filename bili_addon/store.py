@@ -284,6 +284,14 @@ class StaleSession(StoreError):
         self.session_id = session_id
 
 
+def _not_pruned(child: str, parent: str, row, expect: int) -> None:
+    """An adoption whose parent was pruned since it was read (its history gone, its family pruned
+    without the child): :class:`StaleSession` (the turn is computed again, no parent found)."""
+    if row is not None and row[0] and row[0] >= row[1]:
+        raise StaleSession(child, expect, expect, f"session {child!r}: its parent {parent!r} was pruned while it "
+                                                  "was recognised as its fork")
+
+
 def retired_taken(child: str, retired, family_next: int, expect: int) -> None:
     """An adoption's ``retired`` rows take refs from the family's counter as the caller read it: when
     another session of the family has given numbers since (``family_next``, read inside the write),
@@ -1532,6 +1540,8 @@ class Store:
         now = time.time()
         with self._tx():
             version = self._advance(child.id, expect)
+            _not_pruned(child.id, parent, self.db.execute("SELECT pruned, last_seen FROM sessions WHERE id=?",
+                                                          (parent,)).fetchone(), expect)
             if retired:  # (the one writer: the family's counter as every earlier write left it; its root's
                 # too, not in lineage before its first fork)
                 got = self.db.execute("SELECT MAX(next_ref) FROM sessions WHERE id=? OR id IN "
@@ -1669,6 +1679,10 @@ class Store:
                                    sids).fetchall()
             if any(r[1] >= before for r in rows) or not any(r[2] < r[1] for r in rows):
                 return None  # seen meanwhile, or pruned already
+            if not set(sids).issuperset(r[0] for r in self.db.execute(
+                    f"SELECT session_id FROM lineage WHERE root IN (SELECT root FROM lineage WHERE session_id IN ({q}))",
+                    sids)):
+                return None  # the family grew meanwhile (a fork of it): a family is pruned whole or not at all
             counts = {"sessions": sum(1 for r in rows if r[2] < r[1])}
             cands, pointing = self._chains_of(sids, True)
             dead = dead_chains(cands, pointing)

@@ -26,7 +26,7 @@ import msgspec
 from bili_addon.store import (
     CALIBRATION_COLS, CHAIN_COLS, DB_NAME, HANGING, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
     FRESH_GIVEN, StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, WIRE_SUMS, _json, contiguous, dead_chains,
-    fresh_first, ledger_rows, rebase, retired_taken, tombstone_flags, wire_turn,
+    _not_pruned, fresh_first, ledger_rows, rebase, retired_taken, tombstone_flags, wire_turn,
 )
 
 try:
@@ -1791,6 +1791,9 @@ class PgStore:
         now = time.time()
         with self._tx() as conn:
             version = self._advance(conn, child.id, expect)
+            self.round_trips += 1  # (its row shared-locked: a prune of the parent's family waits, or is seen)
+            _not_pruned(child.id, parent, conn.execute("SELECT pruned, last_seen FROM sessions WHERE id=%s FOR SHARE",
+                                                       (parent,)).fetchone(), expect)
             if retired:
                 # the family's counter (its root's too: not in lineage before its first fork), its rows
                 # locked: a commit of the family in progress is waited for, one after it waits for this
@@ -1913,6 +1916,12 @@ class PgStore:
                                + ("" if dry_run else " FOR UPDATE"), (sids,))
                 if any(r[1] >= before for r in rows) or not any(r[2] < r[1] for r in rows):
                     return None  # seen meanwhile, or pruned already
+                # (an adoption into the family takes the parent's row FOR SHARE: it waited for the rows
+                # locked above, or committed before them and is read here)
+                if not set(sids).issuperset(r[0] for r in self._q(
+                        "SELECT session_id FROM lineage WHERE root IN (SELECT root FROM lineage WHERE "
+                        "session_id = ANY(%s))", (sids,))):
+                    return None  # the family grew meanwhile (a fork of it): a family is pruned whole or not at all
                 counts = {"sessions": sum(1 for r in rows if r[2] < r[1])}
                 cands = {r[0]: (r[1], r[2]) for r in self._q(
                     "SELECT id, agent_base, sent_base FROM chains WHERE session_id = ANY(%s)", (sids,))}

@@ -343,3 +343,36 @@ def test_bili_retention_sets_the_days_and_0_keeps_sessions_forever(bili):
     assert bili.retention.run(eng)["pruned"] == 1 and rows_of(eng.store, "fold-1") == {}
     stats = bili.stats(eng)["retention"]
     assert stats["days"] == 35 and stats["passes"] == 2 and stats["last"]["pruned"] == 1
+
+
+def test_a_fork_made_while_a_prune_runs_keeps_its_family_whole(backend):
+    """The pruner lists the idle families, then prunes each in a transaction of its own: a fork of an
+    idle parent made in between left the parent pruned alone (its lineage row gone, the fork's still
+    naming it; its counter below the family's), and the parent, back later, gave refs its fork had
+    given to other texts.  The prune now finds the family grown and leaves it; an adoption finds a
+    parent pruned meanwhile and is computed again."""
+    from test_fold import ANTH, body
+    from test_lineage import F, P, folded_parent, more
+
+    a = engine_on(backend())  # the proxy
+    msgs, _ = folded_parent(a)
+    age(a.store, "parent", 40)
+    pruner = backend()  # `bili store prune`, another process
+    before = time.time() - 30 * DAY
+    fams = retention.idle_families(pruner, before)
+    assert fams == [["parent"]]
+    res = a.process(body(more(msgs, "continue in the fork")), ANTH, F, render=True)  # the user forks it meanwhile
+    assert any("a fork of parent" in n for n in res.notes)
+    assert pruner.prune(fams[0], before) is None  # the family grew: left whole
+    assert {r[0] for r in sql(pruner, "SELECT session_id FROM lineage")} == {"parent", "fork"}
+    # and the other order: the parent pruned first, then a fork's adoption (its history read before)
+    c = engine_on(backend())
+    age(c.store, "fork", 40)
+    age(c.store, "parent", 40)
+    fams = retention.idle_families(pruner, before)
+    assert sorted(map(sorted, fams)) == [["fork", "parent"]]
+    assert pruner.prune(fams[0], before) is not None
+    from bili_addon.store import StaleSession, SessionRow
+    with pytest.raises(StaleSession):
+        c.store.adopt(SessionRow("late", "", "anthropic", 0.0, 0.0, 0, 0, 1), "parent", "parent", 0, [], [], [], [],
+                      expect=0)
