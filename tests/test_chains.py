@@ -500,3 +500,33 @@ def test_an_id_another_process_writes_meanwhile_is_never_overwritten(chains, mon
     for text in ("alice's plan", "bob's plan"):
         t = Chains(chains.make_store()).begin(req([user("go on")], "r1"))
         assert not t.known and text.encode() not in t.body
+
+
+def test_another_owners_chain_is_never_rebuilt_from_memory_when_its_row_is_not_read(backend):
+    """The owner was checked on the chain's row only: when that read failed (a connection reset, a
+    locked file) or another instance's retention had removed it, the views kept in memory rebuilt
+    the first owner's conversation for another credential's request, and sent it up whole."""
+    from bili_addon.kernel.chains import owner_of
+
+    chains = Chains(backend())
+    alice = owner_of("api.openai.com", {"authorization": "Bearer sk-alice"})
+    bob = owner_of("api.openai.com", {"authorization": "Bearer sk-bob"})
+    t = chains.begin(req([user("alice's secret plan")]), "", alice)
+    t.outgoing(None)
+    t.observe(answer("r1", [said("r1", "noted")]))
+    t.session = "s-alice"
+    assert chains.record(t)
+    real = chains.store.chain
+
+    def unreadable(rid):
+        raise RuntimeError("server closed the connection unexpectedly")
+
+    chains.store.chain = unreadable
+    try:
+        t = chains.begin(req([user("what did we say?")], "r1"), "", bob)
+        mine = chains.begin(req([user("and now?")], "r1"), "", alice)
+    finally:
+        chains.store.chain = real
+    out = t.outgoing(None)
+    assert not t.known and b"secret plan" not in (out or t.raw)
+    assert mine.known  # (its own owner: rebuilt from memory as before)

@@ -78,6 +78,8 @@ class Views:
     agent: list[bytes]
     sent: list[bytes]
     outputs: frozenset[int]
+    owner: str = ""  # the owner of the response they are the views of (checked when its row is not read)
+    conn: str = ""  # its connection ('' HTTP)
 
 
 @dataclass
@@ -248,7 +250,8 @@ class Chains:
             log.warning("[bili] chain %s was made with another host or credential: passed through observed", prev)
             return Turn(raw, raw, prev, False, conn, stored, agent_items, owner=owner)
         base = self.views(prev)
-        if base is None:
+        if base is None or (link is None and base.owner != owner and not (conn and base.conn == conn)):
+            # (unknown; or views kept in memory whose row was not read: their owner checked as the row's)
             return Turn(raw, raw, prev, False, conn, stored, agent_items, owner=owner)
         chainable = link is not None and (
             link.stored or (bool(conn) and link.conn == conn and self._last_on_conn.get(conn) == prev)
@@ -300,7 +303,8 @@ class Chains:
             self._ambiguous(turn.response_id)
             return False
         n = len(s_full)
-        views = Views(a_full + output, s_full + output, frozenset(s_outputs | set(range(n, n + len(output)))))
+        views = Views(a_full + output, s_full + output, frozenset(s_outputs | set(range(n, n + len(output)))),
+                      turn.owner, turn.conn)
         self._remember(turn.response_id, views)
         if session:
             self._last_of_session[session] = (turn.response_id, views)
@@ -386,7 +390,7 @@ class Chains:
         s_items, s_outs = s
         n = len(s_items) + len(sent)
         return Views(a[0] + link.agent + link.output, s_items + sent + link.output,
-                     frozenset(s_outs | set(range(n, n + len(link.output)))))
+                     frozenset(s_outs | set(range(n, n + len(link.output)))), link.owner, link.conn)
 
     def _base_items(self, base: str, keep: int, view: str,
                     built: dict[str, Views]) -> tuple[list[bytes], set[int]] | None:
