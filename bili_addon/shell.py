@@ -683,7 +683,7 @@ class Bili:
         frame as the agent sent it."""
         try:
             res, record, turn, sent = out or (None, None, None, b"")
-            if res is None:  # the frame goes as the agent sent it, but never with bili's own envelope
+            if res is None or res.status:  # the frame goes as the agent sent it, but never with bili's own envelope
                 msg.content = _without_envelope(msg.content) or msg.content
             if res is not None and res.status:
                 log.warning("[bili] session=%s: %s (WebSocket frame forwarded unchanged)", res.session, res.error)

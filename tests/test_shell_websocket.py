@@ -262,3 +262,15 @@ def test_a_frame_passed_on_unchanged_leaves_without_bilis_own_envelope(bili, mon
     monkeypatch.setattr(bili.engine, "process", boom)
     sent = json.loads(send(bili, f, frame))
     assert sent == {k: v for k, v in frame.items() if k != "biliMsgIds"}
+
+
+def test_a_frame_the_kernel_refuses_leaves_without_bilis_own_envelope(bili):
+    """A vouched id re-used for another message: over HTTP bili answers 400 itself; a WebSocket frame
+    cannot be answered so, and went up with ``biliMsgIds``, which the provider refuses."""
+    f = ws_flow("ws-env")
+    up1 = json.loads(send(bili, f, create([user("hello")], biliMsgIds=["a"])))
+    assert "biliMsgIds" not in up1
+    answer(bili, f, "resp_e1", step(1))
+    frame = create([user("hello"), *step(1), result(1)], biliMsgIds=["b", "c", "d", "a"])
+    up2 = json.loads(send(bili, f, frame))
+    assert "biliMsgIds" not in up2 and up2["input"] == frame["input"]
