@@ -530,3 +530,16 @@ def test_another_owners_chain_is_never_rebuilt_from_memory_when_its_row_is_not_r
     out = t.outgoing(None)
     assert not t.known and b"secret plan" not in (out or t.raw)
     assert mine.known  # (its own owner: rebuilt from memory as before)
+
+
+def test_a_request_on_a_server_side_conversation_passes_through_observed(bili):
+    """The Conversations API (``conversation``): the server appends each request's input items to a
+    conversation it keeps, so the body holds only the new ones.  bili took it for a whole
+    conversation and sent its own developer message and tags with every turn, each appended to
+    the server's conversation again."""
+    for n, text in enumerate(["task: list the files", "now count them", "and sort them"]):
+        raw = req([user(text)], store=True, tools=TOOLS, conversation="conv_abc")
+        f = flow_for(raw)
+        bili.request(f)
+        assert f.request.content == raw  # the agent's bytes, as it sent them
+        answered(bili, f, f"r{n}", [said(f"r{n}", f"ok {n}")])

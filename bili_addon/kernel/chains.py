@@ -243,6 +243,12 @@ class Chains:
         prev = _dec.decode(prev_raw) if prev_raw is not None else None
         stored = _dec.decode(top["store"]) is not False if "store" in top else True
         agent_items = _input_items(raw, top)
+        conversation = top.get("conversation")
+        if conversation is not None and bytes(conversation).strip() != b"null":
+            # the Conversations API: the server appends each request's items to the conversation it
+            # keeps, so a body holds only its new items (as a chain's delta does), and whatever bili
+            # added would be appended to it again on every turn: passed through, observed
+            return Turn(raw, raw, prev if isinstance(prev, str) else "", False, conn, stored, agent_items, owner=owner)
         if not isinstance(prev, str) or not prev:
             return Turn(raw, raw, "", True, conn, stored, agent_items, owner=owner)
         link = self._link(prev)
