@@ -236,7 +236,8 @@ def serve(server: Server, stdin: IO[bytes], stdout: IO[bytes]) -> int:
 # -- command line (``bili mcp`` and ``python -m bili_addon.mcp``) ---------------------------------------
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proxy", metavar="URL", default=None,
-                   help=f"the running bili proxy (default: $BILI_PROXY, else {DEFAULT_HOST}:$BILI_PORT, else {DEFAULT_PROXY})")
+                   help=f"the running bili proxy (default: $BILI_PROXY, else {DEFAULT_HOST}:$BILI_PORT, "
+                        f"else {DEFAULT_PROXY})")
     p.add_argument("--conversation", metavar="ID", default=None,
                    help="the conversation the tools act on (default: $BILI_CONVERSATION_ID, else the "
                         "conversation that most recently went through the proxy)")

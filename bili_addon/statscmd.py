@@ -183,7 +183,8 @@ def _secs(x: float | None) -> str:
 # -- the command ---------------------------------------------------------------------------------------
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proxy", metavar="URL", default=None,
-                   help=f"the running bili proxy (default: $BILI_PROXY, else {DEFAULT_HOST}:$BILI_PORT, else {DEFAULT_PROXY})")
+                   help=f"the running bili proxy (default: $BILI_PROXY, else {DEFAULT_HOST}:$BILI_PORT, "
+                        f"else {DEFAULT_PROXY})")
     p.add_argument("--data-dir", metavar="DIR", default=None,
                    help="the proxy's data directory, where its admin token is (default: $BILI_DATA_DIR, "
                         "else $XDG_DATA_HOME/bili-addon); $BILI_TOKEN overrides the token")

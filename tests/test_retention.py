@@ -352,7 +352,7 @@ def test_a_fork_made_while_a_prune_runs_keeps_its_family_whole(backend):
     given to other texts.  The prune now finds the family grown and leaves it; an adoption finds a
     parent pruned meanwhile and is computed again."""
     from test_fold import ANTH, body
-    from test_lineage import F, P, folded_parent, more
+    from test_lineage import F, folded_parent, more
 
     a = engine_on(backend())  # the proxy
     msgs, _ = folded_parent(a)
