@@ -21,10 +21,11 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from bili_addon import retention
-from bili_addon.store import StoreError, default_data_dir
-from bili_addon.stores import TABLES, copy_store, describe, open_store, store_spec
+from bili_addon.store import DB_NAME, StoreError, default_data_dir
+from bili_addon.stores import TABLES, copy_store, describe, is_url, open_store, store_spec
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -65,13 +66,22 @@ def run(args: argparse.Namespace) -> int:
     data_dir = str(args.data_dir or default_data_dir())
     try:
         if args.store_command == "info":
-            return _info(store_spec(args.store or ""), data_dir, args.json)
+            return _info(_existing(store_spec(args.store or ""), data_dir), data_dir, args.json)
         if args.store_command == "prune":
-            return _prune(store_spec(args.store or ""), data_dir, args)
-        return _migrate(store_spec(args.source or ""), args.to, data_dir)
+            return _prune(_existing(store_spec(args.store or ""), data_dir), data_dir, args)
+        return _migrate(_existing(store_spec(args.source or ""), data_dir), args.to, data_dir)
     except StoreError as e:
         print(f"bili: error: {e}" + (f" ({e.hint})" if e.hint else ""), file=sys.stderr)
         return 1
+
+
+def _existing(spec: str, data_dir: str) -> str:
+    """``spec``, when it names a store that exists: a data dir without one (a mistyped --data-dir)
+    would have been given a new, empty store, and a dry run, a listing or a copy read from nothing."""
+    if not is_url(spec) and not (Path(spec or data_dir) / DB_NAME).exists():
+        raise StoreError(f"no bili store in {spec or data_dir} ({DB_NAME} is not there)", "error",
+                         "check --data-dir, --store or --from, and $BILI_STORE")
+    return spec
 
 
 def _info(spec: str, data_dir: str, as_json: bool) -> int:

@@ -376,3 +376,17 @@ def test_a_fork_made_while_a_prune_runs_keeps_its_family_whole(backend):
     with pytest.raises(StaleSession):
         c.store.adopt(SessionRow("late", "", "anthropic", 0.0, 0.0, 0, 0, 1), "parent", "parent", 0, [], [], [], [],
                       expect=0)
+
+
+@pytest.mark.parametrize("argv", [["prune", "--older-than", "30d", "--dry-run"], ["info"], ["migrate", "--to", "X"]])
+def test_a_store_command_on_a_data_dir_without_a_store_says_so_and_makes_none(tmp_path, capsys, argv):
+    """A mistyped --data-dir: the store was made there, empty, and a dry run, a listing or a copy
+    read from nothing ("nothing to prune"); a dry run wrote a store, its lock file and its schema."""
+    from bili_addon import cli
+
+    typo = tmp_path / "no-such-dir"
+    argv = [a if a != "X" else str(tmp_path / "target") for a in argv]
+    assert cli.main(["store", *argv[:1], "--data-dir", str(typo), *argv[1:]]) == 1
+    err = capsys.readouterr().err
+    assert "no bili store in" in err and str(typo) in err
+    assert not typo.exists() and not (tmp_path / "target").exists()
