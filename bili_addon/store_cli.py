@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sqlite3
 import sys
 import time
 from pathlib import Path
 
 from bili_addon import retention
-from bili_addon.store import DB_NAME, StoreError, default_data_dir
+from bili_addon.store import DB_NAME, SCHEMA_VERSION, StoreError, default_data_dir
 from bili_addon.stores import TABLES, copy_store, describe, is_url, open_store, store_spec
 
 
@@ -84,6 +85,30 @@ def _existing(spec: str, data_dir: str) -> str:
     return spec
 
 
+def _schema_of(spec: str, data_dir: str) -> int:
+    """The store's schema version, read without opening it as bili does (which migrates an older one)."""
+    try:
+        if is_url(spec):
+            import psycopg
+
+            with psycopg.connect(spec, connect_timeout=5, autocommit=True) as c:
+                if c.execute("SELECT to_regclass('meta')").fetchone()[0] is None:
+                    return 0
+                row = c.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        else:
+            path = (Path(spec or data_dir) / DB_NAME).resolve()
+            db = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+            try:
+                if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone() is None:
+                    return 0
+                row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            finally:
+                db.close()
+    except Exception as e:  # (psycopg.Error, sqlite3.Error): unreadable is said as the open would say it
+        raise StoreError(f"cannot read the store {describe(spec, data_dir)}: {e}", "error") from e
+    return int(row[0]) if row else 0
+
+
 def _info(spec: str, data_dir: str, as_json: bool) -> int:
     s = open_store(spec, data_dir)
     try:
@@ -123,6 +148,12 @@ def _migrate(source: str, target: str, data_dir: str) -> int:
 
 
 def _prune(spec: str, data_dir: str, args: argparse.Namespace) -> int:
+    if args.dry_run:
+        have = _schema_of(spec, data_dir)
+        if have < SCHEMA_VERSION:  # (opening it would migrate it: a write)
+            raise StoreError(f"the store {describe(spec, data_dir)} has schema {have}, older than this bili's "
+                             f"({SCHEMA_VERSION}); a dry run does not migrate it", "error",
+                             "run bili once on it (or prune without --dry-run), then look again")
     s = open_store(spec, data_dir)
     try:
         seen = {r.id: r.last_seen for r in s.sessions()}

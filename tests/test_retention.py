@@ -390,3 +390,38 @@ def test_a_store_command_on_a_data_dir_without_a_store_says_so_and_makes_none(tm
     err = capsys.readouterr().err
     assert "no bili store in" in err and str(typo) in err
     assert not typo.exists() and not (tmp_path / "target").exists()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_dry_run_on_an_older_store_leaves_it_as_it_is(tmp_path, capsys, request, kind):
+    """Opening a store migrates an older one: a dry run did, and so wrote to it."""
+    import sqlite3
+
+    from bili_addon import cli
+    from bili_addon.store import Store
+    from bili_addon.stores import open_store
+
+    if kind == "sqlite":
+        Store(str(tmp_path)).close()
+        db = sqlite3.connect(tmp_path / "bili.sqlite3")
+        db.execute("UPDATE meta SET value='10' WHERE key='schema_version'")
+        db.commit()
+        db.close()
+        where = ["--data-dir", str(tmp_path)]
+        schema = lambda: sqlite3.connect(tmp_path / "bili.sqlite3").execute(  # noqa: E731
+            "SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
+    else:
+        import psycopg
+
+        url = request.getfixturevalue("pg_url")
+        open_store(url, str(tmp_path)).close()
+        with psycopg.connect(url, autocommit=True) as c:
+            c.execute("UPDATE meta SET value='10' WHERE key='schema_version'")
+        where = ["--store", url]
+
+        def schema():
+            with psycopg.connect(url, autocommit=True) as c:
+                return c.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
+    assert cli.main(["store", "prune", "--older-than", "30d", "--dry-run", *where]) == 1
+    assert "a dry run does not migrate it" in capsys.readouterr().err
+    assert schema() == "10"
