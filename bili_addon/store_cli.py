@@ -89,21 +89,17 @@ def _schema_of(spec: str, data_dir: str) -> int:
     """The store's schema version, read without opening it as bili does (which migrates an older one)."""
     try:
         if is_url(spec):
-            import psycopg
+            from bili_addon.store_pg import schema_of  # (only with the postgres extra)
 
-            with psycopg.connect(spec, connect_timeout=5, autocommit=True) as c:
-                if c.execute("SELECT to_regclass('meta')").fetchone()[0] is None:
-                    return 0
-                row = c.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        else:
-            path = (Path(spec or data_dir) / DB_NAME).resolve()
-            db = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
-            try:
-                if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone() is None:
-                    return 0
-                row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            finally:
-                db.close()
+            return schema_of(spec)
+        path = (Path(spec or data_dir) / DB_NAME).resolve()
+        db = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+        try:
+            if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone() is None:
+                return 0
+            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        finally:
+            db.close()
     except Exception as e:  # (psycopg.Error, sqlite3.Error): unreadable is said as the open would say it
         raise StoreError(f"cannot read the store {describe(spec, data_dir)}: {e}", "error") from e
     return int(row[0]) if row else 0

@@ -626,6 +626,16 @@ _MIGRATIONS[12] = [
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
 
 
+def schema_of(url: str) -> int:
+    """The database's schema version, read without opening it as a store (which migrates an older
+    one: ``bili store prune --dry-run`` writes nothing); 0 when it has no bili tables."""
+    with psycopg.connect(url, connect_timeout=5, autocommit=True) as c:
+        if c.execute("SELECT to_regclass('meta')").fetchone()[0] is None:
+            return 0
+        row = c.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    return int(row[0]) if row else 0
+
+
 def redact(url: str) -> str:
     """The URL (or libpq's ``key=value`` string) without its password, in every form libpq takes:
     ``user:pw@``, ``:pw@`` and a ``password=`` setting (for logs, health and errors)."""
