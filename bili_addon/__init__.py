@@ -9,16 +9,21 @@ BILI_MODES = ("fold", "observe", "passthrough")  # the addon's bili_mode choices
 FIRST_PARTY = ("fold", "observe")  # the bili_first_party choices
 
 
-def default_proxy(env=None) -> str:
-    """The running proxy's address for ``bili stats``, ``bili page`` and ``bili mcp``: ``$BILI_PROXY``,
-    else this host at ``$BILI_PORT`` (the port ``bili run`` and the launchers take), else 8787."""
+def default_port(env=None) -> int:
+    """``$BILI_PORT``, else 8787: the port of bili run, the launchers and bili doctor."""
     import os
 
     env = os.environ if env is None else env
-    if env.get("BILI_PROXY"):
-        return env["BILI_PROXY"]
     try:
-        port = int(env.get("BILI_PORT") or DEFAULT_PORT)
+        return int(env.get("BILI_PORT") or DEFAULT_PORT)
     except ValueError:
-        port = DEFAULT_PORT
-    return f"http://{DEFAULT_HOST}:{port}"
+        return DEFAULT_PORT
+
+
+def default_proxy(env=None) -> str:
+    """The running proxy's address for ``bili stats``, ``bili page`` and ``bili mcp``: ``$BILI_PROXY``,
+    else this host at :func:`default_port`."""
+    import os
+
+    env = os.environ if env is None else env
+    return env.get("BILI_PROXY") or f"http://{DEFAULT_HOST}:{default_port(env)}"

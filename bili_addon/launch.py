@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from bili_addon import BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, adminclient, private, procs, transparent
+from bili_addon import (BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, adminclient, default_port,
+                        private, procs, transparent)
 from bili_addon.agents import (AGENTS, ANY_CA, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex,
                                intercept_plan)
 from bili_addon.store import DB_NAME, SCHEMA_VERSION, StoreError, default_data_dir
@@ -790,13 +791,6 @@ def program_agent(program: str) -> Agent:
                  lambda env, cwd: [f for a in AGENTS.values() for f in a.config_files(env, cwd)],
                  env_base_urls=tuple(dict.fromkeys(v for a in AGENTS.values() for v in a.env_base_urls)))
 
-
-def default_port() -> int:
-    """``$BILI_PORT``, else 8787: the port of bili run, the launchers and bili doctor."""
-    try:
-        return int(os.environ.get("BILI_PORT") or DEFAULT_PORT)
-    except ValueError:
-        return DEFAULT_PORT
 
 
 def configure_agent(p: argparse.ArgumentParser) -> None:

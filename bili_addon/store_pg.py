@@ -1029,9 +1029,9 @@ class PgStore:
             enc = conn.info.encoding
             name = None
         pgconn = conn.pgconn
-        params = [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in params]
-        if any(b"\0" in p for p in params if p is not None):
+        if any("\0" in p for p in params if type(p) is str):  # (bytes: bili's own JSON, which escapes it)
             raise ValueError(_NUL)
+        params = [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in params]
         result = pgconn.exec_params(sql, params) if name is None else pgconn.exec_prepared(name, params)
         if result.status != _TUPLES_OK:
             _failed(pgconn, result, enc)

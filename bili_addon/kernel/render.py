@@ -64,16 +64,17 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
         return
     idless: dict[str, list[str]] = {}
     called: dict[str, bool] = {}  # (ProxyTools.call_edits)
-    firsts: dict[str, str] = {}
+    firsts: dict[str, str] | None = None
 
     def first_call(cid: str) -> str | None:
         """The ref of the first call part with id ``cid`` in the request (read once, when asked)."""
-        if not firsts:
+        nonlocal firsts
+        if firsts is None:
+            firsts = {}
             for parts in resolved:
                 for r in parts:
                     if r.core.ctype == TOOL_CALL and r.core.tool_call_id:
                         firsts.setdefault(r.core.tool_call_id, r.entry.ref)
-            firsts.setdefault("", "")  # (read: not again)
         return firsts.get(cid)
     if q and lane.name == "gemini":  # id-less calls answered further on: pair from the start
         for parts in resolved[:q]:
