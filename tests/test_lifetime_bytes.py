@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from contextlib import contextmanager
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -23,11 +24,13 @@ from bili_addon.store import Store
 from bili_addon.wire.base import Body
 from bili_addon.wire import LANES
 from tests.test_fold import agent_answers_unknown, body, conversation, refs_in, roundtrip_call
-from tests.test_lifetime import _step, cc_body
-from tests.wirecases import capture_files, captured_bodies
+from tests.test_lifetime import EPH, _step, cc_body
+from tests.wirecases import CAPTURES, capture_files, captured_bodies
 
 ANTH = LANES["anthropic"]
 CHOICES = (None, lifetime.FIVE, lifetime.HEAD, lifetime.HOUR)
+# Claude Code on its default host: a breakpoint of another shape on system[2]
+CAPTURED_CC = Path(CAPTURES) / "claude-code" / "claude_fwd" / "009_POST_v1_messages.json"
 _upgrade_lifetime = pressure.upgrade_lifetime
 
 
@@ -182,6 +185,8 @@ def _random_body(r: random.Random) -> dict:
             b["cache_control"] = {"type": "ephemeral"}
         if r.random() < 0.01:  # the agent asks for a lifetime itself
             b["cache_control"] = {"type": "ephemeral", "ttl": r.choice(["5m", "1h"])}
+        if r.random() < 0.04:  # a breakpoint of another shape (Claude Code's on its default host)
+            b["cache_control"] = {"type": "ephemeral", "scope": "global"}
         if r.random() < 0.01:  # a tool call's argument of that name
             b = {"type": "tool_use", "id": "toolu_x", "name": "cache", "input": {"ttl": 60}}
         return b
@@ -244,3 +249,60 @@ def test_a_body_the_engine_leaves_as_it_came(tmp_path, choice):
             assert pressure.upgrade_lifetime(e, s, b, items, raw, False) == lifetime.apply(raw, choice)
     finally:
         e.store.close()
+
+
+def _lifetimes(raw: bytes) -> list[str]:
+    """Each breakpoint's lifetime in cache order (tools, system, messages)."""
+    doc = json.loads(raw)
+    marks = [t.get("cache_control") for t in doc.get("tools") or []]
+    marks += [b.get("cache_control") for b in doc.get("system") or [] if isinstance(b, dict)]
+    marks += [b.get("cache_control") for m in doc["messages"] if isinstance(m["content"], list) for b in m["content"]]
+    return [c.get("ttl", "5m") for c in marks if c]
+
+
+def test_a_breakpoint_of_another_shape_keeps_every_one_after_it_at_5_minutes():
+    """Claude Code on its default host marks ``system[2]`` ``{"type":"ephemeral","scope":"global"}``,
+    which bili does not rewrite: a 1-hour breakpoint after it would be one after a 5-minute one, a
+    body the provider refuses (it was sent on every turn of a session that chose an hour).  The
+    hours stop at it, in every way a body gets them; the plain ones before it get theirs."""
+    scope = {"type": "ephemeral", "scope": "global"}
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "[Compressed conversation section b1 (m1-m9)]\nsum",
+                                          "cache_control": EPH}]},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": [{"type": "text", "text": "go", "cache_control": EPH}]}]
+    for tools_mark, expect in ((None, ["5m", "5m", "5m", "5m"]), (EPH, ["1h", "5m", "5m", "5m", "5m"])):
+        doc = {"model": "claude-x", "max_tokens": 10,
+               "tools": [{"name": "t", "input_schema": {"type": "object"},
+                          **({"cache_control": tools_mark} if tools_mark else {})}],
+               "system": [{"type": "text", "text": "a", "cache_control": scope},
+                          {"type": "text", "text": "b", "cache_control": EPH}],
+               "messages": msgs}
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        for out in (lifetime.upgrade(raw), lifetime.upgrade_head(raw)):
+            assert _lifetimes(out or raw) == expect
+        b = Body(raw, "messages")
+        items = [bytes(i) for i in b.items]
+        anything, in_items = lifetime.apply_parts(b.top, "messages", items)
+        assert _lifetimes(b.encode(items)) == expect and anything == (tools_mark is not None) and not in_items
+    # the captured body itself: nothing before its first breakpoint, so nothing to upgrade
+    cap = json.load(open(CAPTURED_CC)) if CAPTURED_CC.exists() else None
+    if cap is not None:
+        raw = json.dumps(cap["body"], separators=(",", ":")).encode()
+        assert scope in [b.get("cache_control") for b in cap["body"]["system"]]
+        assert lifetime.upgrade(raw) is None and lifetime.upgrade_head(raw) is None
+
+
+def test_the_hours_are_always_a_prefix_of_the_breakpoints():
+    """The provider's ordering rule on random bodies (breakpoints of both shapes, summaries, the
+    agent's own lifetimes): whatever bili upgrades, no 1-hour breakpoint follows a 5-minute one."""
+    r = random.Random(11)
+    odd = 0
+    for _ in range(800):
+        doc = _random_body(r)
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        odd += b'"scope"' in raw
+        for out in (lifetime.upgrade(raw), lifetime.upgrade_head(raw)):
+            if out is not None:
+                got = _lifetimes(out)
+                assert got == sorted(got, key=lambda t: t != "1h"), raw
+    assert odd > 20

@@ -40,6 +40,10 @@ FIVE, HEAD, HOUR = "5m", "head", "1h"
 ORDER = (FIVE, HEAD, HOUR)  # a session moves only to the right
 
 _EPHEMERAL = re.compile(rb'("cache_control"\s*:\s*\{\s*"type"\s*:\s*"ephemeral"\s*)\}')
+# every breakpoint's key (an escaped mention in a text is no key: its quotes are escaped); one the plain
+# pattern above does not match (Claude Code's ``{"type":"ephemeral","scope":"global"}`` on its default
+# host) keeps its lifetime, and so does every breakpoint after it in cache order (_one_hour)
+_KEY = re.compile(rb'"cache_control"\s*:')
 _CC = b'"cache_control"'
 _objs = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _list = msgspec.json.Decoder(list[msgspec.Raw])
@@ -110,12 +114,47 @@ def upgrade(body: bytes) -> bytes | None:
     when the agent already asks for lifetimes (mixing would break the provider's ordering rule)."""
     if b'"ttl"' in body or _CC not in body:
         return None
-    out, n = _EPHEMERAL.subn(rb'\1,"ttl":"1h"}', body)
-    return out if n else None
+    out, n = _EPHEMERAL.subn(_HOUR, body)
+    if n == len(_KEY.findall(body)):
+        return out if n else None
+    # a breakpoint of another shape: 1 hour on the plain ones before it in cache order only (tools,
+    # system, messages), wherever the body writes those keys
+    try:
+        top = _objs.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    n = 0
+    for key in ("tools", "system", "messages"):
+        raw = top.get(key)
+        if raw is not None and _CC in bytes(raw):
+            out, k, stop = _one_hour(bytes(raw))
+            if k:
+                top[key], n = msgspec.Raw(out), n + k
+            if stop:
+                break
+    return _enc.encode(top) if n else None
 
 
-def _one_hour(raw: bytes) -> tuple[bytes, int]:
-    return _EPHEMERAL.subn(rb'\1,"ttl":"1h"}', raw)
+_HOUR = rb'\1,"ttl":"1h"}'
+
+
+def _one_hour(raw: bytes) -> tuple[bytes, int, bool]:
+    """``raw`` with 1 hour on its plain ephemeral breakpoints, how many, and whether a breakpoint of
+    another shape stopped it: the provider refuses a 1-hour breakpoint after a 5-minute one, so the
+    breakpoints from the first such one on (here, and in what follows it in cache order) keep theirs."""
+    out, n = _EPHEMERAL.subn(_HOUR, raw)
+    keys = _KEY.findall(raw)
+    if n == len(keys):
+        return out, n, False
+    pieces, at, n = [], 0, 0
+    for key in _KEY.finditer(raw):
+        m = _EPHEMERAL.match(raw, key.start())
+        if m is None:
+            break
+        pieces += [raw[at:m.end() - 1], b',"ttl":"1h"}']
+        at, n = m.end(), n + 1
+    pieces.append(raw[at:])
+    return b"".join(pieces), n, True
 
 
 def upgrade_head(body: bytes) -> bytes | None:
@@ -130,22 +169,25 @@ def upgrade_head(body: bytes) -> bytes | None:
     try:
         top = _objs.decode(body)
         n = 0
+        stop = False
         for key in ("tools", "system"):
             raw = top.get(key)
-            if raw is not None and _CC in bytes(raw):
-                out, k = _one_hour(bytes(raw))
+            if raw is not None and _CC in bytes(raw) and not stop:
+                out, k, stop = _one_hour(bytes(raw))
                 if k:
                     top[key], n = msgspec.Raw(out), n + k
         msgs = top.get("messages")
-        if msgs is not None and bytes(msgs)[:1] == b"[" and SUMMARY_MARK in bytes(msgs):
+        if msgs is not None and bytes(msgs)[:1] == b"[" and SUMMARY_MARK in bytes(msgs) and not stop:
             items = [bytes(i) for i in _list.decode(msgs)]
             last = next((i for i in range(len(items) - 2, -1, -1)
                          if SUMMARY_MARK in items[i] and _CC in items[i]), None)
             k = 0
             for i in range(last + 1 if last is not None else 0):
                 if _CC in items[i]:
-                    items[i], ki = _one_hour(items[i])
+                    items[i], ki, stop = _one_hour(items[i])
                     k += ki
+                    if stop:
+                        break
             if k:
                 top["messages"], n = msgspec.Raw(b"[" + b",".join(items) + b"]"), n + k
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -162,7 +204,7 @@ def apply(body: bytes, choice: str | None) -> bytes | None:
     return None
 
 
-_TTL, _MARK, _HAS_CC = 1, 2, 4
+_TTL, _MARK, _HAS_CC, _STOP = 1, 2, 4, 8  # (_STOP: a breakpoint of another shape, see _one_hour)
 _SEEN_MAX = 32 << 20  # bytes of items whose facts are kept
 _seen: dict[int, tuple[bytes, int]] = {}  # id(item) -> (the item, kept alive so its id is its own; its facts)
 _seen_bytes = 0
@@ -177,6 +219,8 @@ def _facts(item: bytes) -> int:
     if hit is not None and hit[0] is item:
         return hit[1]
     f = (_TTL if b'"ttl"' in item else 0) | (_MARK if SUMMARY_MARK in item else 0) | (_HAS_CC if _CC in item else 0)
+    if f & _HAS_CC and len(_EPHEMERAL.findall(item)) != len(_KEY.findall(item)):
+        f |= _STOP
     if _seen_bytes > _SEEN_MAX:
         _seen.clear()
         _seen_bytes = 0
@@ -192,7 +236,9 @@ def _top(key: str, raw: bytes) -> tuple[bytes, int, int]:
     if hit is not None and hit[0] == raw:
         return hit[1], hit[2], hit[3]
     f = (_TTL if b'"ttl"' in raw else 0) | (_HAS_CC if _CC in raw else 0)
-    out, k = _one_hour(raw) if f == _HAS_CC else (raw, 0)
+    out, k, stop = _one_hour(raw) if f == _HAS_CC else (raw, 0, False)
+    if stop:
+        f |= _STOP
     _tops[key] = (raw, out, k, f)
     return out, k, f
 
@@ -206,13 +252,13 @@ def apply_parts(top: dict[str, msgspec.Raw], key: str, items: list[bytes] | None
     item.  Returns whether it changed something, and whether ``items`` among it."""
     if "ttl" in top:
         return False, False
-    heads: dict[str, tuple[bytes, int]] = {}
+    heads: dict[str, tuple[bytes, int, int]] = {}
     for k, v in top.items():
         if items is not None and k == key:
             continue
         if k in ("tools", "system"):
             out, n, f = _top(k, bytes(v))
-            heads[k] = (out, n)
+            heads[k] = (out, n, f)
         else:
             f = _TTL if b'"ttl"' in bytes(v) else 0
         if f & _TTL:
@@ -221,15 +267,21 @@ def apply_parts(top: dict[str, msgspec.Raw], key: str, items: list[bytes] | None
     if any(f & _TTL for f in facts):
         return False, False
     n = m = 0
-    for k, (out, ki) in heads.items():
-        if ki:
-            top[k], n = msgspec.Raw(out), n + ki
-    if facts:
+    stop = False
+    for k in ("tools", "system"):  # (in cache order: a breakpoint of another shape stops the hours there)
+        if k in heads and not stop:
+            out, ki, f = heads[k]
+            if ki:
+                top[k], n = msgspec.Raw(out), n + ki
+            stop = bool(f & _STOP)
+    if facts and not stop:
         last = next((i for i in range(len(facts) - 2, -1, -1) if facts[i] & _MARK and facts[i] & _HAS_CC), None)
         for i in range(last + 1 if last is not None else 0):
             if facts[i] & _HAS_CC:
-                items[i], ki = _one_hour(items[i])
+                items[i], ki, stop = _one_hour(items[i])
                 m += ki
+                if stop:
+                    break
     return n + m > 0, m > 0
 
 
