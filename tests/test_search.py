@@ -171,3 +171,22 @@ def test_output_is_deterministic(docs):
     first = search("config loader cache", many, limit=10)
     assert first == search("config loader cache", many, limit=10)
     assert first == search("config loader cache", list(many), limit=10)
+
+
+def test_search_context_leaves_the_fold_coverage_every_turn_reads_as_it_was():
+    """``fold.coverage`` gives every caller the same dict while the blocks are the same; the
+    search named the owners of a retired block's originals by adding them to it, so the plan of
+    every later turn took those refs for folded and dropped a message of theirs back on the wire
+    with nothing in its place."""
+    from bili_addon.kernel import surfaces
+    from bili_addon.kernel.fold import Block, coverage
+
+    retired = Block("b1", 1, "s" * 60, "", ["m00002", "m00003"], ["m00002", "m00003"], [], "m00002", "m00003",
+                    active=False, retired=True)
+    live = Block("b2", 1, "t" * 60, "", ["m00007"], ["m00007"], [], "m00007", "m00007")
+    blocks = [retired, live]
+    before = dict(coverage(blocks))
+    originals = [("m00002", "", "", "", 0, "the secret config value"), ("m00007", "", "", "", 0, "other")]
+    out = surfaces.search_context({"query": "config"}, blocks, lambda refs: originals)
+    assert "m00002 (inside b1)" in out  # (the retired block still names its originals)
+    assert coverage(blocks) == before == {"m00007": live}

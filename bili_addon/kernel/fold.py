@@ -432,7 +432,8 @@ _COVERAGES_MAX = 4
 
 def coverage(blocks: Iterable[Block]) -> dict[str, Block]:
     """Each ref an active block holds -> the first such block.  (The same dict again while the
-    blocks, their active flags and their coverage are the same: callers only read it.)"""
+    blocks, their active flags and their coverage are the same: callers only read it; one that
+    adds to it works on a copy, or every later turn's plan sees its additions.)"""
     blocks = list(blocks)
     n = len(blocks)
     for i, (bs, actives, covs, out) in enumerate(_COVERAGES):

@@ -118,7 +118,7 @@ def search_context(args: Any, blocks: list[Block], originals) -> str:
     limit = args.get("limit") if isinstance(args.get("limit"), int) else 5
     limit = min(max(1, limit), 20)
     docs = [Doc(b.id, b.text(), "summary") for b in blocks if b.active or b.retired]
-    owner = coverage(blocks)
+    owner = dict(coverage(blocks))  # (a copy: fold.coverage gives every caller the same dict)
     for b in blocks:  # blocks of earlier epochs (the agent compacted) still own their originals
         if b.retired:
             for r in b.covered:
