@@ -328,3 +328,41 @@ def test_snapshot_render_falls_back_when_nothing_links(backend):
     ra = a.process(raw, LANES["chat"], H, render=True)
     rb = b.process(raw, LANES["chat"], H, render=True)
     assert ra.body == rb.body
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat"])
+def test_a_distil_of_re_anchored_blocks_keeps_their_claims(backend, lane):
+    """b1's messages churned (re-minted tool-call ids): its claims hold the refs they have now.
+    A distil that absorbs b1 took those refs into its own ``covered`` beside the originals, with no
+    claim: every original ref then counted as a folded part missing from the wire, on every turn of
+    an unchanged history (drift), and from ten of them the session latched and the whole history
+    went back upstream.  The new block carries the claims."""
+    import logging
+
+    engine = make_engine(backend)
+    ts = C.turns(24)
+    pair, _ = fold_early_turns(engine, lane, ts, C.Scheme(), 1, 12)
+    churned = C.Scheme(ids="alt_")
+    out = send(engine, lane, C.BUILD[lane](ts, churned, pair))
+    assert b"file-2-row-" not in out and engine.sessions[SID].blocks[0].claimed  # re-anchored
+    refs = C.refs_by_text(out)
+    a2 = {"content": [{"startId": refs["Turn 13: please"[:14]], "endId": refs["Reply Turn 15: "[:14]],
+                       "summary": SUMMARY + " (13-15)"}]}
+    engine.record_calls(SID, [("cf2", "compress", json.dumps(a2))])
+    pair2 = C.proxy_call(lane, "cf2", "compress", a2)
+    send(engine, lane, C.BUILD[lane](ts, churned, pair + pair2))
+    a3 = {"content": [{"startId": "b1", "endId": "b2",
+                       "summary": "Distilled: turns 1-15, modules read, values noted, nothing left open."}]}
+    engine.record_calls(SID, [("cf3", "compress", json.dumps(a3))])
+    pair3 = C.proxy_call(lane, "cf3", "compress", a3)
+    send(engine, lane, C.BUILD[lane](ts, churned, pair + pair2 + pair3))
+    b3 = next(b for b in engine.sessions[SID].blocks if b.id == "b3")
+    assert b3.active
+    for t in range(24, 28):
+        ts.append(C.Turn(t, f"Turn {t}: steady.", f"Reply Turn {t}.", tool=False))
+        res = engine.process(C.body(lane, C.BUILD[lane](ts, churned, pair + pair2 + pair3)), LANES[lane], H,
+                             render=True)
+        out = res.body
+        assert not res.drift, res.drift
+        assert not engine.sessions[SID].copy.latched
+        assert b"section b3" in out and b"file-2-row-" not in out and b"file-14-row-" not in out

@@ -814,15 +814,19 @@ def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_i
                 raise CompressError(f"the summary is too long ({len(summary)} characters, maximum "
                                     f"{cfg.max_summary_chars}); keep paths, decisions, errors and values, drop noise")
             order = {ref: i for i, ref in enumerate(view.pos)}
+            # an absorbed block's refs as it holds them: its messages' own refs, with the refs churn
+            # re-minted them to (its claims, verified) carried over, not taken for refs of its own
+            # (the new block would then miss every original ref on every turn: drift, then a collapse)
+            claimed = {old: new for b in absorbed for old, new in b.claimed.items()}
             covered = sorted(
-                {p.ref for p in direct} | {ref for b in absorbed for ref in b.coverage},
-                key=lambda ref: (order.get(ref, 1 << 30), ref),
+                {p.ref for p in direct} | {ref for b in absorbed for ref in b.covered},
+                key=lambda ref: (order.get(claimed.get(ref, ref), 1 << 30), ref),
             )
             folded = sum(p.tokens for p in direct) + sum(b.summary_tokens for b in absorbed)
             block = Block(
                 id=f"b{next_no}", tier=tier, summary=r.summary, topic=r.topic, covered=covered,
                 direct=[p.ref for p in direct], consumed=[b.id for b in absorbed],
-                start_ref=r.start, end_ref=r.end, call_id=call_id, folded_tokens=folded,
+                start_ref=r.start, end_ref=r.end, call_id=call_id, folded_tokens=folded, claimed=claimed,
             )
             next_no += 1
             for b in absorbed:
