@@ -252,32 +252,47 @@ def test_a_fork_survives_a_restart(backend):
 
 # -- id-less sessions (#20) -----------------------------------------------------------------------
 
-def chat(n: int, branch: str = "") -> list[dict]:
+def chat(n: int, branch: str = "", calls: bool = False) -> list[dict]:
+    """``n`` messages, user and assistant in turn; ``calls``: each assistant message a tool call under
+    a provider's id, each user message after one its result."""
     out = []
     for i in range(n):
         role = "user" if i % 2 == 0 else "assistant"
-        out.append({"role": role, "content": f"{role} message {i}{branch}: " + "words " * 8})
+        text = f"{role} message {i}{branch}: " + "words " * 8
+        if calls and role == "assistant":
+            out.append({"role": role, "content": [{"type": "text", "text": text},
+                                                  {"type": "tool_use", "id": f"toolu_{i}{branch}", "name": "Read",
+                                                   "input": {"path": f"f{i}.py"}}]})
+        elif calls and i:
+            out.append({"role": role, "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i - 1}{branch}",
+                                                   "content": f"contents {i}"}, {"type": "text", "text": text}]})
+        else:
+            out.append({"role": role, "content": text})
     return out
 
 
 def tags(payload: dict) -> dict[str, str]:
     out = {}
     for m in payload["messages"]:
-        t = TAG.match(m["content"]) if isinstance(m["content"], str) else None
-        if t:
-            out[m["content"][t.end():]] = t.group(1)
+        texts = [m["content"]] if isinstance(m["content"], str) else [
+            b["text"] for b in m["content"] if b.get("type") == "text"]
+        for text in texts:
+            t = TAG.match(text)
+            if t:
+                out[text[t.end():]] = t.group(1)
     return out
 
 
 def test_an_idless_rewind_keeps_its_session_and_refs(engine, backend):
     seen = []
     for n in (1, 3, 5):
-        res = engine.process(body(chat(n)), ANTH, {}, render=True)
+        res = engine.process(body(chat(n, calls=True)), ANTH, {}, render=True)
         seen.append((res.session, tags(json.loads(res.body))))
     sid = seen[0][0]
     assert {s for s, _ in seen} == {sid}
     refs = seen[-1][1]
-    rewind = chat(3) + [{"role": "assistant", "content": "a different reply " * 4}, {"role": "user", "content": "ok"}]
+    rewind = chat(3, calls=True) + [{"role": "assistant", "content": "a different reply " * 4},
+                                    {"role": "user", "content": "ok"}]
     res = engine.process(body(rewind), ANTH, {}, render=True)
     assert res.session == sid and res.source == "prefix"
     got = tags(json.loads(res.body))
@@ -286,7 +301,7 @@ def test_an_idless_rewind_keeps_its_session_and_refs(engine, backend):
             assert refs[text] == ref
     assert len(set(got.values()) & set(refs.values())) == 3
     # back to the first branch: still the same session, the same refs
-    res = engine.process(body(chat(7)), ANTH, {}, render=True)
+    res = engine.process(body(chat(7, calls=True)), ANTH, {}, render=True)
     assert res.session == sid
     got = tags(json.loads(res.body))
     assert all(got[t] == r for t, r in refs.items())
@@ -294,6 +309,23 @@ def test_an_idless_rewind_keeps_its_session_and_refs(engine, backend):
     engine.store.close()
     e2 = Engine(backend())
     assert e2.process(body(rewind[:4]), ANTH, {}, render=True).session == sid
+
+
+def test_idless_conversations_sharing_a_stock_opening_exchange_stay_apart(engine):
+    """A harness that opens every conversation with the same exchange (aider: the repository map,
+    then a stock "Ok" reply): that shared user message and reply are no history in common.  The
+    second conversation joined the first (the earlier point at the reply was taken for verified), and
+    its model could search the first one's folded content.  A rewind without a tool call in the
+    shared history is a new session, as a fork without one is none."""
+    pre = [{"role": "user", "content": "Here are summaries of files in my repository; treat them as read-only."},
+           {"role": "assistant", "content": "Ok, I won't try and edit those files without asking first."}]
+    x = engine.process(body(pre + chat(5, "-x")), ANTH, {}, render=True).session
+    y = engine.process(body(pre + [{"role": "user", "content": "Y: write a haiku about autumn, please."}]),
+                       ANTH, {}, render=True).session
+    assert x != y
+    # a plain rewind (no tool call before the point it goes back to) starts a session of its own too
+    rewind = chat(3, "-x") + [{"role": "assistant", "content": "another reply " * 4}, {"role": "user", "content": "ok"}]
+    assert engine.process(body(pre + rewind), ANTH, {}, render=True).session not in (x, y)
 
 
 def test_idless_conversations_sharing_only_their_opening_stay_apart(engine):

@@ -231,7 +231,10 @@ class Lineage:
                 return {}
 
         def verified(depth: int) -> bool:
-            return any(p.core.role == "assistant" for info in conv[:depth] for p in info.parts)
+            # the fork rule (_adopt): a tool call the model made, under its provider-minted id (unique
+            # to one conversation); a stock first reply a harness opens every conversation with is
+            # said in two conversations alike
+            return any(p.core.ctype == TOOL_CALL and p.core.tool_call_id for info in conv[:depth] for p in info.parts)
 
         return affinity.locate(hashes, points, verified)
 
