@@ -240,7 +240,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         f"else {DEFAULT_PROXY})")
     p.add_argument("--conversation", metavar="ID", default=None,
                    help="the conversation the tools act on (default: $BILI_CONVERSATION_ID, else the "
-                        "conversation that most recently went through the proxy)")
+                        "conversation whose answer made the call, as the proxy read it)")
     p.add_argument("--data-dir", metavar="DIR", default=None,
                    help="the proxy's data directory, where its admin token is (default: $BILI_DATA_DIR, "
                         "else $XDG_DATA_HOME/bili-addon); $BILI_TOKEN overrides the token")

@@ -429,9 +429,17 @@ class Bili:
         marker = res.marker if ctx.options.bili_marker else ""
         rw = ResponseRewriter(lane.name, rewrite, marker)
         rw.lane.shadowed = res.shadowed
+        self._note_native(rw, res.session)
         if turn is not None:
             rw.tap = self.chain_tap(turn)
         self._flows[flow] = FlowState(lane.name, res.session, rw, record, turn, sent)
+
+    def _note_native(self, rw: ResponseRewriter, session: str) -> None:
+        """The answer's calls of bili's tools under the agent's own names for them (its MCP server's)
+        noted with its conversation: ``bili mcp`` started without one runs them there (kernel/native.py)."""
+        eng = self.engine
+        if eng is not None and session:
+            rw.lane.on_native = lambda name, args: eng.native.note(session, name, args)
 
     def _record(self, eng: Engine, res: TurnResult | None, lane: str, via: str, rendered: bool,
                 raw: bytes, turn: ChainTurn | None = None) -> dict[str, Any] | None:
@@ -696,6 +704,7 @@ class Bili:
             rw = ResponseRewriter("responses", rewrite, marker)
             if res is not None:
                 rw.lane.shadowed = res.shadowed
+                self._note_native(rw, res.session)
             if turn is not None:
                 rw.tap = self.chain_tap(turn)  # the answer goes into the chains transcript
             if record is not None:

@@ -83,13 +83,44 @@ def test_acp_status_through_the_endpoint(bili):
     assert entry["flags"].get("native_tools") is True
 
 
-def test_null_conversation_means_the_latest_one(bili):
-    model_request(bili, "older", "first conversation")
-    model_request(bili, "newer", "second conversation")
+def model_answer(bili: Bili, sid: str, *texts: str, calls: list[tuple[str, dict]] = ()) -> None:
+    """A model request of conversation ``sid`` and its (JSON) answer, which calls ``calls``: (tool
+    name as the agent has it, arguments)."""
+    f = flow("/v1/messages", anthropic_body(*texts), headers={"x_acp_session": sid})
+    bili.request(f)
+    content = [{"type": "text", "text": "Let me check."}] + [
+        {"type": "tool_use", "id": f"toolu_{sid}_{i}", "name": name, "input": args} for i, (name, args) in enumerate(calls)]
+    answer = {"id": "msg_1", "type": "message", "role": "assistant", "content": content, "stop_reason": "tool_use",
+              "usage": {"input_tokens": 10, "output_tokens": 5}}
+    f.response = tutils.tresp(headers=http.Headers(content_type="application/json"), content=json.dumps(answer).encode())
+    bili.responseheaders(f)
+    bili.response(f)
+
+
+def test_null_conversation_is_the_one_whose_answer_made_the_call(bili):
+    """``bili mcp`` started without a conversation (as the agents' MCP settings start it): the call
+    runs in the conversation whose answer made it, never in whichever went through the proxy last
+    (another agent's, as often as not: its refs are valid there too)."""
+    model_answer(bili, "older", "first conversation", calls=[("mcp__bili__acp_status", {})])
+    model_answer(bili, "newer", "second conversation")
     status, doc = call_tool(bili, {"conversationId": None, "tool": "acp_status"})
-    assert status == 200 and doc["conversationId"] == "newer"
-    status, doc = call_tool(bili, {"tool": "search_context", "args": {"query": "nothing folded yet"}})
+    assert status == 200 and doc["conversationId"] == "older"
+    # run once: the same call again was made by no answer
+    status, doc = call_tool(bili, {"conversationId": None, "tool": "acp_status"})
+    assert status == 404 and "--conversation" in doc["error"]
+    # the arguments decide, whatever their order or spacing
+    model_answer(bili, "newer", "second conversation", "a reply", "go on",
+                 calls=[("bili_search_context", {"query": "build scripts", "limit": 3})])
+    status, doc = call_tool(bili, {"tool": "search_context", "args": {"limit": 3, "query": "build scripts"}})
     assert status == 200 and doc["conversationId"] == "newer" and isinstance(doc["result"], str)
+    # two conversations made the very same call: which one asks cannot be told
+    model_answer(bili, "older", "first conversation", "ok", "status?", calls=[("mcp__bili__acp_status", {})])
+    model_answer(bili, "newer", "second conversation", "ok", "status?", calls=[("mcp__bili__acp_status", {})])
+    status, doc = call_tool(bili, {"tool": "acp_status"})
+    assert status == 404 and "2 conversations" in doc["error"]
+    # a named conversation needs no answer
+    status, doc = call_tool(bili, {"conversationId": "older", "tool": "acp_status"})
+    assert status == 200 and doc["conversationId"] == "older"
 
 
 def test_compress_through_the_endpoint_folds_the_next_request(bili):
@@ -429,6 +460,11 @@ def test_mcp_server_against_a_real_proxy(proxy, mcp_client, tmp_path):
     status, _ = http_json(proxy + "/v1/messages", anthropic_body("hello through the proxy"), timeout=30,
                           headers={"x-acp-session": "e2e-conv"})
     assert status >= 500  # the upstream at 127.0.0.1:9 is down; the ledger has the session anyway
+    res = c.call("acp_status")  # no answer made this call: no conversation to run it in
+    assert res["isError"] is True and "--conversation" in res["content"][0]["text"]
+    assert c.close() == 0
+    c = mcp_client("--proxy", proxy, "--data-dir", str(data), "--conversation", "e2e-conv", cwd=tmp_path)
+    c.handshake()
     res = c.call("acp_status")
     assert res["isError"] is False, res
     assert res["content"][0]["type"] == "text" and res["content"][0]["text"].startswith("Context:")
@@ -480,3 +516,53 @@ def test_mcp_server_without_the_token_is_refused(proxy, mcp_client, tmp_path):
     text = res["content"][0]["text"]
     assert "refused" in text and "admin token" in text and "--data-dir" in text
     assert c.close() == 0
+
+
+def test_a_streamed_call_is_known_once_its_block_has_passed(bili):
+    """An agent runs a tool once the answer's block that calls it has reached it: the proxy read that
+    block on its way, so the call's conversation is known before the agent can ask (the rest of the
+    answer not come yet)."""
+    f = flow("/v1/messages", anthropic_body("please fold"), headers={"x_acp_session": "streamed"})
+    bili.request(f)
+    model_request(bili, "other", "another agent's conversation")
+    f.response = tutils.tresp(headers=http.Headers(content_type="text/event-stream"), content=None)
+    bili.responseheaders(f)
+    events = [
+        ("message_start", {"type": "message_start", "message": {"id": "msg_1", "role": "assistant", "content": [],
+                                                                 "usage": {"input_tokens": 9, "output_tokens": 1}}}),
+        ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {
+            "type": "tool_use", "id": "toolu_s1", "name": "mcp__bili__search_context", "input": {}}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "input_json_delta", "partial_json": '{"query": "bui'}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "input_json_delta", "partial_json": 'ld"}'}}),
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+    ]
+    sent = b"".join(b"".join(f.response.stream(f"event: {name}\ndata: {json.dumps(ev)}\n\n".encode()))
+                    for name, ev in events[:-1])
+    status, _doc = call_tool(bili, {"tool": "search_context", "args": {"query": "build"}})
+    assert status == 404  # (the block has not ended: its arguments are not whole yet)
+    sent += b"".join(f.response.stream(f"event: content_block_stop\ndata: {json.dumps(events[-1][1])}\n\n".encode()))
+    assert b"content_block_stop" in sent
+    status, doc = call_tool(bili, {"tool": "search_context", "args": {"query": "build"}})
+    assert status == 200 and doc["conversationId"] == "streamed"
+
+
+def test_native_tool_names_and_the_register():
+    from bili_addon.kernel.native import NativeCalls, bili_tool
+
+    assert [bili_tool(n) for n in ("mcp__bili__compress", "bili_decompress", "mcp_bili_search_context",
+                                   "bili.acp_status", "compress", "mcp__other__compress", "bilicompress",
+                                   "mcp__bili__my_compress_x", None)] == [
+        "compress", "decompress", "search_context", "acp_status", None, None, None, None, None]
+    now = [0.0]
+    reg = NativeCalls(clock=lambda: now[0])
+    reg.note("a", "mcp__bili__decompress", '{"id": "b1"}')
+    reg.note("b", "mcp__bili__decompress", {"id": "b2"})
+    reg.note("", "mcp__bili__decompress", {"id": "b3"})  # (no conversation: nothing to note)
+    assert reg.take("decompress", {"id": "b2"}) == "b"
+    with pytest.raises(LookupError):
+        reg.take("decompress", {"id": "b3"})
+    now[0] = 601.0  # a call the agent never ran is forgotten
+    with pytest.raises(LookupError):
+        reg.take("decompress", {"id": "b1"})

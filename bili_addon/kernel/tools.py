@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from bili_addon.kernel.calibration import Calibration
     from bili_addon.kernel.cache import Clocks
     from bili_addon.kernel.fold import FoldConfig
+    from bili_addon.kernel.native import NativeCalls
     from bili_addon.kernel.nudge import NudgeConfig
     from bili_addon.kernel.registry import Sessions
     from bili_addon.store import Store
@@ -72,6 +73,7 @@ class ToolHost(Protocol):
     nudge_cfg: NudgeConfig
     clocks: Clocks
     calibration: Calibration
+    native: NativeCalls
 
     def window_for(self, s: Session) -> int: ...
 
@@ -177,14 +179,12 @@ class ProxyTools:
     def plugin_tool(self: ToolHost, sid: str | None, tool: str, args: Any) -> tuple[str, str]:
         """A tool called natively (MCP) rather than on the wire: ``(session id, result)``.
 
-        Without a session id the most recently active session is used.  Ranges resolve against the
+        Without a session id, the conversation whose answer made this very call (kernel/native.py);
+        LookupError when no conversation did, or more than one.  Ranges resolve against the
         conversation as its last request showed it; a fold shows from the next request on.
         """
         if not sid:
-            rows = self.store.sessions()
-            if not rows:
-                raise LookupError("no conversation has gone through the proxy yet")
-            sid = rows[0].id
+            sid = self.native.take(tool, args)
         elif self.store.session(sid) is None and sid not in self.sessions:
             raise LookupError(f"unknown conversation {sid!r}")
         s = self.sessions.load(sid, fresh=True)

@@ -55,6 +55,7 @@ from bili_addon.kernel.state import (
     clean_replayed_prose,
     hash_parts,
 )
+from bili_addon.kernel.native import NativeCalls
 from bili_addon.kernel.tools import ProxyTools
 from bili_addon.kernel.windows import context_window
 from bili_addon.store import LedgerRow, SessionRow, StaleSession, Store, StoreError
@@ -84,6 +85,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         self.affinity = PrefixAffinity(store.affinity())
         self.lineage = Lineage(store)  # forks and id-less rewinds (kernel/lineage.py)
         self.chains = Chains(store)  # server-side chains: the shell's way in (kernel/chains.py)
+        self.native = NativeCalls()  # which conversation made a native (MCP) tool call (kernel/native.py)
         self.fold_cfg = fold_cfg or FoldConfig()
         self.nudge_cfg = nudge.NudgeConfig()
         self.inject = inject

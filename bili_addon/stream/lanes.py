@@ -10,13 +10,17 @@ when the block ends: no event is ever invented or dropped, and every aggregate (
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+from bili_addon.kernel.native import bili_tool
 from bili_addon.kernel.prompts import TOOL_NAMES
 from bili_addon.stream.echo import EchoFilter, strip_echoes
 from bili_addon.wire.base import compact_json
 from bili_addon.wire.gemini import function_call_key
+
+log = logging.getLogger("bili")
 
 Event = dict[str, Any]
 KEEP = object()  # "send the original bytes of this event"
@@ -112,6 +116,9 @@ class LaneResponse:
         self.finished = False  # the answer's final event came (a stream that has one: Responses)
         # bili's tool names the agent's own tools have (not offered then: a call of one is the agent's)
         self.shadowed: tuple[str, ...] = ()
+        # called with (name, arguments) for a call of one of bili's tools under the agent's own name
+        # for it (its MCP server's: ``mcp__bili__compress``), when its arguments are whole
+        self.on_native: Callable[[str, Any], None] | None = None
 
     @property
     def stripped(self) -> int:
@@ -123,6 +130,13 @@ class LaneResponse:
             if not isinstance(args, str):
                 args = compact_json({} if args is None else args)
             self.calls.append((key, name, args))
+        elif self.on_native is not None and bili_tool(name) is not None:
+            # one of bili's tools the agent has natively (MCP): which conversation asked for it is
+            # known here, before the agent runs it (kernel/native.py)
+            try:
+                self.on_native(name, args)
+            except Exception as e:  # (never the answer's failure)
+                log.warning("[bili] a native tool call could not be noted (%s)", e)
 
     # the generic hold-and-merge machinery ------------------------------------------------------
     def _prose(self, key: Any, ev: Event, slot: Slot) -> list:

@@ -1,0 +1,94 @@
+"""Which conversation a native tool call came from (``bili mcp`` started without a conversation).
+
+An agent that has bili's tools natively (its MCP server: ``mcp__bili__compress``, opencode's
+``bili_compress``) runs them through ``POST /__bili/plugin/tool``, which names no conversation unless
+the server was started with one.  The call itself went through the proxy first: the model made it in
+an answer bili read on its way to the agent, before the agent could run it.  The answer's reader
+notes each such call with its conversation (:meth:`NativeCalls.note`, on the event loop), and the
+plugin call takes the conversation whose answer made exactly that call (:meth:`NativeCalls.take`,
+on the store's worker): the same tool with the same arguments, not run yet.  Two conversations
+that made the same call, or none that did, is no answer: the call is refused, never guessed (the
+most recent conversation was another agent's as often as not, and its refs are valid there too).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+
+from bili_addon.kernel.prompts import TOOL_NAMES
+
+KEEP_SECONDS = 600.0  # a noted call not run within this is forgotten
+MAX_CALLS = 512
+
+_enc = msgspec.json.Encoder(order="sorted")
+_dec = msgspec.json.Decoder()
+
+
+def bili_tool(name: Any) -> str | None:
+    """The bili tool a native tool name stands for (``mcp__bili__compress`` -> ``compress``), else None."""
+    if not isinstance(name, str) or "bili" not in name.lower():
+        return None
+    for tool in TOOL_NAMES:
+        if name.endswith(tool) and len(name) > len(tool) and not name[-len(tool) - 1].isalnum():
+            return tool
+    return None
+
+
+def canonical(args: Any) -> bytes | None:
+    """Arguments as one text, whatever their key order or spacing (a JSON text is read first)."""
+    try:
+        if isinstance(args, (str, bytes)):
+            args = _dec.decode(args) if args else {}
+        return _enc.encode({} if args is None else args)
+    except (msgspec.DecodeError, TypeError, ValueError):
+        return None
+
+
+class NativeCalls:
+    """The native calls answers made, not run yet: ``(tool, arguments)`` -> the conversations."""
+
+    def __init__(self, clock=time.monotonic):
+        self._calls: deque[tuple[float, str, str, bytes]] = deque()  # (when, session, tool, arguments)
+        self._lock = threading.Lock()
+        self._clock = clock
+
+    def note(self, sid: str, name: Any, args: Any) -> None:
+        tool, text = bili_tool(name), canonical(args)
+        if not sid or tool is None or text is None:
+            return
+        with self._lock:
+            self._expire()
+            self._calls.append((self._clock(), sid, tool, text))
+            while len(self._calls) > MAX_CALLS:
+                self._calls.popleft()
+
+    def take(self, tool: str, args: Any) -> str:
+        """The conversation whose answer made this call (the call is then no longer waiting).
+        LookupError when none did, or more than one did."""
+        text = canonical(args)
+        with self._lock:
+            self._expire()
+            found = [c for c in self._calls if c[2] == tool and c[3] == text]
+            sids = {c[1] for c in found}
+            if len(sids) == 1:
+                self._calls.remove(found[0])
+                return found[0][1]
+        if not sids:
+            raise LookupError(f"no conversation through this proxy made this {tool} call; start `bili mcp` "
+                              "with --conversation ID (or $BILI_CONVERSATION_ID) to name the conversation")
+        raise LookupError(f"{len(sids)} conversations made this same {tool} call; start `bili mcp` with "
+                          "--conversation ID (or $BILI_CONVERSATION_ID) to name the conversation")
+
+    def _expire(self) -> None:
+        limit = self._clock() - KEEP_SECONDS
+        calls = self._calls
+        while calls and calls[0][0] < limit:
+            calls.popleft()
+
+
+__all__ = ["NativeCalls", "bili_tool", "canonical"]
