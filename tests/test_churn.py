@@ -366,3 +366,57 @@ def test_a_distil_of_re_anchored_blocks_keeps_their_claims(backend, lane):
         assert not res.drift, res.drift
         assert not engine.sessions[SID].copy.latched
         assert b"section b3" in out and b"file-2-row-" not in out and b"file-14-row-" not in out
+
+
+REWIND_SUMMARY = ("Turns 1-5: modules 1-5 analysed. In turn 5 we DELETED mod5.py and rewrote the config "
+                  "(the user later regretted it).")
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat"])
+def test_a_rewind_past_a_fold_leaves_its_summary_out_until_the_branch_comes_back(backend, lane):
+    """b1 folds turns 1-5; the user rewinds to turn 3 and goes another way (the same session).  b1's
+    summary stood in place of turns 1-3 and told the model of turns 4-5, which this branch does not
+    have (its verdict was drift: nothing done).  A rewind is told now (the history is the copy's up
+    to a point, then another): the blocks that covered messages past that point are not rendered on
+    this branch, turn after turn, and are again when the agent returns to the first branch."""
+    engine = make_engine(backend)
+    ts = C.turns(12)
+    out = send(engine, lane, C.BUILD[lane](ts, C.Scheme()))
+    refs = C.refs_by_text(out)
+    args = {"content": [{"startId": refs["Turn 1: please"], "endId": refs["Reply Turn 5: "],
+                         "summary": REWIND_SUMMARY}]}
+    engine.record_calls(SID, [("cfold", "compress", json.dumps(args))])
+    pair = C.proxy_call(lane, "cfold", "compress", args)
+    ts.append(C.Turn(12, "Turn 12: next question.", "Reply Turn 12.", tool=False))
+    first_branch = C.BUILD[lane](ts, C.Scheme(), pair)
+    assert b"DELETED mod5.py" in send(engine, lane, first_branch)
+    rew = ts[:4] + [C.Turn(20, "Turn 20: a different path after the rewind.", "Reply Turn 20.", tool=False),
+                    C.Turn(21, "Turn 21: and more on it.", "Reply Turn 21.", tool=False)]
+    for extra in range(3):
+        res = engine.process(C.body(lane, C.BUILD[lane](rew, C.Scheme())), LANES[lane], H, render=True)
+        out = res.body or C.body(lane, C.BUILD[lane](rew, C.Scheme()))
+        assert res.drift == "rewound"
+        assert b"DELETED mod5.py" not in out and b"Compressed conversation section b1" not in out
+        assert b"Turn 2: please" in out and b"Turn 3: please" in out  # (on the wire, as they are)
+        rew.append(C.Turn(22 + extra, f"Turn {22 + extra}: still on the new branch.", "ok", tool=False))
+    back = send(engine, lane, first_branch)
+    assert b"DELETED mod5.py" in back and b"Turn 2: please" not in back
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat"])
+def test_a_retried_prompt_a_fold_covers_stays_on_the_wire(backend, lane):
+    """After a rewind to turn 3 the user sends turn 4's prompt again, word for word: its ref is the
+    folded one (the same words, the same instance), so b1's summary took the place of the user's
+    newest message.  An item a fold never takes (the newest user turn, the recent zone) stays on the
+    wire whatever covers it."""
+    engine = make_engine(backend)
+    ts = C.turns(12)
+    pair, _ = fold_early_turns(engine, lane, ts, C.Scheme(), 1, 5)
+    ts.append(C.Turn(12, "Turn 12: next question.", "Reply Turn 12.", tool=False))
+    send(engine, lane, C.BUILD[lane](ts, C.Scheme(), pair))
+    conv = C.BUILD[lane](ts[:4], C.Scheme())
+    if lane == "anthropic":
+        conv[-1]["content"][-1].pop("cache_control", None)
+    conv.append({"role": "user", "content": [{"type": "text", "text": ts[4].user}]})
+    out = json.loads(send(engine, lane, conv))
+    assert ts[4].user[:30] in json.dumps(out["messages"][-1])

@@ -181,7 +181,8 @@ def old_assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes
     blocks, calls = folds.wire_blocks(s)  # held folds are not on the wire yet (kernel/pending.py)
     hidden = folds.spent_calls(s, view, blocks=calls) if s.calls else set()
     active = any(b.active for b in blocks)
-    plan = fold.plan(view, blocks, hidden, snoozed) if hidden or active else fold.Plan(set(), {}, [])
+    plan = (fold.plan(view, blocks, hidden, snoozed, view.protected(folds.fold_cfg)) if hidden or active
+            else fold.Plan(set(), {}, []))
     after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
     nudge_at = render._holding(view, after) if after else set()
     drop = plan.drop

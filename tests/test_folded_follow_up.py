@@ -132,15 +132,18 @@ def old_anchors(view: View, blocks: Iterable[Block]) -> dict[int, Block]:
     return out
 
 
-def old_plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snoozed: set[str] = frozenset()) -> Plan:
+def old_plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snoozed: set[str] = frozenset(),
+             protected=()) -> Plan:
     """``hidden``: refs that leave the wire without a summary (consumed compress calls);
-    ``snoozed``: blocks whose whole range the host truncated away (not rendered, kept)."""
-    cov = old_coverage(blocks)
+    ``snoozed``: blocks not rendered (their range truncated away, or a rewind left it): what they
+    cover stays; ``protected``: positions whose covered items stay."""
+    cov = old_coverage([b for b in blocks if b.id not in snoozed])
     items = view.items
     drop = {k for k, it in enumerate(items) if it.parts and all(r in cov or r in hidden for r in it.refs)}
     first = None if view.first_free else view.first_user()
     if first is not None:
         drop.discard(first)
+    drop -= {k for k in protected if any(r in cov for r in items[k].refs)}
     # never leave a tool call without its result (or the reverse), nor reasoning without its turn
     changed = True
     while changed:
@@ -483,6 +486,9 @@ def test_the_decisions_are_the_oracles_over_random_views(seed):
     snoozed = {b.id for b in blocks if rng.random() < 0.2}
     assert same_plan(fold.plan(view, blocks, hidden, snoozed), old_plan(view, blocks, hidden, snoozed))
     assert same_plan(fold.plan(view, blocks), old_plan(view, blocks))
+    protected = view.protected(FoldConfig(recent_parts=rng.choice([1, 4, 8])))
+    assert same_plan(fold.plan(view, blocks, hidden, snoozed, protected),
+                     old_plan(view, blocks, hidden, snoozed, protected))
     assert fold.anchors(view, blocks) == old_anchors(view, blocks)
     assert [(r, id(b)) for r, b in fold.coverage(blocks).items()] == [(r, id(b)) for r, b in old_coverage(blocks).items()]
     fcfg = FoldConfig(min_compress_chars=rng.choice([200, 2000, 5000]), recent_parts=rng.choice([1, 4, 8]))
@@ -592,12 +598,16 @@ def test_a_follow_ups_plan_is_the_oracles_whether_made_again_or_not(seed):
     end = rng.randint(1, len(pool))
     items = pool[:end]
     snoozed: set[str] = set()
+    zone = rng.choice([0, 0, 1, 4, 8])
     v = None
     for _ in range(rng.randint(2, 10)):
         v = View(items, prev=v)
         v.first_free = rng.random() < 0.1
+        # (the positions a fold never takes, as the engine gives them: a zone of its own size, here)
+        protected = v.protected(FoldConfig(recent_parts=zone)) if zone else ()
         for bs in (blocks, [b for b in blocks if rng.random() < 0.7]) if rng.random() < 0.3 else (blocks,):
-            assert same_plan(fold.plan(v, bs, hidden, snoozed), old_plan(v, bs, hidden, snoozed)), seed
+            assert same_plan(fold.plan(v, bs, hidden, snoozed, protected),
+                             old_plan(v, bs, hidden, snoozed, protected)), seed
         move = rng.random()
         if move < 0.6:  # the conversation grows
             end = min(len(pool), end + rng.randint(0, 4))

@@ -142,8 +142,8 @@ def old_runs(drop) -> dict[int, int]:
     return runs
 
 
-def old_plan(view, blocks, hidden=frozenset(), snoozed=frozenset()):
-    p = real_plan(view, blocks, hidden, snoozed)
+def old_plan(view, blocks, hidden=frozenset(), snoozed=frozenset(), protected=()):
+    p = real_plan(view, blocks, hidden, snoozed, protected)
     return fold.Plan(p.drop, p.inserts, p.rendered)  # (its runs made again by assemble)
 
 

@@ -270,7 +270,8 @@ def test_assemble_by_marks_is_the_item_by_item_layout(monkeypatch, lane_name):
         monkeypatch.setattr(fold, "plan", lambda *a, **k: plan)
         s = SimpleNamespace(blocks=[], calls={}, flags={"nudges": {r: {"text": t, "how": "item"} for r, t in after.items()}},
                             unfolded_tokens=0, sent_tokens=0)
-        folds = SimpleNamespace(wire_blocks=lambda s: ([block], []), spent_calls=lambda *a, **k: set())
+        folds = SimpleNamespace(wire_blocks=lambda s: ([block], []), spent_calls=lambda *a, **k: set(),
+                                fold_cfg=fold.FoldConfig())
         items_out = list(raws)
         result = SimpleNamespace(folded_items=0)
         changed = render.assemble(folds, s, lane, items_out, start, view, result, set(), pre)

@@ -14,7 +14,7 @@ import time
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Collection, Iterable, NamedTuple
 
 import msgspec
 
@@ -502,27 +502,38 @@ class _PlanMemo(NamedTuple):
     last: int  # the last of those items (-1: none)
     of: list[ViewItem]  # the view's items
     runs: dict[int, int]  # ``drop`` in runs (:func:`_runs`)
+    kept: frozenset[int] = frozenset()  # covered items kept on the wire because they were protected
 
 
-def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snoozed: set[str] = frozenset()) -> Plan:
+def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snoozed: set[str] = frozenset(),
+         protected: Collection[int] = ()) -> Plan:
     """``hidden``: refs that leave the wire without a summary (consumed compress calls);
-    ``snoozed``: blocks whose whole range the host truncated away (not rendered, kept).
+    ``snoozed``: blocks whose whole range the host truncated away (not rendered, kept);
+    ``protected``: positions a fold never takes (:meth:`View.protected`: the recent zone and the
+    newest user turn): an item there whose refs a block covers stays on the wire.  compress never
+    folds them, so a covered ref there is not the message the block was made of: the user said the
+    same words again after the host dropped or rewound the copy that was folded (the ledger's
+    instance numbers follow the request), and the summary would stand in place of the user's newest
+    message.  Keeping it costs its tokens at worst.
 
     A follow-up's plan is the previous view's when nothing the turn added can change it (the
     same blocks and coverage, no new item covered, none pairing with a covered one, no
     reasoning run across the end of what the two views share): the turn costs its new items."""
-    cov = coverage(blocks)
+    # (a snoozed block holds nothing here: what it covers that is on the wire stays there, never
+    # dropped with no summary standing for it)
+    cov = coverage([b for b in blocks if b.id not in snoozed] if snoozed else blocks)
     live = sorted((b for b in blocks if b.active and b.id not in snoozed), key=lambda b: b.number)
     first = None if view.first_free else view.first_user()
     shape = [(b.id, b.coverage) for b in live]
     hidden = frozenset(hidden)
-    memo = _plan_again(view, cov, hidden, first, shape)
+    protected = frozenset(protected)
+    memo = _plan_again(view, cov, hidden, first, shape, protected)
     if memo is None:
-        drop, firsts, ids, last = _plan(view._snapshot(), cov, hidden, first, live)
+        drop, firsts, ids, last, kept = _plan(view._snapshot(), cov, hidden, first, live, protected)
         memo = _PlanMemo(cov, hidden, first, [(bid, list(refs)) for bid, refs in shape], frozenset(drop), firsts,
-                         ids, last, view._snapshot(), _runs(drop))
+                         ids, last, view._snapshot(), _runs(drop), frozenset(kept))
     else:
-        memo = _PlanMemo(cov, *memo[1:8], view._snapshot(), memo.runs)
+        memo = _PlanMemo(cov, *memo[1:8], view._snapshot(), memo.runs, memo.kept)
     view._plans = [memo, *view._plans[:2]]
     inserts: dict[int, list[Block]] = {}
     rendered: list[Block] = []
@@ -549,7 +560,7 @@ def _runs(drop: Iterable[int]) -> dict[int, int]:
 
 
 def _plan_again(view: View, cov: dict[str, Block], hidden: frozenset[str], first: int | None,
-                shape: list) -> _PlanMemo | None:
+                shape: list, protected: frozenset[int] = frozenset()) -> _PlanMemo | None:
     """The previous view's plan, when it is this one's too (else None)."""
     prev = view._prev
     if prev is None:
@@ -560,6 +571,10 @@ def _plan_again(view: View, cov: dict[str, Block], hidden: frozenset[str], first
             break
     else:
         return None
+    if memo.kept and not memo.kept <= protected:
+        return None  # an item kept only for being protected then is not now
+    if protected and not protected.isdisjoint(memo.drop):
+        return None  # (a shorter conversation: its protected items among those that left)
     items = view._snapshot()
     m = view._shared_with(memo.of)
     if (first is not None and first >= m) or memo.last >= m:
@@ -585,9 +600,11 @@ def _plan_again(view: View, cov: dict[str, Block], hidden: frozenset[str], first
 
 
 def _plan(items: list[ViewItem], cov: dict[str, Block], hidden: frozenset[str], first: int | None,
-          live: list[Block]) -> tuple[set[int], dict[int, int], frozenset[str], int]:
-    """The items that leave, where each block of ``live`` stands (its index -> the position), and
-    the tool-call ids and the last of the items that could leave."""
+          live: list[Block], protected: frozenset[int] = frozenset()
+          ) -> tuple[set[int], dict[int, int], frozenset[str], int, set[int]]:
+    """The items that leave, where each block of ``live`` stands (its index -> the position), the
+    tool-call ids and the last of the items that could leave, and the covered items kept because
+    they are protected (:func:`plan`)."""
     n = len(items)
     # one pass over the items: those every part of which is covered (or hidden), the tool-call ids
     # of the items holding any, and the runs of reasoning-only items (each shares the fate of the
@@ -629,6 +646,11 @@ def _plan(items: list[ViewItem], cov: dict[str, Block], hidden: frozenset[str], 
         groups.append(range(run, n))
     if first is not None:
         drop.discard(first)
+    kept: set[int] = set()
+    for k in protected.intersection(drop):  # (a spent call there still leaves: it is hidden, not covered)
+        if any(p.ref in cov for p in items[k].parts):
+            drop.discard(k)
+            kept.add(k)
     last = max(drop, default=-1)
     ids = frozenset(p.tool_call_id for k in drop.intersection(tooled) for p in items[k].parts
                     if p.tool_call_id and (p.ctype == TOOL_CALL or p.ctype == TOOL_RESULT))
@@ -684,7 +706,7 @@ def _plan(items: list[ViewItem], cov: dict[str, Block], hidden: frozenset[str], 
                             firsts[i] = k
             if len(firsts) == len(live):
                 break
-    return drop, firsts, ids, last
+    return drop, firsts, ids, last, kept
 
 
 # -- compress ----------------------------------------------------------------------------------

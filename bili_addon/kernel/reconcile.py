@@ -124,8 +124,9 @@ class Outcome:
     covered: int = 0  # covered messages of the active blocks
     unmatched: list[str] = field(default_factory=list)
     suspects: int = 0
-    verdict: str = ""  # "", "transformed", "truncated", "drift", "collapse", "recovered"
-    snoozed: set[str] = field(default_factory=set)  # blocks whose range the host truncated away
+    verdict: str = ""  # "", "transformed", "truncated", "rewound", "drift", "collapse", "recovered"
+    # blocks not rendered for this request: their range the host truncated away, or a rewind left
+    snoozed: set[str] = field(default_factory=set)
 
     @property
     def drifted(self) -> bool:
@@ -390,6 +391,18 @@ def verdict(out: Outcome, view: View, blocks: list[Block], copy: Copy, originals
                 out.snoozed.add(b.id)
         copy.streak = 0
         return
+    if _rewound(copy, new_fps, view.pos, out.unmatched):
+        # the agent went back to an earlier point of this history (a rewind, a retry of an older
+        # turn, another branch): a block that covered messages past that point stands for history
+        # this request does not have (its summary tells of turns that are gone): not rendered while
+        # the request is on this branch, its messages here on the wire as they are
+        out.verdict = "rewound"
+        for r in out.unmatched:
+            b = cov.get(r)
+            if b is not None:
+                out.snoozed.add(b.id)
+        copy.streak = 0
+        return
     copy.streak += 1
     if not copy.witness:
         copy.witness = copy.fps[-64:]
@@ -399,6 +412,22 @@ def verdict(out: Outcome, view: View, blocks: list[Block], copy: Copy, originals
         copy.latched = True
     else:
         out.verdict = "drift"
+
+
+def _rewound(copy: Copy, new_fps: list[str], present: dict[str, int], unmatched: list[str]) -> bool:
+    """Whether the inbound history is the copy's up to some point and then another (or nothing):
+    it starts with the copy's own first parts, leaves it before its end, holds few of the parts the
+    copy has past that point (a quarter at most: an edit in place, a cleared tool result, keeps
+    most of them), and every covered part it misses lies past that point."""
+    old = copy.fps
+    at = next((k for k, (a, b) in enumerate(zip(old, new_fps)) if a != b), min(len(old), len(new_fps)))
+    if at == 0 or at >= len(old) or len(copy.refs) != len(old):
+        return False
+    tail = copy.refs[at:]
+    if sum(1 for r in tail if r in present) * 4 > len(tail):
+        return False
+    head = set(copy.refs[:at])
+    return all(r not in head for r in unmatched)
 
 
 def _heads_inbound(old_fps: list[str], new_fps: list[str], need: int = 8) -> bool:

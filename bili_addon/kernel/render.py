@@ -36,7 +36,10 @@ PROSE_ROLES = ("user", "assistant")
 
 class WireFolds(Protocol):
     """What :func:`assemble` asks of the engine: the blocks as the wire shows them
-    (kernel/pending.py) and the compress calls that no longer say anything (kernel/tools.py)."""
+    (kernel/pending.py), the compress calls that no longer say anything (kernel/tools.py), and the
+    fold settings (the positions a fold never takes)."""
+
+    fold_cfg: fold.FoldConfig
 
     def wire_blocks(self, s: Session) -> tuple[list[Block], list[Block]]: ...
 
@@ -291,7 +294,7 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
         if b.active:
             active = True
             break
-    plan = fold.plan(view, blocks, hidden, snoozed) if hidden or active else _NO_PLAN
+    plan = fold.plan(view, blocks, hidden, snoozed, view.protected(folds.fold_cfg)) if hidden or active else _NO_PLAN
     after = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "item"}
     nudge_at = _holding(view, after) if after else set()
     drop = plan.drop
