@@ -379,6 +379,7 @@ WEIRD = [
                    "tools": [{"type": "function", "name": "shell"}, {"type": "namespace", "name": "mcp__bili",
                                                                       "tools": [{"name": "compress"}]}]}),
     ("responses", {"input": "a plain string", "tools": [{"type": "function", "name": "shell"}]}),
+    ("responses", {"input": [USER], "tools": [{"type": "namespace", "name": "mcp__x", "tools": 5}]}),
     ("responses", {"input": [USER], "tools": [{"type": "function", "name": "shell"}]}),  # (the same tools)
     ("responses", {"input": "a plain string", "instructions": "i", "tools": [{"type": "function", "name": "shell"}]}),
     ("responses", {"input": [USER], "instructions": None, "tools": [{"type": "custom", "name": "apply_patch"}]}),

@@ -336,3 +336,15 @@ def test_gemini_odd_shapes_never_raise(obj):
     for c in gem.item_cores(obj):
         assert isinstance(c, Core) and isinstance(c.text, str)
         assert not c.path or c.ctype == TEXT
+
+
+def test_a_namespace_tool_whose_tools_are_not_a_list_names_only_itself():
+    """Responses: ``{"type":"namespace","tools":5}`` raised TypeError from the tool names' reading,
+    logged as bili's internal error (the body went up unchanged)."""
+    from bili_addon.wire import LANES
+    from bili_addon.wire.base import Body
+
+    raw = (b'{"model":"m","tools":[{"type":"namespace","name":"mcp__x","tools":5},'
+           b'{"type":"namespace","name":"mcp__y","tools":[{"name":"go"}]}],'
+           b'"input":[{"type":"message","role":"user","content":"hi"}]}')
+    assert LANES["responses"].tool_names(Body(raw, "input")) == ["mcp__x", "mcp__y", "mcp__y__go"]

@@ -218,7 +218,9 @@ def _names_in(tool: dict) -> list[str]:
     if not isinstance(name, str):
         return []
     inner = tool.get("tools") if tool.get("type") == "namespace" else None
-    nested = [f"{name}__{t['name']}" for t in inner or [] if isinstance(t, dict) and isinstance(t.get("name"), str)]
+    if not isinstance(inner, list):  # (a namespace whose tools are not a list names none)
+        inner = []
+    nested = [f"{name}__{t['name']}" for t in inner if isinstance(t, dict) and isinstance(t.get("name"), str)]
     return [name, *nested]
 
 
