@@ -7,9 +7,12 @@ The built-in table is dated (:data:`AS_OF`): providers change prices, so a user 
      "models": {"claude-sonnet-4-5": {"provider": "anthropic", "input": 3, "cache_write_5m": 3.75,
                                       "cache_write_1h": 6, "cache_read": 0.3, "output": 15}}}
 
-A model is found by its name with any routing prefix removed (``anthropic/``, ``us.anthropic.``)
-and the longest table key it starts with (``claude-sonnet-4-5-20250929`` -> ``claude-sonnet-4-5``).
-A model that is not found has no price: stats and the page then show tokens only, never a guess.
+A model is found by its name with any routing prefix removed (``anthropic/``, ``us.anthropic.``):
+a table key, or a key followed by a snapshot's date and the routers' version suffixes only
+(``claude-sonnet-4-5-20250929``, ``gpt-5-mini-2025-08-07``, ``...@20250929``, ``...-v1:0``,
+``-latest``).  Another model whose name merely begins with a key (``claude-opus-4-6``, ``gpt-5-pro``,
+``o3-mini``, ``gemini-2.5-flash-lite``: priced otherwise) is not found, and a model that is not found
+has no price: stats and the page then show tokens only, never a guess.
 
 Token figures follow the store (:mod:`bili_addon.store`): ``input`` is every prompt token, cached
 or not; ``cache_read`` and ``cache_write`` are the parts of it read from and written to the cache.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -107,8 +111,8 @@ class Table:
         name = normalise(model)
         if not name:
             return None
-        best = max((k for k in self.prices if name == k or name.startswith(k + "-") or name.startswith(k + ".")
-                    or name.startswith(k + "@") or name.startswith(k + ":")), key=len, default=None)
+        best = max((k for k in self.prices if name.startswith(k) and _SNAPSHOT.fullmatch(name, len(k))),
+                   key=len, default=None)
         return (best, self.prices[best]) if best else None
 
     def cost(self, model: str, input: int, cache_read: int = 0, cache_write: int = 0, output: int = 0,
@@ -124,6 +128,11 @@ class Table:
         write = (cache_write - long) * p.write(ttl) + long * p.cache_write_1h
         return Cost(key, uncached * p.input / MTOK, write / MTOK, cache_read * p.cache_read / MTOK,
                     output * p.output / MTOK)
+
+
+# what may follow a table key in a model's name and still name that model: a snapshot's date, then
+# the routers' version (Bedrock ``-v1:0``, Vertex ``@20250929``) or ``-latest``
+_SNAPSHOT = re.compile(r"(?:-(?:\d{8}|\d{4}-\d{2}-\d{2}))?(?:-v\d+(?::\d+)?)?(?:@[\w.-]+)?(?:-latest)?")
 
 
 def normalise(model: str) -> str:

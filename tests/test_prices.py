@@ -43,6 +43,15 @@ def test_unknown_model_has_no_price():
     assert prices.cost("my-local-llama", 1000, 0, 0, 10) is None
     assert prices.cost("", 1000) is None
     assert prices.cost("gpt-50", 1000) is None  # a prefix of the name, not of a version: no guess
+    # another model that begins with a key is priced otherwise: no price, not the key's
+    for other in ("claude-opus-4-6", "gpt-5-pro", "o3-pro", "o3-mini", "gpt-5.1-codex-mini", "gemini-2.5-flash-lite",
+                  "claude-sonnet-4.5", "gpt-4o-audio-preview"):
+        assert prices.default().find(other) is None, other
+    # a snapshot of a listed model, under its routers' names too
+    for name, key in (("claude-sonnet-4-5@20250929", "claude-sonnet-4-5"), ("gpt-4o-2024-08-06", "gpt-4o"),
+                      ("claude-3-5-sonnet-latest", "claude-3-5-sonnet"),
+                      ("anthropic.claude-opus-4-1-20250805-v1:0", "claude-opus-4-1")):
+        assert prices.default().find(name)[0] == key, name
 
 
 def test_without_bili_prices_folded_tokens_as_reads():
