@@ -439,7 +439,7 @@ class Bili:
         noted with its conversation: ``bili mcp`` started without one runs them there (kernel/native.py)."""
         eng = self.engine
         if eng is not None and session:
-            rw.lane.on_native = lambda name, args: eng.native.note(session, name, args)
+            rw.lane.on_native = lambda name, args, cid: eng.native.note(session, name, args, cid)
 
     def _record(self, eng: Engine, res: TurnResult | None, lane: str, via: str, rendered: bool,
                 raw: bytes, turn: ChainTurn | None = None) -> dict[str, Any] | None:

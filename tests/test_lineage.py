@@ -217,12 +217,24 @@ def test_a_session_that_grew_its_own_history_is_no_fork_even_where_it_matches(en
         assert owners.setdefault(r.ref, r.content_hash) == r.content_hash, r.ref
 
 
+def native_call(msgs: list[dict], call_id: str, args: dict) -> list[dict]:
+    """The history with the agent's call of bili's compress through its MCP server, and its result."""
+    return msgs + [{"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": "mcp__bili__compress",
+                                                      "input": args}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id,
+                                                 "content": "Compressed ... -> b1"}]}]
+
+
 def test_a_block_is_inherited_only_where_all_it_covers_is_verified(engine):
     msgs = conversation(8)
     shown = send(engine, msgs, P)
     args = {"content": [{"startId": ref_for(shown, "Step 1:"), "endId": ref_for(shown, "Step 4:"), "summary": SUMMARY}]}
-    engine.plugin_tool("parent", "compress", args)  # natively: the block has no call in the history
-    msgs = more(msgs, "go on")
+    # natively (MCP): the parent's answer made the call (the proxy read it), and bili mcp runs it
+    engine.native.note("parent", "mcp__bili__compress", args, "toolu_native")
+    assert engine.plugin_tool(None, "compress", args)[0] == "parent"
+    assert engine.sessions["parent"].blocks[0].call_id == "toolu_native"  # (the block keeps its call)
+    before = msgs
+    msgs = more(native_call(msgs, "toolu_native", args), "go on")
     assert has_block(send(engine, msgs, P), "b1")
     # a fork whose step 3 output differs: the verified history ends before it, the block stays home
     bad = json.loads(json.dumps(msgs))
@@ -233,6 +245,24 @@ def test_a_block_is_inherited_only_where_all_it_covers_is_verified(engine):
     # the same history exactly: the block comes along
     out = send(engine, more(msgs, "fork"), {"x-claude-code-session-id": "fork2"})
     assert has_block(out, "b1")
+    # a fork of the history before the native call (the parent folded after they parted): it was
+    # inherited (a native fold had no call to look for), with a summary the parent's model wrote later
+    out = send(engine, more(before, "fork before the fold"), {"x-claude-code-session-id": "fork3"})
+    assert engine.lineage.family_of("fork3")["parent"] == "parent"
+    assert not has_block(out, "b1") and engine.sessions["fork3"].blocks == []
+
+
+def test_a_native_fold_of_no_known_call_stays_with_its_session(engine):
+    """bili mcp with a conversation named runs a call whose answer it does not know: its fold may
+    have been made after a fork's history parted from this one, so no fork takes it."""
+    msgs = conversation(8)
+    shown = send(engine, msgs, P)
+    args = {"content": [{"startId": ref_for(shown, "Step 1:"), "endId": ref_for(shown, "Step 4:"), "summary": SUMMARY}]}
+    engine.plugin_tool("parent", "compress", args)
+    msgs = more(msgs, "go on")
+    assert has_block(send(engine, msgs, P), "b1")
+    out = send(engine, more(msgs, "fork"), F)
+    assert engine.lineage.family_of("fork")["parent"] == "parent" and not has_block(out, "b1")
 
 
 def test_a_fork_survives_a_restart(backend):

@@ -560,7 +560,7 @@ def test_native_tool_names_and_the_register():
     reg.note("a", "mcp__bili__decompress", '{"id": "b1"}')
     reg.note("b", "mcp__bili__decompress", {"id": "b2"})
     reg.note("", "mcp__bili__decompress", {"id": "b3"})  # (no conversation: nothing to note)
-    assert reg.take("decompress", {"id": "b2"}) == "b"
+    assert reg.take("decompress", {"id": "b2"}) == ("b", "")
     with pytest.raises(LookupError):
         reg.take("decompress", {"id": "b3"})
     now[0] = 601.0  # a call the agent never ran is forgotten

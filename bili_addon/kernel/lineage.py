@@ -339,8 +339,11 @@ class Lineage:
         blocks = []
         for doc in self.store.blocks(best):
             b = Block(**json.loads(doc))
-            if (b.call_id and b.call_id not in keys) or not b.covered:
-                continue  # folded after the histories parted (or a block of no messages)
+            if b.call_id not in keys or not b.covered:
+                # folded after the histories parted (or a block of no messages); a fold of no known call
+                # (a native one whose answer was not read: bili mcp with a conversation named) is not
+                # known to lie in the shared history either
+                continue
             if all(r in refs or b.claimed.get(r) in refs for r in b.covered):
                 blocks.append(b)
         covered = sorted({r for b in blocks for r in b.covered})

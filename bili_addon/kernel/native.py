@@ -6,7 +6,9 @@ the server was started with one.  The call itself went through the proxy first: 
 an answer bili read on its way to the agent, before the agent could run it.  The answer's reader
 notes each such call with its conversation (:meth:`NativeCalls.note`, on the event loop), and the
 plugin call takes the conversation whose answer made exactly that call (:meth:`NativeCalls.take`,
-on the store's worker): the same tool with the same arguments, not run yet.  Two conversations
+on the store's worker): the same tool with the same arguments, not run yet; and the call's own id,
+which a fold made by it keeps as its block's (a fork inherits the fold only when its history holds
+that call, as for a fold made on the wire: kernel/lineage.py).  Two conversations
 that made the same call, or none that did, is no answer: the call is refused, never guessed (the
 most recent conversation was another agent's as often as not, and its refs are valid there too).
 """
@@ -53,23 +55,23 @@ class NativeCalls:
     """The native calls answers made, not run yet: ``(tool, arguments)`` -> the conversations."""
 
     def __init__(self, clock=time.monotonic):
-        self._calls: deque[tuple[float, str, str, bytes]] = deque()  # (when, session, tool, arguments)
+        self._calls: deque[tuple[float, str, str, bytes, str]] = deque()  # (when, session, tool, arguments, id)
         self._lock = threading.Lock()
         self._clock = clock
 
-    def note(self, sid: str, name: Any, args: Any) -> None:
+    def note(self, sid: str, name: Any, args: Any, call_id: str = "") -> None:
         tool, text = bili_tool(name), canonical(args)
         if not sid or tool is None or text is None:
             return
         with self._lock:
             self._expire()
-            self._calls.append((self._clock(), sid, tool, text))
+            self._calls.append((self._clock(), sid, tool, text, call_id))
             while len(self._calls) > MAX_CALLS:
                 self._calls.popleft()
 
-    def take(self, tool: str, args: Any) -> str:
-        """The conversation whose answer made this call (the call is then no longer waiting).
-        LookupError when none did, or more than one did."""
+    def take(self, tool: str, args: Any) -> tuple[str, str]:
+        """``(the conversation whose answer made this call, the call's id)``; the call is then no
+        longer waiting.  LookupError when none did, or more than one did."""
         text = canonical(args)
         with self._lock:
             self._expire()
@@ -77,7 +79,7 @@ class NativeCalls:
             sids = {c[1] for c in found}
             if len(sids) == 1:
                 self._calls.remove(found[0])
-                return found[0][1]
+                return found[0][1], found[0][4]
         if not sids:
             raise LookupError(f"no conversation through this proxy made this {tool} call; start `bili mcp` "
                               "with --conversation ID (or $BILI_CONVERSATION_ID) to name the conversation")

@@ -183,12 +183,13 @@ class ProxyTools:
         LookupError when no conversation did, or more than one.  Ranges resolve against the
         conversation as its last request showed it; a fold shows from the next request on.
         """
+        call_id = ""  # (a fold keeps its call's id: the native call's, when the answer that made it is known)
         if not sid:
-            sid = self.native.take(tool, args)
+            sid, call_id = self.native.take(tool, args)
         elif self.store.session(sid) is None and sid not in self.sessions:
             raise LookupError(f"unknown conversation {sid!r}")
         s = self.sessions.load(sid, fresh=True)
-        return sid, self.run_tool(s, tool, args, s.last_view)
+        return sid, self.run_tool(s, tool, args, s.last_view, call_id)
 
     def _run_calls(self: ToolHost, s: Session, view: View, first: int, result: TurnResult) -> None:
         """Execute the recorded calls this request carries (from view item ``first`` on)."""

@@ -116,9 +116,9 @@ class LaneResponse:
         self.finished = False  # the answer's final event came (a stream that has one: Responses)
         # bili's tool names the agent's own tools have (not offered then: a call of one is the agent's)
         self.shadowed: tuple[str, ...] = ()
-        # called with (name, arguments) for a call of one of bili's tools under the agent's own name
-        # for it (its MCP server's: ``mcp__bili__compress``), when its arguments are whole
-        self.on_native: Callable[[str, Any], None] | None = None
+        # called with (name, arguments, call id) for a call of one of bili's tools under the agent's
+        # own name for it (its MCP server's: ``mcp__bili__compress``), when its arguments are whole
+        self.on_native: Callable[[str, Any, str], None] | None = None
 
     @property
     def stripped(self) -> int:
@@ -134,7 +134,7 @@ class LaneResponse:
             # one of bili's tools the agent has natively (MCP): which conversation asked for it is
             # known here, before the agent runs it (kernel/native.py)
             try:
-                self.on_native(name, args)
+                self.on_native(name, args, key)
             except Exception as e:  # (never the answer's failure)
                 log.warning("[bili] a native tool call could not be noted (%s)", e)
 
