@@ -415,3 +415,38 @@ def test_a_fork_through_the_same_proxy_before_the_answer_is_settled(engine):
     res = engine.process(body(more(msgs, "continue in the fork")), ANTH, F, render=True)
     assert any("a fork of parent" in n for n in res.notes), res.notes
     assert has_block(json.loads(res.body), "b1") and not engine.lineage.pending.get("parent")
+
+
+def test_a_session_found_to_be_nobodys_fork_stays_so_after_a_restart(backend):
+    """P was checked once and found to be nobody's fork; C, a copy of P's history going its own way,
+    was not recognised (its first request under its id was its opening alone).  After a restart P's
+    check ran again (the set of checked sessions lived in memory), and a rewound request does not go
+    on from P's own record: P was adopted as C's fork, and the refs its model had been shown for
+    turns named other texts.  The verdict is kept in P's row."""
+    def step(msgs, i, who):
+        cid = f"toolu_{who}{i}"
+        return msgs + [
+            {"role": "assistant", "content": [{"type": "text", "text": f"{who} step {i}"},
+                                              {"type": "tool_use", "id": cid, "name": "Bash", "input": {"cmd": f"ls {i}"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": cid, "content": f"out {who} {i}"}]}]
+
+    e = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
+    c_id = {"x-claude-code-session-id": "C"}
+    opening = {"role": "user", "content": "Please audit the repository carefully."}
+    send(e, [opening], c_id)
+    send(e, [{"role": "user", "content": "Write a title for: audit"}], P)  # (P's side request first)
+    p = [opening]
+    for i in range(3):
+        p = step(p, i, "p")
+        send(e, p, P)
+    send(e, step(p[:5], 9, "c"), c_id)
+    for i in range(3, 5):
+        p = step(p, i, "p")
+        before = refs_in(send(e, p, P))
+    e.store.close()
+    e = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
+    res = e.process(body(p[:-2]), ANTH, P, render=True)
+    assert not res.notes and e.lineage.family_of("P") is None
+    after = refs_in(json.loads(res.body))
+    assert after and all(before[ref] == text for ref, text in after.items())
+    e.store.close()

@@ -55,6 +55,7 @@ MAX_CANDIDATES = 64  # sessions opening with the same message that a new one is 
 MAX_RECORDS = 256
 # learned facts a child takes as they are, and per-ref ones it takes for the refs it inherits
 INHERITED_FLAGS = ("strict_reasoning", "learned_windows", "pending")  # pending: held folds (kernel/pending.py)
+OWN = "own_history"  # the session's fork check found it nobody's fork (never checked again)
 INHERITED_REF_FLAGS = ("nudges", "truncated")
 
 
@@ -88,7 +89,7 @@ class Lineage:
                 made = True
         else:
             family = self.store.family(sid)  # from the store: another proxy on it may have made one
-        if family is None and sid not in self.checked and self._fresh(s):
+        if family is None and sid not in self.checked and not s.flags.get(OWN) and self._fresh(s):
             conv = infos[start:]
             if _answered(conv):
                 # a history that goes on from the session's own earlier request is its own, even
@@ -99,7 +100,14 @@ class Lineage:
                 continues = parts is not None and len(parts) >= len(own) and all(
                     o[1] == p.chash for o, p in zip(own, parts))
                 note = None if continues else self._adopt(s, conv, parts)
-                self.checked.add(sid)  # never compared again (after a restart: its own record says it)
+                self.checked.add(sid)  # never compared again
+                if note is None:
+                    # nobody's fork, for good: kept in the session's row (written with this turn's
+                    # commit), so a restart does not compare it again (its record is its last pass:
+                    # a rewound or edited request after a restart does not go on from it, and the
+                    # session was taken for a fork of a copy of itself, its live refs given again)
+                    s.flags[OWN] = True
+                    s.row.flags = json.dumps(s.flags, sort_keys=True)
         if family is not None:
             s.row.next_ref = max(s.row.next_ref, family[3])
         return note
