@@ -450,3 +450,24 @@ def test_a_session_found_to_be_nobodys_fork_stays_so_after_a_restart(backend):
     after = refs_in(json.loads(res.body))
     assert after and all(before[ref] == text for ref, text in after.items())
     e.store.close()
+
+
+def test_two_proxies_keep_idless_conversations_that_share_their_opening_apart(backend):
+    """An id-less conversation's new session id is derived from its history; one process found the
+    id another conversation had moved on from taken (its points in memory) and took the next fork
+    id, but a second process on the same store did not know that conversation and gave its id to
+    a new one: another user's conversation joined it (its ledger, blocks and searches)."""
+    one, two = Engine(backend()), Engine(backend())
+    opening = {"role": "user", "content": "Please audit the repository and list the risky modules."}
+    x = [opening, {"role": "assistant", "content": "X: I will start with auth.py; it handles the secrets."},
+         {"role": "user", "content": "X: the admin password is hunter2, keep it out of the logs."}]
+    sx = one.process(body([opening]), ANTH, {}, render=True).session
+    assert one.process(body(x), ANTH, {}, render=True).session == sx
+    y = [opening, {"role": "assistant", "content": "Y: sure, where is the code?"}, {"role": "user", "content": "in /srv/y"}]
+    sy = two.process(body([opening]), ANTH, {}, render=True).session
+    assert sy != sx and two.process(body(y), ANTH, {}, render=True).session == sy
+    # and back in the first process, each conversation goes on in its own session
+    assert one.process(body(x + [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": "go on"}]),
+                       ANTH, {}, render=True).session == sx
+    for e in (one, two):
+        e.store.close()

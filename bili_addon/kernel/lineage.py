@@ -244,7 +244,12 @@ class Lineage:
             # said in two conversations alike
             return any(p.core.ctype == TOOL_CALL and p.core.tool_call_id for info in conv[:depth] for p in info.parts)
 
-        return affinity.locate(hashes, points, verified)
+        def taken(sid: str) -> bool:
+            # (a session this process has no point of: another process gave the id; its tail is not
+            # this request's, or the request's own points, read before, would have matched it)
+            return self.store.session(sid) is not None
+
+        return affinity.locate(hashes, points, verified, taken)
 
     def note_points(self, sid: str, hashes: list[str], known: int) -> None:
         self.store.add_affinity_points(sid, [(d, hashes[d - 1]) for d in range(known + 1, len(hashes) + 1)])

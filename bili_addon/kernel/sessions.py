@@ -200,14 +200,17 @@ class PrefixAffinity:
         return self.locate(hashes)[0]
 
     def locate(self, hashes: list[str], points: Callable[[list[str]], dict] | None = None,
-               verified: Callable[[int], bool] | None = None) -> tuple[str, int]:
+               verified: Callable[[int], bool] | None = None,
+               taken: Callable[[str], bool] | None = None) -> tuple[str, int]:
         """``(session, depth of the history it already had)``; depth 0: a new session.
 
         A request that extends no session's latest tail may go back to an earlier point of one
         (the agent dropped a turn, or returned to another branch): ``points(hashes)`` gives the
         recorded points among the request's chain (``{hash: [(session, depth), ...]}``), and the
         deepest one counts only where ``verified(depth)`` holds, i.e. the shared history says more
-        than an opening two conversations may have in common.
+        than an opening two conversations may have in common.  ``taken(sid)``: whether a session of
+        that id exists where this process did not see it (another process on the store): a new id
+        derived from the history is then another conversation's, and the next fork id is taken.
         """
         hit = self._tail(hashes)
         if hit is not None:
@@ -224,7 +227,8 @@ class PrefixAffinity:
         fork = 0
         while True:
             sid = new_anonymous_id(tail, depth, fork)
-            if self.by_session.get(sid) in (None, tail):
+            known = self.by_session.get(sid)
+            if known == tail or (known is None and (taken is None or not taken(sid))):
                 return sid, 0
             fork += 1
 
