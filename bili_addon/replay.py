@@ -116,7 +116,7 @@ class Replayer:
         self.first_party = first_party
         self.marker = marker
         self.turns: dict[str, int] = {}
-        self.chain = None  # the chains turn of the last WebSocket frame (kernel/chains.py), for its answer
+        self.chain = None  # the chains turn of the last Responses request (kernel/chains.py), for its answer
 
     def close(self) -> None:
         self.engine.store.close()
@@ -185,13 +185,30 @@ class Replayer:
             return
         rw = ResponseRewriter(turn.lane, rewrite, marker)
         rw.lane.shadowed = turn.shadowed
+        if self.chain is not None:  # the answer into the chains transcript, as live
+            rw.tap = self._chain_tap(self.chain)
+        self._feed(rw, resp, content)
+        self.account(turn, rw)
+
+    def _chain_answer(self, flow, rewriter_cls) -> None:
+        """The answer of a chained turn with no session: into the chains transcript only."""
+        resp = flow.response
+        if resp is None or not 200 <= resp.status_code < 300:
+            return
+        content = _decode(resp)
+        if content:
+            rw = rewriter_cls("responses", False)
+            rw.tap = self._chain_tap(self.chain)
+            self._feed(rw, resp, content)
+
+    @staticmethod
+    def _feed(rw, resp, content: bytes) -> None:
         if "text/event-stream" in resp.headers.get("content-type", ""):
             stream = rw.stream(None)
             stream(content)
             stream(b"")
         elif "json" in resp.headers.get("content-type", ""):
             rw.json_body(content)
-        self.account(turn, rw)
 
     # -- a file ---------------------------------------------------------------------------------------
     def run(self, report: FileReport, flows: Iterable) -> None:
@@ -220,8 +237,13 @@ class Replayer:
                 report.other += 1
                 continue
             self.at = req.timestamp_start or 0.0
-            got = self.request(report, index, raw, lane, req.headers, host, "http", live)
+            # a Responses body goes through the chains transcript over HTTP too, as live (its
+            # connection key '': a previous_response_id there is the provider's, not a socket's)
+            got = self.request(report, index, raw, lane, req.headers, host, "http", live,
+                               conn="" if lane.name == "responses" else None)
             if got is None:
+                if self.chain is not None:  # (no session: its answer is still the chain's, as live)
+                    self._chain_answer(flow, ResponseRewriter)
                 continue
             turn, marker, rewrite = got
             self.response(turn, flow, marker, rewrite, live)

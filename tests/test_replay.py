@@ -230,3 +230,20 @@ def test_replay_cost_of_the_captured_agents(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.splitlines()[-1].startswith("total: 3 sessions")
     assert "x1.000" in out.stdout.splitlines()[-1]
+
+
+def test_chained_responses_over_http_replay_as_live(tmp_path):
+    """omp's own OpenAI transport sends ``previous_response_id`` over HTTP (``store: true``): live, every
+    Responses body goes through the chains transcript (a delta stays the delta on the provider's
+    chain); the replay took the delta for a whole conversation over HTTP, adding bili's instructions
+    and tags to it, so its bytes were not what the proxy had sent."""
+    path = CAPTURES / "omp" / "omp_fwd" / "flows.mitm"
+    if not path.exists():
+        pytest.skip("no captures (set BILI_CAPTURES)")
+    rep = replay.replay_file(path, activate="always", materialize="now")
+    chained = [t for t in rep.turns if t.lane == "responses" and t.via == "http" and json.loads(t.raw).get("previous_response_id")]
+    assert chained
+    for t in chained:
+        assert t.note.startswith("chained: the delta"), t.note
+        sent, raw = json.loads(t.body), json.loads(t.raw)
+        assert len(sent["input"]) == len(raw["input"]) and sent.get("previous_response_id") == raw["previous_response_id"]
