@@ -277,3 +277,36 @@ def test_anthropic_string_content_is_the_text_block_it_stands_for():
     assert as_block[1].ttl is not None and as_string[1].ttl is None
     other = cache.anthropic_segments(body([{"type": "text", "text": text + "!"}]))
     assert other[1].key != as_string[1].key
+
+
+def test_the_live_tail_of_a_session_that_asks_an_hour_everywhere_lives_an_hour():
+    """With every breakpoint asking for 1 hour (the session's "1h" lifetime, or an agent's own), the
+    tail's entries live an hour: ``cold(tail=True)`` said cold after any 5-minute pause (it counted
+    only entries of the default lifetime, and there were none), and a held fold landed as free over a
+    cache the same request would read in full, rewriting it at the 1-hour write price."""
+    import json as _json
+
+    from bili_addon.kernel import cache, lifetime
+
+    def body(n: int, hour: bool) -> bytes:
+        msgs = []
+        for i in range(n):
+            msgs.append({"role": "user", "content": [{"type": "text", "text": f"question {i} " + "x" * 4000}]})
+            msgs.append({"role": "assistant", "content": [{"type": "text", "text": f"answer {i} " + "y" * 4000}]})
+        msgs.append({"role": "user", "content": [{"type": "text", "text": "go on", "cache_control": {"type": "ephemeral"}}]})
+        raw = _json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 10,
+                           "system": [{"type": "text", "text": "s" * 8000, "cache_control": {"type": "ephemeral"}}],
+                           "messages": msgs}).encode()
+        return lifetime.upgrade(raw) if hour else raw
+
+    for hour, alive in ((True, 3600.0), (False, 300.0)):
+        clocks = cache.Clocks()
+        clocks.sent("s1", "anthropic", body(10, hour), 0.0)
+        assert not clocks.cold("s1", alive - 10, tail=True)
+        assert clocks.cold("s1", alive + 10, tail=True)
+        assert clocks.by_session["s1"].cache.tail_ttl() == alive
+    # the stable head for an hour, the tail for 5 minutes: the tail's expiry is the free moment
+    head = lifetime.upgrade_head(body(10, False).replace(b'"x', b'"[Compressed conversation section b1 x', 1))
+    clocks = cache.Clocks()
+    clocks.sent("s2", "anthropic", head or body(10, False), 0.0)
+    assert clocks.cold("s2", 400.0, tail=True) and clocks.by_session["s2"].cache.tail_ttl() == 300.0

@@ -564,6 +564,7 @@ class Cache:
     disabled: bool = False  # learned: the provider reports no cache at all
     min_floor: int = 0  # learned: the provider caches no prefix shorter than this (above the documented minimum)
     hit_age: float | None = None  # the last request's read: how long its entry had been unused (None: no read)
+    tail: float = 0.0  # the lifetime the last request's last breakpoint asked for (its live tail's; 0: none yet)
     memo: bool = field(default=True, compare=False, repr=False)  # bill_request keeps the previous body's blocks
     _memo: Any = field(default=None, compare=False, repr=False)
     _memo_top: Any = field(default=None, compare=False, repr=False)  # OpenAI: where the body's top level was cut
@@ -579,10 +580,22 @@ class Cache:
         return e
 
     def warm(self, now: float, tail: bool = False) -> bool:
-        """Whether any entry is still alive (``tail``: any entry of the default lifetime, the live
-        tail's; the 1-hour entries of a stable head aside)."""
+        """Whether any entry is still alive (``tail``: any entry of the live tail's lifetime,
+        :meth:`tail_ttl`; the 1-hour entries of a stable head aside)."""
+        limit = self._tail_ttl() if tail else 0.0
         return not self.disabled and any((e := self._live(k, now)) is not None
-                                         and (not tail or e.ttl <= self.rules.ttl) for k in list(self.entries))
+                                         and (not tail or e.ttl <= limit) for k in list(self.entries))
+
+    def _tail_ttl(self) -> float:
+        """The live tail's lifetime, as the latest request asked for it: its last breakpoint's (5
+        minutes with 1-hour entries on the stable head only; 1 hour when every breakpoint asks for
+        it: a 6-minute pause then leaves the tail warm); the rules' default before any request."""
+        return max(self.rules.ttl, self.tail)
+
+    def tail_ttl(self) -> float:
+        """:meth:`_tail_ttl`, capped by a lifetime learned from the provider's reports."""
+        ttl = self._tail_ttl()
+        return min(ttl, self.ttl_cap) if self.ttl_cap else ttl
 
     # Anthropic ---------------------------------------------------------------------------------
     def send_segments(self, segs: list[Segment], now: float) -> Bill:
@@ -597,6 +610,7 @@ class Cache:
         self.hit_age = None
         if self.disabled or not bps:
             return Bill(input=total)
+        self.tail = segs[bps[-1]].ttl or r.ttl  # (the shortest: no breakpoint asks for longer than one before it)
         hit, hit_at = 0, -1
         for b in bps:
             for j in range(b, max(-1, b - r.lookback), -1):
@@ -656,6 +670,7 @@ class Cache:
                 hit, self.hit_age = tokens, now - e.last
                 break
         life = ttl or r.ttl
+        self.tail = life
         entries = self.entries
         get = entries.get
         for key, tokens in keys:

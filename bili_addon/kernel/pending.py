@@ -177,7 +177,13 @@ class Deferred:
         h = self.clocks.history(sid)
         rules = h[0] if h else cache.rules_for(s.row.lane, s.model)
         clk = self.clocks.by_session.get(sid)
-        ttl = (clk.cache.ttl_cap or 0.0) if clk is not None else 0.0
+        # (a pause longer than the live tail's lifetime is the free moment the horizon counts on)
+        if clk is None:
+            ttl = 0.0
+        elif head:
+            ttl = clk.cache.ttl_cap or 0.0
+        else:
+            ttl = clk.cache.tail_ttl()
         last = self.reported_usage(s)
         used = last[0] if last else s.sent_tokens
         return rewrite.Moment(rules, cold, used, self.window_for(s), self.nudge_cfg.pressure, s.row.requests,
