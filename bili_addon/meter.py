@@ -10,8 +10,9 @@ is written and one line logged::
     bili claude 3fe7b19e t42 anthropic: 181.2K -> 46.1K tok (-75%), cache read 93% (reported 92%),
     3 blocks, $0.041 (saved $0.12)
 
-"saved" prices the difference between what the agent sent and what bili sent as cache reads
-(:func:`bili_addon.prices.without_bili`): a lower bound.  A model without a price shows tokens only.
+"saved" prices the tokens bili took off as cache reads, and what it added where the turn paid the
+most for its tokens (:func:`bili_addon.prices.without_bili`): a lower bound.  A model without a price
+shows tokens only.
 """
 
 from __future__ import annotations
@@ -190,8 +191,9 @@ def totals(store: Any, sid: str, table: prices.Table | None = None) -> dict[str,
     out.update(turns=n, agent_peak=peak_a, sent_peak=peak_s,
                reported=round(sum(m[2] for m in models) / inp, 4) if inp else None,
                cost=None, saved=None, priced=False)
-    costs = [(t.cost(m, i, r, w, o, cache_write_1h=h), prices.without_bili(m, i, r, w, o, d, cache_write_1h=h, table=t))
-             for m, i, r, w, o, d, h, *_ in models]
+    costs = [(t.cost(m, i, r, w, o, cache_write_1h=h),
+              prices.without_bili_sums(m, i, r, w, o, removed, tuple(taken), cache_write_1h=h, table=t))
+             for m, i, r, w, o, _d, h, _rep, _sent, removed, *taken in models]
     out.update(writes(models))
     if all(c is not None for c, _ in costs):
         out.update(cost=_usd(sum(c.total for c, _ in costs)),

@@ -225,9 +225,34 @@ def without_bili(model: str, input: int, cache_read: int, cache_write: int, outp
     """What the same turn would have cost had the agent's own request gone out: ``folded_tokens``
     (what the agent sent minus what bili sent) priced as cache reads, the cheapest way they could have
     gone, so a saving claimed is a lower bound.  Negative ``folded_tokens`` (bili's tools, prompt and
-    tags outweigh what it folded) make the saving negative: bili's additions are never free."""
-    return cost(model, input + folded_tokens, cache_read + folded_tokens, cache_write, output, ttl=ttl,
-                cache_write_1h=cache_write_1h, table=table)
+    tags outweigh what it folded) make the saving negative: bili's additions are never free, and they
+    are taken off where this turn paid the most for its tokens (:func:`added_where`: on a turn that
+    wrote the cache they were written, not read), so the saving stays a lower bound then too."""
+    removed = max(0, folded_tokens)
+    taken = added_where(max(0, -folded_tokens), input, cache_read, cache_write, cache_write_1h)
+    return without_bili_sums(model, input, cache_read, cache_write, output, removed, taken, ttl=ttl,
+                             cache_write_1h=cache_write_1h, table=table)
+
+
+def added_where(extra: int, input: int, cache_read: int, cache_write: int, cache_write_1h: int
+                ) -> tuple[int, int, int, int]:
+    """Where ``extra`` tokens bili added to a turn are taken off, the dearest first: ``(from the
+    1-hour writes, from the other writes, from the uncached input, from the reads)``."""
+    long = min(extra, max(0, min(cache_write_1h, cache_write)))
+    short = min(extra - long, max(0, cache_write - long))
+    plain = min(extra - long - short, max(0, input - cache_read - cache_write))
+    read = min(extra - long - short - plain, max(0, cache_read))
+    return long, short, plain, read
+
+
+def without_bili_sums(model: str, input: int, cache_read: int, cache_write: int, output: int, removed: int,
+                      taken: tuple[int, int, int, int], *, ttl: str = "5m", cache_write_1h: int = 0,
+                      table: Table | None = None) -> Cost | None:
+    """:func:`without_bili` of turns summed (the cost is linear in each figure): ``removed`` the tokens
+    bili took off them (priced as reads), ``taken`` the sums of :func:`added_where` of what it added."""
+    long, short, plain, read = taken
+    return cost(model, input + removed - long - short - plain - read, cache_read + removed - read,
+                cache_write - long - short, output, ttl=ttl, cache_write_1h=max(0, cache_write_1h - long), table=table)
 
 
 def money(usd: float | None) -> str:
@@ -243,5 +268,5 @@ def money(usd: float | None) -> str:
     return f"${usd:,.0f}"
 
 
-__all__ = ["AS_OF", "BUILTIN", "Cost", "Price", "Table", "cost", "default", "load", "money", "normalise",
-           "without_bili"]
+__all__ = ["AS_OF", "BUILTIN", "Cost", "Price", "Table", "added_where", "cost", "default", "load", "money",
+           "normalise", "without_bili", "without_bili_sums"]

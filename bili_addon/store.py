@@ -622,7 +622,32 @@ WIRE_COLS = ("n, ts, request, model, agent_tokens, sent_tokens, predicted, block
 WIRE_SUMS = ("model, SUM(input_tokens), SUM(cache_read), SUM(cache_write), SUM(output_tokens), "
              "SUM(agent_tokens - sent_tokens), SUM(cache_write_1h), "
              "SUM(CASE WHEN write_split='reported' THEN cache_write ELSE 0 END), "
-             "SUM(CASE WHEN write_split='sent' THEN cache_write ELSE 0 END)")
+             "SUM(CASE WHEN write_split='sent' THEN cache_write ELSE 0 END), "
+             # the tokens bili took off the turns, and where what it added was taken off (prices.added_where)
+             "SUM(CASE WHEN agent_tokens > sent_tokens THEN agent_tokens - sent_tokens ELSE 0 END), "
+             "SUM(lx), SUM(sx), SUM(px), SUM(rx)")
+
+
+def _wire_rows(p: str) -> str:
+    """A session's wire rows (its id the parameter ``p``) with :func:`prices.added_where
+    <bili_addon.prices.added_where>` of each turn as columns (``lx``, ``sx``, ``px``, ``rx``), one step
+    per column (standard SQL: both stores run it), for :data:`WIRE_SUMS`."""
+    t0 = ("SELECT model, input_tokens, cache_read, cache_write, output_tokens, agent_tokens, sent_tokens, "
+          "cache_write_1h, write_split, "
+          "CASE WHEN sent_tokens > agent_tokens THEN sent_tokens - agent_tokens ELSE 0 END AS x, "
+          "CASE WHEN cache_write_1h < cache_write THEN cache_write_1h ELSE cache_write END AS h, "
+          "CASE WHEN input_tokens - cache_read - cache_write > 0 THEN input_tokens - cache_read - cache_write "
+          f"ELSE 0 END AS u FROM wire WHERE session_id={p}")
+    t1 = f"SELECT *, CASE WHEN x < h THEN x ELSE h END AS lx FROM ({t0}) AS t0"
+    t2 = (f"SELECT *, CASE WHEN x - lx < cache_write - lx THEN x - lx ELSE cache_write - lx END AS sx "
+          f"FROM ({t1}) AS t1")
+    t3 = f"SELECT *, CASE WHEN x - lx - sx < u THEN x - lx - sx ELSE u END AS px FROM ({t2}) AS t2"
+    t4 = (f"SELECT *, CASE WHEN x - lx - sx - px < cache_read THEN x - lx - sx - px ELSE cache_read END AS rx "
+          f"FROM ({t3}) AS t3")
+    return f"({t4}) AS w"
+
+
+WIRE_ROWS = _wire_rows("?")
 
 
 @dataclass(slots=True)
@@ -1260,7 +1285,7 @@ class Store:
             return 0, None, 0, 0, []
         last = wire_turn(self.db.execute(
             f"SELECT {WIRE_COLS} FROM wire WHERE session_id=? ORDER BY n DESC LIMIT 1", (session_id,)).fetchone())
-        models = self.db.execute(f"SELECT {WIRE_SUMS} FROM wire WHERE session_id=? GROUP BY model ORDER BY model",
+        models = self.db.execute(f"SELECT {WIRE_SUMS} FROM {WIRE_ROWS} GROUP BY model ORDER BY model",
                                  (session_id,)).fetchall()
         return n, last, peak_a, peak_s, models
 

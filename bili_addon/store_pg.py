@@ -25,9 +25,12 @@ import msgspec
 
 from bili_addon.store import (
     CALIBRATION_COLS, CHAIN_COLS, DB_NAME, HANGING, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
-    FRESH_GIVEN, StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, WIRE_SUMS, _json, contiguous, dead_chains,
+    FRESH_GIVEN, StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, WIRE_SUMS, _json, _wire_rows, contiguous,
+    dead_chains,
     _not_pruned, fresh_first, ledger_rows, rebase, retired_taken, tombstone_flags, wire_turn,
 )
+
+_WIRE_ROWS = _wire_rows("%s")  # (the wire sums' rows: store.WIRE_SUMS)
 
 try:
     import psycopg
@@ -1537,7 +1540,7 @@ class PgStore:
             last = self._one(f"SELECT {WIRE_COLS} FROM wire WHERE session_id=%s ORDER BY n DESC LIMIT 1",
                              (session_id,))
             models = self._q(
-                f"SELECT {WIRE_SUMS} FROM wire WHERE session_id=%s GROUP BY model ORDER BY model COLLATE \"C\"",
+                f"SELECT {WIRE_SUMS} FROM {_WIRE_ROWS} GROUP BY model ORDER BY model COLLATE \"C\"",
                 (session_id,))
         return n, wire_turn(last), peak_a, peak_s, [(r[0], *(int(x) for x in r[1:])) for r in models]
 

@@ -56,7 +56,8 @@ def test_summary_over_turns():
     assert s["reported"] == round(2000 / 4200, 4) and s["predicted"] == 0.5 and s["priced"]
     # gpt-5: $1.25 in, $0.125 cached, $10 out
     cost = (1200 * 1.25 + 10 * 10 + 1000 * 1.25 + 2000 * 0.125 + 10 * 10) / 1e6
-    saved = ((1000 - 1200) + (9000 - 3000)) * 0.125 / 1e6
+    # (the 200 tokens bili added to t1, a turn that read nothing, were uncached input: not the cheapest rate)
+    saved = ((9000 - 3000) * 0.125 - (1200 - 1000) * 1.25) / 1e6
     assert abs(s["cost"] - cost) < 1e-9 and abs(s["saved"] - saved) < 1e-9
     t2.model = "unknown-model"
     assert summary([t1, t2])["cost"] is None and not summary([t1, t2])["priced"]
@@ -71,10 +72,12 @@ def test_totals_from_the_store_equal_the_turn_by_turn_summary(backend):
             WireTurn(0, 0, 2, "claude-sonnet-4-5", 9000, 3000, 0.5, 1, 4, ["compress"], 3000, 2000, 500, 10,
                      300, "reported"),
             WireTurn(0, 0, 3, "gpt-5", 9500, 3300, 0.9, 1, 4, [], 3300, 2900, 0, 20),
-            WireTurn(0, 0, 4, "claude-sonnet-4-5", 9800, 3400, 0.9, 1, 4, [], 3400, 2500, 800, 20, 800, "sent")]
+            WireTurn(0, 0, 4, "claude-sonnet-4-5", 9800, 3400, 0.9, 1, 4, [], 3400, 2500, 800, 20, 800, "sent"),
+            # bili added 600 tokens to a turn that wrote the cache (300 of it for an hour): they were written
+            WireTurn(0, 0, 5, "claude-sonnet-4-5", 2000, 2600, 0.4, 1, 4, [], 2600, 1000, 1200, 10, 300, "reported")]
     for w in rows:
         w.n = store.record_wire("s", w)
-    assert [w.n for w in store.wire("s")] == [1, 2, 3, 4]
+    assert [w.n for w in store.wire("s")] == [1, 2, 3, 4, 5]
     by_turn, by_sums = summary(store.wire("s")), totals(store, "s")
     assert by_sums.keys() == by_turn.keys()
     for k, v in by_turn.items():
@@ -88,13 +91,14 @@ def test_totals_from_the_store_equal_the_turn_by_turn_summary(backend):
     assert again.wire("s") == store.wire("s") and again.wire("s")[1].executed == ["compress"]
     assert again.wire("s")[0].predicted is None and again.wire("none") == []
     n, last, peak_a, peak_s, models = again.wire_totals("s")
-    assert (n, last, peak_a, peak_s) == (4, store.wire("s")[-1], 9800, 3400)
-    assert last.cache_write_1h == 800 and last.write_split == "sent"
+    assert (n, last, peak_a, peak_s) == (5, store.wire("s")[-1], 9800, 3400)
+    assert last.cache_write_1h == 300 and last.write_split == "reported"
     # per model: input, read, write, output, agent - sent, the writes' 1-hour part, writes split as
-    # the provider reported / as bili sent
-    assert models == [("claude-sonnet-4-5", 6400, 4500, 1300, 30, 12400, 1100, 500, 800),
-                      ("gpt-5", 4500, 2900, 0, 30, 6000, 0, 0, 0)]
-    assert by_sums["cache_write_1h"] == 1100 and by_sums["write_split"] == {"reported": 500, "sent": 800, "none": 0}
+    # the provider reported / as bili sent, the tokens bili took off, and where what it added is taken
+    # off (1-hour writes, other writes, uncached input, reads: prices.added_where)
+    assert models == [("claude-sonnet-4-5", 9000, 5500, 2500, 40, 11800, 1400, 1700, 800, 12400, 300, 300, 0, 0),
+                      ("gpt-5", 4500, 2900, 0, 30, 6000, 0, 0, 0, 6200, 0, 0, 200, 0)]
+    assert by_sums["cache_write_1h"] == 1400 and by_sums["write_split"] == {"reported": 1700, "sent": 800, "none": 0}
     assert all(type(v) is int for m in models for v in m[1:])
 
 

@@ -93,7 +93,20 @@ def test_money_format():
 
 
 def test_bili_additions_make_a_negative_saving():
-    # bili sent 1,000 tokens more than the agent (its tools and prompt): 1,000 * 0.30 / 1e6 = -$0.0003
+    # bili sent 1,000 tokens more than the agent (its tools and prompt) on a turn that read its prefix and
+    # wrote 1,000: the additions were written (1,000 * 3.75 / 1e6), not read (a lower bound stays one)
     with_ = prices.cost("claude-sonnet-4-5", 30_000, 25_000, 1_000, 500)
     without = prices.without_bili("claude-sonnet-4-5", 30_000, 25_000, 1_000, 500, -1_000)
+    assert without.total - with_.total == pytest.approx(-0.00375)
+    # a warm turn that wrote nothing: they were read
+    with_ = prices.cost("claude-sonnet-4-5", 30_000, 30_000, 0, 500)
+    without = prices.without_bili("claude-sonnet-4-5", 30_000, 30_000, 0, 500, -1_000)
     assert without.total - with_.total == pytest.approx(-0.0003)
+    # a cold turn: the agent's 20,000 tokens would have been written, bili's 24,000 were: 4,000 * 3.75
+    with_ = prices.cost("claude-sonnet-4-5", 24_000, 0, 24_000, 500)
+    without = prices.without_bili("claude-sonnet-4-5", 24_000, 0, 24_000, 500, -4_000)
+    assert without.total == pytest.approx(prices.cost("claude-sonnet-4-5", 20_000, 0, 20_000, 500).total)
+    assert without.total - with_.total == pytest.approx(-0.015)
+    # the 1-hour writes first (2x), then the others, the uncached input, the reads
+    assert prices.added_where(5_000, 30_000, 20_000, 4_000, 1_000) == (1_000, 3_000, 1_000, 0)
+    assert prices.added_where(20_000, 30_000, 20_000, 4_000, 1_000) == (1_000, 3_000, 6_000, 10_000)
