@@ -420,3 +420,24 @@ def test_a_retried_prompt_a_fold_covers_stays_on_the_wire(backend, lane):
     conv.append({"role": "user", "content": [{"type": "text", "text": ts[4].user}]})
     out = json.loads(send(engine, lane, conv))
     assert ts[4].user[:30] in json.dumps(out["messages"][-1])
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat"])
+def test_words_said_again_keep_their_place_when_the_folded_copy_is_truncated_away(backend, lane):
+    """The user said the same words in turn 2 (folded into b1) and in turn 9 (not folded).  The host
+    then dropped its oldest slice, turn 2 with it: turn 9's copy became the first instance of those
+    words in the request and took the folded copy's ref; b1's summary stood in its place and the
+    message was gone, turn after turn.  A truncation leaves a block's newest messages: a block whose
+    message here comes before one of its messages the truncation took is not rendered."""
+    engine = make_engine(backend)
+    ts = C.turns(12)
+    dup = "Please continue. " + C.FILLER
+    ts[2].user = ts[9].user = dup
+    pair, _ = fold_early_turns(engine, lane, ts, C.Scheme(), 1, 5)
+    ts.append(C.Turn(12, "Turn 12: next.", "Reply Turn 12.", tool=False))
+    assert send(engine, lane, C.BUILD[lane](ts, C.Scheme(), pair)).count(b"Please continue.") == 1
+    kept = ts[6:] + [C.Turn(13, "Turn 13: after the truncation.", "Reply Turn 13.", tool=False)]
+    for extra in range(3):
+        out = send(engine, lane, C.BUILD[lane](kept, C.Scheme(), pair))
+        assert out.count(b"Please continue.") == 1, extra
+        kept.append(C.Turn(14 + extra, f"Turn {14 + extra}: steady.", "ok", tool=False))

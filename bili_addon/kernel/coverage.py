@@ -47,6 +47,8 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
         sessions.save_blocks(s, [b for b in s.blocks if b.id in by_block])
     was_latched = s.copy.latched
     reconcile.verdict(out, view, s.blocks, s.copy, lambda refs: store.originals(sid, refs))
+    if s.copy.truncated:  # (each turn after the truncation too: the blocks it cut not at their start)
+        out.snoozed |= reconcile.not_a_tail(s.blocks, view.pos, set(s.copy.truncated))
     if out.drifted:
         how = ", ".join(f"{n} by {k}" for k, n in out.by.items()) or "none"
         msg = (f"[bili] session={sid} fold coverage: {out.missing} covered part(s) missing; re-anchored "

@@ -414,6 +414,29 @@ def verdict(out: Outcome, view: View, blocks: list[Block], copy: Copy, originals
         out.verdict = "drift"
 
 
+def not_a_tail(blocks: list[Block], present: dict[str, int], gone: set[str]) -> set[str]:
+    """The active blocks some of whose messages the host truncated away (``gone``: its oldest slice)
+    whose messages still here are not the end of their range: a truncation of the oldest slice
+    leaves a block's newest messages, so a covered ref here with one of the block's later messages
+    gone is not that block's message (a user said the same words again after the host dropped the
+    folded copy, and the ledger's instance numbers, which follow the request, gave it the folded
+    copy's ref).  Such a block is not rendered: what it covers here stays on the wire."""
+    out: set[str] = set()
+    for b in blocks:
+        if not b.active or gone.isdisjoint(b.covered):
+            continue
+        claimed = b.claimed
+        seen_gone = False
+        for r in reversed(b.covered):  # (newest first: every ref here must come after every one gone)
+            if r in present or claimed.get(r) in present:
+                if seen_gone:
+                    out.add(b.id)
+                    break
+            elif r in gone:
+                seen_gone = True
+    return out
+
+
 def _rewound(copy: Copy, new_fps: list[str], present: dict[str, int], unmatched: list[str]) -> bool:
     """Whether the inbound history is the copy's up to some point and then another (or nothing):
     it starts with the copy's own first parts, leaves it before its end, holds few of the parts the
