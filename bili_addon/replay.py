@@ -30,6 +30,7 @@ import msgspec
 
 from bili_addon import FIRST_PARTY, flowmeta
 from bili_addon.kernel.chains import owner_of
+from bili_addon.kernel.windows import PATH_MODEL, model_in_path
 
 # a Responses WebSocket frame continuing a chain (previous_response_id): what went up
 CHAIN_NOTES = {"delta": "chained: the delta on the provider's chain",
@@ -239,7 +240,10 @@ class Replayer:
             self.at = req.timestamp_start or 0.0
             # a Responses body goes through the chains transcript over HTTP too, as live (its
             # connection key '': a previous_response_id there is the provider's, not a socket's)
-            got = self.request(report, index, raw, lane, req.headers, host, "http", live,
+            headers = req.headers.copy()
+            if lane.name == "gemini" and model_in_path(req.path):  # (as live: its model is in the path)
+                headers[PATH_MODEL] = model_in_path(req.path)
+            got = self.request(report, index, raw, lane, headers, host, "http", live,
                                conn="" if lane.name == "responses" else None)
             if got is None:
                 if self.chain is not None:  # (no session: its answer is still the chain's, as live)

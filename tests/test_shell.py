@@ -387,3 +387,27 @@ def test_a_call_of_the_agents_own_tool_named_like_bilis_is_the_agents(bili):
     bili.response(f)
     calls = bili.engine.sessions.load("own-tools", fresh=True).calls
     assert "toolu_bili" in calls and "toolu_own" not in calls
+
+
+def test_a_sessions_window_follows_what_its_request_asks_for(bili):
+    """Claude Code asks for Anthropic's 1M-token window with a beta header, the model's name the same:
+    bili took such a session for a 200K one, sent 'nearly full' reminders from 150K and cut tool
+    outputs from 190K of a window a fifth used.  Gemini names its model in the URL's path: the session
+    had no model, so the 200K default.  A window learned from an overflow is kept per window asked."""
+    f = model_flow(ANTH_BODY, headers={**session_headers("big"), "anthropic-beta": "context-1m-2025-08-07,x"})
+    bili.request(f)
+    eng = bili.engine
+    s = eng.sessions["big"]
+    assert eng.window_for(s) == 1_000_000
+    g = model_flow(ANTH_BODY, headers=session_headers("small"))
+    bili.request(g)
+    assert eng.window_for(eng.sessions["small"]) == 200_000
+    eng.set_flag("big", "learned_windows", {s.model: 180_000})  # (learned on a request without the header)
+    assert eng.window_for(s) == 1_000_000
+    gem = json.dumps({"contents": [{"role": "user", "parts": [{"text": "hello gemini"}]}]}).encode()
+    h = model_flow(gem, path="/v1beta/models/gemini-2.5-pro:streamGenerateContent?alt=sse",
+                   headers=session_headers("gem"))
+    bili.request(h)
+    assert "x-bili-path-model" not in h.request.headers  # (the engine's copy only: never forwarded)
+    s = eng.sessions["gem"]
+    assert s.model == "gemini-2.5-pro" and eng.window_for(s) == 1_048_576

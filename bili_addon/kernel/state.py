@@ -394,6 +394,7 @@ class Session:
     copy: Copy = field(default_factory=Copy)  # the canonical copy of the last steady pass
     transcript: list | None = None  # snapshot render: (signature, refs, bytes) per item, loaded lazily
     model: str = ""
+    variant: str = ""  # the window the last request asked for beside its model's (kernel/windows.py: "[1m]")
     version: int = 0  # bumped whenever something changes how old items render
     stored: int = 0  # the store's version of the session this copy reflects (another process may advance it)
     # the store had no row of the session when it was loaded, and nothing of it since: no family, no

@@ -57,7 +57,7 @@ from bili_addon.kernel.state import (
 )
 from bili_addon.kernel.native import NativeCalls
 from bili_addon.kernel.tools import ProxyTools
-from bili_addon.kernel.windows import context_window
+from bili_addon.kernel.windows import PATH_MODEL, context_window, variant, window_key
 from bili_addon.store import LedgerRow, SessionRow, StaleSession, Store, StoreError
 from bili_addon.wire import Lane
 from bili_addon.wire.base import TEXT, Core, Splits
@@ -117,8 +117,11 @@ class Engine(ProxyTools, Epochs, Deferred):
         return self.sessions.set_flag(sid, key, value)
 
     def window_for(self, s: Session) -> int:
-        learned = s.flags.get("learned_windows", {}).get(s.model)
-        return int(learned) if learned else (self.window or context_window(s.model))
+        """The session's context window: learned from the provider's overflow error for its model (and
+        the window its request asks for, kernel/windows.py), else the option's, else the table's."""
+        key = window_key(s)
+        learned = s.flags.get("learned_windows", {}).get(key)
+        return int(learned) if learned else (self.window or context_window(key))
 
     # -- the turn ------------------------------------------------------------------------------
     @property
@@ -246,6 +249,9 @@ class Engine(ProxyTools, Epochs, Deferred):
         forked = self._lineage("before_turn", s, infos, start) if ident is not None else None
         if isinstance(top.get("model"), str):
             s.model = top["model"]
+        elif headers.get(PATH_MODEL):  # (Gemini: the model in the URL's path, as the shell read it)
+            s.model = headers[PATH_MODEL]
+        s.variant = variant(headers) if lane.name == "anthropic" else ""
         # conversation items whose session work (refs, view, rendering) is reused as it is
         q = k - start if memo is not None and k and memo.sid == sid and memo.version == s.version else 0
         result = TurnResult(None, session=sid, lane=lane.name, messages=len(infos) - start, source=source)

@@ -39,6 +39,34 @@ _LIMIT = (
 )
 
 
+# a request's own word on its window beside its model's name: Anthropic's 1M-token window is asked for
+# with a beta header (Claude Code's Opus and Sonnet), the model's name the same
+ONE_MILLION = "[1m]"
+# the model of a request whose body does not name it (Gemini: in the URL's path), as the proxy read it
+# there: put in the headers the engine is given (a copy, never forwarded)
+PATH_MODEL = "x-bili-path-model"
+_GEMINI_PATH = re.compile(r"/models/([^/:?]+)")
+
+
+def variant(headers) -> str:
+    """:data:`ONE_MILLION` when the request asks for the 1M-token window (``anthropic-beta:
+    context-1m-...``), else ''."""
+    beta = headers.get("anthropic-beta", "") if headers is not None else ""
+    return ONE_MILLION if "context-1m" in beta.lower() else ""
+
+
+def window_key(s) -> str:
+    """What a session's window is known by: its model's id and the window its request asks for (a
+    learned window is kept per key: an overflow at 200K says nothing of the same model's 1M window)."""
+    return s.model + s.variant
+
+
+def model_in_path(path: str) -> str | None:
+    """The model a Gemini request's path names (``/v1beta/models/gemini-2.5-pro:generateContent``)."""
+    m = _GEMINI_PATH.search(path or "")
+    return m.group(1) if m else None
+
+
 @functools.lru_cache(maxsize=256)  # read on every request, of a handful of model ids
 def context_window(model: str) -> int:
     m = (model or "").lower()
