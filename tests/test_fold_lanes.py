@@ -583,3 +583,55 @@ def test_gemini_two_idless_calls_of_one_tool_get_each_its_own_result(engine):
     assert res.executed == ["decompress", "decompress"]
     got = [p["functionResponse"]["response"]["content"] for p in json.loads(res.body)["contents"][-1]["parts"]]
     assert got[0].startswith("b1 ") and got[1].startswith("b2 ")
+
+
+def test_an_error_cut_short_stays_an_error(engine):
+    """Anthropic: the emergency truncation of the agent's own failed output (a failing test run) went
+    through the edit that gives a proxy call its real result, which takes ``is_error`` off: the model
+    was told the failed command had succeeded."""
+    engine.window = 100_000
+    lane = LANES["anthropic"]
+    fail = "FAILED tests/test_x.py::test_y\n" + "Traceback line ...\n" * 1500 + "=== 37 failed, 2 passed ==="
+    msgs = [{"role": "user", "content": "Run the tests."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_t", "name": "Bash",
+                                               "input": {"command": "pytest"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_t", "is_error": True,
+                                          "content": fail}]}]
+    for i in range(6):
+        msgs += [{"role": "assistant", "content": [{"type": "text", "text": f"step {i}"}]},
+                 {"role": "user", "content": f"ok {i}"}]
+
+    def body():
+        return json.dumps({"model": "claude-x", "max_tokens": 9, "messages": msgs}).encode()
+
+    engine.process(body(), lane, H, render=True)
+    usage(engine, "lanes", 97_000)
+    block = json.loads(engine.process(body(), lane, H, render=True).body)["messages"][2]["content"][0]
+    assert "were cut by bili" in block["content"] and block["is_error"] is True
+
+
+def test_gemini_cuts_the_one_response_it_chose(engine):
+    """Gemini: two id-less calls of one tool and their responses in one content; the truncation of the
+    big one was written into every response of that tool, the small one's replaced by the big one's
+    head and tail (another call's result)."""
+    engine.window = 100_000
+    lane = LANES["gemini"]
+    big = "BIG FILE a.py HEAD\n" + "def a(): return 1\n" * 3000 + "BIG FILE a.py TAIL"
+    small = "small file b.py: x = 2"
+    c = [{"role": "user", "parts": [{"text": "Start the task."}]},
+         {"role": "model", "parts": [{"functionCall": {"name": "read_file", "args": {"path": "a.py"}}},
+                                     {"functionCall": {"name": "read_file", "args": {"path": "b.py"}}}]},
+         {"role": "user", "parts": [{"functionResponse": {"name": "read_file", "response": {"output": big}}},
+                                    {"functionResponse": {"name": "read_file", "response": {"output": small}}}]}]
+    for i in range(6):
+        c += [{"role": "model", "parts": [{"text": f"step {i}"}]}, {"role": "user", "parts": [{"text": f"ok {i}"}]}]
+
+    def body():
+        return json.dumps({"contents": c}).encode()
+
+    engine.process(body(), lane, H, render=True)
+    usage(engine, "lanes", 97_000)
+    parts = json.loads(engine.process(body(), lane, H, render=True).body)["contents"][2]["parts"]
+    first, second = (json.dumps(p["functionResponse"]["response"]) for p in parts)
+    assert "were cut by bili" in first and "BIG FILE a.py HEAD" in first
+    assert second == json.dumps({"output": small})

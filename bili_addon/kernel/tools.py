@@ -255,9 +255,11 @@ class ProxyTools:
                 continue
             call = s.calls.get(target) if target else None
             if call is None:
-                if p.core.ctype == TOOL_RESULT and p.entry.ref in cut:
+                if p.core.ctype == TOOL_RESULT and p.entry.ref in cut:  # the agent's own output, cut short
                     obj = obj if obj is not None else info.obj
-                    edits += lane.result_edits(obj, key, cut[p.entry.ref])
+                    # (an id-less one: its own response, not every one of its tool's; an error stays one)
+                    edits += lane.result_edits(obj, key, cut[p.entry.ref], nth=nth.get(key) if key.startswith("name:")
+                                               else None, keep_error=True)
                 continue
             if call.result is None:
                 continue

@@ -190,13 +190,16 @@ class AnthropicLane(LaneDefaults):
         return patch_many(row, edits) if edits else row
 
     @staticmethod
-    def result_edits(obj: Any, call_id: str, text: str) -> list:
+    def result_edits(obj: Any, call_id: str, text: str, nth: int | None = None, keep_error: bool = False) -> list:
+        """The result of call ``call_id`` made ``text``: a proxy call's real result in place of the
+        agent's "unknown tool" error (its ``is_error`` goes), or (``keep_error``) the agent's own
+        output cut short, which stays the error it was."""
         edits: list = []
         for j, block in enumerate(_blocks(obj)):
             if block.get("type") == "tool_result" and block.get("tool_use_id") == call_id:
                 if block.get("content") != text:
                     edits.append((("content", j, "content"), text))
-                if "is_error" in block:
+                if "is_error" in block and not keep_error:
                     edits.append((("content", j, "is_error"), DELETE))
         return edits
 

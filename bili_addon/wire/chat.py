@@ -201,7 +201,7 @@ class ChatLane(LaneDefaults):
         return True
 
     @staticmethod
-    def result_edits(obj: Any, call_id: str, text: str) -> list:
+    def result_edits(obj: Any, call_id: str, text: str, nth: int | None = None, keep_error: bool = False) -> list:
         if isinstance(obj, dict) and obj.get("role") == "tool" and obj.get("tool_call_id") == call_id:
             return [] if obj.get("content") == text else [(("content",), text)]
         return []

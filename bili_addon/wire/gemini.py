@@ -114,7 +114,7 @@ class GeminiLane(LaneDefaults):
         return True
 
     @staticmethod
-    def result_edits(obj: Any, call_id: str, text: str, nth: int | None = None) -> list:
+    def result_edits(obj: Any, call_id: str, text: str, nth: int | None = None, keep_error: bool = False) -> list:
         """``nth``: only the nth response with that key in the item (id-less responses of one tool,
         ``name:TOOL``, each answering a call of its own)."""
         edits: list = []

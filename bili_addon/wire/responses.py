@@ -192,7 +192,7 @@ class ResponsesLane(LaneDefaults):
         return False
 
     @staticmethod
-    def result_edits(obj: Any, call_id: str, text: str) -> list:
+    def result_edits(obj: Any, call_id: str, text: str, nth: int | None = None, keep_error: bool = False) -> list:
         if (
             isinstance(obj, dict)
             and obj.get("type") in ("function_call_output", "custom_tool_call_output")
