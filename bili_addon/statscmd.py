@@ -137,7 +137,7 @@ def session_view(doc: dict[str, Any], now: float | None = None) -> str:
            f"blocks {fold.get('blocks', 0)} active of {fold.get('blocks_total', 0)}, "
            f"{tokens(fold.get('tokens_folded', 0))} tokens folded, epoch {fold.get('epoch', 1)}"]
     if w.get("priced"):
-        out.append(f"cost {money(w.get('cost'))}, saved {money(w.get('saved'))} (a lower bound: what bili took off as cache reads, what it added at the turn's dearest rate)")
+        out.append(f"cost {money(w.get('cost'))}, saved {money(w.get('saved'))} (a lower bound)")
     else:
         out.append("cost: no price for this model (tokens only; add it to prices.json in the data dir)")
     if w.get("cache_write"):  # "unsplit": turns recorded before the split was (schema 9), priced at 5 minutes

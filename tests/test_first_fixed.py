@@ -265,7 +265,7 @@ def old_before_turn(self, s: Session, infos: list[ItemInfo], start: int) -> str 
             self.records[sid] = []
     else:
         family = self.store.family(sid)  # from the store: another proxy on it may have made one
-    if family is None and sid not in self.checked and self._fresh(s):
+    if family is None and sid not in self.checked and not s.flags.get(lineage.OWN) and self._fresh(s):
         conv = infos[start:]
         if any(p.core.role == "assistant" for info in conv for p in info.parts):
             # a history that goes on from the session's own earlier request is its own, even
@@ -276,7 +276,10 @@ def old_before_turn(self, s: Session, infos: list[ItemInfo], start: int) -> str 
             continues = parts is not None and len(parts) >= len(own) and all(
                 o[1] == p.chash for o, p in zip(own, parts))
             note = None if continues else self._adopt(s, conv, parts)
-            self.checked.add(sid)  # never compared again (after a restart: its own record says it)
+            self.checked.add(sid)  # never compared again (nor after a restart: the verdict in its row)
+            if note is None:
+                s.flags[lineage.OWN] = True
+                s.row.flags = json.dumps(s.flags, sort_keys=True)
     if family is not None:
         s.row.next_ref = max(s.row.next_ref, family[3])
     return note

@@ -14,6 +14,8 @@ import uuid
 
 import pytest
 
+from bili_addon import prices
+
 from .support import Mitmdump
 from .test_fold_e2e import make_agent, run_bash, session_script
 
@@ -71,7 +73,12 @@ def hand_cost(t) -> tuple[float, float]:
     uncached = t["input_tokens"] - t["cache_read"] - t["cache_write"]
     cost = (uncached * PRICE["input"] + t["cache_write"] * PRICE["cache_write_5m"] + t["cache_read"] * PRICE["cache_read"]
             + t["output_tokens"] * PRICE["output"]) / 1e6
-    saved = (t["agent_tokens"] - t["sent_tokens"]) * PRICE["cache_read"] / 1e6  # negative: bili's additions
+    if t["agent_tokens"] >= t["sent_tokens"]:  # what bili took off, as cache reads
+        saved = (t["agent_tokens"] - t["sent_tokens"]) * PRICE["cache_read"] / 1e6
+    else:  # what it added, where the turn paid the most for its tokens: negative
+        long, short, plain, read = prices.added_where(t["sent_tokens"] - t["agent_tokens"], t["input_tokens"],
+                                                      t["cache_read"], t["cache_write"], 0)
+        saved = -(short * PRICE["cache_write_5m"] + plain * PRICE["input"] + read * PRICE["cache_read"]) / 1e6
     return cost, saved
 
 
