@@ -372,3 +372,28 @@ def test_a_range_that_ends_inside_a_held_fold_is_refused_not_stretched_over_it(b
     assert out["messages"][-1]["content"][0]["content"].startswith("Compressed ")
     b2 = next(b for b in e.sessions.get(SID).blocks if b.active)
     assert b2.consumed == ["b1"]
+
+
+def test_a_held_fold_landing_with_a_newer_one_shows_its_pointer_from_then_on(backend):
+    """b1 held across requests (its call c1 rendered with its whole summary); the request that runs a
+    second compress lands both (a cold moment here): the calls were rendered anew only when the
+    newest fold was held across requests (``since`` was its request), so c1 kept its whole summary
+    beside b1's own on the wire, until some other change re-rendered it (a restart: at once)."""
+    e = make(backend())
+    msgs, res, out = held_fold(e, steps=14)
+    msgs = go_on(msgs, 0)
+    res, out = send(e, msgs)
+    assert res.landed == 0
+    msgs = ask(e, msgs, refs_in(out), "Step 3:", "Step 5:", "c4")
+    res, out = send(e, msgs, gap=400)
+    assert res.landed == 2
+
+    def c1(payload: dict) -> str:
+        return next(b for m in payload["messages"] if isinstance(m["content"], list) for b in m["content"]
+                    if b.get("type") == "tool_use" and b["id"] == "c1")["input"]["content"][0]["summary"]
+
+    assert c1(out) == POINTER.format(id="b1")
+    msgs = go_on(msgs, 1)
+    res, out = send(e, msgs)
+    assert c1(out) == POINTER.format(id="b1")
+    e.store.close()

@@ -131,9 +131,14 @@ class Deferred:
         (``bili_materialize=now``)."""
         if self.materialize == "now" or not made:
             return None
+        before = s.flags.get(FLAG) or {}
         hold, keep = after_fold(*held(s), made, gone)
         d = self._weigh(s, view, hold, keep)
-        return {"blocks": sorted(hold), "wire": sorted(keep), "since": s.row.requests, "land": d.now,
+        # ``since``: the request of the oldest fold still held (a fold held across requests had its call
+        # rendered with its whole summary: landing it renders the calls anew; a newer fold made with the
+        # landing request said nothing of the older ones)
+        since = before["since"] if before.get("blocks") and "since" in before else s.row.requests
+        return {"blocks": sorted(hold), "wire": sorted(keep), "since": since, "land": d.now,
                 "last": d.to_flag()}
 
     def _land(self: DeferHost, s: Session, view: View, result: TurnResult) -> None:
