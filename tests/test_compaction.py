@@ -485,3 +485,45 @@ def test_no_reminder_goes_into_the_agents_own_summary_request(tmp_path):
     assert reminder_ranges(out), "the control: a newest user turn gets a reminder"
     _, out = agent2.send(C.anthropic(ts, C.Scheme()) + [ask])
     assert not reminder_ranges(out) and "[bili] " not in json.dumps(json.loads(out)["messages"])
+
+
+def test_opencodes_second_compaction_is_a_third_epoch(backend):
+    """opencode's summary turn is its question, the same words every time ("What did we do so far?"):
+    its ref was the first epoch's marker, so the second compaction was not seen (the epoch's blocks
+    stayed live, drift was logged every turn).  The answer after the question, new each time, marks it."""
+    engine = make_engine(backend)
+    agent = Agent(engine, "anthropic")
+    ts = C.turns(16)
+    pair, _ = fold_early(agent, ts, C.anthropic)
+    ts.append(C.Turn(16, "Turn 16: next.", "Reply Turn 16.", tool=False))
+    agent.send(C.anthropic(ts, C.Scheme(), pair))
+    more = [C.Turn(17, "Turn 17: after.", "Reply Turn 17.", tool=True)]
+    res, _ = agent.send(X.opencode(more))
+    assert res.epoch == 2
+    _, _, out = grow_until_folded(agent, lambda t, sc, extra: X.opencode(more + t, sc, extra=extra), 20)
+    assert out is not None and SECTION + b"b2" in out
+    second = "Second summary: modules 20 to 60 analysed, every value recorded, nothing unusual."
+    after = [C.Turn(200, "Turn 200: after the second compaction.", "Reply 200.", tool=True)]
+    res, _ = agent.send(X.opencode(after, summary=second))
+    s = engine.sessions[SID]
+    assert res.epoch == 3 and [e["epoch"] for e in s.flags["epochs"]] == [2, 3]
+    assert next(b for b in s.blocks if b.id == "b2").retired
+    for t in range(201, 204):
+        after.append(C.Turn(t, f"Turn {t}: more.", f"Reply {t}.", tool=True))
+        res, _ = agent.send(X.opencode(after, summary=second))
+        assert res.epoch == 0 and not res.drift
+
+
+def test_a_codex_compaction_that_keeps_hundreds_of_user_turns_is_seen(backend):
+    """codex keeps the user's turns first (up to ~20K tokens of them), then its summary: a long thread
+    of short prompts put the summary past the 256 items the head was read to, the compaction was not
+    seen, and the old epoch's block stood in place of user turns codex had kept on purpose."""
+    engine = make_engine(backend)
+    agent = Agent(engine, "responses")
+    ts = C.turns(14)
+    ts += [C.Turn(t, f"Turn {t}: go on.", f"Reply Turn {t}: done.", tool=False) for t in range(14, 314)]
+    pair, _ = fold_early(agent, ts, C.responses)
+    agent.send(C.responses(ts, C.Scheme(), pair))
+    after = [C.Turn(1000, "Turn 1000: carry on.", "Reply Turn 1000: carrying on.", tool=True)]
+    res, out = agent.send(X.codex(ts, after))
+    assert res.epoch == 2 and SECTION + b"b1" not in out

@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("bili")
 
 HEAD_ITEMS = 8  # the summary stands within the first items (after what the agent keeps of the start) ...
-MAX_HEAD = 256  # ... or anywhere in the leading run of non-assistant items (codex keeps user turns first)
+# ... or anywhere in the leading run of non-assistant items (codex keeps the user's turns first, up to
+# ~20K tokens of them: a long thread of short prompts put its summary past a cap of 256 items)
+MAX_HEAD = 20_000
 GONE_SHARE = 0.25  # the share of the previous pass that must have disappeared
 
 # -- the agents' shapes ------------------------------------------------------------------------
@@ -186,7 +188,11 @@ def detect(lane: str, view: View, previous: list[str], known: set[str], minted_f
         return None
     agent, part, k = hit
     if part.ref in known:
-        return None
+        # opencode's marker is its question, the same words every time ("What did we do so far?"): a
+        # second compaction's is known; its summary, the answer right after it, is new
+        part = _answer_after(view, k) if agent == "opencode" else None
+        if part is None or part.ref in known:
+            return None
     if previous:
         if part.ref in previous:
             return None
@@ -199,6 +205,17 @@ def detect(lane: str, view: View, previous: list[str], known: set[str], minted_f
     if index is None or index < minted_from:
         return None
     return Found(agent, part.ref, k, 0, 0)
+
+
+def _answer_after(view: View, k: int) -> PartView | None:
+    """The first prose part of the assistant's item right after item ``k`` (opencode's summary)."""
+    items = view.items
+    if k + 1 >= len(items):
+        return None
+    for p in items[k + 1].parts:
+        if p.role == "assistant" and p.ctype == TEXT and p.text.strip():
+            return p
+    return None
 
 
 # -- epochs of a session -----------------------------------------------------------------------
