@@ -888,7 +888,10 @@ class Store:
         row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         have = int(row[0]) if row is not None else 0
         legacy = self.db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='ledger'").fetchone()
-        if have >= SCHEMA_VERSION and legacy is None:
+        # the chains' owner came without a migration (schema 4 then): a store made before it may have
+        # been stamped with every later schema since, without the column
+        owner = "owner" in {r[1] for r in self.db.execute("PRAGMA table_info(chains)")}
+        if have >= SCHEMA_VERSION and legacy is None and owner:
             return
         with self._tx():
             # 3: the wire table, 4: the calibration table, 5: the chains table, made by _SCHEMA like
@@ -905,6 +908,8 @@ class Store:
                 self._wire_split()
             if have < 10:  # the refs view reads a fresh write's refs from its ledger row too
                 self.db.execute("DROP VIEW IF EXISTS refs")
+            if not owner:
+                self.db.execute("ALTER TABLE chains ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
             for stmt in _VIEWS.split(";"):
                 if stmt.strip():
                     self.db.execute(stmt)

@@ -377,3 +377,25 @@ def test_a_store_url_is_shown_without_its_password_in_every_form(url):
 
     shown = redact(url)
     assert "s3cret" not in shown and "s3 cret" not in shown and "db" in shown
+
+
+def test_a_sqlite_store_whose_chains_have_no_owner_gets_the_column(tmp_path):
+    """The chains' ``owner`` came without a migration: a store made before it, opened by every bili
+    since, was stamped with the newest schema and never given the column; every chain saved there
+    failed, and each failure took the store down (the requests then passed through unchanged)."""
+    import sqlite3
+
+    from bili_addon.store import DB_NAME, Store
+
+    d = tmp_path / "data"
+    Store(d).close()
+    db = sqlite3.connect(d / DB_NAME)
+    db.execute("ALTER TABLE chains DROP COLUMN owner")  # (as the tables were made then)
+    db.commit()
+    db.close()
+    s = Store(d)
+    try:
+        assert "owner" in {r[1] for r in s.db.execute("PRAGMA table_info(chains)")}
+        assert s.schema_version() == SCHEMA_VERSION
+    finally:
+        s.close()
