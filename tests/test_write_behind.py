@@ -352,3 +352,56 @@ def test_a_prune_skips_a_session_a_process_serves_and_lets_go_only_its_own(tmp_p
         a.close()
         b.close()
 
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_family_members_turn_is_written_before_its_request_goes(tmp_path, kind, request):
+    """A parent and its fork served by two proxies on one store: the parent's turn went with refs from
+    the family's counter and its write waited; the fork's turn on the other proxy (its own session's
+    lock) gave the same numbers to other texts and was written first; the parent's write was then
+    refused, after its request had shown one ref for two texts in the family.  A family member's turn
+    is written before its request goes (a refusal computes it again)."""
+    import json
+
+    from tests.test_fold import body, conversation, refs_in
+
+    if kind == "sqlite":
+        make = lambda: Store(tmp_path / "data")  # noqa: E731
+    else:
+        url = request.getfixturevalue("pg_url")
+        make = lambda: stores.open_store(url, str(tmp_path / "pgdata"))  # noqa: E731
+    one, two = engine(make(), True), engine(make(), True)
+    p, f = {"x-claude-code-session-id": "parent"}, {"x-claude-code-session-id": "fork"}
+
+    def more(msgs, text):
+        return msgs + [{"role": "assistant", "content": f"Noted: {text}."}, {"role": "user", "content": text}]
+
+    def turn(e, msgs, h):
+        return refs_in(json.loads(e.process(body(msgs), LANES["anthropic"], h, render=True).body))
+
+    def after(e):  # what the proxy's worker does after the request and the answer
+        e.write_pending()
+        e.lineage.flush()
+
+    msgs = conversation(4)
+    turn(one, msgs, p)
+    after(one)
+    msgs = more(msgs, "go on with module five")
+    before = turn(one, msgs, p)
+    after(one)
+    fork = more(msgs, "continue in the fork")
+    turn(two, fork, f)
+    after(two)
+    parent = turn(one, more(msgs, "the parent goes on"), p)
+    forked = turn(two, more(fork, "the fork goes on too"), f)
+    after(two)
+    after(one)
+    shown = {}
+    for refs in (parent, forked):
+        for ref, text in refs.items():
+            if ref not in before:
+                assert shown.setdefault(ref, text) == text, ref
+    again = turn(one, more(more(msgs, "the parent goes on"), "and further"), p)
+    assert all(again[r] == t for r, t in parent.items())
+    for e in (one, two):
+        e.store.close()

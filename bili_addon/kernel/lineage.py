@@ -89,6 +89,7 @@ class Lineage:
                 made = True
         else:
             family = self.store.family(sid)  # from the store: another proxy on it may have made one
+        s.family = family is not None
         if family is None and sid not in self.checked and not s.flags.get(OWN) and self._fresh(s):
             conv = infos[start:]
             if _answered(conv):
@@ -100,6 +101,7 @@ class Lineage:
                 continues = parts is not None and len(parts) >= len(own) and all(
                     o[1] == p.chash for o, p in zip(own, parts))
                 note = None if continues else self._adopt(s, conv, parts)
+                s.family = note is not None
                 self.checked.add(sid)  # never compared again
                 if note is None:
                     # nobody's fork, for good: kept in the session's row (written with this turn's

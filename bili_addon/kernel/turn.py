@@ -340,7 +340,10 @@ class Engine(ProxyTools, Epochs, Deferred):
         # session unless something below may write: then its lock stays until release); with
         # write-behind, a last write stays staged and goes after the request (write_pending)
         last = not _writes_after(self, s, lane.name, snap, active, names, len(raws) > start)
-        if not (last and self.write_behind and self.store.exclusive):
+        # (a family's refs come from its counter, which the session's lock does not hold: a fork on another
+        # proxy may give the same numbers meanwhile, refused only at the commit; its turn is written
+        # before its request goes, and computed again on a refusal, never sent with refs of another text)
+        if not (last and self.write_behind and self.store.exclusive and not s.family):
             self.sessions.flush(last=last)
         self._land(s, view, result)  # held folds leave the wire when it pays (kernel/pending.py)
         if s.version != version or (memo is not None and memo.rendered is None):
