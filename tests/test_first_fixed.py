@@ -148,6 +148,10 @@ def old_apply(host: PressureHost, s: Session, view: View, resolved: list[list[Re
         # (the tokens of the parts no block holds)
         used = ((view.unfolded(cov).tokens[-1] if cov else view.sums().tokens[-1])
                 + sum(b.summary_tokens for b in s.blocks if b.active))
+    known = s.flags.get("truncated", {})
+    if not last and known:  # (the estimate counts the outputs cut before as cut)
+        used -= sum(p.tokens - len(known[p.ref]) // 4 for it in view.items for p in it.parts
+                    if p.ref in known and p.ref not in cov)
     window = host.window_for(s)
     if used < int(s.flags.get("last_nudge_at", 0)):
         # a fold (or the host's own compaction) shrank the context: growth counts from here
@@ -163,12 +167,12 @@ def old_apply(host: PressureHost, s: Session, view: View, resolved: list[list[Re
         if text and not asks_for_summary(view):  # (asked only when there is a reminder to give)
             prose = [r for r in newest if r.core.role == "user" and r.core.ctype == TEXT and r.core.path
                      and r.core.text.strip()]
-            ref = (prose[-1] if prose else newest[-1]).entry.ref
-            nudges[ref] = {"text": text, "how": "suffix" if prose else "item"}
-            host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
-    cut = nudge.truncations(view, s.blocks, host.fold_cfg, host.nudge_cfg, used, window, cov)
-    known = s.flags.get("truncated", {})
-    if any(ref not in known for ref in cut):
+            if prose or not any(r.core.role == "assistant" for r in newest):  # (never into a prefill)
+                ref = (prose[-1] if prose else newest[-1]).entry.ref
+                nudges[ref] = {"text": text, "how": "suffix" if prose else "item"}
+                host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
+    cut = nudge.truncations(view, s.blocks, host.fold_cfg, host.nudge_cfg, used, window, cov, known)
+    if cut:
         host.set_flag(s.row.id, "truncated", {**cut, **known})
 
 

@@ -635,3 +635,77 @@ def test_gemini_cuts_the_one_response_it_chose(engine):
     first, second = (json.dumps(p["functionResponse"]["response"]) for p in parts)
     assert "were cut by bili" in first and "BIG FILE a.py HEAD" in first
     assert second == json.dumps({"output": small})
+
+
+def test_a_second_emergency_cut_cuts_more(engine):
+    """The reported size counts the outputs cut before as cut, but their parts in the view hold their
+    whole text: the next emergency (the context grown past 95% again) chose the same outputs, took
+    their savings for enough and cut nothing more; the window then overflowed."""
+    lane = LANES["anthropic"]
+
+    def body(n: int, tail: str) -> bytes:
+        msgs = [{"role": "user", "content": "Start."}]
+        for i in range(n):
+            msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "Read",
+                                                        "input": {"f": i}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}",
+                                                   "content": f"OUT {i}\n" + ("data %d\n" % i) * 5000}]}]
+        msgs += [{"role": "assistant", "content": [{"type": "text", "text": "ok"}]}, {"role": "user", "content": tail}]
+        return json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": msgs}).encode()
+
+    engine.process(body(19, "go on"), lane, H, render=True)
+    usage(engine, "lanes", 192_000)  # 96% of 200K
+    engine.process(body(19, "next"), lane, H, render=True)
+    first = dict(engine.sessions["lanes"].flags["truncated"])
+    usage(engine, "lanes", 193_000)  # past 95% again, the cuts counted as cut
+    engine.process(body(21, "more"), lane, H, render=True)
+    assert set(engine.sessions["lanes"].flags["truncated"]) - set(first)
+
+
+def test_the_newest_batch_of_results_is_never_cut(engine):
+    """Chat: each result an item of its own, the recent zone 4 parts: the model's newest answer made
+    five calls, and the first results of that batch (not read by the model yet) were cut."""
+    lane = LANES["chat"]
+
+    def body(batch: bool) -> bytes:
+        msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "Read the five modules."}]
+        for i in range(3):
+            msgs += [{"role": "assistant", "content": None, "tool_calls": [{"id": f"old_{i}", "type": "function",
+                      "function": {"name": "read", "arguments": json.dumps({"old": i})}}]},
+                     {"role": "tool", "tool_call_id": f"old_{i}", "content": f"OLD {i}\n" + ("x%d = 1\n" % i) * 1500},
+                     {"role": "assistant", "content": f"step {i}"}, {"role": "user", "content": f"ok {i}"}]
+        if batch:
+            msgs.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call_{i}", "type": "function", "function": {"name": "read", "arguments": json.dumps({"f": i})}}
+                for i in range(5)]})
+            msgs += [{"role": "tool", "tool_call_id": f"call_{i}", "content": f"MODULE {i}\n" + ("def f%d(): pass\n" % i) * 1800}
+                     for i in range(5)]
+        return json.dumps({"model": "gpt-4o", "messages": msgs}).encode()
+
+    engine.process(body(False), lane, H, render=True)
+    usage(engine, "lanes", 122_000)  # 95.3% of gpt-4o's 128K
+    msgs = json.loads(engine.process(body(True), lane, H, render=True).body)["messages"]
+    cut = {m["tool_call_id"] for m in msgs if m.get("role") == "tool" and "were cut by bili" in (m.get("content") or "")}
+    assert cut and all(c.startswith("old_") for c in cut)
+
+
+def test_no_reminder_goes_into_an_assistants_prefill(engine):
+    """A request that ends with the assistant's prefill (the model continues it): a reminder given as an
+    item of its own after the newest item was joined into the prefill (Anthropic's list content)."""
+    reminder_cfg(engine)
+    lane = LANES["anthropic"]
+    msgs = [{"role": "user", "content": "audit please"}]
+    for t in range(10):
+        msgs += [{"role": "assistant", "content": [{"type": "text", "text": f"Step {t}."},
+                                                   {"type": "tool_use", "id": f"t{t}", "name": "sh", "input": {}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{t}", "content": f"file-{t} {ROW}"}]}]
+    msgs.append({"role": "assistant", "content": [{"type": "text", "text": '{"answer":'}]})
+
+    def body():
+        return json.dumps({"model": "claude-x", "max_tokens": 9, "messages": msgs,
+                           "tools": [{"name": "sh", "input_schema": {"type": "object"}}]}).encode()
+
+    engine.process(body(), lane, H, render=True)
+    usage(engine, "lanes", 5_000)
+    last = json.loads(engine.process(body(), lane, H, render=True).body)["messages"][-1]
+    assert last["role"] == "assistant" and [b["text"] for b in last["content"]] == ['{"answer":']

@@ -290,8 +290,9 @@ def old_decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: Nudge
 
 
 def old_truncations(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, used: int,
-                window: int) -> dict[str, str]:
-    """Emergency: the biggest old tool outputs, cut to head and tail until the context fits again."""
+                window: int, known=()) -> dict[str, str]:
+    """Emergency: the biggest old tool outputs, cut to head and tail until the context fits again
+    (those the model has answered since, not cut before)."""
     if not rewrite.window_forces(used, window, cfg.truncate_at):  # the rewrite decision's window rule, at 95%
         return {}
     if view.sums().peak < cfg.truncate_min_tokens:
@@ -299,10 +300,11 @@ def old_truncations(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: 
     cov = old_coverage(blocks)
     protected = view.protected(fold_cfg)
     target = 0.9 * cfg.truncate_at * window
+    answered = max((k for k, it in enumerate(view.items) if any(p.role == "assistant" for p in it.parts)), default=0)
     parts = [
-        p for k, it in enumerate(view.items) if k not in protected
+        p for k, it in enumerate(view.items) if k not in protected and k < answered
         for p in it.parts
-        if p.ctype == TOOL_RESULT and p.ref not in cov and p.tokens >= cfg.truncate_min_tokens
+        if p.ctype == TOOL_RESULT and p.ref not in cov and p.ref not in known and p.tokens >= cfg.truncate_min_tokens
         and len(p.text) > 2 * cfg.keep_chars + 200
     ]
     parts.sort(key=lambda p: -p.tokens)
@@ -337,6 +339,11 @@ def old_apply(host: PressureHost, s: Session, view: View, resolved: list[list[Re
         used = ((sum(p.tokens for it in view.items for p in it.parts if p.ref not in cov) if cov
                  else view.sums().tokens[-1])
                 + sum(b.summary_tokens for b in s.blocks if b.active))
+    known = s.flags.get("truncated", {})
+    if not last and known:  # (the estimate counts the outputs cut before as cut)
+        cov = old_coverage(s.blocks)
+        used -= sum(p.tokens - len(known[p.ref]) // 4 for it in view.items for p in it.parts
+                    if p.ref in known and p.ref not in cov)
     window = host.window_for(s)
     if used < int(s.flags.get("last_nudge_at", 0)):
         # a fold (or the host's own compaction) shrank the context: growth counts from here
@@ -352,12 +359,12 @@ def old_apply(host: PressureHost, s: Session, view: View, resolved: list[list[Re
         if text:
             prose = [r for r in newest if r.core.role == "user" and r.core.ctype == TEXT and r.core.path
                      and r.core.text.strip()]
-            ref = (prose[-1] if prose else newest[-1]).entry.ref
-            nudges[ref] = {"text": text, "how": "suffix" if prose else "item"}
-            host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
-    cut = old_truncations(view, s.blocks, host.fold_cfg, host.nudge_cfg, used, window)
-    known = s.flags.get("truncated", {})
-    if any(ref not in known for ref in cut):
+            if prose or not any(r.core.role == "assistant" for r in newest):  # (never into a prefill)
+                ref = (prose[-1] if prose else newest[-1]).entry.ref
+                nudges[ref] = {"text": text, "how": "suffix" if prose else "item"}
+                host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
+    cut = old_truncations(view, s.blocks, host.fold_cfg, host.nudge_cfg, used, window, known)
+    if cut:
         host.set_flag(s.row.id, "truncated", {**cut, **known})
 
 

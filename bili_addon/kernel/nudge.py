@@ -7,6 +7,7 @@ the very same bytes on every later turn (the prefix cache never sees them change
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from bili_addon.kernel import rewrite
@@ -182,9 +183,13 @@ def _by_start_tokens(r: tuple) -> tuple[int, int]:
 
 
 def truncations(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: NudgeConfig, used: int,
-                window: int, cov: dict[str, Block] | None = None) -> dict[str, str]:
+                window: int, cov: dict[str, Block] | None = None, known: Collection[str] = ()) -> dict[str, str]:
     """Emergency: the biggest old tool outputs, cut to head and tail until the context fits again.
-    ``cov``: ``coverage(blocks)``, when the caller has it."""
+    ``cov``: ``coverage(blocks)``, when the caller has it; ``known``: the outputs cut before (``used``
+    is the size with them cut: they are no candidates, or the cuts chosen again would be taken for
+    enough, and nothing more cut as the context grows).  Only outputs the model has answered since
+    (before its newest item) are cut: the newest batch of parallel results it has not read yet
+    stays whole, however far it reaches past the recent zone."""
     if not rewrite.window_forces(used, window, cfg.truncate_at):  # the rewrite decision's window rule, at 95%
         return {}
     if view.sums().peak < cfg.truncate_min_tokens:
@@ -193,10 +198,12 @@ def truncations(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: Nudg
         cov = coverage(blocks)
     protected = view.protected(fold_cfg)
     target = 0.9 * cfg.truncate_at * window
+    items = view.items
+    answered = next((k for k in range(len(items) - 1, -1, -1) if any(p.role == "assistant" for p in items[k].parts)), 0)
     parts = [
-        p for k, it in enumerate(view.items) if k not in protected
+        p for k, it in enumerate(items[:answered]) if k not in protected
         for p in it.parts
-        if p.ctype == TOOL_RESULT and p.ref not in cov and p.tokens >= cfg.truncate_min_tokens
+        if p.ctype == TOOL_RESULT and p.ref not in cov and p.ref not in known and p.tokens >= cfg.truncate_min_tokens
         and len(p.text) > 2 * cfg.keep_chars + 200
     ]
     parts.sort(key=lambda p: -p.tokens)

@@ -66,14 +66,20 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
     # include_usage), the conversation's own estimate
     blocks = s.blocks
     cov = fold.coverage(blocks) if blocks else {}  # (read by the reminder and the truncations too)
+    known = s.flags.get("truncated", {})
     if last:
         used = last[0]
-    elif not blocks:  # nothing folded: every part counts
-        used = view.sums().tokens[-1]
     else:
-        # (the tokens of the parts no block holds)
-        used = ((view.unfolded(cov).tokens[-1] if cov else view.sums().tokens[-1])
-                + sum(b.summary_tokens for b in blocks if b.active))
+        if not blocks:  # nothing folded: every part counts
+            used = view.sums().tokens[-1]
+        else:
+            # (the tokens of the parts no block holds)
+            used = ((view.unfolded(cov).tokens[-1] if cov else view.sums().tokens[-1])
+                    + sum(b.summary_tokens for b in blocks if b.active))
+        if known:  # (the outputs cut before go as cut: the estimate counts them so, as a report would)
+            pos = view.pos
+            used -= sum(p.tokens - len(known[p.ref]) // 4 for it in view.items for p in it.parts
+                        if p.ref in known and p.ref in pos and p.ref not in cov)
     window = host.window_for(s)
     flags = s.flags
     at = flags.get("last_nudge_at", 0)
@@ -95,12 +101,14 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
                 if core.role == "user" and core.ctype == TEXT and core.path and core.text.strip():
                     prose = r
                     break
-            nudges[(newest[-1] if prose is None else prose).entry.ref] = {
-                "text": text, "how": "item" if prose is None else "suffix"}
-            host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
-    cut = nudge.truncations(view, blocks, host.fold_cfg, cfg, used, window, cov)
-    known = flags.get("truncated", {})
-    if cut and any(ref not in known for ref in cut):
+            # (an item of its own after the newest item, unless that is the assistant's: a prefill,
+            # which the reminder would join or break; the next user turn has it then)
+            if prose is not None or not any(r.core.role == "assistant" for r in newest):
+                nudges[(newest[-1] if prose is None else prose).entry.ref] = {
+                    "text": text, "how": "item" if prose is None else "suffix"}
+                host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
+    cut = nudge.truncations(view, blocks, host.fold_cfg, cfg, used, window, cov, known)
+    if cut:
         host.set_flag(s.row.id, "truncated", {**cut, **known})
 
 
