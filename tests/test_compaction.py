@@ -476,7 +476,7 @@ def test_no_reminder_goes_into_the_agents_own_summary_request(tmp_path):
     engine = make_engine(lambda: Store(tmp_path))
     agent = Agent(engine, "anthropic")
     ts = C.turns(60)
-    _, out = agent.send(C.anthropic(ts, C.Scheme()))
+    _, out = agent.send(C.anthropic(ts, C.Scheme()) + [{"role": "user", "content": [{"type": "text", "text": "Turn 60: go on."}]}])
     assert reminder_ranges(out), "the control: this history gets a reminder"
     engine2 = make_engine(lambda: Store(tmp_path / "other"))
     agent2 = Agent(engine2, "anthropic")

@@ -166,6 +166,10 @@ def old_apply(host: PressureHost, s: Session, view: View, resolved: list[list[Re
         # (the tokens of the parts no block holds)
         used = ((view.unfolded(cov).tokens[-1] if cov else view.sums().tokens[-1])
                 + sum(b.summary_tokens for b in blocks if b.active))
+    known = s.flags.get("truncated", {})
+    if not last and known:  # (the estimate counts the outputs cut before as cut)
+        used -= sum(p.tokens - len(known[p.ref]) // 4 for it in view.items for p in it.parts
+                    if p.ref in known and p.ref not in cov)
     window = host.window_for(s)
     flags = s.flags
     at = flags.get("last_nudge_at", 0)
@@ -187,12 +191,12 @@ def old_apply(host: PressureHost, s: Session, view: View, resolved: list[list[Re
                 if core.role == "user" and core.ctype == TEXT and core.path and core.text.strip():
                     prose = r
                     break
-            nudges[(newest[-1] if prose is None else prose).entry.ref] = {
-                "text": text, "how": "item" if prose is None else "suffix"}
-            host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
-    cut = nudge.truncations(view, blocks, host.fold_cfg, cfg, used, window, cov)
-    known = flags.get("truncated", {})
-    if any(ref not in known for ref in cut):
+            if prose is not None or not any(r.core.role == "assistant" for r in newest):  # (never a prefill)
+                nudges[(newest[-1] if prose is None else prose).entry.ref] = {
+                    "text": text, "how": "item" if prose is None else "suffix"}
+                host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
+    cut = nudge.truncations(view, blocks, host.fold_cfg, cfg, used, window, cov, known)
+    if cut:
         host.set_flag(s.row.id, "truncated", {**cut, **known})
 
 

@@ -201,7 +201,7 @@ def regrowth(make):
     t = make(fold_cfg=FoldConfig(min_compress_chars=1500))
     t.e.nudge_cfg = NudgeConfig(batch_tokens=2_000, regrowth_tokens=3_000, distil_tokens=600, distil_along_tokens=200)
     conv = long_conversation(40, big_every=3)
-    for k in range(6, len(conv) + 1, 2):
+    for k in range(7, len(conv) + 1, 2):  # (each request ends with the user's turn, as agents send them)
         t.e.t += 10
         t.send(_body(conv[:k]), "regrowth")
     return t.turns
