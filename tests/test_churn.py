@@ -441,3 +441,48 @@ def test_words_said_again_keep_their_place_when_the_folded_copy_is_truncated_awa
         out = send(engine, lane, C.BUILD[lane](kept, C.Scheme(), pair))
         assert out.count(b"Please continue.") == 1, extra
         kept.append(C.Turn(14 + extra, f"Turn {14 + extra}: steady.", "ok", tool=False))
+
+
+def test_a_fold_made_after_a_rewind_stands_turn_after_turn(backend):
+    """After a rewind into b1's range, b1 is not rendered and its message still here is on the wire as
+    it is; the model then folds a range over it.  The new block took b1 in, with b1's messages this
+    branch does not have: it stood on the turn that made it, and from the next (the identical request
+    too) the rewind left it out as well: the model's fold undone, the bytes of one history changing."""
+    row = " ".join(f"row-{i}" for i in range(200))
+
+    def step(t):
+        return [{"role": "assistant", "content": f"Step {t}.", "tool_calls": [
+                    {"id": f"c{t}", "type": "function", "function": {"name": "sh", "arguments": f'{{"t":{t}}}'}}]},
+                {"role": "tool", "tool_call_id": f"c{t}", "content": f"file-{t} {row}"}]
+
+    def call(cid, args):
+        return [{"role": "assistant", "content": None, "tool_calls": [
+                    {"id": cid, "type": "function", "function": {"name": "compress", "arguments": json.dumps(args)}}]},
+                {"role": "tool", "tool_call_id": cid, "content": "Tool compress not found"}]
+
+    engine = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=300))
+    lane = LANES["chat"]
+
+    def send(msgs):
+        return engine.process(json.dumps({"model": "gpt-4.1", "messages": msgs}).encode(), lane, H, render=True)
+
+    head = [{"role": "system", "content": "agent"}, {"role": "user", "content": "audit please"}]
+    msgs = head + [x for t in range(6) for x in step(t)] + [{"role": "user", "content": "go on"}]
+    r = C.refs_by_text(send(msgs).body)
+    a1 = {"content": [{"startId": r["Step 1."], "endId": r["Step 2."],
+                       "summary": "S1: modules 1-2 read; nothing unusual, mod2.py defines load_config() at line 40."}]}
+    engine.record_calls(SID, [("k1", "compress", json.dumps(a1))])
+    msgs += call("k1", a1)
+    assert send(msgs).executed == ["compress"]
+    msgs = head + [x for t in range(2) for x in step(t)] + [{"role": "user", "content": "try another way"}]
+    msgs += [x for t in range(10, 16) for x in step(t)] + [{"role": "user", "content": "continue"}]
+    r = C.refs_by_text(send(msgs).body)
+    a2 = {"content": [{"startId": r["Step 1."], "endId": r["Step 11."],
+                       "summary": "S2: modules 1 and 10-11 read; nothing unusual, mod11.py defines parse_args()."}]}
+    engine.record_calls(SID, [("k2", "compress", json.dumps(a2))])
+    msgs += call("k2", a2)
+    first = send(msgs)
+    assert first.executed == ["compress"] and b"section b2" in first.body
+    assert send(msgs).body == first.body
+    later = send(msgs + [{"role": "assistant", "content": "done"}, {"role": "user", "content": "next"}]).body
+    assert b"section b2" in later and b"file-11 row-0" not in later

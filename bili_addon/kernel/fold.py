@@ -771,7 +771,8 @@ def _block_id(s: str) -> str | None:
     return f"b{int(m.group(1))}" if m and int(m.group(1)) >= 1 else None
 
 
-def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_id: str = "") -> CompressOutcome:
+def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_id: str = "",
+             snoozed: frozenset[str] = frozenset()) -> CompressOutcome:
     ranges = parse_ranges(args)
     if not ranges:
         return CompressOutcome(
@@ -798,7 +799,10 @@ def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_i
             if not positions:
                 raise CompressError("it lies entirely in the protected zone (the first request, the newest "
                                     f"{cfg.recent_parts} message parts and the newest user turn); choose older messages")
-            live = [b for b in blocks if b.active and b not in gone]
+            # (a block not rendered on this request, kernel/reconcile.py: its messages here were shown
+            # as they are, and a range over them folds them; taking the block in would carry its
+            # messages this history does not have, and the new block would never stand again)
+            live = [b for b in blocks if b.active and b not in gone and b.id not in snoozed]
             cov = coverage(live)
             # the blocks whose summary stands inside the range; a block that only reaches into it
             # (its summary stands earlier) keeps its messages, and they are not folded again

@@ -79,7 +79,8 @@ class ToolHost(Protocol):
 
     def record_calls(self, sid: str, calls: list[tuple[str, str, str]]) -> None: ...
 
-    def run_tool(self, s: Session, name: str, args: Any, view: View | None, call_id: str = "") -> str: ...
+    def run_tool(self, s: Session, name: str, args: Any, view: View | None, call_id: str = "",
+                 snoozed: frozenset[str] = frozenset()) -> str: ...
 
     def defer_fold(self, s: Session, made: list, gone: list, view: View) -> dict | None: ...
 
@@ -141,8 +142,10 @@ class ProxyTools:
             log.warning("[bili] session=%s: cache calibration failed (%s: %s)", sid, type(e).__name__, e)
         return called
 
-    def run_tool(self: ToolHost, s: Session, name: str, args: Any, view: View | None, call_id: str = "") -> str:
-        """Execute one proxy tool against the conversation as this request shows it."""
+    def run_tool(self: ToolHost, s: Session, name: str, args: Any, view: View | None, call_id: str = "",
+                 snoozed: frozenset[str] = frozenset()) -> str:
+        """Execute one proxy tool against the conversation as this request shows it (``snoozed``: the
+        blocks not rendered on it: kernel/reconcile.py)."""
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
@@ -151,7 +154,7 @@ class ProxyTools:
         view = view or View([])
         sid = s.row.id
         if name == "compress":
-            out = fold.compress(args, view, s.blocks, self.fold_cfg, call_id)
+            out = fold.compress(args, view, s.blocks, self.fold_cfg, call_id, snoozed)
             text = out.text
             if out.blocks:
                 s.blocks.extend(out.blocks)
@@ -191,7 +194,8 @@ class ProxyTools:
         s = self.sessions.load(sid, fresh=True)
         return sid, self.run_tool(s, tool, args, s.last_view, call_id)
 
-    def _run_calls(self: ToolHost, s: Session, view: View, first: int, result: TurnResult) -> None:
+    def _run_calls(self: ToolHost, s: Session, view: View, first: int, result: TurnResult,
+                   snoozed: frozenset[str] = frozenset()) -> None:
         """Execute the recorded calls this request carries (from view item ``first`` on)."""
         done: list[tuple[str, str]] = []
         for it in view.items[first:]:
@@ -203,7 +207,7 @@ class ProxyTools:
                 if call is None or call.result is not None:
                     continue
                 before = {b.id for b in s.blocks}
-                call.result = self.run_tool(s, call.name, call.args, view, key)
+                call.result = self.run_tool(s, call.name, call.args, view, key, snoozed)
                 done.append((key, call.result))
                 result.executed.append(call.name)
                 made = [b for b in s.blocks if b.id not in before]

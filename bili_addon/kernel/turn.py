@@ -324,7 +324,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         if s.calls:
             if any(c.result is None for c in s.calls.values()):
                 self.sessions.flush()  # (registry.stages stages no such turn: a call landing writes)
-            self._run_calls(s, view, q, result)
+            self._run_calls(s, view, q, result, frozenset(snoozed))
         if s.blocks and self.reconcile:
             coverage.roll_copy(self.sessions, s, view, resolved, drift)  # (with the staged commit)
         active = result.active = pressure.is_active(self, s, view)
