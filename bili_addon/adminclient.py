@@ -8,8 +8,10 @@ admin token goes in its header, and the answer comes back as status + parsed JSO
 
 from __future__ import annotations
 
+import hmac
 import http.client
 import json
+import secrets
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +49,12 @@ def call(address: str, path: str, *, method: str = "GET", body: Any = None, toke
 
     ``body`` is sent as JSON (``b""`` for a POST without one). ``proxy_form`` asks in the absolute
     form a forward proxy expects (``GET http://host:port/path``) rather than the origin form; a
-    mitmproxy in regular mode answers both for its own endpoints."""
+    mitmproxy in regular mode answers both for its own endpoints.  With ``token``, the listener
+    proves first that it holds the token (its answer to a challenge on ``/__bili/health``,
+    :func:`private.proof`): the token never goes to whatever else listens on the port (another
+    local user's program while bili is down); :class:`NotOurs` when it cannot."""
+    if token:
+        _prove(address, token, timeout, proxy_form)
     host, port, prefix = split(address)
     path = prefix + path
     headers = {"accept": "application/json", "connection": "close", **(headers or {})}
@@ -75,6 +82,21 @@ def call(address: str, path: str, *, method: str = "GET", body: Any = None, toke
     except ValueError:
         doc = None
     return Answer(resp.status, raw, doc)
+
+
+class NotOurs(Unreachable):
+    """Something answered at that address, but not this install's bili proxy (it could not prove it
+    holds the admin token): the token was not sent."""
+
+
+def _prove(address: str, token: str, timeout: float, proxy_form: bool) -> None:
+    challenge = secrets.token_hex(16)
+    got = call(address, "/__bili/health", timeout=timeout, proxy_form=proxy_form, limit=65536,
+               headers={private.CHALLENGE_HEADER: challenge})
+    shown = got.doc.get("proof") if isinstance(got.doc, dict) else None
+    if not (isinstance(shown, str) and hmac.compare_digest(shown, private.proof(token, challenge))):
+        raise NotOurs(f"what listens at {address} is not this install's bili proxy (it could not prove it "
+                      "holds the admin token; the token was not sent to it)")
 
 
 def split(address: str) -> tuple[str, int, str]:

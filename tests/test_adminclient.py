@@ -29,7 +29,10 @@ def server():
         def _answer(self):
             n = int(self.headers.get("content-length") or 0)
             seen.append((self.command, self.path, self.headers.get(private.TOKEN_HEADER), self.rfile.read(n)))
-            if self.path.endswith("/text"):
+            challenge = self.headers.get(private.CHALLENGE_HEADER)
+            if self.path.endswith("/__bili/health") and challenge:  # (a proxy that holds the token "t0k")
+                body, status = json.dumps({"ok": True, "proof": private.proof(KNOWN, challenge)}).encode(), 200
+            elif self.path.endswith("/text"):
                 body, status = b"plain words", 502
             else:
                 body, status = json.dumps({"ok": False, "error": "nope"}).encode(), 403
@@ -57,6 +60,20 @@ def test_call_sends_token_and_json_and_reads_errors(server):
     assert seen[-1][:3] == ("GET", "/__bili/text", None)
     got = adminclient.call(address, "/__bili/y", proxy_form=True)
     assert seen[-1][1] == f"{address}/__bili/y"
+
+
+KNOWN = "t0k"
+
+
+def test_the_token_goes_only_to_a_listener_that_proves_it_holds_it(server):
+    """``bili stats``, ``bili page`` and ``bili mcp`` sent the admin token to whatever listened on the
+    port (another local user's program while bili was down, reading every conversation with it)."""
+    address, seen = server
+    with pytest.raises(adminclient.NotOurs):
+        adminclient.call(address, "/__bili/stats", token="another-install's-token")
+    assert all(tok is None for _m, _p, tok, _b in seen)  # (only the challenge went)
+    assert adminclient.call(address, "/__bili/stats", token=KNOWN).status == 403
+    assert seen[-1][2] == KNOWN
 
 
 def test_unreachable_says_refused():
