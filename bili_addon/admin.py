@@ -161,8 +161,10 @@ def _handle(flow: http.HTTPFlow, bili: Host):
         if sid:
             return _with_store(flow, bili, lambda eng: _session(bili, eng, sid),
                                lambda: _fail(503, "the bili store is not available; see the proxy's log"))
+        # (without the store's worker, nothing of the store: the event loop never reads it, and while the
+        # keeper is paused the store is not to be used at all)
         return _with_store(flow, bili, lambda eng: _json(200, bili.stats(eng)),
-                           lambda: _json(200, bili.stats()))
+                           lambda: _json(200, {"sessions": [], "store": False, "store_status": bili.keeper.status()}))
     elif path == PREFIX or path.startswith(PREFIX + "page/"):
         return page.handle(flow, bili, path, _with_store)
     elif path == MANIFEST_ENDPOINT and method in ("GET", "HEAD"):

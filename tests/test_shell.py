@@ -411,3 +411,42 @@ def test_a_sessions_window_follows_what_its_request_asks_for(bili):
     assert "x-bili-path-model" not in h.request.headers  # (the engine's copy only: never forwarded)
     s = eng.sessions["gem"]
     assert s.model == "gemini-2.5-pro" and eng.window_for(s) == 1_048_576
+
+
+def test_stats_never_read_the_store_on_the_event_loop(bili):
+    """While the keeper is paused (another process held SQLite's lock: the engine kept open), the stats'
+    fallback ran every session's queries on mitmproxy's event loop, outside the keeper, on the
+    connection its worker owns, and said the store was fine."""
+    import asyncio
+    import threading
+    import time
+
+    from bili_addon.store import StoreError
+
+    bili.request(model_flow(ANTH_BODY, headers=session_headers()))
+    store = bili.engine.store
+    real, threads = store.sessions, []
+
+    def spy(*a, **k):
+        threads.append(threading.current_thread().name)
+        return real(*a, **k)
+
+    store.sessions = spy
+
+    async def main():
+        bili.keeper.start()
+        bili.keeper.error = StoreError("database is locked", "locked")
+        bili.keeper.retry_at = time.monotonic() + 60
+        f = model_flow(b"", path="/__bili/stats", headers={"x-bili-token": bili.token})
+        f.request.method = "GET"
+        await bili.request(f)
+        return f
+
+    try:
+        f = asyncio.run(main())
+    finally:
+        bili.keeper.error = None
+        bili.keeper.stop()
+    doc = json.loads(f.response.content)
+    assert f.response.status_code == 200 and doc["store"] is False and doc["sessions"] == []
+    assert all(t.startswith("bili-store") for t in threads)
