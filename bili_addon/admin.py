@@ -195,14 +195,24 @@ def _session(bili: Host, eng: Engine, sid: str) -> http.Response:
 
 def _with_store(flow: http.HTTPFlow, bili: Host, answer, without):
     """``answer(engine)`` as the response, run where the store is used; ``without()`` when the
-    store is unusable."""
+    store is unusable.  A handler that fails answers 500 (the keeper's None means the store only)."""
     keeper = bili.keeper
+
+    def guarded(eng: Engine) -> http.Response:
+        try:
+            return answer(eng)
+        except StoreError:
+            raise
+        except Exception as e:
+            log.exception("[bili] admin %s failed: %s", flow.request.path.split("?", 1)[0], e)
+            return _fail(500, f"internal error: {type(e).__name__}: {e}")
+
     if not keeper.offloading:
-        flow.response = keeper.run(answer, None) or without()
+        flow.response = keeper.run(guarded, None) or without()
         return None
 
     async def later() -> None:
-        flow.response = await keeper.call(answer, None) or without()
+        flow.response = await keeper.call(guarded, None) or without()
 
     return later()
 
