@@ -119,7 +119,7 @@ def sessions_table(doc: dict[str, Any], now: float | None = None) -> str:
     p = doc.get("prices") or {}
     if p:
         lines.append(f"prices as of {p.get('as_of')}"[:WIDTH])
-        lines.append("SAVED: agent minus bili tokens priced as cache reads (a lower bound)")
+        lines.append("SAVED: a lower bound (cuts priced as cache reads, additions at their dearest)")
     return "\n".join(lines)
 
 
@@ -209,7 +209,16 @@ def once(args: argparse.Namespace, proxy: str, token: str | None) -> str:
     doc = fetch(proxy, path, token)
     if args.json:
         return json.dumps(doc, indent=2, ensure_ascii=False)
-    return session_view(doc) if args.session else sessions_table(doc)
+    return printable(session_view(doc) if args.session else sessions_table(doc))
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0)) if c != 0x0a}
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters shown, not sent to the terminal (a session id, an agent's
+    or a model's name come from requests: an escape sequence in one would rewrite the terminal)."""
+    return text.translate(_CONTROL)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -112,3 +112,20 @@ def test_stats_page_and_mcp_find_the_proxy_at_bili_port(monkeypatch, capsys):
     monkeypatch.setenv("BILI_TOKEN", "t")
     assert statscmd.run(argparse.Namespace(proxy=None, data_dir=None, session="x", json=False, watch=None)) == 1
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_a_request_chosen_name_cannot_write_to_the_terminal(monkeypatch, capsys):
+    """A session id comes from the request (``metadata.session_id``, ``prompt_cache_key``...), and an
+    agent's or a model's name too: ``bili stats`` printed them as they came, escape sequences (a
+    window title, a cleared screen, hidden text) included."""
+    import copy
+
+    doc = copy.deepcopy(DOC)
+    doc["sessions"][0]["id"] = "\x1b]2;pwned\x07evil"
+    doc["sessions"][0]["agent"] = "a\x1b[2Jb"
+    monkeypatch.setattr(statscmd, "fetch", lambda proxy, path, token, **kw: doc)
+    monkeypatch.setenv("BILI_TOKEN", "t")
+    args = argparse.Namespace(proxy="127.0.0.1:1", data_dir=None, session=None, json=False, watch=None)
+    assert statscmd.run(args) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b]2;pwne" in out
