@@ -335,6 +335,12 @@ class Bili:
         lane = detect_lane(req.method, req.path)
         if lane is None:
             return
+        if flow.is_replay == "request" and flowmeta.read(flow.metadata):
+            # mitmproxy sends again a flow bili rewrote (mitmweb's replay, ``mitmdump -C``): its body is
+            # what went up then, and goes as it is (made again, it would carry bili's prompt twice and
+            # count as a turn of its own)
+            log.info("[bili] %s: a replayed flow goes as it was sent", req.path)
+            return
         try:
             raw = req.get_content(strict=True)
         except ValueError as e:

@@ -450,3 +450,20 @@ def test_stats_never_read_the_store_on_the_event_loop(bili):
     doc = json.loads(f.response.content)
     assert f.response.status_code == 200 and doc["store"] is False and doc["sessions"] == []
     assert all(t.startswith("bili-store") for t in threads)
+
+
+def test_a_replayed_flow_goes_as_it_was_sent(bili):
+    """mitmweb's replay (or ``mitmdump -C``) sends again a flow bili rewrote: its request holds what went
+    up then, and bili made it again: its prompt twice in the system, and a turn counted again."""
+    body = json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 10, "system": "You are helpful.",
+                       "tools": [{"name": "Bash", "input_schema": {"type": "object"}}],
+                       "messages": [{"role": "user", "content": "Review the code in src/ and list problems."}]}).encode()
+    f = model_flow(body, headers=session_headers("replayed"))
+    bili.request(f)
+    sent = f.request.content
+    assert sent.count(b"# Context folding (bili)") == 1
+    g = f.copy()
+    g.is_replay = "request"
+    bili.request(g)
+    assert g.request.content == sent
+    assert bili.engine.sessions["replayed"].row.requests == 1
