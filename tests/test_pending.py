@@ -397,3 +397,22 @@ def test_a_held_fold_landing_with_a_newer_one_shows_its_pointer_from_then_on(bac
     res, out = send(e, msgs)
     assert c1(out) == POINTER.format(id="b1")
     e.store.close()
+
+
+def test_a_retry_of_the_same_history_keeps_what_was_held(backend, monkeypatch):
+    """An SDK retries a request (a timeout, a 529): the same history again.  The landing decision counts
+    the session's requests (the horizon), and the retry is one more: a held fold landed on the retry
+    and not on the first attempt, one history sent with two bodies.  A retry keeps what was held."""
+    e = make(backend())
+    msgs, res, out = held_fold(e)
+    assert res.landed == 0
+    msgs = go_on(msgs, 0)
+    first, out1 = send(e, msgs)
+    assert first.landed == 0
+    # from here every decision would land (as the retry's one more request tipped it)
+    monkeypatch.setattr(type(e), "_weigh", lambda self, s, view, hold, keep: pending.rewrite.Decision(True, "pays"))
+    again, out2 = send(e, msgs, gap=2.0)
+    assert again.landed == 0 and out2 == out1
+    later, _ = send(e, go_on(msgs, 1))
+    assert later.landed == 1
+    e.store.close()

@@ -141,8 +141,10 @@ class Deferred:
         return {"blocks": sorted(hold), "wire": sorted(keep), "since": since, "land": d.now,
                 "last": d.to_flag()}
 
-    def _land(self: DeferHost, s: Session, view: View, result: TurnResult) -> None:
-        """Land everything held when the decision says so (one rewrite)."""
+    def _land(self: DeferHost, s: Session, view: View, result: TurnResult, repeat: bool = False) -> None:
+        """Land everything held when the decision says so (one rewrite).  ``repeat``: the request is the
+        previous one's history again (a retry): what was held then stays held (the decision counts the
+        session's requests, and a retry would tip it: the same history sent with other bytes)."""
         if not s.flags.get(FLAG):
             return
         hold, keep = held(s)
@@ -151,6 +153,8 @@ class Deferred:
             self.sessions.set_flag(s.row.id, FLAG, {})
             return
         flag = s.flags[FLAG]
+        if repeat and not flag.get("land") and self.materialize != "now":
+            return
         if self.materialize == "now" or flag.get("land"):  # decided when the fold was made
             d = rewrite.Decision(True, "now" if self.materialize == "now" else (flag.get("last") or {}).get("why", "pays"))
         else:

@@ -214,6 +214,8 @@ class Engine(ProxyTools, Epochs, Deferred):
         shared = body.shared  # (the items the body was read from and how many it shares: no compare again)
         k = ((shared[1] if shared is not None and shared[0].items is memo.raws else coverage.common_prefix(memo.raws, raws))
              if memo is not None else 0)
+        # the very history of the previous pass again (an SDK's retry after a timeout or a 529)
+        repeat = memo is not None and k == len(raws) == len(memo.raws)
         if memo is not None:
             k = min(k, len(memo.raws) - 1)  # the previous last item may have been an untagged prefill
             if k <= memo.start:
@@ -345,7 +347,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         # before its request goes, and computed again on a refusal, never sent with refs of another text)
         if not (last and self.write_behind and self.store.exclusive and not s.family):
             self.sessions.flush(last=last)
-        self._land(s, view, result)  # held folds leave the wire when it pays (kernel/pending.py)
+        self._land(s, view, result, repeat and q > 0)  # held folds leave the wire when it pays (kernel/pending.py)
         if s.version != version or (memo is not None and memo.rendered is None):
             q = 0  # this turn changed how old items render (a truncation, a learned flag), or the
             # previous pass rendered nothing (observe mode)
