@@ -83,3 +83,29 @@ def test_no_api_key_reaches_the_page(bili):
         r = get(bili, path, headers=jar)
         assert r.status_code == 200, (path, r.content)
         assert b"SECRET" not in r.content, path
+
+
+def test_reading_a_session_on_the_page_never_holds_its_lock(bili, tmp_path):
+    """The page's view of one session took the session's lock across processes, and kept it while it
+    computed every session's figures: another instance's turn of that session waited, then went by
+    unchanged (busy)."""
+    from pathlib import Path
+
+    from bili_addon import locks
+
+    model_request(bili, "s0", "conversation 0: please look at the build")
+    data = Path(bili.engine.store.path).parent
+    other = locks.SessionLocks(data / locks.LOCK_NAME, 0.0)  # another process's view of the locks
+    real, could = bili.stats, []
+
+    def stats(eng=None):
+        got = other.hold("s0")
+        could.append(got)
+        if got:
+            other.release()
+        return real(eng)
+
+    bili.stats = stats
+    f = flow("/__bili/page/session?session=s0", method="GET", headers={"x-bili-token": bili.token})
+    bili.request(f)
+    assert f.response.status_code == 200 and could == [True]

@@ -165,9 +165,11 @@ def handle(flow: http.HTTPFlow, bili: Bili, path: str, with_store: Callable) -> 
 
 # -- the data (on the store's worker thread) ------------------------------------------------------------
 def _live(eng: Engine, sid: str):
+    """The session as this process holds it, else read from the store; never its lock (a page that
+    reads kept another instance's turn of it waiting, until that turn went by unchanged)."""
     if eng.store.session(sid) is None and sid not in eng.sessions:
         return None
-    return eng.session(sid, fresh=True)
+    return eng.session(sid)
 
 
 def session(bili: Bili, eng: Engine, sid: str) -> http.Response:
