@@ -486,3 +486,25 @@ def test_a_fold_made_after_a_rewind_stands_turn_after_turn(backend):
     assert send(msgs).body == first.body
     later = send(msgs + [{"role": "assistant", "content": "done"}, {"role": "user", "content": "next"}]).body
     assert b"section b2" in later and b"file-11 row-0" not in later
+
+
+def test_a_truncation_that_aligns_the_history_again_ends_a_pause_at_once():
+    """A collapse paused folding; the next history is the copy with its oldest slice dropped (a
+    truncation, the copy's order at its head): that request went up untouched (still paused), and
+    the identical next one was rewritten (the pass before had ended the pause): two bodies."""
+    from bili_addon.kernel import reconcile
+    from bili_addon.kernel.fold import Block, PartView, View, ViewItem
+
+    def item(k):
+        return ViewItem(k, [PartView(f"m{k + 1:05d}", "user" if k % 2 == 0 else "assistant", "text", "", "",
+                                     f"message number {k} says something of its own", 12)])
+
+    old = [item(k) for k in range(30)]
+    block = Block("b1", 1, "summary " * 10, "", ["m00001", "m00002"], ["m00001", "m00002"], [], "m00001", "m00002")
+    copy = reconcile.Copy(refs=[p.ref for it in old for p in it.parts],
+                          fps=[reconcile.fingerprint(p) for it in old for p in it.parts],
+                          items=list(range(30)), latched=True)
+    view = View(old[4:])  # the oldest four items dropped
+    out = reconcile.Outcome(missing=2, covered=2, unmatched=["m00001", "m00002"])
+    reconcile.verdict(out, view, [block], copy, lambda refs: [(r, "", "", "", 0, "gone text") for r in refs])
+    assert out.verdict == "truncated" and not copy.latched

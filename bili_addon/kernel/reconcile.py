@@ -384,6 +384,9 @@ def verdict(out: Outcome, view: View, blocks: list[Block], copy: Copy, originals
     cov = coverage(blocks)
     if not near_dups and head_aligned:
         out.verdict = "truncated"
+        # (the history aligns with the copy again: a pause a collapse latched ends with this pass, as
+        # the next one, finding the truncated refs gone, would end it: not one request later)
+        copy.latched = False
         copy.truncated = sorted(set(copy.truncated) | set(out.unmatched))
         for r in out.unmatched:
             b = cov.get(r)
