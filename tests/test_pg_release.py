@@ -299,8 +299,8 @@ def _late_flag(monkeypatch, then=None):
     real = Engine._land
     first = [then] if then is not None else []
 
-    def land(self, s, view, result):
-        real(self, s, view, result)
+    def land(self, s, view, result, repeat=False):
+        real(self, s, view, result, repeat)
         if first:
             first.pop()()
         self.set_flag(s.row.id, "late_probe", s.row.requests)
