@@ -413,17 +413,23 @@ def test_emergency_truncation_cuts_old_outputs_and_keeps_them_cut(engine):
     assert [m["content"] for m in again["messages"] if m["role"] == "tool"] == tools
 
 
+def steps_with_results(n: int = 10) -> list[dict]:
+    """An Anthropic history: the user's request, then ``n`` steps of prose and a tool call with its result."""
+    msgs = [{"role": "user", "content": "audit please"}]
+    for t in range(n):
+        msgs += [{"role": "assistant", "content": [{"type": "text", "text": f"Step {t}."},
+                                                   {"type": "tool_use", "id": f"t{t}", "name": "sh", "input": {}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{t}",
+                                               "content": f"file-{t} {ROW}"}]}]
+    return msgs
+
+
 def test_on_anthropic_a_reminder_after_tool_results_joins_their_user_turn(engine):
     """The way Claude Code adds its own reminders: a text block after the tool_result blocks, so
     the conversation keeps alternating user and assistant turns."""
     reminder_cfg(engine)
     lane = LANES["anthropic"]
-    msgs = [{"role": "user", "content": "audit please"}]
-    for t in range(10):
-        msgs += [{"role": "assistant", "content": [{"type": "text", "text": f"Step {t}."},
-                                                   {"type": "tool_use", "id": f"t{t}", "name": "sh", "input": {}}]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{t}",
-                                               "content": f"file-{t} {ROW}"}]}]
+    msgs = steps_with_results()
 
     def body():
         return json.dumps({"model": "claude-x", "max_tokens": 9, "messages": msgs,
@@ -694,12 +700,7 @@ def test_no_reminder_goes_into_an_assistants_prefill(engine):
     item of its own after the newest item was joined into the prefill (Anthropic's list content)."""
     reminder_cfg(engine)
     lane = LANES["anthropic"]
-    msgs = [{"role": "user", "content": "audit please"}]
-    for t in range(10):
-        msgs += [{"role": "assistant", "content": [{"type": "text", "text": f"Step {t}."},
-                                                   {"type": "tool_use", "id": f"t{t}", "name": "sh", "input": {}}]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{t}", "content": f"file-{t} {ROW}"}]}]
-    msgs.append({"role": "assistant", "content": [{"type": "text", "text": '{"answer":'}]})
+    msgs = steps_with_results() + [{"role": "assistant", "content": [{"type": "text", "text": '{"answer":'}]}]
 
     def body():
         return json.dumps({"model": "claude-x", "max_tokens": 9, "messages": msgs,
