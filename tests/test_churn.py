@@ -337,8 +337,6 @@ def test_a_distil_of_re_anchored_blocks_keeps_their_claims(backend, lane):
     claim: every original ref then counted as a folded part missing from the wire, on every turn of
     an unchanged history (drift), and from ten of them the session latched and the whole history
     went back upstream.  The new block carries the claims."""
-    import logging
-
     engine = make_engine(backend)
     ts = C.turns(24)
     pair, _ = fold_early_turns(engine, lane, ts, C.Scheme(), 1, 12)
