@@ -30,7 +30,7 @@ import msgspec
 
 from bili_addon import FIRST_PARTY, flowmeta
 from bili_addon.kernel.chains import owner_of
-from bili_addon.kernel.windows import PATH_MODEL, model_in_path
+from bili_addon.kernel.windows import note_path_model
 
 # a Responses WebSocket frame continuing a chain (previous_response_id): what went up
 CHAIN_NOTES = {"delta": "chained: the delta on the provider's chain",
@@ -241,8 +241,7 @@ class Replayer:
             # a Responses body goes through the chains transcript over HTTP too, as live (its
             # connection key '': a previous_response_id there is the provider's, not a socket's)
             headers = req.headers.copy()
-            if lane.name == "gemini" and model_in_path(req.path):  # (as live: its model is in the path)
-                headers[PATH_MODEL] = model_in_path(req.path)
+            note_path_model(headers, lane.name, req.path)  # (as live: Gemini's model is in the path)
             got = self.request(report, index, raw, lane, headers, host, "http", live,
                                conn="" if lane.name == "responses" else None)
             if got is None:

@@ -22,7 +22,7 @@ from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.pending import MODES as MATERIALIZE
 from bili_addon.kernel.turn import Engine, TurnResult
-from bili_addon.kernel.windows import PATH_MODEL, is_overflow, learned_window, model_in_path, window_key
+from bili_addon.kernel.windows import is_overflow, learned_window, note_path_model, window_key
 from bili_addon.keeper import DROPPED, Keeper
 from bili_addon import meter
 from bili_addon.meter import Meter
@@ -352,8 +352,7 @@ class Bili:
         if fold and self.first_party == "observe" and lane.name == "anthropic" and first_party_claude(raw, req.pretty_host):
             fold = False  # the user asked to leave first-party Claude Code bodies alone
         headers, origin = req.headers.copy(), req.pretty_host
-        if lane.name == "gemini" and model_in_path(req.path):  # (its model is in the path, not the body)
-            headers[PATH_MODEL] = model_in_path(req.path)
+        note_path_model(headers, lane.name, req.path)  # (Gemini's model is in the path, not the body)
 
         def work(eng: Engine):
             res, turn = self.process_chained(eng, raw, lane, headers, "http", origin, fold)

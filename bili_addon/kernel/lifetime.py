@@ -115,7 +115,7 @@ def upgrade(body: bytes) -> bytes | None:
     if b'"ttl"' in body or _CC not in body:
         return None
     out, n = _EPHEMERAL.subn(_HOUR, body)
-    if n == len(_KEY.findall(body)):
+    if n == body.count(_CC):  # (every mention of the key is a plain breakpoint: no other shape)
         return out if n else None
     # a breakpoint of another shape: 1 hour on the plain ones before it in cache order only (tools,
     # system, messages), wherever the body writes those keys
@@ -143,18 +143,18 @@ def _one_hour(raw: bytes) -> tuple[bytes, int, bool]:
     another shape stopped it: the provider refuses a 1-hour breakpoint after a 5-minute one, so the
     breakpoints from the first such one on (here, and in what follows it in cache order) keep theirs."""
     out, n = _EPHEMERAL.subn(_HOUR, raw)
-    keys = _KEY.findall(raw)
-    if n == len(keys):
+    if n == raw.count(_CC):  # (a plain breakpoint is a mention of the key: n never exceeds the count)
         return out, n, False
-    pieces, at, n = [], 0, 0
+    pieces, at, n, stop = [], 0, 0, False
     for key in _KEY.finditer(raw):
         m = _EPHEMERAL.match(raw, key.start())
         if m is None:
+            stop = True
             break
         pieces += [raw[at:m.end() - 1], b',"ttl":"1h"}']
         at, n = m.end(), n + 1
     pieces.append(raw[at:])
-    return b"".join(pieces), n, True
+    return b"".join(pieces), n, stop
 
 
 def upgrade_head(body: bytes) -> bytes | None:
@@ -204,7 +204,7 @@ def apply(body: bytes, choice: str | None) -> bytes | None:
     return None
 
 
-_TTL, _MARK, _HAS_CC, _STOP = 1, 2, 4, 8  # (_STOP: a breakpoint of another shape, see _one_hour)
+_TTL, _MARK, _HAS_CC, _STOP = 1, 2, 4, 8  # (_STOP, of tools or system: a breakpoint of another shape, _one_hour)
 _SEEN_MAX = 32 << 20  # bytes of items whose facts are kept
 _seen: dict[int, tuple[bytes, int]] = {}  # id(item) -> (the item, kept alive so its id is its own; its facts)
 _seen_bytes = 0
@@ -219,8 +219,6 @@ def _facts(item: bytes) -> int:
     if hit is not None and hit[0] is item:
         return hit[1]
     f = (_TTL if b'"ttl"' in item else 0) | (_MARK if SUMMARY_MARK in item else 0) | (_HAS_CC if _CC in item else 0)
-    if f & _HAS_CC and len(_EPHEMERAL.findall(item)) != len(_KEY.findall(item)):
-        f |= _STOP
     if _seen_bytes > _SEEN_MAX:
         _seen.clear()
         _seen_bytes = 0

@@ -67,6 +67,14 @@ def model_in_path(path: str) -> str | None:
     return m.group(1) if m else None
 
 
+def note_path_model(headers, lane: str, path: str) -> None:
+    """The model of a request whose path names it (Gemini), put in the engine's copy of its headers
+    (:data:`PATH_MODEL`): the shell does it, and a replay as the shell does."""
+    model = model_in_path(path) if lane == "gemini" else None
+    if model:
+        headers[PATH_MODEL] = model
+
+
 @functools.lru_cache(maxsize=256)  # read on every request, of a handful of model ids
 def context_window(model: str) -> int:
     m = (model or "").lower()
