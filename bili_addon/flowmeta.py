@@ -69,6 +69,8 @@ def record_answer(rec: dict[str, Any], rw: Any, recorded: list[str]) -> None:
     if u.seen:
         rec["usage"] = {"input": u.input, "cache_read": u.cache_read, "cache_write": u.cache_write,
                         "output": u.output}
+        if not getattr(u, "cache_known", True):  # (no figure of its cache reads: the replay learns nothing either)
+            rec["usage"]["cache_known"] = False
         long = min(int(getattr(u, "cache_write_1h", None) or 0), u.cache_write)
         if long:  # the part written for 1 hour (the provider's split, else the one bili sent)
             rec["usage"]["cache_write_1h"] = long

@@ -299,7 +299,7 @@ class _RecordedAnswer:
         u = live.get("usage")
         if isinstance(u, dict):
             self.usage = Usage(*(int(u.get(k) or 0) for k in ("input", "cache_read", "cache_write", "output")),
-                               seen=True)
+                               seen=True, cache_known=u.get("cache_known") is not False)
 
 
 def _live_differs(turn: Turn, render: bool) -> list[str]:

@@ -109,7 +109,7 @@ def test_a_provider_that_keeps_entries_one_minute_is_learned(tmp_path):
         rewrite = False
 
         def __init__(self, read: int):
-            self.usage = Usage(100, read, 0, 10, seen=True)
+            self.usage = Usage(100, read, 0, 10, seen=True, cache_known=True)
 
     eng = engine(tmp_path)
     last = None
@@ -141,3 +141,35 @@ def test_what_an_active_session_carries_stays_small():
     assert len(tools) + len(SYSTEM_PROMPT) <= 2_900, (len(tools), len(SYSTEM_PROMPT))
     for word in ("compress", "decompress", "<acp", "[bili]", "[Compressed conversation section", "history"):
         assert word in SYSTEM_PROMPT  # what the model must still be told
+
+
+def test_an_answer_without_a_cache_figure_teaches_no_cache_model(tmp_path):
+    """A gateway (or an OpenAI-compatible server) whose usage has no figure of cache reads at all is no
+    evidence of a miss: it used to be read as "0 read", and three quick answers taught "this provider
+    keeps no cache" (the session judged cold at once, its held folds landing on a warm cache, the
+    host's other sessions given the same).  An answer that says 0 still teaches it."""
+    from bili_addon.stream.lanes import AnthropicResponse, ChatResponse
+
+    def answers(sid: str, usage: dict) -> dict:
+        eng = engine(tmp_path / sid, threshold=10**9)
+        for _ in range(4):
+            send(eng, sid, body(3))
+            rw = AnthropicResponse()
+            rw.body({"type": "message", "content": [], "usage": usage})
+            eng.record_answer(sid, "anthropic", rw)
+            eng.t += 5
+        learned = eng.clocks.stats(sid)["learned"]
+        eng.store.close()
+        return learned
+
+    assert answers("silent", {"input_tokens": 3300, "output_tokens": 5}) == {}
+    assert answers("zero", {"input_tokens": 3300, "output_tokens": 5, "cache_read_input_tokens": 0,
+                            "cache_creation_input_tokens": 0}).get("no_cache") is True
+
+    # OpenAI's details, DeepSeek's own field, and neither
+    for usage, read, known in (({"prompt_tokens": 3100, "prompt_tokens_details": {"cached_tokens": 3000}}, 3000, True),
+                               ({"prompt_tokens": 3100, "prompt_cache_hit_tokens": 3000}, 3000, True),
+                               ({"prompt_tokens": 3100, "completion_tokens": 5}, 0, False)):
+        rw = ChatResponse()
+        rw.body({"choices": [], "usage": usage})
+        assert (rw.usage.seen, rw.usage.input, rw.usage.cache_read, rw.usage.cache_known) == (True, 3100, read, known)

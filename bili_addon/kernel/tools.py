@@ -129,8 +129,10 @@ class ProxyTools:
         if u.seen:
             self.store.record_usage(sid, lane, (u.input, u.cache_read, u.cache_write, u.output))
         # the cache model bills the request now (off its path); the reported usage calibrates it
-        turn = self.clocks.report(sid, u.cache_read if u.seen else None, u.cache_write if u.seen else None,
-                                  u.input if u.seen else None)
+        # (an answer without a figure of its cache reads is billed, but teaches the cache model nothing)
+        known = u.seen and u.cache_known
+        turn = self.clocks.report(sid, u.cache_read if known else None, u.cache_write if known else None,
+                                  u.input if known else None)
         if u.seen and u.cache_write and u.split != "reported":  # the meter prices each lifetime at its rate
             s = self.sessions.get(sid)
             u.cache_write_1h = written_for_an_hour(turn, u.cache_write, (s.flags.get("ttl") or {}).get("choice")

@@ -52,6 +52,9 @@ class Usage:
     # None: the provider did not say (kernel/tools.py fills it in from what was sent, ``split``: "sent")
     cache_write_1h: int | None = None
     split: str = ""  # "reported" (the provider's split) | "sent" (from the request's breakpoints) | ""
+    # the provider gave a figure of its cache reads (0 included): without one, ``cache_read`` is 0 for
+    # the money, but it is no evidence of a miss for the cache model (kernel/calibration.py)
+    cache_known: bool = False
 
     @property
     def cache_share(self) -> float | None:
@@ -64,7 +67,12 @@ class Usage:
         self.seen = True
         self.input = _int(u.get(inp))
         det = u.get(details)
-        self.cache_read = _int(det.get("cached_tokens")) if isinstance(det, dict) else 0
+        if isinstance(det, dict) and "cached_tokens" in det:
+            self.cache_read, self.cache_known = _int(det.get("cached_tokens")), True
+        elif "prompt_cache_hit_tokens" in u:  # (DeepSeek's field, beside no details)
+            self.cache_read, self.cache_known = _int(u.get("prompt_cache_hit_tokens")), True
+        else:
+            self.cache_read = 0
         self.output = _int(u.get(out))
 
 
@@ -269,6 +277,7 @@ class AnthropicResponse(LaneResponse):
             if fresh or read or write:
                 self.usage.input = fresh + read + write
                 self.usage.cache_read, self.usage.cache_write = read, write
+                self.usage.cache_known = "cache_read_input_tokens" in u
         split = u.get("cache_creation")  # the writes by lifetime (message_start's usage, a whole answer's)
         if isinstance(split, dict) and ("ephemeral_1h_input_tokens" in split or "ephemeral_5m_input_tokens" in split):
             self.usage.cache_write_1h = _int(split.get("ephemeral_1h_input_tokens"))
@@ -478,6 +487,7 @@ class GeminiResponse(LaneResponse):
         self.usage.seen = True
         self.usage.input = _int(u.get("promptTokenCount"))
         self.usage.cache_read = _int(u.get("cachedContentTokenCount"))
+        self.usage.cache_known = True  # (Gemini names the count only when it read its cache)
         self.usage.output = _int(u.get("candidatesTokenCount"))
 
     def event(self, ev: Event) -> list:
