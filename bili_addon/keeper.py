@@ -50,6 +50,7 @@ class Keeper:
         self._lock = threading.RLock()  # serialises the inline path (tests, start-up) with the worker
         self.latency_ms: float | None = None  # the store's last measured round trip (health shows it)
         self._probing = False
+        self._stopping = False  # (stop: the queued jobs run; maintenance among them is skipped)
 
     # -- state -----------------------------------------------------------------------------------
     @property
@@ -76,7 +77,11 @@ class Keeper:
         """Stop the worker; ``last``: work to run on the engine before its store closes."""
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            # what is queued runs, in order (an answer's bookkeeping, a turn's write): only maintenance
+            # (work that loses nothing: count None) is skipped, which a queued job learns here
+            self._stopping = True
+            pool.shutdown(wait=True)
+            self._stopping = False
         eng = self.engine
         if eng is not None and ((last is not None and self.ok) or eng.pending):
             self.run(last or _write_pending, DROPPED)  # (a turn's write left for after its request first)
@@ -96,6 +101,8 @@ class Keeper:
             eng.store.close()
 
     def _open(self, data_dir: str) -> None:
+        if self.engine is not None and self.engine.pending:  # (a turn's write whose request left: before the store goes)
+            self._run(_write_pending, DROPPED)
         self._close()
         self.data_dir, self.error = data_dir, None
         try:
@@ -203,6 +210,8 @@ class Keeper:
         return self._pool.submit(self._logged, fn, count)
 
     def _logged(self, fn: Callable[["Engine"], Any], count: str | None = DROPPED) -> None:
+        if count is None and self._stopping:  # maintenance while the proxy stops: left for its next start
+            return
         try:
             self.run(fn, count)
         except Exception as e:  # nothing may escape a fire-and-forget job unseen

@@ -121,3 +121,56 @@ def test_a_failed_turn_write_goes_out_unchanged_and_health_says_why(bili, monkey
     assert doc["store"] is False and doc["store_cause"] == kind and doc["store_hint"] == "a hint"
     # a locked store keeps its engine (the lock passes); a broken one is reopened on a later try
     assert (bili.engine is not None) == (kind == "locked")
+
+
+class _Store:
+    backend, where, writes = "fake", "memory", 0
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def close(self):
+        self.log.append("closed")
+
+    def release(self):
+        pass
+
+
+class _Engine:
+    def __init__(self, log: list):
+        self.store, self.log, self.pending = _Store(log), log, False
+
+    def write_pending(self):
+        if self.pending:
+            self.pending = False
+            self.log.append("turn written")
+
+
+def test_stopping_runs_the_queued_bookkeeping_and_skips_maintenance():
+    """An answer's bookkeeping queued behind a busy worker when the proxy stops (an answer that ended
+    at Ctrl-C: its proxy calls recorded, its chain) is written before the store closes; it used to be
+    cancelled, not even counted.  A queued retention pass (it loses nothing) is left for the next start."""
+    log: list = []
+    k = Keeper(lambda d: _Engine(log))
+    k.open("d")
+    k.start()
+    busy, go = threading.Event(), threading.Event()
+    k.submit(lambda eng: (busy.set(), go.wait(5)))
+    busy.wait(5)
+    k.submit(lambda eng: log.append("maintenance"), None)
+    k.submit(lambda eng: log.append("answer recorded"))
+    threading.Timer(0.05, go.set).start()  # (the worker's first job ends while stop waits)
+    k.stop(last=lambda eng: log.append("last"))
+    assert log == ["answer recorded", "last", "closed"]
+    assert k.counts["writes_dropped"] == 0
+
+
+def test_reopening_the_store_writes_the_turn_left_for_after_its_request_first():
+    """The data directory (or the store URL) changed while a turn's write waited for the worker (its
+    request had left with its refs): the write goes into the store it was made for, before it closes."""
+    log: list = []
+    k = Keeper(lambda d: _Engine(log))
+    k.open("a")
+    k.engine.pending = True
+    k.open("b")
+    assert log == ["turn written", "closed"] and k.data_dir == "b" and k.ok
