@@ -1567,6 +1567,10 @@ class Store:
         inherits (ledger rows, blocks, their originals, call results); ``retired``: ``(msg_id,
         content_hash, new ref)`` of the child's own rows whose ref an inherited row takes.  A session
         write like any other: ``expect`` is the child's version, the new one is returned."""
+        # the parent's lock too, until this turn's release: a turn of the parent in another process may have
+        # sent refs of the family's counter whose write waits (write-behind: it was in no family at its lock)
+        if self._locks is not None and not self._locks.hold(parent):
+            raise SessionBusy(parent, self._locks.wait)
         now = time.time()
         with self._tx():
             version = self._advance(child.id, expect)

@@ -1803,6 +1803,16 @@ class PgStore:
         self._again(child.id)
         now = time.time()
         with self._tx() as conn:
+            if parent not in self._held:
+                # the parent's lock first (transaction-scoped, waited for as a turn's): a turn of the parent on
+                # another instance may have sent refs of the family's counter whose write waits (write-behind:
+                # it was in no family at its lock); the family's next refs are given after that write
+                self.round_trips += 2
+                conn.execute(f"SET LOCAL lock_timeout = {max(1, int(self.lock_wait * 1000))}")
+                try:
+                    conn.execute("SELECT pg_advisory_xact_lock(%s)", (self.lock_key(parent),))
+                except pg_errors.LockNotAvailable as e:
+                    raise SessionBusy(parent, self.lock_wait) from e
             version = self._advance(conn, child.id, expect)
             self.round_trips += 1  # (its row shared-locked: a prune of the parent's family waits, or is seen)
             _not_pruned(child.id, parent, conn.execute("SELECT pruned, last_seen FROM sessions WHERE id=%s FOR SHARE",

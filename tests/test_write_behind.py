@@ -405,3 +405,60 @@ def test_a_family_members_turn_is_written_before_its_request_goes(tmp_path, kind
     assert all(again[r] == t for r, t in parent.items())
     for e in (one, two):
         e.store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_fork_adopted_while_its_parents_write_waits_takes_the_refs_after_it(tmp_path, kind, request):
+    """A parent in no family yet: its turn goes with refs from its own counter, its write behind the
+    request.  Meanwhile another proxy meets the first request of a fork of it and adopts the fork into
+    the parent's family, whose next refs it gave to the fork's own texts: the same numbers the parent's
+    request had just shown for other texts (its write then refused).  The adoption now waits for the
+    parent's lock (its write), as a turn of the parent would."""
+    import json
+    import threading
+
+    from tests.test_fold import body, conversation, refs_in
+
+    if kind == "sqlite":
+        make = lambda: Store(tmp_path / "data")  # noqa: E731
+    else:
+        url = request.getfixturevalue("pg_url")
+        make = lambda: stores.open_store(url, str(tmp_path / "pgdata"))  # noqa: E731
+    one, two = engine(make(), True), engine(make(), True)
+    p, f = {"x-claude-code-session-id": "parent"}, {"x-claude-code-session-id": "fork"}
+
+    def more(msgs, text):
+        return msgs + [{"role": "assistant", "content": f"Noted: {text}."}, {"role": "user", "content": text}]
+
+    def turn(e, msgs, h):
+        return refs_in(json.loads(e.process(body(msgs), LANES["anthropic"], h, render=True).body))
+
+    def after(e):
+        e.write_pending()
+        e.lineage.flush()
+
+    msgs = conversation(4)
+    turn(one, msgs, p)
+    after(one)
+    msgs = more(msgs, "go on with module five")
+    before = turn(one, msgs, p)
+    after(one)
+    parent = turn(one, more(msgs, "the parent goes on"), p)
+    assert one.pending  # its write waits for the proxy's worker
+    later = threading.Timer(0.2, after, (one,))  # (the worker of the parent's proxy, while the fork's turn runs)
+    later.start()
+    try:
+        fork = turn(two, more(msgs, "continue in the fork"), f)
+    finally:
+        later.join()
+    after(two)
+    assert not one.pending and two.store.family("fork") is not None  # adopted, after the parent's write
+    shown = {}
+    for refs in (parent, fork):
+        for ref, text in refs.items():
+            if ref not in before:
+                assert shown.setdefault(ref, text) == text, ref  # one ref, one text in the family
+    again = turn(one, more(more(msgs, "the parent goes on"), "and further"), p)
+    assert all(again[r] == t for r, t in parent.items())
+    for e in (one, two):
+        e.store.close()
