@@ -711,6 +711,36 @@ _NEW_HOLD = b"[null, null, null, null]"
 # libpq reads a text parameter up to its first NUL byte: such a text (PostgreSQL cannot store it) is
 # refused before it is sent, for the turn to pass unchanged, never cut to another value
 _NUL = "a text with a NUL character cannot go to PostgreSQL (libpq would cut it there)"
+# the texts a session stores as they came (a folded part's original, a call's arguments and result) may hold
+# a NUL character (a tool's output of a binary file), which a PostgreSQL text cannot: such a text, and one
+# that begins as such a text's stored form does, is stored as its JSON after this mark (_nul_back reads it)
+_NUL_MARK = "\ufffebili-json:"
+
+
+def _nul_safe(v):
+    if type(v) is str and ("\0" in v or v.startswith(_NUL_MARK)):
+        return _NUL_MARK + msgspec.json.encode(v).decode()
+    return v
+
+
+def _nul_back(v):
+    if type(v) is str and v.startswith(_NUL_MARK):
+        return msgspec.json.decode(v[len(_NUL_MARK):])
+    return v
+
+
+def _original_safe(o: tuple) -> tuple:
+    """An original's row ``(ref, role, ctype, tool_name, tool_call_id, text, tokens)``, its text storable."""
+    return (*o[:5], _nul_safe(o[5]), *o[6:])
+
+
+def _call_back(c) -> tuple:
+    """A call's row ``(key, name, args, result)`` as stored, read back."""
+    return (c[0], c[1], _nul_back(c[2]), _nul_back(c[3]))
+
+
+# a dumped table's rows (bili store migrate) read back, and loaded storable: the columns of those texts
+_NUL_COLS = {"originals": ("text",), "calls": ("args", "result")}
 _NEW_HOLD_CANDS = b"[null, null, null, []]"
 _TUPLES_OK = int(ExecStatus.TUPLES_OK) if psycopg is not None else 2
 _CONN_OK = int(ConnStatus.OK) if psycopg is not None else 0
@@ -1222,7 +1252,7 @@ class PgStore:
             "(SELECT doc FROM copies WHERE session_id=%(id)s) "
             "FROM (SELECT 1) AS one LEFT JOIN sessions s ON s.id=%(id)s", {"id": session_id})
         n = len(self._SESSION_COLS.split(","))
-        calls = [tuple(msgspec.json.decode(c)) for c in row[n + 2]]
+        calls = [_call_back(msgspec.json.decode(c)) for c in row[n + 2]]
         return (SessionRow(*row[:n]) if row[0] is not None else None, ledger_rows(row[n]), list(row[n + 1]),
                 calls, row[n + 3])
 
@@ -1593,7 +1623,7 @@ class PgStore:
     @_reads
     def originals(self, session_id: str, refs: list[str] | None = None) -> list[tuple]:
         q = "SELECT ref, role, ctype, tool_name, tool_call_id, text, tokens FROM originals WHERE session_id=%s"
-        rows = self._q(q, (session_id,))
+        rows = [(*r[:5], _nul_back(r[5]), *r[6:]) for r in self._q(q, (session_id,))]
         if refs is None:
             return sorted(rows)
         want = set(refs)
@@ -1601,8 +1631,8 @@ class PgStore:
 
     @_reads
     def calls(self, session_id: str) -> list[tuple[str, str, str, str | None]]:
-        return self._q("SELECT call_key, name, args, result FROM calls WHERE session_id=%s ORDER BY created, call_key",
-                       (session_id,))
+        return [_call_back(c) for c in self._q("SELECT call_key, name, args, result FROM calls WHERE session_id=%s "
+                                                "ORDER BY created, call_key", (session_id,))]
 
     def _versioned(self, session_id: str, expect: int, writes: list[tuple[str, list]]) -> int | None:
         """A versioned write of a session the store has, in one statement (one round trip where a
@@ -1633,13 +1663,13 @@ class PgStore:
             version = self._versioned(session_id, expect, [(
                 "INSERT INTO calls(session_id, call_key, name, args, created) SELECT x.* FROM v, {rows} "
                 "AS x(session_id, call_key, name, args, created) ON CONFLICT DO NOTHING",
-                [(session_id, k, n, a, now) for k, n, a in calls])])
+                [(session_id, k, n, _nul_safe(a), now) for k, n, a in calls])])
             if version is not None:
                 return version
         with self._tx() as conn:
             version = self._advance(conn, session_id, expect)
             self._many("INSERT INTO calls(session_id, call_key, name, args, created) VALUES(%s,%s,%s,%s,%s) "
-                       "ON CONFLICT DO NOTHING", [(session_id, k, n, a, now) for k, n, a in calls])
+                       "ON CONFLICT DO NOTHING", [(session_id, k, n, _nul_safe(a), now) for k, n, a in calls])
         return version
 
     def commit_fold(self, session_id: str, blocks: list[tuple[str, str, bool]],
@@ -1657,11 +1687,12 @@ class PgStore:
                                                                 for bid, body, active in blocks]),
                 ("INSERT INTO originals(session_id, ref, role, ctype, tool_name, tool_call_id, text, tokens) "
                  "SELECT x.* FROM v, {rows} AS x(session_id, ref, role, ctype, tool_name, tool_call_id, text, "
-                 "tokens) ON CONFLICT DO NOTHING", [(session_id, *o) for o in originals]),
+                 "tokens) ON CONFLICT DO NOTHING", [(session_id, *_original_safe(o)) for o in originals]),
                 # a call's result is written once: the claim (``result IS NULL``) makes it execute once
                 ("UPDATE calls c SET result=x.result, executed=x.executed FROM v, {rows} "
                  "AS x(session_id, call_key, result, executed) WHERE c.session_id=x.session_id "
-                 "AND c.call_key=x.call_key AND c.result IS NULL", [(session_id, key, res, now) for key, res in results]),
+                 "AND c.call_key=x.call_key AND c.result IS NULL", [(session_id, key, _nul_safe(res), now)
+                                                                    for key, res in results]),
             ])
             if version is not None:
                 return version
@@ -1672,10 +1703,10 @@ class PgStore:
                        [(session_id, bid, body, int(active)) for bid, body, active in blocks])
             self._many("INSERT INTO originals(session_id, ref, role, ctype, tool_name, tool_call_id, text, tokens) "
                        "VALUES(%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT DO NOTHING",
-                       [(session_id, *o) for o in originals])
+                       [(session_id, *_original_safe(o)) for o in originals])
             # a call's result is written once: the claim (``result IS NULL``) makes it execute once
             self._many("UPDATE calls SET result=%s, executed=%s WHERE session_id=%s AND call_key=%s AND result IS NULL",
-                       [(res, now, session_id, key) for key, res in results])
+                       [(_nul_safe(res), now, session_id, key) for key, res in results])
         return version
 
     @_reads
@@ -1864,10 +1895,12 @@ class PgStore:
                        "ON CONFLICT(session_id, block_id) DO UPDATE SET body=excluded.body, active=excluded.active",
                        [(child.id, bid, body, int(active)) for bid, body, active in blocks])
             self._many("INSERT INTO originals(session_id, ref, role, ctype, tool_name, tool_call_id, text, tokens) "
-                       "VALUES(%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT DO NOTHING", [(child.id, *o) for o in originals])
+                       "VALUES(%s,%s,%s,%s,%s,%s,%s,%s) ON CONFLICT DO NOTHING",
+                       [(child.id, *_original_safe(o)) for o in originals])
             self._many("INSERT INTO calls(session_id, call_key, name, args, result, created, executed) "
                        "VALUES(%s,%s,%s,%s,%s,%s,%s) ON CONFLICT DO NOTHING",
-                       [(child.id, k, n, a, r, now, now if r is not None else None) for k, n, a, r in calls])
+                       [(child.id, k, n, _nul_safe(a), _nul_safe(r), now, now if r is not None else None)
+                        for k, n, a, r in calls])
         return version
 
     @_reads
@@ -1892,9 +1925,14 @@ class PgStore:
     def dump(self, table: str, cols: tuple[str, ...], key: tuple[str, ...]) -> list[tuple]:
         order = ", ".join(f'{k} COLLATE "C"' if k not in ("n", "seq") else k for k in key)
         rows = self._q(f"SELECT {', '.join(cols)} FROM {table} ORDER BY {order}")
-        return [tuple(bytes(v) if isinstance(v, memoryview) else v for v in r) for r in rows]
+        texts = [cols.index(c) for c in _NUL_COLS.get(table, ())]
+        return [tuple(bytes(v) if isinstance(v, memoryview) else _nul_back(v) if i in texts else v
+                      for i, v in enumerate(r)) for r in rows]
 
     def load(self, table: str, cols: tuple[str, ...], rows: list[tuple]) -> None:
+        texts = [cols.index(c) for c in _NUL_COLS.get(table, ())]
+        if texts:
+            rows = [tuple(_nul_safe(v) if i in texts else v for i, v in enumerate(r)) for r in rows]
         with self._tx():
             self._many(f"INSERT INTO {table}({', '.join(cols)}) VALUES({', '.join(['%s'] * len(cols))})", rows)
 

@@ -139,3 +139,36 @@ def test_a_migration_that_fails_midway_leaves_the_target_empty_to_run_again(tmp_
     target = open_store(pg_url, str(tmp_path / "x"))
     assert dump_all(target) == want
     target.close()
+
+
+def test_texts_with_a_nul_character_are_stored_and_migrated_as_they_came(backend, tmp_path, pg_url, capsys):
+    """A folded tool output of a binary file holds NUL characters, which a PostgreSQL text cannot: its
+    fold's write failed there (the store taken down for every conversation, the same call failing again
+    on each turn of its own), and such a SQLite store could not be migrated.  The texts a session keeps
+    as they came (originals, a call's arguments and result) come back as they went, on both stores, and
+    a text that merely looks like PostgreSQL's stored form of one is no exception."""
+    from bili_addon.store import LedgerRow, SessionRow
+
+    mark = "\ufffebili-json:"
+    texts = ["binary \x00 output\x00", mark + '"not json', "plain"]
+    store = backend()
+    v = store.commit_turn(SessionRow("s1", "a", "anthropic", 1.0, 1.0, 1, 1, 4),
+                          [LedgerRow(f"id{i}", f"h{i}", f"m0000{i + 1}", "tool", "tool_result", 3)
+                           for i in range(3)], expect=0, fresh=True)
+    v = store.record_calls("s1", [("k1", "decompress", '{"ids": "\x00"}')], expect=v)
+    originals = [(f"m0000{i + 1}", "tool", "tool_result", "shell", f"call_{i}", t, 3) for i, t in enumerate(texts)]
+    store.commit_fold("s1", [("b1", '{"x":1}', True)], originals, [("k1", "found: \x00" + texts[1])], expect=v)
+    calls = [("k1", "decompress", '{"ids": "\x00"}', "found: \x00" + texts[1])]
+    again = backend()  # (read anew, as another instance would)
+    assert again.originals("s1") == sorted(originals) and again.calls("s1") == calls
+    assert again.session_state("s1")[3] == calls
+    if store.backend != "sqlite":
+        return
+    store.close()
+    again.close()
+    sqlite_dir = tmp_path  # (the backend fixture's SQLite store)
+    before = dump_all(open_store("", str(sqlite_dir)))
+    assert cli.main(["store", "migrate", "--from", str(sqlite_dir), "--to", pg_url]) == 0
+    assert cli.main(["store", "migrate", "--from", pg_url, "--to", str(tmp_path / "back")]) == 0
+    assert "verified equal" in capsys.readouterr().out
+    assert dump_all(open_store("", str(tmp_path / "back"))) == before
