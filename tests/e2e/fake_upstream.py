@@ -420,8 +420,9 @@ DEFAULT_REPLY = Reply()
 
 
 def anthropic_usage(reply: Reply, output: int) -> dict:
-    if reply.cache is None:
-        return {"input_tokens": reply.input_tokens, "output_tokens": output}
+    if reply.cache is None:  # (the real API names its cache figures, 0 when it read and wrote none)
+        return {"input_tokens": reply.input_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                "output_tokens": output}
     read, write = reply.cache[:2]
     usage = {"input_tokens": max(0, reply.input_tokens - read - write), "cache_read_input_tokens": read,
              "cache_creation_input_tokens": write, "output_tokens": output}
@@ -516,7 +517,7 @@ def chat_completion(seq: int, model: str, reply: Reply = DEFAULT_REPLY) -> dict:
             }
         ],
         "usage": {"prompt_tokens": reply.input_tokens, "completion_tokens": 7,
-                  "total_tokens": reply.input_tokens + 7},
+                  "total_tokens": reply.input_tokens + 7, "prompt_tokens_details": {"cached_tokens": 0}},
         "system_fingerprint": "fp_fake",
     }
 
