@@ -390,3 +390,20 @@ def test_an_id_twice_in_one_answer_is_its_first_call_in_memory_as_in_the_store(e
                                    ("toolu_x", "search_context", '{"query":"file-3"}')])
     assert engine.sessions.get("fold-1").calls["toolu_x"].args == '{"query":"alpha"}'
     assert [c for c in engine.store.calls("fold-1") if c[0] == "toolu_x"][0][2] == '{"query":"alpha"}'
+
+
+def test_a_short_rewind_into_a_fold_leaves_its_summary_out(engine):
+    """Steps 1-4 folded, then the user rewinds to step 2 and goes another way: a history of fewer than
+    ten items, which the coverage check took for a side request (a title, a probe) and left alone.  The
+    summary then stood in place of step 1 and told the model of steps 3-4, which this branch does not
+    have.  A side request still moves nothing of the copy, but a block whose range it holds in part is
+    not rendered for it; back on the first branch it is."""
+    msgs = fold_steps_1_to_4(engine)
+    rew = msgs[:7] + [{"role": "user", "content": "Let us take another way from here."}]
+    res = engine.process(body(rew), ANTH, H, render=True)
+    out = res.body or body(rew)
+    assert b"Read modules 1 to 4" not in out and b"Step 1: reading" in out and b"Step 2: reading" in out
+    assert not res.drift  # (the copy: untouched)
+    assert b"Read modules 1 to 4" in engine.process(body(msgs), ANTH, H, render=True).body
+    title = [{"role": "user", "content": msgs[0]["content"]}]  # (a side request of no folded message: as it was)
+    assert engine.process(body(title), ANTH, H, render=True).drift == ""

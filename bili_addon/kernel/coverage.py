@@ -30,7 +30,11 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
           result: TurnResult) -> reconcile.Outcome | None:
     """Re-anchor covered refs that went missing, and classify what cannot be verified."""
     if len(view.items) < reconcile.SIDE_REQUEST_MAX_ITEMS:
-        return None  # side requests (titles, probes) never touch the copy
+        # side requests (titles, probes) never touch the copy; a block whose range they hold only in part
+        # is not rendered for them (a short history rewound into a folded range: its summary tells of
+        # turns this branch does not have)
+        part = _in_part(view, s.blocks)
+        return reconcile.Outcome(snoozed=part) if part else None
     sid = s.row.id
     out = _steady(view, s.blocks, s.copy)
     if out is None:  # a covered part went missing: the channels of kernel/reconcile.py
@@ -97,6 +101,20 @@ def _steady(view: View, blocks: list[fold.Block], copy: reconcile.Copy) -> recon
     covered = (len(set(active[0].covered)) if len(active) == 1
                else len(set().union(*(b.covered for b in active))))
     return reconcile.Outcome(covered=covered)
+
+
+def _in_part(view: View, blocks: list[fold.Block]) -> set[str]:
+    """The active blocks of which ``view`` holds some covered messages but not all (a message a
+    verified claim moved counts under its new ref)."""
+    present = view.pos
+    out = set()
+    for b in blocks:
+        if not b.active:
+            continue
+        here = [r in present or b.claimed.get(r) in present for r in b.covered]
+        if any(here) and not all(here):
+            out.add(b.id)
+    return out
 
 
 _PARTS = attrgetter("parts")
