@@ -647,10 +647,14 @@ class Bili:
         sent it, or the whole folded input when a fold landed); the connection key is the flow's,
         since mitmproxy gives each agent connection an upstream connection of its own.  Server
         frames are rewritten as the HTTP stream is and feed the transcript.  Fail open per frame."""
-        if not self.active or flow.websocket is None or not is_responses_websocket(flow.request.path):
+        if flow.websocket is None or not is_responses_websocket(flow.request.path):
             return None
         msg = flow.websocket.messages[-1]
         if not msg.is_text:
+            return None
+        if not self.active:  # (passthrough: the frame as it came, without bili's own field, as over HTTP)
+            if msg.from_client:
+                msg.content = _without_envelope(msg.content) or msg.content
             return None
         if msg.from_client:
             if b'"response.create"' not in msg.content:

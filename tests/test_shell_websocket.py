@@ -274,3 +274,14 @@ def test_a_frame_the_kernel_refuses_leaves_without_bilis_own_envelope(bili):
     frame = create([user("hello"), *step(1), result(1)], biliMsgIds=["b", "c", "d", "a"])
     up2 = json.loads(send(bili, f, frame))
     assert "biliMsgIds" not in up2 and up2["input"] == frame["input"]
+
+
+def test_passthrough_sends_a_frame_as_it_came_without_bilis_own_envelope(bili):
+    """``bili_mode=passthrough`` forwards every body untouched but bili's own ``biliMsgIds`` (the provider
+    answers 400 to it); a WebSocket frame kept it.  Other frames and the answers are not touched."""
+    bili.tctx.configure(bili, bili_mode="passthrough")
+    f = ws_flow("ws-pass")
+    frame = create([user("first words")], biliMsgIds=["a1"])
+    assert json.loads(send(bili, f, frame)) == {k: v for k, v in frame.items() if k != "biliMsgIds"}
+    plain = json.dumps(create([user("again")])).encode()
+    assert send(bili, f, plain) == plain
