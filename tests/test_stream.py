@@ -310,8 +310,10 @@ def gemini_stream() -> bytes:
           for p in PIECES[:-1]]
     ev += [(None, {"candidates": [{"content": {"role": "model", "parts": [{"text": PIECES[-1]}]},
                                    "finishReason": "STOP", "index": 0}],
+                   # (thinking and server-side tools' prompts counted apart: billed as output and input)
                    "usageMetadata": {"promptTokenCount": 500, "cachedContentTokenCount": 100,
-                                     "candidatesTokenCount": 7}})]
+                                     "candidatesTokenCount": 7, "thoughtsTokenCount": 30,
+                                     "toolUsePromptTokenCount": 20, "totalTokenCount": 557}})]
     return sse(ev)
 
 
@@ -335,7 +337,7 @@ def prose_of(lane: str, events: list[dict]) -> str:
         ("anthropic", anthropic_stream, (1000, 900, 0, 42)),
         ("chat", chat_stream, (1000, 800, 0, 5)),
         ("responses", responses_stream, (2000, 1500, 0, 9)),
-        ("gemini", gemini_stream, (500, 100, 0, 7)),
+        ("gemini", gemini_stream, (520, 100, 0, 37)),
     ],
 )
 @pytest.mark.parametrize("seed", range(12))

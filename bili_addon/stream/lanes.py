@@ -485,10 +485,11 @@ class GeminiResponse(LaneResponse):
         if not isinstance(u, dict):
             return
         self.usage.seen = True
-        self.usage.input = _int(u.get("promptTokenCount"))
+        # (the prompts of its server-side tools and its thinking are counted apart, billed as input and output)
+        self.usage.input = _int(u.get("promptTokenCount")) + _int(u.get("toolUsePromptTokenCount"))
         self.usage.cache_read = _int(u.get("cachedContentTokenCount"))
         self.usage.cache_known = True  # (Gemini names the count only when it read its cache)
-        self.usage.output = _int(u.get("candidatesTokenCount"))
+        self.usage.output = _int(u.get("candidatesTokenCount")) + _int(u.get("thoughtsTokenCount"))
 
     def event(self, ev: Event) -> list:
         self._usage(ev.get("usageMetadata"))
