@@ -452,3 +452,23 @@ def test_chat_held_prose_goes_out_before_the_tool_call_chunk():
     got = _lane_events("chat", [text, call, fin])
     deltas = [e["choices"][0]["delta"] for e in got]
     assert [("tool_calls" in d, d.get("content")) for d in deltas] == [(False, "Let me look <"), (True, None), (False, None)]
+
+
+@pytest.mark.parametrize("lane", ["whole", "streamed"])
+def test_code_whose_types_are_named_like_a_tag_is_not_an_echo(lane):
+    """A tag name's variants (``cap``, ``pac``, ``apic``, ``pcap``...) are also names of types and
+    components: ``Vec<Cap>`` lost its type, ``<Pac>child</Pac>`` its tags, as echoes.  Without a ref run
+    or bili's own attributes beside it, only the lower-case name as models write bili's tags is one."""
+    code = ("```rust\nlet caps: Vec<Cap> = Vec::new();\nstatic LAPIC: Once<Apic> = Once::new();\n"
+            "let dev: Arc<Mutex<Pcap>> = open()?;\n```\nand in JSX: <Pac>child</Pac> <Cap/> </Capa>\n")
+    echoes = ('<ACP tokens="3">m00001</ACP> ', "<Cap>m00012</Cap> ", '<Acip type="text">', "<acp> ", "</acp>")
+    text = code + "".join(echoes)
+    if lane == "whole":
+        removed: list[str] = []
+        out = strip_echoes(text, removed=removed)
+    else:
+        f = EchoFilter()
+        out = "".join(f.feed(text[i:i + 3]) for i in range(0, len(text), 3)) + f.flush()
+        removed = f.removed
+    assert out.startswith(code) and not out[len(code):].strip()
+    assert "".join(removed).replace(" ", "") == "".join(echoes).replace(" ", "")  # (every echo, and only they)

@@ -25,6 +25,10 @@ NAMES = frozenset(_names)
 _NAME_PREFIXES = frozenset(n[:k] for n in NAMES for k in range(1, len(n) + 1))
 
 _N = "(?:" + "|".join(sorted(NAMES, key=len, reverse=True)) + ")"
+# the names as models write bili's tags, lower case: code's own ``Vec<Cap>``, ``Once<Apic>``, ``<Pac>``
+# (a type, a component) is an echo only with what an echo holds beside its name (a ref run, bili's
+# attributes), never on its name alone
+_NL = "(?-i:" + _N[3:]
 # (no two adjacent optional runs of the same characters: a failing match must not try every way
 # of splitting a run of spaces between them)
 _REFS = r"m\d{4,}(?:\s*(?:[–—,\-]\s*)?m\d{4,})*"
@@ -33,18 +37,22 @@ _AFTER_NAME = r"(?=[\s>/=])"
 # a tag's name up to a ``>`` is prose that happens to hold both ("the <acp markers ... if x > 0"), kept
 ATTRS_MAX = 64
 _ATTRS = rf"(?:\s[^<>]{{0,{ATTRS_MAX}}})?"
+# attributes that name bili's own (``tokens=``, ``type=``), within ATTRS_MAX of the name
+_EVID = rf"\s(?=[^<>]{{0,{ATTRS_MAX}}}>)[^<>]*?\b(?:tokens|type)\s*=[^<>]*"
 
 # one alternation, tried left to right at each position; ``nl`` eats the blank lines a removed
 # tag drags along when the tag stood at the start of a line
 _ECHO = re.compile(
     "(?:"
-    + rf"<{_N}{_AFTER_NAME}{_ATTRS}>\s*(?:{_REFS})?\s*</[^<>\n]{{1,32}}>"  # paired, refs-only or empty body
-    + rf"|(?P<open><{_N}{_AFTER_NAME}{_ATTRS}>)(?P<prose>[^<]*?)</{_N}\s*>"  # paired around prose: keep it
+    + rf"<{_N}{_AFTER_NAME}{_ATTRS}>\s*{_REFS}\s*</[^<>\n]{{1,32}}>"  # paired, refs-only body
+    + rf"|<(?:{_NL}{_AFTER_NAME}{_ATTRS}|{_N}{_EVID})>\s*</[^<>\n]{{1,32}}>"  # paired, empty body
+    + rf"|(?P<open><(?:{_NL}{_AFTER_NAME}{_ATTRS}|{_N}{_EVID})>)(?P<prose>[^<]*?)</{_N}\s*>"  # around prose: kept
     + rf"|(?<![\w>]){_REFS}\s*</{_N}[^<>]{{0,32}}>"  # orphan refs before a close
-    + rf"|<{_N}{_AFTER_NAME}[^<>]{{0,{ATTRS_MAX}}}/>"  # self-closing
+    + rf"|<(?:{_NL}{_AFTER_NAME}[^<>]{{0,{ATTRS_MAX}}}|{_N}{_EVID})/>"  # self-closing
     + rf"|<{_N}=[^<>]{{0,{ATTRS_MAX}}}>"  # mangled open
-    + rf"|<{_N}{_AFTER_NAME}{_ATTRS}>[ \t]*(?:{_REFS})?"  # lone open (with a ref run right after it)
-    + rf"|</{_N}(?:\s[^<>]{{0,31}})?>"  # lone close (not the prose after it, up to a later ">")
+    + rf"|<{_N}{_AFTER_NAME}{_ATTRS}>[ \t]*{_REFS}"  # lone open with a ref run right after it
+    + rf"|<(?:{_NL}{_AFTER_NAME}{_ATTRS}|{_N}{_EVID})>"  # lone open (not code's ``Vec<Cap>``)
+    + rf"|</{_NL}(?:\s[^<>]{{0,31}})?>"  # lone close (not the prose after it, up to a later ">")
     + r")(?P<nl>[ \t]*\n+)?",
     re.IGNORECASE,
 )
@@ -189,6 +197,6 @@ _A_VALUE = r"""(?:"[^"<>]*"|'[^'<>]*'|[^\s"'<>]+)"""
 _A_CUT = rf"""{_A_NAME}(?:\s*=\s*(?:"[^"<>]*|'[^'<>]*|[^\s"'<>]*)?)?"""
 _TRUNCATED_TAIL = re.compile(
     rf"(?:<{_N}(?=[\s=][^<>]{{0,{ATTRS_MAX}}}$)(?:=[^\s<>]*)?(?:\s+{_A_NAME}\s*=\s*{_A_VALUE})*(?:\s+(?:{_A_CUT})?)?\s*"
-    rf"|</{_N}(?:\s[^<>]{{0,31}})?|m\d{{4,}}</\w*)$",
+    rf"|</{_NL}(?:\s[^<>]{{0,31}})?|m\d{{4,}}</\w*)$",
     re.IGNORECASE,
 )

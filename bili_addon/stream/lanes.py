@@ -277,7 +277,7 @@ class AnthropicResponse(LaneResponse):
             if fresh or read or write:
                 self.usage.input = fresh + read + write
                 self.usage.cache_read, self.usage.cache_write = read, write
-                self.usage.cache_known = "cache_read_input_tokens" in u
+                self.usage.cache_known = "cache_read_input_tokens" in u or "cache_creation_input_tokens" in u
         split = u.get("cache_creation")  # the writes by lifetime (message_start's usage, a whole answer's)
         if isinstance(split, dict) and ("ephemeral_1h_input_tokens" in split or "ephemeral_5m_input_tokens" in split):
             self.usage.cache_write_1h = _int(split.get("ephemeral_1h_input_tokens"))
