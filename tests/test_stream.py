@@ -472,3 +472,49 @@ def test_code_whose_types_are_named_like_a_tag_is_not_an_echo(lane):
         removed = f.removed
     assert out.startswith(code) and not out[len(code):].strip()
     assert "".join(removed).replace(" ", "") == "".join(echoes).replace(" ", "")  # (every echo, and only they)
+
+
+def _events_out(out: bytes) -> list[dict]:
+    return [json.loads(b[6:]) for b in out.split(b"\n\n") if b.startswith(b"data: {")]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_chunk_of_two_text_parts_after_a_held_one_keeps_the_text_in_order(seed):
+    """Gemini: a chunk whose prose the filter held (it ended in ``<ac``), then one with two text parts of
+    the candidate (its text and an empty one with a thought signature): the held event went out last."""
+    def ev(parts, finish=None):
+        return (None, {"candidates": [{"content": {"role": "model", "parts": parts}, "index": 0,
+                                       **({"finishReason": finish} if finish else {})}]})
+
+    raw = sse([ev([{"text": "First sentence. See <ac"}]),
+               ev([{"text": 'p tokens="1" type="text">m00001</acp> second part.'}, {"text": "", "thoughtSignature": "s"}]),
+               ev([{"text": " Third part."}]), ev([{"text": " End."}], "STOP")])
+    out = run_stream(ResponseRewriter("gemini").stream(), chunked(raw, random.Random(seed), 40))
+    text = "".join(p.get("text", "") for e in _events_out(out) for p in e["candidates"][0]["content"]["parts"])
+    assert text == "First sentence. See  second part. Third part. End."
+
+
+@pytest.mark.parametrize("between", [{}, {"content": ""}, {"reasoning_content": "hmm"}, "filter"])
+def test_a_chunk_without_prose_does_not_end_the_prose_run(between):
+    """Chat: an empty delta, a reasoning one or a content filter's annotation in the middle of an echo
+    ended the choice's prose run as a tool call's chunk does: the echo was filtered as two texts and its
+    second half reached the agent.  A tool call's chunk still ends it."""
+    def ch(delta, finish=None):
+        return (None, {"id": "c1", "object": "chat.completion.chunk",
+                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+    mid = (None, {"id": "c1", "choices": [{"index": 0, "delta": {}, "content_filter_results": {}}]}) \
+        if between == "filter" else ch(between)
+    raw = sse([ch({"role": "assistant", "content": ""}), ch({"content": 'Fixed it. <acp tokens="12" ty'}), mid,
+               ch({"content": 'pe="text">m00012</acp> The test passes now.'}), ch({}, "stop"), (None, "[DONE]")])
+    rw = ResponseRewriter("chat")
+    out = run_stream(rw.stream(), chunked(raw, random.Random(3), 50))
+    text = "".join(c["delta"].get("content") or "" for e in _events_out(out) for c in e["choices"])
+    assert text == "Fixed it.  The test passes now." and rw.stripped == 1
+    call = ch({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "Bash", "arguments": "{}"}}]})
+    raw = sse([ch({"content": "Running it <"}), call, ch({}, "tool_calls"), (None, "[DONE]")])
+    events = _events_out(run_stream(ResponseRewriter("chat").stream(), [raw]))
+    kinds = ["content" if (d := e["choices"][0]["delta"]).get("content") else "call" if d.get("tool_calls") else ""
+             for e in events]
+    assert kinds.index("content") < kinds.index("call")  # (the held prose before the call's chunk)

@@ -209,10 +209,14 @@ class LaneResponse:
             out = self._prose(spots[0][0], ev, spots[0][1])
         elif spots:
             changed = False
+            held = []  # (a block's event held back before this one goes first: its text comes first)
             for key, slot in spots:
                 b = self.blocks.get(key)
                 if b is None:  # one filter per block, made once
                     b = self.blocks[key] = _Block()
+                elif b.held is not None:
+                    held.append(b.held)
+                    b.held = None
                 text = slot.get()
                 t = b.filter.feed(text) + b.filter.flush()
                 self.echoes += b.filter.removed
@@ -220,7 +224,7 @@ class LaneResponse:
                 if t != text:
                     slot.set(t)
                     changed = True
-            out = [ev if changed else KEEP]
+            out = [*held, ev if changed else KEEP]
         else:
             out = [KEEP]
         return self._close_around(finishing, ev, out) if finishing else out
@@ -349,10 +353,13 @@ class ChatResponse(LaneResponse):
             return [KEEP]
         finishing: list = []
         text_choices = []
+        touched = []  # the choices a tool call's chunk (which ends their prose run) is of
         for ci, ch in enumerate(choices):
             if not isinstance(ch, dict):
                 continue
             d = ch.get("delta")
+            if isinstance(d, dict) and (_list(d.get("tool_calls")) or d.get("function_call")):
+                touched.append(_hashable(ch.get("index", ci)))
             for tc in _list(d.get("tool_calls") if isinstance(d, dict) else None):
                 if isinstance(tc, dict):
                     entry = self._partial.setdefault((ci, _hashable(tc.get("index", 0))), ["", "", ""])
@@ -365,7 +372,7 @@ class ChatResponse(LaneResponse):
             if ch.get("finish_reason"):
                 finishing.append(_hashable(ch.get("index", ci)))
         spots = [(_hashable(choices[ci].get("index", ci)), Slot(choices[ci]["delta"], "content")) for ci in text_choices]
-        touched = [_hashable(ch.get("index", ci)) for ci, ch in enumerate(choices) if isinstance(ch, dict)]
+        # (an empty delta, a reasoning one, a content filter's annotation: the prose run goes on through it)
         return self._prose_spots(ev, spots, finishing, touched)
 
     def body(self, obj: Any) -> bool:
@@ -498,18 +505,24 @@ class GeminiResponse(LaneResponse):
             return [KEEP]
         spots = []
         finishing = []
+        touched = []  # the candidates with a part that is not prose (a call, a thought): their prose run ends first
         for ci, c in enumerate(cands):
             content = c.get("content") if isinstance(c, dict) else None
             parts = content.get("parts") if isinstance(content, dict) else None
+            other = False
             for pi, p in enumerate(_list(parts)):
                 if isinstance(p, dict) and isinstance(p.get("text"), str) and not p.get("thought"):
                     spots.append((ci, pi))
+                else:
+                    other = True
                 self._note_call(p)
+            if other:
+                touched.append(_hashable(c.get("index", ci)))
             if isinstance(c, dict) and c.get("finishReason"):
                 finishing.append(_hashable(c.get("index", ci)))
         return self._prose_spots(
             ev, [(_hashable(cands[ci].get("index", ci)), Slot(cands[ci]["content"]["parts"][pi], "text")) for ci, pi in spots],
-            finishing, [_hashable(c.get("index", ci)) for ci, c in enumerate(cands) if isinstance(c, dict)],
+            finishing, touched,
         )
 
     def body(self, obj: Any) -> bool:
