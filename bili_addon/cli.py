@@ -289,7 +289,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from bili_addon.agents import allow_hosts_regex, intercept_plan
     from bili_addon.certs import CertError, ensure_ca
-    from bili_addon.launch import find_mitmdump, mitmdump_command, system_roots_for_upstream
+    from bili_addon.launch import find_mitmdump, mitmdump_command, upstream_trust
 
     specs = args.mode or ["regular"]
     try:
@@ -338,7 +338,7 @@ def _run(args: argparse.Namespace) -> int:
     cmd = mitmdump_command(
         mitmdump, listen_host=args.listen_host, listen_port=args.listen_port, modes=specs, confdir=ca.confdir,
         data_dir=args.data_dir, bili_mode=bili_mode,
-        upstream_ca=system_roots_for_upstream(ca.roots_source),
+        upstream_ca=upstream_trust(ca, os.environ),
         lazy=any(m.type_name == "reverse" for m in modes), allow_hosts=allow, first_party=args.first_party,
         sets=sets, extra=rest,
     )

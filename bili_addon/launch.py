@@ -497,15 +497,73 @@ def node_ca_file(ca, env: Mapping[str, str]) -> str:
         extra = Path(theirs).read_bytes()
     except OSError:
         return str(ours)
+    return _merged_file(ca.confdir, "node-extra-ca-", theirs, [extra, ours.read_bytes()])
+
+
+# where a user names the CAs they trust beside the system's (a corporate TLS inspector's: Claude Code's
+# documentation sends such users to NODE_EXTRA_CA_CERTS); $SSL_CERT_FILE is the system roots' own source
+EXTRA_CA_VARS = (NODE_CA, "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+_MERGED = ("node-extra-ca-", "upstream-ca-", "agent-ca-")  # (bili's own files made of them: never read back)
+
+
+def user_extra_cas(ca, env: Mapping[str, str]) -> list[tuple[str, bytes]]:
+    """``(path, PEM)`` of each bundle the user's environment names beside the system roots, in
+    :data:`EXTRA_CA_VARS`' order, each once: none of bili's own files, nor the system roots' source."""
+    skip = set()
+    for p in (ca.cert, ca.combined, ca.roots_source):
+        if p:
+            skip.add(Path(p).resolve())
+    confdir = Path(ca.confdir).resolve()
+    out: list[tuple[str, bytes]] = []
+    for var in EXTRA_CA_VARS:
+        value = env.get(var)
+        if not value:
+            continue
+        try:
+            path = Path(value).resolve()
+            if path in skip or (path.parent == confdir and path.name.startswith(_MERGED)):
+                continue
+            data = path.read_bytes()
+        except OSError:
+            continue
+        if b"-----BEGIN CERTIFICATE-----" in data:
+            skip.add(path)
+            out.append((str(path), data))
+    return out
+
+
+def _merged_file(confdir, prefix: str, key: str, parts: list[bytes]) -> str:
+    """A bundle of ``parts`` in the confdir (written when it differs, atomically): its path."""
     import hashlib
 
-    merged = Path(ca.confdir) / f"node-extra-ca-{hashlib.sha256(theirs.encode()).hexdigest()[:12]}.pem"
-    body = extra.rstrip() + b"\n" + ours.read_bytes()
+    merged = Path(confdir) / f"{prefix}{hashlib.sha256(key.encode()).hexdigest()[:12]}.pem"
+    body = b"".join(p.rstrip() + b"\n" for p in parts)
     if not merged.exists() or merged.read_bytes() != body:
         tmp = merged.with_suffix(".tmp")
         tmp.write_bytes(body)
         os.replace(tmp, merged)
     return str(merged)
+
+
+def upstream_trust(ca, env: Mapping[str, str]) -> str | None:
+    """``ssl_verify_upstream_trusted_ca``: the system roots (None: certifi's, mitmproxy's own), plus the
+    CAs the user trusts beside them.  Behind a TLS-inspecting network the model host's certificate is
+    the inspector's: the agent trusted it through its extra CAs, and it no longer talks to the host,
+    mitmdump does (without them every request to the host failed, 502)."""
+    base = system_roots_for_upstream(ca.roots_source)
+    extras = user_extra_cas(ca, env)
+    if not extras:
+        return base
+    try:
+        if ca.roots_source:
+            roots = Path(ca.roots_source).read_bytes()
+        else:
+            import certifi
+
+            roots = Path(certifi.where()).read_bytes()
+    except (OSError, ImportError):
+        roots = b""
+    return _merged_file(ca.confdir, "upstream-ca-", "\0".join(p for p, _d in extras), [roots, *(d for _p, d in extras)])
 
 
 def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca, data_dir: str | None = None) -> dict[str, str]:
@@ -517,8 +575,14 @@ def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca, data_dir
     if agent.ca_var in (NODE_CA, ANY_CA):
         out[NODE_CA] = node_ca_file(ca, env)
     if agent.ca_var != NODE_CA:
-        out[BUNDLE_CA] = str(ca.combined)
-        out["REQUESTS_CA_BUNDLE"] = str(ca.combined)
+        # one bundle instead of the system roots: ours, and the user's extra CAs (the hosts bili tunnels
+        # untouched are still the inspector's)
+        extras = user_extra_cas(ca, env)
+        bundle = str(ca.combined) if not extras else _merged_file(
+            ca.confdir, "agent-ca-", "\0".join(p for p, _d in extras),
+            [Path(ca.combined).read_bytes(), *(d for _p, d in extras)])
+        out[BUNDLE_CA] = bundle
+        out["REQUESTS_CA_BUNDLE"] = bundle
     out["BILI_PROXY"] = proxy_url  # where `bili mcp`, started by the agent, finds this proxy
     if data_dir:  # where it finds the proxy's admin token
         out["BILI_DATA_DIR"] = str(Path(data_dir).expanduser().resolve())
@@ -737,7 +801,7 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
     command = mitmdump_command(
         mitmdump, listen_host=DEFAULT_HOST, listen_port=args.port, modes=modes, confdir=ca.confdir,
         data_dir=args.data_dir, bili_mode=args.bili_mode or "fold",
-        upstream_ca=system_roots_for_upstream(ca.roots_source), lazy=False, allow_hosts=allow,
+        upstream_ca=upstream_trust(ca, env), lazy=False, allow_hosts=allow,
         first_party=args.first_party, scripts=args.script or [], sets=sets,
     )
     if mechanism == "local":

@@ -849,6 +849,51 @@ def test_bili_run_as_a_system_proxy_intercepts_only_model_hosts(lab):
         fake.shutdown()
 
 
+@pytest.mark.e2e
+def test_the_users_extra_cas_verify_an_intercepted_host_upstream(lab):
+    """Behind a TLS-inspecting network the model host shows the inspector's certificate, which the user
+    trusts through NODE_EXTRA_CA_CERTS (REQUESTS_CA_BUNDLE for Python agents).  With bili the agent no
+    longer talks to the host, mitmdump does: it verified the host against the system roots only, and
+    every request failed (502).  Here the host is a loopback server with a certificate of its own."""
+    tls, tls_cert = _tls_server(lab.tmp)
+    host_port = tls.getsockname()[1]
+    port = free_port()
+    log = lab.tmp / "run.log"
+    env = {**lab.env(), "NODE_EXTRA_CA_CERTS": str(tls_cert)}
+    with open(log, "w") as out:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir", str(lab.confdir),
+             "--data-dir", str(lab.tmp / "data"), "--intercept-host", f"127.0.0.1:{host_port}"],
+            env=env, cwd=lab.project, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    lab.procs.append(run)
+    try:
+        wait_for(lambda: "bili: ready" in log.read_text(), 30, "bili run's ready line")
+        ca = lab.confdir / "mitmproxy-ca-cert.pem"
+        assert _via_proxy(port, "127.0.0.1", host_port, ca) == (200, b"tunnelled")  # (decrypted: bili's CA to the client)
+    finally:
+        os.killpg(run.pid, signal.SIGTERM)
+        run.wait(15)
+        tls.close()
+
+
+def test_the_agents_bundle_and_the_upstream_trust_keep_the_users_extra_cas(tmp_path):
+    ca = ensure_ca(tmp_path / "ca")
+    corp = _write(tmp_path / "corp.pem", "-----BEGIN CERTIFICATE-----\ncorp\n-----END CERTIFICATE-----\n")
+    bundle = _write(tmp_path / "bundle.pem", "-----BEGIN CERTIFICATE-----\npy\n-----END CERTIFICATE-----\n")
+    env = {"NODE_EXTRA_CA_CERTS": str(corp), "REQUESTS_CA_BUNDLE": str(bundle)}
+    trust = Path(launch.upstream_trust(ca, env)).read_bytes()
+    assert b"corp\n" in trust and b"py\n" in trust and trust.count(b"BEGIN CERTIFICATE") > 2  # (the system roots too)
+    agent = launch.agent_env(AGENTS["codex"], env, "http://127.0.0.1:1", ca)
+    mine = Path(agent["SSL_CERT_FILE"]).read_bytes()
+    assert agent["REQUESTS_CA_BUNDLE"] == agent["SSL_CERT_FILE"] and ca.cert.read_bytes().strip() in mine
+    assert b"corp\n" in mine and b"py\n" in mine
+    own = {"REQUESTS_CA_BUNDLE": agent["REQUESTS_CA_BUNDLE"], "NODE_EXTRA_CA_CERTS": str(ca.cert),
+           "CURL_CA_BUNDLE": str(ca.combined)}
+    assert launch.upstream_trust(ca, own) == launch.upstream_trust(ca, {})  # (bili's own files are not extras)
+    assert launch.upstream_trust(ca, {}) == launch.system_roots_for_upstream(ca.roots_source)
+
+
 def test_bili_run_intercept_options_build_the_allow_list(tmp_path, monkeypatch):
     seen: list[list[str]] = []
 
