@@ -142,6 +142,9 @@ def _base_url_var(upstream_host: str) -> tuple[str, str]:
 def _instructions(modes: list, host: str, port: int, ca, bili_mode: str,
                   intercepted: list[tuple[str, int]] | None = None) -> list[str]:
     lines = [f"bili {__version__}: bili_mode={bili_mode}, CA in {ca.confdir}"]
+    for m in modes:
+        if m.type_name == "upstream":
+            lines.append(f"bili goes out through the proxy {m.data} (your HTTPS_PROXY, or --mode upstream:)")
     if intercepted is not None:
         names = ", ".join(h if p == 443 else f"{h}:{p}" for h, p in intercepted)
         lines.append(f"TLS is decrypted for {len(intercepted)} model hosts only ({names}); every other host "
@@ -289,9 +292,12 @@ def _run(args: argparse.Namespace) -> int:
 
     from bili_addon.agents import allow_hosts_regex, intercept_plan
     from bili_addon.certs import CertError, ensure_ca
-    from bili_addon.launch import find_mitmdump, mitmdump_command, upstream_trust
+    from bili_addon.launch import find_mitmdump, mitmdump_command, upstream_trust, user_upstream
 
-    specs = args.mode or ["regular"]
+    upstream, why = user_upstream(os.environ, args.listen_port) if not args.mode else (None, "")
+    if why:
+        print(f"bili: warning: your proxy {why}", file=sys.stderr, flush=True)
+    specs = args.mode or [f"upstream:{upstream}" if upstream else "regular"]
     try:
         modes = [ProxyMode.parse(s) for s in specs]
     except ValueError as e:

@@ -545,6 +545,36 @@ def _merged_file(confdir, prefix: str, key: str, parts: list[bytes]) -> str:
     return str(merged)
 
 
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def user_upstream(env: Mapping[str, str], listen_port: int) -> tuple[str | None, str]:
+    """The proxy the user's programs go through (``HTTPS_PROXY``, else ``ALL_PROXY``), as bili's own
+    upstream (``--mode upstream:URL``): where egress goes through a corporate proxy, what bili dials
+    must too (it dialled every host directly, and failed there).  ``(URL, note)``: None and why not
+    when there is none, it is this proxy on loopback (a loop), or it needs credentials (mitmproxy takes
+    them as an option, which would show them in its command line: the note says how to give them)."""
+    from urllib.parse import urlsplit
+
+    raw = next((env[v] for v in _PROXY_VARS if env.get(v)), "")
+    if not raw:
+        return None, ""
+    try:
+        u = urlsplit(raw if "://" in raw else "http://" + raw)
+        host, port = u.hostname, u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        return None, f"{raw} is no proxy URL bili can chain to: it dials hosts directly"
+    if u.scheme not in ("http", "https") or not host:
+        return None, f"{raw} is no HTTP proxy bili can chain to: it dials hosts directly"
+    if port == listen_port and host in ("localhost", "127.0.0.1", "::1"):
+        return None, ""  # (this proxy itself: the variable was set for bili)
+    if u.username or u.password:
+        return None, (f"{u.scheme}://{host}:{port} needs credentials: bili dials hosts directly; to go through "
+                      f"it, run bili with --set upstream_auth=USER:PASSWORD and --mode upstream:{u.scheme}://{host}:{port}")
+    where = f"[{host}]" if ":" in host else host
+    return f"{u.scheme}://{where}:{port}", ""
+
+
 def upstream_trust(ca, env: Mapping[str, str]) -> str | None:
     """``ssl_verify_upstream_trusted_ca``: the system roots (None: certifi's, mitmproxy's own), plus the
     CAs the user trusts beside them.  Behind a TLS-inspecting network the model host's certificate is
@@ -772,6 +802,8 @@ class Plan:
     transparent: str | None = None  # the mechanism (transparent.MECHANISMS), or None
     transparent_mode: str = ""  # the proxy mode it needs (transparent@127.0.0.1:PORT, local:NAME)
     redirect: list[tuple[str, int]] = field(default_factory=list)  # what the namespace sends to it
+    upstream: str | None = None  # the user's own proxy, bili's upstream (user_upstream)
+    upstream_note: str = ""  # why the user's proxy is not bili's upstream
 
 
 def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] | None = None,
@@ -786,7 +818,10 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
     override = [transparent.parse_dest(d) for d in getattr(args, "redirect", None) or []]
     hosts = intercept_plan(agent, env, cwd, [*(args.intercept_host or []), *(f"{h}:{p}" for h, p in override)])
     allow = allow_hosts_regex(hosts.hosts)
-    modes = ["regular"]
+    upstream, upstream_note = user_upstream(env, args.port)
+    if upstream and mechanism:
+        upstream, upstream_note = None, f"{upstream} is not chained to with --transparent: bili dials hosts directly"
+    modes = [f"upstream:{upstream}" if upstream else "regular"]
     tmode = ""
     if mechanism == "netns":
         tmode = transparent.transparent_mode(transparent_port(args.port, getattr(args, "transparent_port", None)))
@@ -809,7 +844,7 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
         command = transparent.local_proxy_command(command, local.cgroup_bind)
     return Plan(agent, binary, [binary or agent.binary, *args.extra], hosts, allow, proxy_url,
                 agent_env(agent, env, proxy_url, ca, args.data_dir), command, ca, mechanism, tmode,
-                override or list(hosts.hosts))
+                override or list(hosts.hosts), upstream, upstream_note)
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -924,6 +959,10 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
     old_proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
     if old_proxy and old_proxy.rstrip("/") != plan.proxy_url:
         _say(f"note: HTTPS_PROXY={old_proxy} is replaced by {plan.proxy_url} for {agent.binary}", args.quiet)
+    if plan.upstream:
+        _say(f"note: bili goes out through your proxy {plan.upstream}", args.quiet)
+    elif plan.upstream_note:
+        _say(f"warning: your proxy {plan.upstream_note}")  # (past -q: egress that should go through it does not)
 
     for pid, theirs in stale_daemons(agent, plan.proxy_url):
         _say(f"note: {_daemon_note(agent, pid, theirs)}", args.quiet)

@@ -214,6 +214,8 @@ def test_bili_run_builds_the_mitmdump_command(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(cli, "_serve", fake_serve)
     monkeypatch.setattr(cli, "port_in_use", lambda host, port: False)
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):  # (the caller's own: see below)
+        monkeypatch.delenv(var, raising=False)
     rc = cli.main(["run", "--listen-port", "9999", "--mode", "reverse:https://api.anthropic.com",
                    "--data-dir", str(tmp_path / "data"), "--confdir", str(tmp_path / "ca"),
                    "--bili-mode", "observe", "--", "--set", "flow_detail=0"])
@@ -248,6 +250,18 @@ def test_bili_run_builds_the_mitmdump_command(tmp_path, monkeypatch, capsys):
     seen.clear()
     cli.main(["run", "--quiet", "--confdir", str(tmp_path / "ca")])
     assert seen and capsys.readouterr().out == ""
+
+    # the user's own proxy (a corporate one) is bili's upstream; not the proxy itself, nor one with credentials
+    for proxy, mode in (("http://proxy.corp.example:3128", "upstream:http://proxy.corp.example:3128"),
+                        ("http://127.0.0.1:8787/", "regular"), ("http://u:pw@proxy.corp.example:3128", "regular")):
+        seen.clear()
+        monkeypatch.setenv("HTTPS_PROXY", proxy)
+        cli.main(["run", "--confdir", str(tmp_path / "ca")])
+        argv = seen[0]
+        assert argv[argv.index("--mode") + 1] == mode and "pw" not in " ".join(argv)
+        out, err = capsys.readouterr()
+        assert ("goes out through the proxy http://proxy.corp.example:3128" in out) == (mode != "regular")
+        assert ("upstream_auth=USER:PASSWORD" in err) == ("pw" in proxy)
 
 
 def _sets(argv: list[str]) -> list[str]:

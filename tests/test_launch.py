@@ -877,6 +877,81 @@ def test_the_users_extra_cas_verify_an_intercepted_host_upstream(lab):
         tls.close()
 
 
+class _CorpProxy:
+    """A corporate egress proxy on loopback: CONNECT tunnels to where it is asked (every one noted)."""
+
+    def __init__(self):
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen()
+        self.port, self.seen = self.srv.getsockname()[1], []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        with contextlib.suppress(OSError):
+            while True:
+                c, _ = self.srv.accept()
+                threading.Thread(target=self._one, args=(c,), daemon=True).start()
+
+    def _one(self, c):
+        with contextlib.suppress(OSError), c:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                got = c.recv(4096)
+                if not got:
+                    return
+                head += got
+            method, target = head.split(b" ")[:2]
+            self.seen.append((method.decode(), target.decode()))
+            host, port = target.decode().rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=10) as up:
+                c.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                threading.Thread(target=self._pipe, args=(up, c), daemon=True).start()
+                self._pipe(c, up)
+
+    @staticmethod
+    def _pipe(a, b):
+        with contextlib.suppress(OSError):
+            while data := a.recv(65536):
+                b.sendall(data)
+        with contextlib.suppress(OSError):
+            b.shutdown(socket.SHUT_WR)
+
+
+@pytest.mark.e2e
+def test_the_users_own_proxy_is_bilis_way_out(lab):
+    """Where egress must go through a corporate proxy (HTTPS_PROXY), the proxy bili started dialled every
+    host directly (mitmdump does not read the variable), and everything failed there.  It goes out
+    through that proxy now: the hosts it decrypts and those it tunnels untouched alike."""
+    corp = _CorpProxy()
+    tls, tls_cert = _tls_server(lab.tmp)
+    model = _tls_server(lab.tmp / "model") if (lab.tmp / "model").mkdir() is None else None
+    host_port, model_port = tls.getsockname()[1], model[0].getsockname()[1]
+    port = free_port()
+    log = lab.tmp / "run.log"
+    env = {**lab.env(), "HTTPS_PROXY": f"http://127.0.0.1:{corp.port}", "NODE_EXTRA_CA_CERTS": str(model[1])}
+    with open(log, "w") as out:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir", str(lab.confdir),
+             "--data-dir", str(lab.tmp / "data"), "--intercept-host", f"127.0.0.1:{model_port}"],
+            env=env, cwd=lab.project, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    lab.procs.append(run)
+    try:
+        wait_for(lambda: "bili: ready" in log.read_text(), 30, "bili run's ready line")
+        assert f"goes out through the proxy http://127.0.0.1:{corp.port}" in log.read_text()
+        ca = lab.confdir / "mitmproxy-ca-cert.pem"
+        assert _via_proxy(port, "127.0.0.1", model_port, ca) == (200, b"tunnelled")  # decrypted by bili
+        assert _via_proxy(port, "127.0.0.1", host_port, tls_cert) == (200, b"tunnelled")  # tunnelled untouched
+        assert ("CONNECT", f"127.0.0.1:{model_port}") in corp.seen and ("CONNECT", f"127.0.0.1:{host_port}") in corp.seen
+    finally:
+        os.killpg(run.pid, signal.SIGTERM)
+        run.wait(15)
+        tls.close()
+        model[0].close()
+        corp.srv.close()
+
+
 def test_the_agents_bundle_and_the_upstream_trust_keep_the_users_extra_cas(tmp_path):
     ca = ensure_ca(tmp_path / "ca")
     corp = _write(tmp_path / "corp.pem", "-----BEGIN CERTIFICATE-----\ncorp\n-----END CERTIFICATE-----\n")
