@@ -270,14 +270,13 @@ def _run_transparent(args: argparse.Namespace) -> int:
     for spec in args.set or []:
         name, _, value = spec.partition("=")
         (scripts.append(value) if name.strip() == "scripts" and value else sets.append(spec))
-    if args.store:
-        sets.append(f"bili_store={args.store}")
     agent = launch.program_agent(args.extra[0])
     ns = argparse.Namespace(
         port=args.listen_port, bili_mode=args.bili_mode, first_party=args.first_party, data_dir=args.data_dir,
         confdir=args.confdir, intercept_host=args.intercept_host, script=scripts, set=sets, dry_run=False,
         quiet=args.quiet, verbose=args.verbose, extra=args.extra[1:], transparent=args.transparent,
-        transparent_port=args.transparent_port, redirect=args.redirect, install_deps=args.install_deps)
+        transparent_port=args.transparent_port, redirect=args.redirect, install_deps=args.install_deps,
+        store=args.store)  # (as $BILI_STORE: a URL's password in the proxy's arguments is every local user's to read)
     return launch.launch(agent, ns)
 
 

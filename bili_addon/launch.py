@@ -804,6 +804,7 @@ class Plan:
     redirect: list[tuple[str, int]] = field(default_factory=list)  # what the namespace sends to it
     upstream: str | None = None  # the user's own proxy, bili's upstream (user_upstream)
     upstream_note: str = ""  # why the user's proxy is not bili's upstream
+    data_dir: str = ""  # the proxy's data directory (--data-dir, --set bili_data_dir=, else the default)
 
 
 def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] | None = None,
@@ -833,6 +834,10 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
     mitmdump = find_mitmdump() or Path("mitmdump")
     sets, _ = user_options(args.set, flags={"--bili-mode": args.bili_mode, "--first-party": args.first_party,
                                             "--data-dir": args.data_dir})
+    # (where the proxy keeps its store and admin token, as it reads its options: the launcher's token and
+    # the agent's `bili mcp` are that directory's, whatever $BILI_DATA_DIR the caller has)
+    data_dir = str(Path(option_value(sets, "bili_data_dir", args.data_dir) or default_data_dir(env)).expanduser()
+                   .resolve())
     command = mitmdump_command(
         mitmdump, listen_host=DEFAULT_HOST, listen_port=args.port, modes=modes, confdir=ca.confdir,
         data_dir=args.data_dir, bili_mode=args.bili_mode or "fold",
@@ -843,8 +848,8 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
         local = {m.name: m for m in transparent.support(env, probe_nft=False)}["local"]
         command = transparent.local_proxy_command(command, local.cgroup_bind)
     return Plan(agent, binary, [binary or agent.binary, *args.extra], hosts, allow, proxy_url,
-                agent_env(agent, env, proxy_url, ca, args.data_dir), command, ca, mechanism, tmode,
-                override or list(hosts.hosts), upstream, upstream_note)
+                agent_env(agent, env, proxy_url, ca, data_dir), command, ca, mechanism, tmode,
+                override or list(hosts.hosts), upstream, upstream_note, data_dir)
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -975,6 +980,8 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
             _say(f"error: {e}")
             return 1
         proxy_env = transparent.proxy_env(plan.transparent, os.environ, state_dir())
+    if getattr(args, "store", None):  # (bili run --transparent --store: read from the environment, never argv)
+        proxy_env = {**(proxy_env if proxy_env is not None else os.environ), "BILI_STORE": args.store}
     held = None
     if plan.transparent == "local":  # the agent's pid goes into the local mode: started, held before it runs
         try:
@@ -987,7 +994,7 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
         plan.transparent_mode = mode
 
     try:  # created now if this is the first run, so that racing launchers agree on it
-        token = private.ensure_token(Path(args.data_dir).expanduser() if args.data_dir else default_data_dir())
+        token = private.ensure_token(Path(plan.data_dir))
     except OSError:
         token = None
     proxy = SharedProxy(args.port, plan.command, quiet=args.quiet, token=token, env=proxy_env)

@@ -228,6 +228,51 @@ def test_dry_run_prints_the_plan(home, tmp_path, capsys):
     assert f"-s {(home.project / 'extra.py').resolve()}" in out
 
 
+def test_the_data_directory_is_the_proxys_as_it_reads_its_options(home, tmp_path, monkeypatch):
+    """``--set bili_data_dir=DIR`` is ``--data-dir DIR`` (README): the proxy took DIR and its token, the
+    launcher and the agent's ``bili mcp`` the default directory's (a second launch then refused the proxy:
+    "does not prove it holds this install's admin token").  A caller's own $BILI_DATA_DIR never reaches
+    the agent in place of the proxy's."""
+    p = cli.build_parser()
+    mine = tmp_path / "mine"
+    env = {**home.env, "BILI_DATA_DIR": str(tmp_path / "elsewhere")}
+    for argv, want in ((["--set", f"bili_data_dir={mine}"], mine), (["--data-dir", str(mine)], mine), ([], None)):
+        args = p.parse_args(["hermes", "--port", "9911", "--confdir", str(tmp_path / "ca"), *argv])
+        args.extra = []
+        plan = launch.plan_launch(AGENTS["hermes"], args, env=env, cwd=home.project)
+        want = want.resolve() if want is not None else launch.default_data_dir(env).resolve()
+        assert plan.data_dir == plan.env["BILI_DATA_DIR"] == str(want)
+
+
+def test_a_transparent_runs_store_url_is_never_in_the_proxys_arguments(lab, monkeypatch):
+    """``bili run --transparent --store URL``: the URL (its password) went into mitmdump's command line and
+    the launcher's log, which ``bili run`` keeps it out of ($BILI_STORE)."""
+    url = "postgresql://bili:s3cret-pw@db.example/bili"
+    seen = {}
+
+    class Proxy:
+        stopped = False
+
+        def __init__(self, port, command, *, quiet, token, env):
+            seen.update(command=command, env=env)
+
+        def attach(self):
+            raise launch.LaunchError("stop here")
+
+        def detach(self, hurry=None):
+            pass
+
+    monkeypatch.setattr(launch, "SharedProxy", Proxy)
+    monkeypatch.setattr(launch.transparent, "require", lambda *a, **kw: None)
+    monkeypatch.setattr(launch.transparent, "proxy_env", lambda mechanism, env, state: dict(env, NS="1"))
+    for k, v in lab.env().items():
+        monkeypatch.setenv(k, v)
+    assert cli.main(["run", "--transparent", "--listen-port", str(free_port()), "--confdir", str(lab.confdir),
+                     "--store", url, "--", "codex"]) == 1
+    assert not any("s3cret-pw" in a for a in seen["command"])
+    assert seen["env"]["BILI_STORE"] == url and seen["env"]["NS"] == "1"
+
+
 # -- first-party Claude Code ------------------------------------------------------------------------------
 BILLING = "x-anthropic-billing-header: cc_version=2.1.197.fbe; cc_entrypoint=sdk-cli; cch=3f2a1;"
 
