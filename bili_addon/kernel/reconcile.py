@@ -164,8 +164,13 @@ def reconcile(view: View, blocks: list[Block], copy: Copy, originals, fresh: set
         claimed_new.add(new)
         out.by[how] += 1
 
+    # a ref the canonical copy has is a message of its own there: a covered message the host re-mints or
+    # re-encodes comes back under a ref new to it (the same words said again, a live twin the host's
+    # truncation moved up, are never what a covered one became)
+    own = set(copy.refs)
+
     def free(new: str) -> bool:
-        return new not in cov and new not in claimed_new and new not in fresh
+        return new not in cov and new not in claimed_new and new not in fresh and new not in own
 
     new_fps = [fingerprint(p) for p in parts]
     old_refs, old_fps = copy.refs, copy.fps
@@ -377,7 +382,10 @@ def verdict(out: Outcome, view: View, blocks: list[Block], copy: Copy, originals
         copy.streak = 0
         return
     new_fps = [fingerprint(p) for it in view.items for p in it.parts]
-    texts = {p.text for it in view.items for p in it.parts}
+    # (the words of a part the copy has under its ref are that message's own: a live twin of a dropped
+    # covered one, "continue" said again, is no sign the covered one came back in another form)
+    own = set(copy.refs)
+    texts = {p.text for it in view.items for p in it.parts if p.ref not in own}
     residual = {row[0]: row for row in originals(out.unmatched)}
     near_dups = any(row[5] in texts for row in residual.values())
     head_aligned = _heads_inbound(copy.fps if not copy.witness else copy.witness, new_fps)
@@ -457,12 +465,18 @@ def _rewound(copy: Copy, new_fps: list[str], present: dict[str, int], unmatched:
 
 
 def _heads_inbound(old_fps: list[str], new_fps: list[str], need: int = 8) -> bool:
-    """The inbound history starts with a stretch of the old order (the oldest slice was dropped)."""
+    """The inbound history starts with a stretch of the old order (the oldest slice was dropped), after
+    the parts both begin with (a rolling window that keeps the conversation's opening)."""
     if not old_fps or not new_fps:
         return False
-    n = min(need, len(new_fps))
-    head = new_fps[:n]
-    for j in range(1, len(old_fps) - n + 1):
+    a = 0
+    while a < min(len(old_fps), len(new_fps)) and old_fps[a] == new_fps[a]:
+        a += 1
+    head = new_fps[a:a + need]
+    if not head:
+        return False
+    n = len(head)
+    for j in range(a + 1, len(old_fps) - n + 1):
         if old_fps[j : j + n] == head:
             return True
     return False

@@ -276,7 +276,8 @@ class Engine(ProxyTools, Epochs, Deferred):
         if first is not None:
             resolved_tail, new_rows, view_tail, sums = first
         else:
-            resolved_tail, new_rows = self._resolve(s, infos[start + q:], counter, cov, q, pinned, vouched)
+            resolved_tail, new_rows = self._resolve(s, infos[start + q:], counter, cov, q, pinned, vouched,
+                                                    memo.resolved[:q] if q else ())
             view_tail = None
         resolved = (memo.resolved[:q] if q else []) + resolved_tail
         minted = s.row.next_ref
@@ -436,39 +437,57 @@ class Engine(ProxyTools, Epochs, Deferred):
 
     # -- ledger --------------------------------------------------------------------------------
     def _resolve(self, s: Session, infos: list[ItemInfo], counter: Counter, cov: dict, reused: int,
-                 pinned: dict[int, list[Entry]] | None = None,
-                 vouched: list[str] | None = None) -> tuple[list[list[Resolved]], list[LedgerRow]]:
+                 pinned: dict[int, list[Entry]] | None = None, vouched: list[str] | None = None,
+                 prior: list[list[Resolved]] | tuple = ()) -> tuple[list[list[Resolved]], list[LedgerRow]]:
         """Attach a ref to every part: known by ``(msg_id, content_hash)``, else the next free one.
 
         A part appended after everything the previous pass had, whose id is covered by a fold but
         was not in that pass, is a new instance of the same words (the user said it again), not the
         folded original: it gets a fresh suffix.  Old content the host sends again further up (a
-        truncation undone) is an echo and stays folded.
+        truncation undone) is an echo and stays folded.  Where the pass is the canonical copy's at a
+        place, a part takes the copy's instance there (:func:`_anchored_ids`); ``prior``: the parts of
+        the ``reused`` items before ``infos``, as the previous pass resolved them.
         """
         hash_parts([p for info in infos for p in info.parts])  # (a first pass's parts are hashed when first read)
         new_rows: list[LedgerRow] = []
         next_ref = s.row.next_ref
         prev_ids = None
         appended_from = 0
+        anchors = None
         if cov and s.copy.ids:
             prev_ids, prev_bases = _id_sets(s)
             appended_from = next((k + 1 for k in range(len(infos) - 1, -1, -1)
                                   if any(p.base in prev_bases for p in infos[k].parts)), 0)
+            # (the copy's items not all reused as they were: its last one, the previous pass's, may have been a
+            # prefill the agent completed, which is counted on from the reused ones as it was)
+            if not s.copy.items or reused < s.copy.items[-1]:
+                before = [r.base for ps in prior for r in ps]
+                got = _anchored_ids(s.copy.ids, before + [p.base for info in infos for p in info.parts])
+                anchors = got[len(before):] if got is not None else None
         out_all: list[list[Resolved]] = []
         refs, refs_get, counter_get = s.refs, s.refs.get, counter.get
         add_row, ref_of = new_rows.append, tags.ref_of
+        at = -1  # (the part's place in the pass: its anchor)
         for k_item, info in enumerate(infos):
             out = []
             appended = k_item >= appended_from
             pins = pinned.get(k_item) if pinned else None
             for j, part in enumerate(info.parts):
+                at += 1
                 core, base, chash, dirty = part.core, part.base, part.chash, part.dirty
                 if core.ctype == TEXT and core.role != "assistant" and core.text.startswith("<acp "):
                     core, base, chash, dirty = self._strip_own_tag(s, part)
-                n = counter_get(base, 0)
-                counter[base] = n + 1
+                anchor = anchors[at] if anchors is not None and base == part.base else None
+                if anchor is not None:  # the copy's instance at this place (the same words): its id
+                    msg_id = anchor
+                    n = int(anchor[19:]) if len(anchor) > 18 else 0
+                    if counter_get(base, 0) <= n:
+                        counter[base] = n + 1
+                else:
+                    n = counter_get(base, 0)
+                    counter[base] = n + 1
+                    msg_id = base if n == 0 else f"{base}_{n}"
                 incs = 1
-                msg_id = base if n == 0 else f"{base}_{n}"
                 entry = refs_get((msg_id, chash))
                 if (entry is not None and prev_ids is not None and appended and entry.ref in cov
                         and msg_id not in prev_ids):
@@ -618,6 +637,43 @@ def _system_run(infos: list[ItemInfo]) -> int:
     while start < len(infos) and infos[start].is_system:
         start += 1
     return start
+
+
+def _anchored_ids(ids: list[str], bases: list[str]) -> list[str | None] | None:
+    """The ledger id each part of a pass takes from the session's canonical copy (``ids``: the copy's,
+    in order), where the pass is the copy at that place: the parts the two begin with, and the copy's
+    rest after a run of it the host dropped (its oldest turns, or those after its first: a rolling
+    window), each verified by its words (its base).  A word said several times is told apart by its
+    instance number, counted in the pass: with instances dropped before it, the count named another
+    instance (a folded one, whose summary then took the place of the live words).  None: nothing of
+    the pass is anchored otherwise than it is counted."""
+    n = len(ids)
+    copy_bases = [i[:18] for i in ids]
+    a = 0
+    for a, (x, y) in enumerate(zip(bases, copy_bases)):  # (the two begin alike up to ``a``)
+        if x != y:
+            break
+    else:
+        a = min(len(bases), n)
+    out: list[str | None] = list(ids[:a]) + [None] * (len(bases) - a)
+    if a < n and a < len(bases):
+        first = bases[a]
+        for d in range(a + 1, n - 1):  # (at least two parts of the copy's rest: never one word's chance)
+            if copy_bases[d] == first and bases[a:a + n - d] == copy_bases[d:]:
+                out[a:a + n - d] = ids[d:]
+                break
+    return out if out != _counted(bases) else None
+
+
+def _counted(bases: list[str]) -> list[str]:
+    """The ids a pass's instance count gives its parts."""
+    seen: dict[str, int] = {}
+    out = []
+    for b in bases:
+        k = seen.get(b, 0)
+        seen[b] = k + 1
+        out.append(b if k == 0 else f"{b}_{k}")
+    return out
 
 
 def _id_sets(s: Session) -> tuple[set[str], set[str]]:
