@@ -21,7 +21,7 @@ from bili_addon.kernel import fold, reconcile, tags
 from bili_addon.kernel.fold import Block, PartView, View, ViewItem
 from bili_addon.kernel.kept import MISSING, Kept
 from bili_addon.kernel.state import ItemInfo, Resolved, Session, TurnResult
-from bili_addon.kernel.tools import ProxyTools, call_key
+from bili_addon.kernel.tools import ProxyTools, call_key, replays
 from bili_addon.wire import Lane, hygiene
 from bili_addon.wire.base import (TEXT, TOOL_CALL, TOOL_RESULT, Core, LaneDefaults, decode_any, encode, patch_decoded,
                                   patch_many)
@@ -70,14 +70,18 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
     firsts: dict[str, str] | None = None
 
     def first_call(cid: str) -> str | None:
-        """The ref of the first call part with id ``cid`` in the request (read once, when asked)."""
+        """The ref of the first call part with id ``cid`` in the request that replays the call recorded
+        under it (read once, when asked)."""
         nonlocal firsts
         if firsts is None:
             firsts = {}
             for parts in resolved:
                 for r in parts:
-                    if r.core.ctype == TOOL_CALL and r.core.tool_call_id:
-                        firsts.setdefault(r.core.tool_call_id, r.entry.ref)
+                    cid_ = r.core.tool_call_id
+                    if r.core.ctype == TOOL_CALL and cid_ and cid_ not in firsts:
+                        call = s.calls.get(cid_)
+                        if call is not None and replays(r.core, call):
+                            firsts[cid_] = r.entry.ref
         return firsts.get(cid)
     if q and lane.name == "gemini":  # id-less calls answered further on: pair from the start
         for parts in resolved[:q]:

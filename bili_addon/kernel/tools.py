@@ -46,6 +46,30 @@ def call_key(tool_call_id: str, tool_name: str, args: str = "") -> str:
     return idless_call_key(tool_name, args) if tool_name else ""
 
 
+def replays(core, call: Call) -> bool:
+    """Whether a call part of the history is the agent's replay of the recorded proxy call ``call``
+    under its id: bili's tool under its name as the host re-sends an unknown tool's call (as it came,
+    ``_compress`` (omp), ``mcp__..__compress``; its arguments the same JSON, whatever their spacing or
+    key order), or opencode's ``invalid`` call naming it (its arguments gone).  A provider that
+    numbers its calls per answer (``call_0``) gives the id again to the agent's own later calls: those
+    are not it, nor is another call of bili's tool the store never recorded under that id."""
+    name = core.tool_name
+    if name == "invalid":
+        try:
+            doc = json.loads(core.text)
+        except ValueError:
+            return False
+        return isinstance(doc, dict) and doc.get("tool") == call.name
+    if name != call.name and name.lstrip("_") != call.name and name.rsplit("__", 1)[-1] != call.name:
+        return False
+    if core.text == call.args:
+        return True
+    try:
+        return json.loads(core.text or "{}") == json.loads(call.args or "{}")
+    except ValueError:
+        return False
+
+
 def export_dir(data_dir: Path, sid: str) -> Path:
     """The session's export folder, ``<data dir>/exports/<session>``, created 0700.  Its name is made
     from the session id (safe characters and a hash); a folder that resolves outside the data dir (a
@@ -270,6 +294,10 @@ class ProxyTools:
             if call.result is None:
                 continue
             cid = p.core.tool_call_id
+            if p.core.ctype == TOOL_CALL and cid and not replays(p.core, call):
+                if called is not None:
+                    called[cid] = False  # (its result too is the agent's own)
+                continue
             if cid and called is not None:
                 if p.core.ctype == TOOL_CALL:
                     called[cid] = first_call is None or first_call(cid) in (None, p.entry.ref)
