@@ -668,6 +668,32 @@ def test_a_second_emergency_cut_cuts_more(engine):
     assert set(engine.sessions["lanes"].flags["truncated"]) - set(first)
 
 
+def test_a_retry_before_the_next_answer_cuts_nothing_more(engine):
+    """An SDK's retry of the same request (a 529, a timeout): no answer came, so the last report still
+    counts the outputs the first attempt cut as whole, and each retry cut one more (other bytes for the
+    same history, more of the agent's outputs lost than the emergency needed).  Cuts made since the last
+    report count as cut until a newer one; a newer one past 95% again still cuts more."""
+    lane = LANES["anthropic"]
+
+    def body(n: int) -> bytes:
+        msgs = [{"role": "user", "content": "Start."}]
+        for i in range(n):
+            msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "Read",
+                                                        "input": {"f": i}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}",
+                                                   "content": f"OUT {i}\n" + ("data %d\n" % i) * 5000}]}]
+        msgs += [{"role": "assistant", "content": [{"type": "text", "text": "ok"}]}, {"role": "user", "content": "go on"}]
+        return json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": msgs}).encode()
+
+    engine.process(body(19), lane, H, render=True)
+    usage(engine, "lanes", 192_000)  # 96% of 200K
+    sent = [engine.process(body(19), lane, H, render=True).body for _ in range(3)]
+    cut = sent[0].count(b"were cut by bili")
+    assert 0 < cut < 19 and sent[1] == sent[0] == sent[2]
+    usage(engine, "lanes", 192_500)  # the answer to the cut request: still past 95%
+    assert engine.process(body(19), lane, H, render=True).body.count(b"were cut by bili") > cut
+
+
 def test_the_newest_batch_of_results_is_never_cut(engine):
     """Chat: each result an item of its own, the recent zone 4 parts: the model's newest answer made
     five calls, and the first results of that batch (not read by the model yet) were cut."""

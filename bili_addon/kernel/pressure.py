@@ -67,8 +67,14 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
     blocks = s.blocks
     cov = fold.coverage(blocks) if blocks else {}  # (read by the reminder and the truncations too)
     known = s.flags.get("truncated", {})
+    # the cuts made since the last report (an SDK's retry, an overflow's: no answer came between): the
+    # report still counts those outputs whole
+    since = s.flags.get("truncated_on") or {}
     if last:
         used = last[0]
+        if since.get("report") == list(last):
+            pos = view.pos
+            used -= sum(t for ref, t in since.get("saved", {}).items() if ref in pos and ref not in cov)
     else:
         if not blocks:  # nothing folded: every part counts
             used = view.sums().tokens[-1]
@@ -109,7 +115,14 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
                 host.sessions.set_flags(s.row.id, {"nudges": nudges, "last_nudge_at": used})  # one write
     cut = nudge.truncations(view, blocks, host.fold_cfg, cfg, used, window, cov, known)
     if cut:
-        host.set_flag(s.row.id, "truncated", {**cut, **known})
+        flags_now: dict = {"truncated": {**cut, **known}}
+        if last:
+            tokens = {p.ref: p.tokens for it in view.items for p in it.parts if p.ref in cut}
+            saved = {ref: tokens[ref] - len(text) // 4 for ref, text in cut.items() if ref in tokens}
+            if since.get("report") == list(last):
+                saved = {**since.get("saved", {}), **saved}
+            flags_now["truncated_on"] = {"report": list(last), "saved": saved}
+        host.sessions.set_flags(s.row.id, flags_now)  # (one write)
 
 
 def _given(newest: list[Resolved], nudges: dict) -> bool:
