@@ -527,3 +527,40 @@ def test_a_codex_compaction_that_keeps_hundreds_of_user_turns_is_seen(backend):
     after = [C.Turn(1000, "Turn 1000: carry on.", "Reply Turn 1000: carrying on.", tool=True)]
     res, out = agent.send(X.codex(ts, after))
     assert res.epoch == 2 and SECTION + b"b1" not in out
+
+
+def test_a_fork_after_a_compaction_renders_the_shared_history_as_its_parent(backend):
+    """pi's compaction summary is the new history's first user turn, foldable as any old prose (the
+    epoch says so); the model folded from it on.  A fork made then inherited the fold but not the epoch:
+    the summary was its protected first user turn, on the wire beside the fold's summary, and the
+    fork's first request differed from its parent's rendering of the same history at its first item."""
+    engine = make_engine(backend)
+    lane = LANES["chat"]
+
+    def send(conv, sid):
+        raw = C.body("chat", conv)
+        res = engine.process(raw, lane, {"x-acp-session": sid}, render=True)
+        out = res.body if res.body is not None else raw
+        engine.store.record_usage(sid, "chat", (len(out) // 4, 0, 0, 10))
+        return res, json.loads(out)
+
+    ts = C.turns(14)
+    send(C.chat(ts, C.Scheme()), "parent")
+    ts.append(C.Turn(14, "Turn 14: next.", "Reply Turn 14.", tool=False))
+    send(C.chat(ts, C.Scheme()), "parent")
+    after = C.turns(24)[14:20]
+    res, out = send(X.pi(after), "parent")  # pi compacts: its summary heads the new history
+    assert res.epoch == 2
+    refs = C.refs_by_text(json.dumps(out).encode())
+    args = {"content": [{"startId": next(r for t, r in refs.items() if t.startswith("The conversati")),
+                         "endId": refs["Reply Turn 17: "[:14]],
+                         "summary": "Modules up to 17 reviewed: all values noted, nothing open, no changes needed."}]}
+    engine.record_calls("parent", [("c1", "compress", json.dumps(args))])
+    conv = X.pi(after, extra=C.proxy_call("chat", "c1", "compress", args))
+    res, parent = send(conv, "parent")
+    assert res.executed == ["compress"] and "was compacted into the following" not in json.dumps(parent)
+    res, fork = send(conv + [{"role": "assistant", "content": "Forking here."},
+                             {"role": "user", "content": "continue in the fork"}], "fork")
+    assert any("a fork of parent" in n for n in res.notes)
+    assert fork["messages"][:len(parent["messages"])] == parent["messages"]
+    assert engine.sessions["fork"].flags["epochs"][-1]["marker"] == engine.sessions["parent"].flags["epochs"][-1]["marker"]

@@ -369,6 +369,12 @@ class Lineage:
             kept = {ref: v for ref, v in (pflags.get(k) or {}).items() if ref in refs}
             if kept:
                 flags[k] = kept
+        # the agent's compactions whose summary the shared history holds: the child's history is of that
+        # epoch too (its summary foldable as the parent's is: kernel/compaction.py); every answer the
+        # child has is of it (its usage counts from none)
+        eps = [{**e, "usage_turns": 0} for e in pflags.get("epochs") or () if e.get("marker") in refs]
+        if eps:
+            flags["epochs"] = eps
         family = self.store.family(best)
         root = family[0] if family is not None else best
         next_ref = max(s.row.next_ref, parent.next_ref if parent is not None else 1, self.store.family_next_ref(root))
