@@ -78,6 +78,22 @@ def test_no_free_slot_no_breakpoints_or_lifetimes_nothing_added(engine):  # noqa
     assert json.loads(got[0])["content"][0]["cache_control"] == EPH and got[1] == items[1]
 
 
+def test_the_head_breakpoint_is_on_bilis_summary_never_on_a_message_quoting_it():
+    """The model's thinking quoting a summary's header (an answer interrupted while it thought: a message
+    of a thinking block alone), a tool's output grepping a log: the mark went on the last such message,
+    a thinking block (Anthropic refuses the body) or a later message than the folded head."""
+    summary = b'{"role":"user","content":[{"type":"text","text":"[Compressed conversation section b1 \\u00b7 x]\\nsum"}]}'
+    items = [summary,
+             b'{"role":"assistant","content":[{"type":"text","text":"On."},{"type":"tool_use","id":"t1","name":"Bash","input":{}}]}',
+             b'{"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"log: [Compressed conversation section b9"}]}',
+             b'{"role":"assistant","content":[{"type":"thinking","thinking":"The [Compressed conversation section b1 says","signature":"s"}]}',
+             b'{"role":"user","content":[{"type":"text","text":"continue"}]}']
+    got = list(items)
+    assert breakpoints.mark_head("anthropic", got, 0, b'"cache_control"')
+    assert [i for i, it in enumerate(got) if b"cache_control" in it] == [0]
+    assert json.loads(got[0])["content"][0]["cache_control"] == EPH and got[1:] == items[1:]
+
+
 def test_the_head_entry_is_read_by_the_next_fold():
     """Hand-worked: without the head breakpoint a fold after the head writes the head again."""
     r = anthropic_rules("claude-sonnet-4-5")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import msgspec
+
 import pytest
 
 from bili_addon.kernel import cache, lifetime
@@ -122,6 +124,21 @@ def test_upgrade_head_one_hour_up_to_the_summary_five_minutes_after():
     assert lifetime.upgrade_head(out) is None  # asks for lifetimes already
     assert lifetime.apply(body, "head") == out and lifetime.apply(body, "5m") is None
     assert _ttls(lifetime.apply(body, "1h")) == ["1h"] * 4
+
+
+def test_the_head_ends_at_bilis_summary_not_at_a_later_message_quoting_it():
+    """A later message the agent marked that quotes the summary's header (a tool's output of a log, the
+    model's own words) was taken for the head's end: its breakpoint, and every one before it, got an hour."""
+    doc = json.loads(_folded_body(agent_bps=(4,)))
+    doc["messages"][4]["content"] = [{"type": "tool_result", "tool_use_id": "t", "cache_control": EPH,
+                                      "content": "grep: [Compressed conversation section b1 · read 1-4]"}]
+    body = _compact(doc)
+    out = lifetime.upgrade_head(body)
+    assert _ttls(out) == ["1h", "1h", "1h", "5m", "5m"]
+    top = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    items = [bytes(i) for i in msgspec.json.decode(top["messages"], type=list[msgspec.Raw])]
+    assert lifetime.apply_parts(top, "messages", items) == (True, True)
+    assert [b"1h" in i for i in items] == [False, False, True, False, False, False, False]
 
 
 def test_upgrade_head_keeps_the_ordering_rule_whatever_the_agent_marked():

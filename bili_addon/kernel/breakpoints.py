@@ -19,6 +19,8 @@ from bili_addon.wire.base import Body, patch
 
 MAX_BREAKPOINTS = 4
 SUMMARY_MARK = b"[Compressed conversation section "
+_SUMMARY_TEXT = SUMMARY_MARK.decode()
+MARKABLE = frozenset({"text", "tool_result", "image", "document"})  # the blocks a breakpoint may be put on
 CACHE_CONTROL = {"type": "ephemeral"}
 _CC, _TTL = b'"cache_control"', b'"ttl"'
 
@@ -67,6 +69,15 @@ def mark_head(lane: str, items: list[bytes], start: int, raw: bytes, counts: tup
             return False
         content = obj.get("content") if isinstance(obj, dict) else None
         if not isinstance(content, list) or not content or not isinstance(content[-1], dict):
+            return False
+        # bili's summary: a user turn's text block of its own that opens with the header (the model's
+        # thinking or prose quoting it, a tool's output of a log, are not: the mark would go on a block
+        # that takes none, a thinking block, or on a later message than the folded head)
+        if obj.get("role") != "user" or not any(
+                isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
+                and b["text"].startswith(_SUMMARY_TEXT) for b in content):
+            continue
+        if content[-1].get("type") not in MARKABLE:
             return False
         if any(isinstance(b, dict) and "cache_control" in b for b in content):
             return False  # the agent's own already

@@ -31,6 +31,9 @@ from dataclasses import dataclass
 import msgspec
 
 from bili_addon.kernel.breakpoints import SUMMARY_MARK
+
+# bili's summary as the engine writes it: a text block that opens with the header (not a message quoting it)
+_SUMMARY_BLOCK = b'"text":"' + SUMMARY_MARK
 from bili_addon.kernel.cache import Rules, anthropic_rules, anthropic_segments
 
 FLAG = "ttl"  # the session flag: Choice.to_flag()
@@ -180,7 +183,7 @@ def upgrade_head(body: bytes) -> bytes | None:
         if msgs is not None and bytes(msgs)[:1] == b"[" and SUMMARY_MARK in bytes(msgs) and not stop:
             items = [bytes(i) for i in _list.decode(msgs)]
             last = next((i for i in range(len(items) - 2, -1, -1)
-                         if SUMMARY_MARK in items[i] and _CC in items[i]), None)
+                         if _SUMMARY_BLOCK in items[i] and _CC in items[i]), None)
             k = 0
             for i in range(last + 1 if last is not None else 0):
                 if _CC in items[i]:
@@ -218,7 +221,7 @@ def _facts(item: bytes) -> int:
     hit = _seen.get(id(item))
     if hit is not None and hit[0] is item:
         return hit[1]
-    f = (_TTL if b'"ttl"' in item else 0) | (_MARK if SUMMARY_MARK in item else 0) | (_HAS_CC if _CC in item else 0)
+    f = (_TTL if b'"ttl"' in item else 0) | (_MARK if _SUMMARY_BLOCK in item else 0) | (_HAS_CC if _CC in item else 0)
     if _seen_bytes > _SEEN_MAX:
         _seen.clear()
         _seen_bytes = 0
