@@ -852,6 +852,17 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
                 override or list(hosts.hosts), upstream, upstream_note, data_dir)
 
 
+def reuse_ignores(args: argparse.Namespace, health: Mapping) -> list[str]:
+    """The options asked of this launch that a proxy it re-uses (``health``: its answer) does not take."""
+    out = []
+    if args.bili_mode and args.bili_mode != health.get("mode"):
+        out.append(f"--bili-mode {args.bili_mode} (it runs in {health.get('mode')})")
+    for flag, given in (("--first-party", args.first_party), ("--set", args.set), ("-s", args.script)):
+        if given:
+            out.append(flag)
+    return out
+
+
 def port_in_use(host: str, port: int) -> bool:
     """Something listens on ``host:port`` (bound the way mitmproxy binds: SO_REUSEADDR)."""
     import errno
@@ -1017,6 +1028,10 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
         else:
             _say(f"re-using the bili proxy on {plan.proxy_url} (version {proxy.health.get('version')}, "
                  f"mode {proxy.health.get('mode')})", args.quiet)
+            ignored = reuse_ignores(args, proxy.health)
+            if ignored:  # (past -q: the agent runs under options other than the ones asked for)
+                _say(f"warning: the running proxy keeps its own options; {', '.join(ignored)} apply only to a proxy "
+                     f"this launch starts (stop the one on port {args.port}, or choose another --port)")
             got = request_intercept(args.port, plan.hosts.hosts, token=proxy.token)
             if isinstance(got, dict):
                 if got.get("added"):

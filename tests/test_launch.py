@@ -583,8 +583,13 @@ def test_a_proxy_started_by_bili_run_is_reused_and_left_running(lab):
     wait_for(lambda: launch.probe(port).kind == "bili", 30, "bili run")
     rc, _, err = finish(lab.launch("claude", port, "r"))
     assert rc == 0, err
-    assert "re-using the bili proxy" in err and "stopped the proxy" not in err
+    assert "re-using the bili proxy" in err and "stopped the proxy" not in err and "keeps its own options" not in err
     assert run.poll() is None and launch.probe(port).kind == "bili"
+    # options this launch cannot give the running proxy are said, even with -q (a passthrough asked for)
+    rc, _, err = finish(lab.launch("claude", port, "q", launcher=("-q", "--bili-mode", "passthrough",
+                                                                  "--set", "flow_detail=0")))
+    assert rc == 0 and "re-using" not in err
+    assert "keeps its own options; --bili-mode passthrough (it runs in fold), --set apply only" in err
     rec = lab.record("r")
     assert rec["health"]["ok"] is True
     # where the agent's `bili mcp` finds the proxy's admin token
