@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import shutil
 import stat
 import subprocess
 import sys
@@ -83,6 +84,27 @@ def test_bootstrap_honours_bili_python(tmp_path):
     r = subprocess.run([str(BOOTSTRAP), "--print-python"], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 1
     assert "BILI_PYTHON" in r.stderr
+
+
+def test_bootstrap_locks_in_its_checkout_never_in_a_shared_directory(tmp_path):
+    """Its lock had a predictable name in $TMPDIR (/tmp), opened for writing: another user could plant a
+    link there to a file of yours (truncated), or a file you cannot open (every first install failed)."""
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(BOOTSTRAP, root / "scripts" / "bootstrap")
+    shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    checksum = subprocess.run(["sh", "-c", "printf '%s' \"$1\" | cksum | cut -d' ' -f1", "_", str(root.resolve())],
+                              capture_output=True, text=True).stdout.strip()
+    (shared / f"bili-bootstrap-{os.getuid()}-{checksum}.lock").symlink_to(victim)  # (where it was)
+    env = _clean_env(TMPDIR=str(shared), BILI_PYTHON="/bin/false")  # (stops right after the lock)
+    r = subprocess.run([str(root / "scripts" / "bootstrap"), "-q"], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 1 and "BILI_PYTHON" in r.stderr
+    assert victim.read_text() == "precious" and (root / ".bootstrap.lock").is_file()
 
 
 _SYSTEM_GLOBS = ("/usr/bin/python3.1[2-9]", "/usr/local/bin/python3.1[2-9]", "/opt/homebrew/bin/python3.1[2-9]",
