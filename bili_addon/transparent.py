@@ -38,6 +38,7 @@ import re
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -737,6 +738,7 @@ def child(mechanism: str | None, mode: str, health: Mapping, redirect: Sequence[
     tport = int(mode.rsplit(":", 1)[1])
     ns = Namespace(redirect, tport, proxy_port, state=state, say=say)
     ns.open()
+    copies = None
     try:
         assert ns.net is not None and ns.redirect is not None
         for note in ns.notes:
@@ -751,6 +753,42 @@ def child(mechanism: str | None, mode: str, health: Mapping, redirect: Sequence[
             with contextlib.suppress(KeyError, ValueError):
                 user = pwd.getpwuid(int(env["SUDO_UID"]))
                 child_env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+            try:
+                copies = readable_cas(child_env, int(env["SUDO_UID"]), int(env["SUDO_GID"]))
+            except (KeyError, ValueError, OSError) as e:
+                say(f"warning: the CA files could not be made readable for the user behind sudo ({e})")
         yield prefix + argv, child_env
     finally:
         ns.close()
+        if copies is not None:
+            shutil.rmtree(copies, ignore_errors=True)
+
+
+CA_VARS = ("NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")
+
+
+def readable_cas(env: dict[str, str], uid: int, gid: int) -> str | None:
+    """The CA files ``env`` names, copied where the user ``uid`` (the one behind sudo, whom the program
+    runs as) can read them, ``env`` pointed at the copies: under sudo the proxy's CA lives in root's
+    0700 data directory, and the program could read none of them (every TLS connection failed).
+    Returns the copies' directory (to remove after the program), or None when there were none."""
+    names = [v for v in CA_VARS if env.get(v) and os.path.isfile(env[v])]
+    if not names:
+        return None
+    folder = tempfile.mkdtemp(prefix="bili-ca-")
+    try:
+        os.chown(folder, uid, gid)
+        done: dict[str, str] = {}
+        for var in names:
+            src = env[var]
+            if src not in done:
+                dst = os.path.join(folder, f"{len(done)}-{os.path.basename(src)}")
+                shutil.copyfile(src, dst)
+                os.chown(dst, uid, gid)
+                os.chmod(dst, 0o644)
+                done[src] = dst
+            env[var] = done[src]
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder

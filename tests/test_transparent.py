@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from mitmproxy.test import tflow, tutils
@@ -525,3 +527,29 @@ def test_the_default_transparent_port_is_one_that_can_be_had(capsys, monkeypatch
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_ca_files_are_copied_where_the_user_behind_sudo_reads_them(tmp_path):
+    """``sudo bili <agent> --transparent``: the program runs as the user behind sudo, its CA variables named
+    files in root's 0700 data directory, which it could not read (every TLS connection failed)."""
+    import pwd
+
+    private = tmp_path / "root-data"
+    private.mkdir(mode=0o700)
+    cert, bundle = private / "ca.pem", private / "combined.pem"
+    cert.write_text("CERT")
+    bundle.write_text("BUNDLE")
+    user = pwd.getpwnam("nobody") if os.geteuid() == 0 else pwd.getpwuid(os.getuid())
+    env = {"NODE_EXTRA_CA_CERTS": str(cert), "SSL_CERT_FILE": str(bundle), "REQUESTS_CA_BUNDLE": str(bundle),
+           "KEEP": "1"}
+    folder = transparent.readable_cas(env, user.pw_uid, user.pw_gid)
+    try:
+        assert env["KEEP"] == "1" and env["SSL_CERT_FILE"] == env["REQUESTS_CA_BUNDLE"] != str(bundle)
+        for var, text in (("NODE_EXTRA_CA_CERTS", "CERT"), ("SSL_CERT_FILE", "BUNDLE")):
+            copy = Path(env[var])
+            assert copy.parent == Path(folder) and copy.read_text() == text
+            assert copy.stat().st_uid == user.pw_uid and copy.stat().st_mode & 0o777 == 0o644
+        assert Path(folder).stat().st_uid == user.pw_uid
+    finally:
+        shutil.rmtree(folder)
+    assert transparent.readable_cas({"KEEP": "1"}, user.pw_uid, user.pw_gid) is None
