@@ -817,7 +817,8 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
     ca = ensure_ca(args.confdir)
     mechanism = getattr(args, "transparent", None)
     override = [transparent.parse_dest(d) for d in getattr(args, "redirect", None) or []]
-    hosts = intercept_plan(agent, env, cwd, [*(args.intercept_host or []), *(f"{h}:{p}" for h, p in override)])
+    hosts = intercept_plan(agent, env, agent_project(agent, getattr(args, "extra", None) or [], cwd),
+                           [*(args.intercept_host or []), *(f"{h}:{p}" for h, p in override)])
     allow = allow_hosts_regex(hosts.hosts)
     upstream, upstream_note = user_upstream(env, args.port)
     if upstream and mechanism:
@@ -850,6 +851,26 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
     return Plan(agent, binary, [binary or agent.binary, *args.extra], hosts, allow, proxy_url,
                 agent_env(agent, env, proxy_url, ca, data_dir), command, ca, mechanism, tmode,
                 override or list(hosts.hosts), upstream, upstream_note, data_dir)
+
+
+def agent_project(agent: Agent, argv: list[str], cwd: Path) -> Path:
+    """The directory the agent works in, whose configuration names its model hosts: codex's ``-C DIR``
+    (``--cd``), opencode's project argument (a directory), else ``cwd``."""
+    found = None
+    if agent.name == "codex":
+        for i, a in enumerate(argv):
+            if a in ("-C", "--cd") and i + 1 < len(argv):
+                found = argv[i + 1]
+            elif a.startswith("--cd="):
+                found = a[len("--cd="):]
+            elif a.startswith("-C") and len(a) > 2:
+                found = a[2:]
+    elif agent.name == "opencode":
+        found = next((a for a in argv if not a.startswith("-") and (cwd / a).is_dir()), None)
+    if not found:
+        return cwd
+    path = (cwd / Path(found).expanduser()).resolve()
+    return path if path.is_dir() else cwd
 
 
 def reuse_ignores(args: argparse.Namespace, health: Mapping) -> list[str]:

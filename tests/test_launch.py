@@ -228,6 +228,25 @@ def test_dry_run_prints_the_plan(home, tmp_path, capsys):
     assert f"-s {(home.project / 'extra.py').resolve()}" in out
 
 
+@pytest.mark.parametrize("agent,argv", [("opencode", ["{p}"]), ("codex", ["exec", "-C", "{p}", "hi"]),
+                                        ("codex", ["--cd={p}"]), ("codex", ["-C{p}"])])
+def test_the_project_the_agent_is_given_names_its_model_hosts(home, tmp_path, agent, argv):
+    """``bili opencode -- DIR``, ``bili codex -- -C DIR``: the agent works in DIR and reads its
+    configuration there; the launcher read its own directory's, and DIR's gateway went untouched."""
+    proj = tmp_path / "proj"
+    (proj / ".codex").mkdir(parents=True)
+    (proj / ".git").mkdir()
+    (proj / "opencode.json").write_text(json.dumps({"provider": {"corp": {
+        "npm": "@ai-sdk/openai-compatible", "options": {"baseURL": "https://llm-gw.corp.example/v1"}}}}))
+    (proj / ".codex" / "config.toml").write_text('[model_providers.corp]\nbase_url = "https://llm-gw.corp.example/v1"\n')
+    args = cli.build_parser().parse_args([agent, "--port", "9911", "--confdir", str(tmp_path / "ca")])
+    args.extra = [a.format(p=proj) for a in argv]
+    plan = launch.plan_launch(AGENTS[agent], args, env=home.env, cwd=home.home)
+    assert ("llm-gw.corp.example", 443) in plan.hosts.hosts
+    args.extra = []
+    assert ("llm-gw.corp.example", 443) not in launch.plan_launch(AGENTS[agent], args, env=home.env, cwd=home.home).hosts.hosts
+
+
 def test_the_data_directory_is_the_proxys_as_it_reads_its_options(home, tmp_path, monkeypatch):
     """``--set bili_data_dir=DIR`` is ``--data-dir DIR`` (README): the proxy took DIR and its token, the
     launcher and the agent's ``bili mcp`` the default directory's (a second launch then refused the proxy:
