@@ -185,6 +185,21 @@ def test_own_stale_tag_is_stripped_before_hashing_and_rendered_once(engine):
     assert (res.refs_new, res.refs_known) == (0, 1)
 
 
+def test_a_user_quoting_a_tag_of_the_words_that_follow_keeps_them_after_a_restart(backend):
+    """The user's message opens with a tag whose ref names the very words after it (pasted from a log of
+    bili's): when first seen, that ref was new in the same pass, so the text was taken as written; a
+    restarted proxy knew the ref and stripped the tag (the user's words changed, another ref given)."""
+    quoted = '<acp tokens="5" type="text">m00001</acp>\nStart.'
+    raw = body(user("Start."), assistant("ok"), user(quoted), assistant("done"), user("next"))
+    e = Engine(backend())
+    first = e.process(raw, ANTH, SID, render=True).body
+    assert quoted in sent(e.process(raw, ANTH, SID, render=True), raw)["messages"][2]["content"]
+    e.store.close()
+    again = Engine(backend())
+    assert again.process(raw, ANTH, SID, render=True).body == first
+    again.store.close()
+
+
 def test_foreign_tags_and_look_alikes_are_content(engine):
     engine.process(body(user("alpha"), assistant("beta"), user("gamma")), ANTH, SID, render=True)
     foreign = '<acp tokens="2" type="text">m00002</acp>\nalpha'  # m00002 is not alpha's ref

@@ -583,7 +583,9 @@ class Engine(ProxyTools, Epochs, Deferred):
             ref, rest = split
             stripped = msgspec.structs.replace(part.core, text=rest)
             base, chash = digest(stripped)
-            if s.owners.get(ref) == chash:
+            # (a text the ledger holds as it is was taken so when first seen, its ref unknown then: the
+            # words the user wrote, a tag among them; taken so again, whatever this process knows since)
+            if s.owners.get(ref) == chash and (part.base, part.chash) not in s.refs:
                 return stripped, base, chash, True
         return part.core, part.base, part.chash, part.dirty
 
