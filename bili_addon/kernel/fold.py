@@ -582,6 +582,7 @@ def _plan_again(view: View, cov: dict[str, Block], hidden: frozenset[str], first
     if m and items[m - 1].reasoning_only:
         return None  # a reasoning run shares the fate of the item after it
     ids = memo.ids
+    counted = any(k.startswith("\0") for k in ids)  # (calls without ids that could leave: paired by their order)
     for it in (*memo.of[m:], *items[m:]):  # the items after the shared ones, in either view
         parts = it.parts
         if not parts:
@@ -592,7 +593,7 @@ def _plan_again(view: View, cov: dict[str, Block], hidden: frozenset[str], first
             if r not in cov and r not in hidden:
                 whole = False
             cid = p.tool_call_id
-            if cid and cid in ids and (p.ctype == TOOL_CALL or p.ctype == TOOL_RESULT):
+            if (p.ctype == TOOL_CALL or p.ctype == TOOL_RESULT) and (counted or (cid and cid in ids)):
                 return None  # it pairs with an item that could leave
         if whole:
             return None  # it could leave itself
@@ -606,6 +607,7 @@ def _plan(items: list[ViewItem], cov: dict[str, Block], hidden: frozenset[str], 
     tool-call ids and the last of the items that could leave, and the covered items kept because
     they are protected (:func:`plan`)."""
     n = len(items)
+    keys = pair_keys(items)  # (calls without ids: what pairs them with their results)
     # one pass over the items: those every part of which is covered (or hidden), the tool-call ids
     # of the items holding any, and the runs of reasoning-only items (each shares the fate of the
     # turn it precedes: the run and the item after it form a group)
@@ -630,7 +632,7 @@ def _plan(items: list[ViewItem], cov: dict[str, Block], hidden: frozenset[str], 
             ct = p.ctype
             if ct != REASONING:
                 reasoning = False
-                if p.tool_call_id and (ct == TOOL_CALL or ct == TOOL_RESULT):
+                if (ct == TOOL_CALL or ct == TOOL_RESULT) and (p.tool_call_id or keys is not None):
                     tool = True
         if whole:
             drop.add(k)
@@ -652,8 +654,7 @@ def _plan(items: list[ViewItem], cov: dict[str, Block], hidden: frozenset[str], 
             drop.discard(k)
             kept.add(k)
     last = max(drop, default=-1)
-    ids = frozenset(p.tool_call_id for k in drop.intersection(tooled) for p in items[k].parts
-                    if p.tool_call_id and (p.ctype == TOOL_CALL or p.ctype == TOOL_RESULT))
+    ids = frozenset(key for k in drop.intersection(tooled) for key in _tool_keys(items, k, keys))
     # never leave a tool call without its result (or the reverse), nor reasoning without its turn
     changed = bool(drop)
     while changed:
@@ -662,8 +663,8 @@ def _plan(items: list[ViewItem], cov: dict[str, Block], hidden: frozenset[str], 
         kept_results: set[str] = set()
         for k in tooled:
             if k not in drop:
-                for p in items[k].parts:
-                    cid = p.tool_call_id
+                for j, p in enumerate(items[k].parts):
+                    cid = (keys.get((k, j)) if keys is not None else None) or p.tool_call_id
                     if cid:
                         ct = p.ctype
                         if ct == TOOL_CALL:
@@ -672,8 +673,8 @@ def _plan(items: list[ViewItem], cov: dict[str, Block], hidden: frozenset[str], 
                             kept_results.add(cid)
         if kept_calls or kept_results:
             for k in sorted(drop.intersection(tooled)):
-                for p in items[k].parts:
-                    cid = p.tool_call_id
+                for j, p in enumerate(items[k].parts):
+                    cid = (keys.get((k, j)) if keys is not None else None) or p.tool_call_id
                     if cid and ((p.ctype == TOOL_CALL and cid in kept_results)
                                 or (p.ctype == TOOL_RESULT and cid in kept_calls)):
                         drop.discard(k)
@@ -914,6 +915,60 @@ def _resolve(r: Range, view: View, by_id: dict[str, Block]) -> tuple[int, int, b
     return s, e, block_bounded
 
 
+def pair_keys(items: list[ViewItem]) -> dict[tuple[int, int], str] | None:
+    """What pairs tool calls and results the ids do not (Gemini's: calls without an id, results without
+    one or with one the agent made up, as gemini-cli does): ``(item, part)`` -> the key of the call it
+    is or answers (its id, or a key of its own for a call without one): a result whose id names no call
+    of the request answers the oldest call of its tool not answered yet, as the call edits pair them.
+    None when every call and result has an id (the ids pair them)."""
+    call_ids: set[str] = set()
+    result_ids: set[str] = set()
+    idless = False
+    for it in items:
+        for p in it.parts:
+            if p.ctype == TOOL_CALL:
+                if p.tool_call_id:
+                    call_ids.add(p.tool_call_id)
+                elif p.tool_name:
+                    idless = True
+            elif p.ctype == TOOL_RESULT:
+                result_ids.add(p.tool_call_id)
+    if not idless and "" not in result_ids:
+        return None  # (every call and result has an id: a result naming no call is one the host left alone)
+    out: dict[tuple[int, int], str] = {}
+    waiting: dict[str, list[str]] = {}  # per tool, its calls not answered yet, in order
+    n = 0
+    for k, it in enumerate(items):
+        for j, p in enumerate(it.parts):
+            if p.ctype == TOOL_CALL and p.tool_name:
+                key = p.tool_call_id
+                if not key:
+                    key = out[(k, j)] = f"\0call {n}"
+                    n += 1
+                waiting.setdefault(p.tool_name, []).append(key)
+            elif p.ctype == TOOL_RESULT:
+                if p.tool_call_id in call_ids:
+                    queue = waiting.get(p.tool_name)
+                    if queue and p.tool_call_id in queue:
+                        queue.remove(p.tool_call_id)
+                elif waiting.get(p.tool_name):
+                    out[(k, j)] = waiting[p.tool_name].pop(0)
+    return out
+
+
+def _tool_keys(items: list[ViewItem], k: int, keys: dict[tuple[int, int], str] | None) -> set[str]:
+    """The keys that pair item ``k``'s calls and results (their ids, or :func:`pair_keys`')."""
+    if keys is None:
+        return items[k].calls | items[k].results
+    out = set()
+    for j, p in enumerate(items[k].parts):
+        if p.ctype == TOOL_CALL or p.ctype == TOOL_RESULT:
+            key = keys.get((k, j)) or p.tool_call_id
+            if key:
+                out.add(key)
+    return out
+
+
 def _tool_work(item: ViewItem) -> bool:
     return bool(item.parts) and all(p.ctype in (TOOL_CALL, TOOL_RESULT) for p in item.parts)
 
@@ -923,16 +978,17 @@ def _pair_closure(view: View, s: int, e: int, scan: int) -> tuple[int, int]:
     a range ending on a step's prose takes that step's tool work along (lanes where calls are
     items of their own, like Responses, would otherwise cut a step in two)."""
     items = view.items
+    keys = pair_keys(items)
     for _ in range(3):
         before = (s, e)
         while e + 1 < len(items) and _tool_work(items[e + 1]):
             e += 1
-        ids = set().union(*(items[k].calls | items[k].results for k in range(s, e + 1)))
+        ids = set().union(*(_tool_keys(items, k, keys) for k in range(s, e + 1)))
         for k in range(e + 1, min(len(items), e + 1 + scan)):
-            if (items[k].calls | items[k].results) & ids:
+            if _tool_keys(items, k, keys) & ids:
                 e = k
         for k in range(s - 1, max(-1, s - 1 - scan), -1):
-            if (items[k].calls | items[k].results) & ids:
+            if _tool_keys(items, k, keys) & ids:
                 s = k
         while s > 0 and items[s - 1].reasoning_only:
             s -= 1

@@ -336,23 +336,24 @@ class ProxyTools:
             return set()
         keys = set(spent)
         out: set[str] = set()
-        idless: dict[str, list[str]] = {}  # per tool, its id-less calls not answered yet (Gemini), in order
-        for it in view.items:
-            for p in it.parts:
+        # a result leaves with the call it answers, never stays behind alone: the call of its id, or (no id,
+        # or one the agent made up: gemini-cli's) the oldest call of its tool not answered yet, as the fold's
+        # plan pairs them (fold.pair_keys)
+        paired = fold.pair_keys(view.items)
+        recorded: dict[str, str] = {}  # a call's pairing key -> its key among the session's calls
+        for k, it in enumerate(view.items):
+            for j, p in enumerate(it.parts):
+                if p.ctype != TOOL_CALL and p.ctype != TOOL_RESULT:
+                    continue
+                pk = (paired.get((k, j)) if paired is not None else None) or p.tool_call_id
                 if p.ctype == TOOL_CALL:
                     key = call_key(p.tool_call_id, p.tool_name, p.text)
-                    if not p.tool_call_id and key:
-                        idless.setdefault(p.tool_name, []).append(key)
+                    if pk:
+                        recorded[pk] = key
                     if key in keys:
                         out.add(p.ref)
-                elif p.ctype == TOOL_RESULT:
-                    # a result answers the call of its id, or the oldest unanswered id-less call of its
-                    # tool (as call_edits pairs them): it leaves with that call, never stays behind alone
-                    if p.tool_call_id:
-                        if p.tool_call_id in keys:
-                            out.add(p.ref)
-                    elif idless.get(p.tool_name) and idless[p.tool_name].pop(0) in keys:
-                        out.add(p.ref)
+                elif pk and recorded.get(pk, pk) in keys:
+                    out.add(p.ref)
         return out
 
 
