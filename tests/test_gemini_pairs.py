@@ -117,3 +117,35 @@ def test_a_spent_compress_call_leaves_with_its_response(tmp_path, prose, ids):
     calls = sum(p.get("functionCall", {}).get("name") == "compress" for x in out for p in x["parts"])
     resps = sum(p.get("functionResponse", {}).get("name") == "compress" for x in out for p in x["parts"])
     assert calls == resps and calls < 4 + prose * 2
+
+
+def test_an_agent_that_writes_snake_case_gets_one_system_instruction_and_its_results(tmp_path):
+    """The REST API takes both spellings (Google's own examples write ``system_instruction``): bili's prompt
+    went into a second member of the other spelling (one field twice: refused), and the edits looked for
+    ``functionCall``/``functionResponse`` only, so the model was told its compress call failed while its
+    range had left the wire."""
+    eng = Engine(Store(tmp_path / "d"), fold_cfg=FoldConfig(min_compress_chars=2000))
+    c = [{"role": "user", "parts": [{"text": "audit"}]}]
+    for t in range(12):
+        c += [{"role": "model", "parts": [{"text": f"Step {t}."}, {"function_call": {"name": "sh", "args": {"t": t}}}]},
+              {"role": "user", "parts": [{"function_response": {"name": "sh", "response": {"output": f"file-{t} {ROW}"}}}]}]
+
+    def snake(contents) -> bytes:
+        return json.dumps({"contents": contents, "system_instruction": {"parts": [{"text": "agent"}]},
+                           "tools": [{"function_declarations": [{"name": "sh"}]}]}).encode()
+
+    out = eng.process(snake(c), LANE, H, render=True).body
+    doc = json.loads(out)
+    assert "systemInstruction" not in doc and doc["system_instruction"]["parts"][0] == {"text": "agent"}
+    assert len(doc["system_instruction"]["parts"]) == 2  # (bili's prompt after the agent's)
+    refs = refs_of(out)
+    args = {"content": [{"startId": refs["Step 1."], "endId": refs["Step 5."],
+                         "summary": "Steps 1-5 read files; nothing to change, the parser is in src/parse.py."}]}
+    answer(eng, [{"functionCall": {"name": "compress", "args": args}}])
+    c += [{"role": "model", "parts": [{"function_call": {"name": "compress", "args": args}}]},
+          {"role": "user", "parts": [{"function_response": {"name": "compress",
+                                                            "response": {"error": "Tool compress not found"}}}]}]
+    res = eng.process(snake(c), LANE, H, render=True)
+    assert res.executed == ["compress"]
+    last = json.loads(res.body)["contents"][-1]["parts"][0]["function_response"]["response"]
+    assert last["content"].startswith("Compressed ")

@@ -94,7 +94,8 @@ class GeminiLane(LaneDefaults):
         if not names:
             return False
         changed = memo_tools(_TOOLS, body, tools, names, lambda: GeminiLane._inject_tools(body, tools, names))
-        return memo_prompt(_PROMPT, body, items, start, prompt, (body.top.get("systemInstruction"),),
+        return memo_prompt(_PROMPT, body, items, start, prompt, (body.top.get("systemInstruction"),
+                                                                    body.top.get("system_instruction")),
                            lambda: GeminiLane._inject_prompt(body, prompt)) or changed
 
     @staticmethod
@@ -105,12 +106,15 @@ class GeminiLane(LaneDefaults):
 
     @staticmethod
     def _inject_prompt(body: Body, prompt: str) -> bool:
-        system = body.get("systemInstruction")
+        # (the member as the agent spells it: both spellings are one field, and a body with both is refused)
+        key = "system_instruction" if "systemInstruction" not in body.top and "system_instruction" in body.top \
+            else "systemInstruction"
+        system = body.get(key)
         if not isinstance(system, dict):
             system = {"parts": []}
         parts = system.get("parts") if isinstance(system.get("parts"), list) else []
         system["parts"] = [*parts, {"text": prompt}]
-        body.set("systemInstruction", system)
+        body.set(key, system)
         return True
 
     @staticmethod
@@ -120,14 +124,15 @@ class GeminiLane(LaneDefaults):
         edits: list = []
         n = -1
         for j, part in enumerate(_parts(obj)):
-            fr = part.get("functionResponse")
+            key = "functionResponse" if "functionResponse" in part else "function_response"
+            fr = part.get(key)
             if isinstance(fr, dict) and _response_key(fr) == call_id:
                 n += 1
                 if nth is not None and n != nth:
                     continue
                 want = {"content": text}
                 if fr.get("response") != want:
-                    edits.append((("parts", j, "functionResponse", "response"), want))
+                    edits.append((("parts", j, key, "response"), want))
         return edits
 
     @staticmethod
@@ -138,9 +143,10 @@ class GeminiLane(LaneDefaults):
             parsed = {}
         edits: list = []
         for j, part in enumerate(_parts(obj)):
-            fc = part.get("functionCall")
+            key = "functionCall" if "functionCall" in part else "function_call"
+            fc = part.get(key)
             if isinstance(fc, dict) and function_call_key(fc) == call_id and fc.get("args") != parsed:
-                edits.append((("parts", j, "functionCall", "args"), parsed))
+                edits.append((("parts", j, key, "args"), parsed))
         return edits
 
 
