@@ -231,6 +231,32 @@ def test_vouched_ids_win_over_content_churn_and_never_leave(backend):
     assert res.refs_new == 0
 
 
+def test_a_vouched_id_keeps_its_refs_only_while_its_words_are_the_same(backend):
+    """A vouched id pinned its refs on its message's shape alone: the words a user edited under it kept
+    the old ref (a folded message's edit never reached the model), an id a host re-used for another
+    message of the same shape gave two messages one ref, and a resync kept every such binding."""
+    engine = make_engine(backend)
+
+    def send(msgs, ids, resync=False):
+        raw = {"model": "gpt-x", "messages": msgs, "biliMsgIds": {"ids": ids, "resync": True} if resync else ids}
+        res = engine.process(json.dumps(raw).encode(), LANES["chat"], H, render=True)
+        assert res.status == 0, res.error
+        return [(C.TAG.match(m["content"]).group(1), C.TAG.sub("", m["content"], count=1))
+                for m in json.loads(res.body)["messages"] if C.TAG.match(m.get("content") or "")]
+
+    u1, a1, u2 = ({"role": "user", "content": "alpha question about parsing"},
+                  {"role": "assistant", "content": "beta answer"}, {"role": "user", "content": "ok go on"})
+    first = send([u1, a1, u2], ["a", "b", "c"])
+    assert send([u1, a1, u2], ["a2", "b", "c"]) == first  # (the host re-minted the first id: the same words)
+    later = send([u1, a1, u2, {"role": "assistant", "content": "done"},
+                  {"role": "user", "content": "zeta: a completely different request"}], ["a2", "b", "c", "d", "a"])
+    assert len({r for r, _ in later}) == len(later)  # "a" names other words now: another ref
+    edited = send([u1, a1, {"role": "user", "content": "ok go on, but use the v2 schema"}], ["a2", "b", "c"])
+    assert edited[:2] == first[:2] and edited[2][0] not in {r for r, _ in first}
+    again = send([u1, a1, u2], ["x", "y", "z"], resync=True)  # re-claimed: content identity, bound anew
+    assert again == first
+
+
 def test_a_live_id_re_used_for_another_message_is_refused_unless_resync(backend):
     engine = make_engine(backend)
     conv = C.BUILD["chat"](C.turns(2), C.Scheme())

@@ -15,6 +15,7 @@ records the ids of a turn's messages once their refs are committed (the session 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -22,8 +23,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import msgspec
 
+from bili_addon.kernel.reconcile import canonical_text
 from bili_addon.kernel.state import Entry, ItemInfo, Resolved, Session, TurnResult
-from bili_addon.wire.base import Body
+from bili_addon.wire.base import REASONING, Body
 
 if TYPE_CHECKING:
     from bili_addon.kernel.registry import Sessions
@@ -76,6 +78,20 @@ def shape_of(parts) -> str:
     return ",".join(f"{p.core.role}/{p.core.ctype}" for p in parts)
 
 
+def words_of(parts) -> list[str]:
+    """What an id's message must still say for the id to keep its refs: each part's words (its role,
+    kind, tool and canonical text: JSON key-sorted and compacted, prose whitespace-normalised; a
+    reasoning part's kind alone, providers re-mint what stands for it), not its call id, which hosts
+    re-mint, nor the bytes a host re-serialises."""
+    out = []
+    for p in parts:
+        c = p.core
+        text = "" if c.ctype == REASONING else canonical_text(c.text)
+        seed = "\0".join((c.role, c.ctype, c.tool_name, text, c.media or ""))
+        out.append(hashlib.sha256(seed.encode("utf-8", "surrogatepass")).hexdigest()[:16])
+    return out
+
+
 def pins(s: Session, body: Body, headers: Mapping[str, str], infos: list[ItemInfo], start: int,
          result: TurnResult) -> tuple[Envelope | None, dict[int, list[Entry]], bool]:
     """The host-vouched ids of this request, and the refs they pin (by conversation item)."""
@@ -90,16 +106,23 @@ def pins(s: Session, body: Body, headers: Mapping[str, str], infos: list[ItemInf
         return None, {}, stripped
     if env is None:
         return None, {}, stripped
+    if env.resync:  # the whole set re-claimed: every id bound anew to what it names now (bind)
+        return env, {}, stripped
     bound = s.flags.get("envelope", {})
     pinned: dict[int, list[Entry]] = {}
     for i in range(start, len(infos)):
         stored = bound.get(env.ids[i])
         if stored is None:
             continue
-        shape, refs = stored
-        if shape == shape_of(infos[i].parts) and len(refs) == len(infos[i].parts):
-            pinned[i - start] = [Entry(r, t) for r, t in refs]
-        elif not env.resync:
+        shape, refs = stored[0], stored[1]
+        parts = infos[i].parts
+        if shape == shape_of(parts) and len(refs) == len(parts):
+            # the id keeps its refs over the host's churn (its call ids re-minted, its JSON re-serialised)
+            # while its words are the ones bound: words changed under it (an edit, another message under a
+            # re-used id) are new content, which content identity refs, the id bound anew to it
+            if len(stored) > 2 and stored[2] == words_of(parts):
+                pinned[i - start] = [Entry(r, t) for r, t in refs]
+        else:
             result.status = 400
             result.error = (f"message id {env.ids[i]!r} is already bound to a different message; "
                             f"send resync: true to re-claim the whole set")
@@ -116,7 +139,8 @@ def bind(sessions: Sessions, s: Session, env: Envelope, infos: list[ItemInfo], s
         if k in pinned:
             continue
         cid = env.ids[start + k]
-        value = [shape_of(infos[start + k].parts), [[r.entry.ref, r.entry.tokens] for r in parts]]
+        value = [shape_of(infos[start + k].parts), [[r.entry.ref, r.entry.tokens] for r in parts],
+                 words_of(infos[start + k].parts)]
         if bound.get(cid) != value:
             bound[cid] = value
             changed = True
