@@ -53,6 +53,21 @@ def test_replayed_marker_lines_are_stripped(engine):
     assert "[bili]" not in out["messages"][1]["content"]
 
 
+def test_a_line_of_the_models_own_that_starts_like_bilis_is_its_prose(engine):
+    """Any leading "[bili] ..." line was taken for bili's marker and removed, in every session (one bili
+    never showed itself in too): the model quoting bili's log lost its words."""
+    said = "[bili] session=s1: stripped 2 tag echo(es) from the answer\nThat is the line from your log."
+    body = chat_body({"role": "user", "content": "what does this log line mean?"},
+                     {"role": "assistant", "content": said}, {"role": "user", "content": "ok"})
+    out = json.loads(engine.process(body, LANES["chat"], H, render=True).body)
+    assert out["messages"][1]["content"].endswith("</acp>\n" + said)
+    held = "[bili] compressed m00002–m00009 → b1, ~3K tokens saved (the range leaves when the prompt cache is cold)\nOk."
+    body = chat_body({"role": "user", "content": "hi"}, {"role": "assistant", "content": held},
+                     {"role": "user", "content": "ok"})
+    assert json.loads(engine.process(body, LANES["chat"], H, render=True).body)["messages"][1]["content"].endswith(
+        "</acp>\nOk.")
+
+
 def test_proxy_ids_are_removed_and_provider_ids_kept(engine):
     items = [
         {"type": "message", "role": "user", "content": "hi"},

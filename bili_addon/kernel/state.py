@@ -19,8 +19,10 @@ from bili_addon.stream.echo import strip_echoes
 from bili_addon.wire import Lane
 from bili_addon.wire.base import TEXT, Core, decode_any
 
-# the one-line visibility markers the addon may add to a response; stripped when replayed
-MARKER_LINE = re.compile(r"^\[bili\] [^\n]*(?:\n|$)")
+# the one-line visibility marker the addon may add to a response (kernel/tools.py: "[bili] compressed m00002–m00019,
+# ~1.5K tokens saved"); stripped when replayed: that line's shape only (the model's own "[bili] ..." line, a quote of
+# bili's log, is its prose)
+MARKER_LINE = re.compile(r"^\[bili\] compressed m\d{4,}[^\n]*→ b\d+[^\n]*(?:\n|$)")
 _MARKER = "[bili] "  # how every text MARKER_LINE matches begins
 
 
