@@ -730,7 +730,7 @@ def test_new_parts_hash_the_seed_digest_hashes():
 
     plain = [Core("user", TEXT, "héllo 😀", path=("content",)), Core("tool", TOOL_RESULT, "out", "", "t1"),
              Core("user", IMAGE, "[image]", media="url:http://x/y.png"),
-             Core("assistant", TEXT, "[bili] folded\nhi", path=("content", 0, "text"))]
+             Core("assistant", TEXT, "[bili] compressed m00002–m00009 → b1, ~3K tokens saved\nhi", path=("content", 0, "text"))]
     odd = Core("user", TEXT, "a\ud800b\udfff", path=("content",))
     for flat in (plain, plain + [odd], [odd] + plain, plain[:2] + [odd] + plain[2:]):
         parts = ItemCache._new_parts(list(flat))
