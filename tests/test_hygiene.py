@@ -107,6 +107,27 @@ def test_strict_chat_sessions_get_empty_reasoning_content(engine, learned, model
     assert out[1]["tool_calls"] == CALL["tool_calls"]
 
 
+def test_a_switch_to_a_strict_model_repairs_the_items_reused_from_before(engine):
+    """The repair by model name was decided per pass, but the items the previous pass rendered were reused
+    as they were: after a switch to a DeepSeek model the older tool-call messages went without
+    ``reasoning_content`` (the provider refuses them), and the same body gave other bytes after a restart."""
+    def call(i):
+        return [{"role": "assistant", "content": None, "tool_calls": [
+                    {"id": f"call_{i}", "type": "function", "function": {"name": "sh", "arguments": '{"c":"ls"}'}}]},
+                {"role": "tool", "tool_call_id": f"call_{i}", "content": f"out {i}"}]
+
+    def send(msgs, model):
+        res = engine.process(json.dumps({"model": model, "messages": msgs}).encode(), LANES["chat"], H, render=True)
+        return ["reasoning_content" in m for m in json.loads(res.body)["messages"] if m.get("tool_calls")]
+
+    msgs = [{"role": "user", "content": "list the files please"}, *call(1)]
+    assert send(msgs, "gpt-x") == [False]
+    msgs += call(2)
+    assert send(msgs, "deepseek-chat") == [True, True]
+    msgs += call(3)
+    assert send(msgs, "gpt-x") == [False, False, False]  # (and back)
+
+
 def test_strict_flag_survives_a_restart(tmp_path):
     e = Engine(Store(tmp_path), inject=False)
     e.session("hyg")

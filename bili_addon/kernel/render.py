@@ -55,8 +55,7 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
     items this pass decoded (None where it did not), consumed by their tags' patching."""
     last = len(infos) - 1
     nudges = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "suffix"}
-    model = top.get("model") if isinstance(top.get("model"), str) else ""
-    strict_chat = lane.name == "chat" and (s.flags.get("strict_reasoning") or hygiene.strict_by_name(origin, model))
+    strict_chat = strict_repair(s, lane.name, top, origin)
     call_edits = bool(s.calls or s.flags.get("truncated"))
     # (Responses: a replayed proxy id to drop; none in these items, they render as the other lanes' do)
     responses = lane.name == "responses" and lane.proxy_ids(
@@ -273,6 +272,15 @@ def snapshot_render(store: Store, s: Session, snap, lane: Lane, raws: list, item
     s.stored = store.save_transcript(s.row.id, j, tail, expect=s.stored)
     s.transcript = rows[:j] + tail
     return changed
+
+
+def strict_repair(s: Session, lane: str, top: dict, origin: str) -> bool:
+    """Whether this request's Chat items get the strict reasoning repair (the session learned its provider
+    wants it, or the provider and model say so by name)."""
+    if lane != "chat":
+        return False
+    model = top.get("model") if isinstance(top.get("model"), str) else ""
+    return bool(s.flags.get("strict_reasoning") or hygiene.strict_by_name(origin, model))
 
 
 def strict_inserts(s: Session, lane: str, infos: list[ItemInfo], top: dict, origin: str) -> dict:

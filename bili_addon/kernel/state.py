@@ -407,6 +407,7 @@ class Session:
     unfolded_tokens: int = 0  # the last request, had nothing been folded
     id_sets: tuple | None = None  # the canonical copy's ids as sets (turn._id_sets)
     family: bool = False  # in a family of forks (its refs from the family's counter), as its turn found it
+    strict: bool = False  # its last pass rendered its Chat items with the strict reasoning repair
 
 
 @dataclass

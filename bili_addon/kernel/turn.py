@@ -34,7 +34,8 @@ from bili_addon.kernel.lineage import Lineage
 from bili_addon.kernel.pending import Deferred
 from bili_addon.kernel.prompts import SYSTEM_PROMPT, TOOL_NAMES, TOOLS
 from bili_addon.kernel.registry import Sessions
-from bili_addon.kernel.render import assemble, render_items, snapshot_join, snapshot_render, strict_inserts
+from bili_addon.kernel.render import (assemble, render_items, snapshot_join, snapshot_render, strict_inserts,
+                                      strict_repair)
 from bili_addon.kernel.sessions import (
     MIN_CANONICAL_BYTES,
     PrefixAffinity,
@@ -349,9 +350,12 @@ class Engine(ProxyTools, Epochs, Deferred):
         if not (last and self.write_behind and self.store.exclusive and not s.family):
             self.sessions.flush(last=last)
         self._land(s, view, result, repeat and q > 0)  # held folds leave the wire when it pays (kernel/pending.py)
-        if s.version != version or (memo is not None and memo.rendered is None):
-            q = 0  # this turn changed how old items render (a truncation, a learned flag), or the
-            # previous pass rendered nothing (observe mode)
+        strict = strict_repair(s, lane.name, top, origin)
+        if s.version != version or (memo is not None and memo.rendered is None) or strict != s.strict:
+            q = 0  # this turn changed how old items render (a truncation, a learned flag, a switch to or
+            # from a model whose provider wants the reasoning repair), or the previous pass rendered nothing
+            # (observe mode)
+        s.strict = strict
         result.reused = q
         if q:
             rendered = memo.rendered[: start + q]
