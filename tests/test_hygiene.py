@@ -159,6 +159,36 @@ def test_strict_responses_runs_get_a_reasoning_item(engine):
     assert out[5] == {"type": "reasoning", "summary": [{"type": "summary_text", "text": ""}]}
 
 
+def test_a_fold_takes_the_runs_it_covers_without_leaving_their_repair_behind(tmp_path):
+    """Strict Responses: the empty reasoning item put before each run without one went out even where a
+    fold took the run, standing alone before the summary or the next user message."""
+    import churn as C
+    from bili_addon.kernel.fold import FoldConfig
+    from bili_addon.kernel.turn import Engine
+    from bili_addon.store import Store
+
+    sid, h = "strictfold", {"x-acp-session": "strictfold"}
+    e = Engine(Store(tmp_path / "d"), fold_cfg=FoldConfig(min_compress_chars=2000))
+    e.session(sid)
+    e.set_flag(sid, "strict_reasoning", True)
+    tail = [{"type": "reasoning", "id": "rs_last", "summary": [{"type": "summary_text", "text": "thinking"}],
+             "encrypted_content": "enc"},
+            {"type": "function_call", "call_id": "last", "name": "Bash", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "last", "output": "ok"}]
+
+    def send(items):
+        return json.loads(e.process(C.body("responses", items + tail), LANES["responses"], h, render=True).body)["input"]
+
+    ts = C.turns(12)
+    refs = C.refs_by_text(json.dumps({"input": send(C.BUILD["responses"](ts, C.Scheme()))}).encode())
+    args = {"content": [{"startId": refs["Turn 1: please"], "endId": refs["Reply Turn 5: "], "summary": "S" * 120}]}
+    e.record_calls(sid, [("cfold", "compress", json.dumps(args))])
+    out = send(C.BUILD["responses"](ts, C.Scheme(), C.proxy_call("responses", "cfold", "compress", args)))
+    assert any("[Compressed conversation section b1" in json.dumps(i) for i in out)
+    kinds = [(i.get("type") or "message") + ":" + i.get("role", "") for i in out]
+    assert all(kinds[k + 1] not in ("message:user", "reasoning:") for k, t in enumerate(kinds) if t == "reasoning:"), kinds
+
+
 def flow_for(body: bytes, path="/v1/chat/completions"):
     req = tutils.treq(method=b"POST", path=path.encode(), host="relay.example", port=443, scheme=b"https",
                       headers=http.Headers(host="relay.example", content_type="application/json", x_acp_session="s"),

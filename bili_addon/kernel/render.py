@@ -340,7 +340,8 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
             out.extend(items_out[start + at:start + k])
         if at <= k:
             at = skip.get(k, k + 1)
-        out.extend(pre.get(it.index, ()))
+        if k not in drop:  # (the repair's inserts before an item that stays: none for one a fold took)
+            out.extend(pre.get(it.index, ()))
         for b in plan.inserts.get(k, ()):
             ours[len(out)] = texts[id(b)] = b.text()
             out.append(lane.summary_item(ours[len(out)]))
