@@ -46,7 +46,7 @@ class Host(Protocol):
 
     def store_status(self) -> dict: ...
 
-    def stats(self, eng: Engine | None = None) -> dict: ...
+    def stats(self, eng: Engine | None = None, only: str | None = None) -> dict: ...
 
     def session_turns(self, eng: Engine, sid: str) -> dict | None: ...
 
@@ -188,7 +188,7 @@ def _session(bili: Host, eng: Engine, sid: str) -> http.Response:
     turns = bili.session_turns(eng, sid)
     if turns is None:
         return _fail(404, f"no session {sid!r}")
-    entry = next((s for s in bili.stats(eng)["sessions"] if s["id"] == sid), {})
+    entry = next((s for s in bili.stats(eng, sid)["sessions"] if s["id"] == sid), {})
     return _json(200, {"ok": True, "session": entry, "turns": turns["turns"],
                        "calibration": turns.get("calibration", [])})
 

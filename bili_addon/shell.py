@@ -727,15 +727,20 @@ class Bili:
             log.exception("[bili] WebSocket frame handling failed (%s); frame forwarded unchanged", e)
 
     # -- admin ---------------------------------------------------------------------------------
-    def stats(self, eng: Engine | None = None) -> dict:
-        """Per-session figures (on the store's worker: see :func:`admin.handle`)."""
+    def stats(self, eng: Engine | None = None, only: str | None = None) -> dict:
+        """Per-session figures (on the store's worker: see :func:`admin.handle`); ``only``: that session's
+        alone (the page polls one session's every two seconds: the figures of every session, some ten
+        reads each, held the worker, and every agent's turn waited behind them)."""
         eng = eng or self.engine
         if eng is None:
             return {"sessions": [], "store": False, "store_status": self.keeper.status()}
         store = eng.store
         sessions = []
         families = self.engine.lineage.families()
-        for r in store.sessions():
+        rows = store.sessions()
+        if only is not None:
+            rows = [r for r in rows if r.id == only]
+        for r in rows:
             u = store.usage(r.id)
             flags = msgspec.json.decode(r.flags or "{}")
             entry = {

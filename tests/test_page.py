@@ -98,14 +98,33 @@ def test_reading_a_session_on_the_page_never_holds_its_lock(bili, tmp_path):
     other = locks.SessionLocks(data / locks.LOCK_NAME, 0.0)  # another process's view of the locks
     real, could = bili.stats, []
 
-    def stats(eng=None):
+    def stats(eng=None, only=None):
         got = other.hold("s0")
         could.append(got)
         if got:
             other.release()
-        return real(eng)
+        return real(eng, only)
 
     bili.stats = stats
     f = flow("/__bili/page/session?session=s0", method="GET", headers={"x-bili-token": bili.token})
     bili.request(f)
     assert f.response.status_code == 200 and could == [True]
+
+
+def test_one_sessions_figures_read_that_session_alone(bili, monkeypatch):
+    """The page polls its session every two seconds (and `stats?session=`): the figures of every session
+    the store holds were made each time, some ten reads each, on the store's worker, where every agent's
+    turn waits (~0.8 s behind one poll with 3,000 sessions)."""
+    for i in range(6):
+        model_request(bili, f"conv-{i}", f"hello there {i}")
+    store = bili.engine.store
+    read = []
+    real = store.usage
+    monkeypatch.setattr(store, "usage", lambda sid: read.append(sid) or real(sid))
+    headers = {"x-bili-token": bili.token}
+    doc = json.loads(get(bili, "/__bili/page/session?session=conv-3", headers=headers).content)
+    assert doc["session"]["id"] == "conv-3" and doc["session"]["usage"]["turns"] == 0
+    doc = json.loads(get(bili, "/__bili/stats?session=conv-4", headers=headers).content)
+    assert doc["session"]["id"] == "conv-4"
+    assert read == ["conv-3", "conv-4"]
+    assert len(json.loads(get(bili, "/__bili/stats", headers=headers).content)["sessions"]) == 6  # (the list: all)

@@ -177,7 +177,7 @@ def session(bili: Bili, eng: Engine, sid: str) -> http.Response:
     s = _live(eng, sid)
     if s is None:
         return _fail(404, f"no session {sid!r}")
-    entry = next((e for e in bili.stats(eng)["sessions"] if e["id"] == sid), {"id": sid})
+    entry = next((e for e in bili.stats(eng, sid)["sessions"] if e["id"] == sid), {"id": sid})
     turns = [meter.turn_dict(w, bili.meter.table) for w in eng.store.wire(sid)]
     try:
         window = eng.window_for(s)
