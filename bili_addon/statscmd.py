@@ -119,7 +119,8 @@ def sessions_table(doc: dict[str, Any], now: float | None = None) -> str:
     p = doc.get("prices") or {}
     if p:
         lines.append(f"prices as of {p.get('as_of')}"[:WIDTH])
-        lines.append("SAVED: a lower bound (cuts priced as cache reads, additions at their dearest)")
+        lines.append("SAVED: on the prompt, a lower bound (cuts priced as cache reads, additions at\n"
+                     "       their dearest; not the summaries the model writes with bili's tools)")
     return "\n".join(lines)
 
 
@@ -137,7 +138,7 @@ def session_view(doc: dict[str, Any], now: float | None = None) -> str:
            f"blocks {fold.get('blocks', 0)} active of {fold.get('blocks_total', 0)}, "
            f"{tokens(fold.get('tokens_folded', 0))} tokens folded, epoch {fold.get('epoch', 1)}"]
     if w.get("priced"):
-        out.append(f"cost {money(w.get('cost'))}, saved {money(w.get('saved'))} (a lower bound)")
+        out.append(f"cost {money(w.get('cost'))}, saved {money(w.get('saved'))} (on the prompt, a lower bound of it)")
     else:
         out.append("cost: no price for this model (tokens only; add it to prices.json in the data dir)")
     if w.get("cache_write"):  # "unsplit": turns recorded before the split was (schema 9), priced at 5 minutes
