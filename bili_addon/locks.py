@@ -124,9 +124,14 @@ class SessionLocks:
             self._try(0, False, 0)
 
     def close(self) -> None:
+        """Let the file go (the kernel lets its locks go); once: a second close would close whatever file
+        took its descriptor's number since (another part of the process's)."""
         self.held.clear()
+        fd, self.fd = self.fd, -1
+        if fd < 0:
+            return
         try:
-            os.close(self.fd)  # (the kernel lets its locks go)
+            os.close(fd)
         except OSError:
             pass
 

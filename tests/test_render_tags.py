@@ -206,7 +206,8 @@ def _assemble_reference(lane, s, items_out, start, view, plan, after, pre):
     out = items_out[:start]
     ours = {}
     for k, it in enumerate(view.items):
-        out.extend(pre.get(it.index, ()))
+        if k not in plan.drop:  # (since: the repair's inserts only before an item that stays)
+            out.extend(pre.get(it.index, ()))
         for b in plan.inserts.get(k, ()):
             ours[len(out)] = b.text()
             out.append(lane.summary_item(ours[len(out)]))

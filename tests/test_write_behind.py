@@ -462,3 +462,20 @@ def test_a_fork_adopted_while_its_parents_write_waits_takes_the_refs_after_it(tm
     assert all(again[r] == t for r, t in parent.items())
     for e in (one, two):
         e.store.close()
+
+
+def test_a_store_closed_twice_closes_its_lock_file_once(tmp_path):
+    """A second close of a store closed its lock file's descriptor again: by then the number was another
+    file's (here a pipe's; in the suite, an event loop's socket, which then failed as a bad descriptor)."""
+    import os
+
+    store = Store(tmp_path / "data")
+    store.close()
+    r, w = os.pipe()  # (takes the lowest free numbers: the lock file's among them)
+    try:
+        store.close()
+        os.write(w, b"x")
+        assert os.read(r, 1) == b"x"
+    finally:
+        os.close(r)
+        os.close(w)
