@@ -345,6 +345,30 @@ def test_snapshot_render_keeps_the_fold_through_churn_from_its_own_transcript(ba
     assert b'"alt_0"' not in first_churned.split(b"[Compressed")[0]
 
 
+def test_snapshot_render_sends_the_reasoning_of_the_answer_the_agent_has(backend):
+    """The transcript's join took a reasoning item by its role alone: after the agent asked a turn again (a
+    new answer, new reasoning), the old answer's reasoning (its id, its encrypted content) went up in front
+    of the new answer."""
+    engine = make_engine(backend, snapshot=True)
+    ts = C.turns(12)
+    refs = C.refs_by_text(send(engine, "responses", C.BUILD["responses"](ts, C.Scheme())))
+    args = {"content": [{"startId": refs["Turn 1: please"], "endId": refs["Reply Turn 5: "], "summary": "S" * 120}]}
+    engine.record_calls(SID, [("cfold", "compress", json.dumps(args))])
+    base = C.BUILD["responses"](ts, C.Scheme(), C.proxy_call("responses", "cfold", "compress", args))
+    assert b"[Compressed conversation section b1" in send(engine, "responses", base)
+    ask = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Which module is slowest?"}]}
+    more = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "thanks, go on"}]}
+
+    def answer(tag):
+        return [{"type": "reasoning", "id": f"rs_{tag}", "summary": [], "encrypted_content": f"ENC-{tag}"},
+                {"type": "message", "id": f"msg_{tag}", "role": "assistant",
+                 "content": [{"type": "output_text", "text": f"Answer {tag}: module 3."}]}]
+
+    send(engine, "responses", base + [ask, *answer("A"), more])
+    out = send(engine, "responses", base + [ask, *answer("B"), more])  # the agent asked again: a new answer
+    assert b"ENC-B" in out and b"ENC-A" not in out and b"rs_A" not in out
+
+
 def test_snapshot_render_falls_back_when_nothing_links(backend):
     a, b = make_engine(lambda: backend("a")), make_engine(lambda: backend("b"), snapshot=True)
     for e in (a, b):

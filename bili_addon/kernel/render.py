@@ -23,7 +23,7 @@ from bili_addon.kernel.kept import MISSING, Kept
 from bili_addon.kernel.state import ItemInfo, Resolved, Session, TurnResult
 from bili_addon.kernel.tools import ProxyTools, call_key, replays
 from bili_addon.wire import Lane, hygiene
-from bili_addon.wire.base import (TEXT, TOOL_CALL, TOOL_RESULT, Core, LaneDefaults, decode_any, encode, patch_decoded,
+from bili_addon.wire.base import (REASONING, TEXT, TOOL_CALL, TOOL_RESULT, Core, LaneDefaults, decode_any, encode, patch_decoded,
                                   patch_many)
 
 if TYPE_CHECKING:
@@ -239,7 +239,10 @@ def snapshot_join(store: Store, s: Session, items: list[ViewItem]):
         return None
     rows = s.transcript
     j = 0
-    while j < min(len(rows), len(items)) and rows[j][0] == sig(items[j]) and len(rows[j][1]) == len(items[j].parts):
+    # (a reasoning part's signature is its role alone: its row is its only while its ref, of its content, is
+    # the row's; another answer's reasoning after a retried turn is not the row's, nor its encrypted content)
+    while (j < min(len(rows), len(items)) and rows[j][0] == sig(items[j]) and len(rows[j][1]) == len(items[j].parts)
+           and all(p.ctype != REASONING or p.ref == r for p, r in zip(items[j].parts, rows[j][1]))):
         j += 1
     while j > 0:  # never split a tool call from its result
         calls = {p.tool_call_id for it in items[:j] for p in it.parts if p.ctype == TOOL_CALL and p.tool_call_id}
