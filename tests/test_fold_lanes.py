@@ -643,21 +643,22 @@ def test_gemini_cuts_the_one_response_it_chose(engine):
     assert second == json.dumps({"output": small})
 
 
+def _reads(n: int, tail: str = "go on") -> bytes:
+    """A session of ``n`` reads of ~9K tokens each, then the model's "ok" and the user's ``tail``."""
+    msgs = [{"role": "user", "content": "Start."}]
+    for i in range(n):
+        msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "Read", "input": {"f": i}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}",
+                                               "content": f"OUT {i}\n" + ("data %d\n" % i) * 5000}]}]
+    msgs += [{"role": "assistant", "content": [{"type": "text", "text": "ok"}]}, {"role": "user", "content": tail}]
+    return json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": msgs}).encode()
+
+
 def test_a_second_emergency_cut_cuts_more(engine):
     """The reported size counts the outputs cut before as cut, but their parts in the view hold their
     whole text: the next emergency (the context grown past 95% again) chose the same outputs, took
     their savings for enough and cut nothing more; the window then overflowed."""
-    lane = LANES["anthropic"]
-
-    def body(n: int, tail: str) -> bytes:
-        msgs = [{"role": "user", "content": "Start."}]
-        for i in range(n):
-            msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "Read",
-                                                        "input": {"f": i}}]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}",
-                                                   "content": f"OUT {i}\n" + ("data %d\n" % i) * 5000}]}]
-        msgs += [{"role": "assistant", "content": [{"type": "text", "text": "ok"}]}, {"role": "user", "content": tail}]
-        return json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": msgs}).encode()
+    lane, body = LANES["anthropic"], _reads
 
     engine.process(body(19, "go on"), lane, H, render=True)
     usage(engine, "lanes", 192_000)  # 96% of 200K
@@ -673,17 +674,7 @@ def test_a_retry_before_the_next_answer_cuts_nothing_more(engine):
     counts the outputs the first attempt cut as whole, and each retry cut one more (other bytes for the
     same history, more of the agent's outputs lost than the emergency needed).  Cuts made since the last
     report count as cut until a newer one; a newer one past 95% again still cuts more."""
-    lane = LANES["anthropic"]
-
-    def body(n: int) -> bytes:
-        msgs = [{"role": "user", "content": "Start."}]
-        for i in range(n):
-            msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "Read",
-                                                        "input": {"f": i}}]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}",
-                                                   "content": f"OUT {i}\n" + ("data %d\n" % i) * 5000}]}]
-        msgs += [{"role": "assistant", "content": [{"type": "text", "text": "ok"}]}, {"role": "user", "content": "go on"}]
-        return json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": msgs}).encode()
+    lane, body = LANES["anthropic"], _reads
 
     engine.process(body(19), lane, H, render=True)
     usage(engine, "lanes", 192_000)  # 96% of 200K

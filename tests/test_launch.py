@@ -918,6 +918,21 @@ def test_bili_run_as_a_system_proxy_intercepts_only_model_hosts(lab):
         fake.shutdown()
 
 
+def _bili_run_intercepting(lab, port: int, host_port: int, **env: str):
+    """``bili run`` on ``port`` decrypting 127.0.0.1:``host_port`` too (``env``: more of its environment),
+    once it says it is ready: its process and its log."""
+    log = lab.tmp / "run.log"
+    with open(log, "w") as out:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir", str(lab.confdir),
+             "--data-dir", str(lab.tmp / "data"), "--intercept-host", f"127.0.0.1:{host_port}"],
+            env={**lab.env(), **env}, cwd=lab.project, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    lab.procs.append(run)
+    wait_for(lambda: "bili: ready" in log.read_text(), 30, "bili run's ready line")
+    return run, log
+
+
 @pytest.mark.e2e
 def test_the_users_extra_cas_verify_an_intercepted_host_upstream(lab):
     """Behind a TLS-inspecting network the model host shows the inspector's certificate, which the user
@@ -927,17 +942,8 @@ def test_the_users_extra_cas_verify_an_intercepted_host_upstream(lab):
     tls, tls_cert = _tls_server(lab.tmp)
     host_port = tls.getsockname()[1]
     port = free_port()
-    log = lab.tmp / "run.log"
-    env = {**lab.env(), "NODE_EXTRA_CA_CERTS": str(tls_cert)}
-    with open(log, "w") as out:
-        run = subprocess.Popen(
-            [sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir", str(lab.confdir),
-             "--data-dir", str(lab.tmp / "data"), "--intercept-host", f"127.0.0.1:{host_port}"],
-            env=env, cwd=lab.project, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
-    lab.procs.append(run)
+    run, log = _bili_run_intercepting(lab, port, host_port, NODE_EXTRA_CA_CERTS=str(tls_cert))
     try:
-        wait_for(lambda: "bili: ready" in log.read_text(), 30, "bili run's ready line")
         ca = lab.confdir / "mitmproxy-ca-cert.pem"
         assert _via_proxy(port, "127.0.0.1", host_port, ca) == (200, b"tunnelled")  # (decrypted: bili's CA to the client)
     finally:
@@ -997,17 +1003,9 @@ def test_the_users_own_proxy_is_bilis_way_out(lab):
     model = _tls_server(lab.tmp / "model") if (lab.tmp / "model").mkdir() is None else None
     host_port, model_port = tls.getsockname()[1], model[0].getsockname()[1]
     port = free_port()
-    log = lab.tmp / "run.log"
-    env = {**lab.env(), "HTTPS_PROXY": f"http://127.0.0.1:{corp.port}", "NODE_EXTRA_CA_CERTS": str(model[1])}
-    with open(log, "w") as out:
-        run = subprocess.Popen(
-            [sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir", str(lab.confdir),
-             "--data-dir", str(lab.tmp / "data"), "--intercept-host", f"127.0.0.1:{model_port}"],
-            env=env, cwd=lab.project, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
-    lab.procs.append(run)
+    run, log = _bili_run_intercepting(lab, port, model_port, HTTPS_PROXY=f"http://127.0.0.1:{corp.port}",
+                                      NODE_EXTRA_CA_CERTS=str(model[1]))
     try:
-        wait_for(lambda: "bili: ready" in log.read_text(), 30, "bili run's ready line")
         assert f"goes out through the proxy http://127.0.0.1:{corp.port}" in log.read_text()
         ca = lab.confdir / "mitmproxy-ca-cert.pem"
         assert _via_proxy(port, "127.0.0.1", model_port, ca) == (200, b"tunnelled")  # decrypted by bili

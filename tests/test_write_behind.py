@@ -8,6 +8,7 @@ go, and the next turn over the same history gives the same refs the failed one s
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from bili_addon.kernel.turn import Engine
 from bili_addon.store import SessionBusy, Store, StoreError
 from bili_addon.wire import LANES
 from tests.oracle_runs import capture_turns
+from tests.test_fold import conversation
 from tests.test_folded_follow_up import bench_overhead
 
 _CLOCKS = {"created", "last_seen", "first_seen", "ts", "executed", "pruned"}  # (when: not what)
@@ -354,6 +356,35 @@ def test_a_prune_skips_a_session_a_process_serves_and_lets_go_only_its_own(tmp_p
 
 
 
+PARENT, FORK = {"x-claude-code-session-id": "parent"}, {"x-claude-code-session-id": "fork"}
+
+
+def _two_proxies(tmp_path, kind: str, request) -> tuple[Engine, Engine]:
+    """Two proxies' engines (writing behind) on one store of ``kind``."""
+    if kind == "sqlite":
+        make = lambda: Store(tmp_path / "data")  # noqa: E731
+    else:
+        url = request.getfixturevalue("pg_url")
+        make = lambda: stores.open_store(url, str(tmp_path / "pgdata"))  # noqa: E731
+    return engine(make(), True), engine(make(), True)
+
+
+def _more(msgs: list[dict], text: str) -> list[dict]:
+    return msgs + [{"role": "assistant", "content": f"Noted: {text}."}, {"role": "user", "content": text}]
+
+
+def _turn(e: Engine, msgs: list[dict], h: dict) -> dict[str, str]:
+    from tests.test_fold import body, refs_in
+
+    return refs_in(json.loads(e.process(body(msgs), LANES["anthropic"], h, render=True).body))
+
+
+def _after(e: Engine) -> None:
+    """What the proxy's worker does after the request and the answer."""
+    e.write_pending()
+    e.lineage.flush()
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_a_family_members_turn_is_written_before_its_request_goes(tmp_path, kind, request):
     """A parent and its fork served by two proxies on one store: the parent's turn went with refs from
@@ -361,28 +392,9 @@ def test_a_family_members_turn_is_written_before_its_request_goes(tmp_path, kind
     lock) gave the same numbers to other texts and was written first; the parent's write was then
     refused, after its request had shown one ref for two texts in the family.  A family member's turn
     is written before its request goes (a refusal computes it again)."""
-    import json
-
-    from tests.test_fold import body, conversation, refs_in
-
-    if kind == "sqlite":
-        make = lambda: Store(tmp_path / "data")  # noqa: E731
-    else:
-        url = request.getfixturevalue("pg_url")
-        make = lambda: stores.open_store(url, str(tmp_path / "pgdata"))  # noqa: E731
-    one, two = engine(make(), True), engine(make(), True)
-    p, f = {"x-claude-code-session-id": "parent"}, {"x-claude-code-session-id": "fork"}
-
-    def more(msgs, text):
-        return msgs + [{"role": "assistant", "content": f"Noted: {text}."}, {"role": "user", "content": text}]
-
-    def turn(e, msgs, h):
-        return refs_in(json.loads(e.process(body(msgs), LANES["anthropic"], h, render=True).body))
-
-    def after(e):  # what the proxy's worker does after the request and the answer
-        e.write_pending()
-        e.lineage.flush()
-
+    one, two = _two_proxies(tmp_path, kind, request)
+    p, f = PARENT, FORK
+    more, turn, after = _more, _turn, _after
     msgs = conversation(4)
     turn(one, msgs, p)
     after(one)
@@ -414,29 +426,11 @@ def test_a_fork_adopted_while_its_parents_write_waits_takes_the_refs_after_it(tm
     the parent's family, whose next refs it gave to the fork's own texts: the same numbers the parent's
     request had just shown for other texts (its write then refused).  The adoption now waits for the
     parent's lock (its write), as a turn of the parent would."""
-    import json
     import threading
 
-    from tests.test_fold import body, conversation, refs_in
-
-    if kind == "sqlite":
-        make = lambda: Store(tmp_path / "data")  # noqa: E731
-    else:
-        url = request.getfixturevalue("pg_url")
-        make = lambda: stores.open_store(url, str(tmp_path / "pgdata"))  # noqa: E731
-    one, two = engine(make(), True), engine(make(), True)
-    p, f = {"x-claude-code-session-id": "parent"}, {"x-claude-code-session-id": "fork"}
-
-    def more(msgs, text):
-        return msgs + [{"role": "assistant", "content": f"Noted: {text}."}, {"role": "user", "content": text}]
-
-    def turn(e, msgs, h):
-        return refs_in(json.loads(e.process(body(msgs), LANES["anthropic"], h, render=True).body))
-
-    def after(e):
-        e.write_pending()
-        e.lineage.flush()
-
+    one, two = _two_proxies(tmp_path, kind, request)
+    p, f = PARENT, FORK
+    more, turn, after = _more, _turn, _after
     msgs = conversation(4)
     turn(one, msgs, p)
     after(one)
