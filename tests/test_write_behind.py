@@ -379,6 +379,17 @@ def _turn(e: Engine, msgs: list[dict], h: dict) -> dict[str, str]:
     return refs_in(json.loads(e.process(body(msgs), LANES["anthropic"], h, render=True).body))
 
 
+def _parent_so_far(one: Engine) -> tuple[list[dict], dict[str, str]]:
+    """The parent's first two turns through ``one``, each written: its history and the refs it showed."""
+    msgs = conversation(4)
+    _turn(one, msgs, PARENT)
+    _after(one)
+    msgs = _more(msgs, "go on with module five")
+    before = _turn(one, msgs, PARENT)
+    _after(one)
+    return msgs, before
+
+
 def _after(e: Engine) -> None:
     """What the proxy's worker does after the request and the answer."""
     e.write_pending()
@@ -395,12 +406,7 @@ def test_a_family_members_turn_is_written_before_its_request_goes(tmp_path, kind
     one, two = _two_proxies(tmp_path, kind, request)
     p, f = PARENT, FORK
     more, turn, after = _more, _turn, _after
-    msgs = conversation(4)
-    turn(one, msgs, p)
-    after(one)
-    msgs = more(msgs, "go on with module five")
-    before = turn(one, msgs, p)
-    after(one)
+    msgs, before = _parent_so_far(one)
     fork = more(msgs, "continue in the fork")
     turn(two, fork, f)
     after(two)
@@ -431,12 +437,7 @@ def test_a_fork_adopted_while_its_parents_write_waits_takes_the_refs_after_it(tm
     one, two = _two_proxies(tmp_path, kind, request)
     p, f = PARENT, FORK
     more, turn, after = _more, _turn, _after
-    msgs = conversation(4)
-    turn(one, msgs, p)
-    after(one)
-    msgs = more(msgs, "go on with module five")
-    before = turn(one, msgs, p)
-    after(one)
+    msgs, before = _parent_so_far(one)
     parent = turn(one, more(msgs, "the parent goes on"), p)
     assert one.pending  # its write waits for the proxy's worker
     later = threading.Timer(0.2, after, (one,))  # (the worker of the parent's proxy, while the fork's turn runs)
