@@ -257,6 +257,30 @@ def test_a_vouched_id_keeps_its_refs_only_while_its_words_are_the_same(backend):
     assert again == first
 
 
+def test_a_vouched_history_sent_again_makes_no_words(backend, monkeypatch):
+    """Words (canonical texts: every tool output normalised) are made for what a turn binds and for what
+    changed bytes, never for a history sent again as it was (every id's item, every turn)."""
+    from bili_addon.kernel import envelope
+
+    engine = make_engine(backend)
+    conv = C.BUILD["chat"](C.turns(6), C.Scheme())
+    raw = json.loads(C.body("chat", conv))
+    raw["biliMsgIds"] = [f"host-{i}" for i in range(len(conv))]
+    made = []
+    real = envelope.words_of
+    monkeypatch.setattr(envelope, "words_of", lambda parts: made.append(1) or real(parts))
+    first = engine.process(json.dumps(raw).encode(), LANES["chat"], H, render=True).body
+    assert made
+    made.clear()
+    assert engine.process(json.dumps(raw).encode(), LANES["chat"], H, render=True).body == first and not made
+    churned = json.loads(C.body("chat", C.BUILD["chat"](C.turns(6), C.Scheme(ids="alt_", spaced=True))))
+    churned["biliMsgIds"] = raw["biliMsgIds"]
+    again = engine.process(json.dumps(churned).encode(), LANES["chat"], H, render=True)
+    assert again.refs_new == 0 and made  # (re-serialised: its words compared, the same)
+    made.clear()
+    assert engine.process(json.dumps(churned).encode(), LANES["chat"], H, render=True).refs_new == 0 and not made
+
+
 def test_a_live_id_re_used_for_another_message_is_refused_unless_resync(backend):
     engine = make_engine(backend)
     conv = C.BUILD["chat"](C.turns(2), C.Scheme())

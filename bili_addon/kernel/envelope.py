@@ -120,8 +120,8 @@ def pins(s: Session, body: Body, headers: Mapping[str, str], infos: list[ItemInf
             # the id keeps its refs over the host's churn (its call ids re-minted, its JSON re-serialised)
             # while its words are the ones bound: words changed under it (an edit, another message under a
             # re-used id) are new content, which content identity refs, the id bound anew to it
-            if len(stored) > 2 and stored[2] == words_of(parts):
-                pinned[i - start] = [Entry(r, t) for r, t in refs]
+            if len(stored) > 3 and (stored[3] == [p.chash for p in parts] or stored[2] == words_of(parts)):
+                pinned[i - start] = [Entry(r, t) for r, t in refs]  # (the same bytes' content hashes: no words made)
         else:
             result.status = 400
             result.error = (f"message id {env.ids[i]!r} is already bound to a different message; "
@@ -136,11 +136,16 @@ def bind(sessions: Sessions, s: Session, env: Envelope, infos: list[ItemInfo], s
     bound = dict(s.flags.get("envelope", {}))
     changed = False
     for k, parts in enumerate(resolved):
-        if k in pinned:
-            continue
         cid = env.ids[start + k]
-        value = [shape_of(infos[start + k].parts), [[r.entry.ref, r.entry.tokens] for r in parts],
-                 words_of(infos[start + k].parts)]
+        item = infos[start + k].parts
+        if k in pinned:  # (its words the same: the bytes as the host sends them now, compared first next time)
+            stored = bound.get(cid)
+            hashes = [p.chash for p in item]
+            if stored is not None and len(stored) > 3 and stored[3] != hashes:
+                bound[cid] = [*stored[:3], hashes]
+                changed = True
+            continue
+        value = [shape_of(item), [[r.entry.ref, r.entry.tokens] for r in parts], words_of(item), [p.chash for p in item]]
         if bound.get(cid) != value:
             bound[cid] = value
             changed = True
