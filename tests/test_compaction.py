@@ -34,15 +34,15 @@ def make_engine(backend) -> Engine:
 class Agent:
     """Sends a history through the engine the way the addon does, and reports usage like a provider."""
 
-    def __init__(self, engine: Engine, lane: str):
-        self.engine, self.lane = engine, lane
+    def __init__(self, engine: Engine, lane: str, sid: str = SID):
+        self.engine, self.lane, self.sid = engine, lane, sid
         self.last = None
 
     def send(self, conv: list[dict]):
         raw = C.body(self.lane, conv)
-        res = self.engine.process(raw, LANES[self.lane], H, render=True)
+        res = self.engine.process(raw, LANES[self.lane], {"x-acp-session": self.sid}, render=True)
         out = res.body if res.body is not None else raw
-        self.engine.store.record_usage(SID, self.lane, (len(out) // 4, 0, 0, 10))
+        self.engine.store.record_usage(self.sid, self.lane, (len(out) // 4, 0, 0, 10))
         self.last = res
         return res, out
 
@@ -57,6 +57,18 @@ def fold_early(agent: Agent, ts, build, first=1, last=5):
     res, folded = agent.send(build(ts, C.Scheme(), pair))
     assert SECTION + b"b1" in folded and b"file-2-row-" not in folded
     return pair, refs
+
+
+def folded_and_on(backend, lane: str, build, n: int):
+    """``n`` turns, the early ones folded, and one turn more sent: the engine, the agent, the turns, the
+    compress call's pair and the refs of the first request."""
+    engine = make_engine(backend)
+    agent = Agent(engine, lane)
+    ts = C.turns(n)
+    pair, refs = fold_early(agent, ts, build)
+    ts.append(C.Turn(n, f"Turn {n}: next.", f"Reply Turn {n}.", tool=False))
+    agent.send(build(ts, C.Scheme(), pair))
+    return engine, agent, ts, pair, refs
 
 
 def reminder_ranges(out: bytes) -> list[tuple[str, str]]:
@@ -134,12 +146,7 @@ def test_claude_code_compaction_starts_an_epoch_and_folding_goes_on(backend):
 def test_without_recognition_the_same_compaction_pauses_folding_for_good(backend, monkeypatch):
     """The control: with no shapes recognised, the compacted history is a total collapse."""
     monkeypatch.setattr(compaction, "SHAPES", ())
-    engine = make_engine(backend)
-    agent = Agent(engine, "anthropic")
-    ts = C.turns(14)
-    pair, _ = fold_early(agent, ts, C.anthropic)
-    ts.append(C.Turn(14, "Turn 14: next.", "Reply Turn 14.", tool=False))
-    agent.send(C.anthropic(ts, C.Scheme(), pair))
+    engine, agent, ts, pair, _ = folded_and_on(backend, "anthropic", C.anthropic, 14)
     res, _ = agent.send(X.claude_code(C.turns(20)[15:20]))
     assert res.drift == "collapse" and res.epoch == 0
     _, _, out = grow_until_folded(agent, lambda t, sc, extra: X.claude_code(C.turns(20)[15:20] + t, sc, extra=extra),
@@ -148,12 +155,7 @@ def test_without_recognition_the_same_compaction_pauses_folding_for_good(backend
 
 
 def test_codex_compaction_keeps_the_refs_of_the_surviving_user_messages(backend):
-    engine = make_engine(backend)
-    agent = Agent(engine, "responses")
-    ts = C.turns(14)
-    pair, refs = fold_early(agent, ts, C.responses)
-    ts.append(C.Turn(14, "Turn 14: next.", "Reply Turn 14.", tool=False))
-    agent.send(C.responses(ts, C.Scheme(), pair))
+    engine, agent, ts, pair, refs = folded_and_on(backend, "responses", C.responses, 14)
     after = [C.Turn(15, "Turn 15: carry on.", "Reply Turn 15: carrying on.", tool=True)]
     res, out = agent.send(X.codex(ts, after))
     assert res.epoch == 2 and res.drift != "collapse"
@@ -172,12 +174,7 @@ def test_codex_compaction_keeps_the_refs_of_the_surviving_user_messages(backend)
 
 
 def test_codex_remote_compaction_item(backend):
-    engine = make_engine(backend)
-    agent = Agent(engine, "responses")
-    ts = C.turns(14)
-    pair, _ = fold_early(agent, ts, C.responses)
-    ts.append(C.Turn(14, "Turn 14: next.", "Reply Turn 14.", tool=False))
-    agent.send(C.responses(ts, C.Scheme(), pair))
+    engine, agent, ts, pair, _ = folded_and_on(backend, "responses", C.responses, 14)
     res, _ = agent.send(X.codex(ts, [C.Turn(15, "Turn 15: on.", "Reply 15.", tool=True)], remote=True))
     assert res.epoch == 2
     assert engine.sessions[SID].flags["epochs"][0]["agent"] == "codex"
@@ -187,12 +184,7 @@ def test_codex_remote_compaction_item(backend):
 def test_other_agents_shapes(backend, shape):
     lane = "anthropic" if shape == "opencode" else "chat"
     build = C.anthropic if lane == "anthropic" else C.chat
-    engine = make_engine(backend)
-    agent = Agent(engine, lane)
-    ts = C.turns(16)
-    pair, _ = fold_early(agent, ts, build)
-    ts.append(C.Turn(16, "Turn 16: next.", "Reply Turn 16.", tool=False))
-    agent.send(build(ts, C.Scheme(), pair))
+    engine, agent, ts, pair, _ = folded_and_on(backend, lane, build, 16)
     more = [C.Turn(17, "Turn 17: after.", "Reply Turn 17.", tool=True)]
     conv = {"pi": lambda: X.pi(ts[13:] + more), "hermes": lambda: X.hermes(ts[:1], ts[14:] + more),
             "opencode": lambda: X.opencode(more)}[shape]()
@@ -230,12 +222,7 @@ def test_a_quoted_marker_later_in_the_history_is_not_a_compaction(backend):
 
 
 def test_a_marker_at_the_head_with_the_old_history_still_there_is_not_a_compaction(backend):
-    engine = make_engine(backend)
-    agent = Agent(engine, "anthropic")
-    ts = C.turns(14)
-    pair, _ = fold_early(agent, ts, C.anthropic)
-    ts.append(C.Turn(14, "Turn 14: next.", "Reply Turn 14.", tool=False))
-    agent.send(C.anthropic(ts, C.Scheme(), pair))
+    engine, agent, ts, pair, _ = folded_and_on(backend, "anthropic", C.anthropic, 14)
     conv = C.anthropic(ts, C.Scheme(), pair)
     conv[0] = {**conv[0], "content": [{"type": "text", "text": X.claude_code_summary()}] + conv[0]["content"]}
     res, out = agent.send(conv)
@@ -491,12 +478,7 @@ def test_opencodes_second_compaction_is_a_third_epoch(backend):
     """opencode's summary turn is its question, the same words every time ("What did we do so far?"):
     its ref was the first epoch's marker, so the second compaction was not seen (the epoch's blocks
     stayed live, drift was logged every turn).  The answer after the question, new each time, marks it."""
-    engine = make_engine(backend)
-    agent = Agent(engine, "anthropic")
-    ts = C.turns(16)
-    pair, _ = fold_early(agent, ts, C.anthropic)
-    ts.append(C.Turn(16, "Turn 16: next.", "Reply Turn 16.", tool=False))
-    agent.send(C.anthropic(ts, C.Scheme(), pair))
+    engine, agent, ts, pair, _ = folded_and_on(backend, "anthropic", C.anthropic, 16)
     more = [C.Turn(17, "Turn 17: after.", "Reply Turn 17.", tool=True)]
     res, _ = agent.send(X.opencode(more))
     assert res.epoch == 2
@@ -535,13 +517,10 @@ def test_a_fork_after_a_compaction_renders_the_shared_history_as_its_parent(back
     the summary was its protected first user turn, on the wire beside the fold's summary, and the
     fork's first request differed from its parent's rendering of the same history at its first item."""
     engine = make_engine(backend)
-    lane = LANES["chat"]
+    agents = {sid: Agent(engine, "chat", sid) for sid in ("parent", "fork")}
 
     def send(conv, sid):
-        raw = C.body("chat", conv)
-        res = engine.process(raw, lane, {"x-acp-session": sid}, render=True)
-        out = res.body if res.body is not None else raw
-        engine.store.record_usage(sid, "chat", (len(out) // 4, 0, 0, 10))
+        res, out = agents[sid].send(conv)
         return res, json.loads(out)
 
     ts = C.turns(14)

@@ -503,6 +503,7 @@ class _PlanMemo(NamedTuple):
     of: list[ViewItem]  # the view's items
     runs: dict[int, int]  # ``drop`` in runs (:func:`_runs`)
     kept: frozenset[int] = frozenset()  # covered items kept on the wire because they were protected
+    counted: bool = False  # ``ids`` holds keys of calls without ids (pair_keys): paired by their order
 
 
 def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snoozed: set[str] = frozenset(),
@@ -531,9 +532,9 @@ def plan(view: View, blocks: list[Block], hidden: set[str] = frozenset(), snooze
     if memo is None:
         drop, firsts, ids, last, kept = _plan(view._snapshot(), cov, hidden, first, live, protected)
         memo = _PlanMemo(cov, hidden, first, [(bid, list(refs)) for bid, refs in shape], frozenset(drop), firsts,
-                         ids, last, view._snapshot(), _runs(drop), frozenset(kept))
+                         ids, last, view._snapshot(), _runs(drop), frozenset(kept), any(k[:1] == "\0" for k in ids))
     else:
-        memo = _PlanMemo(cov, *memo[1:8], view._snapshot(), memo.runs, memo.kept)
+        memo = _PlanMemo(cov, *memo[1:8], view._snapshot(), memo.runs, memo.kept, memo.counted)
     view._plans = [memo, *view._plans[:2]]
     inserts: dict[int, list[Block]] = {}
     rendered: list[Block] = []
@@ -581,8 +582,7 @@ def _plan_again(view: View, cov: dict[str, Block], hidden: frozenset[str], first
         return None  # the first user turn, or an item that could leave, not among the shared items
     if m and items[m - 1].reasoning_only:
         return None  # a reasoning run shares the fate of the item after it
-    ids = memo.ids
-    counted = any(k.startswith("\0") for k in ids)  # (calls without ids that could leave: paired by their order)
+    ids, counted = memo.ids, memo.counted  # (counted: calls without ids that could leave, paired by their order)
     for it in (*memo.of[m:], *items[m:]):  # the items after the shared ones, in either view
         parts = it.parts
         if not parts:
@@ -921,20 +921,10 @@ def pair_keys(items: list[ViewItem]) -> dict[tuple[int, int], str] | None:
     is or answers (its id, or a key of its own for a call without one): a result whose id names no call
     of the request answers the oldest call of its tool not answered yet, as the call edits pair them.
     None when every call and result has an id (the ids pair them)."""
-    call_ids: set[str] = set()
-    result_ids: set[str] = set()
-    idless = False
-    for it in items:
-        for p in it.parts:
-            if p.ctype == TOOL_CALL:
-                if p.tool_call_id:
-                    call_ids.add(p.tool_call_id)
-                elif p.tool_name:
-                    idless = True
-            elif p.ctype == TOOL_RESULT:
-                result_ids.add(p.tool_call_id)
-    if not idless and "" not in result_ids:
+    if not any(not p.tool_call_id and (p.ctype == TOOL_RESULT or (p.ctype == TOOL_CALL and p.tool_name))
+               for it in items for p in it.parts):
         return None  # (every call and result has an id: a result naming no call is one the host left alone)
+    call_ids = {p.tool_call_id for it in items for p in it.parts if p.ctype == TOOL_CALL and p.tool_call_id}
     out: dict[tuple[int, int], str] = {}
     waiting: dict[str, list[str]] = {}  # per tool, its calls not answered yet, in order
     n = 0

@@ -49,13 +49,15 @@ class WireFolds(Protocol):
 
 def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], start: int, q: int,
                  resolved: list[list[Resolved]], rendered: list[bytes], changed_cum: list[int],
-                 tagged_cum: list[int], top: dict, origin: str, active: bool = True, objs: list | None = None) -> None:
+                 tagged_cum: list[int], top: dict, origin: str, active: bool = True, objs: list | None = None,
+                 strict: bool | None = None) -> None:
     """Per-item transforms of the items from ``start + q`` on: tags (with any reminder they
     carry), restored proxy calls and their real results, truncations, id hygiene.  ``objs``: the
-    items this pass decoded (None where it did not), consumed by their tags' patching."""
+    items this pass decoded (None where it did not), consumed by their tags' patching.  ``strict``:
+    :func:`strict_repair`'s verdict, when the caller has it."""
     last = len(infos) - 1
     nudges = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "suffix"}
-    strict_chat = strict_repair(s, lane.name, top, origin)
+    strict_chat = strict_repair(s, lane.name, top, origin) if strict is None else strict
     call_edits = bool(s.calls or s.flags.get("truncated"))
     # (Responses: a replayed proxy id to drop; none in these items, they render as the other lanes' do)
     responses = lane.name == "responses" and lane.proxy_ids(

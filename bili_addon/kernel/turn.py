@@ -365,7 +365,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             rendered = [bytes(r) for r in raws[:start]]
             changed_cum, tagged_cum = [0] * (start + 1), [0] * (start + 1)
         render_items(s, lane, raws, infos, start, q, resolved, rendered, changed_cum, tagged_cum, top, origin, active,
-                     objs)
+                     objs, strict)
         result.tagged = tagged_cum[-1]
         self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter,
                        (rendered, changed_cum, tagged_cum), len(raw))
@@ -652,7 +652,7 @@ def _anchored_ids(ids: list[str], bases: list[str]) -> list[str | None] | None:
     window), each verified by its words (its base).  A word said several times is told apart by its
     instance number, counted in the pass: with instances dropped before it, the count named another
     instance (a folded one, whose summary then took the place of the live words).  None: nothing of
-    the pass is anchored otherwise than it is counted."""
+    the pass is anchored."""
     n = len(ids)
     copy_bases = [i[:18] for i in ids]
     a = 0
@@ -668,18 +668,7 @@ def _anchored_ids(ids: list[str], bases: list[str]) -> list[str | None] | None:
             if copy_bases[d] == first and bases[a:a + n - d] == copy_bases[d:]:
                 out[a:a + n - d] = ids[d:]
                 break
-    return out if out != _counted(bases) else None
-
-
-def _counted(bases: list[str]) -> list[str]:
-    """The ids a pass's instance count gives its parts."""
-    seen: dict[str, int] = {}
-    out = []
-    for b in bases:
-        k = seen.get(b, 0)
-        seen[b] = k + 1
-        out.append(b if k == 0 else f"{b}_{k}")
-    return out
+    return out if any(x is not None for x in out) else None
 
 
 def _id_sets(s: Session) -> tuple[set[str], set[str]]:
