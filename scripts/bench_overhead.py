@@ -555,6 +555,41 @@ def round_robin(case: Case, conversations: int, rounds: int) -> tuple[float, flo
     return median_ms(samples), statistics.median(a / b for a, b in zip(samples, floors)), kept
 
 
+FULL_CACHE = 16  # sessions a proxy keeps in the full-cache measurement (its engine's max_sessions)
+
+
+def full_caches(case: Case, reps: int) -> tuple[float, float]:
+    """A new conversation's first turn in a proxy whose caches are full (a gateway past its
+    ``max_sessions`` conversations: each new one evicts the least recently used, its session and
+    previous pass), two ways alternating run by run: the evicted conversation freed after the
+    request (``Sessions.release`` in the bookkeeping the proxy does once the request has left, as it
+    runs), and freed inside the turn (as it was before).  Median ratios to the floor."""
+    with tempfile.TemporaryDirectory(prefix="bili-bench-") as d:
+        eng = Engine(Store(d), max_sessions=FULL_CACHE, fold_cfg=FoldConfig(), activate=ACTIVATE)
+        eng.lineage.defer = True
+        eng.write_behind = True
+        for _ in range(FULL_CACHE + 1):
+            eng.process(case.unique_body(), case.lane, {"x-acp-session": f"bench-full-{time.time_ns()}"}, render=True)
+            after(eng)
+        got: dict[str, list[float]] = {"after": [], "inside": []}
+        for _ in range(reps):
+            for way in got:
+                raw = case.unique_body()
+                headers = {"x-acp-session": f"bench-full-{time.time_ns()}"}
+                eng.items.forget()
+
+                def run(inside=way == "inside"):
+                    eng.process(raw, case.lane, headers, render=True)
+                    if inside:
+                        eng.sessions.release()
+
+                floor = cpu(lambda: msgspec.json.encode(msgspec.json.decode(raw)))
+                got[way].append(cpu(run) / floor)
+                after(eng)
+        eng.store.close()
+    return statistics.median(got["after"]), statistics.median(got["inside"])
+
+
 def fold_half(eng: Engine, case: Case, msgs: list[dict], headers: dict) -> list[dict]:
     """The model folds the first half of the conversation in one ``compress`` call, as it does in a
     long session: the call arrives in its answer, the agent answers "unknown tool", and the next
@@ -724,6 +759,11 @@ def run(args, backends) -> None:
         print(f"{backend:<7}{rr_case:<10}{rr_n:>7,} msgs, {ROUND_ROBIN} conversations in turn: follow-up {ms:.2f} ms, "
               f"{ratio:.1f}x floor; previous pass kept in {kept} of {2 * ROUND_ROBIN} turns", flush=True)
         rows.append((backend, rr_case, rr_n, None, ratio, 1, 1, LAST_NET if url else None))
+    # a gateway past its cache: each new conversation evicts one (SQLite: the eviction is the engine's)
+    case = Case("anthropic", 100)
+    freed_after, freed_inside = full_caches(case, 9 if args.quick else 31)
+    print(f"{'sqlite':<7}{'anthropic':<10}{100:>7,} msgs, first turn with the caches full ({FULL_CACHE} sessions): "
+          f"{freed_after:.2f}x floor; {freed_inside:.2f}x with the evicted conversation freed inside the turn", flush=True)
     # a long session's case: the follow-up of a session that has folded
     print()
     for n in ([100] if args.quick else [100, 1000]):
@@ -754,6 +794,9 @@ def run(args, backends) -> None:
     print("follow: same Engine, one new message appended (its own floor, the body one message longer);")
     print(f"conversations in turn: {ROUND_ROBIN} conversations of that size served in turn by one proxy, a follow-up of")
     print("  each in turn (each previous pass must still be kept when its conversation's turn comes again);")
+    print("caches full: a new conversation's first turn in a proxy already holding as many sessions as it keeps:")
+    print("  the least recently used one and its previous pass leave, freed once the request has left (alternating")
+    print("  run by run with the same turn freeing it before the request goes);")
     print("half folded: a follow-up of a session whose first half the model folded (one compress call), as long")
     print("  sessions are; store writes: transactions (SQLite) or write statements per turn (max);")
     print("hashed: message parts content-hashed (identity.digest) during one follow-up turn (max over runs);")

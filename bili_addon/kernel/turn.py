@@ -154,8 +154,11 @@ class Engine(ProxyTools, Epochs, Deferred):
 
     def _run_later(self) -> None:
         later, self._later = self._later, []
-        for fn in later:
-            fn()
+        try:
+            for fn in later:
+                fn()
+        finally:
+            self.sessions.release()  # (the sessions and passes the caches let go: freed after the request)
 
     def process(
         self, raw: bytes, lane: Lane, headers: Mapping[str, str], *, render: bool, origin: str = ""
