@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import re
+import socket
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -30,6 +31,7 @@ MANIFEST_ENDPOINT = PREFIX + "plugin/manifest"
 MAX_BODY = 1 << 20  # a tool call's JSON body; a compress with long summaries stays far below
 PLUGIN_TOOLS = tuple(t["name"] for t in TOOLS)
 INTERCEPT_ENDPOINT = PREFIX + "intercept"
+_OWN_NAMES = ("localhost", "bili.proxy")  # (and this machine's name: _own_host)
 _HOST_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 
 
@@ -79,6 +81,30 @@ def _loopback(flow: http.HTTPFlow) -> bool:
         return True
     local = _address(flow.client_conn.sockname)
     return addr in NAMESPACES and local is not None and local.is_loopback
+
+
+def _own_host(flow: http.HTTPFlow) -> bool:
+    """Is the request addressed to the proxy itself: a loopback address, ``localhost``, this machine's
+    name, ``bili.proxy`` (the name the README gives for asking through the proxy), or the host end of
+    bili's namespace (``--transparent=netns``)?  Not a web page's own host: a page the browser loaded
+    through this proxy (bili as the system proxy), or one whose name a DNS rebinding points at
+    127.0.0.1, asks ``/__bili/...`` on its own origin and could read the answer.  A reverse proxy's
+    requests reach the addon with its target's host (mitmproxy rewrites it first): not checked."""
+    mode = getattr(flow.client_conn.proxy_mode, "type_name", "regular")
+    if mode == "reverse":
+        return True
+    host = flow.request.host.lower().rstrip(".")
+    if host in _OWN_NAMES or host.endswith(".localhost") or host == _machine_name():
+        return True
+    addr = _address((host.strip("[]"),))
+    return addr is not None and (addr.is_loopback or addr in NAMESPACES)
+
+
+def _machine_name() -> str:
+    try:
+        return socket.gethostname().lower().rstrip(".")
+    except OSError:
+        return "localhost"
 
 
 def _json(status: int, payload: object) -> http.Response:
@@ -138,6 +164,12 @@ def _internal(flow: http.HTTPFlow, e: Exception) -> None:
 def _handle(flow: http.HTTPFlow, bili: Host):
     if not _loopback(flow):
         flow.response = _fail(403, "bili admin endpoints are loopback-only")
+        return None
+    if not _own_host(flow):  # (answered here, never forwarded: a client's token never leaves for that host)
+        flow.response = _fail(403, "bili admin endpoints answer on the proxy's own address (127.0.0.1), "
+                                   "not on another host's")
+        log.warning("[bili] refused %s %s for the host %s: not the proxy's own address", flow.request.method,
+                    flow.request.path.split("?", 1)[0], flow.request.host)
         return None
     path = flow.request.path.split("?", 1)[0]
     method = flow.request.method

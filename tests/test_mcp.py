@@ -47,9 +47,12 @@ def anthropic_body(*texts: str, tools: list[dict] | None = None) -> bytes:
 
 def flow(path: str, content: bytes = b"", *, method: str = "POST", peer: str = "127.0.0.1",
          headers: dict | None = None) -> tflow.HTTPFlow:
-    h = http.Headers(host="api.anthropic.com", content_type="application/json", **(headers or {}))
-    req = tutils.treq(method=method.encode(), path=path.encode(), host="api.anthropic.com", port=443,
-                      scheme=b"https", headers=h, content=content)
+    """A request from ``peer``: to the model's host, or a ``/__bili/`` one to the proxy's own address."""
+    admin = path.startswith("/__bili/")
+    host = "127.0.0.1" if admin else "api.anthropic.com"
+    h = http.Headers(host=f"{host}:8080" if admin else host, content_type="application/json", **(headers or {}))
+    req = tutils.treq(method=method.encode(), path=path.encode(), host=host, port=8080 if admin else 443,
+                      scheme=b"http" if admin else b"https", headers=h, content=content)
     f = tflow.tflow(req=req)
     f.client_conn.peername = (peer, 1)
     return f

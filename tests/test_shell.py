@@ -19,10 +19,15 @@ ANTH_BODY = json.dumps(
 ).encode()
 
 
-def model_flow(content: bytes, path: str = "/v1/messages", headers: dict | None = None, peer="127.0.0.1"):
-    h = http.Headers(host="api.anthropic.com", content_type="application/json", **(headers or {}))
-    req = tutils.treq(method=b"POST", path=path.encode(), host="api.anthropic.com", port=443, scheme=b"https",
-                      headers=h, content=content)
+def model_flow(content: bytes, path: str = "/v1/messages", headers: dict | None = None, peer="127.0.0.1",
+               host: str | None = None):
+    """A request from ``peer``: to the model's host, or a ``/__bili/`` one to the proxy's own address
+    (``host``: another)."""
+    admin = path.startswith("/__bili/")
+    host = host or ("127.0.0.1" if admin else "api.anthropic.com")
+    h = http.Headers(host=host if not admin else f"{host}:8080", content_type="application/json", **(headers or {}))
+    req = tutils.treq(method=b"POST", path=path.encode(), host=host, port=8080 if admin else 443,
+                      scheme=b"http" if admin else b"https", headers=h, content=content)
     f = tflow.tflow(req=req)
     f.client_conn.peername = (peer, 50000)
     return f
@@ -189,6 +194,42 @@ def test_admin_refuses_non_loopback_clients(bili, peer):
     f.request.method = "GET"
     bili.request(f)
     assert f.response.status_code == 403
+
+
+@pytest.mark.parametrize("host", ["evil.example", "api.anthropic.com", "127.0.0.1.evil.example", "10.0.0.5",
+                                  "192.168.0.7"])
+@pytest.mark.parametrize("path", ["/__bili/health", "/__bili/stats", "/__bili/?code=x"])
+def test_admin_answers_only_for_the_proxys_own_address(bili, host, path):
+    """A page the browser loaded through the proxy (bili as the system proxy), or one whose name a DNS
+    rebinding points at 127.0.0.1, asks /__bili/ on its own origin, from a loopback client: it gets
+    nothing of bili's (no version, no store, no proof), and the request goes nowhere."""
+    f = model_flow(b"", path=path, host=host, headers={"x-bili-challenge": "c" * 32,
+                                                       "x-bili-token": bili.token or ""})
+    f.request.method = "GET"
+    bili.request(f)
+    assert f.response is not None and f.response.status_code == 403
+    body = json.loads(f.response.content)
+    assert set(body) == {"ok", "error"} and "own address" in body["error"]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.1.1", "localhost", "LocalHost.", "bili.localhost",
+                                  "bili.proxy", "::1", "10.231.0.1"])
+def test_admin_answers_for_the_proxys_own_names(bili, host):
+    f = model_flow(b"", path="/__bili/health", host=host)
+    f.request.method = "GET"
+    bili.request(f)
+    assert f.response.status_code == 200 and json.loads(f.response.content)["ok"] is True
+
+
+def test_a_reverse_proxys_admin_requests_carry_its_targets_host(bili):
+    """mitmproxy gives the addon a reverse proxy's requests with the target's host: not checked there."""
+    from mitmproxy.proxy.mode_specs import ProxyMode
+
+    f = model_flow(b"", path="/__bili/health", host="api.anthropic.com")
+    f.client_conn.proxy_mode = ProxyMode.parse("reverse:https://api.anthropic.com")
+    f.request.method = "GET"
+    bili.request(f)
+    assert f.response.status_code == 200
 
 
 def test_admin_accepts_ipv6_and_mapped_loopback(bili):

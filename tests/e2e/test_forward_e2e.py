@@ -131,14 +131,34 @@ def _untagged(obj):
     return strip_tags(obj)[0]
 
 
+def _raw_get(proxy_url: str, path: str, host: str) -> bytes:
+    """``GET path`` in origin form on the proxy's own port with ``Host: host``: what a browser sends
+    for a page whose name resolves to 127.0.0.1."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(proxy_url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}:{u.port}\r\nConnection: close\r\n\r\n".encode())
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
 def test_admin_endpoints_through_the_forward_proxy(fake, forward_proxy):
     health = forward_proxy.health()  # GET http://bili.proxy/__bili/health via the proxy
     assert health["ok"] is True and health["version"]
     status, body = forward_proxy.admin("/__bili/does-not-exist")
     assert status == 404 and "error" in body
-    # any host name works, the addon answers before routing
+    # another host's /__bili/ (a web page's own origin, bili as the system proxy): refused, nothing of
+    # bili's in the answer, and nothing forwarded
     reply = request("http://anything.example/__bili/health", proxy=forward_proxy.url)
-    assert reply.status == 200 and reply.json()["ok"] is True
+    assert reply.status == 403 and set(reply.json()) == {"ok", "error"}
+    # a DNS rebinding: the proxy's own port, the page's name in Host
+    raw = _raw_get(forward_proxy.url, "/__bili/health", "rebound.example")
+    assert raw.startswith(b"HTTP/1.1 403") and b"version" not in raw
+    assert _raw_get(forward_proxy.url, "/__bili/health", "localhost").startswith(b"HTTP/1.1 200")
     stats = forward_proxy.stats()
     assert stats["store"] is True and isinstance(stats["sessions"], list)
     assert not fake.find(lambda r: r.route.startswith("/__bili/"))
