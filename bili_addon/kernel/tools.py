@@ -17,9 +17,12 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
+
 from bili_addon import private
 from bili_addon.kernel import fold, pending, surfaces, tags
 from bili_addon.kernel.fold import View
+from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.state import Call, ItemInfo, Session, TurnResult
 from bili_addon.store import StaleSession
 from bili_addon.wire import Lane
@@ -68,6 +71,81 @@ def replays(core, call: Call) -> bool:
         return json.loads(core.text or "{}") == json.loads(call.args or "{}")
     except ValueError:
         return False
+
+
+def paired(s: Session, parts, idless: dict[str, list[str]], called: dict[str, bool] | None, first_call,
+           nth: dict[str, int]):
+    """The call and result parts of one item (``parts``: ``(core, ref)`` pairs, in order) that stand
+    for a recorded proxy call, as ``(core, ref, key, target, call)``: ``call`` the executed call the part
+    is shown as (the call as the model made it, or its real result in place of the agent's error), or
+    None for a part of the agent's own with a key (an output the emergency truncation may have cut).
+    ``idless``: per tool name, the keys of the calls without ids seen so far, which results without a
+    matching id pair with, in order (carried from item to item).  ``first_call(id)``: the ref of the
+    first call part with that id in the request; a recorded call is that one, since a provider that
+    numbers its calls per answer (``call_0``) gives an id again, to the agent's own later calls, which
+    are left as they are, with their results (``called``: per id, whether its latest call part seen
+    so far was the recorded one).  ``nth``: id-less results of one tool in this item, which one each is."""
+    for core, ref in parts:
+        if core.ctype not in (TOOL_CALL, TOOL_RESULT):
+            continue
+        if core.ctype == TOOL_CALL:
+            key = call_key(core.tool_call_id, core.tool_name, core.text)
+            if not core.tool_call_id and key:
+                idless.setdefault(core.tool_name, []).append(key)
+            target = key
+        else:
+            # a result is edited under its own key; it answers the call with its id, or the
+            # oldest unanswered id-less call of its tool (agents may invent ids for those)
+            key = core.tool_call_id or (f"name:{core.tool_name}" if core.tool_name else "")
+            if key and not core.tool_call_id:
+                nth[key] = nth.get(key, -1) + 1
+            target = key if key in s.calls else None
+            if target is None and idless.get(core.tool_name):
+                target = idless[core.tool_name].pop(0)
+        if not key:
+            continue
+        call = s.calls.get(target) if target else None
+        if call is None:
+            yield core, ref, key, target, None
+            continue
+        if call.result is None:
+            continue
+        cid = core.tool_call_id
+        if core.ctype == TOOL_CALL and cid and not replays(core, call):
+            if called is not None:
+                called[cid] = False  # (its result too is the agent's own)
+            continue
+        if cid and called is not None:
+            if core.ctype == TOOL_CALL:
+                called[cid] = first_call is None or first_call(cid) in (None, ref)
+            if called.get(cid) is False:
+                continue  # the id given again, to another call: the agent's own
+        yield core, ref, key, target, call
+
+
+def shown_results(s: Session, view: View) -> dict[str, str]:
+    """The result parts of ``view`` the model is shown an executed call's result in (in place of the
+    agent's "unknown tool" error), paired as rendering pairs them (:func:`paired`): ref -> that result.
+    What a fold keeps of such a part, for decompress and search to give what the model saw."""
+    if not s.calls:
+        return {}
+    firsts: dict[str, str] = {}
+    for it in view.items:
+        for p in it.parts:
+            cid = p.tool_call_id
+            if p.ctype == TOOL_CALL and cid and cid not in firsts:
+                call = s.calls.get(cid)
+                if call is not None and replays(p, call):
+                    firsts[cid] = p.ref
+    idless: dict[str, list[str]] = {}
+    called: dict[str, bool] = {}
+    out: dict[str, str] = {}
+    for it in view.items:
+        for core, ref, _key, _target, call in paired(s, [(p, p.ref) for p in it.parts], idless, called,
+                                                     firsts.get, {}):
+            if call is not None and core.ctype == TOOL_RESULT:
+                out[ref] = call.result
+    return out
 
 
 def export_dir(data_dir: Path, sid: str) -> Path:
@@ -187,7 +265,11 @@ class ProxyTools:
                 held = self.defer_fold(s, out.blocks, out.deactivated, view)  # kernel/pending.py
                 if held is not None and not held["land"]:
                     text += " " + pending.SENTENCE
-                self.sessions.save_blocks(s, out.blocks + out.deactivated, out.originals,
+                # (a result part the model is shown an executed call's result in: that result is its original)
+                shown = shown_results(s, view) if s.calls else {}
+                originals = [msgspec.structs.replace(p, text=shown[p.ref], tokens=count_tokens(shown[p.ref]))
+                             if p.ref in shown else p for p in out.originals]
+                self.sessions.save_blocks(s, out.blocks + out.deactivated, originals,
                                           [(call_id, text)] if call_id in s.calls else [])
                 if held is not None:  # stored after the blocks: a failure in between lands them
                     self.sessions.set_flag(sid, pending.FLAG, held)
@@ -253,58 +335,24 @@ class ProxyTools:
     def call_edits(s: Session, lane: Lane, info: ItemInfo, refs_parts, idless: dict[str, list[str]],
                    called: dict[str, bool] | None = None, first_call=None) -> list:
         """Edits for one item: executed calls as the model made them, real results for the agent's
-        errors, emergency-truncated tool outputs.  ``idless``: per tool name, the keys of the calls
-        without ids seen so far, which results without a matching id pair with, in order.
-        ``first_call(id)``: the ref of the first call part with that id in the request; a recorded
-        call is that one, since a provider that numbers its calls per answer (``call_0``) gives an id
-        again, to the agent's own later calls, which are left as they are, with their results
-        (``called``: per id, whether its latest call part seen so far was the recorded one)."""
+        errors, emergency-truncated tool outputs.  ``idless``, ``called``, ``first_call``: as
+        :func:`paired` takes them, carried from item to item of the request."""
         cut = s.flags.get("truncated", {})
         edits: list = []
         obj = None
         shown: set[str] | None = None
-        nth: dict[str, int] = {}  # id-less results of one tool in this item: which one each is
-        for p in refs_parts:
-            if p.core.ctype not in (TOOL_CALL, TOOL_RESULT):
-                continue
-            if p.core.ctype == TOOL_CALL:
-                key = call_key(p.core.tool_call_id, p.core.tool_name, p.core.text)
-                if not p.core.tool_call_id and key:
-                    idless.setdefault(p.core.tool_name, []).append(key)
-                target = key
-            else:
-                # a result is edited under its own key; it answers the call with its id, or the
-                # oldest unanswered id-less call of its tool (agents may invent ids for those)
-                key = p.core.tool_call_id or (f"name:{p.core.tool_name}" if p.core.tool_name else "")
-                if key and not p.core.tool_call_id:
-                    nth[key] = nth.get(key, -1) + 1
-                target = key if key in s.calls else None
-                if target is None and idless.get(p.core.tool_name):
-                    target = idless[p.core.tool_name].pop(0)
-            if not key:
-                continue
-            call = s.calls.get(target) if target else None
+        nth: dict[str, int] = {}
+        for core, ref, key, target, call in paired(s, [(p.core, p.entry.ref) for p in refs_parts], idless, called,
+                                                   first_call, nth):
             if call is None:
-                if p.core.ctype == TOOL_RESULT and p.entry.ref in cut:  # the agent's own output, cut short
+                if core.ctype == TOOL_RESULT and ref in cut:  # the agent's own output, cut short
                     obj = obj if obj is not None else info.obj
                     # (an id-less one: its own response, not every one of its tool's; an error stays one)
-                    edits += lane.result_edits(obj, key, cut[p.entry.ref], nth=nth.get(key) if key.startswith("name:")
+                    edits += lane.result_edits(obj, key, cut[ref], nth=nth.get(key) if key.startswith("name:")
                                                else None, keep_error=True)
                 continue
-            if call.result is None:
-                continue
-            cid = p.core.tool_call_id
-            if p.core.ctype == TOOL_CALL and cid and not replays(p.core, call):
-                if called is not None:
-                    called[cid] = False  # (its result too is the agent's own)
-                continue
-            if cid and called is not None:
-                if p.core.ctype == TOOL_CALL:
-                    called[cid] = first_call is None or first_call(cid) in (None, p.entry.ref)
-                if called.get(cid) is False:
-                    continue  # the id given again, to another call: the agent's own
             obj = obj if obj is not None else info.obj
-            if p.core.ctype == TOOL_CALL:
+            if core.ctype == TOOL_CALL:
                 args = call.args
                 if call.name == "compress":
                     shown = shown_blocks(s) if shown is None else shown

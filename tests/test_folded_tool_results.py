@@ -1,0 +1,81 @@
+"""A fold over a stretch where the model used bili's own tools keeps, behind the ref of each such
+call's result, the result the model was shown on every turn (the executed call's), not the agent's
+"unknown tool" error the request carries in its place: decompress and search_context give back what
+the model read under that ref."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import churn as C
+from bili_addon.kernel.fold import FoldConfig
+from bili_addon.kernel.turn import Engine
+from bili_addon.stores import open_store
+from bili_addon.wire import LANES
+
+SUMMARY = "Fold summary covering the early turns: modules were read and their values noted carefully."
+BUILD = {"anthropic": C.anthropic, "chat": C.chat, "responses": C.responses, "gemini": C.gemini}
+
+
+class Agent:
+    def __init__(self, eng: Engine, lane: str, sid: str = "s1"):
+        self.eng, self.lane, self.sid = eng, lane, sid
+        self.extra: list[dict] = []
+
+    def send(self, ts, tail=None):
+        raw = C.body(self.lane, BUILD[self.lane](ts, C.Scheme(), self.extra if tail is None else tail))
+        res = self.eng.process(raw, LANES[self.lane], {"x-acp-session": self.sid}, render=True)
+        out = res.body if res.body is not None else raw
+        self.eng.store.record_usage(self.sid, self.lane, (len(out) // 4, 0, 0, 10))
+        self.eng.store.release()
+        return out
+
+    def call(self, cid: str, name: str, args: dict) -> None:
+        self.eng.record_calls(self.sid, [(cid, name, json.dumps(args))])
+        self.eng.store.release()
+        self.extra = self.extra + C.proxy_call(self.lane, cid, name, args)
+
+
+def shown_result(out: bytes, marker: str) -> str:
+    """The tool result text on the wire that holds ``marker``."""
+    for text in C.strings(json.loads(out)):
+        if marker in text:
+            return text
+    raise AssertionError(f"{marker!r} not on the wire")
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat", "responses", "gemini"])
+def test_a_folded_search_result_is_what_the_model_read(lane, tmp_path):
+    eng = Engine(open_store("", str(tmp_path)), fold_cfg=FoldConfig(min_compress_chars=2000))
+    a = Agent(eng, lane)
+    ts = C.turns(6)
+    refs = C.refs_by_text(a.send(ts))
+    a.call("c1", "compress", {"content": [{"startId": refs["Turn 1: please"], "endId": refs["Reply Turn 3: "],
+                                           "summary": SUMMARY}]})
+    a.send(ts)
+    a.call("s1", "search_context", {"query": "file-2-row-33"})
+    out = a.send(ts)
+    seen = shown_result(out, 'Matches for "file-2-row-33"')  # what the model read as s1's result
+    more = [C.Turn(t, f"Turn {t}: please analyze module {t}. {C.FILLER}", f"Reply Turn {t}: module {t} reviewed.",
+                   tool=t % 2 == 0) for t in range(6, 14)]
+    tail = a.extra + BUILD[lane](more, C.Scheme())
+    refs = C.refs_by_text(a.send(ts, tail))
+    # the model folds a range holding its search call and that call's result
+    a.call("c2", "compress", {"content": [{"startId": refs["Turn 4: please"], "endId": refs["Reply Turn 8: "],
+                                           "summary": SUMMARY + " two"}]})
+    a.extra = tail + a.extra[-2:]
+    out = a.send(ts)
+    assert 'Matches for "file-2-row-33"' not in out.decode()  # (folded)
+    s = eng.sessions.get("s1")
+    (b2,) = [b for b in s.blocks if b.id == "b2"]
+    kept = {o[0]: o[5] for o in eng.store.originals("s1", b2.direct)}
+    assert seen in kept.values(), "the fold keeps another text behind the search result's ref"
+    assert not any("No such tool" in text for text in kept.values())
+    # and decompress gives it back
+    a.call("d2", "decompress", {"blockId": "b2"})
+    out = a.send(ts)
+    got = shown_result(out, "[assistant → search_context]")
+    assert seen in got and "No such tool" not in got
+    eng.store.close()
