@@ -79,3 +79,25 @@ def test_a_folded_search_result_is_what_the_model_read(lane, tmp_path):
     got = shown_result(out, "[assistant → search_context]")
     assert seen in got and "No such tool" not in got
     eng.store.close()
+
+
+@pytest.mark.parametrize("lane", ["anthropic", "chat", "responses", "gemini"])
+def test_a_compress_call_points_only_at_a_summary_the_request_shows(lane, tmp_path):
+    """An executed compress call shows a pointer to its block in place of its summary while that
+    summary stands where the range was.  A host that drops its head (codex, pi) drops the range and
+    the block's summary with it: the call keeps the model's own summary then, the only record left of
+    what the range held."""
+    eng = Engine(open_store("", str(tmp_path)), fold_cfg=FoldConfig(min_compress_chars=2000))
+    a = Agent(eng, lane)
+    ts = C.turns(20)
+    refs = C.refs_by_text(a.send(ts))
+    a.call("c1", "compress", {"content": [{"startId": refs["Turn 1: please"], "endId": refs["Reply Turn 5: "],
+                                           "summary": SUMMARY + " KEEP-THIS-FACT"}]})
+    out = a.send(ts)
+    assert out.count(b"KEEP-THIS-FACT") == 1 and b"this summary stands in the conversation as b1" in out
+    again = a.send(ts)
+    assert again == out  # (the same history: the same bytes)
+    cut = a.send(ts[8:])  # the head dropped, the folded turns with it; the compress call stays
+    assert b"KEEP-THIS-FACT" in cut and b"this summary stands in the conversation as b1" not in cut
+    assert a.send(ts[8:]) == cut
+    eng.store.close()

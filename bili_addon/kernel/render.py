@@ -50,11 +50,12 @@ class WireFolds(Protocol):
 def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], start: int, q: int,
                  resolved: list[list[Resolved]], rendered: list[bytes], changed_cum: list[int],
                  tagged_cum: list[int], top: dict, origin: str, active: bool = True, objs: list | None = None,
-                 strict: bool | None = None) -> None:
+                 strict: bool | None = None, showing=None) -> None:
     """Per-item transforms of the items from ``start + q`` on: tags (with any reminder they
     carry), restored proxy calls and their real results, truncations, id hygiene.  ``objs``: the
     items this pass decoded (None where it did not), consumed by their tags' patching.  ``strict``:
-    :func:`strict_repair`'s verdict, when the caller has it."""
+    :func:`strict_repair`'s verdict, when the caller has it.  ``showing()``: the blocks the request
+    shows (``ProxyTools.call_edits``)."""
     last = len(infos) - 1
     nudges = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "suffix"}
     strict_chat = strict_repair(s, lane.name, top, origin) if strict is None else strict
@@ -100,7 +101,7 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
         edits, tagged = _item_edits(resolved[k], active, i != last, nudges)
         more = []
         if call_edits:
-            more += ProxyTools.call_edits(s, lane, info, resolved[k], idless, called, first_call)
+            more += ProxyTools.call_edits(s, lane, info, resolved[k], idless, called, first_call, showing)
         if responses and b'"msg-proxy-' in src:
             more += hygiene.proxy_id_edits("responses", info.obj)
         if strict_chat and b'"tool_calls"' in src:

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -333,10 +334,11 @@ class ProxyTools:
 
     @staticmethod
     def call_edits(s: Session, lane: Lane, info: ItemInfo, refs_parts, idless: dict[str, list[str]],
-                   called: dict[str, bool] | None = None, first_call=None) -> list:
+                   called: dict[str, bool] | None = None, first_call=None, showing=None) -> list:
         """Edits for one item: executed calls as the model made them, real results for the agent's
         errors, emergency-truncated tool outputs.  ``idless``, ``called``, ``first_call``: as
-        :func:`paired` takes them, carried from item to item of the request."""
+        :func:`paired` takes them, carried from item to item of the request.  ``showing()``: the ids of the
+        blocks the request shows (:func:`shown_blocks` of its view), asked when a compress call is edited."""
         cut = s.flags.get("truncated", {})
         edits: list = []
         obj = None
@@ -355,7 +357,8 @@ class ProxyTools:
             if core.ctype == TOOL_CALL:
                 args = call.args
                 if call.name == "compress":
-                    shown = shown_blocks(s) if shown is None else shown
+                    if shown is None:
+                        shown = showing() if showing is not None else shown_blocks(s)
                     args = shown_args(s, target, args, shown)
                 edits += lane.call_edits(obj, key, call.name, args)
             elif key.startswith("name:"):  # (id-less: Gemini's) its own response, not every one of its tool
@@ -405,12 +408,17 @@ class ProxyTools:
         return out
 
 
-def shown_blocks(s: Session) -> set[str]:
+def shown_blocks(s: Session, view: View | None = None, snoozed: Collection[str] = ()) -> set[str]:
     """Ids of the blocks the wire shows: those whose summary stands on it (held folds aside,
-    kernel/pending.py), and those absorbed, at any depth, by one that does."""
+    kernel/pending.py), and those absorbed, at any depth, by one that does.  With ``view``, the
+    request's: a block stands on it only where some of its messages are (fold.plan renders no other:
+    a host that dropped its head dropped the range, and the summary with it), and not ``snoozed``."""
     hold, keep = pending.held(s)
     by_id = {b.id: b for b in s.blocks}
-    todo = [b.id for b in pending.on_wire(s.blocks, hold, keep) if b.active]
+    todo = [b.id for b in pending.on_wire(s.blocks, hold, keep) if b.active and b.id not in snoozed]
+    if view is not None:
+        pos = view.pos
+        todo = [bid for bid in todo if any(ref in pos for ref in by_id[bid].coverage)]
     out: set[str] = set()
     while todo:
         bid = todo.pop()

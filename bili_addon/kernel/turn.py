@@ -57,7 +57,7 @@ from bili_addon.kernel.state import (
     hash_parts,
 )
 from bili_addon.kernel.native import NativeCalls
-from bili_addon.kernel.tools import ProxyTools
+from bili_addon.kernel.tools import ProxyTools, shown_blocks
 from bili_addon.kernel.windows import PATH_MODEL, context_window, variant, window_key
 from bili_addon.store import LedgerRow, SessionRow, StaleSession, Store, StoreError
 from bili_addon.wire import Lane
@@ -368,7 +368,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             rendered = [bytes(r) for r in raws[:start]]
             changed_cum, tagged_cum = [0] * (start + 1), [0] * (start + 1)
         render_items(s, lane, raws, infos, start, q, resolved, rendered, changed_cum, tagged_cum, top, origin, active,
-                     objs, strict)
+                     objs, strict, lambda: shown_blocks(s, view, snoozed))
         result.tagged = tagged_cum[-1]
         self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter,
                        (rendered, changed_cum, tagged_cum), len(raw))
