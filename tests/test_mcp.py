@@ -126,6 +126,62 @@ def test_null_conversation_is_the_one_whose_answer_made_the_call(bili):
     assert status == 200 and doc["conversationId"] == "older"
 
 
+def declined(sid: str, text: str, call_id: str, tool: str = "mcp__bili__acp_status") -> bytes:
+    """The agent's next request after its answer called ``tool`` (``call_id``) and the user declined it:
+    the call and its error result in the history, the call never run."""
+    msgs = [{"role": "user", "content": text},
+            {"role": "assistant", "content": [{"type": "text", "text": "Let me check."},
+                                              {"type": "tool_use", "id": call_id, "name": tool, "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "is_error": True,
+                                          "content": "The user doesn't want to proceed with this tool use."},
+                                         {"type": "text", "text": "no status, go on"}]}]
+    return json.dumps({"model": "claude-test", "max_tokens": 16, "messages": msgs}).encode()
+
+
+def test_a_native_call_the_agent_answered_without_running_it_is_no_ones(bili):
+    """A call the user declined (or the agent may not run) is answered with an error and never reaches
+    ``bili mcp``: once a request carries its answer, the same call from another conversation (whose
+    answer this proxy did not read: another instance's, or no proxy's) is no longer taken for it."""
+    model_answer(bili, "conv-A", "audit the payments service", calls=[("mcp__bili__acp_status", {})])
+    f = flow("/v1/messages", declined("conv-A", "audit the payments service", "toolu_conv-A_0"),
+             headers={"x_acp_session": "conv-A"})
+    bili.request(f)
+    status, doc = call_tool(bili, {"conversationId": None, "tool": "acp_status", "args": {}})
+    assert status == 404 and "conv-A" not in json.dumps(doc), doc
+
+
+def test_a_call_made_again_after_a_declined_one_keeps_its_own_id(bili):
+    """The same call made again in the conversation, run this time: it is that call (its id, which a
+    fold keeps for a fork's inheritance), not the declined one before it."""
+    eng = bili.engine
+    model_answer(bili, "conv-B", "audit the payments service", calls=[("mcp__bili__acp_status", {})])
+    eng.native.note("conv-B", "mcp__bili__acp_status", {}, "toolu_ran")  # (a later answer, the same call)
+    assert eng.native.take("acp_status", {}) == ("conv-B", "toolu_ran")
+
+
+def test_a_native_fold_whose_write_failed_is_not_on_the_wire(bili, tmp_path):
+    """A compress whose store write fails (another process holds SQLite's write lock past its wait)
+    answers that it did not run: its fold is then neither stored nor sent, before or after a restart."""
+    import sqlite3
+
+    bili.tctx.configure(bili, bili_min_compress_chars=0)
+    texts = [f"message {i}: " + "details about the build " * 10 for i in range(10)]
+    model_request(bili, "conv-w", *texts)
+    summary = "SUMMARY-XYZ: explored the build scripts; nothing to change in bootstrap or the test wrappers."
+    other = sqlite3.connect(bili.engine.store.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        status, doc = call_tool(bili, {"conversationId": "conv-w", "tool": "compress",
+                                       "args": {"content": [{"startId": "m00002", "endId": "m00004",
+                                                             "summary": summary}]}})
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert status == 503, doc
+    sent = json.dumps(model_request(bili, "conv-w", *texts, "next question"))
+    assert summary not in sent and "message 3:" in sent
+
+
 def test_compress_through_the_endpoint_folds_the_next_request(bili):
     bili.tctx.configure(bili, bili_min_compress_chars=0)
     texts = [f"message {i}: " + "details about the build " * 10 for i in range(10)]

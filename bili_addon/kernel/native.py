@@ -77,14 +77,34 @@ class NativeCalls:
             self._expire()
             found = [c for c in self._calls if c[2] == tool and c[3] == text]
             sids = {c[1] for c in found}
-            if len(sids) == 1:
-                self._calls.remove(found[0])
-                return found[0][1], found[0][4]
+            if len(sids) == 1:  # (the newest: an older one the agent answered without running it is gone by now)
+                self._calls.remove(found[-1])
+                return found[-1][1], found[-1][4]
         if not sids:
             raise LookupError(f"no conversation through this proxy made this {tool} call; start `bili mcp` "
                               "with --conversation ID (or $BILI_CONVERSATION_ID) to name the conversation")
         raise LookupError(f"{len(sids)} conversations made this same {tool} call; start `bili mcp` with "
                           "--conversation ID (or $BILI_CONVERSATION_ID) to name the conversation")
+
+    def answered(self, sid: str, ids) -> None:
+        """A request of ``sid`` carries the results of its calls with these ``ids``: the agent is done
+        with them, run or not (a call the user declined, or one the agent may not run, is answered
+        without running).  Their notes go: such a note would take another conversation's same call
+        (one whose answer this proxy did not read), or give a later run of the same call this one's id
+        (a fork would then inherit a fold made after it split, kernel/lineage.py)."""
+        if not self._calls:
+            return
+        with self._lock:
+            mine = {c[4] for c in self._calls if c[1] == sid and c[4]}
+            if not mine:
+                return
+            done = mine.intersection(ids)
+            if done:
+                self._calls = deque(c for c in self._calls if not (c[1] == sid and c[4] in done))
+
+    def waiting(self, sid: str) -> bool:
+        """Whether a call of ``sid`` with an id is noted (the engine then reads its request's results)."""
+        return bool(self._calls) and any(c[1] == sid and c[4] for c in self._calls)
 
     def _expire(self) -> None:
         limit = self._clock() - KEEP_SECONDS

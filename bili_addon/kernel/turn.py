@@ -61,7 +61,7 @@ from bili_addon.kernel.tools import ProxyTools, shown_blocks
 from bili_addon.kernel.windows import PATH_MODEL, context_window, variant, window_key
 from bili_addon.store import LedgerRow, SessionRow, StaleSession, Store, StoreError
 from bili_addon.wire import Lane
-from bili_addon.wire.base import TEXT, Core, Splits
+from bili_addon.wire.base import TEXT, TOOL_RESULT, Core, Splits
 
 log = logging.getLogger("bili")
 
@@ -314,6 +314,9 @@ class Engine(ProxyTools, Epochs, Deferred):
         view = (View(snap[2]) if snap else View(view_items, sums) if first is not None
                 else View(view_items, prev=s.last_view))
         s.last_view = view
+        if self.native.waiting(sid):  # (a native call the agent answered without running it: its note goes)
+            self.native.answered(sid, [p.tool_call_id for it in view.items for p in it.parts
+                                       if p.ctype == TOOL_RESULT and p.tool_call_id])
         self._compaction(s, lane.name, view, minted, result)  # the agent's own compaction: a new epoch
         drift = (coverage.check(self.store, self.sessions, s, view, resolved, result)
                  if s.blocks and self.reconcile else None)
