@@ -301,7 +301,13 @@ class ProxyTools:
         elif self.store.session(sid) is None and sid not in self.sessions:
             raise LookupError(f"unknown conversation {sid!r}")
         s = self.sessions.load(sid, fresh=True)
-        return sid, self.run_tool(s, tool, args, s.last_view, call_id)
+        try:
+            return sid, self.run_tool(s, tool, args, s.last_view, call_id)
+        except BaseException:
+            # what the call changed of the cached session may not be stored (a fold's blocks added before
+            # their write failed): the next turn reads the session from the store, as a failed turn does
+            self.sessions.forget(sid)
+            raise
 
     def _run_calls(self: ToolHost, s: Session, view: View, first: int, result: TurnResult,
                    snoozed: frozenset[str] = frozenset()) -> None:
