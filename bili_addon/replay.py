@@ -66,6 +66,7 @@ class Turn:
     raw: bytes = b""  # the agent's own body (not in --json)
     at: float = 0.0  # when the request was sent (the flow's timestamp; for --cost)
     shadowed: tuple[str, ...] = ()  # bili's tool names the agent's own tools have (not in --json)
+    side: bool = False  # a side request (TurnResult.side): its answer's usage is not the conversation's size
 
     @property
     def tokens_in(self) -> int:
@@ -153,7 +154,7 @@ class Replayer:
             report.path, index, res.session, n, lane.name, via, host, res.messages, res.refs_new, res.refs_known,
             len(raw), len(body), sum(b.active for b in s.blocks) if s else 0, res.folded_items, list(res.executed),
             first_party=fp, changed=res.body is not None and res.body != raw, body=body, raw=raw, at=self.at,
-            reason=" ".join(res.declined), shadowed=res.shadowed,
+            reason=" ".join(res.declined), shadowed=res.shadowed, side=res.side,
         )
         if fp:
             turn.first_block_kept = _system_head(body) == _system_head(raw)
@@ -171,7 +172,7 @@ class Replayer:
 
     # -- its recorded answer -------------------------------------------------------------------------
     def account(self, turn: Turn, rw) -> None:
-        turn.called += self.engine.record_answer(turn.session, turn.lane, rw)
+        turn.called += self.engine.record_answer(turn.session, turn.lane, rw, turn.side)
 
     def response(self, turn: Turn, flow, marker: str, rewrite: bool, live: dict[str, Any] | None = None) -> None:
         from bili_addon.stream import ResponseRewriter

@@ -137,6 +137,7 @@ class FlowState:
     record: dict[str, Any] = field(default_factory=dict)
     chain: ChainTurn | None = None  # a Responses turn: its answer goes into the chains transcript
     sent: bytes = b""  # what went upstream: its predicted cache-read share is computed with the answer
+    side: bool = False  # a side request (TurnResult.side): its usage is not the conversation's size
 
 
 class Bili:
@@ -439,7 +440,7 @@ class Bili:
         self._note_native(rw, res.session)
         if turn is not None:
             rw.tap = self.chain_tap(turn)
-        self._flows[flow] = FlowState(lane.name, res.session, rw, record, turn, sent)
+        self._flows[flow] = FlowState(lane.name, res.session, rw, record, turn, sent, res.side)
 
     def _note_native(self, rw: ResponseRewriter, session: str) -> None:
         """The answer's calls of bili's tools under the agent's own names for them (its MCP server's)
@@ -618,7 +619,7 @@ class Bili:
             st.sent = b""
         self.retention.answered()  # counts; a due pass is queued on the worker, after this answer's work
         rw = st.rewriter
-        called = eng.record_answer(st.session, st.lane, rw)
+        called = eng.record_answer(st.session, st.lane, rw, st.side)
         flowmeta.record_answer(st.record, rw, called)
         if called:
             log.info("[bili] session=%s: the model called %s; it runs when the agent's next request carries it",
@@ -722,7 +723,8 @@ class Bili:
                 record["message"] = len(flow.websocket.messages) - 1
                 flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
             if session or turn is not None:
-                self._flows[flow] = FlowState("responses", session, rw, record or {}, turn, sent)
+                self._flows[flow] = FlowState("responses", session, rw, record or {}, turn, sent,
+                                              res is not None and res.side)
         except Exception as e:  # fail open: this frame goes up as the agent sent it
             log.exception("[bili] WebSocket frame handling failed (%s); frame forwarded unchanged", e)
 

@@ -1244,8 +1244,10 @@ class Store:
         its own transaction, as outside (PostgreSQL sends them as one statement: store_pg.PgStore.answer)."""
         yield
 
-    def record_usage(self, session_id: str, lane: str, usage: tuple[int, int, int, int]) -> None:
-        """One upstream answer's usage: input (all prompt tokens), cache read, cache write, output."""
+    def record_usage(self, session_id: str, lane: str, usage: tuple[int, int, int, int], last: bool = True) -> None:
+        """One upstream answer's usage: input (all prompt tokens), cache read, cache write, output.
+        ``last``: it is the conversation's size as :meth:`last_usage` gives it (not a side request's:
+        counted in the totals only)."""
         inp, read, write, out = usage
         with self._tx():
             cur = self.db.execute(
@@ -1253,7 +1255,7 @@ class Store:
                 "cache_write=cache_write+?, output_tokens=output_tokens+? WHERE id=? RETURNING turns",
                 (inp, read, write, out, session_id),
             ).fetchone()
-            if cur is not None:
+            if cur is not None and last:
                 self.db.execute(
                     "INSERT OR REPLACE INTO turns(session_id, n, ts, lane, input_tokens, cache_read, cache_write, "
                     "output_tokens) VALUES(?,?,?,?,?,?,?,?)",

@@ -1435,10 +1435,11 @@ class PgStore:
             self.writes += 1
         return row
 
-    def record_usage(self, session_id: str, lane: str, usage: tuple[int, int, int, int]) -> None:
+    def record_usage(self, session_id: str, lane: str, usage: tuple[int, int, int, int], last: bool = True) -> None:
         """An answer's usage: the session's totals and its turn's row, in one statement (the row
-        numbered by the totals' update, as the update locks the session's row)."""
-        self._record(("usage", session_id, (lane, usage, time.time())))
+        numbered by the totals' update, as the update locks the session's row).  ``last``: as
+        :meth:`bili_addon.store.Store.record_usage` (a side request's: the totals only)."""
+        self._record(("usage", session_id, (lane, usage, time.time(), last)))
 
     def _record(self, record: tuple, send: bool = False) -> dict[str, int]:
         """An answer's record (``(kind, session, what)``): queued inside :meth:`answer` (sent now when
@@ -1516,11 +1517,12 @@ class PgStore:
                 params += [sid, end, sid, keep, doc]
                 continue
             if kind == "usage":
-                lane, (inp, read, write, out), ts = what
+                lane, (inp, read, write, out), ts, last = what
                 ctes.append(f"u{i} AS ({_USAGE_UPDATE})")
                 params += [inp, read, write, out, sid]
-                ctes.append(f"t{i} AS ({_USAGE_INSERT.format(src=f'u{i}')})")
-                params += [sid, ts, lane, inp, read, write, out]
+                if last:
+                    ctes.append(f"t{i} AS ({_USAGE_INSERT.format(src=f'u{i}')})")
+                    params += [sid, ts, lane, inp, read, write, out]
                 continue
             key = _rows_lock_key(kind, sid)
             insert = _NUMBERED_INSERT[kind](what)

@@ -22,6 +22,14 @@ from bili_addon.kernel.fold import Block, PartView, View, coverage
 from bili_addon.wire.base import IMAGE, REASONING, TEXT
 
 SIDE_REQUEST_MAX_ITEMS = 10  # smaller requests (titles, probes) never move the copy
+
+
+def side_request(items: int, before: int) -> bool:
+    """Whether a request of ``items`` conversation items, in a session whose conversation last had
+    ``before``, is a side request (a title, a probe: an agent's small request under its session's id),
+    not a turn of the conversation: fewer than :data:`SIDE_REQUEST_MAX_ITEMS`, where the conversation
+    has more."""
+    return items < SIDE_REQUEST_MAX_ITEMS and before > items
 SHAPE_MASS_MIN = 8  # a drift this large gets the shape tier and a verdict
 COLLAPSE_MIN = 10
 _encode = msgspec.json.Encoder().encode  # the copy's document (Copy.to_json, from_json)

@@ -433,6 +433,7 @@ class TurnResult:
     status: int = 0  # non-zero: answer the client with this status instead of forwarding
     error: str = ""
     shadowed: tuple[str, ...] = ()  # bili's tool names the agent's own tools have: its calls of them are the agent's
+    side: bool = False  # a side request (reconcile.side_request): its answer's usage is not the conversation's size
 
 
 __all__ = [

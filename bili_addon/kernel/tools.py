@@ -220,17 +220,19 @@ class ProxyTools:
                 s.calls[key] = Call(name, args)
             return
 
-    def record_answer(self: ToolHost, sid: str, lane: str, rw: Any) -> list[str]:
+    def record_answer(self: ToolHost, sid: str, lane: str, rw: Any, side: bool = False) -> list[str]:
         """What one model answer leaves behind (``rw``: its ResponseRewriter, once the answer is
         complete): the proxy tool calls it made, when they reached the agent through the addon,
-        and the usage it reported.  Returns the names of the calls recorded."""
+        and the usage it reported (``side``: the answer of a side request, ``TurnResult.side``: its
+        usage counts in the totals, not as the conversation's size).  Returns the names of the calls
+        recorded."""
         called = []
         if rw.calls and rw.rewrite:
             self.record_calls(sid, rw.calls)
             called = [name for _k, name, _a in rw.calls]
         u = rw.usage
         if u.seen:
-            self.store.record_usage(sid, lane, (u.input, u.cache_read, u.cache_write, u.output))
+            self.store.record_usage(sid, lane, (u.input, u.cache_read, u.cache_write, u.output), last=not side)
         # the cache model bills the request now (off its path); the reported usage calibrates it
         # (an answer without a figure of its cache reads is billed, but teaches the cache model nothing)
         known = u.seen and u.cache_known

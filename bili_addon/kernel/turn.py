@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import msgspec
 
 from bili_addon.kernel import (breakpoints, cache, coverage, envelope, fold, fresh, lifetime, nudge, pending, pressure,
-                               registry, tags)
+                               reconcile, registry, tags)
 from bili_addon.kernel.calibration import Calibration
 from bili_addon.kernel.chains import Chains
 from bili_addon.kernel.compaction import Epochs
@@ -313,11 +313,16 @@ class Engine(ProxyTools, Epochs, Deferred):
         # (a follow-up's view extends the figures and plan of the session's previous one: fold.View)
         view = (View(snap[2]) if snap else View(view_items, sums) if first is not None
                 else View(view_items, prev=s.last_view))
-        s.last_view = view
+        self._compaction(s, lane.name, view, minted, result)  # the agent's own compaction: a new epoch
+        # a side request (a title, a probe) leaves the conversation's view as its last: native calls
+        # resolve against it, and the next turn's view extends it
+        before = len(s.last_view.items) if s.last_view is not None else (s.copy.items[-1] + 1 if s.copy.items else 0)
+        result.side = not result.epoch and reconcile.side_request(len(view.items), before)
+        if not result.side:
+            s.last_view = view
         if self.native.waiting(sid):  # (a native call the agent answered without running it: its note goes)
             self.native.answered(sid, [p.tool_call_id for it in view.items for p in it.parts
                                        if p.ctype == TOOL_RESULT and p.tool_call_id])
-        self._compaction(s, lane.name, view, minted, result)  # the agent's own compaction: a new epoch
         drift = (coverage.check(self.store, self.sessions, s, view, resolved, result)
                  if s.blocks and self.reconcile else None)
         snoozed = drift.snoozed if drift is not None else set()
@@ -338,7 +343,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         if s.blocks and self.reconcile:
             coverage.roll_copy(self.sessions, s, view, resolved, drift)  # (with the staged commit)
         active = result.active = pressure.is_active(self, s, view)
-        if self.inject and active:
+        if self.inject and active and not result.side:  # (a side request's size says nothing of the conversation's)
             pressure.apply(self, s, view, resolved, new)
         names = None  # the request's tool names (read here: whether the native-tools flag follows the flush)
         if self.inject and active and len(raws) > start:

@@ -1,0 +1,84 @@
+"""A side request (Claude Code's title or suggestion request: one message, a small model, the session's
+own id) is answered between two turns of its conversation.  Its usage is counted (money), but it is
+not the conversation's size: the next turn's pressure (reminders, the emergency cut near the window)
+reads the conversation's last answer, and native tool calls resolve against the conversation's view."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mitmproxy import http
+from mitmproxy.test import tutils
+
+from test_mcp import call_tool, flow
+
+SID = {"x-claude-code-session-id": "b2670633-5d88-45a2-b16c-2e73cf531229"}
+READ = [{"name": "Read", "input_schema": {"type": "object"}}]
+
+
+def conversation(tail: str) -> bytes:
+    msgs = [{"role": "user", "content": "Read all modules."}]
+    for i in range(19):
+        msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "Read", "input": {"f": i}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}",
+                                               "content": f"OUT {i}\n" + ("data %d\n" % i) * 5000}]}]
+    msgs += [{"role": "assistant", "content": [{"type": "text", "text": "ok"}]}, {"role": "user", "content": tail}]
+    return json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": msgs, "tools": READ}).encode()
+
+
+TITLE = json.dumps({"model": "claude-haiku-4-5-20251001", "max_tokens": 32, "tools": READ, "messages": [
+    {"role": "user", "content": "Generate a short title for this session: Read all modules."}]}).encode()
+
+
+def turn(bili, body: bytes, input_tokens: int) -> bytes:
+    """One request through the addon and its JSON answer reporting ``input_tokens``: what went up."""
+    f = flow("/v1/messages", body, headers=SID)
+    bili.request(f)
+    sent = f.request.content
+    answer = {"id": "msg_1", "type": "message", "role": "assistant", "content": [{"type": "text", "text": "Done."}],
+              "stop_reason": "end_turn", "usage": {"input_tokens": input_tokens, "output_tokens": 5,
+                                                    "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
+    f.response = tutils.tresp(headers=http.Headers(content_type="application/json"), content=json.dumps(answer).encode())
+    bili.responseheaders(f)
+    bili.response(f)
+    return sent
+
+
+@pytest.mark.parametrize("side", [False, True])
+def test_a_side_requests_usage_is_not_the_conversations_size(bili, side):
+    turn(bili, conversation("go on"), 192_000)  # the conversation at 96% of a 200K window
+    if side:
+        title = turn(bili, TITLE, 420)
+        # (nothing of the conversation's pressure: no reminder given to it)
+        assert "[bili]" not in json.dumps(json.loads(title)["messages"])
+    sent = turn(bili, conversation("next"), 193_000)
+    assert sent.count(b"were cut by bili") == 3  # the emergency cut, with or without the side request between
+    sid = next(iter(bili.engine.sessions))
+    usage = bili.engine.store.usage(sid)
+    assert usage.turns == (3 if side else 2) and usage.input_tokens == 192_000 + 193_000 + (420 if side else 0)
+
+
+def test_a_native_call_after_a_side_request_resolves_against_the_conversation(bili):
+    bili.tctx.configure(bili, bili_min_compress_chars=0)
+    turn(bili, conversation("go on"), 1_000)
+    turn(bili, TITLE, 420)
+    sid = next(iter(bili.engine.sessions))
+    status, doc = call_tool(bili, {"conversationId": sid, "tool": "compress", "args": {"content": [
+        {"startId": "m00002", "endId": "m00009", "summary": "Read modules 0 to 3: each prints its data lines; "
+                                                             "nothing to change in them."}]}})
+    assert status == 200 and "b1" in doc["result"], doc
+
+
+def test_both_stores_count_a_side_answer_in_the_totals_only(backend):
+    from bili_addon.kernel.turn import Engine
+    from bili_addon.wire import LANES
+
+    store = backend()
+    Engine(store).process(conversation("go on"), LANES["anthropic"], {"x-acp-session": "s"}, render=True)
+    store.release()
+    store.record_usage("s", "anthropic", (1000, 0, 0, 5))
+    store.record_usage("s", "anthropic", (40, 0, 0, 2), last=False)
+    usage = store.usage("s")
+    assert (usage.turns, usage.input_tokens, usage.output_tokens) == (2, 1040, 7)
+    assert store.last_usage("s") == (1000, 0, 0, 5)
