@@ -411,6 +411,14 @@ def store_error(action: str, path: Path, e: BaseException) -> StoreError:
     return StoreError(f"cannot {action} the store at {path}: {words} ({e})", kind, _HINTS.get(kind, ""))
 
 
+def newer_schema(where: str, have: int) -> StoreError:
+    """A store stamped by a newer bili (both backends refuse it, before writing anything): its rows
+    may be in a form this bili does not know, read wrong or written so that the newer bili misreads
+    them (a second install, a downgrade); requests pass through until bili is upgraded."""
+    return StoreError(f"the store at {where} has schema version {have}, newer than this bili ({SCHEMA_VERSION}); "
+                      "upgrade bili", "error", "upgrade bili-addon on this host")
+
+
 class LedgerRow(msgspec.Struct, gc=False, array_like=True):
     """One ledger row; a write's rows are stored as one JSON array of arrays (schema 7)."""
 
@@ -875,6 +883,9 @@ class Store:
             # its size then says how much is left to copy (else, grown once, it would wake the thread,
             # and make a checkpoint with its fsyncs, after every commit)
             self.db.execute(f"PRAGMA journal_size_limit={WAL_CHECKPOINT_PAGES // 2 * (self._page_size + 24)}")
+            have = self._stamp()
+            if have > SCHEMA_VERSION:  # (before _SCHEMA: not even a table of ours made in it)
+                raise newer_schema(self.where, have)
             self.db.executescript(_SCHEMA)
             self._migrate()
         except (sqlite3.Error, OSError, StoreError) as e:
@@ -1486,6 +1497,12 @@ class Store:
     def schema_version(self) -> int:
         row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         return int(row[0]) if row else 0
+
+    def _stamp(self) -> int:
+        """:meth:`schema_version` of a store that may have no ``meta`` table yet (a new one: 0)."""
+        if self.db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone() is None:
+            return 0
+        return self.schema_version()
 
     def ping(self) -> float:
         """Seconds for one read of the store."""

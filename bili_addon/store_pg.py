@@ -26,7 +26,7 @@ import msgspec
 from bili_addon.store import (
     CALIBRATION_COLS, CHAIN_COLS, DB_NAME, HANGING, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
     FRESH_GIVEN, StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, WIRE_SUMS, _json, _wire_rows, contiguous,
-    dead_chains,
+    dead_chains, newer_schema,
     _not_pruned, fresh_first, ledger_rows, rebase, retired_taken, tombstone_flags, wire_turn,
 )
 
@@ -974,8 +974,7 @@ class PgStore:
                 row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
                 have = int(row[0]) if row else 0
             if have > SCHEMA_VERSION:
-                raise StoreError(f"the store at {self.where} has schema version {have}, newer than this bili "
-                                 f"({SCHEMA_VERSION}); upgrade bili", "error", "upgrade bili-addon on this host")
+                raise newer_schema(self.where, have)
             for v in sorted(_MIGRATIONS):
                 if v > have:
                     for stmt in _MIGRATIONS[v]:

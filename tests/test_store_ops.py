@@ -399,3 +399,57 @@ def test_a_sqlite_store_whose_chains_have_no_owner_gets_the_column(tmp_path):
         assert s.schema_version() == SCHEMA_VERSION
     finally:
         s.close()
+
+
+def test_a_sqlite_store_of_a_newer_schema_is_refused_as_postgresqls_is(bili, tmp_path, capsys):
+    """A SQLite store stamped by a newer bili (a second install, a downgrade) was opened and written
+    without a word, while PostgreSQL's was refused: its figures read, its turns written, in a form the
+    newer bili may not know.  Refused now, nothing made in it: the proxy passes the agent's requests
+    through and says why (health, bili stats), bili store and bili doctor say to upgrade."""
+    import sqlite3
+
+    from bili_addon import statscmd, store_cli
+    from bili_addon.store import DB_NAME, Store, StoreError
+    from test_shell import ANTH_BODY, model_flow, session_headers
+
+    d = tmp_path / "newer"
+    Store(d).close()
+    db = sqlite3.connect(d / DB_NAME)
+    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION + 1),))
+    db.execute("DROP TABLE calibration")  # (a table the newer schema gave up: not made again)
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="newer than this bili") as e:
+        Store(d)
+    assert str(e.value).endswith("upgrade bili") and e.value.hint
+    db = sqlite3.connect(d / DB_NAME)
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (str(SCHEMA_VERSION + 1),)
+    assert db.execute("SELECT 1 FROM sqlite_master WHERE name='calibration'").fetchone() is None
+    db.close()
+
+    bili.tctx.configure(bili, bili_data_dir=str(d))
+    f = model_flow(ANTH_BODY, headers=session_headers())
+    bili.request(f)
+    assert f.request.content == ANTH_BODY  # fail open
+    h = health(bili)
+    assert h["store"] is False and "newer than this bili" in h["store_error"] and h["store_hint"]
+    assert "store unusable: the store at" in statscmd.sessions_table(bili.stats())
+    assert "upgrade bili" in statscmd.sessions_table(bili.stats())
+
+    for argv in (["info", "--store", str(d)], ["prune", "--older-than", "30d", "--store", str(d)],
+                 ["prune", "--older-than", "30d", "--dry-run", "--store", str(d)],
+                 ["migrate", "--from", str(d), "--to", str(tmp_path / "copy")]):
+        p = argparse.ArgumentParser()
+        store_cli.configure(p)
+        assert store_cli.run(p.parse_args(argv)) == 1, argv
+        assert "newer than this bili" in capsys.readouterr().err, argv
+    p = argparse.ArgumentParser()
+    store_cli.configure(p)
+    (tmp_path / "older").mkdir()
+    Store(tmp_path / "older").close()
+    assert store_cli.run(p.parse_args(["migrate", "--from", str(tmp_path / "older"), "--to", str(d)])) == 1
+    assert "newer than this bili" in capsys.readouterr().err  # (nor is it written as a target)
+
+    args = argparse.Namespace(confdir=str(tmp_path / "conf"), data_dir=str(d), port=1, store="")
+    store = {c.name: c for c in doctor_checks(args, env={"PATH": ""})}["store"]
+    assert not store.ok and "newer than this bili" in store.detail and "upgrade bili-addon" in store.detail
