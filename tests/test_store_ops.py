@@ -453,3 +453,69 @@ def test_a_sqlite_store_of_a_newer_schema_is_refused_as_postgresqls_is(bili, tmp
     args = argparse.Namespace(confdir=str(tmp_path / "conf"), data_dir=str(d), port=1, store="")
     store = {c.name: c for c in doctor_checks(args, env={"PATH": ""})}["store"]
     assert not store.ok and "newer than this bili" in store.detail and "upgrade bili-addon" in store.detail
+
+
+@pytest.mark.parametrize("stamp", [8, SCHEMA_VERSION])
+def test_a_store_whose_stamp_says_more_than_it_holds_gets_what_it_lacks(backend, stamp):
+    """A development branch (``ttl``, c59c025) stamped its wire columns schema 8: a store it made has
+    them but not retention's ``sessions.pruned`` nor the indexes of the chains' bases.  The steps were
+    chosen by the stamp alone (8 done, then stamped with the newest): every list of sessions, every
+    retention pass and every fork's adoption failed ("no such column: pruned"), and each took the
+    store down.  Stamped 8, or already stamped the newest by such a bili, it gets them when opened,
+    on either backend, and its conversations go on."""
+    from bili_addon import retention
+    from bili_addon.store import LedgerRow, SessionRow
+
+    s = backend()
+    v = s.commit_turn(SessionRow("old", "", "", 0.0, 0.0, 1, 1, 2), [LedgerRow("h", "aa", "m00001", "user", "text", 1)],
+                      expect=0, minted=[("m00001", "aa")])
+    raw = s.db.execute if s.backend == "sqlite" else s._q
+    raw("ALTER TABLE sessions DROP COLUMN pruned")  # (as the branch left it: its wire columns stay)
+    raw("DROP INDEX chains_agent_base")
+    raw("DROP INDEX chains_sent_base")
+    if s.backend != "sqlite":  # (the functions of the steps after 8 as well: they are taken again)
+        raw("DROP FUNCTION bili_hold")
+    raw(f"UPDATE meta SET value='{stamp}' WHERE key='schema_version'")
+    s.close()
+    s = backend()
+    assert s.schema_version() == SCHEMA_VERSION
+    raw = s.db.execute if s.backend == "sqlite" else s._q
+    if s.backend == "sqlite":
+        assert "pruned" in {r[1] for r in raw("PRAGMA table_info(sessions)")}
+        assert {"chains_agent_base", "chains_sent_base"} <= {r[0] for r in raw(
+            "SELECT name FROM sqlite_master WHERE type='index'")}
+    else:
+        assert raw("SELECT to_regclass('chains_agent_base') IS NOT NULL AND to_regclass('chains_sent_base') "
+                   "IS NOT NULL") == [(True,)]
+    assert [r.id for r in s.sessions()] == ["old"] and s.version("old") == v
+    assert [sid for sid, _ in s.idle_sessions(1e12)] == ["old"]
+    s.hold("old")
+    assert s.version("old") == v
+    assert s.commit_turn(SessionRow("old", "", "", 0.0, 0.0, 2, 2, 3), [LedgerRow("h2", "bb", "m00002", "user",
+                                                                                   "text", 1)],
+                         expect=v, minted=[("m00002", "bb")]) == v + 1
+    s.release()
+    rep = retention.prune(s, 0.0, now=1e12)
+    assert rep.removed == [["old"]] and s.ledger("old") == []
+    s.close()
+    s = backend()  # (healed: nothing taken again)
+    assert s.schema_version() == SCHEMA_VERSION and s.sessions() == []
+
+
+def test_a_postgresql_store_whose_chains_have_no_owner_gets_the_column(pg_url, tmp_path):
+    """As SQLite's (above): the PostgreSQL chains table made before its ``owner`` column, stamped with
+    every schema since, gets the column when opened; every chain saved there had failed."""
+    from bili_addon.store import CHAIN_COLS
+    from bili_addon.store_pg import PgStore
+
+    s = PgStore(pg_url, str(tmp_path))
+    s._q("ALTER TABLE chains DROP COLUMN owner")
+    s.close()
+    s = PgStore(pg_url, str(tmp_path))
+    try:
+        row = dict(zip(CHAIN_COLS, ("resp_1", "s", "", 1, "", 0, b"[]", "", 0, None, b"[]", "o1", 1.0)))
+        s.save_chain(tuple(row[c] for c in CHAIN_COLS))
+        assert s.chain("resp_1") == tuple(row[c] for c in CHAIN_COLS)
+        assert s.schema_version() == SCHEMA_VERSION
+    finally:
+        s.close()
