@@ -32,7 +32,7 @@ from bili_addon import (BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __v
                         private, procs, transparent)
 from bili_addon.agents import (AGENTS, ANY_CA, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex,
                                intercept_plan)
-from bili_addon.store import DB_NAME, SCHEMA_VERSION, StoreError, default_data_dir
+from bili_addon.store import DB_NAME, SCHEMA_VERSION, StoreError, default_data_dir, newer_schema
 from bili_addon.stores import is_url, open_store, store_spec
 
 START_TIMEOUT = 30.0
@@ -1248,10 +1248,16 @@ def doctor_checks(args: argparse.Namespace, env: Mapping[str, str] | None = None
             conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)
             try:
                 n = conn.execute("SELECT count(*) FROM sessions").fetchone()[0]
+                row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             finally:
                 conn.close()
-            checks.append(Check("store", True, f"{db}: {n} conversation(s)"))
-        except sqlite3.Error as e:
+            have = int(row[0]) if row else 0
+            if have > SCHEMA_VERSION:  # (the proxy refuses it: its requests would pass through unchanged)
+                e = newer_schema(str(db), have)
+                checks.append(Check("store", False, f"{e} ({e.hint})"))
+            else:
+                checks.append(Check("store", True, f"{db}: {n} conversation(s)"))
+        except (sqlite3.Error, ValueError) as e:
             checks.append(Check("store", False, f"{db} does not open: {e}"))
     else:
         parent = next((p for p in [data, *data.parents] if p.exists()), None)

@@ -411,6 +411,14 @@ def store_error(action: str, path: Path, e: BaseException) -> StoreError:
     return StoreError(f"cannot {action} the store at {path}: {words} ({e})", kind, _HINTS.get(kind, ""))
 
 
+def newer_schema(where: str, have: int) -> StoreError:
+    """A store stamped by a newer bili (both backends refuse it, before writing anything): its rows
+    may be in a form this bili does not know, read wrong or written so that the newer bili misreads
+    them (a second install, a downgrade); requests pass through until bili is upgraded."""
+    return StoreError(f"the store at {where} has schema version {have}, newer than this bili ({SCHEMA_VERSION}); "
+                      "upgrade bili", "error", "upgrade bili-addon on this host")
+
+
 class LedgerRow(msgspec.Struct, gc=False, array_like=True):
     """One ledger row; a write's rows are stored as one JSON array of arrays (schema 7)."""
 
@@ -875,6 +883,9 @@ class Store:
             # its size then says how much is left to copy (else, grown once, it would wake the thread,
             # and make a checkpoint with its fsyncs, after every commit)
             self.db.execute(f"PRAGMA journal_size_limit={WAL_CHECKPOINT_PAGES // 2 * (self._page_size + 24)}")
+            have = self._stamp()
+            if have > SCHEMA_VERSION:  # (before _SCHEMA: not even a table of ours made in it)
+                raise newer_schema(self.where, have)
             self.db.executescript(_SCHEMA)
             self._migrate()
         except (sqlite3.Error, OSError, StoreError) as e:
@@ -884,37 +895,65 @@ class Store:
             raise store_error("open", self.path, e) from e
 
     def _migrate(self) -> None:
-        """Bring a store of an older schema up to date (idempotent; one transaction)."""
-        row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        have = int(row[0]) if row is not None else 0
-        legacy = self.db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='ledger'").fetchone()
-        # the chains' owner came without a migration (schema 4 then): a store made before it may have
-        # been stamped with every later schema since, without the column
-        owner = "owner" in {r[1] for r in self.db.execute("PRAGMA table_info(chains)")}
-        if have >= SCHEMA_VERSION and legacy is None and owner:
+        """Bring a store of an older schema up to date (idempotent; one transaction).  A step is taken
+        when the store lacks what it makes, whatever its stamp says: a development branch stamped its
+        own steps with the same numbers (``ttl``, c59c025: schema 8 was the wire's 1-hour writes, without
+        retention's ``sessions.pruned``), and a column that came without a migration (the chains'
+        ``owner``) was never stamped at all; such a store, stamped with every later schema since, heals
+        on its next open."""
+        have = self.schema_version()
+        if have >= SCHEMA_VERSION and not self._lacks():
             return
         with self._tx():
+            lacks = self._lacks()  # (again, in the write: another process may have mended it meanwhile)
             # 3: the wire table, 4: the calibration table, 5: the chains table, made by _SCHEMA like
             # every table; nothing to move. 6: nothing in SQLite (PostgreSQL's turn commit became functions);
             # 11, 12: nothing either (PostgreSQL's turn commit takes the copy; a family's commits serialised)
-            if legacy is not None:  # a store of schema 6 or older: its ledger and refs one row per part
+            if "legacy" in lacks:  # a store of schema 6 or older: its ledger and refs one row per part
                 self.db.execute(_LEGACY)  # (a store of schema 1 may have none)
                 if have < 2:
                     self._repair_refs()
                 self._one_row_per_write()
-            if have < 8:
+            if "retention" in lacks:
                 self._retention_schema()
-            if have < 9:
+            if "wire_split" in lacks:
                 self._wire_split()
-            if have < 10:  # the refs view reads a fresh write's refs from its ledger row too
+            if "fresh_refs" in lacks:  # the refs view reads a fresh write's refs from its ledger row too
                 self.db.execute("DROP VIEW IF EXISTS refs")
-            if not owner:
+            if "owner" in lacks:
                 self.db.execute("ALTER TABLE chains ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
             for stmt in _VIEWS.split(";"):
                 if stmt.strip():
                     self.db.execute(stmt)
             self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES('schema_version', ?)",
                             (str(SCHEMA_VERSION),))
+
+    def _lacks(self) -> set[str]:
+        """The migration steps whose work this store does not hold (a few reads of SQLite's catalogue):
+        ``legacy`` (schema 7: the ledger and refs still tables of one row per part), ``retention`` (8),
+        ``wire_split`` (9), ``fresh_refs`` (10: the ``refs`` view reads ``ledger_turns`` too), ``owner``
+        (the chains' owner), ``views`` (the ``ledger`` and ``refs`` views)."""
+        def cols(table: str) -> set[str]:
+            return {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+
+        made = {(kind, name): sql for kind, name, sql in self.db.execute(
+            "SELECT type, name, sql FROM sqlite_master WHERE type IN ('table', 'view', 'index')")}
+        out = set()
+        if ("table", "ledger") in made:
+            out.add("legacy")
+        if ("pruned" not in cols("sessions") or ("index", "chains_agent_base") not in made
+                or ("index", "chains_sent_base") not in made):
+            out.add("retention")
+        if not {"cache_write_1h", "write_split"} <= cols("wire"):
+            out.add("wire_split")
+        refs = made.get(("view", "refs"))
+        if refs is not None and "ledger_turns" not in refs:
+            out.add("fresh_refs")
+        if "owner" not in cols("chains"):
+            out.add("owner")
+        if refs is None or ("view", "ledger") not in made:
+            out.add("views")
+        return out
 
     def _wire_split(self) -> None:
         """Schema 9: the 1-hour part of each turn's cache writes (``cache_write_1h``) and who said it
@@ -1488,6 +1527,12 @@ class Store:
     def schema_version(self) -> int:
         row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         return int(row[0]) if row else 0
+
+    def _stamp(self) -> int:
+        """:meth:`schema_version` of a store that may have no ``meta`` table yet (a new one: 0)."""
+        if self.db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone() is None:
+            return 0
+        return self.schema_version()
 
     def ping(self) -> float:
         """Seconds for one read of the store."""

@@ -26,7 +26,7 @@ import msgspec
 from bili_addon.store import (
     CALIBRATION_COLS, CHAIN_COLS, DB_NAME, HANGING, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
     FRESH_GIVEN, StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, WIRE_SUMS, _json, _wire_rows, contiguous,
-    dead_chains,
+    dead_chains, newer_schema,
     _not_pruned, fresh_first, ledger_rows, rebase, retired_taken, tombstone_flags, wire_turn,
 )
 
@@ -222,6 +222,8 @@ _MIGRATIONS: dict[int, list[str]] = {
             owner TEXT NOT NULL DEFAULT '',
             created DOUBLE PRECISION NOT NULL)""",
         "CREATE INDEX IF NOT EXISTS chains_session ON chains(session_id)",
+        # (a store made before the chains' owner has the table without it: see _HOLDS)
+        "ALTER TABLE chains ADD COLUMN IF NOT EXISTS owner TEXT NOT NULL DEFAULT ''",
     ],
 }
 _STALE = "BL001"  # bili_commit_turn's refusal: the session changed meanwhile (StaleSession)
@@ -629,6 +631,46 @@ _MIGRATIONS[12] = [
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
 
 
+
+def _column(table: str, column: str) -> str:
+    return (f"EXISTS(SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('{table}') AND attname = '{column}' "
+            "AND NOT attisdropped)")
+
+
+def _kind(name: str, kind: str) -> str:
+    return f"(SELECT relkind FROM pg_class WHERE oid = to_regclass('{name}')) = '{kind}'"
+
+
+def _function(name: str, args: int, body: str = "") -> str:
+    return (f"EXISTS(SELECT 1 FROM pg_proc WHERE proname = '{name}' AND pronargs = {args} "
+            f"AND pg_function_is_visible(oid){f' AND prosrc LIKE {body!r}' if body else ''})")
+
+
+# what a step made, each asked of the catalogue (one statement at every open): a store that lacks it
+# takes that step again, and every later one, whatever its stamp says (each step's statements are
+# idempotent, and a later step replaces what an earlier one made: the functions).  A development
+# branch stamped its own steps with the same numbers (``ttl``, c59c025: 8 was the wire's 1-hour
+# writes, without retention's ``sessions.pruned``), and the chains' ``owner`` came without a step of
+# its own (a store made before it has the table without the column): such a store heals when opened.
+_HOLDS: dict[int, str] = {
+    2: " AND ".join(f"to_regclass('{t}') IS NOT NULL" for t in (
+        "meta", "sessions", "affinity", "turns", "blocks", "originals", "transcript", "copies", "lineage",
+        "lineage_parts", "affinity_points", "calls")),
+    3: "to_regclass('wire') IS NOT NULL",
+    4: "to_regclass('calibration') IS NOT NULL",
+    5: _column("chains", "owner"),
+    7: f"to_regclass('ledger_turns') IS NOT NULL AND to_regclass('refs_turns') IS NOT NULL AND {_kind('ledger', 'v')} "
+       f"AND {_kind('refs', 'v')}",
+    8: f"{_column('sessions', 'pruned')} AND to_regclass('chains_agent_base') IS NOT NULL "
+       "AND to_regclass('chains_sent_base') IS NOT NULL",
+    9: f"{_column('wire', 'cache_write_1h')} AND {_column('wire', 'write_split')}",
+    10: f"pg_get_viewdef(to_regclass('refs')) LIKE '%ledger_turns%' AND {_function('bili_hold', 4)}",
+    11: _function("bili_commit_turn", 17),
+    12: _function("bili_commit_turn", 17, "%bili-family:%"),
+}
+_HOLDS_SQL = "SELECT " + ", ".join(f"COALESCE({_HOLDS[v]}, false)" for v in sorted(_HOLDS))
+
+
 def schema_of(url: str) -> int:
     """The database's schema version, read without opening it as a store (which migrates an older
     one: ``bili store prune --dry-run`` writes nothing); 0 when it has no bili tables."""
@@ -974,13 +1016,14 @@ class PgStore:
                 row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
                 have = int(row[0]) if row else 0
             if have > SCHEMA_VERSION:
-                raise StoreError(f"the store at {self.where} has schema version {have}, newer than this bili "
-                                 f"({SCHEMA_VERSION}); upgrade bili", "error", "upgrade bili-addon on this host")
+                raise newer_schema(self.where, have)
+            holds = zip(sorted(_HOLDS), conn.execute(_HOLDS_SQL).fetchone())
+            first = min([have + 1] + [v for v, held in holds if not held])  # (see _HOLDS)
             for v in sorted(_MIGRATIONS):
-                if v > have:
+                if v >= first:
                     for stmt in _MIGRATIONS[v]:
                         conn.execute(stmt)
-            if have < SCHEMA_VERSION:
+            if first <= SCHEMA_VERSION:
                 conn.execute("INSERT INTO meta(key, value) VALUES('schema_version', %s) ON CONFLICT(key) "
                              "DO UPDATE SET value=excluded.value", (str(SCHEMA_VERSION),))
 

@@ -399,3 +399,123 @@ def test_a_sqlite_store_whose_chains_have_no_owner_gets_the_column(tmp_path):
         assert s.schema_version() == SCHEMA_VERSION
     finally:
         s.close()
+
+
+def test_a_sqlite_store_of_a_newer_schema_is_refused_as_postgresqls_is(bili, tmp_path, capsys):
+    """A SQLite store stamped by a newer bili (a second install, a downgrade) was opened and written
+    without a word, while PostgreSQL's was refused: its figures read, its turns written, in a form the
+    newer bili may not know.  Refused now, nothing made in it: the proxy passes the agent's requests
+    through and says why (health, bili stats), bili store and bili doctor say to upgrade."""
+    import sqlite3
+
+    from bili_addon import statscmd, store_cli
+    from bili_addon.store import DB_NAME, Store, StoreError
+    from test_shell import ANTH_BODY, model_flow, session_headers
+
+    d = tmp_path / "newer"
+    Store(d).close()
+    db = sqlite3.connect(d / DB_NAME)
+    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION + 1),))
+    db.execute("DROP TABLE calibration")  # (a table the newer schema gave up: not made again)
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="newer than this bili") as e:
+        Store(d)
+    assert str(e.value).endswith("upgrade bili") and e.value.hint
+    db = sqlite3.connect(d / DB_NAME)
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == (str(SCHEMA_VERSION + 1),)
+    assert db.execute("SELECT 1 FROM sqlite_master WHERE name='calibration'").fetchone() is None
+    db.close()
+
+    bili.tctx.configure(bili, bili_data_dir=str(d))
+    f = model_flow(ANTH_BODY, headers=session_headers())
+    bili.request(f)
+    assert f.request.content == ANTH_BODY  # fail open
+    h = health(bili)
+    assert h["store"] is False and "newer than this bili" in h["store_error"] and h["store_hint"]
+    assert "store unusable: the store at" in statscmd.sessions_table(bili.stats())
+    assert "upgrade bili" in statscmd.sessions_table(bili.stats())
+
+    for argv in (["info", "--store", str(d)], ["prune", "--older-than", "30d", "--store", str(d)],
+                 ["prune", "--older-than", "30d", "--dry-run", "--store", str(d)],
+                 ["migrate", "--from", str(d), "--to", str(tmp_path / "copy")]):
+        p = argparse.ArgumentParser()
+        store_cli.configure(p)
+        assert store_cli.run(p.parse_args(argv)) == 1, argv
+        assert "newer than this bili" in capsys.readouterr().err, argv
+    p = argparse.ArgumentParser()
+    store_cli.configure(p)
+    (tmp_path / "older").mkdir()
+    Store(tmp_path / "older").close()
+    assert store_cli.run(p.parse_args(["migrate", "--from", str(tmp_path / "older"), "--to", str(d)])) == 1
+    assert "newer than this bili" in capsys.readouterr().err  # (nor is it written as a target)
+
+    args = argparse.Namespace(confdir=str(tmp_path / "conf"), data_dir=str(d), port=1, store="")
+    store = {c.name: c for c in doctor_checks(args, env={"PATH": ""})}["store"]
+    assert not store.ok and "newer than this bili" in store.detail and "upgrade bili-addon" in store.detail
+
+
+@pytest.mark.parametrize("stamp", [8, SCHEMA_VERSION])
+def test_a_store_whose_stamp_says_more_than_it_holds_gets_what_it_lacks(backend, stamp):
+    """A development branch (``ttl``, c59c025) stamped its wire columns schema 8: a store it made has
+    them but not retention's ``sessions.pruned`` nor the indexes of the chains' bases.  The steps were
+    chosen by the stamp alone (8 done, then stamped with the newest): every list of sessions, every
+    retention pass and every fork's adoption failed ("no such column: pruned"), and each took the
+    store down.  Stamped 8, or already stamped the newest by such a bili, it gets them when opened,
+    on either backend, and its conversations go on."""
+    from bili_addon import retention
+    from bili_addon.store import LedgerRow, SessionRow
+
+    s = backend()
+    v = s.commit_turn(SessionRow("old", "", "", 0.0, 0.0, 1, 1, 2), [LedgerRow("h", "aa", "m00001", "user", "text", 1)],
+                      expect=0, minted=[("m00001", "aa")])
+    raw = s.db.execute if s.backend == "sqlite" else s._q
+    raw("ALTER TABLE sessions DROP COLUMN pruned")  # (as the branch left it: its wire columns stay)
+    raw("DROP INDEX chains_agent_base")
+    raw("DROP INDEX chains_sent_base")
+    if s.backend != "sqlite":  # (the functions of the steps after 8 as well: they are taken again)
+        raw("DROP FUNCTION bili_hold")
+    raw(f"UPDATE meta SET value='{stamp}' WHERE key='schema_version'")
+    s.close()
+    s = backend()
+    assert s.schema_version() == SCHEMA_VERSION
+    raw = s.db.execute if s.backend == "sqlite" else s._q
+    if s.backend == "sqlite":
+        assert "pruned" in {r[1] for r in raw("PRAGMA table_info(sessions)")}
+        assert {"chains_agent_base", "chains_sent_base"} <= {r[0] for r in raw(
+            "SELECT name FROM sqlite_master WHERE type='index'")}
+    else:
+        assert raw("SELECT to_regclass('chains_agent_base') IS NOT NULL AND to_regclass('chains_sent_base') "
+                   "IS NOT NULL") == [(True,)]
+    assert [r.id for r in s.sessions()] == ["old"] and s.version("old") == v
+    assert [sid for sid, _ in s.idle_sessions(1e12)] == ["old"]
+    s.hold("old")
+    assert s.version("old") == v
+    assert s.commit_turn(SessionRow("old", "", "", 0.0, 0.0, 2, 2, 3), [LedgerRow("h2", "bb", "m00002", "user",
+                                                                                   "text", 1)],
+                         expect=v, minted=[("m00002", "bb")]) == v + 1
+    s.release()
+    rep = retention.prune(s, 0.0, now=1e12)
+    assert rep.removed == [["old"]] and s.ledger("old") == []
+    s.close()
+    s = backend()  # (healed: nothing taken again)
+    assert s.schema_version() == SCHEMA_VERSION and s.sessions() == []
+
+
+def test_a_postgresql_store_whose_chains_have_no_owner_gets_the_column(pg_url, tmp_path):
+    """As SQLite's (above): the PostgreSQL chains table made before its ``owner`` column, stamped with
+    every schema since, gets the column when opened; every chain saved there had failed."""
+    from bili_addon.store import CHAIN_COLS
+    from bili_addon.store_pg import PgStore
+
+    s = PgStore(pg_url, str(tmp_path))
+    s._q("ALTER TABLE chains DROP COLUMN owner")
+    s.close()
+    s = PgStore(pg_url, str(tmp_path))
+    try:
+        row = dict(zip(CHAIN_COLS, ("resp_1", "s", "", 1, "", 0, b"[]", "", 0, None, b"[]", "o1", 1.0)))
+        s.save_chain(tuple(row[c] for c in CHAIN_COLS))
+        assert s.chain("resp_1") == tuple(row[c] for c in CHAIN_COLS)
+        assert s.schema_version() == SCHEMA_VERSION
+    finally:
+        s.close()
