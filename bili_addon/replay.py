@@ -30,6 +30,7 @@ import msgspec
 
 from bili_addon import FIRST_PARTY, flowmeta
 from bili_addon.kernel.chains import owner_of
+from bili_addon.kernel.errors import learn_from_error
 from bili_addon.kernel.windows import note_path_model
 
 # a Responses WebSocket frame continuing a chain (previous_response_id): what went up
@@ -177,10 +178,10 @@ class Replayer:
         from bili_addon.stream import ResponseRewriter
 
         resp = flow.response
-        if resp is None or not 200 <= resp.status_code < 300:
+        if resp is None:  # (no answer came: live, nothing is accounted either)
             return
-        content = _decode(resp)
-        if not content:
+        content, ok = _decode(resp), 200 <= resp.status_code < 300
+        if ok and not content:
             if live is not None and ("called" in live or "usage" in live):
                 self.account(turn, _RecordedAnswer(live, rewrite))  # a streamed answer: the flow kept no body
             return
@@ -188,7 +189,12 @@ class Replayer:
         rw.lane.shadowed = turn.shadowed
         if self.chain is not None:  # the answer into the chains transcript, as live
             rw.tap = self._chain_tap(self.chain)
-        self._feed(rw, resp, content)
+        if resp.status_code >= 400:
+            # as live: what an error teaches the session (its next bodies are rendered with it); the
+            # request is accounted all the same, an answer without calls or usage
+            learn_from_error(self.engine, turn.session, resp.status_code, content)
+        elif ok or "json" in resp.headers.get("content-type", ""):  # (live streams a 2xx answer only)
+            self._feed(rw, resp, content)
         self.account(turn, rw)
 
     def _chain_answer(self, flow, rewriter_cls) -> None:

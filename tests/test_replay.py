@@ -247,3 +247,64 @@ def test_chained_responses_over_http_replay_as_live(tmp_path):
         assert t.note.startswith("chained: the delta"), t.note
         sent, raw = json.loads(t.body), json.loads(t.raw)
         assert len(sent["input"]) == len(raw["input"]) and sent.get("previous_response_id") == raw["previous_response_id"]
+
+
+# -- an error answer teaches the replay what it teaches the proxy -------------------------------------
+_STRICT_BODY = json.dumps({"model": "some-model", "messages": [
+    {"role": "user", "content": "list the files"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                          "function": {"name": "shell", "arguments": "{\"cmd\": \"ls\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "a.txt b.txt"}]}).encode()
+
+
+def _chat_flow(status: int, answer: dict, at: float) -> http.HTTPFlow:
+    req = tutils.treq(method=b"POST", path=b"/v1/chat/completions", host="gw.example.com", port=443, scheme=b"https",
+                      headers=http.Headers(host="gw.example.com", content_type="application/json", x_acp_session="err-1"),
+                      content=_STRICT_BODY)
+    req.timestamp_start = at
+    f = tflow.tflow(req=req)
+    f.response = tutils.tresp(status_code=status, headers=http.Headers(content_type="application/json"),
+                              content=json.dumps(answer).encode())
+    return f
+
+
+def _error_flows() -> list[http.HTTPFlow]:
+    """A context-too-long 413 (the window it states), a 400 asking for ``reasoning_content``, an answer."""
+    ok = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "done"}, "finish_reason": "stop"}],
+          "usage": {"prompt_tokens": 50, "completion_tokens": 2}}
+    return [_chat_flow(413, {"error": {"message": "prompt is too long: 250000 tokens > 180000 maximum"}}, 1000.0),
+            _chat_flow(400, {"error": {"message": "The reasoning_content in the thinking mode must be passed back "
+                                                  "to the API."}}, 1001.0),
+            _chat_flow(200, ok, 1002.0), _chat_flow(200, ok, 1003.0)]
+
+
+def test_an_error_answer_teaches_the_replay_as_it_teaches_the_proxy(bili, tmp_path):
+    """Live, an error answer sets what the session's next bodies are rendered with (the window an
+    overflow states, reasoning passed back); the replay skipped every non-2xx answer, so its bodies
+    after one were not what the proxy sent.  Both learn it in kernel/errors.py now."""
+    live = []
+    for f in _error_flows():
+        resp, f.response = f.response, None
+        bili.request(f)
+        live.append(f.request.content)
+        f.response = resp
+        bili.responseheaders(f)
+        bili.response(f)
+    live_flags = bili.stats()["sessions"][0]["flags"]
+    assert live_flags["strict_reasoning"] is True and live_flags["learned_windows"] == {"some-model": 180_000}
+    assert b"reasoning_content" not in live[1] and b"reasoning_content" in live[2]
+
+    path = tmp_path / "errors.mitm"
+    with open(path, "wb") as fh:
+        w = io.FlowWriter(fh)
+        for f in _error_flows():
+            w.add(f)
+    assert [t.body for t in replay.replay_file(path, activate="always", materialize="now").turns] == live
+    rep = replay.Replayer(tmp_path / "store", activate="always", materialize="now")
+    report = replay.FileReport(str(path))
+    with open(path, "rb") as fh:
+        rep.run(report, io.FlowReader(fh).stream())
+    flags = rep.engine.sessions.get(report.turns[0].session).flags
+    assert {k: flags.get(k) for k in ("strict_reasoning", "learned_windows")} == {
+        k: live_flags[k] for k in ("strict_reasoning", "learned_windows")}
+    rep.close()
