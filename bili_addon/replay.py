@@ -67,6 +67,10 @@ class Turn:
     raw: bytes = b""  # the agent's own body (not in --json)
     at: float = 0.0  # when the request was sent (the flow's timestamp; for --cost)
     shadowed: tuple[str, ...] = ()  # bili's tool names the agent's own tools have (not in --json)
+    # a chained turn (previous_response_id): the whole chain the provider reads (and bills), the agent's
+    # rebuilt and what bili's would be (the live cache model's and meter's); b'': ``raw``, ``body`` (not in --json)
+    prompt: bytes = b""
+    prompt_sent: bytes = b""
 
     @property
     def tokens_in(self) -> int:
@@ -81,6 +85,8 @@ class Turn:
         d.pop("body")
         d.pop("raw")
         d.pop("shadowed")
+        d.pop("prompt")
+        d.pop("prompt_sent")
         d["tokens_in"], d["tokens_out"] = self.tokens_in, self.tokens_out
         return d
 
@@ -141,7 +147,10 @@ class Replayer:
         except (msgspec.DecodeError, ValueError) as e:
             report.errors.append(f"flow {index}: {lane.name} body not understood ({e}); live it is forwarded unchanged")
             return None
+        prompt = None
         if chain is not None and not res.status:
+            if chain.prev and chain.known:  # (what the engine's clock was given: the whole chain, as live)
+                prompt = chain.body, chain.body if res.body is None else res.body
             res.body = chain.outgoing(res.body)  # the delta, the whole folded input, or the agent's bytes
             chain.session = res.session or ""
         if not res.session:
@@ -156,6 +165,8 @@ class Replayer:
             first_party=fp, changed=res.body is not None and res.body != raw, body=body, raw=raw, at=self.at,
             reason=" ".join(res.declined), shadowed=res.shadowed,
         )
+        if prompt is not None:
+            turn.prompt, turn.prompt_sent = prompt
         if fp:
             turn.first_block_kept = _system_head(body) == _system_head(raw)
         if fp and not render:

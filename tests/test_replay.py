@@ -308,3 +308,58 @@ def test_an_error_answer_teaches_the_replay_as_it_teaches_the_proxy(bili, tmp_pa
     assert {k: flags.get(k) for k in ("strict_reasoning", "learned_windows")} == {
         k: live_flags[k] for k in ("strict_reasoning", "learned_windows")}
     rep.close()
+
+
+# -- a chained Responses turn is billed on its whole chain -----------------------------------------------
+def _compact(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _responses_flow(body: bytes, answer: dict, at: float) -> http.HTTPFlow:
+    req = tutils.treq(method=b"POST", path=b"/v1/responses", host="api.openai.com", port=443, scheme=b"https",
+                      headers=http.Headers(host="api.openai.com", content_type="application/json",
+                                           x_acp_session="chain-cost"), content=body)
+    req.timestamp_start = at
+    f = tflow.tflow(req=req)
+    f.response = tutils.tresp(headers=http.Headers(content_type="application/json"), content=_compact(answer))
+    return f
+
+
+def test_replay_cost_bills_a_chained_turn_on_its_whole_chain(tmp_path):
+    """A turn with ``previous_response_id`` sends only its new items; the provider reads (and bills) the
+    whole chain, mostly from its cache.  ``--cost`` billed the delta alone, with no read (the live clock
+    and meter bill the chain); now the rebuilt chain, against a figure made by hand."""
+    from bili_addon.replay_cost import session_costs
+
+    u1 = _compact({"role": "user", "content": [{"type": "input_text", "text": "audit " + "x" * 6000}]})
+    out = {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+           "content": [{"type": "output_text", "text": "Audited.", "annotations": []}]}
+    u2 = _compact({"role": "user", "content": [{"type": "input_text", "text": "and now the tests"}]})
+    head = b'{"model":"gpt-5","input":[' + u1
+    body1 = head + b'],"store":true}'
+    body2 = b'{"model":"gpt-5","previous_response_id":"resp_1","input":[' + u2 + b'],"store":true}'
+    answer = {"object": "response", "id": "resp_1", "status": "completed", "output": [out],
+              "usage": {"input_tokens": 1600, "output_tokens": 3}}
+    path = tmp_path / "chain.mitm"
+    with open(path, "wb") as fh:
+        w = io.FlowWriter(fh)
+        w.add(_responses_flow(body1, answer, 1000.0))
+        w.add(_responses_flow(body2, dict(answer, id="resp_2"), 1010.0))
+    t1, t2 = replay.replay_file(path).turns  # lazy: bili sends the agent's bytes
+    assert t2.note.startswith("chained: the delta") and t2.body == body2
+    whole = head + b"," + _compact(out) + b"," + u2 + b'],"store":true}'
+    assert t2.prompt == t2.prompt_sent == whole
+
+    # by hand: OpenAI caches prefixes from 1024 tokens (4096 bytes at 4 a token) in steps of 128 (512
+    # bytes); the chain shares turn 1's bytes up to its first item's end; gpt-5 reads at 0.1
+    read = len(head) // 512 * 128
+    first, second = len(body1) // 4, len(whole) // 4
+    sc = session_costs([replay.replay_file(path)])[0]
+    assert (sc.bill_without.input, sc.bill_without.read) == (first + second - read, read)
+    assert sc.without == pytest.approx(first + second - read + 0.1 * read) and sc.with_addon == sc.without
+
+    # bili's side (the whole folded chain, what the live clock bills) against the agent's
+    t1, t2 = replay.replay_file(path, activate="always", materialize="now").turns
+    assert t2.prompt == whole and t2.prompt_sent != whole and len(t2.prompt_sent) > len(t2.body)
+    sc = session_costs([replay.replay_file(path, activate="always", materialize="now")])[0]
+    assert sc.bill_with.total == len(t1.body) // 4 + len(t2.prompt_sent) // 4
