@@ -66,6 +66,7 @@ class Turn:
     body: bytes = b""  # what would have been sent upstream (not in --json)
     raw: bytes = b""  # the agent's own body (not in --json)
     at: float = 0.0  # when the request was sent (the flow's timestamp; for --cost)
+    model: str = ""  # the session's model (a Gemini body names none: its URL does; for --cost)
     shadowed: tuple[str, ...] = ()  # bili's tool names the agent's own tools have (not in --json)
     # a chained turn (previous_response_id): the whole chain the provider reads (and bills), the agent's
     # rebuilt and what bili's would be (the live cache model's and meter's); b'': ``raw``, ``body`` (not in --json)
@@ -163,7 +164,7 @@ class Replayer:
             report.path, index, res.session, n, lane.name, via, host, res.messages, res.refs_new, res.refs_known,
             len(raw), len(body), sum(b.active for b in s.blocks) if s else 0, res.folded_items, list(res.executed),
             first_party=fp, changed=res.body is not None and res.body != raw, body=body, raw=raw, at=self.at,
-            reason=" ".join(res.declined), shadowed=res.shadowed,
+            reason=" ".join(res.declined), shadowed=res.shadowed, model=s.model if s else "",
         )
         if prompt is not None:
             turn.prompt, turn.prompt_sent = prompt

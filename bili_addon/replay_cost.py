@@ -43,7 +43,7 @@ def session_costs(reports: Iterable) -> list[SessionCost]:
                 raw, body = t.prompt or t.raw or t.body, t.prompt_sent or t.body
                 got = clocks.get(t.session)
                 if got is None:
-                    model = model_of(raw)
+                    model = t.model or model_of(raw)  # (the session's: a Gemini body names none)
                     sc = SessionCost(f"{report.path} {t.session[:12]}", t.lane, model)
                     got = clocks[t.session] = (sc, Clock(t.lane, model), Clock(t.lane, model))
                     out.append(sc)

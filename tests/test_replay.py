@@ -363,3 +363,43 @@ def test_replay_cost_bills_a_chained_turn_on_its_whole_chain(tmp_path):
     assert t2.prompt == whole and t2.prompt_sent != whole and len(t2.prompt_sent) > len(t2.body)
     sc = session_costs([replay.replay_file(path, activate="always", materialize="now")])[0]
     assert sc.bill_with.total == len(t1.body) // 4 + len(t2.prompt_sent) // 4
+
+
+# -- a Gemini session's cache is its URL's model's --------------------------------------------------------
+def _gemini_flow(contents: list[dict], at: float) -> http.HTTPFlow:
+    req = tutils.treq(method=b"POST", path=b"/v1beta/models/gemini-2.5-pro:generateContent",
+                      host="generativelanguage.googleapis.com", port=443, scheme=b"https",
+                      headers=http.Headers(host="generativelanguage.googleapis.com", content_type="application/json",
+                                           x_acp_session="gem-1"), content=_compact({"contents": contents}))
+    req.timestamp_start = at
+    f = tflow.tflow(req=req)
+    f.response = tutils.tresp(headers=http.Headers(content_type="application/json"), content=_compact({
+        "candidates": [{"content": {"role": "model", "parts": [{"text": "ok"}]}}],
+        "usageMetadata": {"promptTokenCount": 2600, "candidatesTokenCount": 1}}))
+    return f
+
+
+def test_a_gemini_sessions_cache_is_its_urls_model(tmp_path):
+    """A Gemini body names no model: the live clock and ``--cost`` made the session's cache model for
+    the model '' (1024-token minimum, reads at a quarter), not gemini-2.5-pro's (4096, a tenth)."""
+    from bili_addon import prices
+    from bili_addon.replay_cost import session_costs
+
+    first = [{"role": "user", "parts": [{"text": "word " * 2500}]}]  # ~3100 tokens: under Pro's minimum
+    path = tmp_path / "gemini.mitm"
+    with open(path, "wb") as fh:
+        w = io.FlowWriter(fh)
+        w.add(_gemini_flow(first, 1000.0))
+        w.add(_gemini_flow(first + [{"role": "model", "parts": [{"text": "ok"}]},
+                                    {"role": "user", "parts": [{"text": "more"}]}], 1010.0))
+    p = prices.BUILTIN["gemini-2.5-pro"]
+    rep = replay.Replayer(tmp_path / "store")  # the engine the proxy runs: its clock
+    report = replay.FileReport(str(path))
+    with open(path, "rb") as fh:
+        rep.run(report, io.FlowReader(fh).stream())
+    rules = rep.engine.clocks.history(report.turns[0].session)[0]
+    assert (rules.min_tokens, rules.read) == (4096, pytest.approx(p.cache_read / p.input))
+    rep.close()
+    assert [t.model for t in report.turns] == ["gemini-2.5-pro"] * 2
+    sc = session_costs([replay.replay_file(path)])[0]
+    assert sc.model == "gemini-2.5-pro" and sc.bill_without.read == 0 and sc.without == sc.bill_without.input
