@@ -130,6 +130,16 @@ class Table:
                     output * p.output / MTOK)
 
 
+def read_share(model: str) -> float | None:
+    """What a cache read of ``model`` costs as a share of its input price, by the built-in table (the
+    cache model's read rate: :mod:`bili_addon.kernel.cache`); None where the table has no such model."""
+    hit = _BUILTIN_TABLE.find(model)
+    return round(hit[1].cache_read / hit[1].input, 6) if hit is not None and hit[1].input else None
+
+
+_BUILTIN_TABLE = Table()
+
+
 # what may follow a table key in a model's name and still name that model: a snapshot's date, then
 # the routers' version (Bedrock ``-v1:0``, Vertex ``@20250929``) or ``-latest``
 _SNAPSHOT = re.compile(r"(?:-(?:\d{8}|\d{4}-\d{2}-\d{2}))?(?:-v\d+(?::\d+)?)?(?:@[\w.-]+)?(?:-latest)?")

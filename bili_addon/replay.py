@@ -30,6 +30,7 @@ import msgspec
 
 from bili_addon import FIRST_PARTY, flowmeta
 from bili_addon.kernel.chains import owner_of
+from bili_addon.kernel.errors import learn_from_error
 from bili_addon.kernel.windows import note_path_model
 
 # a Responses WebSocket frame continuing a chain (previous_response_id): what went up
@@ -65,8 +66,13 @@ class Turn:
     body: bytes = b""  # what would have been sent upstream (not in --json)
     raw: bytes = b""  # the agent's own body (not in --json)
     at: float = 0.0  # when the request was sent (the flow's timestamp; for --cost)
+    model: str = ""  # the session's model (a Gemini body names none: its URL does; for --cost)
     shadowed: tuple[str, ...] = ()  # bili's tool names the agent's own tools have (not in --json)
     side: bool = False  # a side request (TurnResult.side): its answer's usage is not the conversation's size
+    # a chained turn (previous_response_id): the whole chain the provider reads (and bills), the agent's
+    # rebuilt and what bili's would be (the live cache model's and meter's); b'': ``raw``, ``body`` (not in --json)
+    prompt: bytes = b""
+    prompt_sent: bytes = b""
 
     @property
     def tokens_in(self) -> int:
@@ -81,6 +87,8 @@ class Turn:
         d.pop("body")
         d.pop("raw")
         d.pop("shadowed")
+        d.pop("prompt")
+        d.pop("prompt_sent")
         d["tokens_in"], d["tokens_out"] = self.tokens_in, self.tokens_out
         return d
 
@@ -141,7 +149,10 @@ class Replayer:
         except (msgspec.DecodeError, ValueError) as e:
             report.errors.append(f"flow {index}: {lane.name} body not understood ({e}); live it is forwarded unchanged")
             return None
+        prompt = None
         if chain is not None and not res.status:
+            if chain.prev and chain.known:  # (what the engine's clock was given: the whole chain, as live)
+                prompt = chain.body, chain.body if res.body is None else res.body
             res.body = chain.outgoing(res.body)  # the delta, the whole folded input, or the agent's bytes
             chain.session = res.session or ""
         if not res.session:
@@ -154,8 +165,10 @@ class Replayer:
             report.path, index, res.session, n, lane.name, via, host, res.messages, res.refs_new, res.refs_known,
             len(raw), len(body), sum(b.active for b in s.blocks) if s else 0, res.folded_items, list(res.executed),
             first_party=fp, changed=res.body is not None and res.body != raw, body=body, raw=raw, at=self.at,
-            reason=" ".join(res.declined), shadowed=res.shadowed, side=res.side,
+            reason=" ".join(res.declined), shadowed=res.shadowed, side=res.side, model=s.model if s else "",
         )
+        if prompt is not None:
+            turn.prompt, turn.prompt_sent = prompt
         if fp:
             turn.first_block_kept = _system_head(body) == _system_head(raw)
         if fp and not render:
@@ -178,10 +191,10 @@ class Replayer:
         from bili_addon.stream import ResponseRewriter
 
         resp = flow.response
-        if resp is None or not 200 <= resp.status_code < 300:
+        if resp is None:  # (no answer came: live, nothing is accounted either)
             return
-        content = _decode(resp)
-        if not content:
+        content, ok = _decode(resp), 200 <= resp.status_code < 300
+        if ok and not content:
             if live is not None and ("called" in live or "usage" in live):
                 self.account(turn, _RecordedAnswer(live, rewrite))  # a streamed answer: the flow kept no body
             return
@@ -189,7 +202,12 @@ class Replayer:
         rw.lane.shadowed = turn.shadowed
         if self.chain is not None:  # the answer into the chains transcript, as live
             rw.tap = self._chain_tap(self.chain)
-        self._feed(rw, resp, content)
+        if resp.status_code >= 400:
+            # as live: what an error teaches the session (its next bodies are rendered with it); the
+            # request is accounted all the same, an answer without calls or usage
+            learn_from_error(self.engine, turn.session, resp.status_code, content)
+        elif ok or "json" in resp.headers.get("content-type", ""):  # (live streams a 2xx answer only)
+            self._feed(rw, resp, content)
         self.account(turn, rw)
 
     def _chain_answer(self, flow, rewriter_cls) -> None:

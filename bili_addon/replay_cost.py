@@ -39,20 +39,21 @@ def session_costs(reports: Iterable) -> list[SessionCost]:
         clocks: dict[str, tuple[SessionCost, Clock, Clock]] = {}
         for t in report.turns:
             if t.lane in ("anthropic", "chat", "responses", "gemini"):
-                raw = t.raw or t.body
+                # a chained turn is billed on its whole chain (the provider reads it all), not its delta
+                raw, body = t.prompt or t.raw or t.body, t.prompt_sent or t.body
                 got = clocks.get(t.session)
                 if got is None:
-                    model = model_of(raw)
+                    model = t.model or model_of(raw)  # (the session's: a Gemini body names none)
                     sc = SessionCost(f"{report.path} {t.session[:12]}", t.lane, model)
                     got = clocks[t.session] = (sc, Clock(t.lane, model), Clock(t.lane, model))
                     out.append(sc)
                 sc, orig, sent = got
                 try:
                     a = orig.send(raw, t.at)
-                    b = sent.send(t.body, t.at)
+                    b = sent.send(body, t.at)
                 except Exception:  # a body the cache model cannot read (not JSON): both as plain input
                     a = Bill(input=len(raw) // 4)
-                    b = Bill(input=len(t.body) // 4)
+                    b = Bill(input=len(body) // 4)
                 sc.requests += 1
                 sc.bill_without += a
                 sc.bill_with += b

@@ -18,11 +18,12 @@ from bili_addon.kernel import envelope
 from bili_addon.kernel.activation import MODES as ACTIVATE
 from bili_addon.kernel.calibration import row_dict
 from bili_addon.kernel.chains import Turn as ChainTurn, owner_of
+from bili_addon.kernel.errors import learn_from_error
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.pending import MODES as MATERIALIZE
 from bili_addon.kernel.turn import Engine, TurnResult
-from bili_addon.kernel.windows import is_overflow, learned_window, note_path_model, window_key
+from bili_addon.kernel.windows import note_path_model
 from bili_addon.keeper import DROPPED, Keeper
 from bili_addon import meter
 from bili_addon.meter import Meter
@@ -30,7 +31,7 @@ from bili_addon.retention import DEFAULT_DAYS, Maintainer
 from bili_addon.store import StoreError, default_data_dir
 from bili_addon.stores import describe, is_url, open_store, store_spec
 from bili_addon.stream import Decoder, ResponseRewriter
-from bili_addon.wire import LANES, Lane, detect_lane, hygiene, is_responses_websocket
+from bili_addon.wire import LANES, Lane, detect_lane, is_responses_websocket
 
 log = logging.getLogger("bili")
 
@@ -538,10 +539,10 @@ class Bili:
         resp = flow.response
         if st is None or resp is None:
             return None
-        status, text = resp.status_code, ""
+        status, error = resp.status_code, b""
         try:
             if status >= 400:
-                text = (resp.get_content(strict=False) or b"")[:65536].decode("utf-8", "replace")
+                error = resp.get_content(strict=False) or b""
             elif not resp.stream and "json" in resp.headers.get("content-type", ""):
                 content = resp.get_content(strict=False)
                 if content:
@@ -557,8 +558,7 @@ class Bili:
 
         def job(eng: Engine) -> None:
             try:
-                if status >= 400:
-                    self._learn_from_error(eng, st, status, text)
+                learn_from_error(eng, st.session, status, error)  # (as a replay does: kernel/errors.py)
                 self._account(eng, st)
             except StoreError:
                 raise
@@ -585,24 +585,6 @@ class Bili:
         except Exception as e:
             log.warning("[bili] session=%s: lineage not stored (%s: %s); a fork of this turn may not be "
                         "recognised", sid, type(e).__name__, e)
-
-    def _learn_from_error(self, eng: Engine, st: FlowState, status: int, text: str) -> None:
-        if is_overflow(status, text):
-            s = eng.session(st.session, fresh=True)
-            window = learned_window(status, text)
-            if window and s.model:
-                learned = dict(s.flags.get("learned_windows", {}))
-                learned[window_key(s)] = window
-                eng.set_flag(st.session, "learned_windows", learned)
-            log.warning("[bili] session=%s: the provider says the context is too long (window %s for %s)",
-                        st.session, window or "unknown", s.model or "this model")
-        if status == 400 and hygiene.is_strict_hint(text):
-            eng.session(st.session, fresh=True)
-            if eng.set_flag(st.session, "strict_reasoning", True):
-                log.warning(
-                    "[bili] session=%s: upstream requires reasoning to be passed back; repairing from the next turn",
-                    st.session,
-                )
 
     def _account(self, eng: Engine, st: FlowState) -> None:
         # the lineage, usage, cache observation and wire figures: one statement on PostgreSQL

@@ -193,7 +193,29 @@ def test_gemini_minimums():
     flash = Cache(cache.gemini_rules("gemini-2.5-flash"))
     flash.send_prefix(body, now=0)
     assert flash.send_prefix(body, now=1).read == 1920  # 1024 + 7 steps of 128
-    assert flash.rules.read == 0.25
+
+
+def test_gemini_reads_at_the_price_tables_rate():
+    """Google bills a 2.5 model's cached reads at a tenth of its input (0.125 of 1.25 for Pro, 0.03 of
+    0.3 for Flash), as the price table has it; the cache model took a quarter (2.0's rate)."""
+    from bili_addon import prices
+
+    for model in ("gemini-2.5-pro", "gemini-2.5-flash", "models/gemini-2.5-flash"):
+        p = prices.BUILTIN[prices.normalise(model)]
+        assert cache.gemini_rules(model).read == pytest.approx(p.cache_read / p.input) == pytest.approx(0.1)
+    assert cache.gemini_rules("gemini-2.0-flash").read == 0.25  # (not in the table: 0.025 of 0.10)
+
+
+def test_a_gemini_sessions_clock_has_the_model_of_its_url():
+    """A Gemini body names no model (its URL does, and the session has it): the clock was made for
+    the model '' (Flash's 1024-token minimum) and read a Pro prompt too short for Pro's cache."""
+    clocks = cache.Clocks()
+    body = json.dumps({"contents": [{"role": "user", "parts": [{"text": "word " * 2500}]}]}).encode()
+    for t in (0.0, 10.0):
+        clocks.sent("g", "gemini", body, t, "", "gemini-2.5-pro")
+    rules = clocks.history("g")[0]
+    assert (rules.min_tokens, rules.read) == (4096, 0.1)
+    assert [t.predicted.read for t in clocks.by_session["g"].turns] == [0, 0]  # ~3100 tokens: under Pro's minimum
 
 
 def test_clock_applies_learned_facts_and_notes_each_reads_age():

@@ -247,3 +247,159 @@ def test_chained_responses_over_http_replay_as_live(tmp_path):
         assert t.note.startswith("chained: the delta"), t.note
         sent, raw = json.loads(t.body), json.loads(t.raw)
         assert len(sent["input"]) == len(raw["input"]) and sent.get("previous_response_id") == raw["previous_response_id"]
+
+
+# -- an error answer teaches the replay what it teaches the proxy -------------------------------------
+_STRICT_BODY = json.dumps({"model": "some-model", "messages": [
+    {"role": "user", "content": "list the files"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                          "function": {"name": "shell", "arguments": "{\"cmd\": \"ls\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "a.txt b.txt"}]}).encode()
+
+
+def _chat_flow(status: int, answer: dict, at: float) -> http.HTTPFlow:
+    req = tutils.treq(method=b"POST", path=b"/v1/chat/completions", host="gw.example.com", port=443, scheme=b"https",
+                      headers=http.Headers(host="gw.example.com", content_type="application/json", x_acp_session="err-1"),
+                      content=_STRICT_BODY)
+    req.timestamp_start = at
+    f = tflow.tflow(req=req)
+    f.response = tutils.tresp(status_code=status, headers=http.Headers(content_type="application/json"),
+                              content=json.dumps(answer).encode())
+    return f
+
+
+def _error_flows() -> list[http.HTTPFlow]:
+    """A context-too-long 413 (the window it states), a 400 asking for ``reasoning_content``, an answer."""
+    ok = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "done"}, "finish_reason": "stop"}],
+          "usage": {"prompt_tokens": 50, "completion_tokens": 2}}
+    return [_chat_flow(413, {"error": {"message": "prompt is too long: 250000 tokens > 180000 maximum"}}, 1000.0),
+            _chat_flow(400, {"error": {"message": "The reasoning_content in the thinking mode must be passed back "
+                                                  "to the API."}}, 1001.0),
+            _chat_flow(200, ok, 1002.0), _chat_flow(200, ok, 1003.0)]
+
+
+def test_an_error_answer_teaches_the_replay_as_it_teaches_the_proxy(bili, tmp_path):
+    """Live, an error answer sets what the session's next bodies are rendered with (the window an
+    overflow states, reasoning passed back); the replay skipped every non-2xx answer, so its bodies
+    after one were not what the proxy sent.  Both learn it in kernel/errors.py now."""
+    live = []
+    for f in _error_flows():
+        resp, f.response = f.response, None
+        bili.request(f)
+        live.append(f.request.content)
+        f.response = resp
+        bili.responseheaders(f)
+        bili.response(f)
+    live_flags = bili.stats()["sessions"][0]["flags"]
+    assert live_flags["strict_reasoning"] is True and live_flags["learned_windows"] == {"some-model": 180_000}
+    assert b"reasoning_content" not in live[1] and b"reasoning_content" in live[2]
+
+    path = tmp_path / "errors.mitm"
+    with open(path, "wb") as fh:
+        w = io.FlowWriter(fh)
+        for f in _error_flows():
+            w.add(f)
+    assert [t.body for t in replay.replay_file(path, activate="always", materialize="now").turns] == live
+    rep = replay.Replayer(tmp_path / "store", activate="always", materialize="now")
+    report = replay.FileReport(str(path))
+    with open(path, "rb") as fh:
+        rep.run(report, io.FlowReader(fh).stream())
+    flags = rep.engine.sessions.get(report.turns[0].session).flags
+    assert {k: flags.get(k) for k in ("strict_reasoning", "learned_windows")} == {
+        k: live_flags[k] for k in ("strict_reasoning", "learned_windows")}
+    rep.close()
+
+
+# -- a chained Responses turn is billed on its whole chain -----------------------------------------------
+def _compact(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _responses_flow(body: bytes, answer: dict, at: float) -> http.HTTPFlow:
+    req = tutils.treq(method=b"POST", path=b"/v1/responses", host="api.openai.com", port=443, scheme=b"https",
+                      headers=http.Headers(host="api.openai.com", content_type="application/json",
+                                           x_acp_session="chain-cost"), content=body)
+    req.timestamp_start = at
+    f = tflow.tflow(req=req)
+    f.response = tutils.tresp(headers=http.Headers(content_type="application/json"), content=_compact(answer))
+    return f
+
+
+def test_replay_cost_bills_a_chained_turn_on_its_whole_chain(tmp_path):
+    """A turn with ``previous_response_id`` sends only its new items; the provider reads (and bills) the
+    whole chain, mostly from its cache.  ``--cost`` billed the delta alone, with no read (the live clock
+    and meter bill the chain); now the rebuilt chain, against a figure made by hand."""
+    from bili_addon.replay_cost import session_costs
+
+    u1 = _compact({"role": "user", "content": [{"type": "input_text", "text": "audit " + "x" * 6000}]})
+    out = {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+           "content": [{"type": "output_text", "text": "Audited.", "annotations": []}]}
+    u2 = _compact({"role": "user", "content": [{"type": "input_text", "text": "and now the tests"}]})
+    head = b'{"model":"gpt-5","input":[' + u1
+    body1 = head + b'],"store":true}'
+    body2 = b'{"model":"gpt-5","previous_response_id":"resp_1","input":[' + u2 + b'],"store":true}'
+    answer = {"object": "response", "id": "resp_1", "status": "completed", "output": [out],
+              "usage": {"input_tokens": 1600, "output_tokens": 3}}
+    path = tmp_path / "chain.mitm"
+    with open(path, "wb") as fh:
+        w = io.FlowWriter(fh)
+        w.add(_responses_flow(body1, answer, 1000.0))
+        w.add(_responses_flow(body2, dict(answer, id="resp_2"), 1010.0))
+    t1, t2 = replay.replay_file(path).turns  # lazy: bili sends the agent's bytes
+    assert t2.note.startswith("chained: the delta") and t2.body == body2
+    whole = head + b"," + _compact(out) + b"," + u2 + b'],"store":true}'
+    assert t2.prompt == t2.prompt_sent == whole
+
+    # by hand: OpenAI caches prefixes from 1024 tokens (4096 bytes at 4 a token) in steps of 128 (512
+    # bytes); the chain shares turn 1's bytes up to its first item's end; gpt-5 reads at 0.1
+    read = len(head) // 512 * 128
+    first, second = len(body1) // 4, len(whole) // 4
+    sc = session_costs([replay.replay_file(path)])[0]
+    assert (sc.bill_without.input, sc.bill_without.read) == (first + second - read, read)
+    assert sc.without == pytest.approx(first + second - read + 0.1 * read) and sc.with_addon == sc.without
+
+    # bili's side (the whole folded chain, what the live clock bills) against the agent's
+    t1, t2 = replay.replay_file(path, activate="always", materialize="now").turns
+    assert t2.prompt == whole and t2.prompt_sent != whole and len(t2.prompt_sent) > len(t2.body)
+    sc = session_costs([replay.replay_file(path, activate="always", materialize="now")])[0]
+    assert sc.bill_with.total == len(t1.body) // 4 + len(t2.prompt_sent) // 4
+
+
+# -- a Gemini session's cache is its URL's model's --------------------------------------------------------
+def _gemini_flow(contents: list[dict], at: float) -> http.HTTPFlow:
+    req = tutils.treq(method=b"POST", path=b"/v1beta/models/gemini-2.5-pro:generateContent",
+                      host="generativelanguage.googleapis.com", port=443, scheme=b"https",
+                      headers=http.Headers(host="generativelanguage.googleapis.com", content_type="application/json",
+                                           x_acp_session="gem-1"), content=_compact({"contents": contents}))
+    req.timestamp_start = at
+    f = tflow.tflow(req=req)
+    f.response = tutils.tresp(headers=http.Headers(content_type="application/json"), content=_compact({
+        "candidates": [{"content": {"role": "model", "parts": [{"text": "ok"}]}}],
+        "usageMetadata": {"promptTokenCount": 2600, "candidatesTokenCount": 1}}))
+    return f
+
+
+def test_a_gemini_sessions_cache_is_its_urls_model(tmp_path):
+    """A Gemini body names no model: the live clock and ``--cost`` made the session's cache model for
+    the model '' (1024-token minimum, reads at a quarter), not gemini-2.5-pro's (4096, a tenth)."""
+    from bili_addon import prices
+    from bili_addon.replay_cost import session_costs
+
+    first = [{"role": "user", "parts": [{"text": "word " * 2500}]}]  # ~3100 tokens: under Pro's minimum
+    path = tmp_path / "gemini.mitm"
+    with open(path, "wb") as fh:
+        w = io.FlowWriter(fh)
+        w.add(_gemini_flow(first, 1000.0))
+        w.add(_gemini_flow(first + [{"role": "model", "parts": [{"text": "ok"}]},
+                                    {"role": "user", "parts": [{"text": "more"}]}], 1010.0))
+    p = prices.BUILTIN["gemini-2.5-pro"]
+    rep = replay.Replayer(tmp_path / "store")  # the engine the proxy runs: its clock
+    report = replay.FileReport(str(path))
+    with open(path, "rb") as fh:
+        rep.run(report, io.FlowReader(fh).stream())
+    rules = rep.engine.clocks.history(report.turns[0].session)[0]
+    assert (rules.min_tokens, rules.read) == (4096, pytest.approx(p.cache_read / p.input))
+    rep.close()
+    assert [t.model for t in report.turns] == ["gemini-2.5-pro"] * 2
+    sc = session_costs([replay.replay_file(path)])[0]
+    assert sc.model == "gemini-2.5-pro" and sc.bill_without.read == 0 and sc.without == sc.bill_without.input

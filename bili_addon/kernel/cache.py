@@ -18,8 +18,11 @@ Pure code (no store, no engine).  One model per lane family, on each provider's 
 - **OpenAI** (Chat, Responses): automatic prefix caching of prompts from 1024 tokens on, in steps of
   128 tokens; an entry lives ~5 minutes of idle (24 hours with ``prompt_cache_retention: "24h"``).
   No write premium; reads bill 0.5x to 0.1x depending on the model family.
-- **Gemini**: implicit prefix caching from 1024 tokens (Flash) or 4096 (Pro); reads bill 0.25x
-  (2.x) or 0.1x (3.x); no write premium.  Its lifetime is not documented: modelled as 5 minutes idle.
+- **Gemini**: implicit prefix caching from 1024 tokens (Flash) or 4096 (Pro); reads bill 0.1x
+  (2.5 and 3) or 0.25x (older), the built-in price table's rate where it has the model
+  (:func:`bili_addon.prices.read_share`: one source for the clock and the money); no write premium.
+  Its lifetime is not documented: modelled as 5 minutes idle.  The model is in the request's URL,
+  not its body: the session's model is given with each request (:meth:`Clocks.sent`).
 
 Token counts are estimated as bytes / 4 (the same estimate the rest of the kernel uses).  Costs are
 in *input-token units* (1.0 = one uncached input token of the model); absolute prices live elsewhere.
@@ -43,6 +46,7 @@ from typing import Any, Callable
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from bili_addon import prices
 from bili_addon.wire.base import common_prefix_bytes
 
 BYTES_PER_TOKEN = 4
@@ -88,7 +92,7 @@ def openai_rules(model: str = "") -> Rules:
 
 def gemini_rules(model: str = "") -> Rules:
     m = model.lower()
-    read = 0.1 if "gemini-3" in m else 0.25
+    read = prices.read_share(m) or (0.25 if re.search(r"gemini-(1\.|2\.0)", m) else 0.1)
     minimum = 4096 if "pro" in m else 1024
     return Rules("gemini", read=read, min_tokens=minimum, step=128)  # granularity undocumented: as OpenAI
 
@@ -887,7 +891,7 @@ class Clocks:
 
     def __init__(self, max_sessions: int = 256):
         self.by_session: dict[str, Clock] = {}
-        self.pending: dict[str, list[tuple[str, bytes, float, str]]] = {}
+        self.pending: dict[str, list[tuple[str, bytes, float, str, str]]] = {}
         self.last: dict[str, float] = {}  # when each session's latest request left
         self.max_sessions = max_sessions
         self.memos: OrderedDict[str, int] = OrderedDict()  # the sessions whose clock keeps a memo: its bytes
@@ -895,18 +899,19 @@ class Clocks:
         # called with each clock made (the calibration applies what its host taught)
         self.on_new: Callable[[str, Clock], None] | None = None
 
-    def sent(self, sid: str, lane: str, body: bytes, now: float, host: str = "") -> None:
+    def sent(self, sid: str, lane: str, body: bytes, now: float, host: str = "", model: str = "") -> None:
+        """``model``: the session's (a Gemini body names none: its URL does); else the body's."""
         queue = self.pending.setdefault(sid, [])
-        queue.append((lane, body, now, host))
+        queue.append((lane, body, now, host, model))
         self.last[sid] = now
         if len(queue) > self.MAX_PENDING:  # answers that never came: bill them now
             self._flush(sid)
 
     def _flush(self, sid: str) -> Clock | None:
-        for lane, body, now, host in self.pending.pop(sid, ()):
+        for lane, body, now, host, model in self.pending.pop(sid, ()):
             clk = self.by_session.get(sid)
             if clk is None or clk.lane != lane or clk.host != host:
-                clk = self.by_session[sid] = Clock(lane, model_of(body), host)
+                clk = self.by_session[sid] = Clock(lane, model or model_of(body), host)
                 while len(self.by_session) > self.max_sessions:
                     old = next(iter(self.by_session))
                     self.by_session.pop(old)

@@ -175,9 +175,11 @@ class Engine(ProxyTools, Epochs, Deferred):
                 try:
                     res = self._process(raw, lane, headers, render=render, origin=origin)
                     if res.session and not res.status:
-                        # noted only; billed off the request's path
+                        # noted only; billed off the request's path (with the session's model: a Gemini
+                        # body names none, its URL does)
+                        s = self.sessions.get(res.session)
                         self.clocks.sent(res.session, lane.name, raw if res.body is None else res.body, self.now(),
-                                         origin.lower())
+                                         origin.lower(), s.model if s is not None else "")
                     # write-behind: the staged write (the turn's last, _process left it) goes after the request
                     behind = self.write_behind and bool(self.sessions.staged)
                     return res
