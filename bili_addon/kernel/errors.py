@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("bili")
 
 READ_BYTES = 65536  # of an error answer: a provider's error states what it is early
+UNSTATED_SHARE = 0.9  # of a refused request's size (bili's estimate): the window an error without a number teaches
 
 
 def learn_from_error(eng: Engine, sid: str, status: int, body: bytes) -> None:
@@ -29,6 +30,14 @@ def learn_from_error(eng: Engine, sid: str, status: int, body: bytes) -> None:
     if is_overflow(status, text):
         s = eng.session(sid, fresh=True)
         window = learned_window(status, text)
+        # (the refused request's size: as sent, when a fold changed it; else its conversation's)
+        size = s.sent_tokens or (s.last_view.sums().tokens[-1] if s.last_view is not None and s.last_view.items else 0)
+        if window is None and size:
+            # an error that states no number (OpenAI's "Your input exceeds the context window"): the
+            # request it refused held at least the window; a little less than its size, never more than
+            # the window the session had (each such refusal lowers it: the cut and the reminders come
+            # earlier, never later)
+            window = min(eng.window_for(s), int(size * UNSTATED_SHARE))
         if window and s.model:
             learned = dict(s.flags.get("learned_windows", {}))
             learned[window_key(s)] = window

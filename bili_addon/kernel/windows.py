@@ -11,7 +11,9 @@ DEFAULT_WINDOW = 200_000
 _TABLE: tuple[tuple[str, int], ...] = (
     (r"\[1m\]|-1m\b", 1_000_000),
     (r"^claude|^anthropic/claude", 200_000),
-    (r"gpt-5|codex", 400_000),
+    # (400K is input and output together; a request's input may hold 272K of it, as codex's own model
+    # table says: past that the API refuses it, stating no number to learn from)
+    (r"gpt-5|codex", 272_000),
     (r"gpt-4\.1|gpt-4-1", 1_047_576),
     (r"^o[134]\b|^o[134]-", 200_000),
     (r"gpt-4o|gpt-4-turbo", 128_000),
@@ -26,9 +28,12 @@ _TABLE: tuple[tuple[str, int], ...] = (
 _OVERFLOW = re.compile(
     r"context_length_exceeded|context length exceeded|maximum context length|max context length|"
     r"maximum context size|exceeds the context window|exceeded model token limit|prompt is too long|"
-    r"prompt_too_long|prompt_is_too_long|request_too_large|token limit exceeded",
+    r"prompt_too_long|prompt_is_too_long|request_too_large|token limit exceeded|exceed context limit",
     re.IGNORECASE,
 )
+# Anthropic's "input length and `max_tokens` exceed context limit: 188240 + 21333 > 200000": the input
+# such requests may hold is the limit less what the request keeps for the answer
+_INPUT_AND_ANSWER = re.compile(r"([\d,]{3,})\s*\+\s*([\d,]{1,})\s*>\s*([\d,]{4,})")
 _LIMIT = (
     re.compile(r">\s*([\d,]{4,})\s+maximum", re.IGNORECASE),
     re.compile(r"maximum context length (?:is|of)\s+([\d,]{4,})", re.IGNORECASE),
@@ -88,6 +93,11 @@ def learned_window(status: int, body: str) -> int | None:
     """The window a "context too long" error states (400/413 only), else None."""
     if status not in (400, 413) or not _OVERFLOW.search(body):
         return None
+    m = _INPUT_AND_ANSWER.search(body)
+    if m:
+        answer, limit = (int(g.replace(",", "")) for g in m.group(2, 3))
+        if limit - answer >= 1000:
+            return limit - answer
     for rx in _LIMIT:
         m = rx.search(body)
         if m:
