@@ -543,3 +543,41 @@ def test_a_fork_after_a_compaction_renders_the_shared_history_as_its_parent(back
     assert any("a fork of parent" in n for n in res.notes)
     assert fork["messages"][:len(parent["messages"])] == parent["messages"]
     assert engine.sessions["fork"].flags["epochs"][-1]["marker"] == engine.sessions["parent"].flags["epochs"][-1]["marker"]
+
+
+def test_a_reminder_of_the_old_epoch_does_not_come_back_on_a_kept_message(tmp_path):
+    """codex keeps the user's own messages in its compacted history: one that carried a reminder (its
+    ranges in the old history) carries none in the new epoch, whose history has none of those ranges."""
+    eng = Engine(Store(str(tmp_path)), activate="always", materialize="now")
+    lane, headers = LANES["responses"], {"session_id": "cx"}
+    dev = {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "base instructions"}]}
+
+    def user(t):
+        return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]}
+
+    def send(items):
+        raw = json.dumps({"model": "gpt-5.1-codex", "input": items,
+                          "tools": [{"type": "function", "name": "sh", "parameters": {}}]}).encode()
+        res = eng.process(raw, lane, headers, render=True)
+        return (res.body or raw).decode(), res
+
+    items = [dev, user("Audit every module please.")]
+    for i in range(20):
+        items += [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"Step {i}."}]},
+                  {"type": "function_call", "call_id": f"c{i}", "name": "sh", "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": f"c{i}", "output": f"OUT {i}\n" + ("row %d\n" % i) * 800}]
+    send(items)
+    eng.store.record_usage("cx", "responses", (60_000, 0, 0, 10))
+    items.append(user("Now check the parser too."))
+    out, _ = send(items)
+    assert "older work can be folded" in out  # the reminder, on that user message
+    eng.store.record_usage("cx", "responses", (61_000, 0, 0, 10))
+    send(items + [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "On it."}]},
+                  user("You are performing a CONTEXT CHECKPOINT COMPACTION. Create a handoff summary.")])
+    eng.store.record_usage("cx", "responses", (62_000, 0, 0, 10))
+    new = [dev, user("Audit every module please."), user("Now check the parser too."),
+           user(compaction.CODEX_PREFIX_FULL + "\nSummary: modules 0-19 audited; parser next."), user("continue")]
+    out, res = send(new)
+    assert res.epoch == 2
+    assert "older work can be folded" not in out and "m00058" not in out
+    eng.store.close()

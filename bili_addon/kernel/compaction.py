@@ -278,8 +278,9 @@ class Epochs:
             "usage_turns": self.store.usage(sid).turns, "retired_blocks": [b.id for b in retired],
             "gone": found.gone, "kept": found.kept, "at": round(time.time(), 3),
         }
-        self.sessions.set_flag(sid, "epochs", [*epochs(s), entry])
-        self.sessions.set_flag(sid, "last_nudge_at", 0)  # reminders count from the new base
+        # reminders count from the new base, and the old epoch's go: the new history may keep a message
+        # that carried one (codex keeps the user's own messages), which would point at ranges it no longer has
+        self.sessions.set_flags(sid, {"epochs": [*epochs(s), entry], "last_nudge_at": 0, "nudges": {}})
         result.epoch = n
         ids = f" ({', '.join(b.id for b in retired)})" if retired else ""
         log.warning(
