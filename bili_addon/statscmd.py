@@ -250,7 +250,7 @@ def configure_page(p: argparse.ArgumentParser) -> None:
 
 def run_page(args: argparse.Namespace) -> int:
     """Ask the proxy for a one-time sign-in code and print the page's URL carrying it: the page trades
-    it for a session cookie at once and drops it from the address bar (the admin token itself never
+    it for a page token at once and drops it from the address bar (the admin token itself never
     reaches the browser)."""
     proxy, token, source = _target(args)
     if token is None:
@@ -260,7 +260,7 @@ def run_page(args: argparse.Namespace) -> int:
     except ProxyError as e:
         print(f"bili: error: {e}", file=sys.stderr)
         return 1
-    url = f"{proxy}/__bili/?code={doc['code']}"
+    url = f"{proxy}/__bili/#code={doc['code']}"
     print(url)
     print(f"(a one-time code, valid {doc.get('ttl', 60)}s)", file=sys.stderr)
     if args.open:

@@ -196,37 +196,96 @@ def page_code(proxy) -> str:
     return body["code"]
 
 
-def no_redirect(proxy, path: str):
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
-    conn.request("GET", path)
-    resp = conn.getresponse()
-    resp.read()
-    conn.close()
-    return resp
-
-
 def test_the_page_refuses_without_sign_in(session):
     from .support import request
 
     proxy, sid = session
-    for path in ("/__bili/", f"/__bili/page/session?session={sid}", "/__bili/stats"):
+    for path in (f"/__bili/page/session?session={sid}", "/__bili/stats", f"/__bili/page/block?session={sid}&id=b1"):
         assert request(proxy.url + path).status == 403
-    code = page_code(proxy)
-    first = no_redirect(proxy, f"/__bili/?code={code}")
-    assert first.status == 303 and first.getheader("location") == "/__bili/"
-    cookie = first.getheader("set-cookie")
-    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/__bili/" in cookie
-    assert no_redirect(proxy, f"/__bili/?code={code}").status == 403, "a code signs in once"
-    jar = {"cookie": cookie.split(";", 1)[0]}
-    page = request(proxy.url + "/__bili/", headers=jar)
-    assert page.status == 200 and b"<title>bili</title>" in page.body
+    page = request(proxy.url + "/__bili/")  # the page holds no data: it needs no sign-in, its data does
+    assert page.status == 200 and b"<title>bili</title>" in page.body and sid.encode() not in page.body
     assert "default-src 'none'" in page.headers["content-security-policy"]
+    assert "script-src 'sha256-" in page.headers["content-security-policy"]
+    code = page_code(proxy)
+    sign_in = json.dumps({"code": code}).encode()
+    first = request(proxy.url + "/__bili/page/sign-in", sign_in, headers={"content-type": "application/json"})
+    assert first.status == 200 and "set-cookie" not in first.headers, first.body
+    again = request(proxy.url + "/__bili/page/sign-in", sign_in, headers={"content-type": "application/json"})
+    assert again.status == 403, "a code signs in once"
+    jar = {"x-bili-page": json.loads(first.body)["token"]}
     assert request(proxy.url + f"/__bili/page/session?session={sid}", headers=jar).status == 200
-    # the cookie opens the page's read-only data, never the tool endpoint
+    # the token opens the page's read-only data, never the tool endpoint
     assert request(proxy.url + "/__bili/plugin/tool", b"{}", method="POST", headers=jar).status == 403
     assert proxy.token.encode() not in page.body
+
+
+class Neighbour:
+    """Another local user's web server on another port of 127.0.0.1: what the browser sends it."""
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen = self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
+                body = (b"<!doctype html><title>elsewhere</title><script>fetch('/__bili/stats').then(() => "
+                        b"{ document.title = 'asked:' + sessionStorage.length + ':' + document.cookie; });</script>"
+                        if self.path == "/" else b"{}")
+                self.send_response(200)
+                self.send_header("content-type", "text/html" if self.path == "/" else "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_pages_sign_in_stays_on_its_port(session, tmp_path):
+    """A browser keeps cookies per host, not per port (RFC 6265, section 8.5): the page's cookie went
+    to any server on 127.0.0.1 the user opened, and, replayed on bili's port, read every session's
+    originals.  The page token is in the tab's sessionStorage, which is the origin's (port included)."""
+    from .browser import Browser, find_chromium
+
+    binary, why = find_chromium()
+    if binary is None:
+        pytest.skip(why)
+    proxy, sid = session
+    other = Neighbour()
+    b = Browser(binary, tmp_path)
+    try:
+        url = bili_cli(proxy, "page").strip()
+        b.goto(url)
+        b.wait(f"document.body && document.body.dataset.loaded === '1' && "
+               f"!!document.querySelector('tr.s[data-id=\"{sid}\"]')")
+        assert b.js("location.href") == proxy.url + "/__bili/", "the code leaves the address bar"
+        token = b.js("sessionStorage.getItem('bili-page-token')")
+        b.goto(other.url + "/")  # later, the same browser opens a page another user serves on 127.0.0.1
+        assert b.wait("document.title.startsWith('asked:') && document.title") == "asked:0:"
+        assert {"/", "/__bili/stats"} <= {p for p, _ in other.seen}
+        for path, headers in other.seen:
+            assert "cookie" not in headers and "x-bili-page" not in headers, (path, headers)
+            assert not token or token not in json.dumps(headers), (path, headers)
+        assert token and b.cmd("Storage.getCookies")["cookies"] == [], "the sign-in sets no cookie"
+        # and back on bili's origin the tab is still signed in (a reload keeps it, no new code needed)
+        b.goto(proxy.url + "/__bili/")
+        b.wait(f"document.body.dataset.loaded === '1' && !!document.querySelector('tr.s[data-id=\"{sid}\"]')")
+        b.pump(0.3)
+        assert b.errors == []
+    finally:
+        b.close()
+        other.close()
 
 
 def test_the_page_in_chromium(session, tmp_path):
@@ -248,9 +307,9 @@ def test_the_page_in_chromium(session, tmp_path):
     b = Browser(binary, tmp_path)
     try:
         url = bili_cli(proxy, "page").strip()  # what a user opens: a one-time code, never the token
-        assert url.startswith(proxy.url + "/__bili/?code=") and proxy.token not in url
+        assert url.startswith(proxy.url + "/__bili/#code=") and proxy.token not in url
         b.goto(url)
-        b.wait("document.body && document.body.dataset.loaded === '1' && location.search === ''")
+        b.wait("document.body && document.body.dataset.loaded === '1' && location.hash === ''")
         row = b.wait(f"""(() => {{ const r = document.querySelector('tr.s[data-id="{sid}"]'); if (!r) return null;
             const v = {{}}; for (const td of r.cells) if (td.classList.length) v[td.classList[td.classList.length - 1]] =
             [td.dataset.v, td.textContent]; return v; }})()""")
