@@ -174,3 +174,21 @@ def test_one_sessions_figures_read_that_session_alone(bili, monkeypatch):
     assert doc["session"]["id"] == "conv-4"
     assert read == ["conv-3", "conv-4"]
     assert len(json.loads(get(bili, "/__bili/stats", headers=headers).content)["sessions"]) == 6  # (the list: all)
+
+
+def test_bili_page_open_asks_whether_its_code_is_used(bili):
+    """``bili page --open`` removes the file that carried the code to the browser once the code is used:
+    it asks by the code's id (which redeems nothing), with the admin token alone."""
+    admin = {"x-bili-token": bili.token}
+    doc = json.loads(get(bili, "/__bili/page/code", method="POST", headers=admin).content)
+    assert doc["id"] == page.code_id(doc["code"]) and doc["id"] not in doc["code"]
+    asked = f"/__bili/page/code?id={doc['id']}"
+    assert json.loads(get(bili, asked, headers=admin).content)["pending"] is True
+    assert exchange(bili, doc["id"]).status_code == 403  # the id is no code
+    jar = {"x-bili-page": json.loads(exchange(bili, doc["code"]).content)["token"]}
+    assert json.loads(get(bili, asked, headers=admin).content)["pending"] is False
+    assert get(bili, asked, headers=jar).status_code == 403  # the page's token opens no code
+    assert get(bili, asked).status_code == 403
+    late = page.auth(bili).new_code()
+    page.auth(bili).codes[late] = 0.0  # expired
+    assert json.loads(get(bili, f"/__bili/page/code?id={page.code_id(late)}", headers=admin).content)["pending"] is False

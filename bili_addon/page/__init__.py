@@ -53,6 +53,11 @@ MAX_CODES = 64
 MAX_SIGN_IN = 1024  # the sign-in's JSON body: a code of 32 characters
 
 
+def code_id(code: str) -> str:
+    """A code's name that does not redeem it: what ``bili page --open`` asks about while it waits."""
+    return hashlib.sha256(code.encode()).hexdigest()[:16]
+
+
 @dataclass
 class PageAuth:
     codes: dict[str, float] = field(default_factory=dict)  # one-time code -> expiry
@@ -66,6 +71,11 @@ class PageAuth:
         code = secrets.token_urlsafe(24)
         self.codes[code] = now + CODE_TTL
         return code
+
+    def pending(self, cid: str) -> bool:
+        """Is the code named ``cid`` (:func:`code_id`) still to be used, and in time?"""
+        now = time.monotonic()
+        return any(t > now and secrets.compare_digest(code_id(c), cid) for c, t in self.codes.items())
 
     def exchange(self, code: str) -> str | None:
         """A fresh page token for a valid code (used up)."""
@@ -98,8 +108,9 @@ def auth(bili: Bili) -> PageAuth:
 
 
 def readable(path: str, method: str) -> bool:
-    """What a page token opens: the page's read-only data, never the tool endpoint."""
-    return method in ("GET", "HEAD") and (path == PREFIX + "stats" or path.startswith(PREFIX + "page/"))
+    """What a page token opens: the page's read-only data, never the tool endpoint nor the codes."""
+    return method in ("GET", "HEAD") and (
+        path == PREFIX + "stats" or (path.startswith(PREFIX + "page/") and path != CODE_PATH))
 
 
 def _json(status: int, payload: object) -> http.Response:
@@ -169,7 +180,11 @@ def handle(flow: http.HTTPFlow, bili: Bili, path: str, with_store: Callable) -> 
     """An authenticated request for the page's data (see :func:`bili_addon.admin.handle`)."""
     q = flow.request.query
     if path == CODE_PATH and flow.request.method == "POST":
-        flow.response = _json(200, {"ok": True, "code": auth(bili).new_code(), "ttl": int(CODE_TTL)})
+        code = auth(bili).new_code()
+        flow.response = _json(200, {"ok": True, "code": code, "id": code_id(code), "ttl": int(CODE_TTL)})
+        return None
+    if path == CODE_PATH and flow.request.method == "GET":  # `bili page --open` waits for its code to be used
+        flow.response = _json(200, {"ok": True, "pending": auth(bili).pending(q.get("id", ""))})
         return None
     if flow.request.method not in ("GET", "HEAD"):
         flow.response = _fail(405, f"{path} is read-only")
@@ -244,4 +259,4 @@ def search(eng: Engine, sid: str, query: str) -> http.Response:
     return _json(200, {"ok": True, "query": query, "text": text})
 
 
-__all__ = ["PageAuth", "auth", "handle", "readable", "sign_in", "the_page"]
+__all__ = ["PageAuth", "auth", "code_id", "handle", "readable", "sign_in", "the_page"]

@@ -288,6 +288,68 @@ def test_the_pages_sign_in_stays_on_its_port(session, tmp_path):
         other.close()
 
 
+def test_bili_page_open_keeps_the_code_off_every_command_line(session, tmp_path):
+    """``bili page --open`` gave the browser the URL with its one-time code as an argument: any local
+    user read it in /proc/PID/cmdline while the browser started, redeemed it first and had the page.
+    The browser is given a file instead that only this user reads and that sends it on (here a real
+    Chromium, which signs in through it); the file's folder is gone once the code is used."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from .browser import find_chromium
+    from .support import clean_env, request
+
+    binary, why = find_chromium()
+    if binary is None:
+        pytest.skip(why)
+    proxy, sid = session
+    seen: set[bytes] = set()  # every command line and environment on the machine while `bili page --open` runs
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            for pid in os.listdir("/proc"):
+                for part in ("cmdline", "environ") if pid.isdigit() else ():
+                    try:
+                        with open(f"/proc/{pid}/{part}", "rb") as f:
+                            seen.add(f.read())
+                    except OSError:
+                        pass
+            time.sleep(0.002)
+
+    given = tmp_path / "given"
+    browser = tmp_path / "browser.sh"
+    browser.write_text(f"""#!/bin/sh
+f="${{1#file://}}"
+stat -c '%a %u %n' "$f" "$(dirname "$f")" > {given}
+exec {binary} --headless=new --no-sandbox --disable-gpu --no-first-run --user-data-dir={tmp_path}/profile \\
+    --virtual-time-budget=8000 --dump-dom "$1" > {tmp_path}/dom.html 2>/dev/null
+""")
+    browser.chmod(0o755)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "page", "--open", "--proxy", proxy.url,
+                              "--data-dir", str(proxy.bili_data_dir)], capture_output=True, text=True, timeout=120,
+                             env=clean_env(BROWSER=f"{browser} %s"))
+    finally:
+        stop.set()
+        watcher.join()
+    assert out.returncode == 0, out.stderr
+    code = out.stdout.strip().split("#code=", 1)[1]
+    assert len(code) >= 32 and len(seen) > 10
+    assert not [blob for blob in seen if code.encode() in blob], "the code was on a command line"
+    (file_mode, file_uid, file), (dir_mode, dir_uid, folder) = (ln.split() for ln in given.read_text().splitlines())
+    assert (file_mode, dir_mode) == ("600", "700") and file_uid == dir_uid == str(os.getuid())
+    assert code not in file and not os.path.exists(folder), "the file goes once the code is used"
+    # the browser signed in through the file: the page shows the session, and the code is used up
+    assert f'data-id="{sid}"' in (tmp_path / "dom.html").read_text()
+    again = request(proxy.url + "/__bili/page/sign-in", json.dumps({"code": code}).encode())
+    assert again.status == 403
+
+
 def test_the_page_in_chromium(session, tmp_path):
     import shutil
 
