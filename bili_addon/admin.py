@@ -181,9 +181,11 @@ def _handle(flow: http.HTTPFlow, bili: Host):
                                     "authenticated": authenticated(flow, bili), **proof,
                                     # the proxy's listeners: a launcher re-using it checks for the one it needs
                                     "modes": list(getattr(ctx.options, "mode", None) or [])})
-    elif page.sign_in(flow, bili):  # GET /__bili/?code=...: the one-time code of `bili page`
+    elif page.the_page(flow, path, method):  # its data needs a token; the page itself holds none
         return None
-    elif not (authenticated(flow, bili) or (page.readable(path, method) and page.auth(bili).cookie_ok(flow))):
+    elif page.sign_in(flow, bili, path):  # POST /__bili/page/sign-in: the one-time code of `bili page`
+        return None
+    elif not (authenticated(flow, bili) or (page.readable(path, method) and page.auth(bili).token_ok(flow))):
         flow.response = _fail(403, f"bili admin endpoints need this install's admin token: send the header "
                                    f"{private.TOKEN_HEADER} with the content of the file {private.TOKEN_FILE} "
                                    "in bili's data directory (a browser: open the URL `bili page` prints)")

@@ -250,7 +250,7 @@ def configure_page(p: argparse.ArgumentParser) -> None:
 
 def run_page(args: argparse.Namespace) -> int:
     """Ask the proxy for a one-time sign-in code and print the page's URL carrying it: the page trades
-    it for a session cookie at once and drops it from the address bar (the admin token itself never
+    it for a page token at once and drops it from the address bar (the admin token itself never
     reaches the browser)."""
     proxy, token, source = _target(args)
     if token is None:
@@ -260,14 +260,61 @@ def run_page(args: argparse.Namespace) -> int:
     except ProxyError as e:
         print(f"bili: error: {e}", file=sys.stderr)
         return 1
-    url = f"{proxy}/__bili/?code={doc['code']}"
+    url = f"{proxy}/__bili/#code={doc['code']}"
+    ttl = float(doc.get("ttl", 60))
     print(url)
-    print(f"(a one-time code, valid {doc.get('ttl', 60)}s)", file=sys.stderr)
+    print(f"(a one-time code, valid {ttl:g}s)", file=sys.stderr)
     if args.open:
-        import webbrowser
-
-        webbrowser.open(url)
+        return open_page(url, lambda: _pending(proxy, token, doc.get("id")), ttl)
     return 0
 
 
-__all__ = ["configure", "configure_page", "run", "run_page", "session_view", "sessions_table"]
+REDIRECT = """<!doctype html>
+<meta charset="utf-8"><meta name="referrer" content="no-referrer"><title>bili</title>
+<meta http-equiv="refresh" content="0;url={url}">
+<p>Opening <a href="{url}">bili's page</a>&hellip;</p>
+"""
+
+
+def open_page(url: str, pending, ttl: float) -> int:
+    """Open ``url`` in the browser with its code on no command line: a browser's arguments are in
+    ``/proc/PID/cmdline`` for every local user to read, and whoever redeems the code first has the
+    page.  The browser is given a file instead, readable by this user alone (0600, in a fresh 0700
+    folder), that sends it on to ``url``; the folder goes once the code is used (``pending()`` says
+    no) or has expired."""
+    import html
+    import shutil
+    import tempfile
+    import webbrowser
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix="bili-page-"))
+    try:
+        fd = os.open(folder / "open.html", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(REDIRECT.format(url=html.escape(url, quote=True)))
+        if not webbrowser.open((folder / "open.html").as_uri()):
+            print("bili page: no browser could be started: open the URL above", file=sys.stderr)
+            return 1
+        print("(waiting for the browser to sign in; Ctrl-C stops)", file=sys.stderr)
+        deadline = time.monotonic() + ttl
+        while time.monotonic() < deadline and pending() is not False:
+            time.sleep(0.2)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _pending(proxy: str, token: str | None, cid: str | None) -> bool | None:
+    """Is the code still to be used (None: the proxy cannot say)?"""
+    if not cid:
+        return None
+    try:
+        return bool(fetch(proxy, f"/__bili/page/code?id={urllib.parse.quote(cid)}", token, timeout=5).get("pending"))
+    except ProxyError:
+        return None
+
+
+__all__ = ["configure", "configure_page", "open_page", "run", "run_page", "session_view", "sessions_table"]

@@ -198,7 +198,7 @@ def test_admin_refuses_non_loopback_clients(bili, peer):
 
 @pytest.mark.parametrize("host", ["evil.example", "api.anthropic.com", "127.0.0.1.evil.example", "10.0.0.5",
                                   "192.168.0.7"])
-@pytest.mark.parametrize("path", ["/__bili/health", "/__bili/stats", "/__bili/?code=x"])
+@pytest.mark.parametrize("path", ["/__bili/health", "/__bili/stats", "/__bili/"])
 def test_admin_answers_only_for_the_proxys_own_address(bili, host, path):
     """A page the browser loaded through the proxy (bili as the system proxy), or one whose name a DNS
     rebinding points at 127.0.0.1, asks /__bili/ on its own origin, from a loopback client: it gets

@@ -1,22 +1,31 @@
 """The page at ``/__bili/``: bili's sessions, one session's chart, blocks, search and turn table.
 
-Who may see it: loopback clients (checked by :mod:`bili_addon.admin` first) that hold either the
-install's admin token (header, as every admin endpoint) or this page's session cookie.  A browser
-gets the cookie without ever seeing the admin token: ``bili page`` asks ``POST
-/__bili/page/code`` (with the token) for a one-time code valid for a minute, and prints
-``/__bili/?code=...``; the page answers that URL by setting an HttpOnly, SameSite=Strict cookie
-scoped to ``/__bili/`` and redirecting to ``/__bili/`` (the code leaves the address bar and cannot
-be used twice).  Cookies live in this process only: a restarted proxy needs ``bili page`` again.
+Who may see it: loopback clients (checked by :mod:`bili_addon.admin` first).  The page itself (one
+HTML resource, the same for everyone, no data in it) is answered to any of them; its data only to a
+request with the install's admin token (header, as every admin endpoint) or a page token in the
+header ``x-bili-page``.  A browser gets a page token without ever seeing the admin token: ``bili
+page`` asks ``POST /__bili/page/code`` (with the token) for a one-time code valid for a minute and
+prints ``/__bili/#code=...``; the page's script takes the code out of the address bar, trades it
+once at ``POST /__bili/page/sign-in`` for a token, keeps that in the tab's ``sessionStorage`` and
+sends it with each of its requests.  Not a cookie: a browser sends a cookie to every port of the
+host (RFC 6265, section 8.5), so another local user's server on 127.0.0.1 would receive it;
+``sessionStorage`` belongs to one origin, port included.  Codes and tokens live in this process
+only: a restarted proxy needs ``bili page`` again.
 
 Everything the page shows is read-only: expanding a block renders what ``decompress`` would answer
 (without ``toFile``) and the search box runs ``search_context``, both on the session's stored
 originals; nothing changes on the wire.  No request header is ever stored, so no API key can be
 shown.  The HTML (``page.html``, a package resource) has no external assets: its charts are SVG
-drawn by a small inline script from the JSON endpoints, which it polls every two seconds.
+drawn by a small inline script from the JSON endpoints, which it polls every two seconds; its
+Content-Security-Policy runs that script alone (by its hash).
 """
 
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -36,16 +45,23 @@ if TYPE_CHECKING:
 
 PREFIX = "/__bili/"
 CODE_PATH = PREFIX + "page/code"
-COOKIE = "bili_page"
+SIGN_IN_PATH = PREFIX + "page/sign-in"
+TOKEN_HEADER = "x-bili-page"
 CODE_TTL = 60.0
-COOKIE_TTL = 12 * 3600.0
+TOKEN_TTL = 12 * 3600.0
 MAX_CODES = 64
+MAX_SIGN_IN = 1024  # the sign-in's JSON body: a code of 32 characters
+
+
+def code_id(code: str) -> str:
+    """A code's name that does not redeem it: what ``bili page --open`` asks about while it waits."""
+    return hashlib.sha256(code.encode()).hexdigest()[:16]
 
 
 @dataclass
 class PageAuth:
     codes: dict[str, float] = field(default_factory=dict)  # one-time code -> expiry
-    cookies: dict[str, float] = field(default_factory=dict)  # cookie value -> expiry
+    tokens: dict[str, float] = field(default_factory=dict)  # page token -> expiry
 
     def new_code(self) -> str:
         now = time.monotonic()
@@ -56,22 +72,27 @@ class PageAuth:
         self.codes[code] = now + CODE_TTL
         return code
 
+    def pending(self, cid: str) -> bool:
+        """Is the code named ``cid`` (:func:`code_id`) still to be used, and in time?"""
+        now = time.monotonic()
+        return any(t > now and secrets.compare_digest(code_id(c), cid) for c, t in self.codes.items())
+
     def exchange(self, code: str) -> str | None:
-        """A fresh cookie value for a valid code (used up)."""
+        """A fresh page token for a valid code (used up)."""
         expiry = self.codes.pop(code, None) if code else None
         if expiry is None or expiry < time.monotonic():
             return None
         now = time.monotonic()
-        self.cookies = {c: t for c, t in self.cookies.items() if t > now}
+        self.tokens = {c: t for c, t in self.tokens.items() if t > now}
         value = secrets.token_urlsafe(32)
-        self.cookies[value] = now + COOKIE_TTL
+        self.tokens[value] = now + TOKEN_TTL
         return value
 
-    def cookie_ok(self, flow: http.HTTPFlow) -> bool:
-        value = flow.request.cookies.get(COOKIE, "")
+    def token_ok(self, flow: http.HTTPFlow) -> bool:
+        value = flow.request.headers.get(TOKEN_HEADER, "").strip()
         if not value:
             return False
-        for known, expiry in self.cookies.items():
+        for known, expiry in self.tokens.items():
             if secrets.compare_digest(value.encode(), known.encode()):
                 return expiry > time.monotonic()
         return False
@@ -87,61 +108,83 @@ def auth(bili: Bili) -> PageAuth:
 
 
 def readable(path: str, method: str) -> bool:
-    """What the page's cookie opens: the page and its read-only data, never the tool endpoint."""
-    return method in ("GET", "HEAD") and (path in (PREFIX, PREFIX + "stats") or path.startswith(PREFIX + "page/"))
+    """What a page token opens: the page's read-only data, never the tool endpoint nor the codes."""
+    return method in ("GET", "HEAD") and (
+        path == PREFIX + "stats" or (path.startswith(PREFIX + "page/") and path != CODE_PATH))
 
 
 def _json(status: int, payload: object) -> http.Response:
     return http.Response.make(status, msgspec.json.encode(payload),
-                              {"content-type": "application/json", "cache-control": "no-store"})
+                              {"content-type": "application/json", "cache-control": "no-store",
+                               "x-content-type-options": "nosniff"})
 
 
 def _fail(status: int, error: str) -> http.Response:
     return _json(status, {"ok": False, "error": error})
 
 
-HEADERS = {
-    "content-type": "text/html; charset=utf-8",
-    "cache-control": "no-store",
-    # nothing from anywhere else, no framing; the inline script and style are the page's own
-    "content-security-policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-                               "img-src data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
-                               "form-action 'none'",
-    "referrer-policy": "no-referrer",
-    "x-content-type-options": "nosniff",
-}
-
-
+@functools.cache
 def html() -> bytes:
     return resources.files(__package__).joinpath("page.html").read_bytes()
 
 
-def sign_in(flow: http.HTTPFlow, bili: Bili) -> bool:
-    """``GET /__bili/?code=...``: trade a one-time code for the cookie (True: answered)."""
-    code = flow.request.query.get("code")
-    if code is None or flow.request.path.split("?", 1)[0] != PREFIX:
+@functools.cache
+def headers() -> dict[str, str]:
+    """The page's headers: nothing from anywhere else, no framing, and of scripts its own inline one
+    alone, named by its hash (the page token is in the tab's storage: an injected script would read it)."""
+    script = re.search(rb"<script>(.*?)</script>", html(), re.S)
+    if script is None:
+        raise RuntimeError("page.html has no inline script")
+    digest = base64.b64encode(hashlib.sha256(script.group(1)).digest()).decode()
+    return {
+        "content-type": "text/html; charset=utf-8",
+        "cache-control": "no-store",
+        "content-security-policy": f"default-src 'none'; script-src 'sha256-{digest}'; style-src 'unsafe-inline'; "
+                                   "img-src data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+                                   "form-action 'none'",
+        "referrer-policy": "no-referrer",
+        "x-content-type-options": "nosniff",
+        "cross-origin-resource-policy": "same-origin",
+    }
+
+
+def the_page(flow: http.HTTPFlow, path: str, method: str) -> bool:
+    """``GET /__bili/``: the page, to any loopback client (a navigation carries no header; the page
+    holds nothing but its code).  True: answered."""
+    if path != PREFIX or method not in ("GET", "HEAD"):
         return False
-    value = auth(bili).exchange(code)
+    flow.response = http.Response.make(200, html(), headers())
+    return True
+
+
+def sign_in(flow: http.HTTPFlow, bili: Bili, path: str) -> bool:
+    """``POST /__bili/page/sign-in`` with ``{"code": ...}``: trade a one-time code for a page token
+    (True: answered)."""
+    if path != SIGN_IN_PATH or flow.request.method != "POST":
+        return False
+    raw = flow.request.raw_content or b""
+    try:
+        doc = msgspec.json.decode(raw) if len(raw) <= MAX_SIGN_IN else None
+    except msgspec.DecodeError:
+        doc = None
+    code = doc.get("code") if isinstance(doc, dict) else None
+    value = auth(bili).exchange(code) if isinstance(code, str) else None
     if value is None:
-        flow.response = http.Response.make(
-            403, b"This sign-in link is used up or expired: run `bili page` again.",
-            {"content-type": "text/plain; charset=utf-8", "cache-control": "no-store"})
+        flow.response = _fail(403, "this sign-in link is used up or expired: run `bili page` again")
         return True
-    flow.response = http.Response.make(303, b"", {
-        "location": PREFIX, "cache-control": "no-store", "referrer-policy": "no-referrer",
-        "set-cookie": f"{COOKIE}={value}; Path={PREFIX}; HttpOnly; SameSite=Strict; Max-Age={int(COOKIE_TTL)}",
-    })
+    flow.response = _json(200, {"ok": True, "token": value, "ttl": int(TOKEN_TTL)})
     return True
 
 
 def handle(flow: http.HTTPFlow, bili: Bili, path: str, with_store: Callable) -> Any:
-    """An authenticated request for the page or its data (see :func:`bili_addon.admin.handle`)."""
+    """An authenticated request for the page's data (see :func:`bili_addon.admin.handle`)."""
     q = flow.request.query
     if path == CODE_PATH and flow.request.method == "POST":
-        flow.response = _json(200, {"ok": True, "code": auth(bili).new_code(), "ttl": int(CODE_TTL)})
+        code = auth(bili).new_code()
+        flow.response = _json(200, {"ok": True, "code": code, "id": code_id(code), "ttl": int(CODE_TTL)})
         return None
-    if path == PREFIX and flow.request.method in ("GET", "HEAD"):
-        flow.response = http.Response.make(200, html(), HEADERS)
+    if path == CODE_PATH and flow.request.method == "GET":  # `bili page --open` waits for its code to be used
+        flow.response = _json(200, {"ok": True, "pending": auth(bili).pending(q.get("id", ""))})
         return None
     if flow.request.method not in ("GET", "HEAD"):
         flow.response = _fail(405, f"{path} is read-only")
@@ -216,4 +259,4 @@ def search(eng: Engine, sid: str, query: str) -> http.Response:
     return _json(200, {"ok": True, "query": query, "text": text})
 
 
-__all__ = ["COOKIE", "PageAuth", "auth", "handle", "readable", "sign_in"]
+__all__ = ["PageAuth", "auth", "code_id", "handle", "readable", "sign_in", "the_page"]

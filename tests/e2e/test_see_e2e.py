@@ -196,37 +196,158 @@ def page_code(proxy) -> str:
     return body["code"]
 
 
-def no_redirect(proxy, path: str):
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
-    conn.request("GET", path)
-    resp = conn.getresponse()
-    resp.read()
-    conn.close()
-    return resp
-
-
 def test_the_page_refuses_without_sign_in(session):
     from .support import request
 
     proxy, sid = session
-    for path in ("/__bili/", f"/__bili/page/session?session={sid}", "/__bili/stats"):
+    for path in (f"/__bili/page/session?session={sid}", "/__bili/stats", f"/__bili/page/block?session={sid}&id=b1"):
         assert request(proxy.url + path).status == 403
-    code = page_code(proxy)
-    first = no_redirect(proxy, f"/__bili/?code={code}")
-    assert first.status == 303 and first.getheader("location") == "/__bili/"
-    cookie = first.getheader("set-cookie")
-    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/__bili/" in cookie
-    assert no_redirect(proxy, f"/__bili/?code={code}").status == 403, "a code signs in once"
-    jar = {"cookie": cookie.split(";", 1)[0]}
-    page = request(proxy.url + "/__bili/", headers=jar)
-    assert page.status == 200 and b"<title>bili</title>" in page.body
+    page = request(proxy.url + "/__bili/")  # the page holds no data: it needs no sign-in, its data does
+    assert page.status == 200 and b"<title>bili</title>" in page.body and sid.encode() not in page.body
     assert "default-src 'none'" in page.headers["content-security-policy"]
+    assert "script-src 'sha256-" in page.headers["content-security-policy"]
+    code = page_code(proxy)
+    sign_in = json.dumps({"code": code}).encode()
+    first = request(proxy.url + "/__bili/page/sign-in", sign_in, headers={"content-type": "application/json"})
+    assert first.status == 200 and "set-cookie" not in first.headers, first.body
+    again = request(proxy.url + "/__bili/page/sign-in", sign_in, headers={"content-type": "application/json"})
+    assert again.status == 403, "a code signs in once"
+    jar = {"x-bili-page": json.loads(first.body)["token"]}
     assert request(proxy.url + f"/__bili/page/session?session={sid}", headers=jar).status == 200
-    # the cookie opens the page's read-only data, never the tool endpoint
+    # the token opens the page's read-only data, never the tool endpoint
     assert request(proxy.url + "/__bili/plugin/tool", b"{}", method="POST", headers=jar).status == 403
     assert proxy.token.encode() not in page.body
+
+
+class Neighbour:
+    """Another local user's web server on another port of 127.0.0.1: what the browser sends it."""
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen = self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
+                body = (b"<!doctype html><title>elsewhere</title><script>fetch('/__bili/stats').then(() => "
+                        b"{ document.title = 'asked:' + sessionStorage.length + ':' + document.cookie; });</script>"
+                        if self.path == "/" else b"{}")
+                self.send_response(200)
+                self.send_header("content-type", "text/html" if self.path == "/" else "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_pages_sign_in_stays_on_its_port(session, tmp_path):
+    """A browser keeps cookies per host, not per port (RFC 6265, section 8.5): the page's cookie went
+    to any server on 127.0.0.1 the user opened, and, replayed on bili's port, read every session's
+    originals.  The page token is in the tab's sessionStorage, which is the origin's (port included)."""
+    from .browser import Browser, find_chromium
+
+    binary, why = find_chromium()
+    if binary is None:
+        pytest.skip(why)
+    proxy, sid = session
+    other = Neighbour()
+    b = Browser(binary, tmp_path)
+    try:
+        url = bili_cli(proxy, "page").strip()
+        b.goto(url)
+        b.wait(f"document.body && document.body.dataset.loaded === '1' && "
+               f"!!document.querySelector('tr.s[data-id=\"{sid}\"]')")
+        assert b.js("location.href") == proxy.url + "/__bili/", "the code leaves the address bar"
+        token = b.js("sessionStorage.getItem('bili-page-token')")
+        b.goto(other.url + "/")  # later, the same browser opens a page another user serves on 127.0.0.1
+        assert b.wait("document.title.startsWith('asked:') && document.title") == "asked:0:"
+        assert {"/", "/__bili/stats"} <= {p for p, _ in other.seen}
+        for path, headers in other.seen:
+            assert "cookie" not in headers and "x-bili-page" not in headers, (path, headers)
+            assert not token or token not in json.dumps(headers), (path, headers)
+        assert token and b.cmd("Storage.getCookies")["cookies"] == [], "the sign-in sets no cookie"
+        # and back on bili's origin the tab is still signed in (a reload keeps it, no new code needed)
+        b.goto(proxy.url + "/__bili/")
+        b.wait(f"document.body.dataset.loaded === '1' && !!document.querySelector('tr.s[data-id=\"{sid}\"]')")
+        b.pump(0.3)
+        assert b.errors == []
+    finally:
+        b.close()
+        other.close()
+
+
+def test_bili_page_open_keeps_the_code_off_every_command_line(session, tmp_path):
+    """``bili page --open`` gave the browser the URL with its one-time code as an argument: any local
+    user read it in /proc/PID/cmdline while the browser started, redeemed it first and had the page.
+    The browser is given a file instead that only this user reads and that sends it on (here a real
+    Chromium, which signs in through it); the file's folder is gone once the code is used."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from .browser import find_chromium
+    from .support import clean_env, request
+
+    binary, why = find_chromium()
+    if binary is None:
+        pytest.skip(why)
+    proxy, sid = session
+    seen: set[bytes] = set()  # every command line and environment on the machine while `bili page --open` runs
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            for pid in os.listdir("/proc"):
+                for part in ("cmdline", "environ") if pid.isdigit() else ():
+                    try:
+                        with open(f"/proc/{pid}/{part}", "rb") as f:
+                            seen.add(f.read())
+                    except OSError:
+                        pass
+            time.sleep(0.002)
+
+    given = tmp_path / "given"
+    browser = tmp_path / "browser.sh"
+    browser.write_text(f"""#!/bin/sh
+f="${{1#file://}}"
+stat -c '%a %u %n' "$f" "$(dirname "$f")" > {given}
+exec {binary} --headless=new --no-sandbox --disable-gpu --no-first-run --user-data-dir={tmp_path}/profile \\
+    --virtual-time-budget=8000 --dump-dom "$1" > {tmp_path}/dom.html 2>/dev/null
+""")
+    browser.chmod(0o755)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out = subprocess.run([sys.executable, "-m", "bili_addon.cli", "page", "--open", "--proxy", proxy.url,
+                              "--data-dir", str(proxy.bili_data_dir)], capture_output=True, text=True, timeout=120,
+                             env=clean_env(BROWSER=f"{browser} %s"))
+    finally:
+        stop.set()
+        watcher.join()
+    assert out.returncode == 0, out.stderr
+    code = out.stdout.strip().split("#code=", 1)[1]
+    assert len(code) >= 32 and len(seen) > 10
+    assert not [blob for blob in seen if code.encode() in blob], "the code was on a command line"
+    (file_mode, file_uid, file), (dir_mode, dir_uid, folder) = (ln.split() for ln in given.read_text().splitlines())
+    assert (file_mode, dir_mode) == ("600", "700") and file_uid == dir_uid == str(os.getuid())
+    assert code not in file and not os.path.exists(folder), "the file goes once the code is used"
+    # the browser signed in through the file: the page shows the session, and the code is used up
+    assert f'data-id="{sid}"' in (tmp_path / "dom.html").read_text()
+    again = request(proxy.url + "/__bili/page/sign-in", json.dumps({"code": code}).encode())
+    assert again.status == 403
 
 
 def test_the_page_in_chromium(session, tmp_path):
@@ -248,9 +369,9 @@ def test_the_page_in_chromium(session, tmp_path):
     b = Browser(binary, tmp_path)
     try:
         url = bili_cli(proxy, "page").strip()  # what a user opens: a one-time code, never the token
-        assert url.startswith(proxy.url + "/__bili/?code=") and proxy.token not in url
+        assert url.startswith(proxy.url + "/__bili/#code=") and proxy.token not in url
         b.goto(url)
-        b.wait("document.body && document.body.dataset.loaded === '1' && location.search === ''")
+        b.wait("document.body && document.body.dataset.loaded === '1' && location.hash === ''")
         row = b.wait(f"""(() => {{ const r = document.querySelector('tr.s[data-id="{sid}"]'); if (!r) return null;
             const v = {{}}; for (const td of r.cells) if (td.classList.length) v[td.classList[td.classList.length - 1]] =
             [td.dataset.v, td.textContent]; return v; }})()""")
