@@ -40,6 +40,7 @@ class Host(Protocol):
 
     mode: str
     token: str | None  # the install's admin token, None while it cannot be written
+    token_error: str | None  # why there is none
     data_dir: str
     keeper: Keeper
     meter: Meter  # the per-turn figures and the price table (the page, stats?session=)
@@ -179,6 +180,8 @@ def _handle(flow: http.HTTPFlow, bili: Host):
         proof = {"proof": private.proof(token, challenge)} if challenge and token and len(challenge) <= 128 else {}
         flow.response = _json(200, {"ok": True, "version": __version__, "mode": bili.mode, **bili.store_status(),
                                     "authenticated": authenticated(flow, bili), **proof,
+                                    **({"token_error": bili.token_error} if bili.token is None and bili.token_error
+                                       else {}),
                                     # the proxy's listeners: a launcher re-using it checks for the one it needs
                                     "modes": list(getattr(ctx.options, "mode", None) or [])})
     elif page.sign_in(flow, bili):  # GET /__bili/?code=...: the one-time code of `bili page`

@@ -150,6 +150,7 @@ class Bili:
         self.store_spec = ""  # bili_store: '' (SQLite in the data dir) or a postgresql:// URL
         self._flows: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDictionary()
         self.token: str | None = None  # the admin token (``/__bili/`` but health needs it)
+        self.token_error: str | None = None  # why there is none (health says it)
         self.meter = Meter()  # the per-request figures and log line (used on the store's worker)
 
     @property
@@ -300,11 +301,13 @@ class Bili:
     def load_token(self) -> str | None:
         """The admin token of the data dir, created on first use; None while it cannot be written."""
         try:
-            self.token = private.ensure_token(self.data_dir)
+            self.token, self.token_error = private.ensure_token(self.data_dir), None
         except OSError as e:
             self.token = None
-            log.warning("[bili] cannot write the admin token in %s (%s); the admin endpoints but health "
-                        "answer 403 until it can be", self.data_dir, e)
+            why = str(e) if isinstance(e, private.NotPrivate) else f"cannot write the admin token in {self.data_dir} ({e})"
+            if why != self.token_error:  # (an admin request tries again: said once)
+                log.warning("[bili] %s; the admin endpoints but health answer 403 until it can be", why)
+            self.token_error = why
         return self.token
 
     def done(self) -> None:
