@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 from mitmproxy import ctx, http
 
-from bili_addon import __version__, page, private
+from bili_addon import __version__, page, printable, private
 from bili_addon.kernel.prompts import TOOLS
 from bili_addon.store import StoreError
 from bili_addon.transparent import SUBNET as NAMESPACES
@@ -40,6 +40,7 @@ class Host(Protocol):
 
     mode: str
     token: str | None  # the install's admin token, None while it cannot be written
+    token_error: str | None  # why there is none
     data_dir: str
     keeper: Keeper
     meter: Meter  # the per-turn figures and the price table (the page, stats?session=)
@@ -157,7 +158,8 @@ def handle(flow: http.HTTPFlow, bili: Host):
 
 
 def _internal(flow: http.HTTPFlow, e: Exception) -> None:
-    log.exception("[bili] %s %s: internal error (%s)", flow.request.method, flow.request.path.split("?", 1)[0], e)
+    log.exception("[bili] %s %s: internal error (%s)", printable(flow.request.method),
+                  printable(flow.request.path.split("?", 1)[0]), printable(e))
     flow.response = _fail(500, f"internal error in the bili proxy ({type(e).__name__}); see the proxy's log")
 
 
@@ -168,8 +170,8 @@ def _handle(flow: http.HTTPFlow, bili: Host):
     if not _own_host(flow):  # (answered here, never forwarded: a client's token never leaves for that host)
         flow.response = _fail(403, "bili admin endpoints answer on the proxy's own address (127.0.0.1), "
                                    "not on another host's")
-        log.warning("[bili] refused %s %s for the host %s: not the proxy's own address", flow.request.method,
-                    flow.request.path.split("?", 1)[0], flow.request.host)
+        log.warning("[bili] refused %s %s for the host %s: not the proxy's own address", printable(flow.request.method),
+                    printable(flow.request.path.split("?", 1)[0]), printable(flow.request.host))
         return None
     path = flow.request.path.split("?", 1)[0]
     method = flow.request.method
@@ -179,6 +181,8 @@ def _handle(flow: http.HTTPFlow, bili: Host):
         proof = {"proof": private.proof(token, challenge)} if challenge and token and len(challenge) <= 128 else {}
         flow.response = _json(200, {"ok": True, "version": __version__, "mode": bili.mode, **bili.store_status(),
                                     "authenticated": authenticated(flow, bili), **proof,
+                                    **({"token_error": bili.token_error} if bili.token is None and bili.token_error
+                                       else {}),
                                     # the proxy's listeners: a launcher re-using it checks for the one it needs
                                     "modes": list(getattr(ctx.options, "mode", None) or [])})
     elif page.the_page(flow, path, method):  # its data needs a token; the page itself holds none
@@ -189,7 +193,7 @@ def _handle(flow: http.HTTPFlow, bili: Host):
         flow.response = _fail(403, f"bili admin endpoints need this install's admin token: send the header "
                                    f"{private.TOKEN_HEADER} with the content of the file {private.TOKEN_FILE} "
                                    "in bili's data directory (a browser: open the URL `bili page` prints)")
-        log.warning("[bili] refused %s %s: no valid admin token", method, path)
+        log.warning("[bili] refused %s %s: no valid admin token", printable(method), printable(path))
     elif path == PREFIX + "stats" and method == "GET":
         sid = flow.request.query.get("session")
         if sid:
@@ -238,7 +242,7 @@ def _with_store(flow: http.HTTPFlow, bili: Host, answer, without):
         except StoreError:
             raise
         except Exception as e:
-            log.exception("[bili] admin %s failed: %s", flow.request.path.split("?", 1)[0], e)
+            log.exception("[bili] admin %s failed: %s", printable(flow.request.path.split("?", 1)[0]), printable(e))
             return _fail(500, f"internal error: {type(e).__name__}: {e}")
 
     if not keeper.offloading:
@@ -292,17 +296,18 @@ def plugin_tool(engine: Engine, sid: str | None, tool: str, args: dict[str, Any]
     except LookupError as e:
         return _fail(404, str(e.args[0]) if e.args else "unknown conversation")
     except StoreError as e:
-        log.warning("[bili] plugin tool %s: %s", tool, e)
+        log.warning("[bili] plugin tool %s: %s", tool, printable(e))
         return _fail(503, f"the bili store failed: {e}")
     except Exception as e:
-        log.exception("[bili] plugin tool %s on %s failed: %s", tool, sid or "the latest conversation", e)
+        log.exception("[bili] plugin tool %s on %s failed: %s", tool, printable(sid or "the latest conversation"),
+                      printable(e))
         return _fail(500, f"internal error running {tool}: {type(e).__name__}: {e}")
     try:
         if engine.set_flag(resolved, "native_tools", True):
-            log.info("[bili] session=%s: the agent calls bili's tools natively (plugin endpoint)", resolved)
+            log.info("[bili] session=%s: the agent calls bili's tools natively (plugin endpoint)", printable(resolved))
     except StoreError as e:  # the tool ran; the flag is informational
-        log.warning("[bili] session=%s: cannot record the native_tools flag: %s", resolved, e)
-    log.info("[bili] session=%s: plugin tool %s ran", resolved, tool)
+        log.warning("[bili] session=%s: cannot record the native_tools flag: %s", printable(resolved), printable(e))
+    log.info("[bili] session=%s: plugin tool %s ran", printable(resolved), tool)
     return _json(200, {"ok": True, "tool": tool, "conversationId": resolved, "result": result})
 
 

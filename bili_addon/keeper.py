@@ -18,6 +18,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
+from bili_addon import printable
 from bili_addon.store import SessionBusy, StaleSession, StoreError
 
 if TYPE_CHECKING:
@@ -164,12 +165,12 @@ class Keeper:
             except SessionBusy as e:  # another instance works on the session: this request passes
                 self.counts["session_busy"] += 1
                 self._count(count)
-                log.warning("[bili] %s; %s", e, "forwarding unchanged" if count == TURN else "not recorded")
+                log.warning("[bili] %s; %s", printable(e), "forwarding unchanged" if count == TURN else "not recorded")
                 return None
             except StaleSession as e:  # another process kept changing the session: this one passes
                 self.counts["stale_retries_exhausted"] += 1
                 self._count(count)
-                log.warning("[bili] %s; %s", e, "forwarding unchanged" if count == TURN else "not recorded")
+                log.warning("[bili] %s; %s", printable(e), "forwarding unchanged" if count == TURN else "not recorded")
                 return None
             except StoreError as e:
                 self._count(count)
@@ -177,7 +178,7 @@ class Keeper:
                 return None
             except Exception as e:  # fail open: nothing of ours may fail the agent's turn
                 self._count(count)
-                log.exception("[bili] internal error: %s; %s", e,
+                log.exception("[bili] internal error: %s; %s", printable(e),
                               "forwarding unchanged" if count == TURN else "not recorded")
                 return None
             self._up(eng)
@@ -215,7 +216,7 @@ class Keeper:
         try:
             self.run(fn, count)
         except Exception as e:  # nothing may escape a fire-and-forget job unseen
-            log.exception("[bili] background store work failed: %s", e)
+            log.exception("[bili] background store work failed: %s", printable(e))
 
     def probe(self) -> None:
         """Measure the store's round trip on the worker, without waiting (health reads the figure)."""
@@ -268,9 +269,9 @@ class Keeper:
             self._writes_at_error = self.engine.store.writes
         if fresh:
             hint = f" ({e.hint})" if e.hint else ""
-            log.warning("[bili] %s; requests pass through unchanged until it works again%s", e, hint)
+            log.warning("[bili] %s; requests pass through unchanged until it works again%s", printable(e), hint)
         else:
-            log.debug("[bili] still unusable: %s", e)
+            log.debug("[bili] still unusable: %s", printable(e))
 
     def _up(self, eng: "Engine") -> None:
         """Work succeeded; once the store has taken a write again it is usable again."""

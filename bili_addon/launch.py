@@ -1027,8 +1027,10 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
 
     try:  # created now if this is the first run, so that racing launchers agree on it
         token = private.ensure_token(Path(plan.data_dir))
-    except OSError:
+    except OSError as e:
         token = None
+        if isinstance(e, private.NotPrivate):  # (past -q: the proxy will not use that data dir either)
+            _say(f"warning: {e}")
     proxy = SharedProxy(args.port, plan.command, quiet=args.quiet, token=token, env=proxy_env)
     old = {s: signal.signal(s, _raise_on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     rc = 1
@@ -1239,6 +1241,10 @@ def doctor_checks(args: argparse.Namespace, env: Mapping[str, str] | None = None
     data = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
     db = data / DB_NAME
     shared = store_spec(getattr(args, "store", None) or "", env)
+    refused = private.refusal(data)
+    if refused:
+        checks.append(Check("data dir", False, f"{refused}: bili will not use it (its store nor its admin token); "
+                                               "choose another --data-dir, or remove it"))
     if is_url(shared):
         checks.append(shared_store_check(shared, str(data)))
     elif db.is_file():

@@ -204,6 +204,8 @@ def find_token(data_dir: str | None, env) -> tuple[str | None, str]:
         base = str(default_data_dir(env))
     path = os.path.join(base, private.TOKEN_FILE)
     token = private.read_token(base)
+    if token is None and (why := private.refusal(base)):
+        return None, f"the admin token in {base} is not used: {why}"
     return token, path if token else f"no admin token in {path} (has the proxy run with this data dir?)"
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from mitmproxy import ctx, exceptions, http
 
-from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, mitmview, prices, private
+from bili_addon import BILI_MODES, FIRST_PARTY, admin, flowmeta, mitmview, prices, printable, private
 from bili_addon.kernel import envelope
 from bili_addon.kernel.activation import MODES as ACTIVATE
 from bili_addon.kernel.calibration import row_dict
@@ -152,6 +152,7 @@ class Bili:
         self.store_spec = ""  # bili_store: '' (SQLite in the data dir) or a postgresql:// URL
         self._flows: weakref.WeakKeyDictionary[http.HTTPFlow, FlowState] = weakref.WeakKeyDictionary()
         self.token: str | None = None  # the admin token (``/__bili/`` but health needs it)
+        self.token_error: str | None = None  # why there is none (health says it)
         self.meter = Meter()  # the per-request figures and log line (used on the store's worker)
 
     @property
@@ -302,11 +303,13 @@ class Bili:
     def load_token(self) -> str | None:
         """The admin token of the data dir, created on first use; None while it cannot be written."""
         try:
-            self.token = private.ensure_token(self.data_dir)
+            self.token, self.token_error = private.ensure_token(self.data_dir), None
         except OSError as e:
             self.token = None
-            log.warning("[bili] cannot write the admin token in %s (%s); the admin endpoints but health "
-                        "answer 403 until it can be", self.data_dir, e)
+            why = str(e) if isinstance(e, private.NotPrivate) else f"cannot write the admin token in {self.data_dir} ({e})"
+            if why != self.token_error:  # (an admin request tries again: said once)
+                log.warning("[bili] %s; the admin endpoints but health answer 403 until it can be", why)
+            self.token_error = why
         return self.token
 
     def done(self) -> None:
@@ -332,7 +335,8 @@ class Bili:
             and req.headers.get("upgrade", "").lower() == "websocket" and is_responses_websocket(req.path)
         ):
             flow.response = http.Response.make(426, WS_REFUSAL, {"content-type": "application/json"})
-            log.info("[bili] refused a WebSocket upgrade on %s (426): the agent falls back to HTTP", req.path)
+            log.info("[bili] refused a WebSocket upgrade on %s (426): the agent falls back to HTTP",
+                     printable(req.path))
             return
         lane = detect_lane(req.method, req.path)
         if lane is None:
@@ -341,12 +345,13 @@ class Bili:
             # mitmproxy sends again a flow bili rewrote (mitmweb's replay, ``mitmdump -C``): its body is
             # what went up then, and goes as it is (made again, it would carry bili's prompt twice and
             # count as a turn of its own)
-            log.info("[bili] %s: a replayed flow goes as it was sent", req.path)
+            log.info("[bili] %s: a replayed flow goes as it was sent", printable(req.path))
             return
         try:
             raw = req.get_content(strict=True)
         except ValueError as e:
-            log.warning("[bili] %s: cannot decode request body (%s); forwarding unchanged", req.path, e)
+            log.warning("[bili] %s: cannot decode request body (%s); forwarding unchanged", printable(req.path),
+                        printable(e))
             return
         if not raw:
             return
@@ -384,7 +389,7 @@ class Bili:
         res.body = turn.outgoing(res.body, rewrite=fold)
         turn.session = res.session or ""
         if turn.prev:
-            log.info("[bili] session=%s: chained turn on %s: %s", res.session, turn.prev, {
+            log.info("[bili] session=%s: chained turn on %s: %s", printable(res.session), printable(turn.prev), {
                 "delta": "delta forwarded on the provider's chain",
                 "full": "the sent history changed: whole input sent without previous_response_id",
                 "passthrough": "chain unknown to the transcript: passed through observed"}.get(turn.mode, turn.mode))
@@ -427,7 +432,7 @@ class Bili:
                 res.status, msgspec.json.encode({"error": {"type": "bili_message_ids", "message": res.error}}),
                 {"content-type": "application/json"},
             )
-            log.warning("[bili] session=%s: %s (answered %d)", res.session, res.error, res.status)
+            log.warning("[bili] session=%s: %s (answered %d)", printable(res.session), printable(res.error), res.status)
             return
         if res.body is not None:
             req.content = res.body  # re-encoded with the request's own content-encoding
@@ -476,19 +481,19 @@ class Bili:
             res = eng.process(raw, lane, headers, render=self.mode == "fold" if render is None else render,
                               origin=origin)
         except (msgspec.DecodeError, ValueError) as e:
-            log.info("[bili] %s %s: body not understood (%s); forwarding unchanged", lane.name, where, e)
+            log.info("[bili] %s %s: body not understood (%s); forwarding unchanged", lane.name, where, printable(e))
             return None
         except StoreError:
             raise
         except Exception as e:  # fail open: the agent's turn never fails because of us
-            log.exception("[bili] internal error on %s %s: %s; forwarding unchanged", lane.name, where, e)
+            log.exception("[bili] internal error on %s %s: %s; forwarding unchanged", lane.name, where, printable(e))
             return None
         ms = (time.perf_counter() - t0) * 1000
         if not res.session:
             log.info("[bili] lane=%s %s msgs=%d: %s; forwarding unchanged", lane.name, where, res.messages, res.source)
             return res
         for note in res.notes:
-            log.warning("[bili] session=%s: %s", res.session, note)
+            log.warning("[bili] session=%s: %s", printable(res.session), printable(note))
         out = len(res.body) if res.body is not None else len(raw)
         s = eng.sessions.get(res.session)
         folded = ""
@@ -498,7 +503,7 @@ class Bili:
         ran = f" ran={','.join(res.executed)}" if res.executed else ""
         log.info(
             "[bili] session=%s lane=%s msgs=%d refs new=%d known=%d tagged=%d%s%s bytes in=%d out=%d addon=%.1fms",
-            res.session, lane.name, res.messages, res.refs_new, res.refs_known, res.tagged, folded, ran,
+            printable(res.session), lane.name, res.messages, res.refs_new, res.refs_known, res.tagged, folded, ran,
             len(raw), out, ms,
         )
         return res
@@ -523,7 +528,8 @@ class Bili:
             try:
                 decoder = Decoder(enc)
             except ValueError:
-                log.warning("[bili] session=%s: stream encoded as %r; passing it untouched", st.session, enc)
+                log.warning("[bili] session=%s: stream encoded as %s; passing it untouched", printable(st.session),
+                            printable(repr(enc)))
                 resp.stream = True  # (as it comes, not held to its end)
                 return
         if st.rewriter.rewrite or decoder is not None:
@@ -550,7 +556,8 @@ class Bili:
                     if out is not None:
                         resp.content = out
         except Exception as e:
-            log.exception("[bili] session=%s: response handling failed (%s); answer left as is", st.session, e)
+            log.exception("[bili] session=%s: response handling failed (%s); answer left as is", printable(st.session),
+                          printable(e))
             return None
 
         if not st.session:
@@ -563,7 +570,8 @@ class Bili:
             except StoreError:
                 raise
             except Exception as e:
-                log.exception("[bili] session=%s: response handling failed (%s); answer left as is", st.session, e)
+                log.exception("[bili] session=%s: response handling failed (%s); answer left as is",
+                              printable(st.session), printable(e))
 
         if self.keeper.offloading:
             return self.keeper.call(job, DROPPED)
@@ -584,7 +592,7 @@ class Bili:
             eng.lineage.flush(sid)
         except Exception as e:
             log.warning("[bili] session=%s: lineage not stored (%s: %s); a fork of this turn may not be "
-                        "recognised", sid, type(e).__name__, e)
+                        "recognised", printable(sid), type(e).__name__, printable(e))
 
     def _account(self, eng: Engine, st: FlowState) -> None:
         # the lineage, usage, cache observation and wire figures: one statement on PostgreSQL
@@ -605,22 +613,23 @@ class Bili:
         flowmeta.record_answer(st.record, rw, called)
         if called:
             log.info("[bili] session=%s: the model called %s; it runs when the agent's next request carries it",
-                     st.session, ", ".join(called))
+                     printable(st.session), ", ".join(called))
         if rw.stripped:
-            log.info("[bili] session=%s: stripped %d tag echo(es) from the model's prose", st.session, rw.stripped)
+            log.info("[bili] session=%s: stripped %d tag echo(es) from the model's prose", printable(st.session),
+                     rw.stripped)
         u = rw.usage
         if not u.seen:
             return
         share = f"{100 * u.cache_share:.0f}%" if u.cache_share is not None else "n/a"
         log.debug(
             "[bili] session=%s usage input=%d cache_read=%d cache_write=%d output=%d cache-read share=%s",
-            st.session, u.input, u.cache_read, u.cache_write, u.output, share,
+            printable(st.session), u.input, u.cache_read, u.cache_write, u.output, share,
         )
         if "agent_tokens" not in st.record:
             return
         w = self.meter.row(st.record, u)
         w.n = eng.store.record_wire(st.session, w)
-        log.info("%s", self.meter.line(st.session, st.lane, str(st.record.get("agent") or ""), w))
+        log.info("%s", printable(self.meter.line(st.session, st.lane, str(st.record.get("agent") or ""), w)))
 
     # -- WebSocket (Responses) -----------------------------------------------------------------
     def websocket_message(self, flow: http.HTTPFlow):
@@ -666,7 +675,8 @@ class Bili:
                     self.keeper.submit(lambda eng: self._account(eng, st))
                 self._flows.pop(flow, None)
         except Exception as e:
-            log.exception("[bili] session=%s: WebSocket frame handling failed (%s); frame left as is", st.session, e)
+            log.exception("[bili] session=%s: WebSocket frame handling failed (%s); frame left as is",
+                          printable(st.session), printable(e))
         return None
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
@@ -688,7 +698,8 @@ class Bili:
             if res is None or res.status:  # the frame goes as the agent sent it, but never with bili's own envelope
                 msg.content = _without_envelope(msg.content) or msg.content
             if res is not None and res.status:
-                log.warning("[bili] session=%s: %s (WebSocket frame forwarded unchanged)", res.session, res.error)
+                log.warning("[bili] session=%s: %s (WebSocket frame forwarded unchanged)", printable(res.session),
+                            printable(res.error))
                 return
             if res is not None and res.body is not None:
                 msg.content = res.body  # the delta (tags, a reminder), the whole folded input, or no envelope
@@ -708,7 +719,7 @@ class Bili:
                 self._flows[flow] = FlowState("responses", session, rw, record or {}, turn, sent,
                                               res is not None and res.side)
         except Exception as e:  # fail open: this frame goes up as the agent sent it
-            log.exception("[bili] WebSocket frame handling failed (%s); frame forwarded unchanged", e)
+            log.exception("[bili] WebSocket frame handling failed (%s); frame forwarded unchanged", printable(e))
 
     # -- admin ---------------------------------------------------------------------------------
     def stats(self, eng: Engine | None = None, only: str | None = None) -> dict:

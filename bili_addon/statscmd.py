@@ -20,7 +20,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from bili_addon import DEFAULT_HOST, adminclient, default_proxy
+from bili_addon import DEFAULT_HOST, adminclient, default_proxy, printable
 from bili_addon.mcp import DEFAULT_PROXY, find_token, normalize_proxy
 from bili_addon.meter import pct, tokens
 from bili_addon.prices import money
@@ -210,16 +210,7 @@ def once(args: argparse.Namespace, proxy: str, token: str | None) -> str:
     doc = fetch(proxy, path, token)
     if args.json:
         return json.dumps(doc, indent=2, ensure_ascii=False)
-    return printable(session_view(doc) if args.session else sessions_table(doc))
-
-
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0)) if c != 0x0a}
-
-
-def printable(text: str) -> str:
-    """``text`` with its control characters shown, not sent to the terminal (a session id, an agent's
-    or a model's name come from requests: an escape sequence in one would rewrite the terminal)."""
-    return text.translate(_CONTROL)
+    return printable(session_view(doc) if args.session else sessions_table(doc), lines=True)
 
 
 def run(args: argparse.Namespace) -> int:

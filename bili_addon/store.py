@@ -319,6 +319,7 @@ _HINTS = {
     "locked": "another process holds the store's lock; bili retries on the next requests",
     "cannot open": "check that --data-dir (bili_data_dir) names a directory bili can create and write",
     "i/o error": "the disk or file system failed; check it (dmesg) and the store file",
+    "not private": "bili resumes storing by itself once the data dir and the store's files are this user's alone",
 }
 
 
@@ -377,6 +378,8 @@ def _fs_state(path: Path) -> str:
 
 def classify(e: BaseException, path: Path | None = None) -> tuple[str, str]:
     """``(kind, plain words)`` for a SQLite or OS error of the store."""
+    if isinstance(e, private.NotPrivate):
+        return "not private", "the data dir or a store file is not this user's alone"
     name = getattr(e, "sqlite_errorname", "") or ""
     text = str(e)
     err = getattr(e, "errno", None)
@@ -712,11 +715,11 @@ def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
 def secure(db: Path) -> list[str]:
     """The data dir 0700, the store and its WAL files 0600, whatever the umask (a fresh store is
     created 0600 before SQLite opens it; SQLite gives the WAL files the store's mode).  Returns the
-    existing paths whose modes were wider."""
+    existing paths whose modes were wider.  Raises :class:`private.NotPrivate` when one of them is
+    another user's (or a link): SQLite would write every conversation into their file."""
     out = [str(db.parent)] if private.private_dir(db.parent) else []
-    if not private.create_private(db):
-        out += [p for p in (str(db), f"{db}-wal", f"{db}-shm") if private.tighten(p)]
-    return out
+    private.create_private(db)
+    return out + [p for p in (str(db), f"{db}-wal", f"{db}-shm") if private.tighten(p)]
 
 
 class _Checkpointer:

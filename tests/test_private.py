@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import stat
 import subprocess
@@ -10,7 +11,8 @@ import sys
 import pytest
 
 from bili_addon import private
-from bili_addon.store import Store
+from bili_addon.launch import doctor_checks
+from bili_addon.store import Store, StoreError
 
 
 def mode(p) -> int:
@@ -53,10 +55,17 @@ def test_a_directory_that_is_not_bili_s_is_left_alone(tmp_path):
     (shared / "someone-elses.txt").write_text("x")
     os.chmod(shared, 0o755)
     assert private.private_dir(shared) is False and mode(shared) == 0o755
-    sticky = tmp_path / "tmp-like"
+    sticky = tmp_path / "tmp-like"  # shared on purpose: left as it is, and not used (others may write it)
     sticky.mkdir()
     os.chmod(sticky, 0o1777)
-    assert private.private_dir(sticky) is False and mode(sticky) == 0o1777
+    with pytest.raises(private.NotPrivate, match="writable by other users"):
+        private.private_dir(sticky)
+    assert mode(sticky) == 0o1777
+    (shared / "room").mkdir()
+    os.chmod(shared / "room", 0o777)
+    (shared / "room" / "notes.txt").write_text("x")
+    with pytest.raises(private.NotPrivate, match="writable by other users"):
+        private.private_dir(shared / "room")
     old = tmp_path / "old-bili"
     old.mkdir()
     (old / "bili.sqlite3").write_text("")
@@ -81,6 +90,95 @@ def test_an_old_store_is_tightened_and_reported(tmp_path, umask022):
     again = Store(data)
     assert again.tightened == []
     again.close()
+
+
+@pytest.fixture
+def stranger(monkeypatch):
+    """``stranger(path)``: ``path`` (and what is under it) becomes another user's (nobody's, as root;
+    else this process stops being its owner: bili's checks see another user either way)."""
+    def make(path):
+        if os.geteuid() == 0:
+            for p in [path, *(path.rglob("*") if path.is_dir() else [])]:
+                os.lchown(p, 65534, 65534)
+        else:
+            monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 1)
+    return make
+
+
+def plant(folder) -> None:
+    """What another user leaves where the victim's data dir will be: a world-writable directory, a
+    token it knows and an empty store file anyone may write."""
+    old = os.umask(0)
+    try:
+        folder.mkdir(mode=0o777)
+        (folder / "admin-token").write_text("planted-token\n")
+        (folder / "bili.sqlite3").write_bytes(b"")
+        for f in ("admin-token", "bili.sqlite3"):
+            os.chmod(folder / f, 0o666)
+    finally:
+        os.umask(old)
+
+
+def test_a_data_dir_another_user_made_is_refused(tmp_path, stranger):
+    """A shared place (--data-dir /tmp/bili) someone reached first: its token is not trusted, its
+    store file is not opened (the conversations never go into it), and the refusal names the owner."""
+    data = tmp_path / "bili"
+    plant(data)
+    stranger(data)
+    assert private.read_token(data) is None
+    with pytest.raises(private.NotPrivate, match=f"{data} belongs to .*, not to this user"):
+        private.ensure_token(data)
+    with pytest.raises(StoreError) as e:
+        Store(data)
+    assert e.value.kind == "not private" and f"{data} belongs to" in str(e.value), e.value
+    assert "belongs to" in (private.refusal(data) or "")
+    assert sorted(os.listdir(data)) == ["admin-token", "bili.sqlite3"]  # nothing written there
+    assert (data / "bili.sqlite3").read_bytes() == b"" and mode(data) == 0o777
+    args = argparse.Namespace(confdir=str(tmp_path / "conf"), data_dir=str(data), port=1, store="")
+    check = {c.name: c for c in doctor_checks(args, env={"PATH": ""})}["data dir"]
+    assert not check.ok and check.required and f"{data} belongs to" in check.detail
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's file in a directory of our own: made as root")
+@pytest.mark.parametrize("name", ["admin-token", "bili.sqlite3", "bili.sqlite3-wal", "bili.sqlite3-shm"])
+def test_another_user_s_file_in_our_data_dir_is_refused(tmp_path, name):
+    """A token or store file of another user (left from a time the data dir was open to them) is
+    neither trusted nor written to: the token is not read, the store does not open."""
+    data = tmp_path / "data"
+    Store(data).close()
+    private.ensure_token(data)
+    (data / name).unlink(missing_ok=True)
+    (data / name).write_bytes(b"planted-token\n" if name == "admin-token" else b"")
+    os.chmod(data / name, 0o666)
+    os.chown(data / name, 65534, 65534)
+    if name == "admin-token":
+        assert private.read_token(data) is None
+        with pytest.raises(private.NotPrivate, match=f"{data / name} belongs to"):
+            private.ensure_token(data)
+    else:
+        with pytest.raises(StoreError, match=f"{data / name} belongs to"):
+            Store(data)
+        assert (data / name).read_bytes() == b""
+    assert mode(data / name) == 0o666 and f"{data / name} belongs to" in (private.refusal(data) or "")
+
+
+@pytest.mark.parametrize("name", ["admin-token", "bili.sqlite3", "bili.sqlite3-wal"])
+def test_a_link_in_the_data_dir_is_not_followed(tmp_path, name):
+    data, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    Store(data).close()
+    private.ensure_token(data)
+    elsewhere.write_bytes(b"planted-token\n")
+    (data / name).unlink(missing_ok=True)
+    (data / name).symlink_to(elsewhere)
+    if name == "admin-token":
+        assert private.read_token(data) is None
+        with pytest.raises(private.NotPrivate, match="is a link"):
+            private.ensure_token(data)
+    else:
+        with pytest.raises(StoreError, match="is a link"):
+            Store(data)
+    assert elsewhere.read_bytes() == b"planted-token\n"
+    assert "is a link" in (private.refusal(data) or "")
 
 
 @pytest.mark.parametrize("headers,want", [

@@ -508,3 +508,31 @@ def test_a_replayed_flow_goes_as_it_was_sent(bili):
     bili.request(g)
     assert g.request.content == sent
     assert bili.engine.sessions["replayed"].row.requests == 1
+
+
+def test_what_a_request_names_is_escaped_in_bilis_log(bili, caplog):
+    """Any local user reaches the proxy without the token, and its path, host, session header and model
+    name went into bili's log lines as they came: an escape sequence rewrote the terminal the proxy
+    runs in (its title, a cleared screen), a line break forged a log line of its own."""
+    evil = "\x1b]0;PWNED\x07\x1b[2J\r\n[bili] forged"
+    shown = "\\x1b]0;PWNED\\x07\\x1b[2J\\x0d\\x0a[bili] forged"
+    with caplog.at_level(logging.INFO, logger="bili"):
+        no_token = model_flow(b"", path="/__bili/stats" + evil)
+        no_token.request.method = "GET"
+        bili.request(no_token)
+        elsewhere = model_flow(b"", path="/__bili/health" + evil, host="evil.example" + evil)
+        elsewhere.request.method = "GET"
+        bili.request(elsewhere)
+        body = json.dumps({"model": "m" + evil, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
+        turn = model_flow(body.encode(), headers=session_headers("s" + evil))
+        bili.request(turn)
+        turn.response = tutils.tresp(status_code=400, content=b'{"error": {"message": "prompt is too long"}}')
+        bili.response(turn)
+    assert no_token.response.status_code == 403 and elsewhere.response.status_code == 403
+    lines = [r.getMessage() for r in caplog.records]
+    assert not [m for m in lines if any(c in m for c in "\x1b\x07\r\n")], lines
+    said = "\n".join(lines)
+    assert f"refused GET /__bili/stats{shown}: no valid admin token" in said
+    assert f"refused GET /__bili/health{shown} for the host evil.example{shown}" in said
+    assert f"session=s{shown} lane=anthropic" in said
+    assert f"session=s{shown}: the provider says the context is too long (window unknown for m{shown})" in said

@@ -43,6 +43,7 @@ from operator import itemgetter
 from time import monotonic as _now
 from typing import TYPE_CHECKING, Any
 
+from bili_addon import printable
 from bili_addon.kernel.cache import Clock, Clocks, Turn
 from bili_addon.store import CalibrationRow, StoreError
 
@@ -244,7 +245,7 @@ class Calibration:
         try:
             self.store.record_calibration(sid, row)
         except StoreError as e:  # learned in memory all the same; the stats miss this one
-            log.warning("[bili] session=%s: cannot store the cache observation: %s", sid, e)
+            log.warning("[bili] session=%s: cannot store the cache observation: %s", printable(sid), printable(e))
         else:
             pool = self.hosts.get((turn.host, family))
             if pool is not None:  # the host's newest as the store now has them (a read would give the same)
@@ -255,8 +256,8 @@ class Calibration:
         self._apply(sid, clk)
         after = clk.learned()
         if after != before:
-            log.info("[bili] session=%s: the provider's cache reports teach %s (%s at %s)", sid,
-                     after or "nothing more (documented rules)", family, turn.host or "?")
+            log.info("[bili] session=%s: the provider's cache reports teach %s (%s at %s)", printable(sid),
+                     after or "nothing more (documented rules)", family, printable(turn.host or "?"))
         if turn.host:  # live sessions on the same host that lean on the host's facts
             for other, c in self.clocks.by_session.items():
                 if other != sid and c.host == turn.host and c.rules.family == family:
@@ -270,7 +271,7 @@ class Calibration:
         try:
             self._apply(sid, clk)
         except Exception as e:  # a clock without calibration is still a clock (documented rules)
-            log.warning("[bili] session=%s: calibration not applied (%s)", sid, e)
+            log.warning("[bili] session=%s: calibration not applied (%s)", printable(sid), printable(e))
 
     # -- state -------------------------------------------------------------------------------------
     def _session(self, sid: str) -> _Session:

@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from bili_addon import printable
 from bili_addon.kernel import envelope, tags
 from bili_addon.kernel.state import clean_replayed_prose
 
@@ -253,7 +254,8 @@ class Chains:
             return Turn(raw, raw, "", True, conn, stored, agent_items, owner=owner)
         link = self._link(prev)
         if link is not None and link.owner != owner and not (conn and link.conn == conn):
-            log.warning("[bili] chain %s was made with another host or credential: passed through observed", prev)
+            log.warning("[bili] chain %s was made with another host or credential: passed through observed",
+                        printable(prev))
             return Turn(raw, raw, prev, False, conn, stored, agent_items, owner=owner)
         base = self.views(prev)
         if base is None or (link is None and base.owner != owner and not (conn and base.conn == conn)):
@@ -325,7 +327,8 @@ class Chains:
         """``rid`` was given to two different responses (a server that numbers them): it is
         stored as a tombstone (its own base: :meth:`views` finds a cycle), so no delta on it, in any
         process, is rebuilt with either conversation; they pass through observed."""
-        log.warning("[bili] chain %s: the server gave this response id twice; chains on it pass observed", rid)
+        log.warning("[bili] chain %s: the server gave this response id twice; chains on it pass observed",
+                    printable(rid))
         self._views.pop(rid, None)
         for session in [k for k, (r, _v) in self._last_of_session.items() if r == rid]:
             del self._last_of_session[session]  # its next row is not based on the tombstone
@@ -436,7 +439,7 @@ class Chains:
             row = self.store.chain(rid)
             return None if row is None else _link_of(row)
         except Exception as e:  # unreadable: the chain is unknown (observed), never guessed
-            log.warning("[bili] chain %s: transcript unreadable (%s)", rid, e)
+            log.warning("[bili] chain %s: transcript unreadable (%s)", printable(rid), printable(e))
             return None
 
     def _remember(self, rid: str, v: Views) -> None:

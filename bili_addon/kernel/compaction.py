@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
+from bili_addon import printable
 from bili_addon.kernel import tags
 from bili_addon.kernel.fold import Block, PartView, View
 from bili_addon.kernel.reconcile import Copy
@@ -286,11 +287,12 @@ class Epochs:
         log.warning(
             "[bili] session=%s: the agent compacted its history (%s summary at %s; %d part(s) of the previous "
             "pass gone, %d kept); epoch %d begins: %d block(s)%s retire from the wire (still decompressible "
-            "and searchable), folding goes on", sid, found.agent, found.marker, found.gone, found.kept, n,
+            "and searchable), folding goes on", printable(sid), printable(found.agent), printable(found.marker),
+            found.gone, found.kept, n,
             len(retired), ids,
         )
         if was_latched:
-            log.warning("[bili] session=%s: the pause ends with the new epoch", sid)
+            log.warning("[bili] session=%s: the pause ends with the new epoch", printable(sid))
 
     def reported_usage(self: EpochHost, s: Session) -> tuple[int, int, int, int] | None:
         """The last usage the provider reported, unless it was for the history before the current

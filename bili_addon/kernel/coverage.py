@@ -15,6 +15,7 @@ from itertools import count as _naturals
 from operator import attrgetter, eq, not_
 from typing import TYPE_CHECKING
 
+from bili_addon import printable
 from bili_addon.kernel import fold, reconcile
 from bili_addon.kernel.fold import View
 from bili_addon.kernel.state import Resolved, Session, TurnResult
@@ -55,7 +56,7 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
         out.snoozed |= reconcile.not_a_tail(s.blocks, view.pos, set(s.copy.truncated))
     if out.drifted:
         how = ", ".join(f"{n} by {k}" for k, n in out.by.items()) or "none"
-        msg = (f"[bili] session={sid} fold coverage: {out.missing} covered part(s) missing; re-anchored "
+        msg = (f"[bili] session={printable(sid)} fold coverage: {out.missing} covered part(s) missing; re-anchored "
                f"{len(out.claims)} ({how}); {len(out.unmatched)} re-enter unfolded")
         if out.suspects:
             msg += f"; {out.suspects} suspected host-rewritten tool-call id(s), not claimed"
@@ -64,9 +65,9 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
     if out.verdict == "collapse" and not was_latched:
         log.error("[bili] session=%s: the re-sent history no longer matches any fold (%d covered parts "
                   "missing, none verifiable); folding is paused and requests pass through unchanged "
-                  "until the history aligns again", sid, out.missing)
+                  "until the history aligns again", printable(sid), out.missing)
     if out.verdict == "recovered":
-        log.warning("[bili] session=%s: the history aligns with the folds again; folding resumes", sid)
+        log.warning("[bili] session=%s: the history aligns with the folds again; folding resumes", printable(sid))
     result.drift = out.verdict
     if out.drifted or was_latched:
         sessions.save_copy(s)  # (with the turn's staged commit: one write)

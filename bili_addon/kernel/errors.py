@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from bili_addon import printable
 from bili_addon.kernel.windows import is_overflow, learned_window, window_key
 from bili_addon.wire import hygiene
 
@@ -43,9 +44,9 @@ def learn_from_error(eng: Engine, sid: str, status: int, body: bytes) -> None:
             learned[window_key(s)] = window
             eng.set_flag(sid, "learned_windows", learned)
         log.warning("[bili] session=%s: the provider says the context is too long (window %s for %s)",
-                    sid, window or "unknown", s.model or "this model")
+                    printable(sid), window or "unknown", printable(s.model or "this model"))
     if status == 400 and hygiene.is_strict_hint(text):
         eng.session(sid, fresh=True)
         if eng.set_flag(sid, "strict_reasoning", True):
             log.warning("[bili] session=%s: upstream requires reasoning to be passed back; repairing from the next turn",
-                        sid)
+                        printable(sid))

@@ -33,6 +33,7 @@ import logging
 from collections import OrderedDict
 from itertools import islice
 
+from bili_addon import printable
 from bili_addon.kernel.fold import Block
 from bili_addon.kernel.identity import InstanceCounter, count_tokens
 from bili_addon.kernel.reconcile import SIDE_REQUEST_MAX_ITEMS, canonical_text
@@ -237,7 +238,7 @@ class Lineage:
             try:
                 return self.store.affinity_points(hs)
             except Exception as e:  # an unreadable store: no earlier points, as before
-                log.warning("[bili] earlier points of id-less sessions unreadable (%s)", e)
+                log.warning("[bili] earlier points of id-less sessions unreadable (%s)", printable(e))
                 return {}
 
         def verified(depth: int) -> bool:

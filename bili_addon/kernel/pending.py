@@ -22,6 +22,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from bili_addon import printable
 from bili_addon.kernel import cache, fold, rewrite
 from bili_addon.kernel.fold import Block, View
 from bili_addon.kernel.identity import count_tokens
@@ -165,7 +166,8 @@ class Deferred:
         result.landed = len(landing)
         if not (flag.get("land") and flag.get("since") == s.row.requests):
             s.version += 1  # held across requests: the calls that made them render anew (kernel/tools.py)
-        log.info("[bili] session=%s: held fold(s) %s land in one rewrite (%s)", s.row.id, ", ".join(landing), d.why)
+        log.info("[bili] session=%s: held fold(s) %s land in one rewrite (%s)", printable(s.row.id), ", ".join(landing),
+                 d.why)
 
     def _weigh(self: DeferHost, s: Session, view: View, hold: set[str], keep: set[str]) -> rewrite.Decision:
         wire = on_wire(s.blocks, hold, keep)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from bili_addon import printable
 from bili_addon.kernel import activation, fold, lifetime, nudge, rewrite
 from bili_addon.kernel.compaction import asks_for_summary
 from bili_addon.kernel.fold import View
@@ -51,7 +52,7 @@ def is_active(host: PressureHost, s: Session, view: View) -> bool:
                             lambda: host.clocks.cold(s.row.id, host.now()))
     if why:
         host.set_flag(s.row.id, activation.FLAG, why)
-        log.info("[bili] session=%s: active from now on (%s)", s.row.id, why)
+        log.info("[bili] session=%s: active from now on (%s)", printable(s.row.id), why)
     return bool(why)
 
 

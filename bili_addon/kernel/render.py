@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from msgspec import Struct
 
+from bili_addon import printable
 from bili_addon.kernel import fold, reconcile, tags
 from bili_addon.kernel.fold import Block, PartView, View, ViewItem
 from bili_addon.kernel.kept import MISSING, Kept
@@ -238,7 +239,7 @@ def snapshot_join(store: Store, s: Session, items: list[ViewItem]):
         if s.transcript is None:
             s.transcript = store.transcript(s.row.id)
     except Exception as e:  # the store cannot be read: the normal path
-        log.warning("[bili] session=%s: transcript unreadable (%s); normal render", s.row.id, e)
+        log.warning("[bili] session=%s: transcript unreadable (%s); normal render", printable(s.row.id), printable(e))
         return None
     rows = s.transcript
     j = 0

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from bili_addon import private
+from bili_addon import printable, private
 from bili_addon.kernel import fold, pending, surfaces, tags
 from bili_addon.kernel.fold import View
 from bili_addon.kernel.identity import count_tokens
@@ -246,7 +246,8 @@ class ProxyTools:
         try:
             self.calibration.observe(sid, lane, turn)
         except Exception as e:  # the answer is accounted for all the same
-            log.warning("[bili] session=%s: cache calibration failed (%s: %s)", sid, type(e).__name__, e)
+            log.warning("[bili] session=%s: cache calibration failed (%s: %s)", printable(sid), type(e).__name__,
+                        printable(e))
         return called
 
     def run_tool(self: ToolHost, s: Session, name: str, args: Any, view: View | None, call_id: str = "",

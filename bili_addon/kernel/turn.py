@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import msgspec
 
+from bili_addon import printable
 from bili_addon.kernel import (breakpoints, cache, coverage, envelope, fold, fresh, lifetime, nudge, pending, pressure,
                                reconcile, registry, tags)
 from bili_addon.kernel.calibration import Calibration
@@ -146,7 +147,8 @@ class Engine(ProxyTools, Epochs, Deferred):
         except BaseException as e:
             self._unstage()
             log.warning("[bili] session=%s: the store write of its turn failed after its request left (%s: %s); "
-                        "the session is read again from the store on its next turn", sid, type(e).__name__, e)
+                        "the session is read again from the store on its next turn", printable(sid), type(e).__name__,
+                        printable(e))
             raise
         finally:
             self.store.release()
@@ -449,7 +451,8 @@ class Engine(ProxyTools, Epochs, Deferred):
         try:
             return getattr(self.lineage, hook)(*args)
         except Exception as e:
-            log.warning("[bili] lineage %s failed (%s: %s); the session goes on on its own", hook, type(e).__name__, e)
+            log.warning("[bili] lineage %s failed (%s: %s); the session goes on on its own", hook, type(e).__name__,
+                        printable(e))
             return None
 
     # -- ledger --------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from bili_addon import printable
 from bili_addon.stream.lanes import KEEP, RESPONSES, LaneResponse, Usage
 from bili_addon.stream.sse import Decoder, SSEEvent, SSEStream
 
@@ -38,7 +39,7 @@ class ResponseRewriter:
             try:
                 self.tap(obj)
             except Exception as e:
-                log.exception("[bili] %s answer: tap failed (%s); answer unaffected", self.lane.lane, e)
+                log.exception("[bili] %s answer: tap failed (%s); answer unaffected", self.lane.lane, printable(e))
                 self.tap = None
 
     @property
@@ -75,7 +76,7 @@ class ResponseRewriter:
             return self._sse_event(raw)
         except Exception as e:
             log.exception("[bili] %s stream: internal error (%s); the rest of the answer passes unchanged",
-                          self.lane.lane, e)
+                          self.lane.lane, printable(e))
             self.broken = True
             return [*self._release(), raw]
 
@@ -128,7 +129,7 @@ class ResponseRewriter:
             outs = self.lane.close_all()
             return self._serialize(outs) if self.rewrite else []
         except Exception as e:
-            log.exception("[bili] %s stream: internal error at its end (%s)", self.lane.lane, e)
+            log.exception("[bili] %s stream: internal error at its end (%s)", self.lane.lane, printable(e))
             self.broken = True
             return []
 

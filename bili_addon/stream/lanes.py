@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from bili_addon import printable
 from bili_addon.kernel.native import bili_tool
 from bili_addon.kernel.prompts import TOOL_NAMES
 from bili_addon.stream.echo import EchoFilter, strip_echoes
@@ -144,7 +145,7 @@ class LaneResponse:
             try:
                 self.on_native(name, args, key)
             except Exception as e:  # (never the answer's failure)
-                log.warning("[bili] a native tool call could not be noted (%s)", e)
+                log.warning("[bili] a native tool call could not be noted (%s)", printable(e))
 
     # the generic hold-and-merge machinery ------------------------------------------------------
     def _prose(self, key: Any, ev: Event, slot: Slot) -> list:

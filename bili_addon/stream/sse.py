@@ -13,6 +13,8 @@ import re
 import zlib
 from typing import Callable, Iterable
 
+from bili_addon import printable
+
 log = logging.getLogger("bili")
 
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r|\r\n\n|\n\r\n")
@@ -69,7 +71,7 @@ class SSEStream:
                 # fail open: the rest goes on as it arrives (a stream labelled compressed but sent plain
                 # is then read right; a corrupt one reaches the agent as it would have without bili)
                 log.warning("[bili] a %s stream did not decode (%s: %s); the rest passes as it arrives",
-                            self.decoder.encoding, type(e).__name__, e)
+                            printable(self.decoder.encoding), type(e).__name__, printable(e))
                 self.decoder = None
                 if isinstance(e, Undecodable):  # what decoded before the failure, then the rest as it came
                     chunk = e.decoded + e.rest

@@ -114,6 +114,41 @@ def test_a_data_dir_that_cannot_be_created_leaves_the_proxy_serving(fake, proxie
     assert proxy.running
 
 
+# -- a data dir another user made first ------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's directory: made as root (chown)")
+def test_a_data_dir_another_user_made_is_not_used(fake, proxies, tmp_path):
+    """--data-dir in a shared place someone reached first, with a token they know and a store file
+    anyone may write: the proxy serves (requests pass through), stores nothing there, trusts not
+    their token, and health says why, naming the owner."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    data = shared / "bili"
+    old = os.umask(0)
+    try:
+        data.mkdir(mode=0o777)
+        (data / "admin-token").write_text("planted-token\n")
+        (data / "bili.sqlite3").write_bytes(b"")
+    finally:
+        os.umask(old)
+    for p in (data, data / "admin-token", data / "bili.sqlite3"):
+        os.chown(p, 65534, 65534)
+    proxy = proxies(data)
+    h = health(proxy)
+    assert h["ok"] is True and h["store"] is False and h["store_cause"] == "not private", h
+    assert f"{data} belongs to nobody (uid 65534)" in h["store_error"], h
+    assert f"{data} belongs to nobody (uid 65534)" in h["token_error"], h
+    raw = body("A secret the other user must not read: hunter2.")
+    assert send(fake, proxy, "planted", raw).raw == raw  # byte-identical
+    status, _ = proxy.admin("/__bili/stats")  # (with the planted token)
+    assert proxy.token == "planted-token" and status == 403
+    assert sorted(os.listdir(data)) == ["admin-token", "bili.sqlite3"] and (data / "bili.sqlite3").read_bytes() == b""
+    assert f"[bili] cannot open the store at {data / 'bili.sqlite3'}" in proxy.log()
+    assert_no_error_lines(proxy)
+
+
 # -- a store locked by another process --------------------------------------------------------------
 
 LOCKER = """
