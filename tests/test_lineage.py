@@ -471,3 +471,51 @@ def test_two_proxies_keep_idless_conversations_that_share_their_opening_apart(ba
                        ANTH, {}, render=True).session == sx
     for e in (one, two):
         e.store.close()
+
+
+def test_a_fork_inherits_its_folds_as_they_stood_when_it_parted(backend):
+    """The parent distils b1 and b2 into b3 after the fork point: the child, whose history holds the
+    two compress calls and not the third, has b1 and b2 on its wire, not the parent's later state of
+    them (absorbed, inactive: the folded turns came back unfolded)."""
+    eng = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
+    msgs, _ = fold(eng, "parent", P, conversation(12), 1, 4, "toolu_c1")
+    msgs, out = fold(eng, "parent", P, more(msgs, "fold more"), 5, 8, "toolu_c2",
+                     "Read modules 5 to 8: data classes only; mod7.py defines save_config().")
+    assert has_block(out, "b1") and has_block(out, "b2")
+    at_fork = msgs
+    eng.lineage.flush()
+    args = {"content": [{"startId": "b1", "endId": "b2",
+                         "summary": "Modules 1 to 8 read: load_config() in mod3.py, save_config() in mod7.py."}]}
+    pmsgs = more(msgs, "distil")
+    send(eng, pmsgs, P)
+    roundtrip_call(eng, "parent", "compress", args, "toolu_c3")
+    pmsgs = agent_answers_unknown(pmsgs, "compress", args, "toolu_c3")
+    res = eng.process(body(pmsgs), LANES["anthropic"], P, render=True)
+    assert has_block(json.loads(res.body), "b3")
+    eng.lineage.flush()
+    res = eng.process(body(more(at_fork, "continue in the fork")), LANES["anthropic"], F, render=True)
+    out = json.loads(res.body)
+    assert has_block(out, "b1") and has_block(out, "b2") and not has_block(out, "b3")
+    assert "file-2" not in json.dumps(out)  # (the folded outputs stay folded)
+    parent = {b.id: b.active for b in eng.sessions.load("parent").blocks}
+    assert parent == {"b1": False, "b2": False, "b3": True}  # (the parent's own, as they are)
+
+
+def test_a_fork_taken_before_its_parents_compaction_keeps_its_folds_on_the_wire(backend):
+    import compactions as X
+
+    eng = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
+    msgs, _ = fold(eng, "parent", P, conversation(12), 1, 4, "toolu_c1")
+    msgs = more(msgs, "go on")
+    send(eng, msgs, P)
+    eng.lineage.flush()
+    at_fork = msgs
+    send(eng, msgs + [{"role": "assistant", "content": "ok"},
+                      {"role": "user", "content": "Your task is to create a detailed summary of the conversation so far."}], P)
+    res = eng.process(body(X.claude_code_alone()), LANES["anthropic"], P, render=True)
+    assert res.epoch == 2
+    eng.lineage.flush()
+    res = eng.process(body(more(at_fork, "continue in the fork")), LANES["anthropic"], F, render=True)
+    assert has_block(json.loads(res.body), "b1")
+    (b1,) = eng.sessions.load("fork").blocks
+    assert b1.active and not b1.retired

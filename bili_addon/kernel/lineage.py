@@ -60,6 +60,27 @@ OWN = "own_history"  # the session's fork check found it nobody's fork (never ch
 INHERITED_REF_FLAGS = ("nudges", "truncated")
 
 
+
+def pflags_of(row) -> dict:
+    """A stored session row's flags (none for no row)."""
+    return json.loads(row.flags or "{}") if row is not None else {}
+
+
+def _as_at_fork(blocks: list[Block], pflags: dict, refs: set[str]) -> None:
+    """The inherited ``blocks`` as they stood when the histories parted (changed in place): the parent
+    has them as they are now, and what it did after the fork is not the child's.  A block a later
+    distil absorbed is active again unless the block that absorbed it is inherited too; one a later
+    compaction of the parent retired (an epoch whose summary the shared history does not hold) is on
+    the wire again."""
+    absorbed = {c for b in blocks for c in b.consumed}
+    retired_here = {bid for e in pflags.get("epochs") or () if e.get("marker") in refs
+                    for bid in e.get("retired_blocks") or ()}
+    for b in blocks:
+        if b.retired and b.id not in retired_here:
+            b.retired = False
+        if not b.active and not b.retired and b.id not in absorbed:
+            b.active = True
+
 class Lineage:
     """Families of sessions over a :class:`Store` (which alone says who belongs to one); the Engine
     calls the hooks below."""
@@ -362,9 +383,10 @@ class Lineage:
                 continue
             if all(r in refs or b.claimed.get(r) in refs for r in b.covered):
                 blocks.append(b)
+        pflags = pflags_of(parent)
+        _as_at_fork(blocks, pflags, refs)
         covered = sorted({r for b in blocks for r in b.covered})
         originals = self.store.originals(best, covered) if covered else []
-        pflags = json.loads(parent.flags or "{}") if parent is not None else {}
         flags = {k: pflags[k] for k in INHERITED_FLAGS if k in pflags}
         for k in INHERITED_REF_FLAGS:
             kept = {ref: v for ref, v in (pflags.get(k) or {}).items() if ref in refs}
