@@ -53,7 +53,7 @@ ODD = [
 # ---- the oracle: render_items as it was (every Responses item through the general loop) --------------
 
 def old_render_items(s, lane, raws, infos, start, q, resolved, rendered, changed_cum, tagged_cum, top, origin,
-                     active=True, objs=None, strict=None) -> None:  # (strict: the engine's verdict, made again below)
+                     active=True, objs=None, strict=None, showing=None) -> None:  # (strict: the engine's verdict, made again below)
     last = len(infos) - 1
     nudges = {ref: n["text"] for ref, n in s.flags.get("nudges", {}).items() if n.get("how") == "suffix"}
     model = top.get("model") if isinstance(top.get("model"), str) else ""
@@ -80,7 +80,7 @@ def old_render_items(s, lane, raws, infos, start, q, resolved, rendered, changed
         edits, tagged = _item_edits(resolved[k], active, i != last, nudges)
         more = []
         if call_edits:
-            more += ProxyTools.call_edits(s, lane, info, resolved[k], idless)
+            more += ProxyTools.call_edits(s, lane, info, resolved[k], idless, showing=showing)
         if responses and b'"msg-proxy-' in src:
             more += hygiene.proxy_id_edits("responses", info.obj)
         if strict_chat and b'"tool_calls"' in src:
