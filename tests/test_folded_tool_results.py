@@ -101,3 +101,39 @@ def test_a_compress_call_points_only_at_a_summary_the_request_shows(lane, tmp_pa
     assert b"KEEP-THIS-FACT" in cut and b"this summary stands in the conversation as b1" not in cut
     assert a.send(ts[8:]) == cut
     eng.store.close()
+
+
+def test_an_agents_own_call_0_result_rendered_again_keeps_its_output(tmp_path):
+    """A provider that numbers its calls per answer (every answer's first call is ``call_0``): the
+    agent's own ``sh`` call_0 just before the model's compress call_0.  The pass that executes the
+    compress renders the sh call's result again (the previous pass's last item) with the call itself in
+    the reused prefix: the result stays the agent's output, as a pass from the start (a restart) gives."""
+    row = " ".join(f"row-{i}" for i in range(200))
+
+    def body(items):
+        return json.dumps({"model": "gpt-4.1", "messages": [{"role": "system", "content": "agent"}] + items,
+                           "tools": [{"type": "function", "function": {"name": "sh"}}]}).encode()
+
+    def step(items, text, name, args, out):
+        items += [{"role": "assistant", "content": text, "tool_calls": [
+                      {"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]},
+                  {"role": "tool", "tool_call_id": "call_0", "content": out}]
+
+    def run(memo: bool) -> list[str]:
+        eng = Engine(open_store("", str(tmp_path / f"m{memo}")), fold_cfg=FoldConfig(min_compress_chars=2000))
+        items = [{"role": "user", "content": "audit the repo"}]
+        for t in range(14):
+            step(items, f"Step {t}.", "sh", {"t": t}, f"file-{t} {row}")
+        first = eng.process(body(items), LANES["chat"], {"x-acp-session": "c"}, render=True).body
+        refs = C.refs_by_text(first)
+        args = {"content": [{"startId": refs["Step 1."], "endId": refs["Step 5."],
+                             "summary": "Summary A: steps 1-5 read files; nothing to change in them at all."}]}
+        if not memo:  # (a restart: no previous pass)
+            eng = Engine(open_store("", str(tmp_path / f"m{memo}")), fold_cfg=FoldConfig(min_compress_chars=2000))
+        eng.record_calls("c", [("call_0", "compress", json.dumps(args))])
+        step(items, "Fold A.", "compress", args, "Tool compress not found")
+        out = json.loads(eng.process(body(items), LANES["chat"], {"x-acp-session": "c"}, render=True).body)
+        eng.store.close()
+        return [m["content"][:7] for m in out["messages"] if m["role"] == "tool"][-2:]
+
+    assert run(True) == run(False) == ["file-13", "Compres"]

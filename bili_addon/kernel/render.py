@@ -86,6 +86,8 @@ def render_items(s: Session, lane: Lane, raws: list, infos: list[ItemInfo], star
                         if call is not None and replays(r.core, call):
                             firsts[cid_] = r.entry.ref
         return firsts.get(cid)
+    if q and s.calls:  # (the rendered items' ids whose latest call part is in the reused prefix: called)
+        _called_before(s, resolved, q, called, first_call)
     if q and lane.name == "gemini":  # id-less calls answered further on: pair from the start
         for parts in resolved[:q]:
             for r in parts:
@@ -375,6 +377,28 @@ def assemble(folds: WireFolds, s: Session, lane: Lane, items_out: list[bytes], s
                      if runs or rendered else unfolded)  # (nothing left out, nothing stands for it)
     return True
 
+
+
+def _called_before(s: Session, resolved: list[list[Resolved]], q: int, called: dict[str, bool], first_call) -> None:
+    """``called`` (tools.paired's) as a pass from the start would leave it after the first ``q`` items,
+    for the recorded ids the items after them carry: whether the latest call part with the id among
+    those first items is the recorded call (a provider that numbers its calls per answer gives
+    ``call_0`` again: the agent's own call there, and the recorded one after it, answered by the
+    item rendered again)."""
+    ids = {r.core.tool_call_id for parts in resolved[q:] for r in parts
+           if r.core.tool_call_id and r.core.ctype in (TOOL_CALL, TOOL_RESULT) and r.core.tool_call_id in s.calls}
+    for parts in reversed(resolved[:q]):
+        if not ids:
+            return
+        for r in reversed(parts):
+            cid = r.core.tool_call_id
+            if r.core.ctype != TOOL_CALL or cid not in ids:
+                continue
+            ids.discard(cid)
+            call = s.calls[cid]
+            if call.result is None:
+                continue  # (paired leaves such a part alone)
+            called[cid] = replays(r.core, call) and first_call(cid) in (None, r.entry.ref)
 
 _NO_JOIN = LaneDefaults.join_user  # (the lanes whose API takes user turns in a row: it joins nothing)
 _NO_PLAN = fold.Plan(frozenset(), {}, [], {})  # (nothing dropped, nothing inserted: never changed by assemble)
