@@ -30,7 +30,7 @@ import msgspec
 
 from bili_addon import FIRST_PARTY, flowmeta
 from bili_addon.kernel.chains import owner_of
-from bili_addon.kernel.errors import learn_from_error
+from bili_addon.kernel.errors import learn_from_error, request_size
 from bili_addon.kernel.windows import note_path_model
 
 # a Responses WebSocket frame continuing a chain (previous_response_id): what went up
@@ -69,6 +69,7 @@ class Turn:
     model: str = ""  # the session's model (a Gemini body names none: its URL does; for --cost)
     shadowed: tuple[str, ...] = ()  # bili's tool names the agent's own tools have (not in --json)
     side: bool = False  # a side request (TurnResult.side): its answer's usage is not the conversation's size
+    size: int = 0  # its size in tokens as bili estimates it (kernel/errors.py request_size; not in --json)
     # a chained turn (previous_response_id): the whole chain the provider reads (and bills), the agent's
     # rebuilt and what bili's would be (the live cache model's and meter's); b'': ``raw``, ``body`` (not in --json)
     prompt: bytes = b""
@@ -87,6 +88,7 @@ class Turn:
         d.pop("body")
         d.pop("raw")
         d.pop("shadowed")
+        d.pop("size")
         d.pop("prompt")
         d.pop("prompt_sent")
         d["tokens_in"], d["tokens_out"] = self.tokens_in, self.tokens_out
@@ -166,6 +168,7 @@ class Replayer:
             len(raw), len(body), sum(b.active for b in s.blocks) if s else 0, res.folded_items, list(res.executed),
             first_party=fp, changed=res.body is not None and res.body != raw, body=body, raw=raw, at=self.at,
             reason=" ".join(res.declined), shadowed=res.shadowed, side=res.side, model=s.model if s else "",
+            size=request_size(res),
         )
         if prompt is not None:
             turn.prompt, turn.prompt_sent = prompt
@@ -205,7 +208,7 @@ class Replayer:
         if resp.status_code >= 400:
             # as live: what an error teaches the session (its next bodies are rendered with it); the
             # request is accounted all the same, an answer without calls or usage
-            learn_from_error(self.engine, turn.session, resp.status_code, content)
+            learn_from_error(self.engine, turn.session, resp.status_code, content, turn.size, turn.side)
         elif ok or "json" in resp.headers.get("content-type", ""):  # (live streams a 2xx answer only)
             self._feed(rw, resp, content)
         self.account(turn, rw)

@@ -18,7 +18,7 @@ from bili_addon.kernel import envelope
 from bili_addon.kernel.activation import MODES as ACTIVATE
 from bili_addon.kernel.calibration import row_dict
 from bili_addon.kernel.chains import Turn as ChainTurn, owner_of
-from bili_addon.kernel.errors import learn_from_error
+from bili_addon.kernel.errors import learn_from_error, request_size
 from bili_addon.kernel.fold import FoldConfig
 from bili_addon.kernel.nudge import NudgeConfig
 from bili_addon.kernel.pending import MODES as MATERIALIZE
@@ -139,6 +139,7 @@ class FlowState:
     chain: ChainTurn | None = None  # a Responses turn: its answer goes into the chains transcript
     sent: bytes = b""  # what went upstream: its predicted cache-read share is computed with the answer
     side: bool = False  # a side request (TurnResult.side): its usage is not the conversation's size
+    res: Any = None  # the request's TurnResult (its size, should the provider refuse it: kernel/errors.py)
 
 
 class Bili:
@@ -446,7 +447,7 @@ class Bili:
         self._note_native(rw, res.session)
         if turn is not None:
             rw.tap = self.chain_tap(turn)
-        self._flows[flow] = FlowState(lane.name, res.session, rw, record, turn, sent, res.side)
+        self._flows[flow] = FlowState(lane.name, res.session, rw, record, turn, sent, res.side, res)
 
     def _note_native(self, rw: ResponseRewriter, session: str) -> None:
         """The answer's calls of bili's tools under the agent's own names for them (its MCP server's)
@@ -565,7 +566,8 @@ class Bili:
 
         def job(eng: Engine) -> None:
             try:
-                learn_from_error(eng, st.session, status, error)  # (as a replay does: kernel/errors.py)
+                # (as a replay does: kernel/errors.py)
+                learn_from_error(eng, st.session, status, error, request_size(st.res) if status >= 400 else 0, st.side)
                 self._account(eng, st)
             except StoreError:
                 raise
@@ -717,7 +719,7 @@ class Bili:
                 flow.metadata.setdefault(flowmeta.WS_KEY, []).append(record)
             if session or turn is not None:
                 self._flows[flow] = FlowState("responses", session, rw, record or {}, turn, sent,
-                                              res is not None and res.side)
+                                              res is not None and res.side, res)
         except Exception as e:  # fail open: this frame goes up as the agent sent it
             log.exception("[bili] WebSocket frame handling failed (%s); frame forwarded unchanged", printable(e))
 

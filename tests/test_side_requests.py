@@ -82,3 +82,26 @@ def test_both_stores_count_a_side_answer_in_the_totals_only(backend):
     usage = store.usage("s")
     assert (usage.turns, usage.input_tokens, usage.output_tokens) == (2, 1040, 7)
     assert store.last_usage("s") == (1000, 0, 0, 5)
+
+
+def branch(n: int, tag: str) -> bytes:
+    """The conversation rewound to its first message, read again on a new branch: ``n`` tool rounds."""
+    msgs = [{"role": "user", "content": "Read all modules."}]
+    for i in range(n):
+        msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"{tag}{i}", "name": "Read", "input": {"f": i}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"{tag}{i}",
+                                               "content": f"OUT {tag}{i}\n" + ("data %s%d\n" % (tag, i)) * 5000}]}]
+    return json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": msgs, "tools": READ}).encode()
+
+
+def test_a_rewind_to_a_short_history_is_the_conversation_not_a_side_request(bili):
+    """The user rewinds a long conversation to its first message (Claude Code's /rewind): the new
+    branch's turns open as the conversation does and are its turns, short as they are; their usage is
+    the conversation's size, and the first longer turn is judged by it, not by the usage before."""
+    turn(bili, conversation("go on"), 192_000)  # near the window
+    for n in range(5):  # 1, 3, 5, 7, 9 items
+        turn(bili, branch(n, "r"), 9_000 * n + 100)
+    sid = next(iter(bili.engine.sessions))
+    assert bili.engine.store.last_usage(sid) == (36_100, 0, 0, 5)
+    sent = turn(bili, branch(5, "r"), 45_100)  # 11 items, ~45K tokens
+    assert sent.count(b"were cut by bili") == 0

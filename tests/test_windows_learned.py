@@ -59,3 +59,53 @@ def test_a_refusal_that_states_no_number_teaches_a_window_below_the_refused_requ
     again.request.host = "api.openai.com"
     bili.request(again)
     assert "were cut by bili" in again.request.content.decode()
+
+
+def anthropic_turn(bili, body: bytes, status: int = 200, error: dict | None = None, sid: str = "big") -> bytes:
+    f = flow("/v1/messages", body, headers={"x_acp_session": sid})
+    bili.request(f)
+    sent = f.request.content
+    if error is None:
+        answer = {"id": "msg_1", "type": "message", "role": "assistant", "content": [{"type": "text", "text": "ok"}],
+                  "stop_reason": "end_turn", "usage": {"input_tokens": 1000, "output_tokens": 5,
+                                                        "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
+        f.response = tutils.tresp(headers=http.Headers(content_type="application/json"),
+                                  content=json.dumps(answer).encode())
+    else:
+        f.response = tutils.tresp(status_code=status, headers=http.Headers(content_type="application/json"),
+                                  content=json.dumps(error).encode())
+    bili.responseheaders(f)
+    bili.response(f)
+    return sent
+
+
+def reads(n: int) -> bytes:
+    msgs = [{"role": "user", "content": "Read all modules."}]
+    for i in range(n):
+        msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"t{i}", "name": "Read", "input": {"f": i}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}",
+                                               "content": f"OUT {i}\n" + ("data %d\n" % i) * 2000}]}]
+    msgs.append({"role": "user", "content": [{"type": "text", "text": "and this screenshot"}]})
+    return json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": msgs,
+                       "tools": [{"name": "Read", "input_schema": {"type": "object"}}]}).encode()
+
+
+def test_a_413_on_the_request_bytes_teaches_no_window(bili):
+    """Anthropic's 413 ``request_too_large`` is its limit on a request's bytes (screenshots, PDFs), not on
+    its tokens: the conversation's window stays, and the next request (the image dropped) is not cut."""
+    too_large = {"type": "error", "error": {"type": "request_too_large",
+                                            "message": "Request exceeds the maximum allowed number of bytes."}}
+    anthropic_turn(bili, reads(12), 413, too_large)
+    s = bili.engine.sessions.get("big")
+    assert not s.flags.get("learned_windows")
+    assert b"were cut by bili" not in anthropic_turn(bili, reads(12))
+
+
+def test_a_side_requests_refusal_teaches_no_window(bili):
+    turn_body = reads(12)
+    anthropic_turn(bili, turn_body)
+    title = json.dumps({"model": "claude-haiku-4-5", "max_tokens": 32, "messages": [
+        {"role": "user", "content": "Generate a short title for this session."}]}).encode()
+    overflow = {"type": "error", "error": {"type": "invalid_request_error", "message": "prompt is too long"}}
+    anthropic_turn(bili, title, 400, overflow)
+    assert not bili.engine.sessions.get("big").flags.get("learned_windows")

@@ -14,30 +14,42 @@ from bili_addon.kernel.windows import is_overflow, learned_window, window_key
 from bili_addon.wire import hygiene
 
 if TYPE_CHECKING:
+    from bili_addon.kernel.state import TurnResult
     from bili_addon.kernel.turn import Engine
 
 log = logging.getLogger("bili")
 
 READ_BYTES = 65536  # of an error answer: a provider's error states what it is early
 UNSTATED_SHARE = 0.9  # of a refused request's size (bili's estimate): the window an error without a number teaches
+MIN_UNSTATED = 4096  # tokens: a refused request smaller than this teaches no window (no model's is that small)
 
 
-def learn_from_error(eng: Engine, sid: str, status: int, body: bytes) -> None:
+def request_size(res: TurnResult | None) -> int:
+    """A request's size in tokens as bili estimates it (what went up), from its turn's result; 0 unknown."""
+    if res is None:
+        return 0
+    if res.sent_tokens:
+        return res.sent_tokens
+    view = res.view
+    return view.sums().tokens[-1] if view is not None and view.items else 0
+
+
+def learn_from_error(eng: Engine, sid: str, status: int, body: bytes, size: int = 0, side: bool = False) -> None:
     """An answer of ``status`` (an error or not) with ``body`` (as received, decoded of its
-    content-encoding), for session ``sid``."""
+    content-encoding), for session ``sid``; ``size``: the refused request's (:func:`request_size`),
+    ``side``: it was a side request (``TurnResult.side``)."""
     if status < 400:
         return
     text = body[:READ_BYTES].decode("utf-8", "replace")
     if is_overflow(status, text):
         s = eng.session(sid, fresh=True)
         window = learned_window(status, text)
-        # (the refused request's size: as sent, when a fold changed it; else its conversation's)
-        size = s.sent_tokens or (s.last_view.sums().tokens[-1] if s.last_view is not None and s.last_view.items else 0)
-        if window is None and size:
-            # an error that states no number (OpenAI's "Your input exceeds the context window"): the
-            # request it refused held at least the window; a little less than its size, never more than
-            # the window the session had (each such refusal lowers it: the cut and the reminders come
-            # earlier, never later)
+        if window is None and status == 400 and not side and size >= MIN_UNSTATED:
+            # a 400 that states no number (OpenAI's "Your input exceeds the context window"): the request
+            # it refused held at least the window; a little less than its size, never more than the
+            # window the session had (each such refusal lowers it: the cut and the reminders come
+            # earlier, never later).  Not a 413: Anthropic's ``request_too_large`` is its limit on bytes
+            # (screenshots, PDFs), not on tokens
             window = min(eng.window_for(s), int(size * UNSTATED_SHARE))
         if window and s.model:
             learned = dict(s.flags.get("learned_windows", {}))

@@ -320,8 +320,12 @@ class Engine(ProxyTools, Epochs, Deferred):
         self._compaction(s, lane.name, view, minted, result)  # the agent's own compaction: a new epoch
         # a side request (a title, a probe) leaves the conversation's view as its last: native calls
         # resolve against it, and the next turn's view extends it
-        before = len(s.last_view.items) if s.last_view is not None else (s.copy.items[-1] + 1 if s.copy.items else 0)
-        result.side = not result.epoch and reconcile.side_request(len(view.items), before)
+        kept = s.last_view
+        before = len(kept.items) if kept is not None else (s.copy.items[-1] + 1 if s.copy.items else 0)
+        opening = _opening(view)
+        result.side = not result.epoch and reconcile.side_request(
+            len(view.items), before, opening is not None and opening == (_opening(kept) if kept is not None else
+                                                                         (s.copy.refs[0] if s.copy.refs else None)))
         if not result.side:
             s.last_view = view
         if self.native.waiting(sid):  # (a native call the agent answered without running it: its note goes)
@@ -391,6 +395,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             changed |= snapshot_render(self.store, s, snap, lane, raws, items_out, start, view)
         pre = strict_inserts(s, lane.name, infos, top, origin)
         changed |= assemble(self, s, lane, items_out, start, view, result, snoozed, pre)
+        result.sent_tokens, result.view = s.sent_tokens, view
         if active and s.blocks:  # the agent's free cache breakpoint, at the end of the folded head
             counts, run = breakpoints.agent_marks(raw, body, infos, shares.marks if shares is not None else None, k)
             now = self.sessions.memos.get(sid)
@@ -725,6 +730,14 @@ def _prefix_counter(memo: Memo | None, q: int) -> Counter:
 
 _new_counter = dict.__new__
 _dict_update = dict.update
+
+
+def _opening(view: View) -> str | None:
+    """The ref of a view's first part (its conversation's opening message), None for none."""
+    for it in view.items:
+        if it.parts:
+            return it.parts[0].ref
+    return None
 
 
 def _view_items(resolved: list[list[Resolved]], first_index: int) -> list[ViewItem]:
