@@ -288,6 +288,32 @@ def test_the_pages_sign_in_stays_on_its_port(session, tmp_path):
         other.close()
 
 
+def test_a_new_link_in_the_same_tab_signs_the_page_in_again(session, tmp_path):
+    """Signed out (the proxy restarted, the sign-in expired), the user pastes the new link `bili page`
+    prints into the same tab: only the address's fragment changes (no new document), and the page
+    trades that code too."""
+    from .browser import Browser, find_chromium
+
+    binary, why = find_chromium()
+    if binary is None:
+        pytest.skip(why)
+    proxy, sid = session
+    b = Browser(binary, tmp_path)
+    try:
+        b.goto(bili_cli(proxy, "page").strip())
+        b.wait(f"document.body && document.body.dataset.loaded === '1' && "
+               f"!!document.querySelector('tr.s[data-id=\"{sid}\"]')")
+        b.js("sessionStorage.clear()")  # signed out
+        url = bili_cli(proxy, "page").strip()
+        b.js(f"location.href = {json.dumps(url)}")  # (the same document: a fragment navigation)
+        b.wait("!!sessionStorage.getItem('bili-page-token') && location.hash === ''")
+        b.wait(f"!!document.querySelector('tr.s[data-id=\"{sid}\"]')")
+        b.pump(0.3)
+        assert b.errors == []
+    finally:
+        b.close()
+
+
 def test_bili_page_open_keeps_the_code_off_every_command_line(session, tmp_path):
     """``bili page --open`` gave the browser the URL with its one-time code as an argument: any local
     user read it in /proc/PID/cmdline while the browser started, redeemed it first and had the page.
