@@ -156,7 +156,9 @@ def _read_token(data_dir: str | os.PathLike[str]) -> str | None:
             _refuse(f"{path} is a link: bili follows none to its admin token or its store")
         raise
     try:
-        _refuse(_refusal(path, os.fstat(fd)))
+        # (bili tightens its own token, as it does its store's files: its mode is not held against it, or a
+        # file system whose modes are all 0777, chmod taking no effect there, refused the token bili wrote)
+        _refuse(_refusal(path, os.fstat(fd), tightened=True))
         text = os.read(fd, 4096).decode("ascii").strip()
     finally:
         os.close(fd)

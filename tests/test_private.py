@@ -215,3 +215,39 @@ def test_the_export_folder_never_leads_outside_the_data_dir(tmp_path):
     text = decompress({"blockId": "b1", "toFile": True}, [block], rows, lambda: export_dir(data, "sess/../../x"))
     assert text.startswith("decompress could not write the export file") and "Nothing was written" in text
     assert list(outside.iterdir()) == []
+
+
+def test_a_file_system_without_modes_keeps_the_token(tmp_path, monkeypatch):
+    """A data dir where every file reports 0777 and chmod changes nothing (vfat or exfat mounted with
+    umask=000, WSL's /mnt/c without metadata, CIFS file_mode=0777): the token bili itself wrote and
+    tightened is used, as its store's files are, not refused as writable by others."""
+    import os
+    import stat as stat_mod
+
+    from bili_addon import private
+
+    root = str(tmp_path)
+    real = {name: getattr(os, name) for name in ("stat", "lstat", "fstat", "chmod", "fchmod", "open")}
+    ours: dict[int, bool] = {}
+
+    def under(p) -> bool:
+        return str(p).startswith(root)
+
+    def wide(st):
+        return os.stat_result((stat_mod.S_IFMT(st.st_mode) | 0o777, *tuple(st)[1:]))
+
+    def opened(p, *a, **k):
+        fd = real["open"](p, *a, **k)
+        ours[fd] = under(p)
+        return fd
+
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: wide(real["stat"](p, *a, **k)) if under(p) else real["stat"](p, *a, **k))
+    monkeypatch.setattr(os, "lstat", lambda p, *a, **k: wide(real["lstat"](p, *a, **k)) if under(p) else real["lstat"](p, *a, **k))
+    monkeypatch.setattr(os, "fstat", lambda fd: wide(real["fstat"](fd)) if ours.get(fd) else real["fstat"](fd))
+    monkeypatch.setattr(os, "chmod", lambda p, *a, **k: None if under(p) else real["chmod"](p, *a, **k))
+    monkeypatch.setattr(os, "fchmod", lambda fd, m: None if ours.get(fd) else real["fchmod"](fd, m))
+    monkeypatch.setattr(os, "open", opened)
+    data = tmp_path / "data"
+    token = private.ensure_token(data)
+    assert token and private.read_token(data) == token and private.ensure_token(data) == token
+    assert private.refusal(data) is None
