@@ -190,3 +190,37 @@ def test_search_context_leaves_the_fold_coverage_every_turn_reads_as_it_was():
     out = surfaces.search_context({"query": "config"}, blocks, lambda refs: originals)
     assert "m00002 (inside b1)" in out  # (the retired block still names its originals)
     assert coverage(blocks) == before == {"m00007": live}
+
+
+def test_the_indexed_fuzzy_lookup_finds_exactly_the_measured_terms():
+    """``_Near`` measures only the words sharing a part an edit cannot have touched: the same terms, in
+    the same order, as measuring every word (``_fuzzy_terms``), over random vocabularies and terms one
+    or two edits away from their words (transpositions, insertions and deletions at either end)."""
+    import random
+
+    from bili_addon.kernel.search import _fuzzy_terms, _Near
+
+    rng = random.Random(3)
+    alpha = "abcde"
+
+    def word() -> str:
+        return "".join(rng.choice(alpha) for _ in range(rng.randint(3, 12)))
+
+    for _ in range(150):
+        vocab = list(dict.fromkeys(word() for _ in range(300)))
+        near = _Near(vocab)
+        for _ in range(20):
+            t = list(rng.choice(vocab)) if rng.random() < 0.6 else list(word())
+            for _ in range(rng.randint(0, 2)):
+                i = rng.randrange(len(t) + 1)
+                op = rng.randint(0, 3)
+                if op == 0 and i < len(t):
+                    t[i] = rng.choice(alpha)
+                elif op == 1:
+                    t.insert(i, rng.choice(alpha))
+                elif op == 2 and i < len(t) and len(t) > 1:
+                    del t[i]
+                elif op == 3 and i < len(t) - 1:
+                    t[i], t[i + 1] = t[i + 1], t[i]
+            term = "".join(t)
+            assert near.terms(term) == _fuzzy_terms(term, vocab), term

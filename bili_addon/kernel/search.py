@@ -167,7 +167,8 @@ def _within(a: str, b: str, k: int) -> bool:
 
 def _fuzzy_terms(term: str, vocab: Sequence[str]) -> list[str]:
     """Vocabulary terms close to ``term``: edit distance (1 for 4-7 chars, 2 for 8+) or a shared
-    prefix of at least 5 chars.  Short, numeric and CJK terms get no fuzzy matching."""
+    prefix of at least 5 chars.  Short, numeric and CJK terms get no fuzzy matching.  (Its definition,
+    every word measured: searches take :class:`_Near`'s, the same terms.)"""
     n = len(term)
     if n < 4 or term.isdigit() or _CJK_RE.search(term):
         return []
@@ -182,6 +183,58 @@ def _fuzzy_terms(term: str, vocab: Sequence[str]) -> list[str]:
         elif abs(len(v) - n) <= k and _within(term, v, k):
             out.append(v)
     return out
+
+
+class _Near:
+    """A vocabulary indexed for :func:`_fuzzy_terms`: the terms a query term's could be found among
+    without measuring its distance to every one (a few tenths of a second per term over the ~100,000
+    words of a long session's originals, on the request's path).  An edit (a substitution, a
+    transposition, an insertion or a deletion) touches at most two neighbouring characters, so a term
+    within one edit of another of 5+ characters keeps its first two or its last two, and one within
+    two edits (8+ characters) its first two, its last two or its middle two (shifted by at most two):
+    only the words sharing one are measured (4 characters: the first or the last).  The same terms,
+    in the vocabulary's order."""
+
+    def __init__(self, vocab: Sequence[str]):
+        self.vocab = vocab
+        self._order: dict[str, int] | None = None
+        self._by: dict[str, dict[str, list[str]]] = {}
+
+    def _bucket(self, kind: str, key: str) -> list[str]:
+        index = self._by.get(kind)
+        if index is None:
+            index = self._by[kind] = {}
+            cut = {"head2": lambda v: v[:2], "tail2": lambda v: v[-2:], "head1": lambda v: v[:1],
+                   "tail1": lambda v: v[-1:], "len": lambda v: str(len(v))}[kind]
+            for v in self.vocab:
+                index.setdefault(cut(v), []).append(v)
+        return index.get(key, [])
+
+    def terms(self, term: str) -> list[str]:
+        n = len(term)
+        if n < 4 or term.isdigit() or _CJK_RE.search(term):
+            return []
+        k = 1 if n <= 7 else 2
+        if n == 4:
+            cand = {*self._bucket("head1", term[:1]), *self._bucket("tail1", term[-1:])}
+        else:
+            cand = {*self._bucket("head2", term[:2]), *self._bucket("tail2", term[-2:])}
+        if k == 2:
+            mid = n // 2 - 1
+            seg, lo = term[mid:mid + 2], max(0, mid - 2)
+            for length in range(n - k, n + k + 1):
+                cand.update(v for v in self._bucket("len", str(length)) if seg in v[lo:mid + 4])
+        cand.discard(term)
+        if self._order is None:
+            self._order = {v: i for i, v in enumerate(self.vocab)}
+        head = term[:5] if n >= 5 else None
+        out = []
+        for v in sorted(cand, key=self._order.__getitem__):
+            if head is not None and v.startswith(head):
+                out.append(v)
+            elif abs(len(v) - n) <= k and _within(term, v, k):
+                out.append(v)
+        return out
 
 
 # --------------------------------------------------------------------------- snippets
@@ -283,8 +336,8 @@ def search(query: str, docs: Sequence[Doc], limit: int = 5) -> list[Hit]:
     spans = _phrase_bonus(query, docs, scored, bool(terms))
 
     if not scored:
-        vocab = index.vocabulary()
-        expansions = [(t, _fuzzy_terms(t, vocab)) for t in terms]
+        nearby = _Near(index.vocabulary())
+        expansions = [(t, nearby.terms(t)) for t in terms]
         index.prepare([v for _, near in expansions for v in near])
         for i in range(n_docs):
             total, best, best_w = 0.0, None, 0.0
@@ -392,7 +445,8 @@ class FtsIndex:
         spans = _phrase_bonus(query, docs, scored, bool(terms))
 
         if not scored:
-            expansions = [(t, _fuzzy_terms(t, self.vocab)) for t in terms]
+            nearby = _Near(self.vocab)
+            expansions = [(t, nearby.terms(t)) for t in terms]
             fw = self._weights([v for _, near in expansions for v in near])
             acc: dict[int, tuple[float, str, float]] = {}  # doc -> (total, best variant, its weight)
             for _, near in expansions:
