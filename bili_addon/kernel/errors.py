@@ -26,12 +26,7 @@ MIN_UNSTATED = 4096  # tokens: a refused request smaller than this teaches no wi
 
 def request_size(res: TurnResult | None) -> int:
     """A request's size in tokens as bili estimates it (what went up), from its turn's result; 0 unknown."""
-    if res is None:
-        return 0
-    if res.sent_tokens:
-        return res.sent_tokens
-    view = res.view
-    return view.sums().tokens[-1] if view is not None and view.items else 0
+    return res.sent_tokens if res is not None else 0
 
 
 def learn_from_error(eng: Engine, sid: str, status: int, body: bytes, size: int = 0, side: bool = False) -> None:

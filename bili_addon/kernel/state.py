@@ -434,8 +434,7 @@ class TurnResult:
     error: str = ""
     shadowed: tuple[str, ...] = ()  # bili's tool names the agent's own tools have: its calls of them are the agent's
     side: bool = False  # a side request (reconcile.side_request): its answer's usage is not the conversation's size
-    sent_tokens: int = 0  # what went up, as bili estimates it, when a fold changed it (else: ``view``'s)
-    view: Any = None  # the request's View (kernel/fold.py): its size, should the provider refuse it (kernel/errors.py)
+    sent_tokens: int = 0  # what went up, as bili estimates it (its size, should the provider refuse it: kernel/errors.py)
 
 
 __all__ = [

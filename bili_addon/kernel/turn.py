@@ -395,7 +395,8 @@ class Engine(ProxyTools, Epochs, Deferred):
             changed |= snapshot_render(self.store, s, snap, lane, raws, items_out, start, view)
         pre = strict_inserts(s, lane.name, infos, top, origin)
         changed |= assemble(self, s, lane, items_out, start, view, result, snoozed, pre)
-        result.sent_tokens, result.view = s.sent_tokens, view
+        # (the conversation's figures, made by now: the first pass's, or the previous view's extended)
+        result.sent_tokens = s.sent_tokens or (view.sums().tokens[-1] if view.items else 0)
         if active and s.blocks:  # the agent's free cache breakpoint, at the end of the folded head
             counts, run = breakpoints.agent_marks(raw, body, infos, shares.marks if shares is not None else None, k)
             now = self.sessions.memos.get(sid)
