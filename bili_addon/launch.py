@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from bili_addon import (BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, adminclient, default_port,
-                        private, procs, transparent)
+                        printable, private, procs, transparent)
 from bili_addon.agents import (AGENTS, ANY_CA, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex,
                                intercept_plan)
 from bili_addon.store import DB_NAME, SCHEMA_VERSION, StoreError, default_data_dir, newer_schema
@@ -503,7 +503,8 @@ def node_ca_file(ca, env: Mapping[str, str]) -> str:
 # where a user names the CAs they trust beside the system's (a corporate TLS inspector's: Claude Code's
 # documentation sends such users to NODE_EXTRA_CA_CERTS); $SSL_CERT_FILE is the system roots' own source
 EXTRA_CA_VARS = (NODE_CA, "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
-_MERGED = ("node-extra-ca-", "upstream-ca-", "agent-ca-")  # (bili's own files made of them: never read back)
+# bili's own files made of them, and its copies of another proxy's CA (certs.proxy_ca): never read back
+_MERGED = ("node-extra-ca-", "upstream-ca-", "agent-ca-", "proxy-ca-", "proxy-combined-")
 
 
 def user_extra_cas(ca, env: Mapping[str, str]) -> list[tuple[str, bytes]]:
@@ -1039,6 +1040,10 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
             proxy.attach()
             if proxy.reused and not plan.transparent:
                 _forwards(proxy.health, plan.proxy_url)
+            ca = reused_ca(plan.ca, proxy.health, plan.proxy_url) if proxy.reused else plan.ca
+            if held is not None and ca is not plan.ca:  # (started already, with this launch's CA in its environment)
+                raise LaunchError(f"the bili proxy at {plan.proxy_url} signs with the CA in "
+                                  f"{printable(proxy.health.get('ca_cert'))}; give the launcher its --confdir")
         except LaunchError as e:
             _say(f"error: {e}")
             return 1
@@ -1051,6 +1056,10 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
         else:
             _say(f"re-using the bili proxy on {plan.proxy_url} (version {proxy.health.get('version')}, "
                  f"mode {proxy.health.get('mode')})", args.quiet)
+            if ca is not plan.ca:
+                _say(f"note: it signs with the CA in {printable(proxy.health.get('ca_cert'))}, not with this launch's "
+                     f"({plan.ca.cert}): {agent.binary} trusts that one", args.quiet)
+                plan.ca, plan.env = ca, agent_env(agent, os.environ, plan.proxy_url, ca, plan.data_dir)
             ignored = reuse_ignores(args, proxy.health)
             if ignored:  # (past -q: the agent runs under options other than the ones asked for)
                 _say(f"warning: the running proxy keeps its own options; {', '.join(ignored)} apply only to a proxy "
@@ -1100,6 +1109,38 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
         if proxy.stopped:
             _say(f"stopped the proxy (pid {proxy.stopped})", args.quiet)
     return _exit_like(rc)
+
+
+def reused_ca(ca, health: Mapping, url: str):
+    """The CA the agent must trust for a re-used proxy (``health``: its answer): this install's when the
+    proxy signs with it, else the proxy's own (the certificate its health names, copied into bundles in
+    this install's confdir, :func:`certs.proxy_ca`).  A proxy started elsewhere keeps its own CA (another
+    checkout's ``certs/``, a pipx install's, ``~/.mitmproxy``, ``bili run --confdir``): the agent given
+    this confdir's failed TLS on every request.  LaunchError when that CA cannot be read here."""
+    from bili_addon import certs
+
+    theirs = health.get("ca_sha256")
+    if not isinstance(theirs, str) or not theirs:
+        return ca  # (a bili that does not say: this confdir's is the best guess)
+    try:
+        if certs.sha256(Path(ca.cert).read_bytes()) == theirs.lower():
+            return ca
+    except (OSError, ValueError):
+        pass
+    where = health.get("ca_cert")
+    where = where if isinstance(where, str) and where else None
+    pem = certs.cert_with(where, theirs) if where else None
+    if pem is None:
+        raise LaunchError(
+            f"the bili proxy at {url} signs with another CA (SHA-256 {printable(theirs[:16])}...) than this "
+            f"launch's ({ca.cert}) and " + (f"names {printable(where)}, where this launcher cannot read it" if where
+                                   else "does not say where it keeps it")
+            + ": its agent would fail TLS on every request. Give the launcher that proxy's CA directory "
+              "(--confdir DIR, the one it was started with), or choose another --port")
+    try:
+        return certs.proxy_ca(ca, pem)
+    except certs.CertError as e:
+        raise LaunchError(str(e)) from e
 
 
 def _forwards(health: dict, url: str) -> None:

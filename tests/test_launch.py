@@ -1181,3 +1181,86 @@ def test_the_intercept_endpoint_adds_hosts_to_allow_hosts(bili):
         status, doc = call(bad)
         assert status == 400 and doc["ok"] is False, bad
     assert len(bili.tctx.options.allow_hosts) == 2
+
+
+# -- a re-used proxy's own CA --------------------------------------------------------------------------------
+def test_a_reused_proxy_that_signs_with_another_ca_gives_the_agent_that_ca(tmp_path):
+    """A proxy started from another checkout (its certs/), a pipx install or ``bili run --confdir`` keeps its
+    own CA: the launcher gave the agent its own confdir's, and every request of the agent failed TLS."""
+    from bili_addon import certs
+
+    ours, theirs = ensure_ca(tmp_path / "ours"), ensure_ca(tmp_path / "theirs")
+    fp = certs.sha256(theirs.cert.read_bytes())
+    url = "http://127.0.0.1:1"
+    assert launch.reused_ca(ours, {"ca_sha256": certs.sha256(ours.cert.read_bytes())}, url) is ours
+    assert launch.reused_ca(ours, {"version": "0.1"}, url) is ours  # (a bili that does not say)
+    ca = launch.reused_ca(ours, {"ca_sha256": fp, "ca_cert": str(theirs.cert)}, url)
+    assert ca.confdir == ours.confdir and ca.cert.read_bytes().strip() == theirs.cert.read_bytes().strip()
+    node = launch.agent_env(AGENTS["claude"], {}, url, ca)
+    assert Path(node["NODE_EXTRA_CA_CERTS"]).read_bytes().strip() == theirs.cert.read_bytes().strip()
+    bundle = Path(launch.agent_env(AGENTS["codex"], {}, url, ca)["SSL_CERT_FILE"]).read_bytes()
+    assert theirs.cert.read_bytes().strip() in bundle and ours.cert.read_bytes().strip() not in bundle
+    assert bundle.count(b"BEGIN CERTIFICATE") > 2  # (the system roots too)
+    # only the certificate the proxy names: not the key, nor other certificates in the file
+    mixed = _write(tmp_path / "mixed.pem", (theirs.key.read_text() + ours.cert.read_text()))
+    ca = launch.reused_ca(ours, {"ca_sha256": fp, "ca_cert": str(mixed)}, url)
+    assert b"PRIVATE KEY" not in ca.cert.read_bytes() and ca.cert.read_bytes().count(b"BEGIN CERTIFICATE") == 1
+    assert certs.sha256(ca.cert.read_bytes()) == fp
+    # a CA this launcher cannot read (or a file without it): refused, saying what to do
+    for health in ({"ca_sha256": fp, "ca_cert": str(tmp_path / "gone.pem")}, {"ca_sha256": fp},
+                   {"ca_sha256": fp, "ca_cert": str(ours.cert)}):
+        with pytest.raises(launch.LaunchError, match="signs with another CA .*--confdir DIR"):
+            launch.reused_ca(ours, health, url)
+
+
+_HTTPS_AGENT = r'''#!{python}
+# a Node agent's one request: HTTPS through HTTPS_PROXY to the model host, trusting NODE_EXTRA_CA_CERTS
+import http.client, json, os, ssl
+rec = {{"ca": os.environ.get("NODE_EXTRA_CA_CERTS")}}
+try:
+    ctx = ssl.create_default_context()
+    ctx.load_verify_locations(os.environ["NODE_EXTRA_CA_CERTS"])
+    host, port = os.environ["HTTPS_PROXY"].split("://", 1)[1].rstrip("/").rsplit(":", 1)
+    c = http.client.HTTPSConnection(host, int(port), context=ctx, timeout=20)
+    c.set_tunnel("api.anthropic.com", 443)
+    c.request("POST", "/v1/messages", body=json.dumps({{"model": "m", "max_tokens": 5,
+              "messages": [{{"role": "user", "content": "hi"}}]}}), headers={{"content-type": "application/json"}})
+    rec["status"] = c.getresponse().status
+except Exception as e:
+    rec["error"] = repr(e)
+open(os.environ["FAKE_AGENT_OUT"], "w").write(json.dumps(rec))
+'''
+
+
+@pytest.mark.e2e
+def test_a_reused_proxy_with_a_ca_of_its_own_serves_the_agent(lab):
+    """``bili run --confdir A``, then ``bili claude --confdir B`` on its port: the agent's request through
+    the re-used proxy succeeds (it trusts A), and the proxy's health names the CA it signs with."""
+    from bili_addon import certs
+
+    (lab.bin / "claude").write_text(_HTTPS_AGENT.format(python=sys.executable))
+    _Recorder.seen = []
+    fake = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    port, other = free_port(), lab.tmp / "other-ca"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir", str(other),
+         "--data-dir", str(lab.tmp / "data"), "--quiet", "--", "-s", str(ROUTE_ADDON), "--set",
+         f"test_route=127.0.0.1:{fake.server_address[1]}", "--set", "connection_strategy=lazy"],
+        env=lab.env(), cwd=lab.project, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    lab.procs.append(run)
+    try:
+        wait_for(lambda: launch.probe(port).kind == "bili", 30, "bili run")
+        health = launch.probe(port).health
+        assert health["ca_sha256"] == certs.sha256((other / "mitmproxy-ca-cert.pem").read_bytes())
+        assert health["ca_cert"] == str((other / "mitmproxy-ca-cert.pem").resolve())
+        rc, _, err = finish(lab.launch("claude", port, "t"))
+        assert rc == 0, err
+        assert f"signs with the CA in {health['ca_cert']}, not with this launch's" in err
+        rec = lab.record("t")
+        assert rec.get("status") == 200, rec
+        assert Path(rec["ca"]).parent == lab.confdir.resolve()  # (a copy in this install's confdir)
+        assert len(_Recorder.seen) == 1 and run.poll() is None
+    finally:
+        fake.shutdown()
