@@ -553,8 +553,9 @@ def user_upstream(env: Mapping[str, str], listen_port: int) -> tuple[str | None,
     """The proxy the user's programs go through (``HTTPS_PROXY``, else ``ALL_PROXY``), as bili's own
     upstream (``--mode upstream:URL``): where egress goes through a corporate proxy, what bili dials
     must too (it dialled every host directly, and failed there).  ``(URL, note)``: None and why not
-    when there is none, it is this proxy on loopback (a loop), or it needs credentials (mitmproxy takes
-    them as an option, which would show them in its command line: the note says how to give them)."""
+    when there is none, it is this proxy on loopback (a loop), another bili on loopback, or it needs
+    credentials (mitmproxy takes them as an option, which would show them in its command line: the note
+    says how to give them)."""
     from urllib.parse import urlsplit
 
     raw = next((env[v] for v in _PROXY_VARS if env.get(v)), "")
@@ -569,11 +570,26 @@ def user_upstream(env: Mapping[str, str], listen_port: int) -> tuple[str | None,
         return None, f"{raw} is no HTTP proxy bili can chain to: it dials hosts directly"
     if port == listen_port and host in ("localhost", "127.0.0.1", "::1"):
         return None, ""  # (this proxy itself: the variable was set for bili)
+    if _loopback(host) and probe(port, host, timeout=1.0).kind == "bili":
+        # another bili (`bili run`'s instructions export HTTPS_PROXY): its CA is not one the system trusts, and
+        # every request through it failed (502); folding twice is no use anyway
+        return None, f"{u.scheme}://{host}:{port} is a bili proxy: bili never chains to bili, it dials hosts directly"
     if u.username or u.password:
         return None, (f"{u.scheme}://{host}:{port} needs credentials: bili dials hosts directly; to go through "
                       f"it, run bili with --set upstream_auth=USER:PASSWORD and --mode upstream:{u.scheme}://{host}:{port}")
     where = f"[{host}]" if ":" in host else host
     return f"{u.scheme}://{where}:{port}", ""
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def upstream_trust(ca, env: Mapping[str, str]) -> str | None:

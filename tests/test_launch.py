@@ -969,7 +969,7 @@ class _CorpProxy:
                 threading.Thread(target=self._one, args=(c,), daemon=True).start()
 
     def _one(self, c):
-        with contextlib.suppress(OSError), c:
+        with contextlib.suppress(OSError, ValueError), c:  # (ValueError: no CONNECT, a launcher's health probe)
             head = b""
             while b"\r\n\r\n" not in head:
                 got = c.recv(4096)
@@ -1264,3 +1264,57 @@ def test_a_reused_proxy_with_a_ca_of_its_own_serves_the_agent(lab):
         assert len(_Recorder.seen) == 1 and run.poll() is None
     finally:
         fake.shutdown()
+
+
+# -- the user's HTTPS_PROXY: another bili is never chained to ------------------------------------------------
+class _FakeBili(BaseHTTPRequestHandler):
+    """Answers health as a bili proxy does (nothing else)."""
+
+    def do_GET(self):
+        body = json.dumps({"ok": True, "version": "9.9", "mode": "fold"}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_an_https_proxy_that_is_another_bili_is_not_chained_to(tmp_path, monkeypatch):
+    """`bili run` tells the user to export HTTPS_PROXY; a later launch on another port took that bili for a
+    corporate proxy and went out through it: the other bili's CA is no system root, every request 502."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeBili)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    corp = _CorpProxy()
+    other = srv.server_address[1]
+    try:
+        for url in (f"http://127.0.0.1:{other}", f"http://localhost:{other}/"):
+            upstream, note = launch.user_upstream({"HTTPS_PROXY": url}, 8787)
+            assert upstream is None and note.endswith("is a bili proxy: bili never chains to bili, it dials hosts directly")
+        # a proxy on loopback that is not bili is still the way out
+        assert launch.user_upstream({"HTTPS_PROXY": f"http://127.0.0.1:{corp.port}"}, 8787) == (
+            f"http://127.0.0.1:{corp.port}", "")
+        # bili run: the same
+        seen: list[list[str]] = []
+        monkeypatch.setattr(cli, "_serve", lambda cmd, target, ready, env=None: seen.append(list(cmd)) or 0)
+        monkeypatch.setattr(cli, "port_in_use", lambda host, port: False)
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{other}")
+        assert cli.main(["run", "--quiet", "--confdir", str(tmp_path / "ca")]) == 0
+        assert "regular" in seen[-1] and not any(a.startswith("upstream:") for a in seen[-1])
+    finally:
+        srv.shutdown()
+        corp.srv.close()
+
+
+@pytest.mark.e2e
+def test_a_launch_with_https_proxy_at_another_bili_goes_out_directly(lab):
+    other, port = free_port(), free_port()
+    lab.bili_run(other, "--data-dir", str(lab.tmp / "data"))
+    rc, _, err = finish(lab.launch("claude", port, "t", HTTPS_PROXY=f"http://127.0.0.1:{other}"))
+    assert rc == 0, err
+    assert f"your proxy http://127.0.0.1:{other} is a bili proxy: bili never chains to bili" in err
+    assert "goes out through your proxy" not in err
+    assert lab.record("t")["health"]["modes"] == ["regular"]  # (the proxy this launch started)
