@@ -30,7 +30,7 @@ from typing import Iterator, Mapping
 
 from bili_addon import (BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, adminclient, default_port,
                         printable, private, procs, transparent)
-from bili_addon.agents import (AGENTS, ANY_CA, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex,
+from bili_addon.agents import (AGENTS, ANY_CA, BUNDLE_CA, CODEX_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex,
                                intercept_plan)
 from bili_addon.store import DB_NAME, SCHEMA_VERSION, StoreError, default_data_dir, newer_schema
 from bili_addon.stores import is_url, open_store, store_spec
@@ -501,8 +501,9 @@ def node_ca_file(ca, env: Mapping[str, str]) -> str:
 
 
 # where a user names the CAs they trust beside the system's (a corporate TLS inspector's: Claude Code's
-# documentation sends such users to NODE_EXTRA_CA_CERTS); $SSL_CERT_FILE is the system roots' own source
-EXTRA_CA_VARS = (NODE_CA, "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+# documentation sends such users to NODE_EXTRA_CA_CERTS, codex's to CODEX_CA_CERTIFICATE); $SSL_CERT_FILE
+# is the system roots' own source
+EXTRA_CA_VARS = (NODE_CA, CODEX_CA, "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
 # bili's own files made of them, and its copies of another proxy's CA (certs.proxy_ca): never read back
 _MERGED = ("node-extra-ca-", "upstream-ca-", "agent-ca-", "proxy-ca-", "proxy-combined-")
 
@@ -630,6 +631,8 @@ def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca, data_dir
             [Path(ca.combined).read_bytes(), *(d for _p, d in extras)])
         out[BUNDLE_CA] = bundle
         out["REQUESTS_CA_BUNDLE"] = bundle
+        for var in agent.bundle_vars:  # (codex reads its own first: the user's, without bili's CA, failed TLS)
+            out[var] = bundle
     out["BILI_PROXY"] = proxy_url  # where `bili mcp`, started by the agent, finds this proxy
     if data_dir:  # where it finds the proxy's admin token
         out["BILI_DATA_DIR"] = str(Path(data_dir).expanduser().resolve())
@@ -939,9 +942,10 @@ def transparent_port(port: int, given: int | None) -> int:
 
 def program_agent(program: str) -> Agent:
     """Any program, for ``bili run --transparent -- PROGRAM``: the model hosts of every agent (built-in
-    and configured, as ``bili run`` intercepts them), both CA variables set."""
+    and configured, as ``bili run`` intercepts them), every CA variable set."""
     return Agent("run", Path(program).name, program, ANY_CA, (),
                  lambda env, cwd: [f for a in AGENTS.values() for f in a.config_files(env, cwd)],
+                 bundle_vars=tuple(dict.fromkeys(v for a in AGENTS.values() for v in a.bundle_vars)),
                  env_base_urls=tuple(dict.fromkeys(v for a in AGENTS.values() for v in a.env_base_urls)))
 
 

@@ -179,6 +179,7 @@ def test_agent_environment(name, tmp_path):
     else:
         assert env["SSL_CERT_FILE"] == env["REQUESTS_CA_BUNDLE"] == str(ca.combined)
         assert "NODE_EXTRA_CA_CERTS" not in env
+    assert env.get("CODEX_CA_CERTIFICATE") == (str(ca.combined) if name == "codex" else None)
     assert ("PI_PROXY" in env) == (name == "omp")
     assert base == {"PATH": "/usr/bin", "HOME": str(tmp_path), "KEEP": "1"}  # not mutated
 
@@ -934,15 +935,17 @@ def _bili_run_intercepting(lab, port: int, host_port: int, **env: str):
 
 
 @pytest.mark.e2e
-def test_the_users_extra_cas_verify_an_intercepted_host_upstream(lab):
+@pytest.mark.parametrize("var", ["NODE_EXTRA_CA_CERTS", "CODEX_CA_CERTIFICATE"])
+def test_the_users_extra_cas_verify_an_intercepted_host_upstream(lab, var):
     """Behind a TLS-inspecting network the model host shows the inspector's certificate, which the user
-    trusts through NODE_EXTRA_CA_CERTS (REQUESTS_CA_BUNDLE for Python agents).  With bili the agent no
-    longer talks to the host, mitmdump does: it verified the host against the system roots only, and
-    every request failed (502).  Here the host is a loopback server with a certificate of its own."""
+    trusts through NODE_EXTRA_CA_CERTS (REQUESTS_CA_BUNDLE for Python agents, CODEX_CA_CERTIFICATE for
+    codex).  With bili the agent no longer talks to the host, mitmdump does: it verified the host against
+    the system roots only, and every request failed (502).  Here the host is a loopback server with a
+    certificate of its own."""
     tls, tls_cert = _tls_server(lab.tmp)
     host_port = tls.getsockname()[1]
     port = free_port()
-    run, log = _bili_run_intercepting(lab, port, host_port, NODE_EXTRA_CA_CERTS=str(tls_cert))
+    run, log = _bili_run_intercepting(lab, port, host_port, **{var: str(tls_cert)})
     try:
         ca = lab.confdir / "mitmproxy-ca-cert.pem"
         assert _via_proxy(port, "127.0.0.1", host_port, ca) == (200, b"tunnelled")  # (decrypted: bili's CA to the client)
@@ -1034,6 +1037,24 @@ def test_the_agents_bundle_and_the_upstream_trust_keep_the_users_extra_cas(tmp_p
            "CURL_CA_BUNDLE": str(ca.combined)}
     assert launch.upstream_trust(ca, own) == launch.upstream_trust(ca, {})  # (bili's own files are not extras)
     assert launch.upstream_trust(ca, {}) == launch.system_roots_for_upstream(ca.roots_source)
+
+
+def test_codexs_own_ca_variable_is_the_users_and_gets_bilis_bundle(tmp_path):
+    """codex reads CODEX_CA_CERTIFICATE before SSL_CERT_FILE: one the user set (a TLS inspector's) was
+    neither trusted upstream (502 on every request) nor given bili's CA (codex then trusted the
+    inspector's alone, and bili's certificates failed)."""
+    ca = ensure_ca(tmp_path / "ca")
+    corp = _write(tmp_path / "corp.pem", "-----BEGIN CERTIFICATE-----\ncorp\n-----END CERTIFICATE-----\n")
+    env = {"CODEX_CA_CERTIFICATE": str(corp)}
+    assert b"corp\n" in Path(launch.upstream_trust(ca, env)).read_bytes()
+    agent = launch.agent_env(AGENTS["codex"], env, "http://127.0.0.1:1", ca)
+    assert agent["CODEX_CA_CERTIFICATE"] == agent["SSL_CERT_FILE"] == agent["REQUESTS_CA_BUNDLE"]
+    mine = Path(agent["CODEX_CA_CERTIFICATE"]).read_bytes()
+    assert b"corp\n" in mine and ca.cert.read_bytes().strip() in mine and mine.count(b"BEGIN CERTIFICATE") > 2
+    assert launch.upstream_trust(ca, {"CODEX_CA_CERTIFICATE": agent["CODEX_CA_CERTIFICATE"]}) == launch.upstream_trust(
+        ca, {})  # (bili's own bundle, from an enclosing launch, is not the user's)
+    assert launch.agent_env(launch.program_agent("/usr/bin/codex"), {}, "http://127.0.0.1:1", ca)[
+        "CODEX_CA_CERTIFICATE"] == str(ca.combined)  # (bili run --transparent -- codex)
 
 
 def test_bili_run_intercept_options_build_the_allow_list(tmp_path, monkeypatch):
