@@ -110,6 +110,7 @@ class Agent:
     env_base_urls: tuple[str, ...] = ()  # environment variables naming a base URL
     proxy_vars: tuple[str, ...] = ()  # more variables to set to the proxy URL (omp: PI_PROXY)
     bundle_vars: tuple[str, ...] = ()  # more variables to set to the CA bundle (codex: CODEX_CA)
+    env_table: bool = False  # its settings' "env" table is applied over its environment (Claude Code)
     package: str = ""  # where it comes from: npm:<name> or pypi:<name>
     tested_version: str = ""
     mcp: bool = False  # takes MCP servers (bili mcp)
@@ -320,7 +321,7 @@ AGENTS: dict[str, Agent] = {
         Agent(
             "claude", "Claude Code", "claude", NODE_CA, (ANTHROPIC,), _claude_files,
             env_base_urls=("ANTHROPIC_BASE_URL",), package="npm:@anthropic-ai/claude-code",
-            tested_version="2.1.197", mcp=True,
+            tested_version="2.1.197", mcp=True, env_table=True,
         ),
         Agent(
             "codex", "Codex CLI", "codex", BUNDLE_CA, (OPENAI, CHATGPT), _codex_files,

@@ -18,6 +18,7 @@ import fcntl
 import hmac
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -31,7 +32,7 @@ from typing import Iterator, Mapping
 from bili_addon import (BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, adminclient, default_port,
                         printable, private, procs, transparent)
 from bili_addon.agents import (AGENTS, ANY_CA, BUNDLE_CA, CODEX_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex,
-                               intercept_plan)
+                               intercept_plan, load_config)
 from bili_addon.store import DB_NAME, SCHEMA_VERSION, StoreError, default_data_dir, newer_schema
 from bili_addon.stores import is_url, open_store, store_spec
 
@@ -614,10 +615,17 @@ def upstream_trust(ca, env: Mapping[str, str]) -> str | None:
     return _merged_file(ca.confdir, "upstream-ca-", "\0".join(p for p, _d in extras), [roots, *(d for _p, d in extras)])
 
 
-def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca, data_dir: str | None = None) -> dict[str, str]:
-    """The agent's environment: the caller's, plus the proxy and the CA variable it understands."""
+def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca, data_dir: str | None = None,
+              hosts: list[tuple[str, int]] = ()) -> dict[str, str]:  # type: ignore[assignment]
+    """The agent's environment: the caller's, plus the proxy and the CA variable it understands, and
+    ``NO_PROXY`` without the model ``hosts`` (:func:`without_model_hosts`)."""
     out = dict(env)
     out["HTTPS_PROXY"] = out["https_proxy"] = proxy_url
+    for var, value in without_model_hosts(env, list(hosts)).items():
+        if value is None:
+            del out[var]
+        else:
+            out[var] = value
     for var in agent.proxy_vars:
         out[var] = proxy_url
     if agent.ca_var in (NODE_CA, ANY_CA):
@@ -639,18 +647,72 @@ def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca, data_dir
     return out
 
 
+_NO_PROXY_VARS = ("NO_PROXY", "no_proxy")
+
+
+def no_proxy_entries(raw: str) -> list[str]:
+    """A ``NO_PROXY`` value's entries: separated by commas or by spaces (Claude Code, curl take both)."""
+    return [e for e in re.split(r"[,\s]+", raw) if e]
+
+
+def _names(entry: str, host: str) -> bool:
+    e = entry.strip().lower().split(":")[0]
+    return e == "*" or host == e.lstrip(".") or host.endswith("." + e.lstrip(".").lstrip("*."))
+
+
 def no_proxy_conflicts(env: Mapping[str, str], hosts: list[tuple[str, int]]) -> list[str]:
-    """Model hosts the agent would reach directly because ``NO_PROXY`` names them."""
-    raw = env.get("NO_PROXY") or env.get("no_proxy") or ""
-    entries = [e.strip().lower() for e in raw.split(",") if e.strip()]
-    out = []
-    for host, _port in hosts:
-        for e in entries:
-            e = e.split(":")[0]
-            if e == "*" or host == e.lstrip(".") or host.endswith("." + e.lstrip(".").lstrip("*.")):
-                out.append(host)
-                break
+    """Model hosts the agent would reach directly because ``NO_PROXY`` (or ``no_proxy``) names them."""
+    entries = [e for var in _NO_PROXY_VARS for e in no_proxy_entries(env.get(var) or "")]
+    return [host for host, _port in hosts if any(_names(e, host) for e in entries)]
+
+
+def without_model_hosts(env: Mapping[str, str], hosts: list[tuple[str, int]]) -> dict[str, str | None]:
+    """``NO_PROXY`` and ``no_proxy`` without their entries that name one of ``hosts`` (None: nothing is
+    left), for each that has such an entry: the agent reached those hosts directly, out of bili's sight,
+    and the launcher only said so.  ``*`` names every host: the agent's other hosts are then tunnelled
+    through the proxy untouched."""
+    out: dict[str, str | None] = {}
+    for var in _NO_PROXY_VARS:
+        entries = no_proxy_entries(env.get(var) or "")
+        kept = [e for e in entries if not any(_names(e, h) for h, _p in hosts)]
+        if kept != entries:
+            out[var] = ",".join(kept) or None
     return out
+
+
+def settings_bypass(agent: Agent, env: Mapping[str, str], cwd: Path, proxy_url: str,
+                    hosts: list[tuple[str, int]]) -> list[str]:
+    """What in the ``env`` table of the agent's settings files takes it around bili (Claude Code applies
+    that table over the environment the launcher gives it): an ``HTTPS_PROXY`` other than bili's, a
+    ``NO_PROXY`` naming a model host.  Said, never edited (the files are only read)."""
+    if not agent.env_table:
+        return []
+    out = []
+    for path in agent.config_files(env, cwd):
+        try:
+            table = load_config(path).get("env")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if not isinstance(table, dict):
+            continue
+        for var in ("HTTPS_PROXY", "https_proxy"):
+            value = table.get(var)
+            if isinstance(value, str) and value.strip().rstrip("/") != proxy_url:
+                out.append(f"{path} sets env.{var}={printable(value)}: {agent.title} applies it over the "
+                           f"launcher's {proxy_url} and goes around bili; remove that key (or set it to {proxy_url}): "
+                           "bili does not edit the file")
+        for var in _NO_PROXY_VARS:
+            value = table.get(var)
+            named = no_proxy_conflicts({var: value}, hosts) if isinstance(value, str) else []
+            if named:
+                out.append(f"{path} sets env.{var}={printable(value)}, which names {_some(named)}: {agent.title} "
+                           "reaches them directly, bili sees none of it; take them out of that key: bili does not "
+                           "edit the file")
+    return out
+
+
+def _some(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 # -- the agent's background servers ----------------------------------------------------------------------
@@ -825,6 +887,8 @@ class Plan:
     upstream: str | None = None  # the user's own proxy, bili's upstream (user_upstream)
     upstream_note: str = ""  # why the user's proxy is not bili's upstream
     data_dir: str = ""  # the proxy's data directory (--data-dir, --set bili_data_dir=, else the default)
+    no_proxy: list[str] = field(default_factory=list)  # model hosts taken out of the agent's NO_PROXY
+    bypass: list[str] = field(default_factory=list)  # what in the agent's settings goes around bili (settings_bypass)
 
 
 def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] | None = None,
@@ -837,8 +901,8 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
     ca = ensure_ca(args.confdir)
     mechanism = getattr(args, "transparent", None)
     override = [transparent.parse_dest(d) for d in getattr(args, "redirect", None) or []]
-    hosts = intercept_plan(agent, env, agent_project(agent, getattr(args, "extra", None) or [], cwd),
-                           [*(args.intercept_host or []), *(f"{h}:{p}" for h, p in override)])
+    project = agent_project(agent, getattr(args, "extra", None) or [], cwd)
+    hosts = intercept_plan(agent, env, project, [*(args.intercept_host or []), *(f"{h}:{p}" for h, p in override)])
     allow = allow_hosts_regex(hosts.hosts)
     upstream, upstream_note = user_upstream(env, args.port)
     if upstream and mechanism:
@@ -869,8 +933,9 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
         local = {m.name: m for m in transparent.support(env, probe_nft=False)}["local"]
         command = transparent.local_proxy_command(command, local.cgroup_bind)
     return Plan(agent, binary, [binary or agent.binary, *args.extra], hosts, allow, proxy_url,
-                agent_env(agent, env, proxy_url, ca, data_dir), command, ca, mechanism, tmode,
-                override or list(hosts.hosts), upstream, upstream_note, data_dir)
+                agent_env(agent, env, proxy_url, ca, data_dir, hosts.hosts), command, ca, mechanism, tmode,
+                override or list(hosts.hosts), upstream, upstream_note, data_dir,
+                no_proxy_conflicts(env, hosts.hosts), settings_bypass(agent, env, project, proxy_url, hosts.hosts))
 
 
 def agent_project(agent: Agent, argv: list[str], cwd: Path) -> Path:
@@ -1012,8 +1077,11 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
         return 127
     for note in plan.hosts.notes:
         _say(f"note: {note}", args.quiet)
-    for host in no_proxy_conflicts(plan.env, plan.hosts.hosts):
-        _say(f"note: NO_PROXY names {host}: the agent reaches it directly, bili sees none of it", args.quiet)
+    if plan.no_proxy:
+        _say(f"note: NO_PROXY names {_some(plan.no_proxy)}: taken out of {agent.binary}'s NO_PROXY (it would reach "
+             "them directly, out of bili's sight)", args.quiet)
+    for why in plan.bypass:  # (past -q: the agent runs with bili off)
+        _say(f"warning: {why}")
     old_proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
     if old_proxy and old_proxy.rstrip("/") != plan.proxy_url:
         _say(f"note: HTTPS_PROXY={old_proxy} is replaced by {plan.proxy_url} for {agent.binary}", args.quiet)
@@ -1079,7 +1147,8 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
             if ca is not plan.ca:
                 _say(f"note: it signs with the CA in {printable(proxy.health.get('ca_cert'))}, not with this launch's "
                      f"({plan.ca.cert}): {agent.binary} trusts that one", args.quiet)
-                plan.ca, plan.env = ca, agent_env(agent, os.environ, plan.proxy_url, ca, plan.data_dir)
+                plan.ca, plan.env = ca, agent_env(agent, os.environ, plan.proxy_url, ca, plan.data_dir,
+                                                  plan.hosts.hosts)
             ignored = reuse_ignores(args, proxy.health)
             if ignored:  # (past -q: the agent runs under options other than the ones asked for)
                 _say(f"warning: the running proxy keeps its own options; {', '.join(ignored)} apply only to a proxy "
@@ -1184,6 +1253,8 @@ def _print_plan(plan: Plan) -> int:
         print(f"base URL   {ep.url} (from {ep.source})", file=out)
     for note in plan.hosts.notes:
         print(f"note       {note}", file=out)
+    for why in plan.bypass:
+        print(f"warning    {why}", file=out)
     changed = {k: v for k, v in plan.env.items() if os.environ.get(k) != v}
     for k in sorted(changed):
         print(f"env        {k}={changed[k]}", file=out)

@@ -200,6 +200,40 @@ def test_no_proxy_naming_a_model_host_is_reported():
     assert launch.no_proxy_conflicts({"NO_PROXY": "localhost,.anthropic.com"}, hosts) == ["api.anthropic.com"]
     assert launch.no_proxy_conflicts({"no_proxy": "*"}, hosts) == ["api.anthropic.com", "api.openai.com"]
     assert launch.no_proxy_conflicts({"NO_PROXY": "127.0.0.1,localhost"}, hosts) == []
+    # Claude Code takes space-separated entries too
+    assert launch.no_proxy_conflicts({"NO_PROXY": "localhost api.anthropic.com"}, hosts) == ["api.anthropic.com"]
+    assert launch.no_proxy_conflicts({"NO_PROXY": "localhost", "no_proxy": " api.openai.com\t"}, hosts) == [
+        "api.openai.com"]
+
+
+def test_the_agents_no_proxy_loses_the_model_hosts_only(tmp_path):
+    """A NO_PROXY naming a model host took the agent around bili: the launcher only said so."""
+    ca = ensure_ca(tmp_path / "ca")
+    hosts = [("api.anthropic.com", 443), ("api.openai.com", 443)]
+    env = launch.agent_env(AGENTS["claude"], {"NO_PROXY": "localhost api.anthropic.com, .corp.example",
+                                              "no_proxy": ".openai.com"}, "http://127.0.0.1:1", ca, hosts=hosts)
+    assert env["NO_PROXY"] == "localhost,.corp.example" and "no_proxy" not in env
+    assert launch.no_proxy_conflicts(env, hosts) == []
+    keep = {"NO_PROXY": "localhost, 127.0.0.1"}  # (nothing to take out: as the user wrote it)
+    assert launch.agent_env(AGENTS["claude"], keep, "http://127.0.0.1:1", ca, hosts=hosts)["NO_PROXY"] == keep["NO_PROXY"]
+    assert "NO_PROXY" not in launch.agent_env(AGENTS["claude"], {"NO_PROXY": "*"}, "http://127.0.0.1:1", ca, hosts=hosts)
+
+
+def test_claude_settings_that_go_around_bili_are_said(home, tmp_path):
+    """Claude Code applies its settings' env table over its environment: an HTTPS_PROXY or a NO_PROXY there
+    took it around bili, without a word."""
+    url, hosts = "http://127.0.0.1:8787", [("api.anthropic.com", 443)]
+    claude = AGENTS["claude"]
+    assert launch.settings_bypass(claude, home.env, home.project, url, hosts) == []
+    user = _write(home.home / ".claude" / "settings.json", json.dumps({"env": {"HTTPS_PROXY": "http://proxy.corp:3128",
+                                                                          "NO_PROXY": "localhost api.anthropic.com"}}))
+    local = _write(home.project / ".claude" / "settings.local.json", json.dumps({"env": {"https_proxy": url + "/"}}))
+    said = launch.settings_bypass(claude, home.env, home.project, url, hosts)
+    assert len(said) == 2 and all(s.startswith(f"{user} sets env.") for s in said), said
+    assert "env.HTTPS_PROXY=http://proxy.corp:3128" in said[0] and "bili does not edit the file" in said[0]
+    assert "env.NO_PROXY=localhost api.anthropic.com, which names api.anthropic.com" in said[1]
+    assert launch.settings_bypass(AGENTS["codex"], home.env, home.project, url, hosts) == []  # (no env table)
+    assert json.loads(user.read_text())["env"]["NO_PROXY"] and local.exists()  # (read, never written)
 
 
 def test_dry_run_prints_the_plan(home, tmp_path, capsys):
@@ -381,7 +415,7 @@ mode = os.environ.get("FAKE_AGENT_MODE", "exit")
 rec = {{"pid": os.getpid(), "pgid": os.getpgrp(), "argv": sys.argv[1:], "signals": [],
        "env": {{k: os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE",
                                               "REQUESTS_CA_BUNDLE", "PI_PROXY", "BILI_PROXY", "HTTP_PROXY",
-                                              "BILI_DATA_DIR")}}}}
+                                              "BILI_DATA_DIR", "NO_PROXY", "no_proxy")}}}}
 def write():
     with open(out + ".tmp", "w") as f:
         json.dump(rec, f)
@@ -1339,3 +1373,17 @@ def test_a_launch_with_https_proxy_at_another_bili_goes_out_directly(lab):
     assert f"your proxy http://127.0.0.1:{other} is a bili proxy: bili never chains to bili" in err
     assert "goes out through your proxy" not in err
     assert lab.record("t")["health"]["modes"] == ["regular"]  # (the proxy this launch started)
+
+
+@pytest.mark.e2e
+def test_the_agent_goes_through_bili_whatever_no_proxy_says(lab):
+    """NO_PROXY space-separated (as Claude Code takes it) named the model host: the agent went around bili
+    and the launcher said nothing; one in Claude's settings.json, nothing either."""
+    _write(lab.home / ".claude" / "settings.json", json.dumps({"env": {"NO_PROXY": "api.anthropic.com"}}))
+    rc, _, err = finish(lab.launch("claude", free_port(), "t", NO_PROXY="localhost api.anthropic.com",
+                                   no_proxy="*"))
+    assert rc == 0, err
+    assert "NO_PROXY names api.anthropic.com" in err and "taken out of claude's NO_PROXY" in err
+    assert f"{lab.home / '.claude' / 'settings.json'} sets env.NO_PROXY=api.anthropic.com" in err
+    env = lab.record("t")["env"]
+    assert env["NO_PROXY"] == "localhost" and env["no_proxy"] is None
