@@ -8,12 +8,14 @@ import ipaddress
 import logging
 import re
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from mitmproxy import ctx, http
 
 from bili_addon import __version__, page, printable, private
+from bili_addon.certs import CA_CERT, cert_with
 from bili_addon.kernel.prompts import TOOLS
 from bili_addon.store import StoreError
 from bili_addon.transparent import SUBNET as NAMESPACES
@@ -184,7 +186,7 @@ def _handle(flow: http.HTTPFlow, bili: Host):
                                     **({"token_error": bili.token_error} if bili.token is None and bili.token_error
                                        else {}),
                                     # the proxy's listeners: a launcher re-using it checks for the one it needs
-                                    "modes": list(getattr(ctx.options, "mode", None) or [])})
+                                    "modes": list(getattr(ctx.options, "mode", None) or []), **signing_ca()})
     elif page.the_page(flow, path, method):  # its data needs a token; the page itself holds none
         return None
     elif page.sign_in(flow, bili, path):  # POST /__bili/page/sign-in: the one-time code of `bili page`
@@ -219,6 +221,33 @@ def _handle(flow: http.HTTPFlow, bili: Host):
     else:
         flow.response = _fail(404, f"no such bili endpoint: {method} {path}")
     return None
+
+
+_signing: tuple[tuple, dict] | None = None  # (what it was read from, the answer)
+
+
+def signing_ca() -> dict:
+    """The CA this proxy signs with, for health: its certificate's SHA-256 (``ca_sha256``) and, when the
+    confdir holds it as mitmproxy writes it, that file (``ca_cert``).  A launcher re-using the proxy
+    gives its agent this CA, not the one of its own confdir (another checkout's ``certs/``, a user's
+    ``~/.mitmproxy``): every request of the agent failed TLS.  Empty when it cannot be told."""
+    global _signing
+    try:
+        ca = ctx.master.addons.get("tlsconfig").certstore.default_ca
+        fingerprint = ca.fingerprint().hex()
+        path = Path(ctx.options.confdir).expanduser() / CA_CERT
+    except (AttributeError, TypeError, ValueError):  # (no TLS layer: a test context)
+        return {}
+    try:
+        key: tuple = (fingerprint, str(path), path.stat().st_mtime_ns)
+    except OSError:
+        key = (fingerprint, str(path), None)
+    if _signing is None or _signing[0] != key:
+        out = {"ca_sha256": fingerprint}
+        if key[2] is not None and cert_with(path, fingerprint) is not None:
+            out["ca_cert"] = str(path.resolve())
+        _signing = (key, out)
+    return dict(_signing[1])
 
 
 def _session(bili: Host, eng: Engine, sid: str) -> http.Response:

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 NODE_CA = "NODE_EXTRA_CA_CERTS"  # added to Node's/Bun's built-in roots
 BUNDLE_CA = "SSL_CERT_FILE"  # one bundle instead of the system roots (Rust, Python)
 ANY_CA = "any"  # a program bili does not know (bili run --transparent): both of the above
+CODEX_CA = "CODEX_CA_CERTIFICATE"  # codex's own bundle, read before SSL_CERT_FILE (codex-client's custom_ca.rs)
 
 # model API hosts of the providers the agents ship with (HTTPS, port 443)
 ANTHROPIC = "api.anthropic.com"
@@ -108,6 +109,8 @@ class Agent:
     config_files: Callable[[Mapping[str, str], Path], list[Path]]
     env_base_urls: tuple[str, ...] = ()  # environment variables naming a base URL
     proxy_vars: tuple[str, ...] = ()  # more variables to set to the proxy URL (omp: PI_PROXY)
+    bundle_vars: tuple[str, ...] = ()  # more variables to set to the CA bundle (codex: CODEX_CA)
+    env_table: bool = False  # its settings' "env" table is applied over its environment (Claude Code)
     package: str = ""  # where it comes from: npm:<name> or pypi:<name>
     tested_version: str = ""
     mcp: bool = False  # takes MCP servers (bili mcp)
@@ -318,12 +321,12 @@ AGENTS: dict[str, Agent] = {
         Agent(
             "claude", "Claude Code", "claude", NODE_CA, (ANTHROPIC,), _claude_files,
             env_base_urls=("ANTHROPIC_BASE_URL",), package="npm:@anthropic-ai/claude-code",
-            tested_version="2.1.197", mcp=True,
+            tested_version="2.1.197", mcp=True, env_table=True,
         ),
         Agent(
             "codex", "Codex CLI", "codex", BUNDLE_CA, (OPENAI, CHATGPT), _codex_files,
             env_base_urls=("OPENAI_BASE_URL",), package="npm:@openai/codex", tested_version="0.171.0",
-            daemons=("app-server",),
+            daemons=("app-server",), bundle_vars=(CODEX_CA,),
             mcp=True,
         ),
         Agent(

@@ -12,6 +12,7 @@ The confdir defaults to the checkout's ``certs/`` folder (git-ignored), else
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -166,15 +167,16 @@ def system_roots(exclude: Path | None = None) -> tuple[str | None, bytes]:
     return None, b""
 
 
-def write_combined(confdir: Path, ca_pem: bytes) -> str | None:
-    """Write ``<confdir>/combined-ca.pem`` = system roots + our CA, atomically; returns the roots' source."""
-    target = confdir / COMBINED
+def write_combined(confdir: Path, ca_pem: bytes, name: str = COMBINED) -> str | None:
+    """Write ``<confdir>/combined-ca.pem`` (``name``) = system roots + our CA, atomically; returns the
+    roots' source."""
+    target = confdir / name
     source, roots = system_roots(exclude=target)
     ca_pem = ca_pem.strip() + b"\n"
     roots = roots.replace(ca_pem, b"")  # a copy of an earlier combined bundle: do not repeat our CA
     body = roots if not roots or roots.endswith(b"\n") else roots + b"\n"
     body += b"# bili-addon: the mitmproxy CA\n" + ca_pem
-    fd, tmp = tempfile.mkstemp(prefix=f".{COMBINED}.", suffix=".tmp", dir=confdir)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=confdir)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(body)
@@ -189,3 +191,59 @@ def write_combined(confdir: Path, ca_pem: bytes) -> str | None:
             pass
         raise
     return source
+
+
+# -- the CA of a proxy this install did not start ------------------------------------------------------
+def sha256(cert_pem: bytes) -> str:
+    """The SHA-256 fingerprint (hex) of the first certificate in ``cert_pem``; ValueError if none."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    return x509.load_pem_x509_certificate(cert_pem).fingerprint(hashes.SHA256()).hex()
+
+
+def cert_with(path: str | os.PathLike[str], fingerprint: str) -> bytes | None:
+    """The PEM of the certificate in the file ``path`` whose SHA-256 is ``fingerprint``, or None (the
+    file cannot be read, holds no such certificate).  Only that certificate: whatever else the file
+    holds (a private key, other certificates) is never trusted with it."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    try:
+        found = x509.load_pem_x509_certificates(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return None
+    want = fingerprint.lower().replace(":", "")
+    for c in found:
+        if c.fingerprint(hashes.SHA256()).hex() == want:
+            return c.public_bytes(serialization.Encoding.PEM)
+    return None
+
+
+PROXY_CA = "proxy-ca-"  # <confdir>/proxy-ca-<sha256 prefix>.pem: another proxy's CA, a copy
+PROXY_COMBINED = "proxy-combined-"  # system roots + that CA
+
+
+def proxy_ca(ours: CAPaths, cert_pem: bytes) -> CAPaths:
+    """The bundles an agent needs to trust another proxy's CA (``cert_pem``, its certificate only), made
+    in this install's confdir as they are for our own CA: a copy of it, and the system roots plus it.
+    ``key`` and ``secured`` stay ours (the agent is given certificates only)."""
+    name = sha256(cert_pem)[:16]
+    cert = ours.confdir / f"{PROXY_CA}{name}.pem"
+    pem = cert_pem.strip() + b"\n"
+    try:
+        if not cert.is_file() or cert.read_bytes() != pem:
+            fd, tmp = tempfile.mkstemp(prefix=f".{cert.name}.", suffix=".tmp", dir=ours.confdir)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(pem)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, cert)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        source = write_combined(ours.confdir, pem, f"{PROXY_COMBINED}{name}.pem")
+    except OSError as e:
+        raise CertError(f"cannot write the proxy's CA into {ours.confdir}: {e}") from e
+    return CAPaths(ours.confdir, cert, ours.key, ours.confdir / f"{PROXY_COMBINED}{name}.pem", source, ours.secured)

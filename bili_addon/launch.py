@@ -18,6 +18,7 @@ import fcntl
 import hmac
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -29,9 +30,9 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from bili_addon import (BILI_MODES, DEFAULT_HOST, DEFAULT_PORT, FIRST_PARTY, __version__, adminclient, default_port,
-                        private, procs, transparent)
-from bili_addon.agents import (AGENTS, ANY_CA, BUNDLE_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex,
-                               intercept_plan)
+                        printable, private, procs, transparent)
+from bili_addon.agents import (AGENTS, ANY_CA, BUNDLE_CA, CODEX_CA, NODE_CA, Agent, HostPlan, allow_hosts_regex,
+                               intercept_plan, load_config)
 from bili_addon.store import DB_NAME, SCHEMA_VERSION, StoreError, default_data_dir, newer_schema
 from bili_addon.stores import is_url, open_store, store_spec
 
@@ -501,9 +502,11 @@ def node_ca_file(ca, env: Mapping[str, str]) -> str:
 
 
 # where a user names the CAs they trust beside the system's (a corporate TLS inspector's: Claude Code's
-# documentation sends such users to NODE_EXTRA_CA_CERTS); $SSL_CERT_FILE is the system roots' own source
-EXTRA_CA_VARS = (NODE_CA, "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
-_MERGED = ("node-extra-ca-", "upstream-ca-", "agent-ca-")  # (bili's own files made of them: never read back)
+# documentation sends such users to NODE_EXTRA_CA_CERTS, codex's to CODEX_CA_CERTIFICATE); $SSL_CERT_FILE
+# is the system roots' own source
+EXTRA_CA_VARS = (NODE_CA, CODEX_CA, "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+# bili's own files made of them, and its copies of another proxy's CA (certs.proxy_ca): never read back
+_MERGED = ("node-extra-ca-", "upstream-ca-", "agent-ca-", "proxy-ca-", "proxy-combined-")
 
 
 def user_extra_cas(ca, env: Mapping[str, str]) -> list[tuple[str, bytes]]:
@@ -552,8 +555,9 @@ def user_upstream(env: Mapping[str, str], listen_port: int) -> tuple[str | None,
     """The proxy the user's programs go through (``HTTPS_PROXY``, else ``ALL_PROXY``), as bili's own
     upstream (``--mode upstream:URL``): where egress goes through a corporate proxy, what bili dials
     must too (it dialled every host directly, and failed there).  ``(URL, note)``: None and why not
-    when there is none, it is this proxy on loopback (a loop), or it needs credentials (mitmproxy takes
-    them as an option, which would show them in its command line: the note says how to give them)."""
+    when there is none, it is this proxy on loopback (a loop), another bili on loopback, or it needs
+    credentials (mitmproxy takes them as an option, which would show them in its command line: the note
+    says how to give them)."""
     from urllib.parse import urlsplit
 
     raw = next((env[v] for v in _PROXY_VARS if env.get(v)), "")
@@ -568,11 +572,26 @@ def user_upstream(env: Mapping[str, str], listen_port: int) -> tuple[str | None,
         return None, f"{raw} is no HTTP proxy bili can chain to: it dials hosts directly"
     if port == listen_port and host in ("localhost", "127.0.0.1", "::1"):
         return None, ""  # (this proxy itself: the variable was set for bili)
+    if _loopback(host) and probe(port, host, timeout=1.0).kind == "bili":
+        # another bili (`bili run`'s instructions export HTTPS_PROXY): its CA is not one the system trusts, and
+        # every request through it failed (502); folding twice is no use anyway
+        return None, f"{u.scheme}://{host}:{port} is a bili proxy: bili never chains to bili, it dials hosts directly"
     if u.username or u.password:
         return None, (f"{u.scheme}://{host}:{port} needs credentials: bili dials hosts directly; to go through "
                       f"it, run bili with --set upstream_auth=USER:PASSWORD and --mode upstream:{u.scheme}://{host}:{port}")
     where = f"[{host}]" if ":" in host else host
     return f"{u.scheme}://{where}:{port}", ""
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def upstream_trust(ca, env: Mapping[str, str]) -> str | None:
@@ -596,10 +615,17 @@ def upstream_trust(ca, env: Mapping[str, str]) -> str | None:
     return _merged_file(ca.confdir, "upstream-ca-", "\0".join(p for p, _d in extras), [roots, *(d for _p, d in extras)])
 
 
-def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca, data_dir: str | None = None) -> dict[str, str]:
-    """The agent's environment: the caller's, plus the proxy and the CA variable it understands."""
+def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca, data_dir: str | None = None,
+              hosts: list[tuple[str, int]] = ()) -> dict[str, str]:  # type: ignore[assignment]
+    """The agent's environment: the caller's, plus the proxy and the CA variable it understands, and
+    ``NO_PROXY`` without the model ``hosts`` (:func:`without_model_hosts`)."""
     out = dict(env)
     out["HTTPS_PROXY"] = out["https_proxy"] = proxy_url
+    for var, value in without_model_hosts(env, list(hosts)).items():
+        if value is None:
+            del out[var]
+        else:
+            out[var] = value
     for var in agent.proxy_vars:
         out[var] = proxy_url
     if agent.ca_var in (NODE_CA, ANY_CA):
@@ -613,24 +639,80 @@ def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca, data_dir
             [Path(ca.combined).read_bytes(), *(d for _p, d in extras)])
         out[BUNDLE_CA] = bundle
         out["REQUESTS_CA_BUNDLE"] = bundle
+        for var in agent.bundle_vars:  # (codex reads its own first: the user's, without bili's CA, failed TLS)
+            out[var] = bundle
     out["BILI_PROXY"] = proxy_url  # where `bili mcp`, started by the agent, finds this proxy
     if data_dir:  # where it finds the proxy's admin token
         out["BILI_DATA_DIR"] = str(Path(data_dir).expanduser().resolve())
     return out
 
 
+_NO_PROXY_VARS = ("NO_PROXY", "no_proxy")
+
+
+def no_proxy_entries(raw: str) -> list[str]:
+    """A ``NO_PROXY`` value's entries: separated by commas or by spaces (Claude Code, curl take both)."""
+    return [e for e in re.split(r"[,\s]+", raw) if e]
+
+
+def _names(entry: str, host: str) -> bool:
+    e = entry.strip().lower().split(":")[0]
+    return e == "*" or host == e.lstrip(".") or host.endswith("." + e.lstrip(".").lstrip("*."))
+
+
 def no_proxy_conflicts(env: Mapping[str, str], hosts: list[tuple[str, int]]) -> list[str]:
-    """Model hosts the agent would reach directly because ``NO_PROXY`` names them."""
-    raw = env.get("NO_PROXY") or env.get("no_proxy") or ""
-    entries = [e.strip().lower() for e in raw.split(",") if e.strip()]
-    out = []
-    for host, _port in hosts:
-        for e in entries:
-            e = e.split(":")[0]
-            if e == "*" or host == e.lstrip(".") or host.endswith("." + e.lstrip(".").lstrip("*.")):
-                out.append(host)
-                break
+    """Model hosts the agent would reach directly because ``NO_PROXY`` (or ``no_proxy``) names them."""
+    entries = [e for var in _NO_PROXY_VARS for e in no_proxy_entries(env.get(var) or "")]
+    return [host for host, _port in hosts if any(_names(e, host) for e in entries)]
+
+
+def without_model_hosts(env: Mapping[str, str], hosts: list[tuple[str, int]]) -> dict[str, str | None]:
+    """``NO_PROXY`` and ``no_proxy`` without their entries that name one of ``hosts`` (None: nothing is
+    left), for each that has such an entry: the agent reached those hosts directly, out of bili's sight,
+    and the launcher only said so.  ``*`` names every host: the agent's other hosts are then tunnelled
+    through the proxy untouched."""
+    out: dict[str, str | None] = {}
+    for var in _NO_PROXY_VARS:
+        entries = no_proxy_entries(env.get(var) or "")
+        kept = [e for e in entries if not any(_names(e, h) for h, _p in hosts)]
+        if kept != entries:
+            out[var] = ",".join(kept) or None
     return out
+
+
+def settings_bypass(agent: Agent, env: Mapping[str, str], cwd: Path, proxy_url: str,
+                    hosts: list[tuple[str, int]]) -> list[str]:
+    """What in the ``env`` table of the agent's settings files takes it around bili (Claude Code applies
+    that table over the environment the launcher gives it): an ``HTTPS_PROXY`` other than bili's, a
+    ``NO_PROXY`` naming a model host.  Said, never edited (the files are only read)."""
+    if not agent.env_table:
+        return []
+    out = []
+    for path in agent.config_files(env, cwd):
+        try:
+            table = load_config(path).get("env")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if not isinstance(table, dict):
+            continue
+        for var in ("HTTPS_PROXY", "https_proxy"):
+            value = table.get(var)
+            if isinstance(value, str) and value.strip().rstrip("/") != proxy_url:
+                out.append(f"{path} sets env.{var}={printable(value)}: {agent.title} applies it over the "
+                           f"launcher's {proxy_url} and goes around bili; remove that key (or set it to {proxy_url}): "
+                           "bili does not edit the file")
+        for var in _NO_PROXY_VARS:
+            value = table.get(var)
+            named = no_proxy_conflicts({var: value}, hosts) if isinstance(value, str) else []
+            if named:
+                out.append(f"{path} sets env.{var}={printable(value)}, which names {_some(named)}: {agent.title} "
+                           "reaches them directly, bili sees none of it; take them out of that key: bili does not "
+                           "edit the file")
+    return out
+
+
+def _some(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 # -- the agent's background servers ----------------------------------------------------------------------
@@ -805,6 +887,8 @@ class Plan:
     upstream: str | None = None  # the user's own proxy, bili's upstream (user_upstream)
     upstream_note: str = ""  # why the user's proxy is not bili's upstream
     data_dir: str = ""  # the proxy's data directory (--data-dir, --set bili_data_dir=, else the default)
+    no_proxy: list[str] = field(default_factory=list)  # model hosts taken out of the agent's NO_PROXY
+    bypass: list[str] = field(default_factory=list)  # what in the agent's settings goes around bili (settings_bypass)
 
 
 def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] | None = None,
@@ -817,8 +901,8 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
     ca = ensure_ca(args.confdir)
     mechanism = getattr(args, "transparent", None)
     override = [transparent.parse_dest(d) for d in getattr(args, "redirect", None) or []]
-    hosts = intercept_plan(agent, env, agent_project(agent, getattr(args, "extra", None) or [], cwd),
-                           [*(args.intercept_host or []), *(f"{h}:{p}" for h, p in override)])
+    project = agent_project(agent, getattr(args, "extra", None) or [], cwd)
+    hosts = intercept_plan(agent, env, project, [*(args.intercept_host or []), *(f"{h}:{p}" for h, p in override)])
     allow = allow_hosts_regex(hosts.hosts)
     upstream, upstream_note = user_upstream(env, args.port)
     if upstream and mechanism:
@@ -849,8 +933,9 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
         local = {m.name: m for m in transparent.support(env, probe_nft=False)}["local"]
         command = transparent.local_proxy_command(command, local.cgroup_bind)
     return Plan(agent, binary, [binary or agent.binary, *args.extra], hosts, allow, proxy_url,
-                agent_env(agent, env, proxy_url, ca, data_dir), command, ca, mechanism, tmode,
-                override or list(hosts.hosts), upstream, upstream_note, data_dir)
+                agent_env(agent, env, proxy_url, ca, data_dir, hosts.hosts), command, ca, mechanism, tmode,
+                override or list(hosts.hosts), upstream, upstream_note, data_dir,
+                no_proxy_conflicts(env, hosts.hosts), settings_bypass(agent, env, project, proxy_url, hosts.hosts))
 
 
 def agent_project(agent: Agent, argv: list[str], cwd: Path) -> Path:
@@ -922,9 +1007,10 @@ def transparent_port(port: int, given: int | None) -> int:
 
 def program_agent(program: str) -> Agent:
     """Any program, for ``bili run --transparent -- PROGRAM``: the model hosts of every agent (built-in
-    and configured, as ``bili run`` intercepts them), both CA variables set."""
+    and configured, as ``bili run`` intercepts them), every CA variable set."""
     return Agent("run", Path(program).name, program, ANY_CA, (),
                  lambda env, cwd: [f for a in AGENTS.values() for f in a.config_files(env, cwd)],
+                 bundle_vars=tuple(dict.fromkeys(v for a in AGENTS.values() for v in a.bundle_vars)),
                  env_base_urls=tuple(dict.fromkeys(v for a in AGENTS.values() for v in a.env_base_urls)))
 
 
@@ -991,8 +1077,11 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
         return 127
     for note in plan.hosts.notes:
         _say(f"note: {note}", args.quiet)
-    for host in no_proxy_conflicts(plan.env, plan.hosts.hosts):
-        _say(f"note: NO_PROXY names {host}: the agent reaches it directly, bili sees none of it", args.quiet)
+    if plan.no_proxy:
+        _say(f"note: NO_PROXY names {_some(plan.no_proxy)}: taken out of {agent.binary}'s NO_PROXY (it would reach "
+             "them directly, out of bili's sight)", args.quiet)
+    for why in plan.bypass:  # (past -q: the agent runs with bili off)
+        _say(f"warning: {why}")
     old_proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
     if old_proxy and old_proxy.rstrip("/") != plan.proxy_url:
         _say(f"note: HTTPS_PROXY={old_proxy} is replaced by {plan.proxy_url} for {agent.binary}", args.quiet)
@@ -1039,6 +1128,10 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
             proxy.attach()
             if proxy.reused and not plan.transparent:
                 _forwards(proxy.health, plan.proxy_url)
+            ca = reused_ca(plan.ca, proxy.health, plan.proxy_url) if proxy.reused else plan.ca
+            if held is not None and ca is not plan.ca:  # (started already, with this launch's CA in its environment)
+                raise LaunchError(f"the bili proxy at {plan.proxy_url} signs with the CA in "
+                                  f"{printable(proxy.health.get('ca_cert'))}; give the launcher its --confdir")
         except LaunchError as e:
             _say(f"error: {e}")
             return 1
@@ -1051,6 +1144,11 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
         else:
             _say(f"re-using the bili proxy on {plan.proxy_url} (version {proxy.health.get('version')}, "
                  f"mode {proxy.health.get('mode')})", args.quiet)
+            if ca is not plan.ca:
+                _say(f"note: it signs with the CA in {printable(proxy.health.get('ca_cert'))}, not with this launch's "
+                     f"({plan.ca.cert}): {agent.binary} trusts that one", args.quiet)
+                plan.ca, plan.env = ca, agent_env(agent, os.environ, plan.proxy_url, ca, plan.data_dir,
+                                                  plan.hosts.hosts)
             ignored = reuse_ignores(args, proxy.health)
             if ignored:  # (past -q: the agent runs under options other than the ones asked for)
                 _say(f"warning: the running proxy keeps its own options; {', '.join(ignored)} apply only to a proxy "
@@ -1102,6 +1200,38 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
     return _exit_like(rc)
 
 
+def reused_ca(ca, health: Mapping, url: str):
+    """The CA the agent must trust for a re-used proxy (``health``: its answer): this install's when the
+    proxy signs with it, else the proxy's own (the certificate its health names, copied into bundles in
+    this install's confdir, :func:`certs.proxy_ca`).  A proxy started elsewhere keeps its own CA (another
+    checkout's ``certs/``, a pipx install's, ``~/.mitmproxy``, ``bili run --confdir``): the agent given
+    this confdir's failed TLS on every request.  LaunchError when that CA cannot be read here."""
+    from bili_addon import certs
+
+    theirs = health.get("ca_sha256")
+    if not isinstance(theirs, str) or not theirs:
+        return ca  # (a bili that does not say: this confdir's is the best guess)
+    try:
+        if certs.sha256(Path(ca.cert).read_bytes()) == theirs.lower():
+            return ca
+    except (OSError, ValueError):
+        pass
+    where = health.get("ca_cert")
+    where = where if isinstance(where, str) and where else None
+    pem = certs.cert_with(where, theirs) if where else None
+    if pem is None:
+        raise LaunchError(
+            f"the bili proxy at {url} signs with another CA (SHA-256 {printable(theirs[:16])}...) than this "
+            f"launch's ({ca.cert}) and " + (f"names {printable(where)}, where this launcher cannot read it" if where
+                                   else "does not say where it keeps it")
+            + ": its agent would fail TLS on every request. Give the launcher that proxy's CA directory "
+              "(--confdir DIR, the one it was started with), or choose another --port")
+    try:
+        return certs.proxy_ca(ca, pem)
+    except certs.CertError as e:
+        raise LaunchError(str(e)) from e
+
+
 def _forwards(health: dict, url: str) -> None:
     """A proxy re-used as the agent's ``HTTPS_PROXY`` must listen as a forward proxy: one started as a
     reverse proxy (``bili run --mode reverse:...``) answers an agent's CONNECT with 400, every request
@@ -1123,6 +1253,8 @@ def _print_plan(plan: Plan) -> int:
         print(f"base URL   {ep.url} (from {ep.source})", file=out)
     for note in plan.hosts.notes:
         print(f"note       {note}", file=out)
+    for why in plan.bypass:
+        print(f"warning    {why}", file=out)
     changed = {k: v for k, v in plan.env.items() if os.environ.get(k) != v}
     for k in sorted(changed):
         print(f"env        {k}={changed[k]}", file=out)

@@ -764,7 +764,7 @@ def child(mechanism: str | None, mode: str, health: Mapping, redirect: Sequence[
             shutil.rmtree(copies, ignore_errors=True)
 
 
-CA_VARS = ("NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")
+CA_VARS = ("NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CODEX_CA_CERTIFICATE")
 
 
 def readable_cas(env: dict[str, str], uid: int, gid: int) -> str | None:

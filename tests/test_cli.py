@@ -107,6 +107,47 @@ def test_bootstrap_locks_in_its_checkout_never_in_a_shared_directory(tmp_path):
     assert victim.read_text() == "precious" and (root / ".bootstrap.lock").is_file()
 
 
+def _linked(target: Path, where: Path) -> Path:
+    """``where/<name>`` reaching ``target`` through two links, a relative one to an absolute one (as
+    ``ln -s <checkout>/scripts/bili ~/.local/bin/bili`` does, and a link to that link)."""
+    (where / "via").mkdir(parents=True, exist_ok=True)
+    (where / "via" / target.name).symlink_to(target)
+    (where / target.name).symlink_to(Path("via") / target.name)
+    return where / target.name
+
+
+def test_the_scripts_find_their_checkout_through_a_symlink(tmp_path):
+    """scripts/bili run through a link on PATH took the link's directory for its own and ran
+    <link dir>/../scripts/bootstrap; scripts/test, scripts/bootstrap and .ci/run had the same line."""
+    root = tmp_path / "checkout"
+    (root / "scripts").mkdir(parents=True)
+    (root / ".ci").mkdir()
+    for name in ("bili", "test"):
+        shutil.copy(ROOT / "scripts" / name, root / "scripts" / name)
+    shutil.copy(ROOT / ".ci" / "run", root / ".ci" / "run")
+    _fake(root / "scripts", "bootstrap", 'echo "bootstrap $*"')
+    (root / ".venv" / "bin").mkdir(parents=True)
+    _fake(root / ".venv" / "bin", "bili", 'echo "bili $*"')
+    _fake(root / ".venv" / "bin", "python", 'echo "python $*"')
+    env = _clean_env()
+    for script, args, want in ((root / "scripts" / "bili", ["--version"], "bootstrap \nbili --version\n"),
+                               (root / "scripts" / "test", ["-x"], "bootstrap --test\npython -m pytest -rs -x\n"),
+                               (root / ".ci" / "run", ["-x"], "bootstrap --test\npython -m pytest -rs -x\n")):
+        link = _linked(script, tmp_path / "bin" / script.parent.name)
+        r = subprocess.run([str(link), *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+        assert (r.returncode, r.stdout) == (0, want), (script, r.stderr)
+    # bootstrap itself: its lock is in the checkout it belongs to (BILI_PYTHON=/bin/false stops right after it)
+    other = tmp_path / "other"
+    (other / "scripts").mkdir(parents=True)
+    shutil.copy(BOOTSTRAP, other / "scripts" / "bootstrap")
+    shutil.copy(ROOT / "pyproject.toml", other / "pyproject.toml")
+    link = _linked(other / "scripts" / "bootstrap", tmp_path / "elsewhere" / "bin")
+    r = subprocess.run([str(link), "-q"], capture_output=True, text=True, env=_clean_env(BILI_PYTHON="/bin/false"),
+                       timeout=60)
+    assert r.returncode == 1 and "BILI_PYTHON" in r.stderr
+    assert (other / ".bootstrap.lock").is_file() and not (tmp_path / "elsewhere" / ".bootstrap.lock").exists()
+
+
 _SYSTEM_GLOBS = ("/usr/bin/python3.1[2-9]", "/usr/local/bin/python3.1[2-9]", "/opt/homebrew/bin/python3.1[2-9]",
                  "/opt/local/bin/python3.1[2-9]",
                  "/Library/Frameworks/Python.framework/Versions/3.1[2-9]/bin/python3")

@@ -179,6 +179,7 @@ def test_agent_environment(name, tmp_path):
     else:
         assert env["SSL_CERT_FILE"] == env["REQUESTS_CA_BUNDLE"] == str(ca.combined)
         assert "NODE_EXTRA_CA_CERTS" not in env
+    assert env.get("CODEX_CA_CERTIFICATE") == (str(ca.combined) if name == "codex" else None)
     assert ("PI_PROXY" in env) == (name == "omp")
     assert base == {"PATH": "/usr/bin", "HOME": str(tmp_path), "KEEP": "1"}  # not mutated
 
@@ -199,6 +200,40 @@ def test_no_proxy_naming_a_model_host_is_reported():
     assert launch.no_proxy_conflicts({"NO_PROXY": "localhost,.anthropic.com"}, hosts) == ["api.anthropic.com"]
     assert launch.no_proxy_conflicts({"no_proxy": "*"}, hosts) == ["api.anthropic.com", "api.openai.com"]
     assert launch.no_proxy_conflicts({"NO_PROXY": "127.0.0.1,localhost"}, hosts) == []
+    # Claude Code takes space-separated entries too
+    assert launch.no_proxy_conflicts({"NO_PROXY": "localhost api.anthropic.com"}, hosts) == ["api.anthropic.com"]
+    assert launch.no_proxy_conflicts({"NO_PROXY": "localhost", "no_proxy": " api.openai.com\t"}, hosts) == [
+        "api.openai.com"]
+
+
+def test_the_agents_no_proxy_loses_the_model_hosts_only(tmp_path):
+    """A NO_PROXY naming a model host took the agent around bili: the launcher only said so."""
+    ca = ensure_ca(tmp_path / "ca")
+    hosts = [("api.anthropic.com", 443), ("api.openai.com", 443)]
+    env = launch.agent_env(AGENTS["claude"], {"NO_PROXY": "localhost api.anthropic.com, .corp.example",
+                                              "no_proxy": ".openai.com"}, "http://127.0.0.1:1", ca, hosts=hosts)
+    assert env["NO_PROXY"] == "localhost,.corp.example" and "no_proxy" not in env
+    assert launch.no_proxy_conflicts(env, hosts) == []
+    keep = {"NO_PROXY": "localhost, 127.0.0.1"}  # (nothing to take out: as the user wrote it)
+    assert launch.agent_env(AGENTS["claude"], keep, "http://127.0.0.1:1", ca, hosts=hosts)["NO_PROXY"] == keep["NO_PROXY"]
+    assert "NO_PROXY" not in launch.agent_env(AGENTS["claude"], {"NO_PROXY": "*"}, "http://127.0.0.1:1", ca, hosts=hosts)
+
+
+def test_claude_settings_that_go_around_bili_are_said(home, tmp_path):
+    """Claude Code applies its settings' env table over its environment: an HTTPS_PROXY or a NO_PROXY there
+    took it around bili, without a word."""
+    url, hosts = "http://127.0.0.1:8787", [("api.anthropic.com", 443)]
+    claude = AGENTS["claude"]
+    assert launch.settings_bypass(claude, home.env, home.project, url, hosts) == []
+    user = _write(home.home / ".claude" / "settings.json", json.dumps({"env": {"HTTPS_PROXY": "http://proxy.corp:3128",
+                                                                          "NO_PROXY": "localhost api.anthropic.com"}}))
+    local = _write(home.project / ".claude" / "settings.local.json", json.dumps({"env": {"https_proxy": url + "/"}}))
+    said = launch.settings_bypass(claude, home.env, home.project, url, hosts)
+    assert len(said) == 2 and all(s.startswith(f"{user} sets env.") for s in said), said
+    assert "env.HTTPS_PROXY=http://proxy.corp:3128" in said[0] and "bili does not edit the file" in said[0]
+    assert "env.NO_PROXY=localhost api.anthropic.com, which names api.anthropic.com" in said[1]
+    assert launch.settings_bypass(AGENTS["codex"], home.env, home.project, url, hosts) == []  # (no env table)
+    assert json.loads(user.read_text())["env"]["NO_PROXY"] and local.exists()  # (read, never written)
 
 
 def test_dry_run_prints_the_plan(home, tmp_path, capsys):
@@ -380,7 +415,7 @@ mode = os.environ.get("FAKE_AGENT_MODE", "exit")
 rec = {{"pid": os.getpid(), "pgid": os.getpgrp(), "argv": sys.argv[1:], "signals": [],
        "env": {{k: os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "NODE_EXTRA_CA_CERTS", "SSL_CERT_FILE",
                                               "REQUESTS_CA_BUNDLE", "PI_PROXY", "BILI_PROXY", "HTTP_PROXY",
-                                              "BILI_DATA_DIR")}}}}
+                                              "BILI_DATA_DIR", "NO_PROXY", "no_proxy")}}}}
 def write():
     with open(out + ".tmp", "w") as f:
         json.dump(rec, f)
@@ -934,15 +969,17 @@ def _bili_run_intercepting(lab, port: int, host_port: int, **env: str):
 
 
 @pytest.mark.e2e
-def test_the_users_extra_cas_verify_an_intercepted_host_upstream(lab):
+@pytest.mark.parametrize("var", ["NODE_EXTRA_CA_CERTS", "CODEX_CA_CERTIFICATE"])
+def test_the_users_extra_cas_verify_an_intercepted_host_upstream(lab, var):
     """Behind a TLS-inspecting network the model host shows the inspector's certificate, which the user
-    trusts through NODE_EXTRA_CA_CERTS (REQUESTS_CA_BUNDLE for Python agents).  With bili the agent no
-    longer talks to the host, mitmdump does: it verified the host against the system roots only, and
-    every request failed (502).  Here the host is a loopback server with a certificate of its own."""
+    trusts through NODE_EXTRA_CA_CERTS (REQUESTS_CA_BUNDLE for Python agents, CODEX_CA_CERTIFICATE for
+    codex).  With bili the agent no longer talks to the host, mitmdump does: it verified the host against
+    the system roots only, and every request failed (502).  Here the host is a loopback server with a
+    certificate of its own."""
     tls, tls_cert = _tls_server(lab.tmp)
     host_port = tls.getsockname()[1]
     port = free_port()
-    run, log = _bili_run_intercepting(lab, port, host_port, NODE_EXTRA_CA_CERTS=str(tls_cert))
+    run, log = _bili_run_intercepting(lab, port, host_port, **{var: str(tls_cert)})
     try:
         ca = lab.confdir / "mitmproxy-ca-cert.pem"
         assert _via_proxy(port, "127.0.0.1", host_port, ca) == (200, b"tunnelled")  # (decrypted: bili's CA to the client)
@@ -969,7 +1006,7 @@ class _CorpProxy:
                 threading.Thread(target=self._one, args=(c,), daemon=True).start()
 
     def _one(self, c):
-        with contextlib.suppress(OSError), c:
+        with contextlib.suppress(OSError, ValueError), c:  # (ValueError: no CONNECT, a launcher's health probe)
             head = b""
             while b"\r\n\r\n" not in head:
                 got = c.recv(4096)
@@ -1034,6 +1071,24 @@ def test_the_agents_bundle_and_the_upstream_trust_keep_the_users_extra_cas(tmp_p
            "CURL_CA_BUNDLE": str(ca.combined)}
     assert launch.upstream_trust(ca, own) == launch.upstream_trust(ca, {})  # (bili's own files are not extras)
     assert launch.upstream_trust(ca, {}) == launch.system_roots_for_upstream(ca.roots_source)
+
+
+def test_codexs_own_ca_variable_is_the_users_and_gets_bilis_bundle(tmp_path):
+    """codex reads CODEX_CA_CERTIFICATE before SSL_CERT_FILE: one the user set (a TLS inspector's) was
+    neither trusted upstream (502 on every request) nor given bili's CA (codex then trusted the
+    inspector's alone, and bili's certificates failed)."""
+    ca = ensure_ca(tmp_path / "ca")
+    corp = _write(tmp_path / "corp.pem", "-----BEGIN CERTIFICATE-----\ncorp\n-----END CERTIFICATE-----\n")
+    env = {"CODEX_CA_CERTIFICATE": str(corp)}
+    assert b"corp\n" in Path(launch.upstream_trust(ca, env)).read_bytes()
+    agent = launch.agent_env(AGENTS["codex"], env, "http://127.0.0.1:1", ca)
+    assert agent["CODEX_CA_CERTIFICATE"] == agent["SSL_CERT_FILE"] == agent["REQUESTS_CA_BUNDLE"]
+    mine = Path(agent["CODEX_CA_CERTIFICATE"]).read_bytes()
+    assert b"corp\n" in mine and ca.cert.read_bytes().strip() in mine and mine.count(b"BEGIN CERTIFICATE") > 2
+    assert launch.upstream_trust(ca, {"CODEX_CA_CERTIFICATE": agent["CODEX_CA_CERTIFICATE"]}) == launch.upstream_trust(
+        ca, {})  # (bili's own bundle, from an enclosing launch, is not the user's)
+    assert launch.agent_env(launch.program_agent("/usr/bin/codex"), {}, "http://127.0.0.1:1", ca)[
+        "CODEX_CA_CERTIFICATE"] == str(ca.combined)  # (bili run --transparent -- codex)
 
 
 def test_bili_run_intercept_options_build_the_allow_list(tmp_path, monkeypatch):
@@ -1181,3 +1236,154 @@ def test_the_intercept_endpoint_adds_hosts_to_allow_hosts(bili):
         status, doc = call(bad)
         assert status == 400 and doc["ok"] is False, bad
     assert len(bili.tctx.options.allow_hosts) == 2
+
+
+# -- a re-used proxy's own CA --------------------------------------------------------------------------------
+def test_a_reused_proxy_that_signs_with_another_ca_gives_the_agent_that_ca(tmp_path):
+    """A proxy started from another checkout (its certs/), a pipx install or ``bili run --confdir`` keeps its
+    own CA: the launcher gave the agent its own confdir's, and every request of the agent failed TLS."""
+    from bili_addon import certs
+
+    ours, theirs = ensure_ca(tmp_path / "ours"), ensure_ca(tmp_path / "theirs")
+    fp = certs.sha256(theirs.cert.read_bytes())
+    url = "http://127.0.0.1:1"
+    assert launch.reused_ca(ours, {"ca_sha256": certs.sha256(ours.cert.read_bytes())}, url) is ours
+    assert launch.reused_ca(ours, {"version": "0.1"}, url) is ours  # (a bili that does not say)
+    ca = launch.reused_ca(ours, {"ca_sha256": fp, "ca_cert": str(theirs.cert)}, url)
+    assert ca.confdir == ours.confdir and ca.cert.read_bytes().strip() == theirs.cert.read_bytes().strip()
+    node = launch.agent_env(AGENTS["claude"], {}, url, ca)
+    assert Path(node["NODE_EXTRA_CA_CERTS"]).read_bytes().strip() == theirs.cert.read_bytes().strip()
+    bundle = Path(launch.agent_env(AGENTS["codex"], {}, url, ca)["SSL_CERT_FILE"]).read_bytes()
+    assert theirs.cert.read_bytes().strip() in bundle and ours.cert.read_bytes().strip() not in bundle
+    assert bundle.count(b"BEGIN CERTIFICATE") > 2  # (the system roots too)
+    # only the certificate the proxy names: not the key, nor other certificates in the file
+    mixed = _write(tmp_path / "mixed.pem", (theirs.key.read_text() + ours.cert.read_text()))
+    ca = launch.reused_ca(ours, {"ca_sha256": fp, "ca_cert": str(mixed)}, url)
+    assert b"PRIVATE KEY" not in ca.cert.read_bytes() and ca.cert.read_bytes().count(b"BEGIN CERTIFICATE") == 1
+    assert certs.sha256(ca.cert.read_bytes()) == fp
+    # a CA this launcher cannot read (or a file without it): refused, saying what to do
+    for health in ({"ca_sha256": fp, "ca_cert": str(tmp_path / "gone.pem")}, {"ca_sha256": fp},
+                   {"ca_sha256": fp, "ca_cert": str(ours.cert)}):
+        with pytest.raises(launch.LaunchError, match="signs with another CA .*--confdir DIR"):
+            launch.reused_ca(ours, health, url)
+
+
+_HTTPS_AGENT = r'''#!{python}
+# a Node agent's one request: HTTPS through HTTPS_PROXY to the model host, trusting NODE_EXTRA_CA_CERTS
+import http.client, json, os, ssl
+rec = {{"ca": os.environ.get("NODE_EXTRA_CA_CERTS")}}
+try:
+    ctx = ssl.create_default_context()
+    ctx.load_verify_locations(os.environ["NODE_EXTRA_CA_CERTS"])
+    host, port = os.environ["HTTPS_PROXY"].split("://", 1)[1].rstrip("/").rsplit(":", 1)
+    c = http.client.HTTPSConnection(host, int(port), context=ctx, timeout=20)
+    c.set_tunnel("api.anthropic.com", 443)
+    c.request("POST", "/v1/messages", body=json.dumps({{"model": "m", "max_tokens": 5,
+              "messages": [{{"role": "user", "content": "hi"}}]}}), headers={{"content-type": "application/json"}})
+    rec["status"] = c.getresponse().status
+except Exception as e:
+    rec["error"] = repr(e)
+open(os.environ["FAKE_AGENT_OUT"], "w").write(json.dumps(rec))
+'''
+
+
+@pytest.mark.e2e
+def test_a_reused_proxy_with_a_ca_of_its_own_serves_the_agent(lab):
+    """``bili run --confdir A``, then ``bili claude --confdir B`` on its port: the agent's request through
+    the re-used proxy succeeds (it trusts A), and the proxy's health names the CA it signs with."""
+    from bili_addon import certs
+
+    (lab.bin / "claude").write_text(_HTTPS_AGENT.format(python=sys.executable))
+    _Recorder.seen = []
+    fake = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    port, other = free_port(), lab.tmp / "other-ca"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "bili_addon.cli", "run", "--listen-port", str(port), "--confdir", str(other),
+         "--data-dir", str(lab.tmp / "data"), "--quiet", "--", "-s", str(ROUTE_ADDON), "--set",
+         f"test_route=127.0.0.1:{fake.server_address[1]}", "--set", "connection_strategy=lazy"],
+        env=lab.env(), cwd=lab.project, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    lab.procs.append(run)
+    try:
+        wait_for(lambda: launch.probe(port).kind == "bili", 30, "bili run")
+        health = launch.probe(port).health
+        assert health["ca_sha256"] == certs.sha256((other / "mitmproxy-ca-cert.pem").read_bytes())
+        assert health["ca_cert"] == str((other / "mitmproxy-ca-cert.pem").resolve())
+        rc, _, err = finish(lab.launch("claude", port, "t"))
+        assert rc == 0, err
+        assert f"signs with the CA in {health['ca_cert']}, not with this launch's" in err
+        rec = lab.record("t")
+        assert rec.get("status") == 200, rec
+        assert Path(rec["ca"]).parent == lab.confdir.resolve()  # (a copy in this install's confdir)
+        assert len(_Recorder.seen) == 1 and run.poll() is None
+    finally:
+        fake.shutdown()
+
+
+# -- the user's HTTPS_PROXY: another bili is never chained to ------------------------------------------------
+class _FakeBili(BaseHTTPRequestHandler):
+    """Answers health as a bili proxy does (nothing else)."""
+
+    def do_GET(self):
+        body = json.dumps({"ok": True, "version": "9.9", "mode": "fold"}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_an_https_proxy_that_is_another_bili_is_not_chained_to(tmp_path, monkeypatch):
+    """`bili run` tells the user to export HTTPS_PROXY; a later launch on another port took that bili for a
+    corporate proxy and went out through it: the other bili's CA is no system root, every request 502."""
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeBili)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    corp = _CorpProxy()
+    other = srv.server_address[1]
+    try:
+        for url in (f"http://127.0.0.1:{other}", f"http://localhost:{other}/"):
+            upstream, note = launch.user_upstream({"HTTPS_PROXY": url}, 8787)
+            assert upstream is None and note.endswith("is a bili proxy: bili never chains to bili, it dials hosts directly")
+        # a proxy on loopback that is not bili is still the way out
+        assert launch.user_upstream({"HTTPS_PROXY": f"http://127.0.0.1:{corp.port}"}, 8787) == (
+            f"http://127.0.0.1:{corp.port}", "")
+        # bili run: the same
+        seen: list[list[str]] = []
+        monkeypatch.setattr(cli, "_serve", lambda cmd, target, ready, env=None: seen.append(list(cmd)) or 0)
+        monkeypatch.setattr(cli, "port_in_use", lambda host, port: False)
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{other}")
+        assert cli.main(["run", "--quiet", "--confdir", str(tmp_path / "ca")]) == 0
+        assert "regular" in seen[-1] and not any(a.startswith("upstream:") for a in seen[-1])
+    finally:
+        srv.shutdown()
+        corp.srv.close()
+
+
+@pytest.mark.e2e
+def test_a_launch_with_https_proxy_at_another_bili_goes_out_directly(lab):
+    other, port = free_port(), free_port()
+    lab.bili_run(other, "--data-dir", str(lab.tmp / "data"))
+    rc, _, err = finish(lab.launch("claude", port, "t", HTTPS_PROXY=f"http://127.0.0.1:{other}"))
+    assert rc == 0, err
+    assert f"your proxy http://127.0.0.1:{other} is a bili proxy: bili never chains to bili" in err
+    assert "goes out through your proxy" not in err
+    assert lab.record("t")["health"]["modes"] == ["regular"]  # (the proxy this launch started)
+
+
+@pytest.mark.e2e
+def test_the_agent_goes_through_bili_whatever_no_proxy_says(lab):
+    """NO_PROXY space-separated (as Claude Code takes it) named the model host: the agent went around bili
+    and the launcher said nothing; one in Claude's settings.json, nothing either."""
+    _write(lab.home / ".claude" / "settings.json", json.dumps({"env": {"NO_PROXY": "api.anthropic.com"}}))
+    rc, _, err = finish(lab.launch("claude", free_port(), "t", NO_PROXY="localhost api.anthropic.com",
+                                   no_proxy="*"))
+    assert rc == 0, err
+    assert "NO_PROXY names api.anthropic.com" in err and "taken out of claude's NO_PROXY" in err
+    assert f"{lab.home / '.claude' / 'settings.json'} sets env.NO_PROXY=api.anthropic.com" in err
+    env = lab.record("t")["env"]
+    assert env["NO_PROXY"] == "localhost" and env["no_proxy"] is None
