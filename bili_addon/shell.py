@@ -326,11 +326,14 @@ class Bili:
         awaits it; the event loop serves other flows meanwhile)."""
         if admin.is_admin(flow):
             return admin.handle(flow, self)
+        req = flow.request
+        if req.headers.get("upgrade", "").lower() == "websocket":
+            for name in (envelope.HEADER, envelope.RESYNC_HEADER):  # ours (its frames carry the ids): never forwarded
+                req.headers.pop(name, None)
         if not self.active:
             if detect_lane(flow.request.method, flow.request.path) is not None:
                 _drop_envelope(flow)  # (bili's own field: a provider refuses a body with it)
             return None
-        req = flow.request
         if (
             self.mode == "fold" and self.refuse_ws and self.keeper.ok and req.method == "GET"
             and req.headers.get("upgrade", "").lower() == "websocket" and is_responses_websocket(req.path)

@@ -285,3 +285,21 @@ def test_passthrough_sends_a_frame_as_it_came_without_bilis_own_envelope(bili):
     assert json.loads(send(bili, f, frame)) == {k: v for k, v in frame.items() if k != "biliMsgIds"}
     plain = json.dumps(create([user("again")])).encode()
     assert send(bili, f, plain) == plain
+
+
+@pytest.mark.parametrize("active", [True, False])
+def test_the_upgrade_request_leaves_without_bilis_own_headers(bili, active):
+    """A host that vouches its message ids (``x-bili-msg-ids``) may send the header on the WebSocket's
+    upgrade request too: it is bili's alone and never reaches the provider, whether bili is on or off."""
+    from bili_addon.kernel import envelope
+
+    if not active:
+        bili.tctx.configure(bili, bili_mode="passthrough")
+    f = ws_flow()
+    f.request.method = "GET"
+    f.request.headers["upgrade"] = "websocket"
+    f.request.headers[envelope.HEADER] = '["a","b"]'
+    f.request.headers[envelope.RESYNC_HEADER] = "1"
+    bili.request(f)
+    assert envelope.HEADER not in f.request.headers and envelope.RESYNC_HEADER not in f.request.headers
+    assert f.request.headers["session_id"] == "ws-chain"
