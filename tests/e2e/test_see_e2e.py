@@ -370,8 +370,14 @@ exec {binary} --headless=new --no-sandbox --disable-gpu --no-first-run --user-da
     (file_mode, file_uid, file), (dir_mode, dir_uid, folder) = (ln.split() for ln in given.read_text().splitlines())
     assert (file_mode, dir_mode) == ("600", "700") and file_uid == dir_uid == str(os.getuid())
     assert code not in file and not os.path.exists(folder), "the file goes once the code is used"
-    # the browser signed in through the file: the page shows the session, and the code is used up
-    assert f'data-id="{sid}"' in (tmp_path / "dom.html").read_text()
+    # the browser signed in through the file: the page shows the session (its DOM is written when the
+    # browser, which `bili page` does not wait for, has run the page: waited for here), and the code is used up
+    dom = tmp_path / "dom.html"
+    for _ in range(600):
+        if f'data-id="{sid}"' in dom.read_text() if dom.exists() else False:
+            break
+        time.sleep(0.1)
+    assert f'data-id="{sid}"' in dom.read_text()
     again = request(proxy.url + "/__bili/page/sign-in", json.dumps({"code": code}).encode())
     assert again.status == 403
 
