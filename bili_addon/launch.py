@@ -498,7 +498,7 @@ def node_ca_file(ca, env: Mapping[str, str]) -> str:
         extra = Path(theirs).read_bytes()
     except OSError:
         return str(ours)
-    return _merged_file(ca.confdir, "node-extra-ca-", theirs, [extra, ours.read_bytes()])
+    return _merged_file(ca.confdir, "node-extra-ca-", theirs + "\0" + str(ours), [extra, ours.read_bytes()])
 
 
 # where a user names the CAs they trust beside the system's (a corporate TLS inspector's: Claude Code's
@@ -536,15 +536,25 @@ def user_extra_cas(ca, env: Mapping[str, str]) -> list[tuple[str, bytes]]:
 
 
 def _merged_file(confdir, prefix: str, key: str, parts: list[bytes]) -> str:
-    """A bundle of ``parts`` in the confdir (written when it differs, atomically): its path."""
+    """A bundle of ``parts`` in the confdir (written when it differs, atomically, through a file of its
+    own: two launches may write it at once): its path.  ``key`` names what it is made of (the files,
+    the CA it holds: a launch re-using a proxy of another CA writes a bundle of its own, never the one
+    another launch's agent reads)."""
     import hashlib
+    import tempfile
 
     merged = Path(confdir) / f"{prefix}{hashlib.sha256(key.encode()).hexdigest()[:12]}.pem"
     body = b"".join(p.rstrip() + b"\n" for p in parts)
     if not merged.exists() or merged.read_bytes() != body:
-        tmp = merged.with_suffix(".tmp")
-        tmp.write_bytes(body)
-        os.replace(tmp, merged)
+        fd, tmp = tempfile.mkstemp(dir=confdir, prefix=f".{prefix}", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+            os.replace(tmp, merged)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     return str(merged)
 
 
@@ -572,7 +582,7 @@ def user_upstream(env: Mapping[str, str], listen_port: int) -> tuple[str | None,
         return None, f"{raw} is no HTTP proxy bili can chain to: it dials hosts directly"
     if port == listen_port and host in ("localhost", "127.0.0.1", "::1"):
         return None, ""  # (this proxy itself: the variable was set for bili)
-    if _loopback(host) and probe(port, host, timeout=1.0).kind == "bili":
+    if _loopback(host) and _answers_as_bili(host, port):
         # another bili (`bili run`'s instructions export HTTPS_PROXY): its CA is not one the system trusts, and
         # every request through it failed (502); folding twice is no use anyway
         return None, f"{u.scheme}://{host}:{port} is a bili proxy: bili never chains to bili, it dials hosts directly"
@@ -581,6 +591,20 @@ def user_upstream(env: Mapping[str, str], listen_port: int) -> tuple[str | None,
                       f"it, run bili with --set upstream_auth=USER:PASSWORD and --mode upstream:{u.scheme}://{host}:{port}")
     where = f"[{host}]" if ":" in host else host
     return f"{u.scheme}://{where}:{port}", ""
+
+
+def _answers_as_bili(host: str, port: int, deadline: float = 1.0) -> bool:
+    """Does the proxy on ``host:port`` answer ``/__bili/health`` as bili, within ``deadline`` seconds in
+    all (a local corporate proxy that hangs or answers a byte at a time must not hold the launch: its
+    socket's timeout is per operation; one that does not answer in time is not bili)."""
+    import threading
+
+    got: list[bool] = []
+    asker = threading.Thread(target=lambda: got.append(probe(port, host, timeout=deadline).kind == "bili"),
+                             daemon=True)
+    asker.start()
+    asker.join(deadline)
+    return bool(got and got[0])
 
 
 def _loopback(host: str) -> bool:
@@ -616,12 +640,13 @@ def upstream_trust(ca, env: Mapping[str, str]) -> str | None:
 
 
 def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca, data_dir: str | None = None,
-              hosts: list[tuple[str, int]] = ()) -> dict[str, str]:  # type: ignore[assignment]
+              hosts: list[tuple[str, int]] = (), chained: bool = False) -> dict[str, str]:  # type: ignore[assignment]
     """The agent's environment: the caller's, plus the proxy and the CA variable it understands, and
-    ``NO_PROXY`` without the model ``hosts`` (:func:`without_model_hosts`)."""
+    ``NO_PROXY`` without its entries naming the agent's own model ``hosts`` (:func:`without_model_hosts`;
+    ``chained``: bili goes out through the user's proxy)."""
     out = dict(env)
     out["HTTPS_PROXY"] = out["https_proxy"] = proxy_url
-    for var, value in without_model_hosts(env, list(hosts)).items():
+    for var, value in without_model_hosts(env, list(hosts), chained).items():
         if value is None:
             del out[var]
         else:
@@ -635,7 +660,7 @@ def agent_env(agent: Agent, env: Mapping[str, str], proxy_url: str, ca, data_dir
         # untouched are still the inspector's)
         extras = user_extra_cas(ca, env)
         bundle = str(ca.combined) if not extras else _merged_file(
-            ca.confdir, "agent-ca-", "\0".join(p for p, _d in extras),
+            ca.confdir, "agent-ca-", "\0".join([str(ca.combined), *(p for p, _d in extras)]),
             [Path(ca.combined).read_bytes(), *(d for _p, d in extras)])
         out[BUNDLE_CA] = bundle
         out["REQUESTS_CA_BUNDLE"] = bundle
@@ -666,18 +691,39 @@ def no_proxy_conflicts(env: Mapping[str, str], hosts: list[tuple[str, int]]) -> 
     return [host for host, _port in hosts if any(_names(e, host) for e in entries)]
 
 
-def without_model_hosts(env: Mapping[str, str], hosts: list[tuple[str, int]]) -> dict[str, str | None]:
-    """``NO_PROXY`` and ``no_proxy`` without their entries that name one of ``hosts`` (None: nothing is
-    left), for each that has such an entry: the agent reached those hosts directly, out of bili's sight,
-    and the launcher only said so.  ``*`` names every host: the agent's other hosts are then tunnelled
-    through the proxy untouched."""
+def _entry_host(entry: str) -> str:
+    """The host a ``NO_PROXY`` entry names as it is written (lower case, without a port); a suffix
+    (``.corp.example``), ``*`` or a bracketed address stays as written."""
+    e = entry.strip().lower()
+    return e if e.startswith("[") else e.split(":")[0]
+
+
+def without_model_hosts(env: Mapping[str, str], hosts: list[tuple[str, int]],
+                        chained: bool = False) -> dict[str, str | None]:
+    """``NO_PROXY`` and ``no_proxy`` without their entries naming exactly one of ``hosts`` (the agent's
+    own model hosts; None: nothing is left), for each that has such an entry: the agent reached that
+    host directly, out of bili's sight, and the launcher only said so.  Nothing else goes: a suffix
+    (``.corp.example``) or ``*`` names the user's other hosts too, which the user sends past their
+    proxy (and another agent's hosts are not this one's).  Nothing at all when bili goes out through
+    the user's own proxy (``chained``): their NO_PROXY says what that proxy does not serve."""
+    if chained:
+        return {}
+    names = {h.lower() for h, _p in hosts}
     out: dict[str, str | None] = {}
     for var in _NO_PROXY_VARS:
         entries = no_proxy_entries(env.get(var) or "")
-        kept = [e for e in entries if not any(_names(e, h) for h, _p in hosts)]
+        kept = [e for e in entries if _entry_host(e) not in names]
         if kept != entries:
             out[var] = ",".join(kept) or None
     return out
+
+
+def taken_out(env: Mapping[str, str], hosts: list[tuple[str, int]], chained: bool = False) -> list[str]:
+    """The model hosts :func:`without_model_hosts` takes out of ``NO_PROXY`` (the launcher says so)."""
+    if chained:
+        return []
+    entries = {_entry_host(e) for var in _NO_PROXY_VARS for e in no_proxy_entries(env.get(var) or "")}
+    return [h for h, _p in hosts if h.lower() in entries]
 
 
 def settings_bypass(agent: Agent, env: Mapping[str, str], cwd: Path, proxy_url: str,
@@ -889,6 +935,7 @@ class Plan:
     data_dir: str = ""  # the proxy's data directory (--data-dir, --set bili_data_dir=, else the default)
     no_proxy: list[str] = field(default_factory=list)  # model hosts taken out of the agent's NO_PROXY
     bypass: list[str] = field(default_factory=list)  # what in the agent's settings goes around bili (settings_bypass)
+    own_hosts: list[tuple[str, int]] = field(default_factory=list)  # the agent's own model hosts (its NO_PROXY's)
 
 
 def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] | None = None,
@@ -932,10 +979,18 @@ def plan_launch(agent: Agent, args: argparse.Namespace, env: Mapping[str, str] |
     if mechanism == "local":
         local = {m.name: m for m in transparent.support(env, probe_nft=False)}["local"]
         command = transparent.local_proxy_command(command, local.cgroup_bind)
+    own = agent.model_hosts(env, project).hosts  # (NO_PROXY loses entries naming these only)
+    agent_vars = agent_env(agent, env, proxy_url, ca, data_dir, own, bool(upstream))
+    direct = no_proxy_conflicts(agent_vars, own)  # (what NO_PROXY still sends around bili)
+    bypass = [f"NO_PROXY names {_some(direct)}: {agent.title} reaches them directly, out of bili's sight (its entry "
+              "is kept: " + ("bili goes out through your proxy, and NO_PROXY says what that proxy does not serve"
+                             if upstream else "a suffix or * names your other hosts too") + "); take them out of "
+              "NO_PROXY to have bili see them"] if direct else []
     return Plan(agent, binary, [binary or agent.binary, *args.extra], hosts, allow, proxy_url,
-                agent_env(agent, env, proxy_url, ca, data_dir, hosts.hosts), command, ca, mechanism, tmode,
+                agent_vars, command, ca, mechanism, tmode,
                 override or list(hosts.hosts), upstream, upstream_note, data_dir,
-                no_proxy_conflicts(env, hosts.hosts), settings_bypass(agent, env, project, proxy_url, hosts.hosts))
+                taken_out(env, own, bool(upstream)),
+                bypass + settings_bypass(agent, env, project, proxy_url, hosts.hosts), list(own))
 
 
 def agent_project(agent: Agent, argv: list[str], cwd: Path) -> Path:
@@ -1148,7 +1203,7 @@ def launch(agent: Agent, args: argparse.Namespace) -> int:
                 _say(f"note: it signs with the CA in {printable(proxy.health.get('ca_cert'))}, not with this launch's "
                      f"({plan.ca.cert}): {agent.binary} trusts that one", args.quiet)
                 plan.ca, plan.env = ca, agent_env(agent, os.environ, plan.proxy_url, ca, plan.data_dir,
-                                                  plan.hosts.hosts)
+                                                  plan.own_hosts, bool(plan.upstream))
             ignored = reuse_ignores(args, proxy.health)
             if ignored:  # (past -q: the agent runs under options other than the ones asked for)
                 _say(f"warning: the running proxy keeps its own options; {', '.join(ignored)} apply only to a proxy "

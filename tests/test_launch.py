@@ -207,16 +207,39 @@ def test_no_proxy_naming_a_model_host_is_reported():
 
 
 def test_the_agents_no_proxy_loses_the_model_hosts_only(tmp_path):
-    """A NO_PROXY naming a model host took the agent around bili: the launcher only said so."""
+    """A NO_PROXY entry naming the agent's own model host took the agent around bili: the launcher only
+    said so.  That entry goes; nothing else: a suffix or ``*`` names the user's other hosts too, another
+    agent's host is not this one's, and where bili goes out through the user's proxy their NO_PROXY says
+    what that proxy does not serve."""
     ca = ensure_ca(tmp_path / "ca")
-    hosts = [("api.anthropic.com", 443), ("api.openai.com", 443)]
-    env = launch.agent_env(AGENTS["claude"], {"NO_PROXY": "localhost api.anthropic.com, .corp.example",
-                                              "no_proxy": ".openai.com"}, "http://127.0.0.1:1", ca, hosts=hosts)
-    assert env["NO_PROXY"] == "localhost,.corp.example" and "no_proxy" not in env
-    assert launch.no_proxy_conflicts(env, hosts) == []
+    own = [("api.anthropic.com", 443)]
+    env = launch.agent_env(AGENTS["claude"], {"NO_PROXY": "localhost API.anthropic.com:443 api.openai.com, .corp.example",
+                                              "no_proxy": ".anthropic.com"}, "http://127.0.0.1:1", ca, hosts=own)
+    assert env["NO_PROXY"] == "localhost,api.openai.com,.corp.example" and env["no_proxy"] == ".anthropic.com"
+    assert launch.no_proxy_conflicts(env, own) == ["api.anthropic.com"]  # (the suffix: said, kept)
+    assert launch.taken_out({"NO_PROXY": "api.anthropic.com"}, own) == ["api.anthropic.com"]
     keep = {"NO_PROXY": "localhost, 127.0.0.1"}  # (nothing to take out: as the user wrote it)
-    assert launch.agent_env(AGENTS["claude"], keep, "http://127.0.0.1:1", ca, hosts=hosts)["NO_PROXY"] == keep["NO_PROXY"]
-    assert "NO_PROXY" not in launch.agent_env(AGENTS["claude"], {"NO_PROXY": "*"}, "http://127.0.0.1:1", ca, hosts=hosts)
+    assert launch.agent_env(AGENTS["claude"], keep, "http://127.0.0.1:1", ca, hosts=own)["NO_PROXY"] == keep["NO_PROXY"]
+    assert launch.agent_env(AGENTS["claude"], {"NO_PROXY": "*"}, "http://127.0.0.1:1", ca, hosts=own)["NO_PROXY"] == "*"
+    chained = launch.agent_env(AGENTS["claude"], {"NO_PROXY": "api.anthropic.com,.corp.example"}, "http://127.0.0.1:1",
+                               ca, hosts=own, chained=True)
+    assert chained["NO_PROXY"] == "api.anthropic.com,.corp.example"
+    assert launch.taken_out({"NO_PROXY": "api.anthropic.com"}, own, chained=True) == []
+
+
+def test_a_corporate_no_proxy_keeps_its_internal_hosts_direct(home, tmp_path):
+    """HTTP(S)_PROXY is the corporate proxy, NO_PROXY sends .corp.example past it, and the agent's model
+    host is an internal gateway there: the agent still reaches it (and every other internal host) as the
+    user's NO_PROXY says, and the launcher warns that bili does not see it."""
+    env = {**home.env, "HTTPS_PROXY": "http://proxy.corp.example:3128",
+           "HTTP_PROXY": "http://proxy.corp.example:3128", "NO_PROXY": "localhost,127.0.0.1,.corp.example",
+           "ANTHROPIC_BASE_URL": "https://llm.corp.example"}
+    args = cli.build_parser().parse_args(["claude", "--port", "9911", "--confdir", str(tmp_path / "ca")])
+    args.extra = []
+    plan = launch.plan_launch(AGENTS["claude"], args, env=env, cwd=home.home)
+    assert plan.upstream == "http://proxy.corp.example:3128"
+    assert plan.env["NO_PROXY"] == "localhost,127.0.0.1,.corp.example" and plan.no_proxy == []
+    assert any("NO_PROXY names llm.corp.example" in w and "goes out through your proxy" in w for w in plan.bypass)
 
 
 def test_claude_settings_that_go_around_bili_are_said(home, tmp_path):
@@ -1385,5 +1408,53 @@ def test_the_agent_goes_through_bili_whatever_no_proxy_says(lab):
     assert rc == 0, err
     assert "NO_PROXY names api.anthropic.com" in err and "taken out of claude's NO_PROXY" in err
     assert f"{lab.home / '.claude' / 'settings.json'} sets env.NO_PROXY=api.anthropic.com" in err
+    assert "a suffix or * names your other hosts too" in err  # (no_proxy=*: said, kept)
     env = lab.record("t")["env"]
-    assert env["NO_PROXY"] == "localhost" and env["no_proxy"] is None
+    assert env["NO_PROXY"] == "localhost" and env["no_proxy"] == "*"
+
+
+def test_a_launch_re_using_a_proxy_of_another_ca_writes_bundles_of_its_own(tmp_path):
+    """Two launches share one confdir and the user's corporate CAs: launch A runs its own proxy, launch
+    B re-uses one that signs with another CA.  B's agent gets bundles of that CA, in files of its own:
+    the ones A's running agent reads still hold the CA A's proxy signs with."""
+    from bili_addon import certs
+
+    ours, other, corp = (ensure_ca(tmp_path / n) for n in ("ours", "other", "corp"))
+    env = {"NODE_EXTRA_CA_CERTS": str(corp.cert), "REQUESTS_CA_BUNDLE": str(corp.cert), "HOME": str(tmp_path)}
+    our_pem = Path(ours.cert).read_bytes().strip()
+    for name, var in (("claude", "NODE_EXTRA_CA_CERTS"), ("hermes", "SSL_CERT_FILE"), ("codex", "SSL_CERT_FILE")):
+        a = launch.agent_env(AGENTS[name], env, "http://127.0.0.1:1", ours)
+        theirs = certs.proxy_ca(ours, Path(other.cert).read_bytes())  # (what reused_ca gives launch B)
+        b = launch.agent_env(AGENTS[name], env, "http://127.0.0.1:2", theirs)
+        assert a[var] != b[var], name
+        assert our_pem in Path(a[var]).read_bytes(), name
+        assert Path(other.cert).read_bytes().strip() in Path(b[var]).read_bytes(), name
+
+
+def test_the_probe_of_a_loopback_proxy_gives_up_while_it_still_answers():
+    """A local corporate proxy (cntlm, px) that answers a byte at a time: whether it is a bili is asked
+    with one deadline in all, not a timeout per byte, and it is chained to as the user's proxy."""
+    finished = threading.Event()
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def serve():
+        c, _ = srv.accept()
+        with c:
+            c.recv(4096)
+            for b in b"HTTP/1.1 407 Proxy Auth Required\r\nX-Slow: yes\r\n\r\n":
+                try:
+                    c.send(bytes([b]))
+                except OSError:
+                    break
+                time.sleep(0.4)
+        finished.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        url, why = launch.user_upstream({"HTTPS_PROXY": f"http://127.0.0.1:{srv.getsockname()[1]}"}, 8787)
+        assert not finished.is_set(), "the launch waited for the whole answer"
+        assert url == f"http://127.0.0.1:{srv.getsockname()[1]}" and why == ""
+    finally:
+        srv.close()
