@@ -29,6 +29,7 @@ from mitmproxy import http
 from mitmproxy.test import tflow, tutils
 
 from bili_addon import agents, cli, launch, private
+from fakehealth import health_server
 from bili_addon.agents import AGENTS, allow_hosts_regex, intercept_plan, strip_jsonc
 from bili_addon.certs import ensure_ca
 from bili_addon.shell import first_party_claude
@@ -713,30 +714,10 @@ def test_the_admin_token_is_never_sent_to_whatever_listens_on_the_port(tmp_path)
     """Something else on the port that answers health as bili does (another local user's listener):
     the launcher asked it with the install's token in a header, then refused it, too late.  It now
     sends a challenge only; the listener's answer cannot prove the token, so it is not ours."""
-    import http.server
-
     token = "a-secret-admin-token-0123456789"
     seen: list[dict] = []
-
-    class Fake(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            seen.append(dict(self.headers))
-            body = json.dumps({"ok": True, "version": "9.9", "mode": "fold", "proof": "0" * 64}).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.HTTPServer(("127.0.0.1", 0), Fake)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        found = launch.probe(srv.server_address[1], token=token)
-    finally:
-        srv.shutdown()
+    with health_server({"ok": True, "version": "9.9", "mode": "fold", "proof": "0" * 64}, seen) as port:
+        found = launch.probe(port, token=token)
     assert found.kind == "bili" and found.health["authenticated"] is False
     assert seen and not any(token in v for h in seen for v in h.values())
 
@@ -1345,29 +1326,12 @@ def test_a_reused_proxy_with_a_ca_of_its_own_serves_the_agent(lab):
 
 
 # -- the user's HTTPS_PROXY: another bili is never chained to ------------------------------------------------
-class _FakeBili(BaseHTTPRequestHandler):
-    """Answers health as a bili proxy does (nothing else)."""
-
-    def do_GET(self):
-        body = json.dumps({"ok": True, "version": "9.9", "mode": "fold"}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *a):
-        pass
-
-
 def test_an_https_proxy_that_is_another_bili_is_not_chained_to(tmp_path, monkeypatch):
     """`bili run` tells the user to export HTTPS_PROXY; a later launch on another port took that bili for a
     corporate proxy and went out through it: the other bili's CA is no system root, every request 502."""
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeBili)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
     corp = _CorpProxy()
-    other = srv.server_address[1]
-    try:
+    with health_server({"ok": True, "version": "9.9", "mode": "fold"}) as other, contextlib.ExitStack() as done:
+        done.callback(corp.srv.close)
         for url in (f"http://127.0.0.1:{other}", f"http://localhost:{other}/"):
             upstream, note = launch.user_upstream({"HTTPS_PROXY": url}, 8787)
             assert upstream is None and note.endswith("is a bili proxy: bili never chains to bili, it dials hosts directly")
@@ -1382,9 +1346,6 @@ def test_an_https_proxy_that_is_another_bili_is_not_chained_to(tmp_path, monkeyp
         monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{other}")
         assert cli.main(["run", "--quiet", "--confdir", str(tmp_path / "ca")]) == 0
         assert "regular" in seen[-1] and not any(a.startswith("upstream:") for a in seen[-1])
-    finally:
-        srv.shutdown()
-        corp.srv.close()
 
 
 @pytest.mark.e2e

@@ -482,8 +482,7 @@ def test_a_namespace_left_by_a_killed_launcher_is_removed_by_the_next(tmp_path, 
 def test_the_default_transparent_port_is_one_that_can_be_had(capsys, monkeypatch, tmp_path):
     """port + 1 when free; a free one when another program holds port + 1 (mitmdump would exit with
     "address already in use"); the running bili proxy's own listener when it is re-used."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from fakehealth import health_server
 
     def plan_for(port):
         args = _dry_run(["claude", "--port", str(port), "--confdir", str(tmp_path / "ca"), "--dry-run",
@@ -508,25 +507,8 @@ def test_the_default_transparent_port_is_one_that_can_be_had(capsys, monkeypatch
         assert got not in (port, port + 1) and not launch.port_in_use("127.0.0.1", got)
     assert plan_for(port) == port + 1  # both free again
 
-    class Health(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = json.dumps({"ok": True, "version": "x", "modes": ["regular", "transparent@127.0.0.1:7123"]}).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        assert plan_for(server.server_address[1]) == 7123  # the running proxy's listener, re-used
-    finally:
-        server.shutdown()
-        server.server_close()
+    with health_server({"ok": True, "version": "x", "modes": ["regular", "transparent@127.0.0.1:7123"]}) as port:
+        assert plan_for(port) == 7123  # the running proxy's listener, re-used
 
 
 def test_the_ca_files_are_copied_where_the_user_behind_sudo_reads_them(tmp_path):
