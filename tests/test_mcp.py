@@ -625,3 +625,28 @@ def test_native_tool_names_and_the_register():
     now[0] = 601.0  # a call the agent never ran is forgotten
     with pytest.raises(LookupError):
         reg.take("decompress", {"id": "b1"})
+
+
+def test_the_noted_calls_are_read_under_their_lock():
+    """The event loop notes native calls while the store's worker asks, on every turn, whether its
+    session has one waiting: a read without the lock met the deque changing under it ('deque mutated
+    during iteration') and the turn went upstream unchanged."""
+    import collections
+
+    from bili_addon.kernel.native import NativeCalls
+
+    calls = NativeCalls()
+    calls.note("other", "mcp__bili__acp_status", {}, "toolu_1")
+    held: list[bool] = []
+
+    class Watched(collections.deque):
+        def __iter__(self):
+            free = calls._lock.acquire(blocking=False)
+            if free:
+                calls._lock.release()
+            held.append(not free)
+            return super().__iter__()
+
+    calls._calls = Watched(calls._calls)
+    assert calls.waiting("mine") is False and calls.waiting("other") is True
+    assert held and all(held)

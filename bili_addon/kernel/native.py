@@ -103,8 +103,12 @@ class NativeCalls:
                 self._calls = deque(c for c in self._calls if not (c[1] == sid and c[4] in done))
 
     def waiting(self, sid: str) -> bool:
-        """Whether a call of ``sid`` with an id is noted (the engine then reads its request's results)."""
-        return bool(self._calls) and any(c[1] == sid and c[4] for c in self._calls)
+        """Whether a call of ``sid`` with an id is noted (the engine then reads its request's results).
+        Read under the lock: the event loop notes calls while the store's worker runs turns."""
+        if not self._calls:
+            return False
+        with self._lock:
+            return any(c[1] == sid and c[4] for c in self._calls)
 
     def _expire(self) -> None:
         limit = self._clock() - KEEP_SECONDS
