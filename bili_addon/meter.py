@@ -76,13 +76,17 @@ class Meter:
         self.table = table or prices.default()
         self._last: OrderedDict[str, list[tuple[bytes, int]]] = OrderedDict()
 
-    def predict(self, session: str, sent: bytes) -> float | None:
+    def predict(self, session: str, sent: bytes, side: bool = False) -> float | None:
         """The share of ``sent`` a prefix cache can read: its leading parts (tools, system prompt,
         conversation items) that the session's previous request had the same (None: the session's
-        first request here).  Whole parts only, as a cache breakpoint ends a part."""
+        first request here).  Whole parts only, as a cache breakpoint ends a part.  ``side``: a side
+        request's (kernel/reconcile.py), whose parts the conversation's next request is not compared with."""
         chunks = cache_chunks(sent)
-        prev = self._last.pop(session, None)
-        self._last[session] = chunks
+        if side:
+            prev = self._last.get(session)
+        else:
+            prev = self._last.pop(session, None)
+            self._last[session] = chunks
         while len(self._last) > KEEP:
             self._last.popitem(last=False)
         total = sum(n for _, n in chunks)
@@ -95,13 +99,14 @@ class Meter:
             same += b[1]
         return round(same / total, 4)
 
-    def request(self, session: Any, raw: bytes, sent: bytes) -> dict[str, Any]:
+    def request(self, session: Any, raw: bytes, sent: bytes, model: str = "") -> dict[str, Any]:
         """The request's figures for its flow record (``session``: the kernel's live Session; ``raw``:
-        the agent's body, ``sent``: what goes upstream).  ``predicted`` is filled in with the answer
+        the agent's body, ``sent``: what goes upstream; ``model``: the request's, else the session's: a
+        side request names its own).  ``predicted`` is filled in with the answer
         (:meth:`predict`, on the worker after the answer: it parses and hashes the whole body, work
         kept off the request's path)."""
         agent = estimate(raw)
-        return {"agent": session.row.agent, "model": session.model, "turn": session.row.requests,
+        return {"agent": session.row.agent, "model": model or session.model, "turn": session.row.requests,
                 "agent_tokens": agent, "sent_tokens": agent if sent == raw else estimate(sent),
                 "predicted": None}
 

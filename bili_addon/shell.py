@@ -471,9 +471,9 @@ class Bili:
         if s is not None:
             if turn is not None and turn.full_sent is not None:
                 # a chained turn: the prompt is the whole chain, the agent's and the one bili keeps
-                rec.update(self.meter.request(s, turn.body, turn.full_sent))
+                rec.update(self.meter.request(s, turn.body, turn.full_sent, res.model))
             else:
-                rec.update(self.meter.request(s, raw, sent))
+                rec.update(self.meter.request(s, raw, sent, res.model))
         return rec
 
     def _process(self, eng: Engine, raw: bytes, lane: Lane, headers, where: str, origin: str = "",
@@ -610,7 +610,7 @@ class Bili:
         if st.sent and "agent_tokens" in st.record:  # the request's predicted cache-read share, off its path
             # a chained turn's prompt is the whole chain the provider holds, not the delta that went up
             whole = st.chain.prompt() if st.chain is not None else None
-            st.record["predicted"] = self.meter.predict(st.session, whole or st.sent)
+            st.record["predicted"] = self.meter.predict(st.session, whole or st.sent, st.side)
             st.sent = b""
         self.retention.answered()  # counts; a due pass is queued on the worker, after this answer's work
         rw = st.rewriter

@@ -31,9 +31,9 @@ TITLE = json.dumps({"model": "claude-haiku-4-5-20251001", "max_tokens": 32, "too
     {"role": "user", "content": "Generate a short title for this session: Read all modules."}]}).encode()
 
 
-def turn(bili, body: bytes, input_tokens: int) -> bytes:
+def turn(bili, body: bytes, input_tokens: int, **headers: str) -> bytes:
     """One request through the addon and its JSON answer reporting ``input_tokens``: what went up."""
-    f = flow("/v1/messages", body, headers=SID)
+    f = flow("/v1/messages", body, headers={**SID, **headers})
     bili.request(f)
     sent = f.request.content
     answer = {"id": "msg_1", "type": "message", "role": "assistant", "content": [{"type": "text", "text": "Done."}],
@@ -105,3 +105,43 @@ def test_a_rewind_to_a_short_history_is_the_conversation_not_a_side_request(bili
     assert bili.engine.store.last_usage(sid) == (36_100, 0, 0, 5)
     sent = turn(bili, branch(5, "r"), 45_100)  # 11 items, ~45K tokens
     assert sent.count(b"were cut by bili") == 0
+
+
+def test_a_side_requests_model_and_window_are_not_the_conversations(bili):
+    """A haiku title request between two turns of a 1M-window conversation: the conversation's window and
+    model stay its own (acp_status told the model "window 200K, 150% used")."""
+    beta = {"anthropic-beta": "context-1m-2025-08-07"}
+    turn(bili, conversation("go on"), 300_000, **beta)
+    turn(bili, TITLE, 420)
+    eng = bili.engine
+    s = eng.sessions.get(next(iter(eng.sessions)))
+    assert s.model == "claude-sonnet-4-5" and eng.window_for(s) == 1_000_000
+    status, doc = call_tool(bili, {"conversationId": s.row.id, "tool": "acp_status", "args": {}})
+    assert status == 200 and "150%" not in doc["result"] and "30%" in doc["result"], doc
+
+
+def test_a_title_request_beside_a_conversation_as_short_as_it_is_a_side_request(bili):
+    """Right after the agent's compaction (or on its first turn) the conversation is one message, as a
+    title request is: the title request, on another model and not opening as the conversation does, is
+    still a side request, and its usage is not the conversation's size."""
+    short = json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "tools": READ, "messages": [
+        {"role": "user", "content": "Read all modules, then tell me what each does."}]}).encode()
+    turn(bili, short, 900)
+    turn(bili, TITLE, 120)
+    sid = next(iter(bili.engine.sessions))
+    assert bili.engine.store.last_usage(sid) == (900, 0, 0, 5)
+
+
+def test_a_side_request_is_not_the_conversations_last_request_to_its_cache(bili):
+    """Its cache clock (the lifetime choice, held folds, the predicted share): a side request reads and
+    refreshes nothing of the conversation's cache, and the next turn is compared with the turn before."""
+    eng = bili.engine
+    turn(bili, conversation("go on"), 30_000)
+    sid = next(iter(eng.sessions))
+    last = eng.clocks.last.get(sid)
+    turn(bili, TITLE, 420)
+    assert eng.clocks.last.get(sid) == last
+    assert eng.store.wire(sid)[-1].model == "claude-haiku-4-5-20251001"  # (priced at its own model)
+    f = flow("/v1/messages", conversation("next"), headers=SID)
+    bili.request(f)
+    assert bili.meter.predict(sid, f.request.content) > 0.9  # (the turn before's parts, not the title's)

@@ -435,6 +435,7 @@ class TurnResult:
     shadowed: tuple[str, ...] = ()  # bili's tool names the agent's own tools have: its calls of them are the agent's
     side: bool = False  # a side request (reconcile.side_request): its answer's usage is not the conversation's size
     sent_tokens: int = 0  # what went up, as bili estimates it (its size, should the provider refuse it: kernel/errors.py)
+    model: str = ""  # the model the request names (its figures are priced at it)
 
 
 __all__ = [

@@ -233,6 +233,8 @@ class ProxyTools:
         u = rw.usage
         if u.seen:
             self.store.record_usage(sid, lane, (u.input, u.cache_read, u.cache_write, u.output), last=not side)
+        if side:  # (its request was not noted on the conversation's cache clock: kernel/turn.py)
+            return called
         # the cache model bills the request now (off its path); the reported usage calibrates it
         # (an answer without a figure of its cache reads is billed, but teaches the cache model nothing)
         known = u.seen and u.cache_known

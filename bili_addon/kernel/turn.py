@@ -176,9 +176,10 @@ class Engine(ProxyTools, Epochs, Deferred):
                 self._turn_sid = None
                 try:
                     res = self._process(raw, lane, headers, render=render, origin=origin)
-                    if res.session and not res.status:
+                    if res.session and not res.status and not res.side:
                         # noted only; billed off the request's path (with the session's model: a Gemini
-                        # body names none, its URL does)
+                        # body names none, its URL does); a side request reads and refreshes nothing of
+                        # the conversation's cache (another model, another prefix)
                         s = self.sessions.get(res.session)
                         self.clocks.sent(res.session, lane.name, raw if res.body is None else res.body, self.now(),
                                          origin.lower(), s.model if s is not None else "")
@@ -257,6 +258,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             memo = None  # (re)loaded: nothing of a previous pass is known to match the store
         new = s.unstored and s is not cached  # the store had no row of it: nothing of it recorded
         forked = self._lineage("before_turn", s, infos, start) if ident is not None else None
+        was = (s.model, s.variant)  # (the conversation's, should this be a side request)
         if isinstance(top.get("model"), str):
             s.model = top["model"]
         elif headers.get(PATH_MODEL):  # (Gemini: the model in the URL's path, as the shell read it)
@@ -265,6 +267,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         # conversation items whose session work (refs, view, rendering) is reused as it is
         q = k - start if memo is not None and k and memo.sid == sid and memo.version == s.version else 0
         result = TurnResult(None, session=sid, lane=lane.name, messages=len(infos) - start, source=source)
+        result.model = s.model  # (the request's: a side request's is not kept as the session's)
         if forked:
             result.notes.append(forked)
 
@@ -325,9 +328,12 @@ class Engine(ProxyTools, Epochs, Deferred):
         opening = _opening(view)
         result.side = not result.epoch and reconcile.side_request(
             len(view.items), before, opening is not None and opening == (_opening(kept) if kept is not None else
-                                                                         (s.copy.refs[0] if s.copy.refs else None)))
+                                                                         (s.copy.refs[0] if s.copy.refs else None)),
+            bool(was[0]) and s.model != was[0])
         if not result.side:
             s.last_view = view
+        else:  # (its model and window are not the conversation's: the next turn's, acp_status's)
+            s.model, s.variant = was
         if self.native.waiting(sid):  # (a native call the agent answered without running it: its note goes)
             self.native.answered(sid, [p.tool_call_id for it in view.items for p in it.parts
                                        if p.ctype == TOOL_RESULT and p.tool_call_id])
