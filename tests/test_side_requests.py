@@ -120,16 +120,20 @@ def test_a_side_requests_model_and_window_are_not_the_conversations(bili):
     assert status == 200 and "150%" not in doc["result"] and "30%" in doc["result"], doc
 
 
-def test_a_title_request_beside_a_conversation_as_short_as_it_is_a_side_request(bili):
-    """Right after the agent's compaction (or on its first turn) the conversation is one message, as a
-    title request is: the title request, on another model and not opening as the conversation does, is
-    still a side request, and its usage is not the conversation's size."""
-    short = json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "tools": READ, "messages": [
-        {"role": "user", "content": "Read all modules, then tell me what each does."}]}).encode()
-    turn(bili, short, 900)
+def test_a_conversation_after_a_title_request_as_short_as_it_is_the_conversation(bili):
+    """Claude Code and opencode send a title request at the start, as short as the conversation's first
+    turn and on another model: whichever comes first, the conversation's turn is its turn (its view is
+    the one native calls resolve against, its usage its size), not a side request."""
+    bili.tctx.configure(bili, bili_min_compress_chars=0)
     turn(bili, TITLE, 120)
+    first = json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "tools": READ, "messages": [
+        {"role": "user", "content": "Read all modules, then tell me what each does. " * 40}]}).encode()
+    turn(bili, first, 900)
     sid = next(iter(bili.engine.sessions))
     assert bili.engine.store.last_usage(sid) == (900, 0, 0, 5)
+    assert len(bili.engine.sessions.get(sid).last_view.items) == 1
+    assert "Read all modules" in json.dumps([p.text for it in bili.engine.sessions.get(sid).last_view.items
+                                             for p in it.parts])
 
 
 def test_a_side_request_is_not_the_conversations_last_request_to_its_cache(bili):

@@ -24,15 +24,15 @@ from bili_addon.wire.base import IMAGE, REASONING, TEXT
 SIDE_REQUEST_MAX_ITEMS = 10  # smaller requests (titles, probes) never move the copy
 
 
-def side_request(items: int, before: int, same_opening: bool, other_model: bool = False) -> bool:
+def side_request(items: int, before: int, same_opening: bool) -> bool:
     """Whether a request of ``items`` conversation items, in a session whose conversation last had
     ``before``, is a side request (a title, a probe: an agent's small request under its session's id),
-    not a turn of the conversation: fewer than :data:`SIDE_REQUEST_MAX_ITEMS`, not opening as the
-    conversation does (``same_opening``: its first message is the conversation's: a rewind to an early
-    message, whose turns are the conversation's from then on), and where the conversation has more
-    items or another model (``other_model``: a title request beside a conversation as short as it, on
-    its first turn or right after the agent's compaction)."""
-    return items < SIDE_REQUEST_MAX_ITEMS and not same_opening and (before > items or other_model)
+    not a turn of the conversation: fewer than :data:`SIDE_REQUEST_MAX_ITEMS`, where the conversation
+    has more, and not opening as it does (``same_opening``: its first message is the conversation's:
+    a rewind to an early message, whose turns are the conversation's from then on).  Not a request as
+    short as the conversation, whatever its model: a title request sent before the conversation's first
+    turn would then take that turn for the side request (Claude Code, opencode send one at the start)."""
+    return items < SIDE_REQUEST_MAX_ITEMS and before > items and not same_opening
 SHAPE_MASS_MIN = 8  # a drift this large gets the shape tier and a verdict
 COLLAPSE_MIN = 10
 _encode = msgspec.json.Encoder().encode  # the copy's document (Copy.to_json, from_json)

@@ -328,8 +328,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         opening = _opening(view)
         result.side = not result.epoch and reconcile.side_request(
             len(view.items), before, opening is not None and opening == (_opening(kept) if kept is not None else
-                                                                         (s.copy.refs[0] if s.copy.refs else None)),
-            bool(was[0]) and s.model != was[0])
+                                                                         (s.copy.refs[0] if s.copy.refs else None)))
         if not result.side:
             s.last_view = view
         else:  # (its model and window are not the conversation's: the next turn's, acp_status's)
