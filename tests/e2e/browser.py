@@ -52,7 +52,9 @@ class Browser:
              "--disable-sync", "--metrics-recording-only", "--no-proxy-server", "--remote-debugging-port=0",
              "--remote-debugging-address=127.0.0.1", f"--user-data-dir={self.profile}", "--window-size=1280,1000",
              "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            # (its scratch directories in the test's own, not left behind in /tmp: org.chromium.Chromium.*)
+            env={**os.environ, "TMPDIR": str(workdir)})
         port = self._port()
         targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
         page = next(t for t in targets if t.get("type") == "page")

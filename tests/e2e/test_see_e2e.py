@@ -350,7 +350,7 @@ def test_bili_page_open_keeps_the_code_off_every_command_line(session, tmp_path)
     browser.write_text(f"""#!/bin/sh
 f="${{1#file://}}"
 stat -c '%a %u %n' "$f" "$(dirname "$f")" > {given}
-exec {binary} --headless=new --no-sandbox --disable-gpu --no-first-run --user-data-dir={tmp_path}/profile \\
+TMPDIR={tmp_path} exec {binary} --headless=new --no-sandbox --disable-gpu --no-first-run --user-data-dir={tmp_path}/profile \\
     --virtual-time-budget=8000 --dump-dom "$1" > {tmp_path}/dom.html 2>/dev/null
 """)
     browser.chmod(0o755)
