@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -46,6 +47,7 @@ class Browser:
 
     def __init__(self, binary: str, workdir: Path):
         self.profile = workdir / "chromium-profile"
+        self.scratch = tempfile.mkdtemp(prefix="bili-cr-")
         self.proc = subprocess.Popen(
             [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--no-default-browser-check",
              "--disable-extensions", "--disable-background-networking", "--disable-component-update",
@@ -53,8 +55,9 @@ class Browser:
              "--remote-debugging-address=127.0.0.1", f"--user-data-dir={self.profile}", "--window-size=1280,1000",
              "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            # (its scratch directories in the test's own, not left behind in /tmp: org.chromium.Chromium.*)
-            env={**os.environ, "TMPDIR": str(workdir)})
+            # (its scratch directories, org.chromium.Chromium.*, in one of this browser's own, removed with it,
+            # not left behind in /tmp; a short path: its singleton socket's must fit a socket address)
+            env={**os.environ, "TMPDIR": self.scratch})
         port = self._port()
         targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
         page = next(t for t in targets if t.get("type") == "page")
@@ -146,3 +149,4 @@ class Browser:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+            shutil.rmtree(self.scratch, ignore_errors=True)

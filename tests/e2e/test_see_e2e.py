@@ -319,8 +319,10 @@ def test_bili_page_open_keeps_the_code_off_every_command_line(session, tmp_path)
     user read it in /proc/PID/cmdline while the browser started, redeemed it first and had the page.
     The browser is given a file instead that only this user reads and that sends it on (here a real
     Chromium, which signs in through it); the file's folder is gone once the code is used."""
+    import shutil
     import subprocess
     import sys
+    import tempfile
     import threading
     import time
 
@@ -346,11 +348,12 @@ def test_bili_page_open_keeps_the_code_off_every_command_line(session, tmp_path)
             time.sleep(0.002)
 
     given = tmp_path / "given"
+    scratch = tempfile.mkdtemp(prefix="bili-cr-")  # (Chromium's scratch: a short path, removed below)
     browser = tmp_path / "browser.sh"
     browser.write_text(f"""#!/bin/sh
 f="${{1#file://}}"
 stat -c '%a %u %n' "$f" "$(dirname "$f")" > {given}
-TMPDIR={tmp_path} exec {binary} --headless=new --no-sandbox --disable-gpu --no-first-run --user-data-dir={tmp_path}/profile \\
+TMPDIR={scratch} exec {binary} --headless=new --no-sandbox --disable-gpu --no-first-run --user-data-dir={tmp_path}/profile \\
     --virtual-time-budget=8000 --dump-dom "$1" > {tmp_path}/dom.html 2>/dev/null
 """)
     browser.chmod(0o755)
@@ -380,6 +383,7 @@ TMPDIR={tmp_path} exec {binary} --headless=new --no-sandbox --disable-gpu --no-f
     assert f'data-id="{sid}"' in dom.read_text()
     again = request(proxy.url + "/__bili/page/sign-in", json.dumps({"code": code}).encode())
     assert again.status == 403
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def test_the_page_in_chromium(session, tmp_path):
