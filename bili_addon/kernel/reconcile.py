@@ -22,6 +22,10 @@ from bili_addon.kernel.fold import Block, PartView, View, coverage
 from bili_addon.wire.base import IMAGE, REASONING, TEXT
 
 SIDE_REQUEST_MAX_ITEMS = 10  # smaller requests (titles, probes) never move the copy
+SHAPE_MASS_MIN = 8  # a drift this large gets the shape tier and a verdict
+COLLAPSE_MIN = 10
+_encode = msgspec.json.Encoder().encode  # the copy's document (Copy.to_json, from_json)
+_decode = msgspec.json.Decoder().decode
 
 
 def side_request(items: int, before: int, same_opening: bool) -> bool:
@@ -33,10 +37,6 @@ def side_request(items: int, before: int, same_opening: bool) -> bool:
     short as the conversation, whatever its model: a title request sent before the conversation's first
     turn would then take that turn for the side request (Claude Code, opencode send one at the start)."""
     return items < SIDE_REQUEST_MAX_ITEMS and before > items and not same_opening
-SHAPE_MASS_MIN = 8  # a drift this large gets the shape tier and a verdict
-COLLAPSE_MIN = 10
-_encode = msgspec.json.Encoder().encode  # the copy's document (Copy.to_json, from_json)
-_decode = msgspec.json.Decoder().decode
 
 
 # -- fingerprints ------------------------------------------------------------------------------

@@ -180,9 +180,8 @@ class Engine(ProxyTools, Epochs, Deferred):
                         # noted only; billed off the request's path (with the session's model: a Gemini
                         # body names none, its URL does); a side request reads and refreshes nothing of
                         # the conversation's cache (another model, another prefix)
-                        s = self.sessions.get(res.session)
                         self.clocks.sent(res.session, lane.name, raw if res.body is None else res.body, self.now(),
-                                         origin.lower(), s.model if s is not None else "")
+                                         origin.lower(), res.model)
                     # write-behind: the staged write (the turn's last, _process left it) goes after the request
                     behind = self.write_behind and bool(self.sessions.staged)
                     return res
@@ -324,11 +323,13 @@ class Engine(ProxyTools, Epochs, Deferred):
         # a side request (a title, a probe) leaves the conversation's view as its last: native calls
         # resolve against it, and the next turn's view extends it
         kept = s.last_view
-        before = len(kept.items) if kept is not None else (s.copy.items[-1] + 1 if s.copy.items else 0)
+        if kept is not None:
+            before, kept_opening = len(kept.items), _opening(kept)
+        else:  # (a restart: the canonical copy's)
+            before, kept_opening = (s.copy.items[-1] + 1, s.copy.refs[0]) if s.copy.items else (0, None)
         opening = _opening(view)
         result.side = not result.epoch and reconcile.side_request(
-            len(view.items), before, opening is not None and opening == (_opening(kept) if kept is not None else
-                                                                         (s.copy.refs[0] if s.copy.refs else None)))
+            len(view.items), before, opening is not None and opening == kept_opening)
         if not result.side:
             s.last_view = view
         else:  # (its model and window are not the conversation's: the next turn's, acp_status's)
