@@ -174,7 +174,7 @@ def turn_dict(w: WireTurn, table: prices.Table | None = None) -> dict[str, Any]:
             "cache_read": w.cache_read, "cache_write": w.cache_write, "output_tokens": w.output_tokens,
             # the writes' 1-hour part (priced at 2x input, the rest at 1.25x) and who split them: "reported"
             # by the provider, "sent" from the request's breakpoints (the provider did not say), "" (no split)
-            "cache_write_1h": w.cache_write_1h, "write_split": w.write_split,
+            "cache_write_1h": w.cache_write_1h, "write_split": w.write_split, "side": w.side,
             "uncached": max(0, w.input_tokens - w.cache_read - w.cache_write),
             "reported": round(w.cache_read / w.input_tokens, 4) if w.input_tokens else None,
             "cost": _usd(cost), "saved": _usd(saved)}
@@ -219,13 +219,14 @@ def writes(models: list[tuple]) -> dict[str, Any]:
 def summary(turns: list[WireTurn], table: prices.Table | None = None) -> dict[str, Any]:
     """A session's figures over its answered turns: now (the last turn) and peak tokens, as the agent
     sent them and as bili did; cache-read shares; money (None when a turn's model has no price)."""
-    out: dict[str, Any] = {"turns": len(turns), "model": turns[-1].model if turns else "",
+    # now: the conversation's last turn (a side request's only when the session has nothing else)
+    last = next((w for w in reversed(turns) if not w.side), turns[-1]) if turns else None
+    out: dict[str, Any] = {"turns": len(turns), "model": last.model if last else "",
                            "agent_now": 0, "sent_now": 0, "agent_peak": 0, "sent_peak": 0,
                            "predicted": None, "reported": None, "cost": None, "saved": None, "priced": False,
                            **writes([])}
-    if not turns:
+    if last is None:
         return out
-    last = turns[-1]
     inp = sum(w.input_tokens for w in turns)
     out.update(agent_now=last.agent_tokens, sent_now=last.sent_tokens,
                agent_peak=max(w.agent_tokens for w in turns), sent_peak=max(w.sent_tokens for w in turns),

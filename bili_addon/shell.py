@@ -633,6 +633,7 @@ class Bili:
         if "agent_tokens" not in st.record:
             return
         w = self.meter.row(st.record, u)
+        w.side = st.side  # (a title request's figures are not the conversation's "now")
         w.n = eng.store.record_wire(st.session, w)
         log.info("%s", printable(self.meter.line(st.session, st.lane, str(st.record.get("agent") or ""), w)))
 

@@ -153,7 +153,7 @@ def session_view(doc: dict[str, Any], now: float | None = None) -> str:
         out.append((f"{t['n']:>4} {t['request']:>4} {tokens(t['agent_tokens']):>7} {tokens(t['sent_tokens']):>7} "
                     f"{tokens(t['cache_read']):>7} {tokens(t['cache_write']):>7} {tokens(t['output_tokens']):>6} "
                     f"{pct(t['predicted']):>4} {pct(t['reported']):>4} {t['blocks']:>2} "
-                    f"{money(t['cost']) or '-':>7} {','.join(t['executed'])}")[:WIDTH])
+                    f"{money(t['cost']) or '-':>7} {','.join((['side'] if t.get('side') else []) + t['executed'])}")[:WIDTH])
     rows = doc.get("calibration") or []
     if rows:
         out.append("")

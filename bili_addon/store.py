@@ -34,7 +34,7 @@ import msgspec
 from bili_addon import private
 from bili_addon.locks import open_locks
 
-SCHEMA_VERSION = 12  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
+SCHEMA_VERSION = 13  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
 # turn commit and session hold (functions, nothing in SQLite); 7: the ledger and the refs as one row per session write
 # (``ledger_turns``, ``refs_turns``; ``ledger`` and ``refs`` are views of them); 8: retention (``sessions.pruned``,
 # indexes of the chains' bases: bili_addon/retention.py); 9: the cache writes' 1-hour part per answered turn
@@ -42,8 +42,9 @@ SCHEMA_VERSION = 12  # 3: the wire table; 4: the calibration table; 5: the chain
 # ledger_turns row of the same write instead of repeating them (``FRESH_GIVEN``; the ``refs`` view reads both forms);
 # 11: a turn's commit writes the session's canonical copy too (``commit_turn(copy=)``: nothing in SQLite, PostgreSQL's
 # ``bili_commit_turn`` takes it); 12: a family's commits serialised (nothing in SQLite, whose one writer reads the
-# family's counter inside its write; PostgreSQL's ``bili_commit_turn`` takes the family's lock). PostgreSQL:
-# store_pg._MIGRATIONS[3..12]
+# family's counter inside its write; PostgreSQL's ``bili_commit_turn`` takes the family's lock); 13: an answered
+# turn says whether it was a side request (``wire.side``: the figures' "now" is the conversation's last turn, not a
+# title request's). PostgreSQL: store_pg._MIGRATIONS[3..13]
 BUSY_MS = 500  # how long a write waits for another process's lock before it gives up
 LOCK_WAIT = 2.0  # seconds a turn waits for its session held by another process, then passes through (as PostgreSQL's)
 # the WAL is copied into the store file by a thread of the store's own past this many pages (SQLite's own
@@ -158,6 +159,7 @@ CREATE TABLE IF NOT EXISTS wire(
     output_tokens INTEGER NOT NULL,
     cache_write_1h INTEGER NOT NULL DEFAULT 0,
     write_split TEXT NOT NULL DEFAULT '',
+    side INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY(session_id, n)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS copies(
@@ -623,11 +625,15 @@ class WireTurn:
     output_tokens: int
     cache_write_1h: int = 0  # the part of cache_write made for 1 hour (schema 9)
     write_split: str = ""  # who split the writes: "reported" (the provider), "sent" (the request's breakpoints), ""
+    side: bool = False  # a side request's (a title request beside the conversation: schema 13), not the conversation's
 
 
 # the columns of ``wire`` in WireTurn's order (both backends read them so)
 WIRE_COLS = ("n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, folded, executed, "
-             "input_tokens, cache_read, cache_write, output_tokens, cache_write_1h, write_split")
+             "input_tokens, cache_read, cache_write, output_tokens, cache_write_1h, write_split, side")
+# a session's last answered turn (``wire_totals``): its conversation's newest, a side request's only if it has
+# nothing else (the figures' "now", model and predicted share are the conversation's)
+WIRE_LAST = f"SELECT {WIRE_COLS} FROM wire WHERE session_id={{}} ORDER BY side, n DESC LIMIT 1"
 # a session's wire sums per model (``wire_totals``): model, input, cache read, cache write, output, agent
 # minus sent, the writes' 1-hour part, and the writes whose split the provider reported / bili derived
 WIRE_SUMS = ("model, SUM(input_tokens), SUM(cache_read), SUM(cache_write), SUM(output_tokens), "
@@ -688,7 +694,7 @@ CALIBRATION_COLS = ("n, ts, host, family, lane, gap, age, predicted_input, predi
 
 def wire_turn(r: tuple) -> WireTurn:
     """A ``wire`` row (:data:`WIRE_COLS`) as a :class:`WireTurn`."""
-    return WireTurn(*r[:9], [x for x in r[9].split(",") if x], *r[10:])
+    return WireTurn(*r[:9], [x for x in r[9].split(",") if x], *r[10:16], bool(r[16]))
 
 
 DB_NAME = "bili.sqlite3"
@@ -934,7 +940,7 @@ class Store:
     def _lacks(self) -> set[str]:
         """The migration steps whose work this store does not hold (a few reads of SQLite's catalogue):
         ``legacy`` (schema 7: the ledger and refs still tables of one row per part), ``retention`` (8),
-        ``wire_split`` (9), ``fresh_refs`` (10: the ``refs`` view reads ``ledger_turns`` too), ``owner``
+        ``wire_split`` (9 and 13: ``wire.side``), ``fresh_refs`` (10: the ``refs`` view reads ``ledger_turns`` too), ``owner``
         (the chains' owner), ``views`` (the ``ledger`` and ``refs`` views)."""
         def cols(table: str) -> set[str]:
             return {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
@@ -947,7 +953,7 @@ class Store:
         if ("pruned" not in cols("sessions") or ("index", "chains_agent_base") not in made
                 or ("index", "chains_sent_base") not in made):
             out.add("retention")
-        if not {"cache_write_1h", "write_split"} <= cols("wire"):
+        if not {"cache_write_1h", "write_split", "side"} <= cols("wire"):
             out.add("wire_split")
         refs = made.get(("view", "refs"))
         if refs is not None and "ledger_turns" not in refs:
@@ -967,6 +973,8 @@ class Store:
             self.db.execute("ALTER TABLE wire ADD COLUMN cache_write_1h INTEGER NOT NULL DEFAULT 0")
         if "write_split" not in cols:
             self.db.execute("ALTER TABLE wire ADD COLUMN write_split TEXT NOT NULL DEFAULT ''")
+        if "side" not in cols:  # (schema 13: older rows are the conversation's, as they were counted)
+            self.db.execute("ALTER TABLE wire ADD COLUMN side INTEGER NOT NULL DEFAULT 0")
 
     def _repair_refs(self) -> None:
         """Schema 2: a ``version`` per session and the ``refs`` table filled from the ledger (the
@@ -1313,11 +1321,11 @@ class Store:
                                 (session_id,)).fetchone()[0]
             self.db.execute(
                 "INSERT INTO wire(session_id, n, ts, request, model, agent_tokens, sent_tokens, predicted, blocks, "
-                "folded, executed, input_tokens, cache_read, cache_write, output_tokens, cache_write_1h, write_split) "
-                "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "folded, executed, input_tokens, cache_read, cache_write, output_tokens, cache_write_1h, write_split, "
+                "side) VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (session_id, n, row.ts or time.time(), row.request, row.model, row.agent_tokens, row.sent_tokens,
                  row.predicted, row.blocks, row.folded, ",".join(row.executed), row.input_tokens, row.cache_read,
-                 row.cache_write, row.output_tokens, row.cache_write_1h, row.write_split),
+                 row.cache_write, row.output_tokens, row.cache_write_1h, row.write_split, int(row.side)),
             )
         return n
 
@@ -1332,8 +1340,7 @@ class Store:
             "WHERE session_id=?", (session_id,)).fetchone()
         if not n:
             return 0, None, 0, 0, []
-        last = wire_turn(self.db.execute(
-            f"SELECT {WIRE_COLS} FROM wire WHERE session_id=? ORDER BY n DESC LIMIT 1", (session_id,)).fetchone())
+        last = wire_turn(self.db.execute(WIRE_LAST.format("?"), (session_id,)).fetchone())
         models = self.db.execute(f"SELECT {WIRE_SUMS} FROM {WIRE_ROWS} GROUP BY model ORDER BY model",
                                  (session_id,)).fetchall()
         return n, last, peak_a, peak_s, models

@@ -25,7 +25,7 @@ import msgspec
 
 from bili_addon.store import (
     CALIBRATION_COLS, CHAIN_COLS, DB_NAME, HANGING, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
-    FRESH_GIVEN, StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, WIRE_SUMS, _json, _wire_rows, contiguous,
+    FRESH_GIVEN, StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, WIRE_LAST, WIRE_SUMS, _json, _wire_rows, contiguous,
     dead_chains, newer_schema,
     _not_pruned, fresh_first, ledger_rows, rebase, retired_taken, tombstone_flags, wire_turn,
 )
@@ -628,6 +628,8 @@ _MIGRATIONS[12] = [
     END
     $$""",
 ]
+# 13: an answered turn says whether it was a side request (as in SQLite: store._SCHEMA's wire); older rows 0
+_MIGRATIONS[13] = ["ALTER TABLE wire ADD COLUMN IF NOT EXISTS side INTEGER NOT NULL DEFAULT 0"]
 assert max(_MIGRATIONS) == SCHEMA_VERSION, "a SQLite schema change needs its PostgreSQL migration"
 
 
@@ -667,6 +669,7 @@ _HOLDS: dict[int, str] = {
     10: f"pg_get_viewdef(to_regclass('refs')) LIKE '%ledger_turns%' AND {_function('bili_hold', 4)}",
     11: _function("bili_commit_turn", 17),
     12: _function("bili_commit_turn", 17, "%bili-family:%"),
+    13: _column("wire", "side"),
 }
 _HOLDS_SQL = "SELECT " + ", ".join(f"COALESCE({_HOLDS[v]}, false)" for v in sorted(_HOLDS))
 
@@ -844,10 +847,10 @@ _USAGE_INSERT = ("INSERT INTO turns(session_id, n, ts, lane, input_tokens, cache
 
 def _wire_insert(row: WireTurn) -> tuple[str, str, tuple]:
     """A wire row's columns (``n`` first), the placeholders of its values after ``n``, and those values."""
-    return WIRE_COLS, ", ".join(["%s"] * 15), (
+    return WIRE_COLS, ", ".join(["%s"] * 16), (
         row.ts or time.time(), row.request, row.model, row.agent_tokens, row.sent_tokens, row.predicted, row.blocks,
         row.folded, ",".join(row.executed), row.input_tokens, row.cache_read, row.cache_write, row.output_tokens,
-        row.cache_write_1h, row.write_split)
+        row.cache_write_1h, row.write_split, int(row.side))
 
 
 def _calibration_insert(row: CalibrationRow) -> tuple[str, str, tuple]:
@@ -1612,8 +1615,7 @@ class PgStore:
                 "WHERE session_id=%s", (session_id,))
             if not n:
                 return 0, None, 0, 0, []
-            last = self._one(f"SELECT {WIRE_COLS} FROM wire WHERE session_id=%s ORDER BY n DESC LIMIT 1",
-                             (session_id,))
+            last = self._one(WIRE_LAST.format("%s"), (session_id,))
             models = self._q(
                 f"SELECT {WIRE_SUMS} FROM {_WIRE_ROWS} GROUP BY model ORDER BY model COLLATE \"C\"",
                 (session_id,))

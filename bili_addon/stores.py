@@ -33,7 +33,7 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "transcript": (("session_id", "seq", "sig", "refs", "item"), ("session_id", "seq")),
     "wire": (("session_id", "n", "ts", "request", "model", "agent_tokens", "sent_tokens", "predicted", "blocks",
               "folded", "executed", "input_tokens", "cache_read", "cache_write", "output_tokens", "cache_write_1h",
-              "write_split"), ("session_id", "n")),
+              "write_split", "side"), ("session_id", "n")),
     "copies": (("session_id", "doc"), ("session_id",)),
     "lineage": (("session_id", "parent", "root", "fork_at", "created"), ("session_id",)),
     "lineage_parts": (("session_id", "seq", "ref", "chash", "fp"), ("session_id", "seq")),

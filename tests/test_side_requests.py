@@ -149,3 +149,59 @@ def test_a_side_request_is_not_the_conversations_last_request_to_its_cache(bili)
     f = flow("/v1/messages", conversation("next"), headers=SID)
     bili.request(f)
     assert bili.meter.predict(sid, f.request.content) > 0.9  # (the turn before's parts, not the title's)
+
+
+def test_the_figures_now_are_the_conversations_last_turn_not_a_title_requests(bili):
+    """``bili stats``, ``/__bili/stats`` and the page read a session's "now" (tokens as the agent sent
+    them and as bili did, its model, the predicted cache share) from its last answered turn: a title
+    request answered after the conversation's turn is counted (money) and listed, but is not it."""
+    from bili_addon import meter
+
+    eng = bili.engine
+    turn(bili, conversation("go on"), 30_000)
+    sid = next(iter(eng.sessions))
+    conv = eng.store.wire(sid)[-1]
+    turn(bili, TITLE, 420)
+    rows = eng.store.wire(sid)
+    assert [w.side for w in rows] == [False, True]
+    now = meter.totals(eng.store, sid)
+    assert now["model"] == "claude-sonnet-4-5" and now["turns"] == 2
+    assert (now["agent_now"], now["sent_now"]) == (conv.agent_tokens, conv.sent_tokens) and now["agent_now"] > 50_000
+    assert meter.summary(rows)["agent_now"] == conv.agent_tokens
+    assert [t["side"] for t in bili.session_turns(eng, sid)["turns"]] == [False, True]
+    listed = next(e for e in bili.stats(eng)["sessions"] if e["id"] == sid)
+    assert listed["wire"]["model"] == "claude-sonnet-4-5", listed
+
+
+def test_both_stores_keep_which_answered_turn_was_a_side_request(backend):
+    from bili_addon.store import WireTurn
+
+    store = backend()
+
+    def row(model: str, tokens: int, side: bool) -> WireTurn:
+        return WireTurn(0, 1.0, 1, model, tokens, tokens, 0.5, 0, 0, [], tokens, 0, 0, 5, side=side)
+
+    store.record_wire("s", row("claude-sonnet-4-5", 90_000, False))
+    store.record_wire("s", row("claude-haiku-4-5", 400, True))
+    n, last, peak_a, _peak_s, models = store.wire_totals("s")
+    assert (n, last.model, last.agent_tokens, last.side, peak_a) == (2, "claude-sonnet-4-5", 90_000, False, 90_000)
+    assert [w.side for w in backend().wire("s")] == [False, True]  # (read back by another instance too)
+    assert sorted(m[0] for m in models) == ["claude-haiku-4-5", "claude-sonnet-4-5"]
+    store.record_wire("t", row("claude-haiku-4-5", 400, True))  # a session with nothing but a side request
+    assert store.wire_totals("t")[1].model == "claude-haiku-4-5"
+
+
+def test_a_schema_12_store_gets_the_side_column_and_its_old_turns_are_the_conversations(backend):
+    from bili_addon.store import SCHEMA_VERSION, WireTurn
+
+    s = backend()
+    s.record_wire("old", WireTurn(0, 1.0, 1, "claude-sonnet-4-5", 9_000, 9_000, None, 0, 0, [], 9_000, 0, 0, 5))
+    raw = s.db.execute if s.backend == "sqlite" else s._q
+    raw("ALTER TABLE wire DROP COLUMN side")
+    raw("UPDATE meta SET value='12' WHERE key='schema_version'")
+    s.close()
+    s = backend()  # opened again: migrated
+    assert s.schema_version() == SCHEMA_VERSION >= 13
+    assert [(w.model, w.side) for w in s.wire("old")] == [("claude-sonnet-4-5", False)]
+    s.record_wire("old", WireTurn(0, 2.0, 2, "claude-haiku-4-5", 300, 300, None, 0, 0, [], 300, 0, 0, 5, side=True))
+    assert s.wire_totals("old")[1].model == "claude-sonnet-4-5"
