@@ -603,6 +603,9 @@ class UsageTotals:
     cache_write: int
     output_tokens: int
     last: tuple[int, int, int, int] | None  # the newest turn: input, cache read, cache write, output
+    # the answer count when ``last`` was recorded (``turns`` counts side requests' answers too, whose usage
+    # is never ``last``: what came after ``last`` tells nothing of the conversation's size)
+    last_n: int = 0
 
 
 @dataclass(slots=True)
@@ -690,6 +693,21 @@ class CalibrationRow:
 
 CALIBRATION_COLS = ("n, ts, host, family, lane, gap, age, predicted_input, predicted_read, predicted_write, "
                     "reported_input, reported_read, reported_write")
+
+
+# a session's usage totals and its last usage with its number (both stores; LEFT JOIN: no answer yet)
+USAGE = ("SELECT s.turns, s.input_tokens, s.cache_read, s.cache_write, s.output_tokens, t.n, t.input_tokens, "
+         "t.cache_read, t.cache_write, t.output_tokens FROM sessions s LEFT JOIN (SELECT n, input_tokens, cache_read, "
+         "cache_write, output_tokens FROM turns WHERE session_id={0} ORDER BY n DESC LIMIT 1) t ON true "
+         "WHERE s.id={0}")
+
+
+def usage_totals(row: tuple | None) -> UsageTotals:
+    """A :data:`USAGE` row (None: no such session) as :class:`UsageTotals`."""
+    if row is None:
+        return UsageTotals(0, 0, 0, 0, 0, None)
+    last = None if row[5] is None else tuple(int(x) for x in row[6:])
+    return UsageTotals(*(int(x) for x in row[:5]), last=last, last_n=int(row[5] or 0))
 
 
 def wire_turn(r: tuple) -> WireTurn:
@@ -1143,11 +1161,8 @@ class Store:
 
     @_reads
     def usage(self, session_id: str) -> UsageTotals:
-        row = self.db.execute(
-            "SELECT turns, input_tokens, cache_read, cache_write, output_tokens FROM sessions WHERE id=?",
-            (session_id,),
-        ).fetchone() or (0, 0, 0, 0, 0)
-        return UsageTotals(*row, last=self.last_usage(session_id))
+        row = self.db.execute(USAGE.format("?1"), (session_id,)).fetchone()
+        return usage_totals(row)
 
     @_reads
     def last_usage(self, session_id: str) -> tuple[int, int, int, int] | None:

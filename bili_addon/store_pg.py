@@ -25,9 +25,9 @@ import msgspec
 
 from bili_addon.store import (
     CALIBRATION_COLS, CHAIN_COLS, DB_NAME, HANGING, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
-    FRESH_GIVEN, StaleSession, StoreError, UsageTotals, WireTurn, WIRE_COLS, WIRE_LAST, WIRE_SUMS, _json, _wire_rows, contiguous,
-    dead_chains, newer_schema,
-    _not_pruned, fresh_first, ledger_rows, rebase, retired_taken, tombstone_flags, wire_turn,
+    FRESH_GIVEN, StaleSession, StoreError, USAGE, UsageTotals, WireTurn, WIRE_COLS, WIRE_LAST, WIRE_SUMS, _json,
+    _wire_rows, contiguous, dead_chains, newer_schema,
+    _not_pruned, fresh_first, ledger_rows, rebase, retired_taken, tombstone_flags, usage_totals, wire_turn,
 )
 
 _WIRE_ROWS = _wire_rows("%s")  # (the wire sums' rows: store.WIRE_SUMS)
@@ -1308,9 +1308,7 @@ class PgStore:
 
     @_reads
     def usage(self, session_id: str) -> UsageTotals:
-        row = self._one("SELECT turns, input_tokens, cache_read, cache_write, output_tokens FROM sessions WHERE id=%s",
-                        (session_id,)) or (0, 0, 0, 0, 0)
-        return UsageTotals(*row, last=self.last_usage(session_id))
+        return usage_totals(self._one(USAGE.format("%(id)s"), {"id": session_id}))
 
     @_reads
     def last_usage(self, session_id: str) -> tuple[int, int, int, int] | None:

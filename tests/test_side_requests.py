@@ -82,6 +82,8 @@ def test_both_stores_count_a_side_answer_in_the_totals_only(backend):
     usage = store.usage("s")
     assert (usage.turns, usage.input_tokens, usage.output_tokens) == (2, 1040, 7)
     assert store.last_usage("s") == (1000, 0, 0, 5)
+    assert (usage.last, usage.last_n) == ((1000, 0, 0, 5), 1)  # (the second answer was not the conversation's)
+    assert store.usage("nobody") == type(usage)(0, 0, 0, 0, 0, None)
 
 
 def branch(n: int, tag: str) -> bytes:
@@ -205,3 +207,32 @@ def test_a_schema_12_store_gets_the_side_column_and_its_old_turns_are_the_conver
     assert [(w.model, w.side) for w in s.wire("old")] == [("claude-sonnet-4-5", False)]
     s.record_wire("old", WireTurn(0, 2.0, 2, "claude-haiku-4-5", 300, 300, None, 0, 0, [], 300, 0, 0, 5, side=True))
     assert s.wire_totals("old")[1].model == "claude-sonnet-4-5"
+
+
+def test_after_a_compaction_a_side_answer_does_not_make_the_old_historys_usage_the_new_ones(bili):
+    """The compaction's own answer reports the whole old history; the new history's first turn brought
+    no usage (the agent stopped it), and a title request was answered since: the next turn is measured
+    by its own size, not by the old history's usage (the side answer raised the answer count, not the
+    conversation's last usage)."""
+    from compactions import claude_code_summary
+
+    turn(bili, conversation("go on"), 150_000)
+    turn(bili, conversation("Summarise the conversation so far."), 192_000)  # the compaction request
+
+    def compacted(n: int, tail: str) -> bytes:
+        msgs = [{"role": "user", "content": claude_code_summary()}]
+        for i in range(n):
+            msgs += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"n{i}", "name": "Read", "input": {"f": i}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"n{i}",
+                                                   "content": f"NEW {i}\n" + ("row %d\n" % i) * 5000}]}]
+        msgs += [{"role": "assistant", "content": [{"type": "text", "text": "ok"}]}, {"role": "user", "content": tail}]
+        return json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "messages": msgs, "tools": READ}).encode()
+
+    bili.request(flow("/v1/messages", compacted(2, "go on"), headers=SID))  # the new history: no answer came
+    sid = next(iter(bili.engine.sessions))
+    assert bili.engine.store.usage(sid).turns == 2
+    turn(bili, TITLE, 420)  # a side request answered
+    sent = turn(bili, compacted(3, "next"), 0)
+    assert b"were cut by bili" not in sent  # ~30K tokens of a 200K window: nothing to cut
+    usage = bili.engine.store.usage(sid)
+    assert (usage.turns, usage.last_n, usage.last) == (4, 4, (0, 0, 0, 5))

@@ -300,8 +300,9 @@ class Epochs:
         eps = epochs(s)
         if not eps:
             return self.store.last_usage(s.row.id)
-        usage = self.store.usage(s.row.id)  # its ``last`` is last_usage: one read of it, not two
-        if usage.last is None or usage.turns <= int(eps[-1].get("usage_turns", 0)):
+        usage = self.store.usage(s.row.id)  # (the totals and the last usage: one read)
+        # (by the last usage's own number: a side request answered since counts in ``turns``, not in ``last``)
+        if usage.last is None or usage.last_n <= int(eps[-1].get("usage_turns", 0)):
             return None
         return usage.last
 
