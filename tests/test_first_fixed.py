@@ -130,7 +130,8 @@ def old_decide(view: View, blocks: list[Block], fold_cfg: FoldConfig, cfg: Nudge
     ])
 
 
-def old_apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolved]], new: bool = False) -> None:
+def old_apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolved]], new: bool = False,
+              snoozed=()) -> None:
     """Nudge and emergency truncation, decided from the usage the last answer reported.  ``new``:
     the store had no row of the session when this turn loaded it, so no answer of it is recorded
     (usage is recorded for a stored session only): nothing to read."""

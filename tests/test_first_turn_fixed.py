@@ -70,7 +70,7 @@ def test_the_first_turns_reminder_is_the_general_paths(tmp_path, monkeypatch, la
     assert ("truncated" in flags) == bool(window)
     monkeypatch.setattr(fresh, "applies", lambda *a: False)  # the general path: _resolve, View(items)
     real = pressure.apply
-    monkeypatch.setattr(pressure, "apply", lambda host, s, view, resolved, new=False: real(host, s, view, resolved))
+    monkeypatch.setattr(pressure, "apply", lambda host, s, view, resolved, new=False, snoozed=(): real(host, s, view, resolved, False, snoozed))
     general = run(Store(tmp_path / "general"), lane, raws, window)
     assert fast == general
 

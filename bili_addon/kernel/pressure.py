@@ -19,6 +19,8 @@ from bili_addon.kernel.state import Resolved, Session
 from bili_addon.wire.base import TEXT, Body
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     from bili_addon.kernel.cache import Clocks
     from bili_addon.kernel.fold import FoldConfig
     from bili_addon.kernel.nudge import NudgeConfig
@@ -56,10 +58,12 @@ def is_active(host: PressureHost, s: Session, view: View) -> bool:
     return bool(why)
 
 
-def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolved]], new: bool = False) -> None:
+def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolved]], new: bool = False,
+          snoozed: Collection[str] = ()) -> None:
     """Nudge and emergency truncation, decided from the usage the last answer reported.  ``new``:
     the store had no row of the session when this turn loaded it, so no answer of it is recorded
-    (usage is recorded for a stored session only): nothing to read."""
+    (usage is recorded for a stored session only): nothing to read.  ``snoozed``: the blocks this
+    request does not render (kernel/reconcile.py), which the reminder offers nothing of."""
     if not view.items:
         return
     last = None if new else host.reported_usage(s)
@@ -100,7 +104,11 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
     nudges = dict(flags.get("nudges", {}))
     newest = resolved[-1]
     if newest and not (nudges and _given(newest, nudges)):
-        text = nudge.decide(view, blocks, host.fold_cfg, cfg, used, window, int(at), cov)
+        if snoozed:  # (a distil over a block this branch does not show would absorb it: its summary never stood)
+            shown = [b for b in blocks if b.id not in snoozed]
+            text = nudge.decide(view, shown, host.fold_cfg, cfg, used, window, int(at), fold.coverage(shown))
+        else:
+            text = nudge.decide(view, blocks, host.fold_cfg, cfg, used, window, int(at), cov)
         if text and not asks_for_summary(view):  # (asked only when there is a reminder to give)
             prose = None
             for r in reversed(newest):  # (the last of the user's prose parts, else the last part)

@@ -116,8 +116,9 @@ class Sessions(Mapping[str, Session]):
             s.calls = {k: Call(n, a, r) for k, n, a, r in calls}
             s.copy = reconcile.Copy.from_json(copy)
         if seen is not None:  # what this process saw of the conversation stays true (refs never change meaning)
-            s.model, s.last_view, s.sent_tokens, s.unfolded_tokens = (
-                seen.model, seen.last_view, seen.sent_tokens, seen.unfolded_tokens)
+            s.model, s.last_view, s.last_snoozed, s.last_resolved, s.sent_tokens, s.unfolded_tokens = (
+                seen.model, seen.last_view, seen.last_snoozed, seen.last_resolved, seen.sent_tokens,
+                seen.unfolded_tokens)
         self._cache[sid] = s
         while len(self._cache) > self.max_sessions:
             old, gone = self._cache.popitem(last=False)

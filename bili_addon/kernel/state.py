@@ -403,6 +403,10 @@ class Session:
     # lineage record (written after a first commit, never before); cleared once read (kernel/lineage.py)
     unstored: bool = False
     last_view: View | None = None  # the conversation as the last request showed it
+    # the blocks that request did not render (kernel/reconcile.py: a branch rewound into their range): a
+    # native call resolved against ``last_view`` must not take them in, as the request's own calls do not
+    last_snoozed: frozenset[str] = frozenset()
+    last_resolved: list | None = None  # ``last_view``'s parts as that pass resolved them (their ledger ids)
     sent_tokens: int = 0  # the last request, as sent
     unfolded_tokens: int = 0  # the last request, had nothing been folded
     id_sets: tuple | None = None  # the canonical copy's ids as sets (turn._id_sets)

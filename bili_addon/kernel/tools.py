@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from bili_addon import printable, private
-from bili_addon.kernel import fold, pending, surfaces, tags
+from bili_addon.kernel import coverage, fold, pending, surfaces, tags
 from bili_addon.kernel.fold import View
 from bili_addon.kernel.identity import count_tokens
 from bili_addon.kernel.state import Call, ItemInfo, Session, TurnResult
@@ -307,7 +307,14 @@ class ProxyTools:
             raise LookupError(f"unknown conversation {sid!r}")
         s = self.sessions.load(sid, fresh=True)
         try:
-            return sid, self.run_tool(s, tool, args, s.last_view, call_id)
+            first = not s.blocks
+            out = self.run_tool(s, tool, args, s.last_view, call_id, s.last_snoozed)
+            if first and s.blocks and s.last_view is not None and s.last_resolved is not None:
+                # the conversation's first fold, made between two requests: the pass it was made on becomes
+                # the canonical copy (a request rolls it only once the session has blocks), so a rewind
+                # into the range right after is told as one, not taken for a collapse that pauses folding
+                coverage.roll_copy(self.sessions, s, s.last_view, s.last_resolved, None)
+            return sid, out
         except BaseException:
             # what the call changed of the cached session may not be stored (a fold's blocks added before
             # their write failed): the next turn reads the session from the store, as a failed turn does

@@ -331,7 +331,7 @@ class Engine(ProxyTools, Epochs, Deferred):
         result.side = not result.epoch and reconcile.side_request(
             len(view.items), before, opening is not None and opening == kept_opening)
         if not result.side:
-            s.last_view = view
+            s.last_view, s.last_resolved = view, resolved
         else:  # (its model and window are not the conversation's: the next turn's, acp_status's)
             s.model, s.variant = was
         if self.native.waiting(sid):  # (a native call the agent answered without running it: its note goes)
@@ -340,6 +340,8 @@ class Engine(ProxyTools, Epochs, Deferred):
         drift = (coverage.check(self.store, self.sessions, s, view, resolved, result)
                  if s.blocks and self.reconcile else None)
         snoozed = drift.snoozed if drift is not None else set()
+        if not result.side:
+            s.last_snoozed = frozenset(snoozed)
         if s.copy.latched or not render:
             # observe mode, or a total collapse: nothing verifies the folds against this history,
             # so it passes through as it came until the agent sends a history that aligns again
@@ -358,7 +360,7 @@ class Engine(ProxyTools, Epochs, Deferred):
             coverage.roll_copy(self.sessions, s, view, resolved, drift)  # (with the staged commit)
         active = result.active = pressure.is_active(self, s, view)
         if self.inject and active and not result.side:  # (a side request's size says nothing of the conversation's)
-            pressure.apply(self, s, view, resolved, new)
+            pressure.apply(self, s, view, resolved, new, snoozed)
         names = None  # the request's tool names (read here: whether the native-tools flag follows the flush)
         if self.inject and active and len(raws) > start:
             try:

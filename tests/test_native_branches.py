@@ -1,0 +1,120 @@
+"""Native (MCP) folds on a conversation whose host went back to an earlier point (a rewind cutting
+through a folded range, kernel/reconcile.py): the blocks the request does not render there are not
+the native call's to take in, nor the reminder's to offer, as for a call made on the wire; and the
+first native fold gives the conversation the canonical copy a rewind is told against."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bili_addon.kernel.turn import Engine
+from bili_addon.store import Store
+from bili_addon.wire import LANES
+
+ANTH = LANES["anthropic"]
+SID = {"x-claude-code-session-id": "6a1d2c3b-4e5f-4a6b-8c7d-9e0f1a2b3c4d"}
+TOOLS = [{"name": "Read", "input_schema": {"type": "object"}}] + [
+    {"name": f"mcp__bili__{n}", "input_schema": {"type": "object"}} for n in ("compress", "decompress")]
+SUM = "Read the modules one at a time; each holds rows of its own and nothing needs a change. " * 2
+
+
+def reads(tag: str, n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        out += [{"role": "assistant", "content": [{"type": "text", "text": f"reading {tag}{i}"},
+                                                  {"type": "tool_use", "id": f"tu_{tag}{i}", "name": "Read",
+                                                   "input": {"f": f"{tag}{i}"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"tu_{tag}{i}",
+                                              "content": f"FILE {tag}{i}\n" + f"row of {tag}{i}\n" * 400}]}]
+    return out
+
+
+def said(text: str, reply: str) -> list[dict]:
+    return [{"role": "assistant", "content": [{"type": "text", "text": text}]}, {"role": "user", "content": reply}]
+
+
+class Agent:
+    def __init__(self, tmp_path):
+        self.eng = Engine(Store(tmp_path / "d"), window=200_000, activate="always", materialize="now")
+
+    def send(self, msgs: list[dict]):
+        raw = json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "tools": TOOLS, "messages": msgs}).encode()
+        res = self.eng.process(raw, ANTH, SID, render=True)
+        return (res.body or raw), self.eng.sessions.get(res.session), res
+
+    def compress(self, s, start: str, end: str) -> str:
+        return self.eng.plugin_tool(s.row.id, "compress", {"content": [{"startId": start, "endId": end, "summary": SUM}]})[1]
+
+
+def first_ref(s, k: int) -> str:
+    return s.last_view.items[k].parts[0].ref
+
+
+def last_ref(s, k: int) -> str:
+    return s.last_view.items[k].parts[-1].ref
+
+
+def rewound_with_c_folded(agent: Agent, turn_between: bool = True):
+    """A's reads folded (b1), a rewind to the middle of them (b1 not rendered there), C's reads
+    folded on the new branch (b2): the session and the size of its request with C folded."""
+    head = [{"role": "user", "content": "Task: read the A modules."}]
+    a = reads("A", 10)
+    _, s, _ = agent.send(head + a + said("All read.", "ok"))
+    assert agent.compress(s, first_ref(s, 1), last_ref(s, 20)).startswith("Compressed")
+    if turn_between:
+        agent.send(head + a + said("All read.", "ok") + said("Folded.", "fine"))
+    branch = head + a[:10] + said("Half of A read.", "Actually, read the C modules now.")
+    cur = branch + reads("C", 10) + said("C read.", "go on")
+    _, s, res = agent.send(cur)
+    assert res.drift == "rewound" and not s.copy.latched
+    k = len(branch)
+    assert "b2" in agent.compress(s, first_ref(s, k), last_ref(s, k + 19))
+    cur += said("Noted.", "next")
+    sent, s, res = agent.send(cur)
+    assert b"FILE C3" not in sent  # C's reads are folded on this branch
+    return s, cur, len(sent)
+
+
+def test_a_native_distil_leaves_out_a_block_the_branch_does_not_show(tmp_path):
+    agent = Agent(tmp_path)
+    s, cur, size = rewound_with_c_folded(agent)
+    assert s.last_snoozed == {"b1"}
+    out = agent.compress(s, "b1", "b2")  # the model distils the summaries it is offered
+    made = [b for b in s.blocks if b.active and b.tier == 2]
+    assert made and "b1" not in made[0].consumed, out
+    sent, s, _ = agent.send(cur + said("Yes.", "and?"))
+    assert b"FILE C3" not in sent and len(sent) < size + 2_000  # C's fold stands (it came back whole before)
+
+
+def test_the_reminder_offers_no_distil_over_a_block_the_branch_does_not_show(tmp_path):
+    agent = Agent(tmp_path)
+    s, cur, _ = rewound_with_c_folded(agent)
+    cfg = agent.eng.nudge_cfg
+    cfg.distil_tokens = cfg.distil_along_tokens = 10  # (any pile of two summaries is worth distilling)
+    sent, s, _ = agent.send(cur + said("Yes.", "and?") + reads("D", 12) + said("D read.", "more"))
+    text = json.dumps(json.loads(sent)["messages"])
+    assert "[bili]" in text  # a reminder is given (D's reads can be folded)
+    assert "b1\\u2013" not in text and "b1–" not in text  # not a pile starting at a summary not shown here
+
+
+def test_a_rewind_right_after_the_first_native_fold_is_told_as_one(tmp_path):
+    """The first fold made natively, between two requests, and the next request already a rewind into
+    its range: told against the pass the fold was made on (not a collapse that pauses folding for the
+    rest of the branch), and the new branch's own folds stand."""
+    agent = Agent(tmp_path)
+    s, cur, size = rewound_with_c_folded(agent, turn_between=False)
+    assert not s.copy.latched and size < 8_000 * 4
+
+
+def test_a_side_request_between_leaves_the_first_native_fold_its_conversations_copy(tmp_path):
+    agent = Agent(tmp_path)
+    head = [{"role": "user", "content": "Task: read the A modules."}]
+    a = reads("A", 10)
+    _, s, _ = agent.send(head + a + said("All read.", "ok"))
+    title = [{"role": "user", "content": "Generate a short title for this session: Task: read the A modules."}]
+    _, s, res = agent.send(title)
+    assert res.side
+    assert agent.compress(s, first_ref(s, 1), last_ref(s, 20)).startswith("Compressed")
+    assert len(s.copy.refs) == sum(len(it.parts) for it in s.last_view.items) > 20  # the conversation's pass
