@@ -1,7 +1,9 @@
-"""Native (MCP) folds on a conversation whose host went back to an earlier point (a rewind cutting
-through a folded range, kernel/reconcile.py): the blocks the request does not render there are not
-the native call's to take in, nor the reminder's to offer, as for a call made on the wire; and the
-first native fold gives the conversation the canonical copy a rewind is told against."""
+"""Folds on a branch: a conversation whose host went back to an earlier point (a rewind cutting
+through a folded range, kernel/reconcile.py).  The blocks the request does not render there are not
+a native (MCP) call's to take in, nor the reminder's to offer, as for a call made on the wire; the
+first native fold gives the conversation the canonical copy a rewind is told against; and the
+branch's own folds keep their refs when a pass resolves it from scratch (a restart; a title request
+no longer takes the conversation's previous pass)."""
 
 from __future__ import annotations
 
@@ -118,3 +120,33 @@ def test_a_side_request_between_leaves_the_first_native_fold_its_conversations_c
     assert res.side
     assert agent.compress(s, first_ref(s, 1), last_ref(s, 20)).startswith("Compressed")
     assert len(s.copy.refs) == sum(len(it.parts) for it in s.last_view.items) > 20  # the conversation's pass
+
+
+@pytest.mark.parametrize("between", ["title", "restart"])
+def test_a_branchs_folds_keep_their_refs_when_it_is_resolved_from_scratch(tmp_path, between):
+    """On a rewound branch the canonical copy stays the first branch's (so it can come back); a pass
+    that resolves the branch from scratch (a title request took the conversation's previous pass; a
+    restart) took the branch's folded messages for new instances of their words, gave them new refs,
+    and the branch's fold was lost: its range back on the wire whole."""
+    agent = Agent(tmp_path)
+    s, cur, size = rewound_with_c_folded(agent)
+    refs = [p.ref for it in s.last_view.items for p in it.parts]
+    if between == "title":
+        _, _, res = agent.send([{"role": "user", "content": "Generate a short title for this session: Task"}])
+        assert res.side
+    else:
+        agent.eng.store.close()
+        agent.eng = Engine(Store(tmp_path / "d"), window=200_000, activate="always", materialize="now")
+    sent, s, res = agent.send(cur + said("Yes.", "and?"))
+    assert [p.ref for it in s.last_view.items for p in it.parts][:len(refs)] == refs
+    assert b"FILE C3" not in sent and len(sent) < size + 2_000
+
+
+def test_a_side_request_leaves_the_conversations_previous_pass(tmp_path):
+    agent = Agent(tmp_path)
+    msgs = [{"role": "user", "content": "Task: read the A modules."}] + reads("A", 10) + said("All read.", "ok")
+    agent.send(msgs)
+    _, _, res = agent.send([{"role": "user", "content": "Generate a short title for this session: Task"}])
+    assert res.side
+    _, _, res = agent.send(msgs + said("Done.", "next"))
+    assert res.reused >= len(msgs) - 1  # (the turn before read from its pass, as without the title: not from scratch)

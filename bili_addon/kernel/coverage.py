@@ -69,6 +69,8 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
     if out.verdict == "recovered":
         log.warning("[bili] session=%s: the history aligns with the folds again; folding resumes", printable(sid))
     result.drift = out.verdict
+    if out.verdict == "rewound":
+        s.copy.branch = [r.msg_id for ps in resolved for r in ps]
     if out.drifted or was_latched:
         sessions.save_copy(s)  # (with the turn's staged commit: one write)
     return out
@@ -140,6 +142,7 @@ def roll_copy(sessions: Sessions, s: Session, view: View, resolved: list[list[Re
         copy.refs = refs
         copy.items = [k for k, it in enumerate(view.items) for _p in it.parts]
         copy.ids = [r.msg_id for ps in resolved for r in ps]
+        copy.branch = []
         sessions.save_copy(s)
         return
     # a follow-up's refs, items and ids are the previous pass's (when the copy holds that pass's
@@ -178,6 +181,7 @@ def roll_copy(sessions: Sessions, s: Session, view: View, resolved: list[list[Re
         fps += map(reconcile.fingerprint, islice(chain.from_iterable(map(_PARTS, islice(items, k, None))),
                                                  same - counts[k], None))
     copy.fps, copy.refs, copy.items, copy.ids = fps, refs, where, ids
+    copy.branch = []  # (the pass is the copy's own again)
     view.memo["copy"] = (refs, where, ids, of, ends, items)
     sessions.save_copy(s)  # with the turn's staged commit (one write), or at once
 

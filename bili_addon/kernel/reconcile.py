@@ -109,6 +109,10 @@ class Copy:
     witness: list[str] = field(default_factory=list)  # frozen old-order tail of a drift episode
     truncated: list[str] = field(default_factory=list)  # covered refs the host dropped (oldest slice)
     latched: bool = False  # total collapse: folding paused until the history aligns again
+    # the ledger ids of the newest pass on a branch the host rewound to (verdict "rewound"), while the
+    # copy stays the first branch's (so that branch can come back): what the branch holds is no new
+    # instance of its own folded words when a pass resolves it from scratch (a restart, a lost memo)
+    branch: list[str] = field(default_factory=list)
     streak: int = 0
 
     def to_json(self) -> str:

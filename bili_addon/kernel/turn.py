@@ -346,7 +346,8 @@ class Engine(ProxyTools, Epochs, Deferred):
             # observe mode, or a total collapse: nothing verifies the folds against this history,
             # so it passes through as it came until the agent sends a history that aligns again
             self.sessions.flush(last=True)  # (a staged turn the coverage check latched: its commit is still written)
-            self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter, None, len(raw))
+            if not result.side:  # (a side request's pass is not the conversation's previous one)
+                self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter, None, len(raw))
             if stripped:  # the envelope is ours: it never reaches the provider
                 result.body = body.encode(None)
             return result
@@ -394,8 +395,9 @@ class Engine(ProxyTools, Epochs, Deferred):
         render_items(s, lane, raws, infos, start, q, resolved, rendered, changed_cum, tagged_cum, top, origin, active,
                      objs, strict, lambda: shown_blocks(s, view, snoozed))
         result.tagged = tagged_cum[-1]
-        self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter,
-                       (rendered, changed_cum, tagged_cum), len(raw))
+        if not result.side:  # (a side request's pass is not the conversation's previous one: the next turn's is)
+            self._remember(lane, sid, s, raws, infos, start, hashes, resolved, view_items, counter,
+                           (rendered, changed_cum, tagged_cum), len(raw))
 
         items_out = list(rendered)
         changed = changed_cum[-1] > 0 or stripped
@@ -490,6 +492,9 @@ class Engine(ProxyTools, Epochs, Deferred):
         anchors = None
         if cov and s.copy.ids:
             prev_ids, prev_bases = _id_sets(s)
+            if s.copy.branch:  # (on a rewound branch: its own newest pass's ids too)
+                prev_ids = prev_ids | set(s.copy.branch)
+                prev_bases = prev_bases | {i[:18] for i in s.copy.branch}
             appended_from = next((k + 1 for k in range(len(infos) - 1, -1, -1)
                                   if any(p.base in prev_bases for p in infos[k].parts)), 0)
             # (the copy's items not all reused as they were: its last one, the previous pass's, may have been a
