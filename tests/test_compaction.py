@@ -143,15 +143,19 @@ def test_claude_code_compaction_starts_an_epoch_and_folding_goes_on(backend):
     assert len(engine.sessions[SID].flags["epochs"]) == 1  # the same epoch all along
 
 
-def test_without_recognition_the_same_compaction_pauses_folding_for_good(backend, monkeypatch):
-    """The control: with no shapes recognised, the compacted history is a total collapse."""
+def test_without_recognition_the_same_compaction_pauses_folding_then_starts_over(backend, monkeypatch):
+    """The control: with no shapes recognised, the compacted history is a total collapse, which pauses
+    folding; it no longer does for good (coverage.RETIRE_AFTER): the old epoch's folds retire as a
+    recognised compaction's do, only a few requests later, and the new history is folded."""
     monkeypatch.setattr(compaction, "SHAPES", ())
     engine, agent, ts, pair, _ = folded_and_on(backend, "anthropic", C.anthropic, 14)
     res, _ = agent.send(X.claude_code(C.turns(20)[15:20]))
     assert res.drift == "collapse" and res.epoch == 0
     _, _, out = grow_until_folded(agent, lambda t, sc, extra: X.claude_code(C.turns(20)[15:20] + t, sc, extra=extra),
                                   20, turns=60)
-    assert out is None or SECTION + b"b2" not in out
+    assert out is not None and SECTION + b"b2" in out
+    s = engine.sessions[SID]
+    assert s.flags["drift"]["restarted"] == 1 and all(b.retired for b in s.blocks if b.id == "b1")
 
 
 def test_codex_compaction_keeps_the_refs_of_the_surviving_user_messages(backend):

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from bili_addon.store import Store
 
 log = logging.getLogger("bili")
+# a pause a collapse latched ends after this many passes in a row that still match no fold: the folds the
+# history lacks retire and folding starts over on the history as it is (a marathon session must not go
+# on unfolded for good because its host rewound past a compaction or rebuilt its history in a way no
+# channel verifies; the retired blocks stay decompressible and searchable)
+RETIRE_AFTER = 3
 
 
 def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: list[list[Resolved]],
@@ -62,6 +67,8 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
             msg += f"; {out.suspects} suspected host-rewritten tool-call id(s), not claimed"
         log.warning("%s; verdict: %s", msg, out.verdict or "none")
         count(sessions, s, out)
+    if s.copy.latched and s.copy.streak >= RETIRE_AFTER:
+        out = _start_over(sessions, s, view, out.missing)
     if out.verdict == "collapse" and not was_latched:
         log.error("[bili] session=%s: the re-sent history no longer matches any fold (%d covered parts "
                   "missing, none verifiable); folding is paused and requests pass through unchanged "
@@ -74,6 +81,31 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
     if out.drifted or was_latched:
         sessions.save_copy(s)  # (with the turn's staged commit: one write)
     return out
+
+
+def _start_over(sessions: Sessions, s: Session, view: View, missing: int) -> reconcile.Outcome:
+    """End a pause that outlasted :data:`RETIRE_AFTER` passes: every active block some of whose
+    messages this history lacks retires from the wire (as at the agent's compaction: still
+    decompressible and searchable), the blocks it holds whole stay (each of their refs is here: what
+    a steady pass verifies), and the canonical copy starts again from this pass."""
+    present = view.pos
+    gone = [b for b in s.blocks if b.active
+            and not all(r in present or b.claimed.get(r) in present for r in b.covered)]
+    for b in gone:
+        b.active = False
+        b.retired = True
+    if gone:
+        sessions.save_blocks(s, gone)
+    s.copy = reconcile.Copy()
+    counts = dict(s.flags.get("drift", {}))  # (the session's drift counters: /__bili/stats)
+    counts["restarted"] = counts.get("restarted", 0) + 1
+    sessions.set_flag(s.row.id, "drift", counts)
+    log.warning("[bili] session=%s: the history matched no fold for %d requests (%d covered part(s) missing); "
+                "%d block(s) retire from the wire (%s; still decompressible and searchable) and folding "
+                "resumes on the history as it is", printable(s.row.id), RETIRE_AFTER, missing, len(gone),
+                ", ".join(b.id for b in gone) or "none")
+    kept = [b for b in s.blocks if b.active]
+    return reconcile.Outcome(covered=len({r for b in kept for r in b.covered}), verdict="restarted")
 
 
 def _steady(view: View, blocks: list[fold.Block], copy: reconcile.Copy) -> reconcile.Outcome | None:

@@ -139,7 +139,7 @@ class Outcome:
     covered: int = 0  # covered messages of the active blocks
     unmatched: list[str] = field(default_factory=list)
     suspects: int = 0
-    verdict: str = ""  # "", "transformed", "truncated", "rewound", "drift", "collapse", "recovered"
+    verdict: str = ""  # "", "transformed", "truncated", "rewound", "drift", "collapse", "recovered", "restarted"
     # blocks not rendered for this request: their range the host truncated away, or a rewind left
     snoozed: set[str] = field(default_factory=set)
 

@@ -152,7 +152,8 @@ def status(view: View, blocks: list[Block], cfg: FoldConfig, usage: tuple[int, i
     active = [b for b in blocks if b.active]
     retired = sum(b.retired for b in blocks)
     lines.append(f"Blocks: {len(active)} active of {len(blocks)}"
-                 + (f" ({retired} from before the agent's compaction, still decompressible)." if retired else "."))
+                 + (f" ({retired} from before the agent's compaction or a history that stopped matching them, still "
+                    "decompressible)." if retired else "."))
     for b in active:
         topic = f'  "{b.topic}"' if b.topic else ""
         lines.append(f"  {b.id}  tier {b.tier}  {b.covered[0]}–{b.covered[-1]}  {len(b.covered)} parts  "
