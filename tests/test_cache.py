@@ -40,6 +40,23 @@ def test_anthropic_below_minimum_is_not_cached():
     assert haiku.send_segments(segs([1500], {0}), now=0) == Bill(input=1500)
 
 
+@pytest.mark.parametrize("model,minimum", [
+    ("claude-opus-4-6", 4096), ("anthropic/claude-opus-4.6", 4096), ("claude-opus-4-5-20251101", 4096),
+    ("claude-haiku-4-5-20251001", 4096), ("claude-3-5-haiku-20241022", 2048), ("claude-3-haiku-20240307", 2048),
+    ("claude-sonnet-4-6", 1024), ("claude-sonnet-4-5-20250929", 1024), ("claude-opus-4-1-20250805", 1024),
+    ("claude-opus-4-20250514", 1024), ("claude-3-7-sonnet-20250219", 1024),
+])
+def test_anthropic_minimum_per_model_as_documented(model, minimum):
+    """Anthropic's table of minimum cacheable prompt lengths: Opus 4.6 caches nothing under 4096 tokens
+    (the model took 1024 for it: it predicted writes and reads the provider never made)."""
+    assert anthropic_rules(model).min_tokens == minimum
+    body = json.dumps({"model": model, "system": [{"type": "text", "text": "s" * 4 * (minimum - 100),
+                                                    "cache_control": {"type": "ephemeral"}}],
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    clk = Clock("anthropic", model)
+    assert clk.send(body, 0.0).write == 0 and clk.send(body, 10.0).read == 0
+
+
 def test_anthropic_at_most_four_breakpoints():
     c = Cache(A)
     bill = c.send_segments(segs([2000] * 6, {0, 1, 2, 3, 4, 5}), now=0)

@@ -11,7 +11,7 @@ Pure code (no store, no engine).  One model per lane family, on each provider's 
   5-minute one (:func:`ordered`); it then pays reads up to its longest hit (A), 1-hour writes from
   there to its last 1-hour breakpoint (B) and 5-minute writes from there to its last breakpoint (C):
   each written segment is billed at the lifetime of the breakpoint that ends it.  A prefix shorter
-  than the model's minimum (1024 tokens; 2048 or 4096 on some models) is never cached.
+  than the model's minimum (1024 tokens; 2048 or 4096 on some models: :data:`_ANTH_4096`) is never cached.
   A message's string content matches the one text block it is shorthand for (Claude Code sends a
   user's text as a block list while it carries the last breakpoint, as a string after).
   ``cache_control`` itself is not part of what is matched (it moves every turn).
@@ -69,10 +69,16 @@ class Rules:
     lookback: int = 20  # block boundaries checked before a breakpoint
 
 
+# Anthropic's minimum cacheable prompt length, as its prompt-caching page tables it: 4096 tokens for
+# Opus 4.6, Opus 4.5 and Haiku 4.5; 2048 for Haiku 3.5 and 3; 1024 for the rest (Sonnet 4.6, 4.5, 4 and
+# 3.7, Opus 4.1 and 4).  Model ids spell versions with a dash or (through routers) a dot.
+_ANTH_4096 = re.compile(r"(?:opus-4[-.][56]|haiku-4[-.]5)(?![0-9])")
+
+
 def anthropic_rules(model: str = "") -> Rules:
     m = model.lower()
     minimum = 1024
-    if "haiku-4-5" in m or "haiku-4.5" in m or "opus-4-5" in m or "opus-4.5" in m:
+    if _ANTH_4096.search(m):
         minimum = 4096
     elif "haiku" in m:
         minimum = 2048
