@@ -296,7 +296,8 @@ class Run:
     times: list[float] = field(default_factory=list)  # when each step's request leaves (the gap model)
     requests: list[Request] = field(default_factory=list)
     # the same requests under the providers' cache rules (kernel/cache.py): Anthropic's breakpoints
-    # and lifetimes, and OpenAI's automatic prefix caching of the same bytes
+    # and lifetimes, and OpenAI's automatic prefix caching of the prompt it would build from them
+    # (kernel/cache.py's _prompt: the system prompt, the tools, then the messages)
     anth: Clock = field(default_factory=lambda: Clock("anthropic", "claude-sonnet-4-5"))
     oai: Clock = field(default_factory=lambda: Clock("responses", "gpt-5"))
     anth_bills: list[Bill] = field(default_factory=list)
@@ -715,7 +716,7 @@ def report_provider(pairs: list[tuple[str, Run, Run]]) -> None:
             ("Anthropic breakpoints, TTL", base.anth_cost, addon.anth_cost, addon.anth_read_share,
              f"{ktok(base.anth_writes())}→{ktok(addon.anth_writes())}", f"{hit:.0%}" if hit is not None else "-",
              f"{base.expired_share():.1%}→{addon.expired_share():.1%}"),
-            ("OpenAI prefix (same bytes)", base.oai_cost, addon.oai_cost,
+            ("OpenAI prefix (its prompt)", base.oai_cost, addon.oai_cost,
              sum(b.read for b in addon.oai_bills) / max(1, sum(b.total for b in addon.oai_bills)), "", "", ""),
         ]
         for how, b, a, share, writes, first, expired in rows:

@@ -40,6 +40,23 @@ def test_anthropic_below_minimum_is_not_cached():
     assert haiku.send_segments(segs([1500], {0}), now=0) == Bill(input=1500)
 
 
+@pytest.mark.parametrize("model,minimum", [
+    ("claude-opus-4-6", 4096), ("anthropic/claude-opus-4.6", 4096), ("claude-opus-4-5-20251101", 4096),
+    ("claude-haiku-4-5-20251001", 4096), ("claude-3-5-haiku-20241022", 2048), ("claude-3-haiku-20240307", 2048),
+    ("claude-sonnet-4-6", 1024), ("claude-sonnet-4-5-20250929", 1024), ("claude-opus-4-1-20250805", 1024),
+    ("claude-opus-4-20250514", 1024), ("claude-3-7-sonnet-20250219", 1024),
+])
+def test_anthropic_minimum_per_model_as_documented(model, minimum):
+    """Anthropic's table of minimum cacheable prompt lengths: Opus 4.6 caches nothing under 4096 tokens
+    (the model took 1024 for it: it predicted writes and reads the provider never made)."""
+    assert anthropic_rules(model).min_tokens == minimum
+    body = json.dumps({"model": model, "system": [{"type": "text", "text": "s" * 4 * (minimum - 100),
+                                                    "cache_control": {"type": "ephemeral"}}],
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    clk = Clock("anthropic", model)
+    assert clk.send(body, 0.0).write == 0 and clk.send(body, 10.0).read == 0
+
+
 def test_anthropic_at_most_four_breakpoints():
     c = Cache(A)
     bill = c.send_segments(segs([2000] * 6, {0, 1, 2, 3, 4, 5}), now=0)
@@ -332,3 +349,111 @@ def test_the_live_tail_of_a_session_that_asks_an_hour_everywhere_lives_an_hour()
     clocks = cache.Clocks()
     clocks.sent("s2", "anthropic", head or body(10, False), 0.0)
     assert clocks.cold("s2", 400.0, tail=True) and clocks.by_session["s2"].cache.tail_ttl() == 300.0
+
+
+# -- OpenAI and Gemini: the prompt in the provider's order -------------------------------------------
+
+INSTR = "Be terse. " * 400  # ~1000 tokens of instructions
+TOOLS = [{"type": "function", "name": f"tool_{i}", "description": "Does a thing. " * 60,
+          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}} for i in range(6)]
+
+
+def agent_body(lane, turns, tools=TOOLS, order="agent"):
+    """A body as the agents send it (``order="agent"``: the conversation first, then the instructions
+    where they are a member, then the tools: omp, hermes, codex) or with the members the other way."""
+    said = [("user" if i % 2 == 0 else "assistant", f"turn {i}: " + "word " * 300) for i in range(turns)]
+    if lane == "chat":
+        conv = {"messages": [{"role": "system", "content": INSTR}] + [{"role": r, "content": t} for r, t in said]}
+        head = {}
+        tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]
+    elif lane == "responses":
+        conv = {"input": [{"type": "message", "role": r, "content": [{"type": "input_text", "text": t}]}
+                          for r, t in said]}
+        head = {"instructions": INSTR}
+    else:
+        conv = {"contents": [{"role": "model" if r == "assistant" else "user", "parts": [{"text": t}]}
+                             for r, t in said]}
+        head = {"systemInstruction": {"parts": [{"text": INSTR}]}}
+        tools = [{"functionDeclarations": [{k: v for k, v in t.items() if k != "type"} for t in tools]}]
+    top = {"model": "gpt-5", "stream": True}
+    if order == "agent":
+        obj = {**top, **conv, **head, "tools": tools}
+    else:
+        obj = {**top, **head, "tools": tools, **conv}
+    return json.dumps(obj).encode()
+
+
+def tokens_of(obj) -> int:
+    return len(json.dumps(obj).encode()) // 4
+
+
+@pytest.mark.parametrize("lane", ["chat", "responses", "gemini"])
+def test_openai_gemini_read_the_tools_before_the_conversation(lane):
+    """The provider renders the instructions, then the tools, then the conversation: a follow-up reads
+    the agent's tools from the cache.  Read in the body's key order (tools after the conversation),
+    the model billed them uncached on every request."""
+    clk = Clock(lane, "gemini-2.5-flash" if lane == "gemini" else "gpt-5")
+    clk.send(agent_body(lane, 8), 0.0)
+    bill = clk.send(agent_body(lane, 9), 10.0)
+    assert bill.input < 128 + 400  # the new message (~300 tokens) and the step it ends in; the rest read
+    assert bill.read >= tokens_of(TOOLS) + 1000 + 8 * 300
+
+
+@pytest.mark.parametrize("lane", ["chat", "responses", "gemini"])
+def test_openai_gemini_new_tools_rewrite_all_after_the_instructions(lane):
+    """A tool added (bili's own on activation) changes the prompt right after the instructions: the
+    conversation is written again, not read (the key order's model saw a change at the end)."""
+    clk = Clock(lane, "gemini-2.5-flash" if lane == "gemini" else "gpt-5")
+    clk.send(agent_body(lane, 20), 0.0)
+    more = TOOLS + [{"type": "function", "name": "compress", "description": "Fold.", "parameters": {}}]
+    bill = clk.send(agent_body(lane, 20, tools=more), 10.0)
+    assert bill.read <= tokens_of(TOOLS) + 1100  # at most the instructions and the tools' shared opening
+    assert bill.input >= 20 * 300
+
+
+@pytest.mark.parametrize("lane", ["chat", "responses", "gemini"])
+def test_openai_gemini_bill_the_same_prompt_in_any_member_order(lane):
+    """The members' order in the JSON is no part of the prompt: the agent's order and the provider's
+    bill alike, turn after turn (memo or none)."""
+    for memo in (True, False):
+        bills = []
+        for order in ("agent", "provider"):
+            clk = Clock(lane, "gpt-5")
+            clk.cache.memo = memo
+            bills.append([clk.send(agent_body(lane, n, order=order), 10.0 * n) for n in (4, 5, 6, 8)])
+        assert bills[0] == bills[1]
+        assert bills[0][-1].read > 0
+
+
+def test_chat_leading_system_messages_come_before_the_tools():
+    """Chat Completions: the opening system (or developer) messages are the instructions the tools
+    follow; a tool change keeps them read, a change to them reads nothing."""
+    clk = Clock("chat", "gpt-5")
+    clk.send(agent_body("chat", 6), 0.0)
+    more = TOOLS + [{"type": "function", "name": "compress", "description": "Fold.", "parameters": {}}]
+    assert clk.send(agent_body("chat", 6, tools=more), 10.0).read >= 1024  # the system message's ~1000 tokens
+    other = agent_body("chat", 6, tools=more).replace(b"Be terse.", b"Be brief.", 1)
+    assert clk.send(other, 20.0).read == 0
+
+
+def test_anthropic_bills_the_same_in_any_member_order():
+    """Anthropic caches tools, then system, then messages whatever the JSON's order (the agents send
+    messages first): the model reads them so."""
+    tools = [{"name": f"t{i}", "description": "Does a thing. " * 60, "input_schema": {"type": "object"}}
+             for i in range(6)]
+    system = [{"type": "text", "text": "Be terse. " * 400, "cache_control": {"type": "ephemeral"}}]
+
+    def body(n, first):
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 300} for i in range(n)]
+        msgs[-1] = {"role": msgs[-1]["role"], "content": [{"type": "text", "text": msgs[-1]["content"],
+                                                           "cache_control": {"type": "ephemeral"}}]}
+        head = {"tools": tools, "system": system}
+        obj = {"model": "claude-sonnet-4-5", **head, "messages": msgs} if first else \
+            {"model": "claude-sonnet-4-5", "messages": msgs, **head}
+        return json.dumps(obj).encode()
+
+    runs = []
+    for first in (True, False):
+        clk = Clock("anthropic", "claude-sonnet-4-5")
+        runs.append([clk.send(body(n, first), 10.0 * n) for n in (3, 4, 6)])
+    assert runs[0] == runs[1] and runs[0][-1].read > 0

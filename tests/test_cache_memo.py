@@ -329,6 +329,12 @@ def test_prefix_memo_matches_recompute(lane, seed):
         elif k < 0.8:
             floor, ttl = rng.choice([0, 2048, 3000]), rng.choice([None, 100.0])
             pair.both(lambda c: c.apply(min_tokens=floor, ttl=ttl))
+        elif k < 0.84 and len(msgs) > 2:  # the opening instructions grow or shrink (a developer message)
+            i = rng.randrange(0, 3)
+            msgs[i] = {**msgs[i], "role": rng.choice(["system", "developer", "user"])}
+        elif k < 0.87:  # instructions of their own, before or after the conversation
+            name = "systemInstruction" if lane == "gemini" else "instructions"
+            extra[name] = rng.choice([None, prose(rng, 50, 300), {"parts": [{"text": prose(rng, 5, 50)}]}])
         body = chat_body(rng, msgs, extra, lane, first)
         if rng.random() < 0.05:
             body = broken(rng, body)

@@ -351,9 +351,10 @@ def test_replay_cost_bills_a_chained_turn_on_its_whole_chain(tmp_path):
     assert t2.prompt == t2.prompt_sent == whole
 
     # by hand: OpenAI caches prefixes from 1024 tokens (4096 bytes at 4 a token) in steps of 128 (512
-    # bytes); the chain shares turn 1's bytes up to its first item's end; gpt-5 reads at 0.1
-    read = len(head) // 512 * 128
-    first, second = len(body1) // 4, len(whole) // 4
+    # bytes) of the prompt it builds (here the items alone: no instructions, no tools; model and store
+    # are no prompt); the chain shares turn 1's item; gpt-5 reads at 0.1
+    read = len(u1) // 512 * 128
+    first, second = len(u1) // 4, len(u1 + b"," + _compact(out) + b"," + u2) // 4
     sc = session_costs([replay.replay_file(path)])[0]
     assert (sc.bill_without.input, sc.bill_without.read) == (first + second - read, read)
     assert sc.without == pytest.approx(first + second - read + 0.1 * read) and sc.with_addon == sc.without
@@ -362,7 +363,10 @@ def test_replay_cost_bills_a_chained_turn_on_its_whole_chain(tmp_path):
     t1, t2 = replay.replay_file(path, activate="always", materialize="now").turns
     assert t2.prompt == whole and t2.prompt_sent != whole and len(t2.prompt_sent) > len(t2.body)
     sc = session_costs([replay.replay_file(path, activate="always", materialize="now")])[0]
-    assert sc.bill_with.total == len(t1.body) // 4 + len(t2.prompt_sent) // 4
+    opening, closing = b'{"model":"gpt-5","input":[', b'],"store":true}'  # (no prompt: the items are)
+    assert all(b.startswith(opening) and b.endswith(closing) for b in (t1.body, t2.prompt_sent))
+    assert sc.bill_with.total == (len(t1.body) - len(opening + closing)) // 4 + \
+        (len(t2.prompt_sent) - len(opening + closing)) // 4
 
 
 # -- a Gemini session's cache is its URL's model's --------------------------------------------------------

@@ -11,13 +11,15 @@ Pure code (no store, no engine).  One model per lane family, on each provider's 
   5-minute one (:func:`ordered`); it then pays reads up to its longest hit (A), 1-hour writes from
   there to its last 1-hour breakpoint (B) and 5-minute writes from there to its last breakpoint (C):
   each written segment is billed at the lifetime of the breakpoint that ends it.  A prefix shorter
-  than the model's minimum (1024 tokens; 2048 or 4096 on some models) is never cached.
+  than the model's minimum (1024 tokens; 2048 or 4096 on some models: :data:`_ANTH_4096`) is never cached.
   A message's string content matches the one text block it is shorthand for (Claude Code sends a
   user's text as a block list while it carries the last breakpoint, as a string after).
   ``cache_control`` itself is not part of what is matched (it moves every turn).
 - **OpenAI** (Chat, Responses): automatic prefix caching of prompts from 1024 tokens on, in steps of
   128 tokens; an entry lives ~5 minutes of idle (24 hours with ``prompt_cache_retention: "24h"``).
-  No write premium; reads bill 0.5x to 0.1x depending on the model family.
+  No write premium; reads bill 0.5x to 0.1x depending on the model family.  The prefix is that of
+  the prompt the provider builds (instructions, tools, conversation: :func:`_prompt`), not of the
+  body's JSON, whose agents put the tools last; Gemini's likewise.
 - **Gemini**: implicit prefix caching from 1024 tokens (Flash) or 4096 (Pro); reads bill 0.1x
   (2.5 and 3) or 0.25x (older), the built-in price table's rate where it has the model
   (:func:`bili_addon.prices.read_share`: one source for the clock and the money); no write premium.
@@ -69,10 +71,16 @@ class Rules:
     lookback: int = 20  # block boundaries checked before a breakpoint
 
 
+# Anthropic's minimum cacheable prompt length, as its prompt-caching page tables it: 4096 tokens for
+# Opus 4.6, Opus 4.5 and Haiku 4.5; 2048 for Haiku 3.5 and 3; 1024 for the rest (Sonnet 4.6, 4.5, 4 and
+# 3.7, Opus 4.1 and 4).  Model ids spell versions with a dash or (through routers) a dot.
+_ANTH_4096 = re.compile(r"(?:opus-4[-.][56]|haiku-4[-.]5)(?![0-9])")
+
+
 def anthropic_rules(model: str = "") -> Rules:
     m = model.lower()
     minimum = 1024
-    if "haiku-4-5" in m or "haiku-4.5" in m or "opus-4-5" in m or "opus-4.5" in m:
+    if _ANTH_4096.search(m):
         minimum = 4096
     elif "haiku" in m:
         minimum = 2048
@@ -284,9 +292,9 @@ def anthropic_segments(body: bytes, rules: Rules | None = None) -> list[Segment]
 # cut at their top-level ``messages`` array (:func:`_locate`, :func:`_cut`): the members before it
 # were read with the previous body, the messages after the last boundary both bodies share and the
 # members after the array are read again (a new head, e.g. Claude Code's per-request ``cch`` system
-# block, re-chains the kept blocks' bytes: every key changes).  OpenAI bodies are cut so at their
-# conversation array for ``prompt_cache_retention``; OpenAI/Gemini prefix digests resume from a
-# hasher state kept every 64 step edges.  Anything unexpected (a body the cut does not read,
+# block, re-chains the kept blocks' bytes: every key changes).  OpenAI and Gemini bodies are cut so
+# at their conversation array for their prompt (:func:`_prompt`) and ``prompt_cache_retention``; the
+# prompt's prefix digests resume from a hasher state kept every 64 step edges.  Anything unexpected (a body the cut does not read,
 # duplicate members that do not agree) takes the full path, whose result and errors are today's.
 # The memo is a pure function's cache (body and rules -> blocks/digests): the learned lifetime,
 # minimum and no-cache flags apply after it, and a Rules change invalidates it.
@@ -688,61 +696,169 @@ class Cache:
         return Bill(input=total - hit, read=hit)
 
 
-class _OpenAITop(msgspec.Struct):
-    model: Any = None
+# -- the prompt as OpenAI and Gemini build it --------------------------------------------------------
+#
+# OpenAI and Gemini cache the prompt they render from the request, not the request's JSON.  That
+# prompt opens with the instructions (Responses' ``instructions``, then the conversation's leading
+# system and developer messages; Gemini's ``systemInstruction``), then the tool definitions (OpenAI
+# renders them into the system prompt: a prefix hit needs them identical), then the conversation.
+# The agents' bodies put ``tools`` (omp's and hermes' ``instructions`` too) after the conversation:
+# read in key order, the body's bytes billed the agent's tools uncached on every request, and bili's
+# own tools, added on activation, looked like a change at the end where they change all but the
+# instructions.  :func:`_prompt` lays a body's members out in the provider's order, each as the bytes
+# the body sends (the same members give the same prompt), and the prefix cache runs on that.  The
+# members that are no prompt (model, stream, sampling, ``prompt_cache_key``) are left out; a body
+# with no conversation member, or no JSON object, is billed as its bytes (today's model, fail open).
+# A top-level ``system`` leads too: an Anthropic-shaped body billed under OpenAI's rules
+# (bench_session's "OpenAI" figure) keeps its system prompt first.
+
+_HEAD = ("instructions", "system", "systemInstruction", "system_instruction")  # the instructions' members
+_CONV = {"openai": ("messages", "input"), "gemini": ("contents",)}  # the conversation's, by family
+_LEADS = ("system", "developer")  # roles of the conversation's opening messages that join the instructions
+_ARRAYS = ("messages", "input", "contents")
+_PROMPT_TOP = {key: _top(key, prompt_cache_retention=Any, tools=msgspec.Raw,
+                         **{h: msgspec.Raw for h in _HEAD + tuple(a for a in _ARRAYS if a != key)})
+               for key in _ARRAYS}
+
+
+class _PromptBody(msgspec.Struct):
+    """An OpenAI or Gemini body's members that make its prompt, read whole (the full path)."""
+
+    messages: msgspec.Raw | UnsetType = UNSET
+    input: msgspec.Raw | UnsetType = UNSET
+    contents: msgspec.Raw | UnsetType = UNSET
+    instructions: msgspec.Raw | UnsetType = UNSET
+    system: msgspec.Raw | UnsetType = UNSET
+    systemInstruction: msgspec.Raw | UnsetType = UNSET  # noqa: N815 (Gemini's spelling)
+    system_instruction: msgspec.Raw | UnsetType = UNSET
+    tools: msgspec.Raw | UnsetType = UNSET
     prompt_cache_retention: Any = None
 
 
-_OAI_TOP = {key: _top(key, model=Any, prompt_cache_retention=Any) for key in ("messages", "input")}
+class _Role(msgspec.Struct):
+    role: Any = None
+
+
+_prompt_dec = msgspec.json.Decoder(_PromptBody)
+_role_dec = msgspec.json.Decoder(_Role)
+_WS_BYTES = b" \t\n\r"
+
+
+def _leading(key: str, items: list[msgspec.Raw]) -> int:
+    """How many of ``items`` (the conversation's, from some item on) are system or developer messages
+    before its first other item (Gemini's ``contents`` have none: its instructions are a member)."""
+    if key == "contents":
+        return 0
+    n = 0
+    for raw in items:
+        try:
+            role = _role_dec.decode(raw).role
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            break
+        if role not in _LEADS:
+            break
+        n += 1
+    return n
+
+
+def _part(raw: Any) -> bytes:
+    """A member's bytes in the prompt (none where the body has no such member, or null)."""
+    if raw is UNSET:
+        return b""
+    blob = bytes(raw)
+    return b"" if blob == b"null" else blob
+
+
+def _lay_out(head: list[bytes], tools: bytes, lead: bytes | memoryview, rest: bytes | memoryview) -> bytes:
+    return b"".join((*head, lead, tools, rest))
 
 
 class _TopMemo:
-    """Where an OpenAI body's top level was cut (its conversation array), kept for the next body."""
+    """Where an OpenAI or Gemini body's top level was cut (its conversation array), kept for the next body."""
 
-    __slots__ = ("body", "key", "bounds", "pre")
+    __slots__ = ("body", "key", "bounds", "pre", "lead")
 
-    def __init__(self, body: bytes, key: str, bounds: list[int], pre: Any):
+    def __init__(self, body: bytes, key: str, bounds: list[int], pre: Any, lead: int):
         self.body = body
         self.key = key
-        self.bounds = bounds
-        self.pre = pre
+        self.bounds = bounds  # the array's boundaries: [0] just after its ``[``, [i] the end of item i - 1
+        self.pre = pre  # the top-level members before the array
+        self.lead = lead  # its opening system/developer messages (part of the instructions)
 
 
-def _retention(memo: Any, body: bytes) -> tuple[Any, _TopMemo | None]:
-    """The body's ``prompt_cache_retention`` as :class:`_OpenAITop` reads it (None where the body is
-    no JSON object), read around its conversation array: the members before it as kept in
-    ``memo`` when the bodies share them, the array from the last shared item on, and what follows."""
-    if isinstance(memo, _TopMemo):
-        _, dec, hdr = _OAI_TOP[memo.key]
+def _from_cut(body: bytes, key: str, keys: tuple[str, ...], bounds: list[int], pre: Any, tail: Any,
+              lead: int) -> tuple[bytes, Any, _TopMemo] | None:
+    """The prompt of a body cut at its conversation array ``key``: the members before it (``pre``) and
+    after it (``tail``: a member there is the one that counts), the items' bytes between ``bounds``.
+    None where the body has a conversation member ``keys`` reads before this one (the full path's)."""
+
+    def member(name: str) -> Any:
+        value = getattr(tail, name)
+        return getattr(pre, name) if value is UNSET else value
+
+    if any(member(k) is not UNSET for k in keys[: keys.index(key)]):
+        return None
+    mv = memoryview(body)  # (the items are copied once, into the prompt)
+    prompt = _lay_out([_part(member(h)) for h in _HEAD], _part(member("tools")),
+                      mv[bounds[0]:bounds[lead]], mv[bounds[lead]:bounds[-1]])
+    return prompt, member("prompt_cache_retention"), _TopMemo(body, key, bounds, pre, lead)
+
+
+def _prompt(memo: Any, body: bytes, keys: tuple[str, ...]) -> tuple[bytes, Any, _TopMemo | None]:
+    """The body's prompt in the provider's order and its ``prompt_cache_retention``, read around its
+    conversation array: the members before it as kept in ``memo`` when the bodies share them, the
+    array from the last shared item on, and what follows (:func:`_prompt_full` where that does not
+    read).  The same bytes as :func:`_prompt_full`'s."""
+    if isinstance(memo, _TopMemo) and memo.key in keys:
+        _, dec, hdr = _PROMPT_TOP[memo.key]
         k = bisect_right(memo.bounds, _common(memo.body, body)) - 1
         if k >= 0:
             got = _cut(body, memo.bounds[k], k == 0, memo.key, dec, hdr)
             if got is not None:
-                tail = got[2]
-                value = tail.prompt_cache_retention
-                return (memo.pre.prompt_cache_retention if value is UNSET else value,
-                        _TopMemo(body, memo.key, memo.bounds[: k + 1] + got[1], memo.pre))
-    for key, (_, dec, hdr) in _OAI_TOP.items():
+                items, ends, tail = got
+                # the kept items are the old body's: its first other item among them, the opening is the same
+                lead = memo.lead if k > memo.lead else k + _leading(memo.key, items)
+                out = _from_cut(body, memo.key, keys, memo.bounds[: k + 1] + ends, memo.pre, tail, lead)
+                if out is not None:
+                    return out
+    for key in keys:
+        _, dec, hdr = _PROMPT_TOP[key]
         loc = _locate(body, key.encode(), dec)
         if loc is not None:
             got = _cut(body, loc[0] + 1, True, key, dec, hdr)
             if got is not None:
-                value = got[2].prompt_cache_retention
-                return (loc[1].prompt_cache_retention if value is UNSET else value,
-                        _TopMemo(body, key, [loc[0] + 1] + got[1], loc[1]))
-    return _read_retention(body), None
+                items, ends, tail = got
+                out = _from_cut(body, key, keys, [loc[0] + 1] + ends, loc[1], tail, _leading(key, items))
+                if out is not None:
+                    return out
+    return (*_prompt_full(body, keys), None)
 
 
-def _read_retention(body: bytes) -> Any:
-    """The body's ``prompt_cache_retention``, read from the whole body (None where it is no JSON object)."""
+def _prompt_full(body: bytes, keys: tuple[str, ...]) -> tuple[bytes, Any]:
+    """:func:`_prompt`, read from the whole body; the body itself where it has no conversation
+    member (or is no JSON object), with no retention."""
     try:
-        return msgspec.json.decode(body, type=_OpenAITop).prompt_cache_retention
+        top = _prompt_dec.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+        return body, None
+    key = next((k for k in keys if getattr(top, k) is not UNSET), None)
+    if key is None:
+        return body, None
+    conv = bytes(getattr(top, key))
+    lead, rest = b"", conv
+    if conv.startswith(b"["):  # the items' bytes as the body has them, separators and all
+        items = _raws.decode(conv)
+        pos = 1
+        for raw in items[: _leading(key, items)]:
+            blob = bytes(raw)
+            pos = conv.index(blob, pos) + len(blob)  # (only commas and blanks come before an item)
+        end = len(conv.rstrip(_WS_BYTES)[:-1].rstrip(_WS_BYTES))
+        lead, rest = conv[1:pos], conv[pos:end]
+    return _lay_out([_part(getattr(top, h)) for h in _HEAD], _part(top.tools), lead, rest), top.prompt_cache_retention
 
 
 def bill_request(cache: Cache, body: bytes, now: float) -> Bill:
-    """One request body through its session's cache."""
+    """One request body through its session's cache (an OpenAI or Gemini body as its prompt: :func:`_prompt`)."""
     if cache.rules.family == "anthropic":
         got = _anthropic_memo(cache._memo, body, cache.rules) if cache.memo and type(body) is bytes else None
         if got is None:
@@ -750,15 +866,13 @@ def bill_request(cache: Cache, body: bytes, now: float) -> Bill:
             return cache.send_segments(anthropic_segments(body, cache.rules), now)
         segs, cum, bps, cache._memo = got
         return cache._send(segs, cum, bps, now)
-    ttl = None
-    if cache.rules.family == "openai":
-        if cache.memo and type(body) is bytes:
-            retention, cache._memo_top = _retention(cache._memo_top, body)
-        else:
-            retention = _read_retention(body)
-        if retention == "24h":
-            ttl = cache.rules.ttl_long
-    return cache.send_prefix(body, now, ttl)
+    keys = _CONV.get(cache.rules.family, _CONV["openai"])
+    if cache.memo and type(body) is bytes:
+        prompt, retention, cache._memo_top = _prompt(cache._memo_top, body, keys)
+    else:
+        prompt, retention = _prompt_full(body, keys)
+    ttl = cache.rules.ttl_long if cache.rules.family == "openai" and retention == "24h" else None
+    return cache.send_prefix(prompt, now, ttl)
 
 
 class _Model(msgspec.Struct):
