@@ -772,6 +772,38 @@ def _block_id(s: str) -> str | None:
     return f"b{int(m.group(1))}" if m and int(m.group(1)) >= 1 else None
 
 
+def _in_order(direct: list[str], absorbed: list[Block], order: dict[str, int],
+              claimed: dict[str, str]) -> list[str]:
+    """A new block's covered refs in conversation order: those the request holds (an absorbed block's
+    under the ref a verified claim moved them to) where it holds them, and each one it does not hold
+    (the host truncated it away, or a rewind left it) just before the next of its own block's refs the
+    request holds, in its block's order (after its block's last one held, where none follows).  Sorted
+    after everything instead, the oldest slice a truncation took ended the list, and the block was
+    taken for one that is not a tail of its range (reconcile.not_a_tail): never rendered again."""
+    key: dict[str, tuple] = {r: (order.get(r, 1 << 30), 1, 0) for r in direct}
+    for b in absorbed:
+        refs = b.covered
+        after = 1 << 30
+        for i in range(len(refs) - 1, -1, -1):
+            r = refs[i]
+            at = order.get(claimed.get(r, r))
+            if at is not None:
+                after = at
+                key.setdefault(r, (at, 1, 0))
+            else:
+                key.setdefault(r, (after, 0, i))
+    if any(k[0] == 1 << 30 for k in key.values()):  # none held after them: after the block's last one held
+        for b in absorbed:
+            last = -1
+            for i, r in enumerate(b.covered):
+                at = order.get(claimed.get(r, r))
+                if at is not None:
+                    last = at
+                elif key[r][0] == 1 << 30 and last >= 0:
+                    key[r] = (last, 2, i)
+    return sorted(key, key=lambda r: (*key[r], r))
+
+
 def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_id: str = "",
              snoozed: frozenset[str] = frozenset()) -> CompressOutcome:
     ranges = parse_ranges(args)
@@ -845,10 +877,7 @@ def compress(args: Any, view: View, blocks: list[Block], cfg: FoldConfig, call_i
             # re-minted them to (its claims, verified) carried over, not taken for refs of its own
             # (the new block would then miss every original ref on every turn: drift, then a collapse)
             claimed = {old: new for b in absorbed for old, new in b.claimed.items()}
-            covered = sorted(
-                {p.ref for p in direct} | {ref for b in absorbed for ref in b.covered},
-                key=lambda ref: (order.get(claimed.get(ref, ref), 1 << 30), ref),
-            )
+            covered = _in_order([p.ref for p in direct], absorbed, order, claimed)
             folded = sum(p.tokens for p in direct) + sum(b.summary_tokens for b in absorbed)
             block = Block(
                 id=f"b{next_no}", tier=tier, summary=r.summary, topic=r.topic, covered=covered,
