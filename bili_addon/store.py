@@ -553,6 +553,35 @@ def rebase(ledger_docs: list[tuple[int, str]], refs_docs: list[tuple[int, str]],
 HANGING = ("ledger_turns", "refs_turns", "affinity", "turns", "blocks", "originals", "transcript", "wire", "copies",
            "lineage", "lineage_parts", "affinity_points", "calls", "calibration")
 KEPT_FLAGS = ("learned_windows", "strict_reasoning")  # what a tombstone keeps of its flags: facts of the provider
+# a session's lineage record of an epoch its agent's compaction ended (kernel/lineage.py) is kept in
+# ``lineage_parts`` under a key of its own: the session's id, this separator, the epoch's number (no
+# sessions row of its own: the session's lineage lookups never see it; no schema change).  A
+# session id holding the separator records no lineage, so no session's record is another's archive.
+ARCHIVE_SEP = "\x1f"
+
+
+def archived_record(session_id: str, epoch: int) -> str:
+    """The ``lineage_parts`` key of the session's record of ``epoch`` (one its compaction ended)."""
+    return f"{session_id}{ARCHIVE_SEP}{epoch}"
+
+
+# those of ``lane``'s sessions whose opening is a part (Store.lineage_archived): the head index's rows whose
+# key holds the separator, joined with their session's row (the key up to the separator)
+_ARCHIVED = ("SELECT s.id, p.session_id FROM lineage_parts p JOIN sessions s "
+             "ON s.id=substr(p.session_id, 1, instr(p.session_id, char(31)) - 1) "
+             "WHERE p.seq=0 AND p.fp=? AND s.lane=? AND instr(p.session_id, char(31)) > 0 "
+             "ORDER BY s.created, p.session_id")
+
+
+def archived_records(session_id: str, flags: str) -> list[str]:
+    """The keys the session's archived lineage records may have: one per epoch its flags say ended
+    (each entry of ``epochs`` began one, and ended the one before it)."""
+    try:
+        eps = json.loads(flags or "{}").get("epochs") or ()
+    except (ValueError, AttributeError):
+        return []
+    return [archived_record(session_id, int(e["epoch"]) - 1) for e in eps
+            if isinstance(e, dict) and isinstance(e.get("epoch"), int)]
 
 
 def tombstone_flags(flags: str) -> str:
@@ -1605,6 +1634,11 @@ class Store:
                 [(session_id, keep + i, *row) for i, row in enumerate(rows)],
             )
 
+    def lineage_archived(self, first_fp: str, lane: str) -> list[tuple[str, str]]:
+        """``(session, key)`` of the archived records (:func:`archived_record`) of ``lane``'s sessions
+        that open with this part, oldest session first."""
+        return self.db.execute(_ARCHIVED, (first_fp, lane)).fetchall()
+
     def lineage_candidates(self, first_fp: str, lane: str) -> list[str]:
         """Sessions of ``lane`` whose recorded history opens with this part, oldest first (once as
         :meth:`session_state` read them with the session, when nothing was written since)."""
@@ -1798,6 +1832,16 @@ class Store:
                     counts[t] = n
                     if not dry_run:
                         self.db.execute(f"DELETE FROM {t} WHERE session_id IN ({q})", sids)
+            # the lineage records of the epochs their compactions ended, under keys of their own
+            keys = [k for r in rows for k in archived_records(r[0], r[4])]
+            for i in range(0, len(keys), 400):
+                chunk = keys[i:i + 400]
+                kq = ",".join("?" * len(chunk))
+                n = self.db.execute(f"SELECT COUNT(*) FROM lineage_parts WHERE session_id IN ({kq})", chunk).fetchone()[0]
+                if n:
+                    counts["lineage_parts"] = counts.get("lineage_parts", 0) + n
+                    if not dry_run:
+                        self.db.execute(f"DELETE FROM lineage_parts WHERE session_id IN ({kq})", chunk)
             if dead:
                 counts["chains"] = len(dead)
                 if not dry_run:

@@ -27,7 +27,8 @@ from bili_addon.store import (
     CALIBRATION_COLS, CHAIN_COLS, DB_NAME, HANGING, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
     FRESH_GIVEN, StaleSession, StoreError, USAGE, UsageTotals, WireTurn, WIRE_COLS, WIRE_LAST, WIRE_SUMS, _json,
     _wire_rows, contiguous, dead_chains, newer_schema,
-    _not_pruned, fresh_first, ledger_rows, rebase, retired_taken, tombstone_flags, usage_totals, wire_turn,
+    _not_pruned, archived_records, fresh_first, ledger_rows, rebase, retired_taken, tombstone_flags, usage_totals,
+    wire_turn,
 )
 
 _WIRE_ROWS = _wire_rows("%s")  # (the wire sums' rows: store.WIRE_SUMS)
@@ -748,11 +749,18 @@ def _reads(fn):
 # The lock's key is the server's SHA-256 of the session id (the same number as PgStore.lock_key: the first
 # 8 bytes of the digest of its UTF-8 bytes, big-endian, signed), not the client's (~15 us of its CPU cold)
 _KEY_SQL = "('x' || left(encode(sha256(convert_to('bili-session:' || {}::text, 'UTF8')), 'hex'), 16))::bit(64)::bigint"
-_HOLD = (b"SELECT json_build_array(o_version, o_family, o_last, o_cands)::text FROM bili_hold("
-         + _KEY_SQL.format("$1").encode() + b", $1, $2, $3)")
+# (with the candidates, the archived lineage records of the lane's sessions that open with the part,
+# PgStore.lineage_archived: read in the statement, not in bili_hold, so no new schema: it reads them as
+# of the statement's start, before the lock, and they are other sessions' records, not the one it locks)
+_HOLD_ARCHIVED = ("CASE WHEN $2::text IS NULL THEN NULL ELSE ARRAY(SELECT ARRAY[s.id, p.session_id] "
+                  "FROM lineage_parts p JOIN sessions s ON s.id=split_part(p.session_id, chr(31), 1) "
+                  "WHERE p.seq=0 AND p.fp=$2 AND s.lane=$3 AND strpos(p.session_id, chr(31)) > 0 "
+                  "ORDER BY s.created, p.session_id) END")
+_HOLD = (b"SELECT json_build_array(o_version, o_family, o_last, o_cands, " + _HOLD_ARCHIVED.encode()
+         + b")::text FROM bili_hold(" + _KEY_SQL.format("$1").encode() + b", $1, $2, $3)")
 _UNLOCK_ONE = b"SELECT pg_advisory_unlock(" + _KEY_SQL.format("$1").encode() + b")"  # (false, a warning: not held)
 # what bili_hold answers for a session the store has no row, lineage nor usage of (a new conversation)
-_NEW_HOLD = b"[null, null, null, null]"
+_NEW_HOLD = b"[null, null, null, null, null]"
 # libpq reads a text parameter up to its first NUL byte: such a text (PostgreSQL cannot store it) is
 # refused before it is sent, for the turn to pass unchanged, never cut to another value
 _NUL = "a text with a NUL character cannot go to PostgreSQL (libpq would cut it there)"
@@ -786,7 +794,7 @@ def _call_back(c) -> tuple:
 
 # a dumped table's rows (bili store migrate) read back, and loaded storable: the columns of those texts
 _NUL_COLS = {"originals": ("text",), "calls": ("args", "result")}
-_NEW_HOLD_CANDS = b"[null, null, null, []]"
+_NEW_HOLD_CANDS = b"[null, null, null, [], []]"
 _TUPLES_OK = int(ExecStatus.TUPLES_OK) if psycopg is not None else 2
 _CONN_OK = int(ConnStatus.OK) if psycopg is not None else 0
 _BAD = int(ConnStatus.BAD) if psycopg is not None else 1  # a connection psycopg calls ``closed``
@@ -834,6 +842,13 @@ _COMMAND_OK = int(ExecStatus.COMMAND_OK) if psycopg is not None else 1
 # a new session's fork candidates: the sessions of its lane whose first part has its fingerprint
 _CANDIDATES = ("SELECT p.session_id FROM lineage_parts p JOIN sessions s ON s.id=p.session_id "
                "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s ORDER BY s.created")
+
+# the archived lineage records of a lane's sessions that open with a part (PgStore.lineage_archived): as
+# store._ARCHIVED reads them
+_ARCHIVED = ("SELECT s.id, p.session_id FROM lineage_parts p JOIN sessions s "
+             "ON s.id=split_part(p.session_id, chr(31), 1) "
+             "WHERE p.seq=0 AND p.fp=%s AND s.lane=%s AND strpos(p.session_id, chr(31)) > 0 "
+             "ORDER BY s.created, p.session_id")
 
 
 _MAX_PARAMS = 30000  # values sent in one versioned statement at most (the protocol takes 65,535 parameters)
@@ -908,9 +923,11 @@ class PgStore:
         # calls and copy are written with their row, never before), so :meth:`session_state` answers
         # at once while that read still holds (the version it read is still 0 in ``_state``)
         self._absent: set[str] = set()
-        # the fork candidates :meth:`hold` read with the lock (``(first fingerprint, lane) -> ids``):
-        # :meth:`lineage_candidates` answers from them once, until this instance writes lineage parts
-        self._cands: dict[tuple[str, str], list[str]] = {}
+        # the fork candidates :meth:`hold` read with the lock (``(first fingerprint, lane) -> ids``; and
+        # ``(_ARCHIVED, first fingerprint, lane) -> (id, key)`` of the archived records):
+        # :meth:`lineage_candidates` and :meth:`lineage_archived` answer from them once, until this
+        # instance writes lineage parts
+        self._cands: dict[tuple, list] = {}
         self._answer: list[tuple] | None = None  # an answer's records queued (:meth:`answer`), None: none being made
         try:
             # one direct connection first: a server that is down or refuses us fails at once, with its
@@ -1059,11 +1076,12 @@ class PgStore:
             got = self._call(conn, _HOLD, (session_id, fp, lane)).get_value(0, 0)
             if got == _NEW_HOLD or got == _NEW_HOLD_CANDS:  # a new session (nothing to decode)
                 version = fam = last = None
-                cands = ()
+                cands = archived = ()
             else:
-                version, fam, last, cands = msgspec.json.decode(got)
+                version, fam, last, cands, archived = msgspec.json.decode(got)
             if candidates is not None:
                 self._cands[candidates] = list(cands or ())
+                self._cands[(_ARCHIVED, *candidates)] = [tuple(a) for a in archived or ()]
         except pg_errors.LockNotAvailable as e:
             # the lock not granted in time, or granted and then a read of bili_hold waited past the
             # timeout on a table's lock (another instance's migration, a VACUUM FULL): the session's
@@ -1858,6 +1876,11 @@ class PgStore:
         return got if got is not None else [r[0] for r in self._q(_CANDIDATES, (first_fp, lane))]
 
     @_reads
+    def lineage_archived(self, first_fp: str, lane: str) -> list[tuple[str, str]]:
+        got = self._cands.pop((_ARCHIVED, first_fp, lane), None)  # read with the session's lock (hold)
+        return got if got is not None else [tuple(r) for r in self._q(_ARCHIVED, (first_fp, lane))]
+
+    @_reads
     def family_next_ref(self, root: str) -> int:
         row = self._one("SELECT MAX(next_ref) FROM sessions WHERE id IN (SELECT session_id FROM lineage WHERE root=%s)",
                         (root,))
@@ -2041,6 +2064,17 @@ class PgStore:
                             n = conn.execute(f"DELETE FROM {t} WHERE session_id = ANY(%s)", (sids,)).rowcount
                     if n:
                         counts[t] = n
+                # the lineage records of the epochs their compactions ended, under keys of their own
+                keys = [k for r in rows for k in archived_records(r[0], r[4])]
+                if keys:
+                    if dry_run:
+                        n = int(self._one("SELECT COUNT(*) FROM lineage_parts WHERE session_id = ANY(%s)", (keys,))[0])
+                    else:
+                        with self._use() as conn:
+                            self.round_trips += 1
+                            n = conn.execute("DELETE FROM lineage_parts WHERE session_id = ANY(%s)", (keys,)).rowcount
+                    if n:
+                        counts["lineage_parts"] = counts.get("lineage_parts", 0) + n
                 if dead:
                     counts["chains"] = len(dead)
                     if not dry_run:

@@ -585,3 +585,22 @@ def test_a_reminder_of_the_old_epoch_does_not_come_back_on_a_kept_message(tmp_pa
     assert res.epoch == 2
     assert "older work can be folded" not in out and "m00058" not in out
     eng.store.close()
+
+
+def test_a_fork_of_a_turn_before_codexs_compaction_keeps_its_fold(backend):
+    """codex's compacted history (its initial context, the user's own messages, the summary) is longer
+    than a side request: from the compaction's own request on, the parent's lineage record was the
+    new history's, and a fork of an earlier turn (codex's fork, a backtrack) shared no tool call with
+    it: it inherited nothing, its folded outputs back on the wire.  The old epoch's record is kept."""
+    engine, agent, ts, pair, _ = folded_and_on(backend, "responses", C.responses, 14)
+    before = C.responses(ts, C.Scheme(), pair)
+    after = [C.Turn(1000, "Turn 1000: carry on.", "Reply Turn 1000: carrying on.", tool=True)]
+    res, out = agent.send(X.codex(ts, after))
+    assert res.epoch == 2 and SECTION + b"b1" not in out
+    agent.send(X.codex(ts, after + [C.Turn(1001, "Turn 1001: more.", "Reply Turn 1001: more.", tool=True)]))
+    fork = Agent(engine, "responses", "fork")
+    res, out = fork.send(before + [{"type": "message", "role": "user",
+                                    "content": [{"type": "input_text", "text": "continue in the fork"}]}])
+    assert any(f"a fork of {SID}" in n for n in res.notes), res.notes
+    assert SECTION + b"b1" in out and b"file-2-row-" not in out
+    assert [(b.id, b.active) for b in engine.sessions["fork"].blocks] == [("b1", True)]

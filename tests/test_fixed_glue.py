@@ -145,7 +145,7 @@ def old_natively(names):
 
 
 def old_record(self, s: Session, infos: list[ItemInfo], start: int, resolved: list[list[Resolved]],
-               reused: int = 0, _parts=None) -> None:
+               reused: int = 0, _parts=None, _epoch: int = 0) -> None:
     """Keep the session's history (per part: ref, content hash, verification fingerprint) for
     the forks to come.  A request that only repeats a prefix of it (a side request, a retry of
     an older turn) keeps the longer record.  ``reused``: leading items this pass shares with

@@ -4,12 +4,15 @@ sessions keep their session when their history goes back to an earlier point (#2
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
-from test_fold import TAG, agent_answers_unknown, body, conversation, refs_in, roundtrip_call
+from test_fold import TAG, agent_answers_unknown, body, conversation, filler, refs_in, roundtrip_call
 
 from bili_addon.kernel.fold import FoldConfig
+from bili_addon.kernel.reconcile import SIDE_REQUEST_MAX_ITEMS
 from bili_addon.kernel.turn import Engine
+from bili_addon.store import archived_record
 from bili_addon.wire import LANES
 
 ANTH = LANES["anthropic"]
@@ -519,3 +522,119 @@ def test_a_fork_taken_before_its_parents_compaction_keeps_its_folds_on_the_wire(
     assert has_block(json.loads(res.body), "b1")
     (b1,) = eng.sessions.load("fork").blocks
     assert b1.active and not b1.retired
+
+
+# -- forks around the agent's compaction ----------------------------------------------------------
+
+ASK = "Your task is to create a detailed summary of the conversation so far."
+
+
+def steps(msgs: list[dict], first: int, last: int, size: int = 1200) -> list[dict]:
+    """The history with steps ``first``..``last`` after it (a tool call each, and its output of
+    ``size`` characters)."""
+    for t in range(first, last + 1):
+        msgs = msgs + [
+            {"role": "assistant", "content": [{"type": "text", "text": f"Step {t}: reading module {t}."},
+                                              {"type": "tool_use", "id": f"toolu_{t}", "name": "Bash",
+                                               "input": {"cmd": f"cat mod{t}.py"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{t}",
+                                          "content": filler(f"file-{t}", size)}]}]
+    return msgs
+
+
+def compacted(agent: str) -> list[dict]:
+    """The history an agent sends right after its compaction (the summary, and nothing else yet)."""
+    import compactions as X
+
+    if agent == "opencode":
+        return X.opencode([])[:2] + [{"role": "user", "content": "go on"}]
+    return X.claude_code_alone()
+
+
+def compact(eng, msgs: list[dict], agent: str) -> list[dict]:
+    """The parent asks for its summary, then sends its compacted history: a new epoch begins."""
+    send(eng, more(msgs, ASK), P)
+    new = compacted(agent)
+    res = eng.process(body(new), ANTH, P, render=True)
+    assert res.epoch == 2, res.notes
+    return new
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+@pytest.mark.parametrize("agent", ["claude-code", "opencode"])
+def test_a_fork_of_a_point_before_the_compaction_inherits_its_folds_however_long_the_new_history(
+        backend, agent, defer):
+    """opencode's fork at an earlier message, Claude Code's --resume-session-at with --fork-session: a
+    fork of the history before the parent's compaction, made once the new history had grown past a
+    side request's length.  The parent's one record was the new epoch's by then, and the fork's
+    history shared no tool call with it: the fork inherited nothing, its folded outputs back on
+    the wire.  The old epoch's record is kept: the fork has its folds as they stood, and none made
+    after it parted (the new epoch's); after a restart too."""
+    eng = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
+    eng.lineage.defer = defer
+    msgs, _ = fold(eng, "parent", P, conversation(12), 1, 4, "toolu_c1")
+    at_fork = more(msgs, "go on")
+    send(eng, at_fork, P)
+    new = steps(compact(eng, at_fork, agent), 20, 26)
+    send(eng, new, P)
+    new, out = fold(eng, "parent", P, more(new, "fold the new steps"), 21, 24, "toolu_c2",
+                    "Steps 21 to 24, after the compaction: modules 21 to 24 hold constants only.")
+    assert has_block(out, "b2") and len(new) > SIDE_REQUEST_MAX_ITEMS  # (no side request's length)
+    res = eng.process(body(more(at_fork, "continue in the fork")), ANTH, F, render=True)
+    out = json.loads(res.body)
+    assert any("a fork of parent" in n for n in res.notes), res.notes
+    assert has_block(out, "b1") and not has_block(out, "b2") and "file-2-row-" not in json.dumps(out)
+    assert [(b.id, b.active, b.retired) for b in eng.sessions["fork"].blocks] == [("b1", True, False)]
+    assert "epochs" not in eng.sessions["fork"].flags  # (its history holds no summary)
+    # the parent's own, as they are: b1 retired by its compaction, b2 on its wire
+    assert {b.id: (b.active, b.retired) for b in eng.sessions.load("parent").blocks} == {
+        "b1": (False, True), "b2": (True, False)}
+    eng.lineage.flush()
+    eng.store.close()
+    eng = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
+    out = send(eng, more(at_fork, "another fork, after a restart"), {"x-claude-code-session-id": "fork2"})
+    assert has_block(out, "b1") and not has_block(out, "b2")
+    assert eng.lineage.family_of("fork2")["root"] == "parent"  # (the first fork has that history too)
+    eng.store.close()
+
+
+@pytest.mark.parametrize("agent", ["claude-code", "opencode"])
+def test_a_fork_early_in_the_new_epoch_inherits_the_folds_made_in_it(backend, agent):
+    """A fork a few turns after the parent's compaction, the model having folded since: the new
+    history was shorter than a side request may be, so the parent's record stayed its old
+    history's, and the fork (opening with the summary) matched no one.  A new epoch's first pass
+    is recorded as it is: the fork has the new epoch's fold (not the ones the compaction retired:
+    their calls are not in its history) and the epoch."""
+    eng = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
+    msgs, _ = fold(eng, "parent", P, conversation(12), 1, 4, "toolu_c1")
+    msgs = more(msgs, "go on")
+    send(eng, msgs, P)
+    new = steps(compact(eng, msgs, agent), 20, 21, size=3000)
+    new, out = fold(eng, "parent", P, new, 20, 20, "toolu_c2",
+                    "Step 20, after the compaction: module 20 holds constants only, nothing to change.")
+    assert has_block(out, "b2") and len(new) < SIDE_REQUEST_MAX_ITEMS
+    res = eng.process(body(more(new, "continue in the fork")), ANTH, F, render=True)
+    out = json.loads(res.body)
+    assert any("a fork of parent" in n for n in res.notes), res.notes
+    assert has_block(out, "b2") and not has_block(out, "b1") and "file-20-row-" not in json.dumps(out)
+    fork = eng.sessions["fork"]
+    assert [(b.id, b.active) for b in fork.blocks] == [("b2", True)]
+    assert [e["epoch"] for e in fork.flags["epochs"]] == [2]
+    eng.store.close()
+
+
+def test_a_pruned_session_loses_its_old_epochs_records(backend):
+    """The record of an epoch a compaction ended is the session's, kept under a key of its own:
+    retention removes it with the session's other rows."""
+    eng = Engine(backend(), fold_cfg=FoldConfig(min_compress_chars=2000))
+    msgs = more(conversation(8), "go on")
+    send(eng, msgs, P)
+    compact(eng, msgs, "claude-code")
+    old = eng.store.lineage_parts(archived_record("parent", 1))
+    assert old and len(old) > len(eng.store.lineage_parts("parent"))
+    assert eng.store.prune(["parent"], time.time() + 60, dry_run=True)["lineage_parts"] > len(old)
+    assert eng.store.lineage_parts(archived_record("parent", 1)) == old
+    eng.store.prune(["parent"], time.time() + 60)
+    assert eng.store.lineage_parts(archived_record("parent", 1)) == []
+    assert eng.store.lineage_parts("parent") == []
+    eng.store.close()

@@ -22,6 +22,13 @@ Id-less conversations (no session id; matched by the hash chain of their history
 session when the agent goes back to an earlier point of it (a dropped turn, another branch): every
 point of a session's chain is recorded, and a request that extends no session's latest tail is
 matched against them under the same rule (see :meth:`PrefixAffinity.locate`).
+
+An agent's compaction (kernel/compaction.py) begins a new epoch of the session: its record starts
+again with the new history, and the old epoch's record is kept as it was (archived, in the store
+beside it).  A fork of a point before the compaction (opencode's fork at an earlier message, Claude
+Code's ``--resume-session-at`` with ``--fork-session``, codex's fork of an earlier turn) is compared
+with that record, one of the new epoch with the new one: each of a candidate's records whose
+first part is the fork's, under the same rule.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from bili_addon.kernel.sessions import PrefixAffinity
 from bili_addon.kernel.state import Call, Entry, ItemInfo, Part, Resolved, Session
 from bili_addon.kernel.tags import ref_of
 from bili_addon.kernel.tools import call_key
-from bili_addon.store import LedgerRow, Store
+from bili_addon.store import ARCHIVE_SEP, LedgerRow, Store, archived_record
 from bili_addon.wire.base import REASONING, TEXT, TOOL_CALL, Core
 
 log = logging.getLogger("bili")
@@ -94,6 +101,8 @@ class Lineage:
         # it on its worker after the answer), not on the request's path; off, :meth:`record` stores them
         self.defer = False
         self.pending: dict[str, tuple[int, list[tuple[str, Part]]]] = {}  # sid -> (from seq, new parts)
+        # sid -> (key, record) of an epoch the session's compaction ended, stored by :meth:`flush` too
+        self.archives: dict[str, tuple[str, list[tuple[str, str, str]]]] = {}
         self._first: tuple[Core, str] | None = None  # the last first part fingerprinted, and its fingerprint
 
     # -- sessions with an id of their own --------------------------------------------------------
@@ -155,17 +164,25 @@ class Lineage:
         return fp
 
     def record(self, s: Session, infos: list[ItemInfo], start: int, resolved: list[list[Resolved]],
-               reused: int = 0, parts: int | None = None) -> None:
+               reused: int = 0, parts: int | None = None, epoch: int = 0) -> None:
         """Keep the session's history (per part: ref, content hash, verification fingerprint) for
         the forks to come.  A request that only repeats a prefix of it (a side request, a retry of
         an older turn) keeps the longer record.  ``reused``: leading items this pass shares with
         the session's previous one, unchanged (not compared again when that pass was recorded);
         ``parts``: how many parts ``resolved`` holds, when the caller counted them (the reused ones are
-        then counted from the few after them)."""
+        then counted from the few after them); ``epoch``: the epoch this pass began (the agent
+        compacted its history), else 0."""
         sid = s.row.id
+        if ARCHIVE_SEP in sid:  # (its record's key could be another session's archive: no lineage)
+            return
         if sid in self.pending:  # the previous pass's parts were not stored yet (no answer came)
             self.flush(sid)
         old = self._record(sid)
+        if epoch and old:
+            # the old epoch's record stays, archived, for the forks of a point before the compaction;
+            # the new history is recorded however short it is (its first passes are no side requests:
+            # the longer record is the old history's)
+            self.archives[sid] = (archived_record(sid, epoch - 1), list(old))
         first = reused if reused and self.whole.get(sid) else 0
         if not old and not first and self.defer and any(resolved):
             # the session's first record, every part new: nothing to compare, and nothing read
@@ -185,7 +202,7 @@ class Lineage:
         while k < n and old[k][0] == parts[k - off][0] and old[k][1] == parts[k - off][1].chash:
             k += 1
         total = off + len(parts)
-        if k == total or (total < len(old) and len(resolved) < SIDE_REQUEST_MAX_ITEMS):
+        if not epoch and (k == total or (total < len(old) and len(resolved) < SIDE_REQUEST_MAX_ITEMS)):
             self.whole[sid] = k == total == len(old)
             return
         new = parts[k - off:]
@@ -203,7 +220,10 @@ class Lineage:
     def flush(self, sid: str | None = None) -> None:
         """Fingerprint and store the parts :meth:`record` kept back (of ``sid``, or of every
         session): the proxy runs this on its worker after the answer, before the agent can fork."""
-        for key in ([sid] if sid is not None else list(self.pending)):
+        for key in ([sid] if sid is not None else list(dict.fromkeys([*self.pending, *self.archives]))):
+            done = self.archives.pop(key, None)
+            if done is not None:  # (before the new epoch's record: that one replaces it)
+                self.store.save_lineage_parts(done[0], 0, done[1])
             job = self.pending.pop(key, None)
             if job is None:
                 continue
@@ -226,6 +246,9 @@ class Lineage:
         opening is not known here; the others wait for the worker's flush after their answers (a
         first pass kept back is every part of its conversation to fingerprint: a new conversation
         arriving while others wait for their answers fingerprinted them all first)."""
+        for key, (_key, done) in list(self.archives.items()):  # (an old epoch's record opens as it did)
+            if not done[0][2] or done[0][2] == head:
+                self.flush(key)
         for key in list(self.pending):
             job = self.pending.get(key)
             if job is None:
@@ -249,6 +272,7 @@ class Lineage:
         self.records.pop(sid, None)
         self.whole.pop(sid, None)
         self.pending.pop(sid, None)
+        self.archives.pop(sid, None)
         self.checked.discard(sid)
 
     # -- id-less sessions ------------------------------------------------------------------------
@@ -320,8 +344,13 @@ class Lineage:
             return None
         head = self._first_fingerprint(first.core)
         self._flush_opening(head)  # what this process holds back of the candidates is part of their records
-        cands = [c for c in self.store.lineage_candidates(head, s.row.lane)
-                 [-MAX_CANDIDATES:] if c != sid]  # a fork is the same agent's
+        lane = s.row.lane
+        # (session, record key) of its lane (a fork is the same agent's): each session's record, then the
+        # records of the epochs its compactions ended
+        # (a session whose id holds the separator records nothing: a record under such an id is an archive)
+        cands = [(c, c) for c in self.store.lineage_candidates(head, lane)[-MAX_CANDIDATES:]
+                 if c != sid and ARCHIVE_SEP not in c]
+        cands += [c for c in self.store.lineage_archived(head, lane)[-MAX_CANDIDATES:] if c[0] != sid]
         if not cands:
             return None
         if parts is None:
@@ -334,8 +363,8 @@ class Lineage:
             return fps[i]
 
         best, best_rec, best_n = None, [], 0
-        for cand in cands:
-            rec = [tuple(r) for r in self.store.lineage_parts(cand)]  # as the store has it now
+        for cand, key in cands:
+            rec = [tuple(r) for r in self.store.lineage_parts(key)]  # as the store has it now
             n = 0
             for (_ref, chash, pfp), p in zip(rec, parts):
                 if chash != p.chash and pfp != fp(n):

@@ -304,8 +304,6 @@ class Engine(ProxyTools, Epochs, Deferred):
         if tail:
             self.affinity.note(sid, *tail)
             self._lineage("note_points", sid, hashes, known)
-        else:
-            self._lineage("record", s, infos, start, resolved, q, n_parts)
         if isinstance(top.get("previous_response_id"), str) and top["previous_response_id"]:
             if self.set_flag(sid, "delta_history", True):
                 result.notes.append(
@@ -320,6 +318,8 @@ class Engine(ProxyTools, Epochs, Deferred):
         view = (View(snap[2]) if snap else View(view_items, sums) if first is not None
                 else View(view_items, prev=s.last_view))
         self._compaction(s, lane.name, view, minted, result)  # the agent's own compaction: a new epoch
+        if not tail:  # (once the compaction is known: a new epoch's history is recorded anew)
+            self._lineage("record", s, infos, start, resolved, q, n_parts, result.epoch)
         # a side request (a title, a probe) leaves the conversation's view as its last: native calls
         # resolve against it, and the next turn's view extends it
         kept = s.last_view
