@@ -286,3 +286,46 @@ def test_a_folding_session_that_pauses_now_and_then_keeps_its_head_for_an_hour(t
     assert pause.read == flag["head"]  # no fold since the decision: the same head
     assert pause.write_long == 0 and pause.input == 0  # the tail written again, at 1.25x
     eng.store.close()
+
+
+def test_choose_weighs_the_later_requests_on_what_survives_a_fold_asked_for():
+    """A reminder goes out with the very request that would switch: the range it asks to fold leaves
+    the wire with the next request or so.  The switch still writes the whole context (at 2x on 1h,
+    on the head only with ``head``), but what the later requests read, or write again after a
+    pause, is what survives the fold (the head at least)."""
+    gaps = [8.0, 361.0] * 4  # every other request after a pause past 5 minutes
+    whole = lifetime.choose(gaps, context=30_000, new_per_turn=1_750, rules=R, head=13_000, rest=9)
+    assert whole.choice == "1h"  # the whole context written at 2x: 22.5K more than at 1.25x
+    folding = lifetime.choose(gaps, context=30_000, new_per_turn=1_750, rules=R, head=13_000, rest=9,
+                              leaving=15_000)
+    assert folding.cost_5m == pytest.approx(0.5 * 1.15 * 15_000 + 1.25 * 1_750)
+    assert folding.cost_1h == pytest.approx(2.0 * 1_750 + 0.75 * 30_000 / 9)  # the switch on all of it
+    assert folding.cost_head == pytest.approx(0.5 * 1.15 * 2_000 + 1.25 * 1_750 + 0.75 * 13_000 / 9)
+    assert folding.choice == "head"  # 1 hour on the head only: its premium, not the range's
+    # a fold never takes the head: what survives is never less
+    assert lifetime.choose(gaps, context=30_000, new_per_turn=1_750, rules=R, head=13_000, rest=9,
+                           leaving=50_000).cost_head == folding.cost_head - 0.5 * 1.15 * 2_000
+
+
+def test_a_reminder_at_the_cold_moment_keeps_the_switch_off_the_range_it_asks_to_fold(tmp_path):
+    """The session pauses every other request and its work piles up: at the first cold moment with
+    gaps enough, a reminder rides on the request.  1 hour everywhere would write the whole context at
+    2x, the range the reminder asks to fold with it; what survives the fold is mostly the head, so
+    the head takes the hour."""
+    eng = Engine(Store(tmp_path / "data"), activate="always")
+    eng.nudge_cfg.batch_tokens = 1_000
+    eng.nudge_cfg.regrowth_tokens = 0  # (a reminder on every request past the threshold: the model never folds)
+    t = {"now": 0.0}
+    eng.now = lambda: t["now"]
+    sid, h = "remind", {"x-claude-code-session-id": "remind"}
+    for n in range(12):
+        t["now"] += 5.0 if n % 2 else 600.0
+        res = eng.process(_body(n, 8_000), LANES["anthropic"], h, render=True)
+        eng.clocks.report(sid, read=eng.clocks.stats(sid)["turns"][-1]["predicted_read"])
+        if b'"ttl"' in res.body:
+            break
+    assert b"[bili]" in res.body  # the reminder rode on the request that switched
+    flag = eng.sessions[sid].flags["ttl"]
+    assert flag["choice"] == "head", flag
+    assert _ttls(res.body) == ["1h", "5m"]  # the system's breakpoint; the last message's keeps 5 minutes
+    eng.store.close()

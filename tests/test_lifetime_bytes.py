@@ -34,12 +34,12 @@ CAPTURED_CC = Path(CAPTURES) / "claude-code" / "claude_fwd" / "009_POST_v1_messa
 _upgrade_lifetime = pressure.upgrade_lifetime
 
 
-def _before(host, s, b, items, raw, changed):
+def _before(host, s, b, items, raw, changed, folding=None):
     """The earlier path: the decision as now, then the finished body parsed again for the lifetimes."""
     sent = b.encode(items) if changed else raw
     with mock.patch.object(lifetime, "apply_parts", lambda *a: (False, False)), \
             mock.patch.object(lifetime, "upgrade", lambda body: None):
-        _upgrade_lifetime(host, s, b, items, raw, changed)  # the decision only
+        _upgrade_lifetime(host, s, b, items, raw, changed, folding)  # the decision only
     return lifetime.apply(sent, (s.flags.get(lifetime.FLAG) or {}).get("choice"))
 
 

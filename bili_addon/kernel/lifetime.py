@@ -72,19 +72,23 @@ class Choice:
 
 
 def choose(gaps: list[float], context: int, new_per_turn: int, rules: Rules, *, head: int = 0,
-           head_growth: float = 0.0, rest: float | None = None) -> Choice | None:
+           head_growth: float = 0.0, rest: float | None = None, leaving: int = 0) -> Choice | None:
     """Which lifetime costs less over requests like the ones seen: ``gaps`` between requests (s),
     ``context`` the cached prefix a request reads, ``new_per_turn`` what a request writes on top,
     ``head`` the tokens up to the head's last breakpoint (0: no head breakpoint), ``head_growth``
     what the head grows by per request (fold summaries), ``rest`` the requests left, over which the
-    switch (the prefix written once at 2x instead of 1.25x) is spread (None: not counted).
+    switch (the prefix written once at 2x instead of 1.25x) is spread (None: not counted),
+    ``leaving`` the tokens a fold asked for with this very request will take off the wire.
 
-    Per request, with ``w``/``W``/``r`` the 5-minute write, 1-hour write and read multipliers and
-    ``m5``/``m60`` the shares of gaps over 5 minutes / over 1 hour::
+    The switch writes the whole context now, but a range about to be folded leaves the wire with the
+    next request or so: the later requests read and rewrite only what survives it, ``S = C - leaving``
+    (never less than the head, which a fold never takes).  Per request, with ``w``/``W``/``r`` the
+    5-minute write, 1-hour write and read multipliers and ``m5``/``m60`` the shares of gaps over 5
+    minutes / over 1 hour::
 
-        5m:   m5 (w - r) C + w n
-        1h:   m60 (W - r) C + W n + (W - w) C / rest
-        head: m5 (w - r) (C - H) + m60 (W - r) H + w n + (W - w) g + (W - w) H / rest
+        5m:   m5 (w - r) S + w n
+        1h:   m60 (W - r) S + W n + (W - w) C / rest
+        head: m5 (w - r) (S - H) + m60 (W - r) H + w n + (W - w) g + (W - w) H / rest
     """
     if len(gaps) < MIN_GAPS or context <= 0:
         return None
@@ -93,12 +97,13 @@ def choose(gaps: list[float], context: int, new_per_turn: int, rules: Rules, *, 
     m5 = sum(1 for g in gaps if g > rules.ttl) / n
     m60 = sum(1 for g in gaps if g > rules.ttl_long) / n
     spread = 1.0 / rest if rest else 0.0
-    cost_5m = m5 * (w - r) * context + w * new_per_turn
-    cost_1h = m60 * (big - r) * context + big * new_per_turn + (big - w) * context * spread
-    cost_head = None
     head = min(head, context)
+    stays = max(head, context - max(0, leaving))
+    cost_5m = m5 * (w - r) * stays + w * new_per_turn
+    cost_1h = m60 * (big - r) * stays + big * new_per_turn + (big - w) * context * spread
+    cost_head = None
     if head > 0:
-        cost_head = (m5 * (w - r) * (context - head) + m60 * (big - r) * head + w * new_per_turn
+        cost_head = (m5 * (w - r) * (stays - head) + m60 * (big - r) * head + w * new_per_turn
                      + (big - w) * head_growth + (big - w) * head * spread)
     costs = [(cost_5m, 0, FIVE), (cost_1h, 2, HOUR)] + ([(cost_head, 1, HEAD)] if cost_head is not None else [])
     best = min(costs)[2]  # a tie goes to the shorter lifetime

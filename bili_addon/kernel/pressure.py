@@ -134,6 +134,13 @@ def apply(host: PressureHost, s: Session, view: View, resolved: list[list[Resolv
         host.sessions.set_flags(s.row.id, flags_now)  # (one write)
 
 
+def reminding(s: Session, resolved: list[list[Resolved]]) -> bool:
+    """Whether this request carries a fold reminder (given with its newest item: now, or when the
+    same history went before)."""
+    nudges = s.flags.get("nudges")
+    return bool(nudges and resolved and resolved[-1] and _given(resolved[-1], nudges))
+
+
 def _given(newest: list[Resolved], nudges: dict) -> bool:
     """Whether a part of the newest item carries a reminder already."""
     for r in newest:
@@ -143,13 +150,16 @@ def _given(newest: list[Resolved], nudges: dict) -> bool:
 
 
 def upgrade_lifetime(host: PressureHost, s: Session, body: Body, items: list[bytes], raw: bytes,
-                     changed: bool) -> bytes | None:
+                     changed: bool, folding: View | None = None) -> bytes | None:
     """The body to send with the cache lifetimes the session chose (kernel/lifetime.py): 1 hour on
     the stable head, or on every breakpoint; decided (again) at a cold moment only.  ``body`` and
     ``items`` are the request as the engine holds it at the end of a turn (``changed``: it is
     re-encoded; else ``raw`` goes as the agent sent it).  The head's hour is set on those parts, not
     on the finished body parsed again (kernel/lifetime.py ``apply_parts``).  Returns the bytes to
-    send; None: the lifetimes change nothing (the turn's own bytes go)."""
+    send; None: the lifetimes change nothing (the turn's own bytes go).  ``folding``: the view, when
+    the request carries a fold reminder: the work it asks to fold leaves the wire soon, so the choice
+    weighs the later requests on what survives it (a switch to 1 hour would write the range at 2x
+    for nothing)."""
     sid = s.row.id
     flag = s.flags.get(lifetime.FLAG) or {}
     chosen = flag.get("choice")
@@ -160,8 +170,9 @@ def upgrade_lifetime(host: PressureHost, s: Session, body: Body, items: list[byt
             gaps = h[1] + [now - host.clocks.last[sid]]  # the pause that made it cold counts too
             headed = lifetime.upgrade_head(body.encode(items) if changed else raw)
             growth = sum(b.summary_tokens for b in s.blocks) / max(1, s.row.requests)
+            leaving = _foldable(host, s, folding) if folding is not None else 0
             pick = lifetime.choose(gaps, h[2], h[3], h[0], head=lifetime.head_tokens(headed) if headed else 0,
-                                   head_growth=growth, rest=max(rewrite.MIN_REST, s.row.requests))
+                                   head_growth=growth, rest=max(rewrite.MIN_REST, s.row.requests), leaving=leaving)
             if pick is not None:
                 flag = pick.to_flag()
                 chosen = flag["choice"] = lifetime.keep(chosen, pick.choice)
@@ -179,4 +190,10 @@ def upgrade_lifetime(host: PressureHost, s: Session, body: Body, items: list[byt
     return body.encode(items if changed or in_items else None)
 
 
-__all__ = ["PressureHost", "apply", "is_active", "upgrade_lifetime"]
+def _foldable(host: PressureHost, s: Session, view: View) -> int:
+    """The tokens a reminder asks to fold: the ranges worth a fold (as the reminder counts them)."""
+    least = host.fold_cfg.min_compress_chars
+    return sum(r[3] for r in nudge.compressible(view, s.blocks, host.fold_cfg) if r[3] * 4 >= least)
+
+
+__all__ = ["PressureHost", "apply", "is_active", "reminding", "upgrade_lifetime"]

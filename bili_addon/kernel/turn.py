@@ -422,7 +422,9 @@ class Engine(ProxyTools, Epochs, Deferred):
                 result.notes.append("the agent has bili's tools natively (MCP): wire injection is off for it")
             changed |= lane.inject(body, items_out, start, [] if native else list(TOOLS), SYSTEM_PROMPT, names)
         if active and lane.name == "anthropic":  # the cache lifetimes the session chose, set on the parts
-            result.body = pressure.upgrade_lifetime(self, s, body, items_out, raw, changed)
+            # (a reminder in this request: what it asks to fold leaves the wire soon)
+            folding = view if self.inject and not result.side and pressure.reminding(s, resolved) else None
+            result.body = pressure.upgrade_lifetime(self, s, body, items_out, raw, changed, folding)
             if result.body is not None:
                 return result
         if changed:
