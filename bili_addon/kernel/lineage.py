@@ -45,7 +45,7 @@ from bili_addon.kernel.fold import Block
 from bili_addon.kernel.identity import InstanceCounter, count_tokens
 from bili_addon.kernel.reconcile import SIDE_REQUEST_MAX_ITEMS, canonical_text
 from bili_addon.kernel.sessions import PrefixAffinity
-from bili_addon.kernel.state import Call, Entry, ItemInfo, Part, Resolved, Session
+from bili_addon.kernel.state import Call, Entry, ItemInfo, Part, Resolved, Session, flags_json
 from bili_addon.kernel.tags import ref_of
 from bili_addon.kernel.tools import call_key
 from bili_addon.store import ARCHIVE_SEP, LedgerRow, Store, archived_record
@@ -140,7 +140,7 @@ class Lineage:
                     # a rewound or edited request after a restart does not go on from it, and the
                     # session was taken for a fork of a copy of itself, its live refs given again)
                     s.flags[OWN] = True
-                    s.row.flags = json.dumps(s.flags, sort_keys=True)
+                    s.row.flags = flags_json(s.flags)
         if family is not None:
             s.row.next_ref = max(s.row.next_ref, family[3])
         return note
@@ -441,7 +441,7 @@ class Lineage:
                 next_ref += 1
 
         merged = {**s.flags, **flags}
-        row = dataclasses.replace(s.row, flags=json.dumps(merged, sort_keys=True), next_ref=next_ref)
+        row = dataclasses.replace(s.row, flags=flags_json(merged), next_ref=next_ref)
         s.stored = self.store.adopt(row, best, root, fork_at, ledger,
                                     [(b.id, json.dumps(b.__dict__), b.active) for b in blocks], originals, calls,
                                     [(k[0], k[1], e.ref) for k, e in retired], expect=s.stored)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from bili_addon.kernel import reconcile
 from bili_addon.kernel.activation import FLAG as ACTIVE
 from bili_addon.kernel.fold import Block
-from bili_addon.kernel.state import Call, Entry, Memo, Session
+from bili_addon.kernel.state import Call, Entry, Memo, Session, flags_json as _FLAGS_JSON
 from bili_addon.store import SessionRow, Store
 
 # the previous passes kept: by the bytes of their conversations (a pass holds its request's items and
@@ -28,9 +28,6 @@ from bili_addon.store import SessionRow, Store
 MEMO_BYTES = 256 << 20
 # flags that change how old items render (activation: tags appear on every prose part)
 RENDER_FLAGS = ("truncated", "strict_reasoning", ACTIVE)
-# a session's flags as its row stores them: ``json.dumps(flags, sort_keys=True)`` (which makes this
-# very encoder on every call: made once here, the same bytes)
-_FLAGS_JSON = json.JSONEncoder(sort_keys=True).encode
 
 
 def stages(s: Session, tail, render: bool, lineage) -> bool:
