@@ -457,3 +457,24 @@ def test_anthropic_bills_the_same_in_any_member_order():
         clk = Clock("anthropic", "claude-sonnet-4-5")
         runs.append([clk.send(body(n, first), 10.0 * n) for n in (3, 4, 6)])
     assert runs[0] == runs[1] and runs[0][-1].read > 0
+
+
+def test_a_model_switch_reads_nothing_of_the_other_models_cache_and_a_switch_back_finds_its_own():
+    """A provider caches per model: the first request after a switch (Claude Code's /model) writes its
+    prefix anew, and a switch back within the lifetime reads the first model's entries.  Predicted
+    reads across the switch were wrong, and the calibration learned from the mismatch."""
+    def body(model: str, n: int) -> bytes:
+        return json.dumps({"model": model, "system": [{"type": "text", "text": "s" * 8000,
+                                                       "cache_control": {"type": "ephemeral"}}],
+                           "messages": [{"role": "user", "content": f"turn {i} " * 50} for i in range(n)]}).encode()
+
+    clocks = cache.Clocks()
+    clocks.sent("m", "anthropic", body("claude-sonnet-4-5", 1), 0.0, "", "claude-sonnet-4-5")
+    clocks.sent("m", "anthropic", body("claude-sonnet-4-5", 2), 10.0, "", "claude-sonnet-4-5")
+    clocks.sent("m", "anthropic", body("claude-opus-4-1", 3), 20.0, "", "claude-opus-4-1")
+    clocks.sent("m", "anthropic", body("claude-sonnet-4-5", 4), 30.0, "", "claude-sonnet-4-5")
+    clocks.report("m", None)
+    turns = clocks.by_session["m"].turns
+    assert [t.predicted.read > 0 for t in turns] == [False, True, False, True]
+    assert turns[2].predicted.write > 1500  # the system written again, for the other model
+    assert clocks.by_session["m"].model == "claude-sonnet-4-5"

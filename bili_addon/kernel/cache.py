@@ -911,7 +911,11 @@ class Clock:
     def __init__(self, lane: str, model: str = "", host: str = ""):
         self.lane = lane
         self.host = host
+        self.model = model
         self.cache = Cache(rules_for(lane, model))
+        # the caches of the other models the conversation used: a provider caches per model (a switch
+        # reads nothing of the old model's entries; a switch back finds its own, if they are still alive)
+        self.others: dict[str, Cache] = {}
         self.turns: list[Turn] = []
         self.last: float | None = None
         self.source = ""  # where the applied facts come from: "session" | "host" | "" (documented rules)
@@ -926,12 +930,26 @@ class Clock:
             model = model_of(body)
             if model:
                 self.cache.rules = rules_for(self.lane, model)
+                self.model = self.model or model
         bill = bill_request(self.cache, body, now)
         self.turns.append(Turn(now, bill, gap=self.gap(now), age=self.cache.hit_age if bill.read else None,
                                host=self.host))
         del self.turns[: -self.KEEP]
         self.last = now
         return bill
+
+    def switch(self, model: str) -> None:
+        """The conversation's next request is another model's: its cache is that model's own (new,
+        with what the calibration applied to this session's provider), the old one kept for a switch
+        back (without its memo of the previous body: its next body is no follow-up of that one)."""
+        old = self.cache
+        old._memo = old._memo_top = None
+        self.others[self.model] = old
+        new = self.others.pop(model, None)
+        if new is None:
+            new = Cache(rules_for(self.lane, model))
+        new.ttl_cap, new.disabled, new.min_floor = old.ttl_cap, old.disabled, old.min_floor
+        self.cache, self.model = new, model
 
     @property
     def ttl(self) -> float:
@@ -1034,6 +1052,8 @@ class Clocks:
                     self.memo_total -= self.memos.pop(old, 0)
                 if self.on_new is not None:
                     self.on_new(sid, clk)
+            elif model and clk.model and model != clk.model:  # (a model of the body's own: as sent)
+                clk.switch(model)
             try:
                 clk.send(body, now)
             except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
