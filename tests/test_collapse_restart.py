@@ -6,8 +6,10 @@ channel's verification, went on unfolded for good."""
 
 from __future__ import annotations
 
+import json
+
 from bili_addon.kernel import coverage
-from test_native_branches import Agent, first_ref, last_ref, reads, said
+from test_native_branches import ANTH, SID, TOOLS, Agent, first_ref, last_ref, reads, said
 
 
 def test_folding_starts_over_after_a_collapse_that_does_not_end(tmp_path):
@@ -53,3 +55,93 @@ def test_a_collapse_that_ends_before_keeps_every_fold(tmp_path):
     sent, s, res = agent.send(msgs + said("Back.", "again"))
     assert res.drift == "recovered" and b"FILE A3" not in sent
     assert not any(b.retired for b in s.blocks)
+
+
+def _folded_a(agent: Agent) -> list[dict]:
+    msgs = [{"role": "user", "content": "Task: read the A modules."}] + reads("A", 10) + said("All read.", "ok")
+    _, s, _ = agent.send(msgs)
+    assert agent.compress(s, first_ref(s, 1), last_ref(s, 20)).startswith("Compressed")
+    msgs += said("Folded.", "Now explore the B modules with an agent.")
+    sent, s, _ = agent.send(msgs)
+    assert b"FILE A3" not in sent
+    return msgs
+
+
+def test_the_conversation_back_whole_takes_its_folds_back_after_another_ones_turns(tmp_path):
+    """A Claude Code subagent whose requests name no agent id (an older version) sends its own
+    conversation under its parent's id: the pause ends while it runs (its turns get folding of their
+    own), and when the parent's history comes back whole its folds stand again, as they were."""
+    agent = Agent(tmp_path)
+    msgs = _folded_a(agent)
+    sub = [{"role": "user", "content": "You are an explore agent: find every B module and report."}]
+    verdicts = []
+    for k in range(8):
+        sub += reads(f"B{k}_", 1)
+        _, s, res = agent.send(sub)
+        if len(sub) >= 10:
+            verdicts.append(res.drift)
+    assert verdicts[:3] == ["collapse", "collapse", "restarted"]
+    msgs += said("Spawning.", "Agent report: B has 8 modules.")
+    sent, s, res = agent.send(msgs)
+    assert b"FILE A3" not in sent and next(b for b in s.blocks if b.id == "b1").active
+    assert s.flags["drift"]["unparked"] == 1 and not s.copy.latched
+    sent, s, res = agent.send(msgs + said("Noted.", "go on"))
+    assert res.drift == "" and b"FILE A3" not in sent
+
+
+def test_a_claude_code_subagent_naming_its_agent_is_a_session_of_its_own(tmp_path):
+    agent = Agent(tmp_path)
+    msgs = _folded_a(agent)
+    eng = agent.eng
+    sub = [{"role": "user", "content": "Find every B module and report."}]
+    system = [{"type": "text", "text": "You are an agent for Claude Code, Anthropic's official CLI for Claude."}]
+    headers = {**SID, "x-claude-code-agent-id": "agent-7f3e"}
+    for k in range(6):
+        sub += reads(f"B{k}_", 1)
+        raw = json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "system": system, "tools": TOOLS,
+                          "messages": sub}).encode()
+        res = eng.process(raw, ANTH, headers, render=True)
+        assert res.session == SID["x-claude-code-session-id"] + "|sub:agent-7f3e" and not res.drift
+    sent, s, res = agent.send(msgs + said("Spawning.", "Agent report: B has 6 modules."))
+    assert res.drift == "" and b"FILE A3" not in sent and "drift" not in s.flags
+    # the main agent's own requests stay its conversation's, headers or not
+    main = [{"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude."}]
+    raw = json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 100, "system": main, "tools": TOOLS,
+                      "messages": msgs + said("Yes.", "more")}).encode()
+    assert eng.process(raw, ANTH, headers, render=True).session == SID["x-claude-code-session-id"]
+
+
+def test_a_lasting_drift_then_one_odd_request_is_a_pause_not_a_start_over(tmp_path):
+    """Drift passes (a covered tool result the host cleared in place) do not count toward ending a
+    pause: one odd request after them is a pause, and the conversation back with its drift holds its
+    folds as it did before the odd request (nothing retires)."""
+    agent = Agent(tmp_path)
+    msgs = _folded_a(agent)
+    cleared = [dict(m) for m in msgs]
+    cleared[6] = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_A2",
+                                               "content": "[Old tool result content cleared]"}]}
+    for k in range(coverage.RETIRE_AFTER + 1):
+        cleared += said(f"step {k}", f"go {k}")
+        _, s, res = agent.send(cleared)
+        assert res.drift == "drift"
+    other = [{"role": "user", "content": "Task: read the C modules."}] + reads("C", 12) + said("C", "go")
+    _, s, res = agent.send(other)
+    assert res.drift == "collapse"
+    for k in range(coverage.RETIRE_AFTER):
+        cleared += said(f"back {k}", f"again {k}")
+        sent, s, res = agent.send(cleared)
+    assert not s.copy.latched and not any(b.retired for b in s.blocks) and b"FILE A5" not in sent
+
+
+def test_a_branch_rewound_from_the_copy_ends_a_pause(tmp_path):
+    agent = Agent(tmp_path)
+    msgs = _folded_a(agent)
+    other = [{"role": "user", "content": "Task: read the B modules."}] + reads("B", 12) + said("B", "go")
+    _, s, res = agent.send(other)
+    assert res.drift == "collapse" and s.copy.latched
+    cur = msgs[:11] + said("Half of A read.", "Actually, read the C modules now.") + reads("C", 10) + said("C.", "go")
+    _, s, res = agent.send(cur)
+    assert res.drift == "rewound" and not s.copy.latched
+    assert "b2" in agent.compress(s, first_ref(s, 13), last_ref(s, 32))
+    sent, s, res = agent.send(cur + said("x", "y"))
+    assert b"FILE C3" not in sent

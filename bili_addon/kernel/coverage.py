@@ -42,6 +42,8 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
         part = _in_part(view, s.blocks)
         return reconcile.Outcome(snoozed=part) if part else None
     sid = s.row.id
+    if s.copy.parked:
+        _unpark(sessions, s, view)
     out = _steady(view, s.blocks, s.copy)
     if out is None:  # a covered part went missing: the channels of kernel/reconcile.py
         fresh = {r.entry.ref for ps in resolved for r in ps if r.incs > 1}
@@ -67,8 +69,17 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
             msg += f"; {out.suspects} suspected host-rewritten tool-call id(s), not claimed"
         log.warning("%s; verdict: %s", msg, out.verdict or "none")
         count(sessions, s, out)
-    if s.copy.latched and s.copy.streak >= RETIRE_AFTER:
-        out = _start_over(sessions, s, view, out.missing)
+    s.copy.paused = s.copy.paused + 1 if s.copy.latched else 0
+    if s.copy.paused >= RETIRE_AFTER:
+        if out.verdict == "drift":
+            # the conversation is back with a drift of its own that lasts (a covered part edited or
+            # cleared before the odd request that latched the pause): its folds held in part, as they
+            # did before that request, and hold again; nothing retires
+            s.copy.latched, s.copy.paused, s.copy.witness = False, 0, []
+            log.warning("[bili] session=%s: the history matches the folds in part again (%d covered part(s) "
+                        "missing); folding resumes", printable(sid), out.missing)
+        else:
+            out = _start_over(sessions, s, view, out.missing)
     if out.verdict == "collapse" and not was_latched:
         log.error("[bili] session=%s: the re-sent history no longer matches any fold (%d covered parts "
                   "missing, none verifiable); folding is paused and requests pass through unchanged "
@@ -83,20 +94,36 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
     return out
 
 
+def _whole(b: fold.Block, present: dict[str, int]) -> bool:
+    """Whether every message ``b`` covers is here (under its own ref, or one a verified claim moved it to)."""
+    claimed = b.claimed
+    return all(r in present or claimed.get(r) in present for r in b.covered)
+
+
+def _parked(copy: reconcile.Copy, blocks: list[fold.Block]) -> dict:
+    """What ending a pause (or taking a parked history back) puts aside: ``copy``'s fields and the ids
+    of the ``blocks`` it retires (nothing when it retires none and ``copy`` holds no pass)."""
+    if not blocks and not copy.refs:
+        return {}
+    return {"copy": {k: v for k, v in copy.__dict__.items() if k != "parked"}, "blocks": [b.id for b in blocks]}
+
+
 def _start_over(sessions: Sessions, s: Session, view: View, missing: int) -> reconcile.Outcome:
     """End a pause that outlasted :data:`RETIRE_AFTER` passes: every active block some of whose
     messages this history lacks retires from the wire (as at the agent's compaction: still
     decompressible and searchable), the blocks it holds whole stay (each of their refs is here: what
-    a steady pass verifies), and the canonical copy starts again from this pass."""
+    a steady pass verifies), and the canonical copy starts again from this pass.  The copy and the
+    blocks it retires are parked: should the conversation they stand for come back whole (a Claude
+    Code subagent's turns under its conversation's id latched the pause), :func:`_unpark` puts them
+    back."""
     present = view.pos
-    gone = [b for b in s.blocks if b.active
-            and not all(r in present or b.claimed.get(r) in present for r in b.covered)]
+    gone = [b for b in s.blocks if b.active and not _whole(b, present)]
     for b in gone:
         b.active = False
         b.retired = True
     if gone:
         sessions.save_blocks(s, gone)
-    s.copy = reconcile.Copy()
+    s.copy = reconcile.Copy(parked=_parked(s.copy, gone))
     counts = dict(s.flags.get("drift", {}))  # (the session's drift counters: /__bili/stats)
     counts["restarted"] = counts.get("restarted", 0) + 1
     sessions.set_flag(s.row.id, "drift", counts)
@@ -106,6 +133,47 @@ def _start_over(sessions: Sessions, s: Session, view: View, missing: int) -> rec
                 ", ".join(b.id for b in gone) or "none")
     kept = [b for b in s.blocks if b.active]
     return reconcile.Outcome(covered=len({r for b in kept for r in b.covered}), verdict="restarted")
+
+
+def _unpark(sessions: Sessions, s: Session, view: View) -> None:
+    """The conversation whose folds a pause's end put aside is back when this pass holds every one of
+    them whole: they stand again, the copy they were checked against is the copy again, and what the
+    pass lacks of the blocks made since (another conversation's, under the same id) is put aside in
+    their place.  A block holds whole here only the messages the ledger joined to its refs: what a
+    steady pass verifies."""
+    parked = s.copy.parked
+    ids = set(parked.get("blocks") or ())
+    back = [b for b in s.blocks if b.id in ids and b.retired and not b.active]
+    if not back:
+        if not ids:
+            return  # (a copy put aside with no block: it waits for blocks as the copy does)
+        s.copy.parked = {}  # (they are gone: a compaction, a fork's adoption)
+        return
+    present = view.pos
+    if not all(_whole(b, present) for b in back):
+        return
+    try:
+        restored = reconcile.Copy(**parked["copy"])
+    except (KeyError, TypeError):
+        s.copy.parked = {}
+        return
+    gone = [b for b in s.blocks if b.active and not _whole(b, present)]
+    for b in back:
+        b.retired = False
+        b.active = True
+    for b in gone:
+        b.active = False
+        b.retired = True
+    restored.latched, restored.paused, restored.streak, restored.witness = False, 0, 0, []
+    restored.parked = _parked(s.copy, gone)
+    s.copy = restored
+    sessions.save_blocks(s, back + gone)
+    counts = dict(s.flags.get("drift", {}))
+    counts["unparked"] = counts.get("unparked", 0) + 1
+    sessions.set_flag(s.row.id, "drift", counts)
+    log.warning("[bili] session=%s: the conversation whose folds were put aside is back whole; %d block(s) stand "
+                "again (%s)%s", printable(s.row.id), len(back), ", ".join(b.id for b in back),
+                f", {len(gone)} put aside ({', '.join(b.id for b in gone)})" if gone else "")
 
 
 def _steady(view: View, blocks: list[fold.Block], copy: reconcile.Copy) -> reconcile.Outcome | None:

@@ -114,6 +114,11 @@ class Copy:
     # instance of its own folded words when a pass resolves it from scratch (a restart, a lost memo)
     branch: list[str] = field(default_factory=list)
     streak: int = 0
+    paused: int = 0  # passes in a row latched (folding paused): kernel/coverage.py ends the pause at RETIRE_AFTER
+    # what ending a pause put aside: the copy as it was (its fields) and the blocks it retired; when a later
+    # pass holds those blocks whole again (the conversation is back: a subagent's turns under its id had
+    # latched the pause), they stand again and that copy is the copy again (kernel/coverage.py)
+    parked: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         # msgspec: 1/7 of json.dumps' time on a copy of 1,500 parts (written every steady turn of a
@@ -423,6 +428,7 @@ def verdict(out: Outcome, view: View, blocks: list[Block], copy: Copy, originals
         # this request does not have (its summary tells of turns that are gone): not rendered while
         # the request is on this branch, its messages here on the wire as they are
         out.verdict = "rewound"
+        copy.latched = False  # (the history is the copy's up to a point: verified, as a truncation's head is)
         for r in out.unmatched:
             b = cov.get(r)
             if b is not None:

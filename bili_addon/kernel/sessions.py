@@ -56,6 +56,36 @@ def codex_thread(headers: Mapping[str, str]) -> str | None:
     return thread
 
 
+# Claude Code's subagents (its Agent tool) send their own conversations under their parent's session id;
+# their requests carry the agent's id (or its parent's) in these headers, and a system prompt not the main
+# agent's (which opens with one of these words: its main thread may carry the headers too)
+CLAUDE_AGENT_HEADERS = ("x-claude-code-agent-id", "x-claude-code-parent-agent-id")
+_CLAUDE_MAIN = ("You are Claude Code", "You are an interactive agent")
+
+
+def claude_agent(headers: Mapping[str, str]) -> str:
+    """The Claude Code agent id a request names (its own, else its parent's), or ''."""
+    for name in CLAUDE_AGENT_HEADERS:
+        v = _header(headers, name)
+        if v and "\0" not in v:
+            return v
+    return ""
+
+
+def claude_subagent(agent: str, system: Any) -> str | None:
+    """The session key suffix of a Claude Code subagent's request (``agent``: :func:`claude_agent`;
+    ``system``: the body's decoded ``system``), or None for the main agent's: a subagent's
+    conversation is not its parent's (under the parent's id, its turns would be taken for a
+    history that matches none of the parent's folds)."""
+    if not agent:
+        return None
+    texts = [system] if isinstance(system, str) else [
+        b.get("text") for b in system if isinstance(b, dict)] if isinstance(system, list) else []
+    if any(isinstance(t, str) and t.strip().startswith(_CLAUDE_MAIN) for t in texts):
+        return None
+    return f"|sub:{agent}"
+
+
 def session_from_request(headers: Mapping[str, str], top: Mapping[str, Any]) -> tuple[str, str] | None:
     """``(session_id, source)`` from the agent's own ids, or None for an anonymous request.
 

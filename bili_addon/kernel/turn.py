@@ -42,6 +42,8 @@ from bili_addon.kernel.sessions import (
     PrefixAffinity,
     agent_of,
     canonical_item,
+    claude_agent,
+    claude_subagent,
     chain,
     session_from_request,
 )
@@ -212,12 +214,17 @@ class Engine(ProxyTools, Epochs, Deferred):
         # the conversation's id when its headers carry it (they are read first): the key of its
         # previous body's layout; else the body's first bytes are
         ident = session_from_request(headers, _NO_TOP)
-        body = self.splits.body(raw, lane.conv_key, (lane.name, ident[0]) if ident is not None else
+        agent_id = claude_agent(headers) if ident is not None and lane.name == "anthropic" else ""
+        body = self.splits.body(raw, lane.conv_key, (lane.name, ident[0], agent_id) if ident is not None else
                                 (lane.name, raw[:_HEAD_KEY]))
         top = {k: body.get(k) for k in _SMALL_TOP_KEYS if k in body.top}
         raws = body.items
         if ident is None:
             ident = session_from_request(headers, top)
+        elif agent_id:  # a Claude Code subagent's conversation is a session of its own (proxy.md 7.3)
+            sub = claude_subagent(agent_id, body.get("system"))
+            if sub is not None:
+                ident = (ident[0] + sub, "claude-subagent")
         memo = self._memo_for(ident[0] if ident else None, lane, raws)
         shared = body.shared  # (the items the body was read from and how many it shares: no compare again)
         k = ((shared[1] if shared is not None and shared[0].items is memo.raws else coverage.common_prefix(memo.raws, raws))
