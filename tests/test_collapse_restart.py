@@ -145,3 +145,19 @@ def test_a_branch_rewound_from_the_copy_ends_a_pause(tmp_path):
     assert "b2" in agent.compress(s, first_ref(s, 13), last_ref(s, 32))
     sent, s, res = agent.send(cur + said("x", "y"))
     assert b"FILE C3" not in sent
+
+
+def test_a_parked_conversation_is_waited_for_a_while_only(tmp_path, monkeypatch):
+    """The parked copy is written with the session's copy on every turn: it goes once the conversation
+    has not come back for ``PARKED_PASSES`` passes (its blocks stay retired, decompressible)."""
+    monkeypatch.setattr(coverage, "PARKED_PASSES", 4)
+    agent = Agent(tmp_path)
+    _folded_a(agent)
+    sub = [{"role": "user", "content": "Task: read the B modules."}] + reads("B", 5)
+    seen = []
+    for k in range(coverage.RETIRE_AFTER + 4):
+        sub += said(f"B step {k}.", f"go on {k}")
+        _, s, res = agent.send(sub)
+        seen.append(bool(s.copy.parked))
+    assert seen == [False] * (coverage.RETIRE_AFTER - 1) + [True] * 4 + [False]
+    assert next(b for b in s.blocks if b.id == "b1").retired

@@ -30,6 +30,9 @@ log = logging.getLogger("bili")
 # on unfolded for good because its host rewound past a compaction or rebuilt its history in a way no
 # channel verifies; the retired blocks stay decompressible and searchable)
 RETIRE_AFTER = 3
+# passes a parked conversation (_start_over) is waited for: a subagent's run is shorter; the parked copy is
+# written with the session's copy on every turn, so it goes (its blocks stay retired) when none came back
+PARKED_PASSES = 64
 
 
 def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: list[list[Resolved]],
@@ -151,6 +154,9 @@ def _unpark(sessions: Sessions, s: Session, view: View) -> None:
         return
     present = view.pos
     if not all(_whole(b, present) for b in back):
+        parked["waited"] = parked.get("waited", 0) + 1
+        if parked["waited"] >= PARKED_PASSES:
+            s.copy.parked = {}
         return
     try:
         restored = reconcile.Copy(**parked["copy"])
