@@ -727,3 +727,21 @@ def test_no_reminder_goes_into_an_assistants_prefill(engine):
     usage(engine, "lanes", 5_000)
     last = json.loads(engine.process(body(), lane, H, render=True).body)["messages"][-1]
     assert last["role"] == "assistant" and [b["text"] for b in last["content"]] == ['{"answer":']
+
+
+def test_decompress_of_a_ref_inside_a_distil_gives_its_own_originals(engine):
+    """A message's ref names that message: decompress of a ref a distil holds gives the originals of
+    the innermost block that holds it, not the distil's blocks' summaries (a second call's worth)."""
+    conv, out = fold_two_ranges(engine, "k1")
+    distil = {"content": [{"startId": "b1", "endId": "b2", "summary": summary(3), "topic": "modules 0-5"}]}
+    engine.record_calls("lanes", [("k2", "compress", json.dumps(distil))])
+    conv.proxy_call("k2", "compress", distil)
+    engine.process(conv.body(), conv.lane, H, render=True)
+    s = engine.sessions["lanes"]
+    b1 = next(b for b in s.blocks if b.id == "b1")
+    ref = next(r for r in b1.covered if any("file-0 row" in row[5] for row in engine.store.originals("lanes", [r])))
+    engine.record_calls("lanes", [("k3", "decompress", json.dumps({"blockId": ref}))])
+    conv.proxy_call("k3", "decompress", {"blockId": ref})
+    out = json.loads(engine.process(conv.body(), conv.lane, H, render=True).body)
+    text = out["messages"][-1]["content"]
+    assert text.startswith("b1 (tier 1) replaced original messages") and "file-0 row-0 row-1" in text

@@ -57,6 +57,16 @@ def decompress(args: Any, blocks: list[Block], originals, export_dir=None) -> st
         return f'Nothing to decompress: "{key}" is not a block of this conversation and no block covers it.'
     full = bool(args.get("full"))
     by_id = {b.id: b for b in blocks}
+    i = index_of(key.strip().lower()) if key.strip().lower() not in by_id else None
+    if i is not None:
+        # a message's ref: the innermost block that holds it (a distil's block it absorbed, at any depth),
+        # whose originals are that message's neighbours (the distil itself would give its blocks' summaries)
+        ref = ref_of(i)
+        while True:
+            inner = next((by_id[c] for c in block.consumed if c in by_id and ref in by_id[c].covered), None)
+            if inner is None:
+                break
+            block = inner
     parts: list[str] = []
     if full or not block.consumed:
         parts = [_original_line(r) for r in originals(block.covered)]
