@@ -150,3 +150,30 @@ def test_a_side_request_leaves_the_conversations_previous_pass(tmp_path):
     assert res.side
     _, _, res = agent.send(msgs + said("Done.", "next"))
     assert res.reused >= len(msgs) - 1  # (the turn before read from its pass, as without the title: not from scratch)
+
+
+def test_a_branch_that_lasts_is_the_conversation_and_the_first_branch_back_whole_stands_again(tmp_path):
+    """After ``ADOPT_AFTER`` passes on a rewound branch the branch is the copy (no reconcile of the whole
+    history, no warning, on every later pass); the first branch's fold it did not hold whole is parked
+    and stands again when the agent goes back to that branch."""
+    from bili_addon.kernel import coverage
+
+    agent = Agent(tmp_path)
+    head = [{"role": "user", "content": "Task: read the A modules."}]
+    a = reads("A", 10)
+    first = head + a + said("All read.", "ok")
+    _, s, _ = agent.send(first)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
+    first += said("Folded.", "fine")
+    agent.send(first)
+    cur = head + a[:10] + said("Half of A read.", "Actually, read the C modules now.") + reads("C", 10)
+    verdicts = []
+    for k in range(coverage.ADOPT_AFTER + 2):
+        cur += said(f"C step {k}.", f"go {k}")
+        _, s, res = agent.send(cur)
+        verdicts.append(res.drift)
+    assert verdicts == ["rewound"] * (coverage.ADOPT_AFTER - 1) + ["adopted", "", ""]
+    b1 = next(b for b in s.blocks if b.id == "b1")
+    assert b1.retired and s.copy.parked["blocks"] == ["b1"]
+    sent, s, res = agent.send(first + said("Back on the first branch.", "go on"))
+    assert b"FILE A3" not in sent and b1.active and s.flags["drift"]["unparked"] == 1

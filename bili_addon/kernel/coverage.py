@@ -33,6 +33,11 @@ RETIRE_AFTER = 3
 # passes a parked conversation (_start_over) is waited for: a subagent's run is shorter; the parked copy is
 # written with the session's copy on every turn, so it goes (its blocks stay retired) when none came back
 PARKED_PASSES = 64
+# passes in a row on a branch the host rewound to, after which the branch is the conversation: what it
+# does not hold whole of the first branch's folds is parked with the first branch's copy (back whole, they
+# stand again), and the copy is the branch's (every pass on a branch was a reconcile of the whole history,
+# with a warning in the log, for as long as the branch lasted)
+ADOPT_AFTER = 8
 
 
 def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: list[list[Resolved]],
@@ -83,6 +88,9 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
                         "missing); folding resumes", printable(sid), out.missing)
         else:
             out = _start_over(sessions, s, view, out.missing)
+    s.copy.branched = s.copy.branched + 1 if out.verdict == "rewound" else 0
+    if s.copy.branched >= ADOPT_AFTER:
+        out = _start_over(sessions, s, view, out.missing, adopt=True)
     if out.verdict == "collapse" and not was_latched:
         log.error("[bili] session=%s: the re-sent history no longer matches any fold (%d covered parts "
                   "missing, none verifiable); folding is paused and requests pass through unchanged "
@@ -111,14 +119,14 @@ def _parked(copy: reconcile.Copy, blocks: list[fold.Block]) -> dict:
     return {"copy": {k: v for k, v in copy.__dict__.items() if k != "parked"}, "blocks": [b.id for b in blocks]}
 
 
-def _start_over(sessions: Sessions, s: Session, view: View, missing: int) -> reconcile.Outcome:
+def _start_over(sessions: Sessions, s: Session, view: View, missing: int, adopt: bool = False) -> reconcile.Outcome:
     """End a pause that outlasted :data:`RETIRE_AFTER` passes: every active block some of whose
     messages this history lacks retires from the wire (as at the agent's compaction: still
     decompressible and searchable), the blocks it holds whole stay (each of their refs is here: what
     a steady pass verifies), and the canonical copy starts again from this pass.  The copy and the
     blocks it retires are parked: should the conversation they stand for come back whole (a Claude
     Code subagent's turns under its conversation's id latched the pause), :func:`_unpark` puts them
-    back."""
+    back.  ``adopt``: a branch the host rewound to lasted :data:`ADOPT_AFTER` passes (no pause)."""
     present = view.pos
     gone = [b for b in s.blocks if b.active and not _whole(b, present)]
     for b in gone:
@@ -128,14 +136,21 @@ def _start_over(sessions: Sessions, s: Session, view: View, missing: int) -> rec
         sessions.save_blocks(s, gone)
     s.copy = reconcile.Copy(parked=_parked(s.copy, gone))
     counts = dict(s.flags.get("drift", {}))  # (the session's drift counters: /__bili/stats)
-    counts["restarted"] = counts.get("restarted", 0) + 1
+    verdict = "adopted" if adopt else "restarted"
+    counts[verdict] = counts.get(verdict, 0) + 1
     sessions.set_flag(s.row.id, "drift", counts)
-    log.warning("[bili] session=%s: the history matched no fold for %d requests (%d covered part(s) missing); "
-                "%d block(s) retire from the wire (%s; still decompressible and searchable) and folding "
-                "resumes on the history as it is", printable(s.row.id), RETIRE_AFTER, missing, len(gone),
-                ", ".join(b.id for b in gone) or "none")
+    if adopt:
+        log.warning("[bili] session=%s: the branch the agent went back to lasted %d requests: it is the "
+                    "conversation now; %d block(s) of the first branch it does not hold whole are parked (%s; they "
+                    "stand again if that branch comes back whole)", printable(s.row.id), ADOPT_AFTER, len(gone),
+                    ", ".join(b.id for b in gone) or "none")
+    else:
+        log.warning("[bili] session=%s: the history matched no fold for %d requests (%d covered part(s) missing); "
+                    "%d block(s) retire from the wire (%s; still decompressible and searchable) and folding "
+                    "resumes on the history as it is", printable(s.row.id), RETIRE_AFTER, missing, len(gone),
+                    ", ".join(b.id for b in gone) or "none")
     kept = [b for b in s.blocks if b.active]
-    return reconcile.Outcome(covered=len({r for b in kept for r in b.covered}), verdict="restarted")
+    return reconcile.Outcome(covered=len({r for b in kept for r in b.covered}), verdict=verdict)
 
 
 def _unpark(sessions: Sessions, s: Session, view: View) -> None:

@@ -115,6 +115,7 @@ class Copy:
     branch: list[str] = field(default_factory=list)
     streak: int = 0
     paused: int = 0  # passes in a row latched (folding paused): kernel/coverage.py ends the pause at RETIRE_AFTER
+    branched: int = 0  # passes in a row "rewound": kernel/coverage.py takes the branch for the copy at ADOPT_AFTER
     # what ending a pause put aside: the copy as it was (its fields) and the blocks it retired; when a later
     # pass holds those blocks whole again (the conversation is back: a subagent's turns under its id had
     # latched the pause), they stand again and that copy is the copy again (kernel/coverage.py)
@@ -144,7 +145,8 @@ class Outcome:
     covered: int = 0  # covered messages of the active blocks
     unmatched: list[str] = field(default_factory=list)
     suspects: int = 0
-    verdict: str = ""  # "", "transformed", "truncated", "rewound", "drift", "collapse", "recovered", "restarted"
+    verdict: str = ""  # "", "transformed", "truncated", "rewound", "drift", "collapse", "recovered", "restarted",
+    # "adopted"
     # blocks not rendered for this request: their range the host truncated away, or a rewind left
     snoozed: set[str] = field(default_factory=set)
 
