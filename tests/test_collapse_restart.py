@@ -161,3 +161,73 @@ def test_a_parked_conversation_is_waited_for_a_while_only(tmp_path, monkeypatch)
         seen.append(bool(s.copy.parked))
     assert seen == [False] * (coverage.RETIRE_AFTER - 1) + [True] * 4 + [False]
     assert next(b for b in s.blocks if b.id == "b1").retired
+
+
+def test_back_whole_a_parked_block_puts_aside_a_later_fold_over_its_messages(tmp_path):
+    """A fold made on the other history over messages the two share: when the parked block stands
+    again, that fold is put aside in its place (one summary per message)."""
+    agent = Agent(tmp_path)
+    head = [{"role": "user", "content": "Task: read the A modules."}]
+    a = reads("A", 10)
+    hist_a = head + a + said("All read.", "ok")
+    _, s, _ = agent.send(hist_a)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
+    hist_a += said("Folded.", "fine")
+    agent.send(hist_a)
+    hist_x = [{"role": "user", "content": "Continue the task: read the A modules (resumed)."}] + a[:10] + reads("X", 6)
+    for k in range(coverage.RETIRE_AFTER):
+        hist_x += said(f"x {k}", f"go {k}")
+        _, s, res = agent.send(hist_x)
+    assert res.drift == "restarted" and s.copy.parked["blocks"] == ["b1"]
+    assert "b2" in agent.compress(s, first_ref(s, 1), last_ref(s, 10))
+    agent.send(hist_x + said("x folded", "ok"))
+    sent, s, res = agent.send(hist_a + said("Back.", "again"))
+    active = {b.id for b in s.blocks if b.active}
+    assert active == {"b1"} and s.copy.parked["blocks"] == ["b2"]
+    assert json.loads(sent)["messages"][1]["content"][0]["text"].startswith("[Compressed conversation section b1")
+
+
+def test_a_parked_copy_is_waited_for_only_with_blocks_to_give_back(tmp_path):
+    agent = Agent(tmp_path)
+    msgs = _folded_a(agent)
+    sub = [{"role": "user", "content": "You are an explore agent: find every B module and report."}]
+    for k in range(8):
+        sub += reads(f"B{k}_", 1)
+        _, s, res = agent.send(sub)
+    msgs += said("Spawning.", "Agent report: B has 8 modules.")
+    _, s, res = agent.send(msgs)
+    assert s.flags["drift"]["unparked"] == 1
+    assert s.copy.parked == {} and "parked" not in s.copy.to_json()  # (the subagent's copy: nothing of it to wait for)
+
+
+def test_a_copy_without_the_later_fields_reads_in_an_older_bili_and_a_later_ones_fields_are_ignored():
+    from bili_addon.kernel.reconcile import Copy
+
+    doc = Copy(refs=["m00001"], fps=["f"], items=[0], ids=["h"], truncated=["m00009"], latched=True).to_json()
+    assert not any(k in doc for k in ('"branch"', '"paused"', '"branched"', '"parked"'))
+    later = json.loads(doc) | {"some_later_field": 1}
+    back = Copy.from_json(json.dumps(later))
+    assert (back.refs, back.truncated, back.latched) == (["m00001"], ["m00009"], True)
+
+
+def test_back_after_its_own_truncation_the_parked_conversation_stands_again(tmp_path):
+    """The conversation's host had dropped its oldest slice (part of b1's range: the copy holds those
+    refs as truncated, and b1 stood for the rest); back after another conversation's turns, b1 is
+    taken back as the steady pass of that copy takes it."""
+    agent = Agent(tmp_path)
+    head = [{"role": "user", "content": "Task: read the A modules."}]
+    a = reads("A", 10)
+    msgs = head + a + said("All read.", "ok")
+    _, s, _ = agent.send(msgs)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
+    msgs += said("Folded.", "fine") + reads("K", 6) + said("K read.", "go")
+    agent.send(msgs)
+    cut = head + a[6:] + msgs[21:] + said("t", "u")  # the host drops A0..A2
+    _, s, res = agent.send(cut)
+    assert res.drift == "truncated"
+    sub = [{"role": "user", "content": "You are an explore agent: find every B module and report."}]
+    for k in range(8):
+        sub += reads(f"B{k}_", 1)
+        agent.send(sub)
+    sent, s, res = agent.send(cut + said("Back.", "again"))
+    assert next(b for b in s.blocks if b.id == "b1").active and b"FILE A5" not in sent

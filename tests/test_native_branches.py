@@ -177,3 +177,34 @@ def test_a_branch_that_lasts_is_the_conversation_and_the_first_branch_back_whole
     assert b1.retired and s.copy.parked["blocks"] == ["b1"]
     sent, s, res = agent.send(first + said("Back on the first branch.", "go on"))
     assert b"FILE A3" not in sent and b1.active and s.flags["drift"]["unparked"] == 1
+
+
+def test_a_distil_a_lasting_branch_cuts_through_gives_back_the_blocks_it_holds_whole(tmp_path):
+    """A rewind into a distil's range (b3 absorbed b1 and b2; the branch holds b1's range whole, half
+    of b2's): once the branch is the conversation, b1 stands again for A's reads (it was lost with the
+    distil), and back on the first branch b3 stands again, b1 absorbed again."""
+    from bili_addon.kernel import coverage
+
+    agent = Agent(tmp_path)
+    head = [{"role": "user", "content": "Task: read the A modules, then the B modules."}]
+    a, b = reads("A", 10), reads("B", 10)
+    first = head + a + said("A read.", "now B") + b + said("B read.", "ok")
+    _, s, _ = agent.send(first)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
+    agent.compress(s, first_ref(s, 23), last_ref(s, 42))
+    first += said("Folded.", "fine")
+    _, s, _ = agent.send(first)
+    assert "b3" in agent.compress(s, "b1", "b2")
+    first += said("Distilled.", "good")
+    agent.send(first)
+    cur = head + a + said("A read.", "now B") + b[:10] + said("Half of B read.", "Actually, stop and read C.")
+    for k in range(coverage.ADOPT_AFTER):
+        cur += said(f"C step {k}.", f"go {k}")
+        sent, s, res = agent.send(cur)
+    assert res.drift == "adopted"
+    by_id = {x.id: x for x in s.blocks}
+    assert by_id["b1"].active and by_id["b3"].retired and not by_id["b2"].active
+    sent, s, res = agent.send(cur + said("more", "on"))
+    assert res.drift == "" and b"FILE A3" not in sent and b"FILE B2" in sent
+    sent, s, res = agent.send(first + said("Back.", "on"))
+    assert by_id["b3"].active and not by_id["b1"].active and b"FILE A3" not in sent and b"FILE B7" not in sent

@@ -114,7 +114,7 @@ def _whole(b: fold.Block, present: dict[str, int]) -> bool:
 def _parked(copy: reconcile.Copy, blocks: list[fold.Block]) -> dict:
     """What ending a pause (or taking a parked history back) puts aside: ``copy``'s fields and the ids
     of the ``blocks`` it retires (nothing when it retires none and ``copy`` holds no pass)."""
-    if not blocks and not copy.refs:
+    if not blocks:  # (nothing to stand again: nothing to wait for)
         return {}
     return {"copy": {k: v for k, v in copy.__dict__.items() if k != "parked"}, "blocks": [b.id for b in blocks]}
 
@@ -132,8 +132,9 @@ def _start_over(sessions: Sessions, s: Session, view: View, missing: int, adopt:
     for b in gone:
         b.active = False
         b.retired = True
+    back = _stand_in(s.blocks, gone, present)
     if gone:
-        sessions.save_blocks(s, gone)
+        sessions.save_blocks(s, gone + back)
     s.copy = reconcile.Copy(parked=_parked(s.copy, gone))
     counts = dict(s.flags.get("drift", {}))  # (the session's drift counters: /__bili/stats)
     verdict = "adopted" if adopt else "restarted"
@@ -153,6 +154,25 @@ def _start_over(sessions: Sessions, s: Session, view: View, missing: int, adopt:
     return reconcile.Outcome(covered=len({r for b in kept for r in b.covered}), verdict=verdict)
 
 
+def _stand_in(blocks: list[fold.Block], gone: list[fold.Block], present: dict[str, int]) -> list[fold.Block]:
+    """The blocks that retiring ``gone`` brings back: those a retired distil absorbed (at any depth)
+    that this history holds whole stand again for their messages (a branch rewound into a distil's
+    range holds its first blocks whole, and their folds were lost with it).  Changed in place."""
+    by_id = {b.id: b for b in blocks}
+    todo = [c for b in gone for c in b.consumed]
+    out = []
+    while todo:
+        b = by_id.get(todo.pop())
+        if b is None or b.active or b.retired:
+            continue
+        if _whole(b, present):
+            b.active = True
+            out.append(b)
+        else:
+            todo += b.consumed
+    return out
+
+
 def _unpark(sessions: Sessions, s: Session, view: View) -> None:
     """The conversation whose folds a pause's end put aside is back when this pass holds every one of
     them whole: they stand again, the copy they were checked against is the copy again, and what the
@@ -163,11 +183,13 @@ def _unpark(sessions: Sessions, s: Session, view: View) -> None:
     ids = set(parked.get("blocks") or ())
     back = [b for b in s.blocks if b.id in ids and b.retired and not b.active]
     if not back:
-        if not ids:
-            return  # (a copy put aside with no block: it waits for blocks as the copy does)
         s.copy.parked = {}  # (they are gone: a compaction, a fork's adoption)
         return
     present = view.pos
+    # (the refs the host truncated away before the pause: a steady pass of that copy takes them as gone)
+    cut = parked.get("copy", {}).get("truncated") or ()
+    if cut:
+        present = {**present, **dict.fromkeys(cut, -1)}
     if not all(_whole(b, present) for b in back):
         parked["waited"] = parked.get("waited", 0) + 1
         if parked["waited"] >= PARKED_PASSES:
@@ -178,17 +200,25 @@ def _unpark(sessions: Sessions, s: Session, view: View) -> None:
     except (KeyError, TypeError):
         s.copy.parked = {}
         return
-    gone = [b for b in s.blocks if b.active and not _whole(b, present)]
+    # what this pass lacks of the blocks made since, and any of them over a returning block's messages
+    # (a fold made on the other history over messages the two share: one summary per message)
+    theirs = {r for b in back for r in b.covered}
+    gone = [b for b in s.blocks if b.active and (not _whole(b, present) or not theirs.isdisjoint(b.covered))]
     for b in back:
         b.retired = False
         b.active = True
+    # (a restored distil's blocks that stood in for it on the other history are its own again)
+    by_id = {b.id: b for b in s.blocks}
+    absorbed = [by_id[c] for b in back for c in b.consumed if c in by_id and by_id[c].active]
+    for b in absorbed:
+        b.active = False
     for b in gone:
         b.active = False
         b.retired = True
     restored.latched, restored.paused, restored.streak, restored.witness = False, 0, 0, []
     restored.parked = _parked(s.copy, gone)
     s.copy = restored
-    sessions.save_blocks(s, back + gone)
+    sessions.save_blocks(s, back + absorbed + gone)
     counts = dict(s.flags.get("drift", {}))
     counts["unparked"] = counts.get("unparked", 0) + 1
     sessions.set_flag(s.row.id, "drift", counts)

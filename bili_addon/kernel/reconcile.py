@@ -124,17 +124,27 @@ class Copy:
     def to_json(self) -> str:
         # msgspec: 1/7 of json.dumps' time on a copy of 1,500 parts (written every steady turn of a
         # folded session); the same text where it is ASCII (refs, hex fingerprints and ids), UTF-8
-        # where json.dumps escaped: both read back the same
-        return _encode(self.__dict__).decode()
+        # where json.dumps escaped: both read back the same.  The fields added since a copy was last a
+        # plain document are left out at their defaults: a bili of before them reads it whole (it took
+        # a document with a field it does not know for no copy at all)
+        doc = self.__dict__
+        if not (doc["branch"] or doc["paused"] or doc["branched"] or doc["parked"]):
+            doc = {k: v for k, v in doc.items() if k not in _LATER}
+        return _encode(doc).decode()
 
     @classmethod
     def from_json(cls, doc: str | None) -> "Copy":
         if not doc:
             return cls()
         try:
-            return cls(**_decode(doc))  # (a document json.dumps wrote reads the same)
-        except (TypeError, ValueError):  # (msgspec.DecodeError is a ValueError)
+            got = _decode(doc)  # (a document json.dumps wrote reads the same)
+            return cls(**{k: v for k, v in got.items() if k in _FIELDS})  # (a later bili's fields: not ours)
+        except (TypeError, ValueError, AttributeError):  # (msgspec.DecodeError is a ValueError)
             return cls()
+
+
+_LATER = ("branch", "paused", "branched", "parked")  # Copy's fields of schema 13's bili (see to_json)
+_FIELDS = frozenset(Copy.__dataclass_fields__)
 
 
 @dataclass
