@@ -231,3 +231,34 @@ def test_back_after_its_own_truncation_the_parked_conversation_stands_again(tmp_
         agent.send(sub)
     sent, s, res = agent.send(cut + said("Back.", "again"))
     assert next(b for b in s.blocks if b.id == "b1").active and b"FILE A5" not in sent
+
+
+def test_back_with_a_drift_of_its_own_the_parked_conversation_stands_again(tmp_path):
+    """The conversation held its fold in part before another conversation's turns parked it (a covered
+    tool result the host cleared in place: a lasting drift): back as it was, checked against its copy
+    it is no collapse, and its fold stands again (it waited for a wholeness it never had)."""
+    agent = Agent(tmp_path)
+    msgs = _folded_a(agent)
+    cleared = [dict(m) for m in msgs]
+    cleared[6] = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_A2",
+                                               "content": "[Old tool result content cleared]"}]}
+    sent, s, res = agent.send(cleared)
+    assert res.drift == "drift" and b"FILE A5" not in sent
+    sub = [{"role": "user", "content": "You are an explore agent: find every B module and report."}]
+    for k in range(8):
+        sub += reads(f"B{k}_", 1)
+        agent.send(sub)
+    assert next(b for b in agent.eng.sessions.get(s.row.id).blocks if b.id == "b1").retired
+    sent, s, res = agent.send(cleared + said("Back.", "again"))
+    assert next(b for b in s.blocks if b.id == "b1").active and b"FILE A5" not in sent
+    assert s.flags["drift"]["unparked"] == 1
+
+
+def test_a_subagents_turns_never_take_the_parked_parent_back(tmp_path):
+    agent = Agent(tmp_path)
+    _folded_a(agent)
+    sub = [{"role": "user", "content": "You are an explore agent: find every B module and report."}]
+    for k in range(12):
+        sub += reads(f"B{k}_", 1)
+        _, s, res = agent.send(sub)
+    assert next(b for b in s.blocks if b.id == "b1").retired and "unparked" not in s.flags["drift"]

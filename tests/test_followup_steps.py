@@ -55,6 +55,8 @@ def old_check(store, sessions, s, view, resolved, result):
     if len(view.items) < reconcile.SIDE_REQUEST_MAX_ITEMS:
         return None
     sid = s.row.id
+    if s.copy.parked:  # (the pause's end and the way back are decisions of their own, not the oracle's)
+        coverage._unpark(sessions, s, view, lambda refs: store.originals(sid, refs), resolved)
     fresh = {r.entry.ref for ps in resolved for r in ps if r.incs > 1}
     out = reconcile.reconcile(view, s.blocks, s.copy, lambda refs: store.originals(sid, refs), fresh)
     if out.claims:
@@ -70,7 +72,18 @@ def old_check(store, sessions, s, view, resolved, result):
     reconcile.verdict(out, view, s.blocks, s.copy, lambda refs: store.originals(sid, refs))
     if out.drifted:
         coverage.count(sessions, s, out)
+    s.copy.paused = s.copy.paused + 1 if s.copy.latched else 0
+    if s.copy.paused >= coverage.RETIRE_AFTER:
+        if out.verdict == "drift":
+            s.copy.latched, s.copy.paused, s.copy.witness = False, 0, []
+        else:
+            out = coverage._start_over(sessions, s, view, out.missing)
+    s.copy.branched = s.copy.branched + 1 if out.verdict == "rewound" else 0
+    if s.copy.branched >= coverage.ADOPT_AFTER:
+        out = coverage._start_over(sessions, s, view, out.missing, adopt=True)
     result.drift = out.verdict
+    if out.verdict == "rewound":
+        s.copy.branch = [r.msg_id for ps in resolved for r in ps]
     if out.drifted or was_latched:
         sessions.save_copy(s)
     return out

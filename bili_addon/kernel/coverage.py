@@ -9,6 +9,7 @@ turn's staged commit when it has one).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from itertools import chain, compress, islice, repeat
 from itertools import count as _naturals
@@ -32,7 +33,7 @@ log = logging.getLogger("bili")
 RETIRE_AFTER = 3
 # passes a parked conversation (_start_over) is waited for: a subagent's run is shorter; the parked copy is
 # written with the session's copy on every turn, so it goes (its blocks stay retired) when none came back
-PARKED_PASSES = 64
+PARKED_PASSES = 128
 # passes in a row on a branch the host rewound to, after which the branch is the conversation: what it
 # does not hold whole of the first branch's folds is parked with the first branch's copy (back whole, they
 # stand again), and the copy is the branch's (every pass on a branch was a reconcile of the whole history,
@@ -51,7 +52,7 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
         return reconcile.Outcome(snoozed=part) if part else None
     sid = s.row.id
     if s.copy.parked:
-        _unpark(sessions, s, view)
+        _unpark(sessions, s, view, lambda refs: store.originals(sid, refs), resolved)
     out = _steady(view, s.blocks, s.copy)
     if out is None:  # a covered part went missing: the channels of kernel/reconcile.py
         fresh = {r.entry.ref for ps in resolved for r in ps if r.incs > 1}
@@ -116,7 +117,9 @@ def _parked(copy: reconcile.Copy, blocks: list[fold.Block]) -> dict:
     of the ``blocks`` it retires (nothing when it retires none and ``copy`` holds no pass)."""
     if not blocks:  # (nothing to stand again: nothing to wait for)
         return {}
-    return {"copy": {k: v for k, v in copy.__dict__.items() if k != "parked"}, "blocks": [b.id for b in blocks]}
+    # ("branch": the conversation was on a branch rewound from that copy: back on it, "rewound" is its own)
+    return {"copy": {k: v for k, v in copy.__dict__.items() if k != "parked"}, "blocks": [b.id for b in blocks],
+            "branch": bool(copy.branch)}
 
 
 def _start_over(sessions: Sessions, s: Session, view: View, missing: int, adopt: bool = False) -> reconcile.Outcome:
@@ -135,7 +138,10 @@ def _start_over(sessions: Sessions, s: Session, view: View, missing: int, adopt:
     back = _stand_in(s.blocks, gone, present)
     if gone:
         sessions.save_blocks(s, gone + back)
-    s.copy = reconcile.Copy(parked=_parked(s.copy, gone))
+    parked = _parked(s.copy, gone)
+    if adopt and parked:  # (the first branch's: a pass rewound from its copy is the branch again, not it)
+        parked["branch"] = False
+    s.copy = reconcile.Copy(parked=parked)
     counts = dict(s.flags.get("drift", {}))  # (the session's drift counters: /__bili/stats)
     verdict = "adopted" if adopt else "restarted"
     counts[verdict] = counts.get(verdict, 0) + 1
@@ -173,12 +179,14 @@ def _stand_in(blocks: list[fold.Block], gone: list[fold.Block], present: dict[st
     return out
 
 
-def _unpark(sessions: Sessions, s: Session, view: View) -> None:
-    """The conversation whose folds a pause's end put aside is back when this pass holds every one of
-    them whole: they stand again, the copy they were checked against is the copy again, and what the
-    pass lacks of the blocks made since (another conversation's, under the same id) is put aside in
-    their place.  A block holds whole here only the messages the ledger joined to its refs: what a
-    steady pass verifies."""
+def _unpark(sessions: Sessions, s: Session, view: View, originals, resolved: list[list[Resolved]]) -> None:
+    """The conversation whose folds a pause's end put aside is back when this pass holds them as that
+    conversation's own passes did: every one whole (what a steady pass verifies), or, with most of
+    their messages here, as a pass checked against their copy that is no collapse (a drift of its own
+    that lasts: a covered tool result cleared in place), nor a rewind from it unless the conversation
+    was on such a branch when they were put aside (a branch adopted put aside the first branch's).  They stand again,
+    the copy they were checked against is the copy again, and what the pass lacks of the blocks made
+    since (another conversation's, under the same id) is put aside in their place."""
     parked = s.copy.parked
     ids = set(parked.get("blocks") or ())
     back = [b for b in s.blocks if b.id in ids and b.retired and not b.active]
@@ -190,7 +198,7 @@ def _unpark(sessions: Sessions, s: Session, view: View) -> None:
     cut = parked.get("copy", {}).get("truncated") or ()
     if cut:
         present = {**present, **dict.fromkeys(cut, -1)}
-    if not all(_whole(b, present) for b in back):
+    if not all(_whole(b, present) for b in back) and not _holds(view, s.blocks, back, parked, originals, resolved):
         parked["waited"] = parked.get("waited", 0) + 1
         if parked["waited"] >= PARKED_PASSES:
             s.copy.parked = {}
@@ -225,6 +233,35 @@ def _unpark(sessions: Sessions, s: Session, view: View) -> None:
     log.warning("[bili] session=%s: the conversation whose folds were put aside is back whole; %d block(s) stand "
                 "again (%s)%s", printable(s.row.id), len(back), ", ".join(b.id for b in back),
                 f", {len(gone)} put aside ({', '.join(b.id for b in gone)})" if gone else "")
+
+
+def _holds(view: View, blocks: list[fold.Block], back: list[fold.Block], parked: dict, originals,
+           resolved: list[list[Resolved]]) -> bool:
+    """Whether this pass, which holds most of the ``back`` blocks' messages (some, on a branch), is no collapse when
+    checked against their copy with them standing (and the blocks made since that it lacks put aside):
+    worked out on copies, nothing of the session changed."""
+    present = view.pos
+    refs = [r for b in back for r in b.covered]
+    here = sum(1 for b in back for r in b.covered if r in present or b.claimed.get(r) in present)
+    # (most of them; on a branch, which holds the first branch's folds in part, any of them: the verdict decides)
+    if not here or (here * 2 < len(refs) and not parked.get("branch", False)):
+        return False
+    try:
+        copy = reconcile.Copy.from_json(reconcile.Copy(**parked["copy"]).to_json())  # (its own lists)
+    except (KeyError, TypeError):
+        return False
+    ids = {b.id for b in back}
+    theirs = set(refs)
+    trial = [dataclasses.replace(b, active=True, retired=False, claimed=dict(b.claimed)) if b.id in ids
+             else dataclasses.replace(b, active=False) if b.active and (not _whole(b, present)
+                                                                       or not theirs.isdisjoint(b.covered))
+             else b for b in blocks]
+    if _steady(view, trial, copy) is not None:
+        return True
+    fresh = {r.entry.ref for ps in resolved for r in ps if r.incs > 1}
+    out = reconcile.reconcile(view, trial, copy, originals, fresh)
+    reconcile.verdict(out, view, trial, copy, originals)
+    return out.verdict != "collapse" and (out.verdict != "rewound" or parked.get("branch", False))
 
 
 def _steady(view: View, blocks: list[fold.Block], copy: reconcile.Copy) -> reconcile.Outcome | None:
