@@ -181,10 +181,13 @@ def test_back_whole_a_parked_block_puts_aside_a_later_fold_over_its_messages(tmp
     assert res.drift == "restarted" and s.copy.parked["blocks"] == ["b1"]
     assert "b2" in agent.compress(s, first_ref(s, 1), last_ref(s, 10))
     agent.send(hist_x + said("x folded", "ok"))
-    sent, s, res = agent.send(hist_a + said("Back.", "again"))
-    active = {b.id for b in s.blocks if b.active}
-    assert active == {"b1"} and s.copy.parked["blocks"] == ["b2"]
-    assert json.loads(sent)["messages"][1]["content"][0]["text"].startswith("[Compressed conversation section b1")
+    hist_a += said("Back.", "again")
+    for k in range(3):  # (and it stays so: b2, whole here, retires for good rather than wait its turn to swap)
+        hist_a += said(f"on {k}", f"more {k}")
+        sent, s, res = agent.send(hist_a)
+        assert {b.id for b in s.blocks if b.active} == {"b1"} and "b2" not in s.copy.parked.get("blocks", ())
+        assert json.loads(sent)["messages"][1]["content"][0]["text"].startswith("[Compressed conversation section b1")
+    assert s.flags["drift"]["unparked"] == 1
 
 
 def test_a_parked_copy_is_waited_for_only_with_blocks_to_give_back(tmp_path):
@@ -262,3 +265,90 @@ def test_a_subagents_turns_never_take_the_parked_parent_back(tmp_path):
         sub += reads(f"B{k}_", 1)
         _, s, res = agent.send(sub)
     assert next(b for b in s.blocks if b.id == "b1").retired and "unparked" not in s.flags["drift"]
+
+
+def _other_history(agent: Agent, hist_a: list[dict]) -> list[dict]:
+    """A history of another opening holding half of A's reads, whose turns end the pause (b1 parked)."""
+    hist_x = [{"role": "user", "content": "Continue the task: read the A modules (resumed)."}] + hist_a[1:11] + reads("X", 6)
+    for k in range(coverage.RETIRE_AFTER):
+        hist_x += said(f"x {k}", f"go {k}")
+        _, s, res = agent.send(hist_x)
+    assert res.drift == "restarted" and s.copy.parked["blocks"] == ["b1"]
+    return hist_x
+
+
+def test_another_historys_fold_put_aside_never_stands_on_this_one(tmp_path):
+    """b2, made on the other history over A0..A4 and its own X0, is put aside when this conversation is
+    back; this history holds most of b2's messages, but b2 comes back only whole (it tells of X0)."""
+    agent = Agent(tmp_path)
+    hist_a = _folded_a(agent)
+    hist_x = _other_history(agent, hist_a)
+    _, s, _ = agent.send(hist_x)
+    assert "b2" in agent.compress(s, first_ref(s, 1), last_ref(s, 12))  # A0..A4 and X0
+    agent.send(hist_x + said("x folded", "ok"))
+    for k in range(4):
+        hist_a += said(f"Back {k}.", f"again {k}")
+        sent, s, res = agent.send(hist_a)
+        assert {b.id for b in s.blocks if b.active} == {"b1"} and b"X0" not in sent
+
+
+def test_another_history_saying_some_of_the_parked_words_never_takes_them_back(tmp_path):
+    """The other history's model says again words the parked block covers (the ledger gives them its
+    refs): most of its messages here, and no collapse against its copy, but the history does not open as
+    the conversation did: the parked block stays parked, the other history's own fold stands."""
+    agent = Agent(tmp_path)
+    hist_a = _folded_a(agent)
+    hist_x = _other_history(agent, hist_a)
+    _, s, _ = agent.send(hist_x)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 10))
+    hist_x += said("x folded", "ok")
+    for n in range(5, 10):
+        hist_x += [{"role": "assistant", "content": [{"type": "text", "text": f"reading A{n}"},
+                                                     {"type": "tool_use", "id": f"tu_XA{n}", "name": "Read",
+                                                      "input": {"f": f"A{n} again"}}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"tu_XA{n}",
+                                                 "content": f"FILE A{n} (new)\\nrow"}]}]
+    for k in range(2):
+        hist_x += said(f"Read again {k}.", f"go on {k}")
+        _, s, res = agent.send(hist_x)
+        assert {b.id for b in s.blocks if b.active} == {"b2"} and "unparked" not in s.flags["drift"]
+
+
+def test_two_other_histories_in_a_row_leave_the_first_parked_conversation_its_folds(tmp_path):
+    agent = Agent(tmp_path)
+    msgs = _folded_a(agent)
+    for tag in ("B", "D"):
+        sub = [{"role": "user", "content": f"You are an explore agent: find every {tag} module and report."}]
+        for k in range(8):
+            sub += reads(f"{tag}{k}_", 1)
+            _, s, _ = agent.send(sub)
+        if tag == "B":  # (the first one folds its reads: its blocks are parked by the second)
+            assert "b2" in agent.compress(s, first_ref(s, 1), last_ref(s, 12))
+            agent.send(sub + said("B folded.", "go on"))
+    sent, s, res = agent.send(msgs + said("Spawning.", "Agent reports: B has 8 modules, D has 8."))
+    assert next(b for b in s.blocks if b.id == "b1").active and b"FILE A3" not in sent
+
+
+def test_a_lasting_branch_of_a_truncated_conversation_keeps_the_folds_it_holds_as_the_copy_had_them(tmp_path):
+    agent = Agent(tmp_path)
+    head = [{"role": "user", "content": "Task: read the A modules."}]
+    a = reads("A", 10)
+    msgs = head + a + said("All read.", "ok")
+    _, s, _ = agent.send(msgs)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
+    msgs += said("Folded.", "fine") + reads("K", 6) + said("K read.", "go")
+    _, s, _ = agent.send(msgs)
+    agent.compress(s, first_ref(s, 23), last_ref(s, 34))
+    msgs += said("K folded.", "go")
+    agent.send(msgs)
+    cut = head + a[6:] + msgs[21:] + said("t", "u")  # the host drops A0..A2
+    _, s, res = agent.send(cut)
+    assert res.drift == "truncated"
+    branch = cut[:len(head) + 14 + 2 + 4] + said("Some K read.", "Actually, read the C modules now.") + reads("C", 4)
+    verdicts = []
+    for k in range(coverage.ADOPT_AFTER + 2):
+        branch += said(f"C step {k}.", f"go {k}")
+        sent, s, res = agent.send(branch)
+        verdicts.append(res.drift)
+    assert "adopted" in verdicts and verdicts[-1] == ""
+    assert next(b for b in s.blocks if b.id == "b1").active and b"FILE A5" not in sent

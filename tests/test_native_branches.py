@@ -206,5 +206,9 @@ def test_a_distil_a_lasting_branch_cuts_through_gives_back_the_blocks_it_holds_w
     assert by_id["b1"].active and by_id["b3"].retired and not by_id["b2"].active
     sent, s, res = agent.send(cur + said("more", "on"))
     assert res.drift == "" and b"FILE A3" not in sent and b"FILE B2" in sent
-    sent, s, res = agent.send(first + said("Back.", "on"))
-    assert by_id["b3"].active and not by_id["b1"].active and b"FILE A3" not in sent and b"FILE B7" not in sent
+    first += said("Back.", "on")
+    for k in range(3):  # (and it stays so: b1 absorbed again, not parked to swap back on the next pass)
+        first += said(f"on {k}", f"more {k}")
+        sent, s, res = agent.send(first)
+        assert by_id["b3"].active and not by_id["b1"].active and not by_id["b1"].retired
+        assert b"FILE A3" not in sent and b"FILE B7" not in sent and s.flags["drift"]["unparked"] == 1

@@ -112,14 +112,21 @@ def _whole(b: fold.Block, present: dict[str, int]) -> bool:
     return all(r in present or claimed.get(r) in present for r in b.covered)
 
 
-def _parked(copy: reconcile.Copy, blocks: list[fold.Block]) -> dict:
+def _parked(copy: reconcile.Copy, blocks: list[fold.Block], trial: bool = False) -> dict:
     """What ending a pause (or taking a parked history back) puts aside: ``copy``'s fields and the ids
-    of the ``blocks`` it retires (nothing when it retires none and ``copy`` holds no pass)."""
-    if not blocks:  # (nothing to stand again: nothing to wait for)
-        return {}
+    of the ``blocks`` it retires (nothing when it retires none: nothing to stand again).  ``trial``:
+    the conversation's own blocks, put aside by a pause's end, which may come back as its passes held
+    them (:func:`_holds`); blocks another history made, or a branch's adoption parked, come back whole
+    only.  An entry a later one replaces is kept beside it (``earlier``, one): two subagents in a row."""
+    if not blocks:
+        return dict(copy.parked)  # (what was parked before waits on)
     # ("branch": the conversation was on a branch rewound from that copy: back on it, "rewound" is its own)
-    return {"copy": {k: v for k, v in copy.__dict__.items() if k != "parked"}, "blocks": [b.id for b in blocks],
-            "branch": bool(copy.branch)}
+    out = {"copy": {k: v for k, v in copy.__dict__.items() if k != "parked"}, "blocks": [b.id for b in blocks],
+           "branch": trial and bool(copy.branch), "trial": trial}
+    before = {k: v for k, v in copy.parked.items() if k != "earlier"}
+    if before:
+        out["earlier"] = before
+    return out
 
 
 def _start_over(sessions: Sessions, s: Session, view: View, missing: int, adopt: bool = False) -> reconcile.Outcome:
@@ -131,6 +138,8 @@ def _start_over(sessions: Sessions, s: Session, view: View, missing: int, adopt:
     Code subagent's turns under its conversation's id latched the pause), :func:`_unpark` puts them
     back.  ``adopt``: a branch the host rewound to lasted :data:`ADOPT_AFTER` passes (no pause)."""
     present = view.pos
+    if s.copy.truncated:  # (what the host truncated away is gone, not missing: as a steady pass takes it)
+        present = {**present, **dict.fromkeys(s.copy.truncated, -1)}
     gone = [b for b in s.blocks if b.active and not _whole(b, present)]
     for b in gone:
         b.active = False
@@ -138,10 +147,8 @@ def _start_over(sessions: Sessions, s: Session, view: View, missing: int, adopt:
     back = _stand_in(s.blocks, gone, present)
     if gone:
         sessions.save_blocks(s, gone + back)
-    parked = _parked(s.copy, gone)
-    if adopt and parked:  # (the first branch's: a pass rewound from its copy is the branch again, not it)
-        parked["branch"] = False
-    s.copy = reconcile.Copy(parked=parked)
+    # (the truncated refs of the blocks that stay are still gone: as the copy had them)
+    s.copy = reconcile.Copy(parked=_parked(s.copy, gone, trial=not adopt), truncated=list(s.copy.truncated))
     counts = dict(s.flags.get("drift", {}))  # (the session's drift counters: /__bili/stats)
     verdict = "adopted" if adopt else "restarted"
     counts[verdict] = counts.get(verdict, 0) + 1
@@ -180,59 +187,81 @@ def _stand_in(blocks: list[fold.Block], gone: list[fold.Block], present: dict[st
 
 
 def _unpark(sessions: Sessions, s: Session, view: View, originals, resolved: list[list[Resolved]]) -> None:
-    """The conversation whose folds a pause's end put aside is back when this pass holds them as that
-    conversation's own passes did: every one whole (what a steady pass verifies), or, with most of
-    their messages here, as a pass checked against their copy that is no collapse (a drift of its own
-    that lasts: a covered tool result cleared in place), nor a rewind from it unless the conversation
-    was on such a branch when they were put aside (a branch adopted put aside the first branch's).  They stand again,
-    the copy they were checked against is the copy again, and what the pass lacks of the blocks made
-    since (another conversation's, under the same id) is put aside in their place."""
+    """The conversation whose folds were put aside is back when this pass holds them as its own passes
+    did: every one whole (what a steady pass verifies), or, for the conversation's own blocks a pause's
+    end put aside (``trial``), most of their messages here as a pass that, checked against their copy, is
+    no collapse (a drift of its own that lasts: a covered tool result cleared in place), nor a rewind from
+    it unless the conversation was on such a branch then.  They stand again, the copy they were checked
+    against is the copy again; of the blocks made since, those this pass lacks are put aside in their
+    place (the other history's) and those over their messages retire (one summary per message)."""
     parked = s.copy.parked
-    ids = set(parked.get("blocks") or ())
+    for entry, rest in ((parked, parked.get("earlier") or {}),
+                        (parked.get("earlier") or {}, {k: v for k, v in parked.items() if k != "earlier"})):
+        if entry and _take_back(sessions, s, view, entry, rest, originals, resolved):
+            return
+    if not any(b.retired and not b.active and b.id in set(parked.get("blocks") or ()) for b in s.blocks):
+        s.copy.parked = dict(parked.get("earlier") or {})  # (they are gone: a compaction, a fork's adoption)
+        return
+    parked["waited"] = parked.get("waited", 0) + 1
+    if parked["waited"] >= PARKED_PASSES:
+        s.copy.parked = {}
+
+
+def _take_back(sessions: Sessions, s: Session, view: View, entry: dict, rest: dict, originals,
+               resolved: list[list[Resolved]]) -> bool:
+    """:func:`_unpark` of one parked entry (``rest``: what stays parked beside it); whether it was."""
+    ids = set(entry.get("blocks") or ())
     back = [b for b in s.blocks if b.id in ids and b.retired and not b.active]
     if not back:
-        s.copy.parked = {}  # (they are gone: a compaction, a fork's adoption)
-        return
+        return False
     present = view.pos
     # (the refs the host truncated away before the pause: a steady pass of that copy takes them as gone)
-    cut = parked.get("copy", {}).get("truncated") or ()
+    cut = entry.get("copy", {}).get("truncated") or ()
     if cut:
         present = {**present, **dict.fromkeys(cut, -1)}
-    if not all(_whole(b, present) for b in back) and not _holds(view, s.blocks, back, parked, originals, resolved):
-        parked["waited"] = parked.get("waited", 0) + 1
-        if parked["waited"] >= PARKED_PASSES:
-            s.copy.parked = {}
-        return
+    whole = all(_whole(b, present) for b in back)
+    if not whole and not (entry.get("trial") and _holds(view, s.blocks, back, entry, originals, resolved)):
+        return False
     try:
-        restored = reconcile.Copy(**parked["copy"])
+        restored = reconcile.Copy(**entry["copy"])
     except (KeyError, TypeError):
-        s.copy.parked = {}
-        return
-    # what this pass lacks of the blocks made since, and any of them over a returning block's messages
-    # (a fold made on the other history over messages the two share: one summary per message)
+        return False
+    by_id = {b.id: b for b in s.blocks}
+    # the blocks that stood in for a returning distil (at any depth: _stand_in) are its own again
+    absorbed = []
+    todo = [c for b in back for c in b.consumed]
+    while todo:
+        b = by_id.get(todo.pop())
+        if b is not None and not b.retired:
+            if b.active:
+                b.active = False
+                absorbed.append(b)
+            todo += b.consumed
     theirs = {r for b in back for r in b.covered}
-    gone = [b for b in s.blocks if b.active and (not _whole(b, present) or not theirs.isdisjoint(b.covered))]
+    others = [b for b in s.blocks if b.active and b.id not in ids]
+    lacking = [b for b in others if not _whole(b, present)]  # the other history's: parked
+    over = [b for b in others if b not in lacking and not theirs.isdisjoint(b.covered)]  # retire for good
     for b in back:
         b.retired = False
         b.active = True
-    # (a restored distil's blocks that stood in for it on the other history are its own again)
-    by_id = {b.id: b for b in s.blocks}
-    absorbed = [by_id[c] for b in back for c in b.consumed if c in by_id and by_id[c].active]
-    for b in absorbed:
-        b.active = False
-    for b in gone:
+    for b in lacking + over:
         b.active = False
         b.retired = True
     restored.latched, restored.paused, restored.streak, restored.witness = False, 0, 0, []
-    restored.parked = _parked(s.copy, gone)
+    left = s.copy
+    left.parked = rest
+    restored.parked = _parked(left, lacking)
     s.copy = restored
-    sessions.save_blocks(s, back + absorbed + gone)
+    sessions.save_blocks(s, back + absorbed + lacking + over)
     counts = dict(s.flags.get("drift", {}))
     counts["unparked"] = counts.get("unparked", 0) + 1
     sessions.set_flag(s.row.id, "drift", counts)
-    log.warning("[bili] session=%s: the conversation whose folds were put aside is back whole; %d block(s) stand "
-                "again (%s)%s", printable(s.row.id), len(back), ", ".join(b.id for b in back),
-                f", {len(gone)} put aside ({', '.join(b.id for b in gone)})" if gone else "")
+    log.warning("[bili] session=%s: the conversation whose folds were put aside is back (%s); %d block(s) stand "
+                "again (%s)%s", printable(s.row.id), "whole" if whole else "as its passes held them", len(back),
+                ", ".join(b.id for b in back),
+                f", {len(lacking) + len(over)} put aside ({', '.join(b.id for b in lacking + over)})"
+                if lacking or over else "")
+    return True
 
 
 def _holds(view: View, blocks: list[fold.Block], back: list[fold.Block], parked: dict, originals,
@@ -240,6 +269,9 @@ def _holds(view: View, blocks: list[fold.Block], back: list[fold.Block], parked:
     """Whether this pass, which holds most of the ``back`` blocks' messages (some, on a branch), is no collapse when
     checked against their copy with them standing (and the blocks made since that it lacks put aside):
     worked out on copies, nothing of the session changed."""
+    opening = (parked.get("copy", {}).get("refs") or [None])[0]
+    if opening is None or next((it.parts[0].ref for it in view.items if it.parts), None) != opening:
+        return False  # (the conversation opens as its copy did: another history under its id does not)
     present = view.pos
     refs = [r for b in back for r in b.covered]
     here = sum(1 for b in back for r in b.covered if r in present or b.claimed.get(r) in present)
