@@ -352,3 +352,102 @@ def test_a_lasting_branch_of_a_truncated_conversation_keeps_the_folds_it_holds_a
         verdicts.append(res.drift)
     assert "adopted" in verdicts and verdicts[-1] == ""
     assert next(b for b in s.blocks if b.id == "b1").active and b"FILE A5" not in sent
+
+
+CONTEXT = {"type": "text", "text": "<system-reminder>\nAs you answer the user's questions, you can use the following "
+           "context:\n# currentDate\nToday's date is 2026-12-02.\n</system-reminder>"}
+
+
+def test_a_shared_context_block_is_no_opening_of_the_parked_conversation(tmp_path):
+    """Claude Code opens the parent's and a subagent's conversations with the same context block: the
+    other history opens as the parked copy did by its first part, but not through its first tool call,
+    and never takes the parent's fold back."""
+    def opening(task: str) -> list[dict]:
+        return [{"role": "user", "content": [CONTEXT, {"type": "text", "text": task}]}]
+
+    agent = Agent(tmp_path)
+    a = reads("A", 10)
+    hist_a = opening("Task: read the A modules.") + a + said("All read.", "ok")
+    _, s, _ = agent.send(hist_a)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
+    agent.send(hist_a + said("Folded.", "fine"))
+    hist_x = opening("Continue the task: read the A modules (resumed).") + a[:10] + reads("X", 6)
+    for k in range(coverage.RETIRE_AFTER):
+        hist_x += said(f"x {k}", f"go {k}")
+        _, s, res = agent.send(hist_x)
+    assert res.drift == "restarted"
+    _, s, _ = agent.send(hist_x)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 10))
+    hist_x += said("x folded", "ok")
+    for n in range(5, 10):
+        hist_x += [{"role": "assistant", "content": [{"type": "text", "text": f"reading A{n}"},
+                                                     {"type": "tool_use", "id": f"tu_XA{n}", "name": "Read",
+                                                      "input": {"f": f"A{n} again"}}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"tu_XA{n}",
+                                                 "content": f"FILE A{n} (new)\\nrow"}]}]
+    for k in range(2):
+        hist_x += said(f"Read again {k}.", f"go on {k}")
+        _, s, res = agent.send(hist_x)
+        assert {b.id for b in s.blocks if b.active} == {"b2"} and "unparked" not in s.flags["drift"]
+
+
+def test_a_parked_conversation_whose_host_cut_its_opening_is_taken_back_from_a_later_point(tmp_path):
+    agent = Agent(tmp_path)
+    head = [{"role": "user", "content": "Task: read the A modules."}]
+    a = reads("A", 10)
+    msgs = head + a + said("All read.", "ok")
+    _, s, _ = agent.send(msgs)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
+    msgs += said("Folded.", "fine") + reads("K", 6) + said("K read.", "go")
+    _, s, _ = agent.send(msgs)
+    agent.compress(s, first_ref(s, 23), last_ref(s, 34))
+    msgs += said("K folded.", "go")
+    agent.send(msgs)
+    cut = a[6:] + msgs[21:] + said("t", "u")  # the host drops the opening and A0..A2
+    agent.send(cut)
+    sub = [{"role": "user", "content": "You are an explore agent: find every B module and report."}]
+    for k in range(8):
+        sub += reads(f"B{k}_", 1)
+        _, s, res = agent.send(sub)
+    assert s.copy.parked["blocks"] == ["b1", "b2"]
+    back = cut[6:] + said("Spawning.", "Agent report: B has 8 modules.")  # the window rolled on: A3..A5 gone too
+    for k in range(3):
+        back += said(f"on {k}", f"more {k}")
+        sent, s, res = agent.send(back)
+    assert next(b for b in s.blocks if b.id == "b2").active and b"FILE K3" not in sent
+
+
+def test_three_subagents_in_a_row_leave_the_parent_its_folds(tmp_path):
+    agent = Agent(tmp_path)
+    msgs = _folded_a(agent)
+    for tag in ("B", "D", "E"):
+        sub = [{"role": "user", "content": f"You are an explore agent: find every {tag} module and report."}]
+        for k in range(8):
+            sub += reads(f"{tag}{k}_", 1)
+            _, s, _ = agent.send(sub)
+        agent.compress(s, first_ref(s, 1), last_ref(s, 12))
+        agent.send(sub + said(f"{tag} folded.", "go on"))
+    sent, s, res = agent.send(msgs + said("Spawning.", "Agent reports: B, D and E have 8 modules each."))
+    assert next(b for b in s.blocks if b.id == "b1").active and b"FILE A3" not in sent
+
+
+def test_back_from_a_branch_one_summary_stands_for_each_message(tmp_path):
+    """A fold made on a rewound branch over messages of a block the branch did not render: back on the
+    first branch both were active over A0..A4; the newer retires."""
+    agent = Agent(tmp_path)
+    head = [{"role": "user", "content": "Task: read the A modules."}]
+    a = reads("A", 10)
+    full = head + a + said("All read.", "ok")
+    _, s, _ = agent.send(full)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
+    full += said("Folded.", "fine")
+    agent.send(full)
+    branch = head + a[:10] + said("Half of A read.", "Actually, read the C modules now.") + reads("C", 10) + said("C.", "go")
+    _, s, res = agent.send(branch)
+    assert res.drift == "rewound" and "b2" in agent.compress(s, first_ref(s, 1), last_ref(s, 10))
+    agent.send(branch + said("x", "y"))
+    for k in range(2):
+        full += said(f"back {k}", f"on A {k}")
+        sent, s, res = agent.send(full)
+        assert {b.id for b in s.blocks if b.active} == {"b1"}
+        assert b"[Compressed conversation section b1" in sent and b"[Compressed conversation section b2" not in sent

@@ -20,6 +20,7 @@ from bili_addon import printable
 from bili_addon.kernel import fold, reconcile
 from bili_addon.kernel.fold import View
 from bili_addon.kernel.state import Resolved, Session, TurnResult
+from bili_addon.wire.base import TOOL_CALL
 
 if TYPE_CHECKING:
     from bili_addon.kernel.registry import Sessions
@@ -98,12 +99,35 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
                   "until the history aligns again", printable(sid), out.missing)
     if out.verdict == "recovered":
         log.warning("[bili] session=%s: the history aligns with the folds again; folding resumes", printable(sid))
+    if s.copy.branch and out.verdict != "rewound":
+        _one_per_message(sessions, s, out.snoozed)  # (back from a branch: what was folded on it over the same messages)
     result.drift = out.verdict
     if out.verdict == "rewound":
         s.copy.branch = [r.msg_id for ps in resolved for r in ps]
     if out.drifted or was_latched:
         sessions.save_copy(s)  # (with the turn's staged commit: one write)
     return out
+
+
+def _one_per_message(sessions: Sessions, s: Session, snoozed: set[str]) -> None:
+    """Back from a branch the host had rewound to: a fold made there over messages of a block the branch
+    did not render (fold.compress leaves such a block out) stands beside it now, over the same messages.
+    The newer one retires (still decompressible and searchable): one summary per message."""
+    seen: set[str] = set()
+    over = []
+    for b in sorted((b for b in s.blocks if b.active and b.id not in snoozed), key=lambda b: b.number):
+        if seen.isdisjoint(b.covered):
+            seen.update(b.covered)
+        else:
+            over.append(b)
+    if not over:
+        return
+    for b in over:
+        b.active = False
+        b.retired = True
+    sessions.save_blocks(s, over)
+    log.warning("[bili] session=%s: back from a branch, %d block(s) folded there over messages an older block "
+                "covers retire (%s)", printable(s.row.id), len(over), ", ".join(b.id for b in over))
 
 
 def _whole(b: fold.Block, present: dict[str, int]) -> bool:
@@ -123,9 +147,12 @@ def _parked(copy: reconcile.Copy, blocks: list[fold.Block], trial: bool = False)
     # ("branch": the conversation was on a branch rewound from that copy: back on it, "rewound" is its own)
     out = {"copy": {k: v for k, v in copy.__dict__.items() if k != "parked"}, "blocks": [b.id for b in blocks],
            "branch": trial and bool(copy.branch), "trial": trial}
-    before = {k: v for k, v in copy.parked.items() if k != "earlier"}
-    if before:
-        out["earlier"] = before
+    # (one entry beside the newest: the oldest, the conversation others' turns interrupted first: subagents
+    # in a row each put the one before aside, and the one that comes back is the one they began in)
+    newest = {k: v for k, v in copy.parked.items() if k != "earlier"}
+    keep = copy.parked.get("earlier") or newest
+    if keep:
+        out["earlier"] = keep
     return out
 
 
@@ -198,6 +225,10 @@ def _unpark(sessions: Sessions, s: Session, view: View, originals, resolved: lis
     for entry, rest in ((parked, parked.get("earlier") or {}),
                         (parked.get("earlier") or {}, {k: v for k, v in parked.items() if k != "earlier"})):
         if entry and _take_back(sessions, s, view, entry, rest, originals, resolved):
+            # (and the entry that stays, should this pass hold it too: what it put aside settles now)
+            left = s.copy.parked
+            if left and _take_back(sessions, s, view, left, left.get("earlier") or {}, originals, resolved):
+                pass
             return
     if not any(b.retired and not b.active and b.id in set(parked.get("blocks") or ()) for b in s.blocks):
         s.copy.parked = dict(parked.get("earlier") or {})  # (they are gone: a compaction, a fork's adoption)
@@ -264,14 +295,41 @@ def _take_back(sessions: Sessions, s: Session, view: View, entry: dict, rest: di
     return True
 
 
+OPENING_PARTS = 64  # the parts a history's opening stretch is looked for in (_opens_as)
+
+
+def _opens_as(view: View, refs: list[str]) -> bool:
+    """Whether ``view`` opens as the pass ``refs`` did, or as a later point of it (the host cut its oldest
+    messages): its parts are that pass's, ref for ref, from its first part through its first tool call
+    (a provider's id: the conversation's own work; a shared context block or system prompt is no history)."""
+    if not refs:
+        return False
+    at = None
+    k = 0
+    for it in view.items:
+        for p in it.parts:
+            if k >= OPENING_PARTS:
+                return False
+            if at is None:
+                try:
+                    at = refs.index(p.ref)
+                except ValueError:
+                    return False
+            if at + k >= len(refs) or refs[at + k] != p.ref:
+                return False
+            if p.ctype == TOOL_CALL and p.tool_call_id:
+                return True
+            k += 1
+    return False
+
+
 def _holds(view: View, blocks: list[fold.Block], back: list[fold.Block], parked: dict, originals,
            resolved: list[list[Resolved]]) -> bool:
     """Whether this pass, which holds most of the ``back`` blocks' messages (some, on a branch), is no collapse when
     checked against their copy with them standing (and the blocks made since that it lacks put aside):
     worked out on copies, nothing of the session changed."""
-    opening = (parked.get("copy", {}).get("refs") or [None])[0]
-    if opening is None or next((it.parts[0].ref for it in view.items if it.parts), None) != opening:
-        return False  # (the conversation opens as its copy did: another history under its id does not)
+    if not _opens_as(view, parked.get("copy", {}).get("refs") or []):
+        return False  # (another history under the conversation's id: a shared opening is no history)
     present = view.pos
     refs = [r for b in back for r in b.covered]
     here = sum(1 for b in back for r in b.covered if r in present or b.claimed.get(r) in present)
