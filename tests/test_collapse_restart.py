@@ -167,18 +167,9 @@ def test_back_whole_a_parked_block_puts_aside_a_later_fold_over_its_messages(tmp
     """A fold made on the other history over messages the two share: when the parked block stands
     again, that fold is put aside in its place (one summary per message)."""
     agent = Agent(tmp_path)
-    head = [{"role": "user", "content": "Task: read the A modules."}]
-    a = reads("A", 10)
-    hist_a = head + a + said("All read.", "ok")
-    _, s, _ = agent.send(hist_a)
-    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
-    hist_a += said("Folded.", "fine")
-    agent.send(hist_a)
-    hist_x = [{"role": "user", "content": "Continue the task: read the A modules (resumed)."}] + a[:10] + reads("X", 6)
-    for k in range(coverage.RETIRE_AFTER):
-        hist_x += said(f"x {k}", f"go {k}")
-        _, s, res = agent.send(hist_x)
-    assert res.drift == "restarted" and s.copy.parked["blocks"] == ["b1"]
+    hist_a = _folded_a(agent)
+    hist_x = _other_history(agent, hist_a)
+    _, s, _ = agent.send(hist_x)
     assert "b2" in agent.compress(s, first_ref(s, 1), last_ref(s, 10))
     agent.send(hist_x + said("x folded", "ok"))
     hist_a += said("Back.", "again")
@@ -218,14 +209,9 @@ def test_back_after_its_own_truncation_the_parked_conversation_stands_again(tmp_
     refs as truncated, and b1 stood for the rest); back after another conversation's turns, b1 is
     taken back as the steady pass of that copy takes it."""
     agent = Agent(tmp_path)
-    head = [{"role": "user", "content": "Task: read the A modules."}]
-    a = reads("A", 10)
-    msgs = head + a + said("All read.", "ok")
-    _, s, _ = agent.send(msgs)
-    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
-    msgs += said("Folded.", "fine") + reads("K", 6) + said("K read.", "go")
+    msgs = _folded_a(agent) + reads("K", 6) + said("K read.", "go")
     agent.send(msgs)
-    cut = head + a[6:] + msgs[21:] + said("t", "u")  # the host drops A0..A2
+    cut = msgs[:1] + msgs[7:21] + msgs[21:] + said("t", "u")  # the host drops A0..A2
     _, s, res = agent.send(cut)
     assert res.drift == "truncated"
     sub = [{"role": "user", "content": "You are an explore agent: find every B module and report."}]
@@ -267,14 +253,34 @@ def test_a_subagents_turns_never_take_the_parked_parent_back(tmp_path):
     assert next(b for b in s.blocks if b.id == "b1").retired and "unparked" not in s.flags["drift"]
 
 
-def _other_history(agent: Agent, hist_a: list[dict]) -> list[dict]:
-    """A history of another opening holding half of A's reads, whose turns end the pause (b1 parked)."""
-    hist_x = [{"role": "user", "content": "Continue the task: read the A modules (resumed)."}] + hist_a[1:11] + reads("X", 6)
+def _other_history(agent: Agent, hist_a: list[dict], first: dict | None = None) -> list[dict]:
+    """A history of another opening (``first``) holding half of A's reads, whose turns end the pause (b1
+    parked)."""
+    first = first or {"role": "user", "content": "Continue the task: read the A modules (resumed)."}
+    hist_x = [first] + hist_a[1:11] + reads("X", 6)
     for k in range(coverage.RETIRE_AFTER):
         hist_x += said(f"x {k}", f"go {k}")
         _, s, res = agent.send(hist_x)
     assert res.drift == "restarted" and s.copy.parked["blocks"] == ["b1"]
     return hist_x
+
+
+def _says_the_parked_words_again(agent: Agent, hist_x: list[dict]) -> None:
+    """The other history folds its share (b2), then its model says again the words b1 covers ("reading
+    A5".."A9", with reads of its own): b1 stays parked, b2 stands."""
+    _, s, _ = agent.send(hist_x)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 10))
+    hist_x += said("x folded", "ok")
+    for n in range(5, 10):
+        hist_x += [{"role": "assistant", "content": [{"type": "text", "text": f"reading A{n}"},
+                                                     {"type": "tool_use", "id": f"tu_XA{n}", "name": "Read",
+                                                      "input": {"f": f"A{n} again"}}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"tu_XA{n}",
+                                                 "content": f"FILE A{n} (new)\\nrow"}]}]
+    for k in range(2):
+        hist_x += said(f"Read again {k}.", f"go on {k}")
+        _, s, res = agent.send(hist_x)
+        assert {b.id for b in s.blocks if b.active} == {"b2"} and "unparked" not in s.flags["drift"]
 
 
 def test_another_historys_fold_put_aside_never_stands_on_this_one(tmp_path):
@@ -298,20 +304,7 @@ def test_another_history_saying_some_of_the_parked_words_never_takes_them_back(t
     the conversation did: the parked block stays parked, the other history's own fold stands."""
     agent = Agent(tmp_path)
     hist_a = _folded_a(agent)
-    hist_x = _other_history(agent, hist_a)
-    _, s, _ = agent.send(hist_x)
-    agent.compress(s, first_ref(s, 1), last_ref(s, 10))
-    hist_x += said("x folded", "ok")
-    for n in range(5, 10):
-        hist_x += [{"role": "assistant", "content": [{"type": "text", "text": f"reading A{n}"},
-                                                     {"type": "tool_use", "id": f"tu_XA{n}", "name": "Read",
-                                                      "input": {"f": f"A{n} again"}}]},
-                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"tu_XA{n}",
-                                                 "content": f"FILE A{n} (new)\\nrow"}]}]
-    for k in range(2):
-        hist_x += said(f"Read again {k}.", f"go on {k}")
-        _, s, res = agent.send(hist_x)
-        assert {b.id for b in s.blocks if b.active} == {"b2"} and "unparked" not in s.flags["drift"]
+    _says_the_parked_words_again(agent, _other_history(agent, hist_a))
 
 
 def test_two_other_histories_in_a_row_leave_the_first_parked_conversation_its_folds(tmp_path):
@@ -329,8 +322,8 @@ def test_two_other_histories_in_a_row_leave_the_first_parked_conversation_its_fo
     assert next(b for b in s.blocks if b.id == "b1").active and b"FILE A3" not in sent
 
 
-def test_a_lasting_branch_of_a_truncated_conversation_keeps_the_folds_it_holds_as_the_copy_had_them(tmp_path):
-    agent = Agent(tmp_path)
+def _folded_a_and_k(agent: Agent) -> tuple[list[dict], list[dict], list[dict]]:
+    """A's reads folded (b1), then K's (b2): the opening, A's reads, the conversation."""
     head = [{"role": "user", "content": "Task: read the A modules."}]
     a = reads("A", 10)
     msgs = head + a + said("All read.", "ok")
@@ -341,6 +334,12 @@ def test_a_lasting_branch_of_a_truncated_conversation_keeps_the_folds_it_holds_a
     agent.compress(s, first_ref(s, 23), last_ref(s, 34))
     msgs += said("K folded.", "go")
     agent.send(msgs)
+    return head, a, msgs
+
+
+def test_a_lasting_branch_of_a_truncated_conversation_keeps_the_folds_it_holds_as_the_copy_had_them(tmp_path):
+    agent = Agent(tmp_path)
+    head, a, msgs = _folded_a_and_k(agent)
     cut = head + a[6:] + msgs[21:] + said("t", "u")  # the host drops A0..A2
     _, s, res = agent.send(cut)
     assert res.drift == "truncated"
@@ -366,43 +365,17 @@ def test_a_shared_context_block_is_no_opening_of_the_parked_conversation(tmp_pat
         return [{"role": "user", "content": [CONTEXT, {"type": "text", "text": task}]}]
 
     agent = Agent(tmp_path)
-    a = reads("A", 10)
-    hist_a = opening("Task: read the A modules.") + a + said("All read.", "ok")
+    hist_a = opening("Task: read the A modules.") + reads("A", 10) + said("All read.", "ok")
     _, s, _ = agent.send(hist_a)
     agent.compress(s, first_ref(s, 1), last_ref(s, 20))
     agent.send(hist_a + said("Folded.", "fine"))
-    hist_x = opening("Continue the task: read the A modules (resumed).") + a[:10] + reads("X", 6)
-    for k in range(coverage.RETIRE_AFTER):
-        hist_x += said(f"x {k}", f"go {k}")
-        _, s, res = agent.send(hist_x)
-    assert res.drift == "restarted"
-    _, s, _ = agent.send(hist_x)
-    agent.compress(s, first_ref(s, 1), last_ref(s, 10))
-    hist_x += said("x folded", "ok")
-    for n in range(5, 10):
-        hist_x += [{"role": "assistant", "content": [{"type": "text", "text": f"reading A{n}"},
-                                                     {"type": "tool_use", "id": f"tu_XA{n}", "name": "Read",
-                                                      "input": {"f": f"A{n} again"}}]},
-                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"tu_XA{n}",
-                                                 "content": f"FILE A{n} (new)\\nrow"}]}]
-    for k in range(2):
-        hist_x += said(f"Read again {k}.", f"go on {k}")
-        _, s, res = agent.send(hist_x)
-        assert {b.id for b in s.blocks if b.active} == {"b2"} and "unparked" not in s.flags["drift"]
+    hist_x = _other_history(agent, hist_a, opening("Continue the task: read the A modules (resumed).")[0])
+    _says_the_parked_words_again(agent, hist_x)
 
 
 def test_a_parked_conversation_whose_host_cut_its_opening_is_taken_back_from_a_later_point(tmp_path):
     agent = Agent(tmp_path)
-    head = [{"role": "user", "content": "Task: read the A modules."}]
-    a = reads("A", 10)
-    msgs = head + a + said("All read.", "ok")
-    _, s, _ = agent.send(msgs)
-    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
-    msgs += said("Folded.", "fine") + reads("K", 6) + said("K read.", "go")
-    _, s, _ = agent.send(msgs)
-    agent.compress(s, first_ref(s, 23), last_ref(s, 34))
-    msgs += said("K folded.", "go")
-    agent.send(msgs)
+    head, a, msgs = _folded_a_and_k(agent)
     cut = a[6:] + msgs[21:] + said("t", "u")  # the host drops the opening and A0..A2
     agent.send(cut)
     sub = [{"role": "user", "content": "You are an explore agent: find every B module and report."}]
@@ -435,14 +408,8 @@ def test_back_from_a_branch_one_summary_stands_for_each_message(tmp_path):
     """A fold made on a rewound branch over messages of a block the branch did not render: back on the
     first branch both were active over A0..A4; the newer retires."""
     agent = Agent(tmp_path)
-    head = [{"role": "user", "content": "Task: read the A modules."}]
-    a = reads("A", 10)
-    full = head + a + said("All read.", "ok")
-    _, s, _ = agent.send(full)
-    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
-    full += said("Folded.", "fine")
-    agent.send(full)
-    branch = head + a[:10] + said("Half of A read.", "Actually, read the C modules now.") + reads("C", 10) + said("C.", "go")
+    full = _folded_a(agent)
+    branch = full[:11] + said("Half of A read.", "Actually, read the C modules now.") + reads("C", 10) + said("C.", "go")
     _, s, res = agent.send(branch)
     assert res.drift == "rewound" and "b2" in agent.compress(s, first_ref(s, 1), last_ref(s, 10))
     agent.send(branch + said("x", "y"))
