@@ -310,14 +310,8 @@ def test_another_history_saying_some_of_the_parked_words_never_takes_them_back(t
 def test_two_other_histories_in_a_row_leave_the_first_parked_conversation_its_folds(tmp_path):
     agent = Agent(tmp_path)
     msgs = _folded_a(agent)
-    for tag in ("B", "D"):
-        sub = [{"role": "user", "content": f"You are an explore agent: find every {tag} module and report."}]
-        for k in range(8):
-            sub += reads(f"{tag}{k}_", 1)
-            _, s, _ = agent.send(sub)
-        if tag == "B":  # (the first one folds its reads: its blocks are parked by the second)
-            assert "b2" in agent.compress(s, first_ref(s, 1), last_ref(s, 12))
-            agent.send(sub + said("B folded.", "go on"))
+    _explore(agent, "B")  # (it folds its reads: its blocks are parked by the second)
+    _explore(agent, "D", fold=False)
     sent, s, res = agent.send(msgs + said("Spawning.", "Agent reports: B has 8 modules, D has 8."))
     assert next(b for b in s.blocks if b.id == "b1").active and b"FILE A3" not in sent
 
@@ -394,12 +388,7 @@ def test_three_subagents_in_a_row_leave_the_parent_its_folds(tmp_path):
     agent = Agent(tmp_path)
     msgs = _folded_a(agent)
     for tag in ("B", "D", "E"):
-        sub = [{"role": "user", "content": f"You are an explore agent: find every {tag} module and report."}]
-        for k in range(8):
-            sub += reads(f"{tag}{k}_", 1)
-            _, s, _ = agent.send(sub)
-        agent.compress(s, first_ref(s, 1), last_ref(s, 12))
-        agent.send(sub + said(f"{tag} folded.", "go on"))
+        _explore(agent, tag)
     sent, s, res = agent.send(msgs + said("Spawning.", "Agent reports: B, D and E have 8 modules each."))
     assert next(b for b in s.blocks if b.id == "b1").active and b"FILE A3" not in sent
 
@@ -418,3 +407,55 @@ def test_back_from_a_branch_one_summary_stands_for_each_message(tmp_path):
         sent, s, res = agent.send(full)
         assert {b.id for b in s.blocks if b.active} == {"b1"}
         assert b"[Compressed conversation section b1" in sent and b"[Compressed conversation section b2" not in sent
+
+
+def _explore(agent: Agent, tag: str, fold: bool = True) -> None:
+    """An older Claude Code's subagent under the parent's id: eight reads, folded after when ``fold``."""
+    sub = [{"role": "user", "content": f"You are an explore agent: find every {tag} module and report."}]
+    for k in range(8):
+        sub += reads(f"{tag}{k}_", 1)
+        _, s, _ = agent.send(sub)
+    if fold:
+        agent.compress(s, first_ref(s, 1), last_ref(s, 12))
+        agent.send(sub + said(f"{tag} folded.", "go on"))
+
+
+def test_the_parents_own_entry_is_kept_before_a_subagents_that_came_back_once(tmp_path):
+    """D's fold, parked when the parent took its own back, is the older entry when E and F park in turn:
+    the parent's own entry is the one kept beside the newest."""
+    agent = Agent(tmp_path)
+    msgs = _folded_a(agent)
+    _explore(agent, "D")
+    msgs += said("D reported.", "go on")
+    agent.send(msgs)
+    _explore(agent, "E")
+    _explore(agent, "F", fold=False)
+    sent, s, res = agent.send(msgs + said("Spawning.", "Agent reports: all modules listed."))
+    assert next(b for b in s.blocks if b.id == "b1").active and b"FILE A3" not in sent
+
+
+def test_back_from_a_branch_with_re_minted_ids_one_summary_stands_for_each_message(tmp_path):
+    """The host re-minted the tool-call ids on the branch: b1's verified claims moved its messages to new
+    refs, and a fold made on the branch over those refs overlaps b1 through its claims."""
+    def remint(msgs: list[dict]) -> list[dict]:
+        return json.loads(json.dumps(msgs).replace('"tu_', '"toolu_r'))
+
+    agent = Agent(tmp_path)
+    head = [{"role": "user", "content": "Task: read the A modules."}]
+    a = [m if m["role"] != "assistant" else {**m, "content": [c for c in m["content"] if c["type"] != "text"]}
+         for m in reads("A", 10)]
+    full = head + a + said("All read.", "ok")
+    _, s, _ = agent.send(full)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
+    full += said("Folded.", "fine") + said("more", "ok")
+    agent.send(full)
+    branch = remint(head + a[:10]) + said("Half of A read.", "Actually, read the C modules now.") + reads("C", 10)
+    branch += said("C read.", "go on")
+    _, s, res = agent.send(branch)
+    assert "b2" in agent.compress(s, first_ref(s, 1), last_ref(s, 10))
+    agent.send(branch + said("x", "y"))
+    full = remint(full)
+    for k in range(2):
+        full += said(f"back {k}", f"on A {k}")
+        sent, s, res = agent.send(full)
+        assert [b.id for b in s.blocks if b.active] == ["b1"] and b"section b2" not in sent

@@ -116,8 +116,8 @@ def _one_per_message(sessions: Sessions, s: Session, snoozed: set[str]) -> None:
     seen: set[str] = set()
     over = []
     for b in sorted((b for b in s.blocks if b.active and b.id not in snoozed), key=lambda b: b.number):
-        if seen.isdisjoint(b.covered):
-            seen.update(b.covered)
+        if seen.isdisjoint(b.coverage):  # (its refs and those its verified claims moved them to)
+            seen.update(b.coverage)
         else:
             over.append(b)
     if not over:
@@ -150,7 +150,9 @@ def _parked(copy: reconcile.Copy, blocks: list[fold.Block], trial: bool = False)
     # (one entry beside the newest: the oldest, the conversation others' turns interrupted first: subagents
     # in a row each put the one before aside, and the one that comes back is the one they began in)
     newest = {k: v for k, v in copy.parked.items() if k != "earlier"}
-    keep = copy.parked.get("earlier") or newest
+    older = copy.parked.get("earlier") or {}
+    # (and a conversation's own entry before another history's, which a take-back parked: it came back once)
+    keep = newest if newest.get("trial") and not older.get("trial") else older or newest
     if keep:
         out["earlier"] = keep
     return out
@@ -268,10 +270,10 @@ def _take_back(sessions: Sessions, s: Session, view: View, entry: dict, rest: di
                 b.active = False
                 absorbed.append(b)
             todo += b.consumed
-    theirs = {r for b in back for r in b.covered}
+    theirs = {r for b in back for r in b.coverage}  # (with the refs their claims moved messages to)
     others = [b for b in s.blocks if b.active and b.id not in ids]
     lacking = [b for b in others if not _whole(b, present)]  # the other history's: parked
-    over = [b for b in others if b not in lacking and not theirs.isdisjoint(b.covered)]  # retire for good
+    over = [b for b in others if b not in lacking and not theirs.isdisjoint(b.coverage)]  # retire for good
     for b in back:
         b.retired = False
         b.active = True
@@ -341,10 +343,10 @@ def _holds(view: View, blocks: list[fold.Block], back: list[fold.Block], parked:
     except (KeyError, TypeError):
         return False
     ids = {b.id for b in back}
-    theirs = set(refs)
+    theirs = {r for b in back for r in b.coverage}
     trial = [dataclasses.replace(b, active=True, retired=False, claimed=dict(b.claimed)) if b.id in ids
              else dataclasses.replace(b, active=False) if b.active and (not _whole(b, present)
-                                                                       or not theirs.isdisjoint(b.covered))
+                                                                       or not theirs.isdisjoint(b.coverage))
              else b for b in blocks]
     if _steady(view, trial, copy) is not None:
         return True
