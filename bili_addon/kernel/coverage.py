@@ -56,8 +56,7 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
         _unpark(sessions, s, view, lambda refs: store.originals(sid, refs), resolved)
     out = _steady(view, s.blocks, s.copy)
     if out is None:  # a covered part went missing: the channels of kernel/reconcile.py
-        fresh = {r.entry.ref for ps in resolved for r in ps if r.incs > 1}
-        out = reconcile.reconcile(view, s.blocks, s.copy, lambda refs: store.originals(sid, refs), fresh)
+        out = reconcile.reconcile(view, s.blocks, s.copy, lambda refs: store.originals(sid, refs), _fresh(resolved))
     if out.claims:
         by_block: dict[str, list[str]] = {}
         owner = fold.coverage(s.blocks)
@@ -130,6 +129,24 @@ def _one_per_message(sessions: Sessions, s: Session, snoozed: set[str]) -> None:
                 "covers retire (%s)", printable(s.row.id), len(over), ", ".join(b.id for b in over))
 
 
+def _fresh(resolved: list[list[Resolved]]) -> set[str]:
+    """The refs a pass gave new instances of covered words (reconcile's ``fresh``)."""
+    return {r.entry.ref for ps in resolved for r in ps if r.incs > 1}
+
+
+def _with_gone(present: dict[str, int], truncated) -> dict[str, int]:
+    """``present`` with the refs a host truncated away counted in (gone, not missing: as a steady pass of
+    the copy that holds them as truncated takes them)."""
+    return {**present, **dict.fromkeys(truncated, -1)} if truncated else present
+
+
+def _tally(sessions: Sessions, s: Session, key: str) -> None:
+    """One more ``key`` in the session's drift counters (the flag ``drift``: /__bili/stats)."""
+    counts = dict(s.flags.get("drift", {}))
+    counts[key] = counts.get(key, 0) + 1
+    sessions.set_flag(s.row.id, "drift", counts)
+
+
 def _whole(b: fold.Block, present: dict[str, int]) -> bool:
     """Whether every message ``b`` covers is here (under its own ref, or one a verified claim moved it to)."""
     claimed = b.claimed
@@ -166,9 +183,7 @@ def _start_over(sessions: Sessions, s: Session, view: View, missing: int, adopt:
     blocks it retires are parked: should the conversation they stand for come back whole (a Claude
     Code subagent's turns under its conversation's id latched the pause), :func:`_unpark` puts them
     back.  ``adopt``: a branch the host rewound to lasted :data:`ADOPT_AFTER` passes (no pause)."""
-    present = view.pos
-    if s.copy.truncated:  # (what the host truncated away is gone, not missing: as a steady pass takes it)
-        present = {**present, **dict.fromkeys(s.copy.truncated, -1)}
+    present = _with_gone(view.pos, s.copy.truncated)
     gone = [b for b in s.blocks if b.active and not _whole(b, present)]
     for b in gone:
         b.active = False
@@ -178,10 +193,8 @@ def _start_over(sessions: Sessions, s: Session, view: View, missing: int, adopt:
         sessions.save_blocks(s, gone + back)
     # (the truncated refs of the blocks that stay are still gone: as the copy had them)
     s.copy = reconcile.Copy(parked=_parked(s.copy, gone, trial=not adopt), truncated=list(s.copy.truncated))
-    counts = dict(s.flags.get("drift", {}))  # (the session's drift counters: /__bili/stats)
     verdict = "adopted" if adopt else "restarted"
-    counts[verdict] = counts.get(verdict, 0) + 1
-    sessions.set_flag(s.row.id, "drift", counts)
+    _tally(sessions, s, verdict)
     if adopt:
         log.warning("[bili] session=%s: the branch the agent went back to lasted %d requests: it is the "
                     "conversation now; %d block(s) of the first branch it does not hold whole are parked (%s; they "
@@ -229,8 +242,8 @@ def _unpark(sessions: Sessions, s: Session, view: View, originals, resolved: lis
         if entry and _take_back(sessions, s, view, entry, rest, originals, resolved):
             # (and the entry that stays, should this pass hold it too: what it put aside settles now)
             left = s.copy.parked
-            if left and _take_back(sessions, s, view, left, left.get("earlier") or {}, originals, resolved):
-                pass
+            if left:
+                _take_back(sessions, s, view, left, left.get("earlier") or {}, originals, resolved)
             return
     if not any(b.retired and not b.active and b.id in set(parked.get("blocks") or ()) for b in s.blocks):
         s.copy.parked = dict(parked.get("earlier") or {})  # (they are gone: a compaction, a fork's adoption)
@@ -247,11 +260,7 @@ def _take_back(sessions: Sessions, s: Session, view: View, entry: dict, rest: di
     back = [b for b in s.blocks if b.id in ids and b.retired and not b.active]
     if not back:
         return False
-    present = view.pos
-    # (the refs the host truncated away before the pause: a steady pass of that copy takes them as gone)
-    cut = entry.get("copy", {}).get("truncated") or ()
-    if cut:
-        present = {**present, **dict.fromkeys(cut, -1)}
+    present = _with_gone(view.pos, entry.get("copy", {}).get("truncated") or ())  # (as that copy had them)
     whole = all(_whole(b, present) for b in back)
     if not whole and not (entry.get("trial") and _holds(view, s.blocks, back, entry, originals, resolved)):
         return False
@@ -286,9 +295,7 @@ def _take_back(sessions: Sessions, s: Session, view: View, entry: dict, rest: di
     restored.parked = _parked(left, lacking)
     s.copy = restored
     sessions.save_blocks(s, back + absorbed + lacking + over)
-    counts = dict(s.flags.get("drift", {}))
-    counts["unparked"] = counts.get("unparked", 0) + 1
-    sessions.set_flag(s.row.id, "drift", counts)
+    _tally(sessions, s, "unparked")
     log.warning("[bili] session=%s: the conversation whose folds were put aside is back (%s); %d block(s) stand "
                 "again (%s)%s", printable(s.row.id), "whole" if whole else "as its passes held them", len(back),
                 ", ".join(b.id for b in back),
@@ -350,8 +357,7 @@ def _holds(view: View, blocks: list[fold.Block], back: list[fold.Block], parked:
              else b for b in blocks]
     if _steady(view, trial, copy) is not None:
         return True
-    fresh = {r.entry.ref for ps in resolved for r in ps if r.incs > 1}
-    out = reconcile.reconcile(view, trial, copy, originals, fresh)
+    out = reconcile.reconcile(view, trial, copy, originals, _fresh(resolved))
     reconcile.verdict(out, view, trial, copy, originals)
     return out.verdict != "collapse" and (out.verdict != "rewound" or parked.get("branch", False))
 

@@ -14,15 +14,15 @@ import msgspec
 
 from bili_addon.kernel.fold import Block, View, ViewItem
 from bili_addon.kernel.identity import digest, sha256
-
-# a session's flags as its row stores them: ``json.dumps(flags, sort_keys=True)`` (which makes a new
-# encoder on every call, ~3 us of ~9: made once here, the same bytes; the registry and lineage use it)
-flags_json = json.JSONEncoder(sort_keys=True).encode
 from bili_addon.kernel.reconcile import Copy
 from bili_addon.store import SessionRow
 from bili_addon.stream.echo import strip_echoes
 from bili_addon.wire import Lane
 from bili_addon.wire.base import TEXT, Core, decode_any
+
+# a session's flags as its row stores them: ``json.dumps(flags, sort_keys=True)`` (which makes a new
+# encoder on every call, ~3 us of ~9: made once here, the same bytes; the registry and lineage use it)
+flags_json = json.JSONEncoder(sort_keys=True).encode
 
 # the one-line visibility marker the addon may add to a response (kernel/tools.py: "[bili] compressed m00002–m00019,
 # ~1.5K tokens saved"); stripped when replayed: that line's shape only (the model's own "[bili] ..." line, a quote of
