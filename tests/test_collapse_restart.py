@@ -112,14 +112,14 @@ def test_a_claude_code_subagent_naming_its_agent_is_a_session_of_its_own(tmp_pat
 
 
 def test_a_lasting_drift_then_one_odd_request_is_a_pause_not_a_start_over(tmp_path):
-    """Drift passes (a covered tool result the host cleared in place) do not count toward ending a
+    """Drift passes (a covered tool result the host rewrote in place) do not count toward ending a
     pause: one odd request after them is a pause, and the conversation back with its drift holds its
     folds as it did before the odd request (nothing retires)."""
     agent = Agent(tmp_path)
     msgs = _folded_a(agent)
     cleared = [dict(m) for m in msgs]
     cleared[6] = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_A2",
-                                               "content": "[Old tool result content cleared]"}]}
+                                               "content": "FILE A2 (the host rewrote this result)"}]}
     for k in range(coverage.RETIRE_AFTER + 1):
         cleared += said(f"step {k}", f"go {k}")
         _, s, res = agent.send(cleared)
@@ -224,13 +224,13 @@ def test_back_after_its_own_truncation_the_parked_conversation_stands_again(tmp_
 
 def test_back_with_a_drift_of_its_own_the_parked_conversation_stands_again(tmp_path):
     """The conversation held its fold in part before another conversation's turns parked it (a covered
-    tool result the host cleared in place: a lasting drift): back as it was, checked against its copy
+    tool result the host rewrote in place: a lasting drift): back as it was, checked against its copy
     it is no collapse, and its fold stands again (it waited for a wholeness it never had)."""
     agent = Agent(tmp_path)
     msgs = _folded_a(agent)
     cleared = [dict(m) for m in msgs]
     cleared[6] = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu_A2",
-                                               "content": "[Old tool result content cleared]"}]}
+                                               "content": "FILE A2 (the host rewrote this result)"}]}
     sent, s, res = agent.send(cleared)
     assert res.drift == "drift" and b"FILE A5" not in sent
     sub = [{"role": "user", "content": "You are an explore agent: find every B module and report."}]

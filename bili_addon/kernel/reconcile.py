@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from bili_addon.kernel.fold import Block, PartView, View, coverage
-from bili_addon.wire.base import IMAGE, REASONING, TEXT
+from bili_addon.wire.base import IMAGE, REASONING, TEXT, TOOL_CALL, TOOL_RESULT
 
 SIDE_REQUEST_MAX_ITEMS = 10  # smaller requests (titles, probes) never move the copy
 SHAPE_MASS_MIN = 8  # a drift this large gets the shape tier and a verdict
@@ -242,6 +242,8 @@ def reconcile(view: View, blocks: list[Block], copy: Copy, originals, fresh: set
         if len(usable) == 1 and fingerprint(usable[0]) == fingerprint(_anchor_part(a)):
             claim(r, usable[0].ref, "call id")
 
+    _cleared_pass(rest, anchors, parts, free, claim, copy, own, now_of)
+
     # pass 2: the normalised identity, k-th to k-th, with a length guard
     by_norm: dict[str, list[PartView]] = defaultdict(list)
     for p in candidates:
@@ -316,6 +318,58 @@ def _with_items(missing, anchors, out: Outcome, copy: Copy, view: View, free, cl
         else:
             out.claims[r] = targets[0]
             out.by["with its item"] += 1
+
+
+def cleared(text: str) -> bool:
+    """Whether a tool result's text is what a host put in place of a result it cleared from its history
+    (Claude Code's clearing of old tool results, its "microcompact": the result's content becomes
+    ``[Old tool result content cleared]``, or a ``<persisted-output>`` note naming the file it saved
+    the result to)."""
+    return text == CLEARED or (text.startswith(PERSISTED) and text.rstrip().endswith(PERSISTED_END))
+
+
+CLEARED = "[Old tool result content cleared]"
+PERSISTED, PERSISTED_END = "<persisted-output>", "</persisted-output>"
+
+
+def _cleared_pass(rest, anchors, parts: list[PartView], free, claim, copy: Copy, own: set[str], now_of) -> None:
+    """A covered tool result the host cleared in place: its call's id names exactly one inbound result,
+    whose text is a clearing placeholder (:func:`cleared`), the call it answers is the copy's own part
+    (the same ref: the same words and id), unique on both sides, and the result stands as far after
+    that call as it stood in the copy.  The result is that message with its content cleared, the fold
+    over it stands (its summary said more than the placeholder does); a per-answer id (``call_0``) given
+    twice, or a call the host changed, claims nothing."""
+    if not rest or len(copy.items) != len(copy.refs):
+        return
+    want = {}
+    for r in rest:
+        a = anchors.get(r)
+        if a is not None and a[2] == TOOL_RESULT and a[4] and not cleared(a[5]):
+            want[r] = a
+    if not want:
+        return
+    ids = {a[4] for a in want.values()}
+    calls: dict[str, list[int]] = defaultdict(list)
+    results: dict[str, list[int]] = defaultdict(list)
+    for k, p in enumerate(parts):
+        if p.tool_call_id in ids:
+            if p.ctype == TOOL_CALL:
+                calls[p.tool_call_id].append(k)
+            elif p.ctype == TOOL_RESULT:
+                results[p.tool_call_id].append(k)
+    old_at = {ref: i for i, ref in enumerate(copy.refs)}
+    for r, a in want.items():
+        got, call = results.get(a[4], ()), calls.get(a[4], ())
+        if len(got) != 1 or len(call) != 1:
+            continue
+        p, c = parts[got[0]], parts[call[0]]
+        if p.role != a[1] or not cleared(p.text) or not free(p.ref) or c.ref not in own:
+            continue
+        i, j = old_at.get(now_of.get(r, r)), old_at.get(c.ref)
+        if i is None or j is None:  # (a pass's refs are unique: each part its own)
+            continue
+        if i - j == got[0] - call[0] > 0:
+            claim(r, p.ref, "cleared")
 
 
 def _turn_pass(rest, anchors, candidates, free, claim, copy: Copy) -> None:

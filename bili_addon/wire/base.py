@@ -279,7 +279,7 @@ class Body:
 # (_split_compact); a key not here sends a body the general way.
 _TOP_KEYS = (
     "model", "max_tokens", "system", "tools", "tool_choice", "metadata", "thinking", "context_management",
-    "output_config", "output_format", "temperature", "top_p", "top_k", "stop_sequences", "stream",
+    "context_hint", "output_config", "output_format", "temperature", "top_p", "top_k", "stop_sequences", "stream",
     "stream_options", "store", "max_completion_tokens", "reasoning_effort", "parallel_tool_calls",
     "response_format", "seed", "n", "stop", "user", "prompt_cache_key", "safety_identifier", "service_tier",
     "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "logit_bias", "modalities",
