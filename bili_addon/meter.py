@@ -186,7 +186,8 @@ def _usd(x: float | None) -> float | None:
 
 def totals(store: Any, sid: str, table: prices.Table | None = None) -> dict[str, Any]:
     """:func:`summary` from the store's sums (``Store.wire_totals``), without reading every turn:
-    cost is linear in the tokens, so per-model sums price the same as turn by turn."""
+    cost is linear in the tokens on each side of a long-context price's line, so per-model sums on
+    each side price the same as turn by turn."""
     n, last, peak_a, peak_s, models = store.wire_totals(sid)
     out = summary([last] if last else [], table)
     if not n:
@@ -196,9 +197,10 @@ def totals(store: Any, sid: str, table: prices.Table | None = None) -> dict[str,
     out.update(turns=n, agent_peak=peak_a, sent_peak=peak_s,
                reported=round(sum(m[2] for m in models) / inp, 4) if inp else None,
                cost=None, saved=None, priced=False)
-    costs = [(t.cost(m, i, r, w, o, cache_write_1h=h),
-              prices.without_bili_sums(m, i, r, w, o, removed, tuple(taken), cache_write_1h=h, table=t))
-             for m, i, r, w, o, _d, h, _rep, _sent, removed, *taken in models]
+    costs = [(t.cost(m, i, r, w, o, cache_write_1h=h, long=bool(lw)),
+              prices.without_bili_sums(m, i, r, w, o, removed, (lx, sx, px, rx), cache_write_1h=h, table=t,
+                                       over=bool(lo)))
+             for m, i, r, w, o, _d, h, _rep, _sent, removed, lx, sx, px, rx, lw, lo in models]
     out.update(writes(models))
     if all(c is not None for c, _ in costs):
         out.update(cost=_usd(sum(c.total for c, _ in costs)),

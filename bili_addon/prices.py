@@ -41,6 +41,7 @@ log = logging.getLogger("bili")
 AS_OF = "2025-11-01"  # when the built-in prices were last checked against the providers' pages
 USER_FILE = "prices.json"
 MTOK = 1_000_000
+LONG_PROMPT = 200_000  # prompt tokens over which a model's long-context price applies (Price.long_input)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,25 +54,41 @@ class Price:
     cache_write_1h: float
     cache_read: float
     output: float
+    # a request whose prompt is over LONG_PROMPT tokens pays these for its input and output, and its cache
+    # writes and reads in the same proportion as its input (Anthropic's 1M-token context, Gemini 2.5 Pro):
+    # the whole request, not only the tokens past the line; 0: the model has no such price
+    long_input: float = 0.0
+    long_output: float = 0.0
 
     def write(self, ttl: str) -> float:
         return self.cache_write_1h if ttl == "1h" else self.cache_write_5m
 
+    def at(self, prompt: int, long: bool | None = None) -> "Price":
+        """The price a request of ``prompt`` prompt tokens pays (``long``: whether it is over the line,
+        when the caller knows it: sums of turns)."""
+        if not self.long_input or not (prompt > LONG_PROMPT if long is None else long):
+            return self
+        f = self.long_input / self.input if self.input else 1.0
+        return Price(self.provider, self.long_input, self.cache_write_5m * f, self.cache_write_1h * f,
+                     round(self.cache_read * f, 6), self.long_output or self.output)
 
-def _a(inp: float, out: float) -> Price:
+
+def _a(inp: float, out: float, long_in: float = 0.0, long_out: float = 0.0) -> Price:
     """Anthropic: cache writes cost 1.25x (5 minutes) or 2x (1 hour) the input, reads 0.1x."""
-    return Price("anthropic", inp, inp * 1.25, inp * 2, round(inp * 0.1, 6), out)
+    return Price("anthropic", inp, inp * 1.25, inp * 2, round(inp * 0.1, 6), out, long_in, long_out)
 
 
-def _o(inp: float, read: float, out: float, provider: str = "openai") -> Price:
+def _o(inp: float, read: float, out: float, provider: str = "openai", long_in: float = 0.0,
+       long_out: float = 0.0) -> Price:
     """OpenAI and Google: caching is automatic, a write costs what input does."""
-    return Price(provider, inp, inp, inp, read, out)
+    return Price(provider, inp, inp, inp, read, out, long_in, long_out)
 
 
 BUILTIN: dict[str, Price] = {
     # Anthropic
     "claude-opus-4-5": _a(5, 25), "claude-opus-4-1": _a(15, 75), "claude-opus-4": _a(15, 75),
-    "claude-sonnet-4-5": _a(3, 15), "claude-sonnet-4": _a(3, 15), "claude-3-7-sonnet": _a(3, 15),
+    # (Sonnet 4 and 4.5 take prompts over 200K tokens with the 1M-context beta, at 2x input and 1.5x output)
+    "claude-sonnet-4-5": _a(3, 15, 6, 22.5), "claude-sonnet-4": _a(3, 15, 6, 22.5), "claude-3-7-sonnet": _a(3, 15),
     "claude-3-5-sonnet": _a(3, 15), "claude-haiku-4-5": _a(1, 5), "claude-3-5-haiku": _a(0.8, 4),
     "claude-3-haiku": Price("anthropic", 0.25, 0.30, 0.50, 0.03, 1.25),
     # OpenAI
@@ -80,8 +97,8 @@ BUILTIN: dict[str, Price] = {
     "gpt-4.1": _o(2, 0.5, 8), "gpt-4.1-mini": _o(0.4, 0.1, 1.6), "gpt-4.1-nano": _o(0.1, 0.025, 0.4),
     "gpt-4o": _o(2.5, 1.25, 10), "gpt-4o-mini": _o(0.15, 0.075, 0.6),
     "o3": _o(2, 0.5, 8), "o4-mini": _o(1.1, 0.275, 4.4),
-    # Google (prompts up to 200K tokens)
-    "gemini-2.5-pro": _o(1.25, 0.125, 10, "google"), "gemini-2.5-flash": _o(0.3, 0.03, 2.5, "google"),
+    # Google (2.5 Pro: prompts over 200K tokens at 2x input and 1.5x output)
+    "gemini-2.5-pro": _o(1.25, 0.125, 10, "google", 2.5, 15), "gemini-2.5-flash": _o(0.3, 0.03, 2.5, "google"),
 }
 
 
@@ -116,13 +133,15 @@ class Table:
         return (best, self.prices[best]) if best else None
 
     def cost(self, model: str, input: int, cache_read: int = 0, cache_write: int = 0, output: int = 0,
-             *, ttl: str = "5m", cache_write_1h: int = 0) -> Cost | None:
+             *, ttl: str = "5m", cache_write_1h: int = 0, long: bool | None = None) -> Cost | None:
         """``cache_write_1h``: the part of ``cache_write`` written for 1 hour (the rest at ``ttl``'s
-        rate; Anthropic reports the split, ``usage.cache_creation``)."""
+        rate; Anthropic reports the split, ``usage.cache_creation``).  ``long``: whether the usage is of
+        requests over :data:`LONG_PROMPT` (None: one request, over it when ``input`` is)."""
         hit = self.find(model)
         if hit is None:
             return None
         key, p = hit
+        p = p.at(input, long)
         uncached = max(0, input - cache_read - cache_write)
         long = min(max(0, cache_write_1h), cache_write)
         write = (cache_write - long) * p.write(ttl) + long * p.cache_write_1h
@@ -222,12 +241,14 @@ def default() -> Table:
 
 
 def cost(model: str, input: int, cache_read: int = 0, cache_write: int = 0, output: int = 0, *,
-         ttl: str = "5m", cache_write_1h: int = 0, table: Table | None = None) -> Cost | None:
+         ttl: str = "5m", cache_write_1h: int = 0, table: Table | None = None, long: bool | None = None) -> Cost | None:
     """What one usage cost in US dollars (None: the model has no price).  ``input`` is every prompt
     token (cached or not, as the store records it); ``ttl``: the cache writes' lifetime (5m or 1h);
-    ``cache_write_1h``: the part of the writes made for 1 hour, at that rate whatever ``ttl`` says."""
+    ``cache_write_1h``: the part of the writes made for 1 hour, at that rate whatever ``ttl`` says;
+    ``long``: usage summed over requests over :data:`LONG_PROMPT` (True) or not (False); None: one
+    request's, over the line when ``input`` is."""
     return (table or default()).cost(model, input, cache_read, cache_write, output, ttl=ttl,
-                                     cache_write_1h=cache_write_1h)
+                                     cache_write_1h=cache_write_1h, long=long)
 
 
 def without_bili(model: str, input: int, cache_read: int, cache_write: int, output: int, folded_tokens: int, *,
@@ -257,12 +278,15 @@ def added_where(extra: int, input: int, cache_read: int, cache_write: int, cache
 
 def without_bili_sums(model: str, input: int, cache_read: int, cache_write: int, output: int, removed: int,
                       taken: tuple[int, int, int, int], *, ttl: str = "5m", cache_write_1h: int = 0,
-                      table: Table | None = None) -> Cost | None:
-    """:func:`without_bili` of turns summed (the cost is linear in each figure): ``removed`` the tokens
-    bili took off them (priced as reads), ``taken`` the sums of :func:`added_where` of what it added."""
+                      table: Table | None = None, over: bool | None = None) -> Cost | None:
+    """:func:`without_bili` of turns summed (the cost is linear in each figure, on either side of
+    :data:`LONG_PROMPT`: ``over``, whether the agent's own requests were over it, None for one turn's
+    figures): ``removed`` the tokens bili took off them (priced as reads), ``taken`` the sums of
+    :func:`added_where` of what it added."""
     long, short, plain, read = taken
     return cost(model, input + removed - long - short - plain - read, cache_read + removed - read,
-                cache_write - long - short, output, ttl=ttl, cache_write_1h=max(0, cache_write_1h - long), table=table)
+                cache_write - long - short, output, ttl=ttl, cache_write_1h=max(0, cache_write_1h - long), table=table,
+                long=over)
 
 
 def money(usd: float | None) -> str:

@@ -32,6 +32,7 @@ from typing import Mapping
 import msgspec
 
 from bili_addon import private
+from bili_addon.prices import LONG_PROMPT
 from bili_addon.locks import open_locks
 
 SCHEMA_VERSION = 13  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
@@ -667,14 +668,17 @@ WIRE_COLS = ("n, ts, request, model, agent_tokens, sent_tokens, predicted, block
 # nothing else (the figures' "now", model and predicted share are the conversation's)
 WIRE_LAST = f"SELECT {WIRE_COLS} FROM wire WHERE session_id={{}} ORDER BY side, n DESC LIMIT 1"
 # a session's wire sums per model (``wire_totals``): model, input, cache read, cache write, output, agent
-# minus sent, the writes' 1-hour part, and the writes whose split the provider reported / bili derived
+# minus sent, the writes' 1-hour part, and the writes whose split the provider reported / bili derived, ...,
+# then whether the turns' requests were over prices.LONG_PROMPT, and whether the agent's own would have been
+# (a model's long-context price is for the whole request: sums are linear on each side of the line)
 WIRE_SUMS = ("model, SUM(input_tokens), SUM(cache_read), SUM(cache_write), SUM(output_tokens), "
              "SUM(agent_tokens - sent_tokens), SUM(cache_write_1h), "
              "SUM(CASE WHEN write_split='reported' THEN cache_write ELSE 0 END), "
              "SUM(CASE WHEN write_split='sent' THEN cache_write ELSE 0 END), "
              # the tokens bili took off the turns, and where what it added was taken off (prices.added_where)
              "SUM(CASE WHEN agent_tokens > sent_tokens THEN agent_tokens - sent_tokens ELSE 0 END), "
-             "SUM(lx), SUM(sx), SUM(px), SUM(rx)")
+             "SUM(lx), SUM(sx), SUM(px), SUM(rx), lw, lo")
+WIRE_GROUP = "model, lw, lo"
 
 
 def _wire_rows(p: str) -> str:
@@ -686,7 +690,10 @@ def _wire_rows(p: str) -> str:
           "CASE WHEN sent_tokens > agent_tokens THEN sent_tokens - agent_tokens ELSE 0 END AS x, "
           "CASE WHEN cache_write_1h < cache_write THEN cache_write_1h ELSE cache_write END AS h, "
           "CASE WHEN input_tokens - cache_read - cache_write > 0 THEN input_tokens - cache_read - cache_write "
-          f"ELSE 0 END AS u FROM wire WHERE session_id={p}")
+          "ELSE 0 END AS u, "
+          f"CASE WHEN input_tokens > {LONG_PROMPT} THEN 1 ELSE 0 END AS lw, "
+          f"CASE WHEN input_tokens + agent_tokens - sent_tokens > {LONG_PROMPT} THEN 1 ELSE 0 END AS lo "
+          f"FROM wire WHERE session_id={p}")
     t1 = f"SELECT *, CASE WHEN x < h THEN x ELSE h END AS lx FROM ({t0}) AS t0"
     t2 = (f"SELECT *, CASE WHEN x - lx < cache_write - lx THEN x - lx ELSE cache_write - lx END AS sx "
           f"FROM ({t1}) AS t1")
@@ -1385,7 +1392,7 @@ class Store:
         if not n:
             return 0, None, 0, 0, []
         last = wire_turn(self.db.execute(WIRE_LAST.format("?"), (session_id,)).fetchone())
-        models = self.db.execute(f"SELECT {WIRE_SUMS} FROM {WIRE_ROWS} GROUP BY model ORDER BY model",
+        models = self.db.execute(f"SELECT {WIRE_SUMS} FROM {WIRE_ROWS} GROUP BY {WIRE_GROUP} ORDER BY {WIRE_GROUP}",
                                  (session_id,)).fetchall()
         return n, last, peak_a, peak_s, models
 

@@ -25,8 +25,8 @@ import msgspec
 
 from bili_addon.store import (
     CALIBRATION_COLS, CHAIN_COLS, DB_NAME, HANGING, SCHEMA_VERSION, CalibrationRow, LedgerRow, SessionBusy, SessionRow,
-    FRESH_GIVEN, StaleSession, StoreError, USAGE, UsageTotals, WireTurn, WIRE_COLS, WIRE_LAST, WIRE_SUMS, _json,
-    _wire_rows, contiguous, dead_chains, newer_schema,
+    FRESH_GIVEN, StaleSession, StoreError, USAGE, UsageTotals, WireTurn, WIRE_COLS, WIRE_LAST, WIRE_SUMS, WIRE_GROUP,
+    _json, _wire_rows, contiguous, dead_chains, newer_schema,
     _not_pruned, archived_records, fresh_first, ledger_rows, rebase, retired_taken, tombstone_flags, usage_totals,
     wire_turn,
 )
@@ -1633,7 +1633,7 @@ class PgStore:
                 return 0, None, 0, 0, []
             last = self._one(WIRE_LAST.format("%s"), (session_id,))
             models = self._q(
-                f"SELECT {WIRE_SUMS} FROM {_WIRE_ROWS} GROUP BY model ORDER BY model COLLATE \"C\"",
+                f"SELECT {WIRE_SUMS} FROM {_WIRE_ROWS} GROUP BY {WIRE_GROUP} ORDER BY model COLLATE \"C\", lw, lo",
                 (session_id,))
         return n, wire_turn(last), peak_a, peak_s, [(r[0], *(int(x) for x in r[1:])) for r in models]
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import pytest
+
 from bili_addon import prices
-from bili_addon.meter import Meter, line, summary, tokens
+from bili_addon.meter import Meter, line, summary, tokens, turn_money
 from bili_addon.store import WireTurn
 
 
@@ -96,8 +99,9 @@ def test_totals_from_the_store_equal_the_turn_by_turn_summary(backend):
     # per model: input, read, write, output, agent - sent, the writes' 1-hour part, writes split as
     # the provider reported / as bili sent, the tokens bili took off, and where what it added is taken
     # off (1-hour writes, other writes, uncached input, reads: prices.added_where)
-    assert models == [("claude-sonnet-4-5", 9000, 5500, 2500, 40, 11800, 1400, 1700, 800, 12400, 300, 300, 0, 0),
-                      ("gpt-5", 4500, 2900, 0, 30, 6000, 0, 0, 0, 6200, 0, 0, 200, 0)]
+    # (then whether the turns' requests, and the agent's own, were over the long-context line: no)
+    assert models == [("claude-sonnet-4-5", 9000, 5500, 2500, 40, 11800, 1400, 1700, 800, 12400, 300, 300, 0, 0, 0, 0),
+                      ("gpt-5", 4500, 2900, 0, 30, 6000, 0, 0, 0, 6200, 0, 0, 200, 0, 0, 0)]
     assert by_sums["cache_write_1h"] == 1400 and by_sums["write_split"] == {"reported": 1700, "sent": 800, "none": 0}
     assert all(type(v) is int for m in models for v in m[1:])
 
@@ -120,3 +124,30 @@ def test_turns_recorded_at_once_by_several_instances_are_numbered_once_each(back
     turns = backend().wire("busy")
     assert [w.n for w in turns] == list(range(1, total + 1))
     assert sorted(w.request for w in turns) == list(range(total))
+
+
+def test_totals_over_the_long_context_line_equal_the_turn_by_turn_summary(backend):
+    """A model's long-context price is for the whole request: the store's sums are kept apart on each
+    side of the line (bili's request, and the agent's own, over 200K tokens or not)."""
+    from bili_addon.meter import totals
+
+    store = backend()
+    rows = [WireTurn(0, 0, 1, "claude-sonnet-4-5", 150_000, 150_000, None, 0, 0, [], 150_000, 140_000, 9_000, 500),
+            # the agent's request over the line, bili's under it (folded)
+            WireTurn(0, 0, 2, "claude-sonnet-4-5", 260_000, 120_000, 0.9, 1, 4, [], 120_000, 100_000, 19_000, 800),
+            # both over it
+            WireTurn(0, 0, 3, "claude-sonnet-4-5", 420_000, 230_000, 0.9, 2, 8, [], 230_000, 220_000, 9_000, 900,
+                     3_000, "reported"),
+            WireTurn(0, 0, 4, "gemini-2.5-pro", 300_000, 310_000, 0.5, 0, 0, [], 310_000, 200_000, 0, 100),
+            WireTurn(0, 0, 5, "claude-sonnet-4-5", 190_000, 199_000, 0.9, 2, 8, [], 205_000, 190_000, 14_000, 100)]
+    for w in rows:
+        w.n = store.record_wire("s", w)
+    by_turn, by_sums = summary(store.wire("s")), totals(store, "s")
+    assert by_turn["priced"] and by_sums["priced"]
+    assert abs(by_sums["cost"] - by_turn["cost"]) <= 1.01e-6 and abs(by_sums["saved"] - by_turn["saved"]) <= 1.01e-6
+    # by hand, the second turn: $3 in, $0.30 read, $3.75 write, $15 out at 120K; the agent's 260K at 2x / 1.5x
+    cost = (1_000 * 3 + 100_000 * 0.3 + 19_000 * 3.75 + 800 * 15) / 1e6
+    without = (1_000 * 6 + 240_000 * 0.6 + 19_000 * 7.5 + 800 * 22.5) / 1e6
+    assert turn_money(store.wire("s")[1]) == (pytest.approx(cost), pytest.approx(without - cost))
+    flat = prices.Table({k: dataclasses.replace(p, long_input=0, long_output=0) for k, p in prices.BUILTIN.items()})
+    assert by_sums["saved"] > totals(store, "s", flat)["saved"] + 0.05  # (what the tier adds to the saving)

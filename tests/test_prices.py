@@ -110,3 +110,41 @@ def test_bili_additions_make_a_negative_saving():
     # the 1-hour writes first (2x), then the others, the uncached input, the reads
     assert prices.added_where(5_000, 30_000, 20_000, 4_000, 1_000) == (1_000, 3_000, 1_000, 0)
     assert prices.added_where(20_000, 30_000, 20_000, 4_000, 1_000) == (1_000, 3_000, 6_000, 10_000)
+
+
+def test_a_request_over_200k_tokens_pays_the_long_context_price_for_all_of_it():
+    # claude-sonnet-4-5 over 200K prompt tokens (the 1M-context beta): $6 in, $7.50 5m write, $12 1h write,
+    # $0.60 read, $22.50 out per MTok, for the whole request
+    c = prices.cost("claude-sonnet-4-5", 250_000, 230_000, 15_000, 2_000)
+    assert c.uncached == pytest.approx(5_000 * 6 / 1e6) and c.cache_read == pytest.approx(230_000 * 0.6 / 1e6)
+    assert c.cache_write == pytest.approx(15_000 * 7.5 / 1e6) and c.output == pytest.approx(2_000 * 22.5 / 1e6)
+    assert prices.cost("claude-sonnet-4-5", 250_000, 0, 10_000, ttl="1h").cache_write == pytest.approx(10_000 * 12 / 1e6)
+    at_line = prices.cost("claude-sonnet-4-5", 200_000, 190_000, 10_000, 2_000)  # (over it, not at it)
+    assert at_line.total == pytest.approx((190_000 * 0.3 + 10_000 * 3.75 + 2_000 * 15) / 1e6)
+    # Gemini 2.5 Pro: $2.50 in, $0.25 cached, $15 out over 200K; a model without the tier stays as it is
+    assert prices.cost("gemini-2.5-pro", 300_000, 100_000, 0, 1_000).total == pytest.approx(
+        (200_000 * 2.5 + 100_000 * 0.25 + 1_000 * 15) / 1e6)
+    assert prices.cost("gpt-4.1", 300_000).total == pytest.approx(300_000 * 2 / 1e6)
+    assert prices.cost("claude-opus-4-5", 300_000).total == pytest.approx(300_000 * 5 / 1e6)
+    # sums of requests: the caller says which side of the line they were on
+    assert prices.cost("claude-sonnet-4-5", 1_000_000, long=False).total == pytest.approx(3)
+    assert prices.cost("claude-sonnet-4-5", 100_000, long=True).total == pytest.approx(0.6)
+
+
+def test_folding_a_request_under_the_line_saves_the_long_context_price():
+    # the agent's request was 300K tokens (long-context prices for all of it); bili sent 120K
+    with_ = prices.cost("claude-sonnet-4-5", 120_000, 110_000, 8_000, 1_000)
+    without = prices.without_bili("claude-sonnet-4-5", 120_000, 110_000, 8_000, 1_000, 180_000)
+    assert with_.total == pytest.approx((2_000 * 3 + 110_000 * 0.3 + 8_000 * 3.75 + 1_000 * 15) / 1e6)
+    assert without.total == pytest.approx((2_000 * 6 + 290_000 * 0.6 + 8_000 * 7.5 + 1_000 * 22.5) / 1e6)
+
+
+def test_a_user_file_sets_a_long_context_price(tmp_path):
+    (tmp_path / "prices.json").write_text(json.dumps({"models": {
+        "my-long-model": {"input": 1, "output": 4, "cache_read": 0.1, "long_input": 2, "long_output": 8},
+        "claude-sonnet-4-5": {"long_input": 0},  # (this file's prices have no tier for it)
+    }}))
+    t = prices.load(tmp_path)
+    assert t.cost("my-long-model", 300_000, 200_000, 0, 1_000).total == pytest.approx(
+        (100_000 * 2 + 200_000 * 0.2 + 1_000 * 8) / 1e6)
+    assert t.cost("claude-sonnet-4-5", 300_000).total == pytest.approx(0.9)
