@@ -199,7 +199,7 @@ def totals(store: Any, sid: str, table: prices.Table | None = None) -> dict[str,
                cost=None, saved=None, priced=False)
     costs = [(t.cost(m, i, r, w, o, cache_write_1h=h, long=bool(lw)),
               prices.without_bili_sums(m, i, r, w, o, removed, (lx, sx, px, rx), cache_write_1h=h, table=t,
-                                       over=bool(lo)))
+                                       over=bool(lo) and prices.may_go_long(m, t)))
              for m, i, r, w, o, _d, h, _rep, _sent, removed, lx, sx, px, rx, lw, lo in models]
     out.update(writes(models))
     if all(c is not None for c, _ in costs):

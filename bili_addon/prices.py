@@ -41,6 +41,7 @@ log = logging.getLogger("bili")
 AS_OF = "2025-11-01"  # when the built-in prices were last checked against the providers' pages
 USER_FILE = "prices.json"
 MTOK = 1_000_000
+ONE_MILLION = "[1m]"  # after a model's name in the store: its request asked for the 1M-token window
 LONG_PROMPT = 200_000  # prompt tokens over which a model's long-context price applies (Price.long_input)
 
 
@@ -165,8 +166,9 @@ _SNAPSHOT = re.compile(r"(?:-(?:\d{8}|\d{4}-\d{2}-\d{2}))?(?:-v\d+(?::\d+)?)?(?:
 
 
 def normalise(model: str) -> str:
-    """``anthropic/claude-x`` / ``us.anthropic.claude-x-v1:0`` / ``models/gemini-x`` -> the bare name."""
-    name = (model or "").strip().lower().rsplit("/", 1)[-1]
+    """``anthropic/claude-x`` / ``us.anthropic.claude-x-v1:0`` / ``models/gemini-x`` -> the bare name
+    (and ``claude-x[1m]``, a request that asked for the 1M-token window: :func:`may_go_long`)."""
+    name = (model or "").strip().lower().rsplit("/", 1)[-1].removesuffix(ONE_MILLION)
     i = name.find("claude-")
     return name[i:] if i > 0 else name
 
@@ -223,6 +225,14 @@ def _entry(name: str, entry: object, base: Price | None) -> Price | str:
         given.setdefault("cache_write_5m", given["input"])
         given.setdefault("cache_write_1h", given["cache_write_5m"])
         given.setdefault("cache_read", given["input"])
+    elif base.long_input and ("input" in given or "output" in given):
+        # a tier the entry does not set keeps its proportion to the prices the entry sets (2x input...)
+        if "input" in given and "long_input" not in given:
+            given["long_input"] = base.long_input * given["input"] / base.input if base.input else 0.0
+        if "output" in given and "long_output" not in given:
+            given["long_output"] = base.long_output * given["output"] / base.output if base.output else 0.0
+    if given.get("long_output") and not given.get("long_input", getattr(base, "long_input", 0.0)):
+        return "long_output needs long_input (the input price of a request over the long-context line)"
     vals = {k: given.get(k, getattr(base, k, 0.0)) for k in _PRICE_FIELDS}
     provider = entry.get("provider")
     if not isinstance(provider, str):
@@ -251,6 +261,23 @@ def cost(model: str, input: int, cache_read: int = 0, cache_write: int = 0, outp
                                      cache_write_1h=cache_write_1h, long=long)
 
 
+def long_factor(model: str, table: Table | None = None) -> float:
+    """What a request of ``model`` over :data:`LONG_PROMPT` pays per prompt token, as a multiple of its
+    price under it (Sonnet 4.5: 2.0); 1.0 for a model without a long-context price or without a price."""
+    hit = (table or default()).find(model)
+    p = hit[1] if hit is not None else None
+    return p.long_input / p.input if p is not None and p.long_input and p.input else 1.0
+
+
+def may_go_long(model: str, table: Table | None = None) -> bool:
+    """Whether a request to ``model`` may have more than :data:`LONG_PROMPT` prompt tokens: Anthropic
+    refuses one unless it asked for the 1M-token window (``anthropic-beta: context-1m-...``, recorded
+    as ``model[1m]``); Google's models take them as they are.  (What the agent's own request would have
+    cost is priced at the long-context price only where it could have gone out so.)"""
+    hit = (table or default()).find(model)
+    return hit is not None and (hit[1].provider != "anthropic" or (model or "").strip().lower().endswith(ONE_MILLION))
+
+
 def without_bili(model: str, input: int, cache_read: int, cache_write: int, output: int, folded_tokens: int, *,
                  ttl: str = "5m", cache_write_1h: int = 0, table: Table | None = None) -> Cost | None:
     """What the same turn would have cost had the agent's own request gone out: ``folded_tokens``
@@ -262,7 +289,8 @@ def without_bili(model: str, input: int, cache_read: int, cache_write: int, outp
     removed = max(0, folded_tokens)
     taken = added_where(max(0, -folded_tokens), input, cache_read, cache_write, cache_write_1h)
     return without_bili_sums(model, input, cache_read, cache_write, output, removed, taken, ttl=ttl,
-                             cache_write_1h=cache_write_1h, table=table)
+                             cache_write_1h=cache_write_1h, table=table,
+                             over=None if may_go_long(model, table) else False)
 
 
 def added_where(extra: int, input: int, cache_read: int, cache_write: int, cache_write_1h: int
@@ -302,5 +330,5 @@ def money(usd: float | None) -> str:
     return f"${usd:,.0f}"
 
 
-__all__ = ["AS_OF", "BUILTIN", "Cost", "Price", "Table", "added_where", "cost", "default", "load", "money",
-           "normalise", "without_bili", "without_bili_sums"]
+__all__ = ["AS_OF", "BUILTIN", "LONG_PROMPT", "ONE_MILLION", "Cost", "Price", "Table", "added_where", "cost", "default",
+           "load", "long_factor", "may_go_long", "money", "normalise", "without_bili", "without_bili_sums"]

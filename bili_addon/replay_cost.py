@@ -4,8 +4,10 @@ with the addon (the bodies it would send) and without it (the agent's own bodies
 Each session's requests go, in their recorded order and at their recorded times, through two
 :class:`~bili_addon.kernel.cache.Clock` s of its lane's provider model: one fed the agent's original
 bodies, one the bodies the addon sends.  Costs are in input-token units of the model (an uncached
-input token = 1; cache reads and writes at the provider's multipliers); the answers' output tokens are
-the same either way and are left out.
+input token = 1; cache reads and writes at the provider's multipliers; a request over the long-context
+line of a model with such a price, every one of its tokens at that price's multiple:
+:func:`bili_addon.prices.long_factor`); the answers' output tokens are the same either way and are
+left out.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from bili_addon.kernel.cache import Bill, Clock, model_of
+from bili_addon.prices import LONG_PROMPT, long_factor
 
 
 @dataclass
@@ -36,7 +39,7 @@ def session_costs(reports: Iterable) -> list[SessionCost]:
     """Per session (of every report's turns): the billed cost without and with the addon."""
     out: list[SessionCost] = []
     for report in reports:
-        clocks: dict[str, tuple[SessionCost, Clock, Clock]] = {}
+        clocks: dict[str, tuple[SessionCost, Clock, Clock, float]] = {}
         for t in report.turns:
             if t.lane in ("anthropic", "chat", "responses", "gemini"):
                 # a chained turn is billed on its whole chain (the provider reads it all), not its delta
@@ -45,9 +48,9 @@ def session_costs(reports: Iterable) -> list[SessionCost]:
                 if got is None:
                     model = t.model or model_of(raw)  # (the session's: a Gemini body names none)
                     sc = SessionCost(f"{report.path} {t.session[:12]}", t.lane, model)
-                    got = clocks[t.session] = (sc, Clock(t.lane, model), Clock(t.lane, model))
+                    got = clocks[t.session] = (sc, Clock(t.lane, model), Clock(t.lane, model), long_factor(model))
                     out.append(sc)
-                sc, orig, sent = got
+                sc, orig, sent, long = got
                 try:
                     a = orig.send(raw, t.at)
                     b = sent.send(body, t.at)
@@ -57,8 +60,9 @@ def session_costs(reports: Iterable) -> list[SessionCost]:
                 sc.requests += 1
                 sc.bill_without += a
                 sc.bill_with += b
-                sc.without += a.cost(orig.rules)
-                sc.with_addon += b.cost(sent.rules)
+                # (the agent's requests went out as recorded: one over the line asked for the window it needs)
+                sc.without += a.cost(orig.rules) * (long if a.total > LONG_PROMPT else 1.0)
+                sc.with_addon += b.cost(sent.rules) * (long if b.total > LONG_PROMPT else 1.0)
     return out
 
 

@@ -472,8 +472,8 @@ class Bili:
             if turn is not None and turn.full_sent is not None:
                 # a chained turn: the prompt is the whole chain, the agent's and the one bili keeps
                 rec.update(self.meter.request(s, turn.body, turn.full_sent, res.model))
-            else:
-                rec.update(self.meter.request(s, raw, sent, res.model))
+            else:  # (priced by its model and the window it asked for: prices.may_go_long)
+                rec.update(self.meter.request(s, raw, sent, res.model + res.variant if res.model else ""))
         return rec
 
     def _process(self, eng: Engine, raw: bytes, lane: Lane, headers, where: str, origin: str = "",

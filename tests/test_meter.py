@@ -132,14 +132,17 @@ def test_totals_over_the_long_context_line_equal_the_turn_by_turn_summary(backen
     from bili_addon.meter import totals
 
     store = backend()
-    rows = [WireTurn(0, 0, 1, "claude-sonnet-4-5", 150_000, 150_000, None, 0, 0, [], 150_000, 140_000, 9_000, 500),
+    one_m = "claude-sonnet-4-5[1m]"  # (requests that asked for the 1M-token window: prices.may_go_long)
+    rows = [WireTurn(0, 0, 1, one_m, 150_000, 150_000, None, 0, 0, [], 150_000, 140_000, 9_000, 500),
             # the agent's request over the line, bili's under it (folded)
-            WireTurn(0, 0, 2, "claude-sonnet-4-5", 260_000, 120_000, 0.9, 1, 4, [], 120_000, 100_000, 19_000, 800),
+            WireTurn(0, 0, 2, one_m, 260_000, 120_000, 0.9, 1, 4, [], 120_000, 100_000, 19_000, 800),
             # both over it
-            WireTurn(0, 0, 3, "claude-sonnet-4-5", 420_000, 230_000, 0.9, 2, 8, [], 230_000, 220_000, 9_000, 900,
+            WireTurn(0, 0, 3, one_m, 420_000, 230_000, 0.9, 2, 8, [], 230_000, 220_000, 9_000, 900,
                      3_000, "reported"),
             WireTurn(0, 0, 4, "gemini-2.5-pro", 300_000, 310_000, 0.5, 0, 0, [], 310_000, 200_000, 0, 100),
-            WireTurn(0, 0, 5, "claude-sonnet-4-5", 190_000, 199_000, 0.9, 2, 8, [], 205_000, 190_000, 14_000, 100)]
+            WireTurn(0, 0, 5, one_m, 190_000, 199_000, 0.9, 2, 8, [], 205_000, 190_000, 14_000, 100),
+            # without the 1M window: the agent's request over the line would have been refused, not priced long
+            WireTurn(0, 0, 6, "claude-sonnet-4-5", 240_000, 150_000, 0.9, 1, 4, [], 150_000, 140_000, 9_000, 500)]
     for w in rows:
         w.n = store.record_wire("s", w)
     by_turn, by_sums = summary(store.wire("s")), totals(store, "s")
@@ -149,5 +152,7 @@ def test_totals_over_the_long_context_line_equal_the_turn_by_turn_summary(backen
     cost = (1_000 * 3 + 100_000 * 0.3 + 19_000 * 3.75 + 800 * 15) / 1e6
     without = (1_000 * 6 + 240_000 * 0.6 + 19_000 * 7.5 + 800 * 22.5) / 1e6
     assert turn_money(store.wire("s")[1]) == (pytest.approx(cost), pytest.approx(without - cost))
+    no_window = store.wire("s")[5]
+    assert turn_money(no_window)[1] == pytest.approx(90_000 * 0.3 / 1e6)  # (the tokens folded, as reads: no premium)
     flat = prices.Table({k: dataclasses.replace(p, long_input=0, long_output=0) for k, p in prices.BUILTIN.items()})
     assert by_sums["saved"] > totals(store, "s", flat)["saved"] + 0.05  # (what the tier adds to the saving)

@@ -132,11 +132,20 @@ def test_a_request_over_200k_tokens_pays_the_long_context_price_for_all_of_it():
 
 
 def test_folding_a_request_under_the_line_saves_the_long_context_price():
-    # the agent's request was 300K tokens (long-context prices for all of it); bili sent 120K
-    with_ = prices.cost("claude-sonnet-4-5", 120_000, 110_000, 8_000, 1_000)
-    without = prices.without_bili("claude-sonnet-4-5", 120_000, 110_000, 8_000, 1_000, 180_000)
+    # the agent's request was 300K tokens (long-context prices for all of it: it asked for the 1M window,
+    # recorded as the model's name with [1m] after it); bili sent 120K
+    model = "claude-sonnet-4-5-20250929[1m]"
+    with_ = prices.cost(model, 120_000, 110_000, 8_000, 1_000)
+    without = prices.without_bili(model, 120_000, 110_000, 8_000, 1_000, 180_000)
+    assert with_.model == "claude-sonnet-4-5" and prices.may_go_long(model)
     assert with_.total == pytest.approx((2_000 * 3 + 110_000 * 0.3 + 8_000 * 3.75 + 1_000 * 15) / 1e6)
     assert without.total == pytest.approx((2_000 * 6 + 290_000 * 0.6 + 8_000 * 7.5 + 1_000 * 22.5) / 1e6)
+    # without the 1M window Anthropic refuses a request over 200K: the agent's own is not priced as one
+    assert not prices.may_go_long("claude-sonnet-4-5")
+    short = prices.without_bili("claude-sonnet-4-5", 120_000, 110_000, 8_000, 1_000, 180_000)
+    assert short.total == pytest.approx((2_000 * 3 + 290_000 * 0.3 + 8_000 * 3.75 + 1_000 * 15) / 1e6)
+    # Google's 2.5 Pro takes one as it is
+    assert prices.may_go_long("gemini-2.5-pro") and not prices.may_go_long("an-unpriced-model")
 
 
 def test_a_user_file_sets_a_long_context_price(tmp_path):
@@ -148,3 +157,18 @@ def test_a_user_file_sets_a_long_context_price(tmp_path):
     assert t.cost("my-long-model", 300_000, 200_000, 0, 1_000).total == pytest.approx(
         (100_000 * 2 + 200_000 * 0.2 + 1_000 * 8) / 1e6)
     assert t.cost("claude-sonnet-4-5", 300_000).total == pytest.approx(0.9)
+
+
+def test_a_user_file_that_changes_a_models_prices_keeps_its_tier_in_proportion(tmp_path):
+    (tmp_path / "prices.json").write_text(json.dumps({"models": {
+        "claude-sonnet-4-5": {"input": 4, "cache_read": 0.4, "cache_write_5m": 5},  # the tier stays 2x input
+        "gemini-2.5-pro": {"input": 0, "output": 0, "cache_read": 0},  # free: no tier either
+        "claude-sonnet-4": {"long_output": 30},  # (its input's tier stays the built-in one)
+        "odd": {"input": 1, "output": 2, "long_output": 3},  # a long output price without a long input price
+    }}))
+    t = prices.load(tmp_path)
+    assert t.cost("claude-sonnet-4-5", 250_000, 200_000, 10_000, 1_000).total == pytest.approx(
+        (40_000 * 8 + 200_000 * 0.8 + 10_000 * 10 + 1_000 * 22.5) / 1e6)
+    assert t.cost("gemini-2.5-pro", 300_000, 0, 0, 1_000).total == 0
+    assert t.cost("claude-sonnet-4", 300_000, 0, 0, 1_000).total == pytest.approx((300_000 * 6 + 1_000 * 30) / 1e6)
+    assert t.find("odd") is None and any("long_output needs long_input" in e for e in t.errors)

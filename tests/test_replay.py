@@ -407,3 +407,30 @@ def test_a_gemini_sessions_cache_is_its_urls_model(tmp_path):
     assert [t.model for t in report.turns] == ["gemini-2.5-pro"] * 2
     sc = session_costs([replay.replay_file(path)])[0]
     assert sc.model == "gemini-2.5-pro" and sc.bill_without.read == 0 and sc.without == sc.bill_without.input
+
+
+def test_replay_cost_prices_a_request_over_the_long_context_line_at_its_multiple():
+    """Sonnet 4.5's requests over 200K prompt tokens pay 2x on every token: a session whose agent sent
+    ~260K and bili ~120K saves that premium too (``--cost`` left it out: half the saving the meter shows)."""
+    from types import SimpleNamespace as NS
+
+    from bili_addon.kernel.cache import Clock
+    from bili_addon.replay_cost import session_costs
+
+    def body(n: int) -> bytes:
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": [{"type": "text", "text": f"m{i} " + "x" * 8000}]}
+                for i in range(n)]
+        msgs[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
+        return json.dumps({"model": "claude-sonnet-4-5", "max_tokens": 1000, "messages": msgs}).encode()
+
+    turns = [NS(lane="anthropic", session="s1", prompt=None, raw=body(130 + 2 * k), body=body(60 + 2 * k),
+                prompt_sent=None, model="claude-sonnet-4-5", at=30.0 * k) for k in range(4)]
+    [sc] = session_costs([NS(path="long", turns=turns)])
+    orig, sent = Clock("anthropic", "claude-sonnet-4-5"), Clock("anthropic", "claude-sonnet-4-5")
+    without = with_ = 0.0
+    for t in turns:  # by hand: the same clocks, each bill at 2x where its request is over 200K tokens
+        a, b = orig.send(t.raw, t.at), sent.send(t.body, t.at)
+        assert a.total > 200_000 > b.total
+        without += 2 * a.cost(orig.rules)
+        with_ += b.cost(sent.rules)
+    assert sc.without == pytest.approx(without) and sc.with_addon == pytest.approx(with_)

@@ -67,3 +67,21 @@ def test_openai_has_no_write_premium():
     assert rewrite.cost_of(change, rules) == pytest.approx(8_100)
     assert decide(change, moment(rules=rules, requests=81)).now
     assert not decide(change, moment(rules=rules, requests=80)).now
+
+
+def test_a_fold_that_brings_the_prompt_under_the_long_context_line_pays_its_premium():
+    """Sonnet 4.5 with the 1M window: over 200K prompt tokens every token costs twice as much.  A held
+    fold that takes a 210K prompt to 190K saves the premium on every later request: it lands (in input
+    units it saved 20K reads a request against a 60K rewrite, and stayed pending)."""
+    change = Change(saved=20_000, tail=60_000)
+    flat = decide(change, moment(used=210_000, window=1_000_000, requests=10, gaps=(20.0,) * 10))
+    assert not flat.now and flat.benefit == pytest.approx(0.1 * 20_000 * 10)
+    d = decide(change, moment(used=210_000, window=1_000_000, requests=10, gaps=(20.0,) * 10, long=2.0))
+    # each later request reads 190K at 1x instead of 210K at 2x: 0.1 * (420K - 190K) * 10 requests
+    assert d.now and d.why == "pays" and d.benefit == pytest.approx(0.1 * 230_000 * 10)
+    assert d.cost == pytest.approx(1.15 * 60_000)  # (the rewrite goes on a request under the line)
+    # over the line on both sides: both weighed at 2x (the same verdict as without the tier)
+    both = decide(Change(saved=1_000, tail=10_000), moment(used=400_000, window=1_000_000, requests=100, long=2.0))
+    assert not both.now and both.benefit == pytest.approx(20_000) and both.cost == pytest.approx(23_000)
+    from bili_addon import prices
+    assert prices.long_factor("claude-sonnet-4-5") == 2.0 and prices.long_factor("gpt-4.1") == 1.0

@@ -443,6 +443,9 @@ def test_a_sessions_window_follows_what_its_request_asks_for(bili):
     g = model_flow(ANTH_BODY, headers=session_headers("small"))
     bili.request(g)
     assert eng.window_for(eng.sessions["small"]) == 200_000
+    # the turns' figures name the window too: a request over 200K tokens could only go with it (prices.may_go_long)
+    from bili_addon import flowmeta
+    assert f.metadata[flowmeta.KEY]["model"] == "m[1m]" and g.metadata[flowmeta.KEY]["model"] == "m"
     eng.set_flag("big", "learned_windows", {s.model: 180_000})  # (learned on a request without the header)
     assert eng.window_for(s) == 1_000_000
     gem = json.dumps({"contents": [{"role": "user", "parts": [{"text": "hello gemini"}]}]}).encode()

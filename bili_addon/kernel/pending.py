@@ -22,7 +22,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from bili_addon import printable
+from bili_addon import prices, printable
 from bili_addon.kernel import cache, fold, rewrite
 from bili_addon.kernel.fold import Block, View
 from bili_addon.kernel.identity import count_tokens
@@ -198,7 +198,7 @@ class Deferred:
         last = self.reported_usage(s)
         used = last[0] if last else s.sent_tokens
         return rewrite.Moment(rules, cold, used, self.window_for(s), self.nudge_cfg.pressure, s.row.requests,
-                              tuple(h[1][-100:]) if h else (), ttl)
+                              tuple(h[1][-100:]) if h else (), ttl, prices.long_factor(s.model))
 
 
 __all__ = ["DeferHost", "Deferred", "FLAG", "MODES", "SENTENCE", "after_fold", "held", "measure", "on_wire"]

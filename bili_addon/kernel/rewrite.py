@@ -14,6 +14,10 @@ on the provider's prices (:class:`~bili_addon.kernel.cache.Rules`):
   from the first changed byte on (after the change) and ``horizon`` the expected number of requests
   until the change would be free anyway (the next cold moment, from the session's gap history) or
   the session ends (estimated, as the only evidence there is, by the requests it has had so far);
+- a model with a long-context price (:data:`bili_addon.prices.LONG_PROMPT`: over 200K prompt tokens every
+  token of the request costs ``long`` times as much) weighs each side at its price: a fold that brings
+  the prompt under the line saves the premium on every later request, and a rewrite over the line
+  costs it;
 - otherwise it stays **pending**, and the next change is weighed together with it (one rewrite from
   the earliest changed byte, the savings added up): changes are batched.
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bili_addon.kernel.cache import Rules
+from bili_addon.prices import LONG_PROMPT
 
 MIN_REST = 8  # requests a session is assumed to have left, however young it is
 MAX_HORIZON = 1000
@@ -54,6 +59,7 @@ class Moment:
     requests: int  # requests the session has had
     gaps: tuple[float, ...] = ()  # seconds between its recent requests
     ttl: float = 0.0  # the cache's lifetime as the clock knows it (0: the rules' default)
+    long: float = 1.0  # what a request over LONG_PROMPT pays per token, as a multiple (the model's tier: 2.0; none: 1)
 
 
 @dataclass(frozen=True)
@@ -98,8 +104,11 @@ def decide(change: Change, m: Moment) -> Decision:
         return Decision(True, "cold")
     if window_forces(m.used, m.window, m.pressure):
         return Decision(True, "window")
-    cost = cost_of(change, m.rules)
-    benefit = m.rules.read * change.saved * horizon(m)
+    after = m.used - change.saved  # (the prompt once the change is made)
+    at_now = m.long if m.used > LONG_PROMPT else 1.0
+    at_after = m.long if after > LONG_PROMPT else 1.0
+    cost = cost_of(change, m.rules) * at_after
+    benefit = m.rules.read * (m.used * at_now - after * at_after) * horizon(m)
     if change.saved > 0 and benefit >= cost:
         return Decision(True, "pays", benefit, cost)
     return Decision(False, "pending", benefit, cost)

@@ -445,6 +445,7 @@ class TurnResult:
     side: bool = False  # a side request (reconcile.side_request): its answer's usage is not the conversation's size
     sent_tokens: int = 0  # what went up, as bili estimates it (its size, should the provider refuse it: kernel/errors.py)
     model: str = ""  # the model the request names (its figures are priced at it)
+    variant: str = ""  # the window the request asks for beside its model's ("[1m]": kernel/windows.py)
 
 
 __all__ = [

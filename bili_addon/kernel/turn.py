@@ -273,7 +273,8 @@ class Engine(ProxyTools, Epochs, Deferred):
         # conversation items whose session work (refs, view, rendering) is reused as it is
         q = k - start if memo is not None and k and memo.sid == sid and memo.version == s.version else 0
         result = TurnResult(None, session=sid, lane=lane.name, messages=len(infos) - start, source=source)
-        result.model = s.model  # (the request's: a side request's is not kept as the session's)
+        # (the request's: a side request's is not kept as the session's)
+        result.model, result.variant = s.model, s.variant
         if forked:
             result.notes.append(forked)
 
