@@ -170,3 +170,69 @@ def test_opencode_pruned_outputs_in_a_chat_conversation(tmp_path):
         assert not s.copy.latched and next(b for b in s.blocks if b.id == "b1").active, res.drift
     tools = {m["tool_call_id"]: m["content"] for m in json.loads(sent)["messages"] if m["role"] == "tool"}
     assert "call_0003" not in tools and tools["call_0009"] == CLEARED and "FILE A11" in tools["call_0011"]
+
+
+def _rewound_into_b(agent: Agent, clear_branch: bool):
+    """A's reads folded (b1), B's first ten (b2, its summary telling of B8 and B9), and a rewind to after
+    B7: a branch that never had B8 and B9.  ``clear_branch``: the host clears the branch's old results
+    from its second request on; else the copy holds them cleared and the branch has them whole."""
+    msgs = [{"role": "user", "content": "Task: read the A modules."}] + reads("A", 20) + said("All read.", "ok") \
+        + reads("B", 16) + said("B read.", "ok")
+    _, s, _ = agent.send(msgs)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
+    b2 = {"startId": first_ref(s, 43), "endId": last_ref(s, 62),
+          "summary": "Read B0 through B9; B8 and B9 define the retry policy (3 tries)."}
+    out = agent.eng.plugin_tool(s.row.id, "compress", {"content": [b2]})[1]
+    assert "b2" in out
+    msgs += said("Folded.", "fine")
+    if not clear_branch:
+        msgs = clear(msgs, keep=5)
+    sent, s, res = agent.send(msgs)
+    assert b"FILE B3" not in sent and b"retry policy" in sent
+    branch = msgs[:59] + said("B0-B7 read.", "Actually, read C now.") + reads("C", 4)
+    return branch
+
+
+def test_a_rewind_into_a_fold_stays_a_rewind_while_the_host_clears_the_branch(tmp_path):
+    """The branch's cleared results stood early in its history: the rewind's point was taken there,
+    the pass was a drift, and the fold over B8 and B9 went out on a branch that never had them,
+    request after request (a misattribution)."""
+    agent = Agent(tmp_path)
+    branch = _rewound_into_b(agent, clear_branch=True)
+    verdicts = []
+    for t in range(10):
+        branch = branch + said(f"step {t}", f"go {t}")
+        sent, s, res = agent.send(clear(branch, keep=5) if t else branch)
+        verdicts.append(res.drift)
+        assert b"retry policy" not in sent, (t, res.drift)  # b2's summary stands for nothing on this branch
+    assert verdicts[:7] == ["rewound"] * 7 and verdicts[7] == "adopted" and not s.copy.latched
+
+
+def test_a_rewind_to_results_the_copy_holds_cleared_stays_a_rewind(tmp_path):
+    agent = Agent(tmp_path)
+    branch = _rewound_into_b(agent, clear_branch=False)  # (the branch: the results whole again)
+    for t in range(3):
+        branch = branch + said(f"step {t}", f"go {t}")
+        sent, s, res = agent.send(branch)
+        assert res.drift == "rewound" and b"retry policy" not in sent
+
+
+def test_a_truncation_and_clearing_in_one_request_is_a_truncation(tmp_path):
+    """The host dropped its oldest messages and cleared the results after them in the same request: the
+    head after the cut is cleared results, and the truncation was not told (a drift, then a collapse that
+    retired a fold)."""
+    agent = Agent(tmp_path)
+    msgs = [{"role": "user", "content": "Task: read the A modules."}] + reads("A", 30) + said("All read.", "ok")
+    _, s, _ = agent.send(msgs)
+    agent.compress(s, first_ref(s, 1), last_ref(s, 20))
+    agent.compress(s, first_ref(s, 21), last_ref(s, 40))
+    msgs += said("Folded.", "fine") + reads("B", 4)
+    agent.send(msgs)
+    cut = clear([msgs[0]] + msgs[11:])
+    verdicts = []
+    for k in range(coverage.RETIRE_AFTER + 1):
+        cut += said(f"step {k}", f"go {k}")
+        sent, s, res = agent.send(cut)
+        verdicts.append(res.drift)
+        assert "tu_A12" not in _sent_results(sent) and not s.copy.latched, (k, res.drift)
+    assert verdicts[0] == "truncated" and not any(b.retired for b in s.blocks)

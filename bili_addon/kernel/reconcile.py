@@ -75,6 +75,8 @@ def fingerprint(p: PartView) -> str:
         return _h(p.role, "reasoning")
     if p.ctype == IMAGE:
         return _h(p.role, "image", p.text)
+    if p.ctype == TOOL_RESULT and cleared(p.text):  # (every clearing placeholder alike: a file's path says nothing)
+        return _CLEARED_FPS.get(p.role) or _h(p.role, "", CLEARED)
     return _h(p.role, p.tool_name, canonical_text(p.text))
 
 
@@ -330,6 +332,17 @@ def cleared(text: str) -> bool:
 
 CLEARED = "[Old tool result content cleared]"
 PERSISTED, PERSISTED_END = "<persisted-output>", "</persisted-output>"
+# a cleared tool result's fingerprint (fingerprint: as the plain placeholder's always was), by role: for telling
+# a truncation or a rewind from a drift (verdict), a cleared result matches whatever stood at its place (the host
+# clears results as it goes: a rewind's branch, a truncated history hold them cleared where the copy has them
+# whole, or back whole where the copy has them cleared); no claim is ever made by it
+_CLEARED_FPS = {r: _h(r, "", CLEARED) for r in ("tool", "user")}
+_WILD = frozenset(_CLEARED_FPS.values())
+
+
+def _alike(a: str, b: str) -> bool:
+    """Two fingerprints at one place, for the verdict: the same, or either a cleared tool result's."""
+    return a == b or a in _WILD or b in _WILD
 
 
 def _cleared_pass(rest, anchors, parts: list[PartView], free, claim, copy: Copy, own: set[str], now_of) -> None:
@@ -541,7 +554,7 @@ def _rewound(copy: Copy, new_fps: list[str], present: dict[str, int], unmatched:
     copy has past that point (a quarter at most: an edit in place, a cleared tool result, keeps
     most of them), and every covered part it misses lies past that point."""
     old = copy.fps
-    at = next((k for k, (a, b) in enumerate(zip(old, new_fps)) if a != b), min(len(old), len(new_fps)))
+    at = next((k for k, (a, b) in enumerate(zip(old, new_fps)) if not _alike(a, b)), min(len(old), len(new_fps)))
     if at == 0 or at >= len(old) or len(copy.refs) != len(old):
         return False
     tail = copy.refs[at:]
@@ -557,13 +570,14 @@ def _heads_inbound(old_fps: list[str], new_fps: list[str], need: int = 8) -> boo
     if not old_fps or not new_fps:
         return False
     a = 0
-    while a < min(len(old_fps), len(new_fps)) and old_fps[a] == new_fps[a]:
+    while a < min(len(old_fps), len(new_fps)) and _alike(old_fps[a], new_fps[a]):
         a += 1
     head = new_fps[a:a + need]
-    if not head:
+    # (a head of cleared results matches anywhere: it tells nothing of where the history starts)
+    if not head or sum(1 for f in head if f not in _WILD) * 2 < len(head):
         return False
     n = len(head)
     for j in range(a + 1, len(old_fps) - n + 1):
-        if old_fps[j : j + n] == head:
+        if all(map(_alike, old_fps[j : j + n], head)):
             return True
     return False
