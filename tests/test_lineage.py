@@ -638,3 +638,26 @@ def test_a_pruned_session_loses_its_old_epochs_records(backend):
     assert eng.store.lineage_parts(archived_record("parent", 1)) == []
     assert eng.store.lineage_parts("parent") == []
     eng.store.close()
+
+
+def test_the_nobodys_fork_verdict_is_written_as_the_flags_json_makes_it(engine):
+    """(#11) A new session found nobody's fork gets that flag's JSON made once (the flag alone), or
+    made whole when it has other flags: the session's row holds what ``flags_json`` writes."""
+    from bili_addon.kernel.lineage import OWN
+    from bili_addon.kernel.state import flags_json
+
+    opening = {"role": "user", "content": "Please audit the repository carefully."}
+    answered = [opening, {"role": "assistant", "content": [{"type": "text", "text": "On it."}]},
+                {"role": "user", "content": "Go on."}]
+    send(engine, answered, P)
+    s = engine.sessions["parent"]
+    assert s.flags.get(OWN) is True and s.row.flags == flags_json(s.flags) == json.dumps({OWN: True}, sort_keys=True)
+    engine.write_pending()
+    assert engine.store.session("parent").flags == flags_json(s.flags)
+    # another flag beside it (set before the check ran, as a host's envelope would): the whole JSON
+    engine.sessions.load("other", "agent", "anthropic")
+    o = engine.sessions["other"]
+    o.flags["strict_reasoning"] = True
+    engine.lineage.before_turn(o, engine.items.get_many(ANTH, [json.dumps(m).encode() for m in answered]), 0)
+    assert o.flags.get(OWN) is True and o.row.flags == flags_json(o.flags)
+    assert json.loads(o.row.flags) == {OWN: True, "strict_reasoning": True}

@@ -1,6 +1,7 @@
 """#11: a new conversation's first turn on SQLite reads its session's row and its fork candidates in
-one statement (``Store.hold`` names the candidates, ``Store.session_state`` reads them with the row,
-``Store.lineage_candidates`` answers from them once), checks its refs with a list display
+one statement (``Store.hold`` names the candidates, ``Store.session_state`` reads them and the
+archived records of that opening with the row, ``Store.lineage_candidates`` and
+``Store.lineage_archived`` answer from them once), checks its refs with a list display
 (``fresh_first``), and stores before its fork check only what other conversations kept back that
 opens as it does (``Lineage._flush_opening``; the rest waits for the flush after their answers).  Each gives exactly what the statements and code before gave: the same
 candidates in the same order, the same session state, the same outgoing bytes and stored rows (the
@@ -46,6 +47,10 @@ def old_lineage_candidates(self, first_fp, lane):
     return [r[0] for r in self.db.execute(CANDS_SQL, (first_fp, lane)).fetchall()]
 
 
+def old_lineage_archived(self, first_fp, lane):
+    return self.db.execute(store_mod._ARCHIVED, (first_fp, lane)).fetchall()
+
+
 def old_fresh_first(rows):
     refs = list(map(operator.attrgetter("ref"), rows))
     first = int(refs[0][1:])
@@ -57,6 +62,7 @@ def old_fresh_first(rows):
 def patch_old(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Store, "session_state", old_session_state)
     mp.setattr(Store, "lineage_candidates", old_lineage_candidates)
+    mp.setattr(Store, "lineage_archived", old_lineage_archived)
     mp.setattr(Store, "hold", lambda self, sid, candidates=None: None)
     mp.setattr(store_mod, "fresh_first", old_fresh_first)
     mp.setattr(Lineage, "_flush_opening", lambda self, head: self.flush())  # (every kept-back pass, before)
@@ -86,6 +92,12 @@ def seed(s: Store) -> None:
         s.db.execute("UPDATE sessions SET created=? WHERE id=?", (created, sid))
         s.save_lineage_parts(sid, 0, [("m00001", "x" * 64, fp), ("m00002", "y" * 64, "other")])
     s.save_lineage_parts("c0", 1, [("m00002", "y" * 64, "F")])  # (a later part with F is no opening)
+    # the records of epochs their compactions ended (archived: the session's id, the separator, the epoch),
+    # written out of order: oldest session first, then by key
+    for sid, epoch, fp in [("c5", 2, "F"), ("c1", 3, "F"), ("c5", 1, "F"), ("c2", 1, "F"), ("c4", 1, "F"),
+                           ("c3", 1, "G"), ("c1", 10, "F")]:
+        s.save_lineage_parts(store_mod.archived_record(sid, epoch), 0, [("m00001", "x" * 64, fp)])
+    s.save_lineage_parts(store_mod.archived_record("gone", 1), 0, [("m00001", "x" * 64, "F")])  # (no session row)
 
 
 @pytest.mark.parametrize("key", [("F", "anthropic"), ("F", "chat"), ("G", "anthropic"), ("H", "anthropic"),
@@ -93,14 +105,23 @@ def seed(s: Store) -> None:
 def test_a_new_sessions_row_and_candidates_read_together_are_what_two_reads_give(store, key):
     seed(store)
     want = old_lineage_candidates(store, *key)
+    archived = old_lineage_archived(store, *key)
     store.hold("new", key)
     assert store.session_state("new") == (None, [], [], [], None)
     assert store._cands == (key, want)
+    assert store._archived == (key, archived)
     assert store.lineage_candidates(*key) == want
     assert store._cands is None  # once: then from the store again
     assert store.lineage_candidates(*key) == want
+    assert store.lineage_archived(*key) == archived
+    assert store._archived is None  # once, likewise
+    assert store.lineage_archived(*key) == archived
     if key == ("F", "anthropic"):
         assert want == ["c0", "c1", "c5", "c3"]
+        assert archived == [("c1", "c1\x1f10"), ("c1", "c1\x1f3"), ("c5", "c5\x1f1"), ("c5", "c5\x1f2"),
+                            ("c4", "c4\x1f1")]
+    if key == ("F", "chat"):
+        assert archived == [("c2", "c2\x1f1")]
 
 
 def test_a_stored_sessions_state_read_with_its_candidates_is_the_same_state(store):
@@ -123,17 +144,21 @@ def test_what_was_read_with_a_session_is_not_answered_after_a_write_a_release_or
                       expect=0, fresh=True)
     store.db.execute("UPDATE sessions SET created=99.0 WHERE id='c9'")
     store.save_lineage_parts("c9", 0, [("m00001", "z" * 64, "F")])
+    store.save_lineage_parts(store_mod.archived_record("c9", 1), 0, [("m00001", "z" * 64, "F")])
     assert store.lineage_candidates(*key) == ["c0", "c1", "c5", "c3", "c9"]
+    assert store.lineage_archived(*key)[-1] == ("c9", "c9\x1f1")
     # released: forgotten
     store.hold("new2", key)
     store.session_state("new2")
     store.release()
-    assert store._cands is None and store._want is None
+    assert store._cands is None and store._archived is None and store._want is None
     # another key: read from the store, and the stash stays out of its way
     store.hold("new3", key)
     store.session_state("new3")
     assert store.lineage_candidates("F", "chat") == ["c2"]
+    assert store.lineage_archived("F", "chat") == [("c2", "c2\x1f1")]
     assert store.lineage_candidates(*key) == ["c0", "c1", "c5", "c3", "c9"]
+    assert store.lineage_archived(*key) == old_lineage_archived(store, *key)
     # a hold of another session, or none: the next session_state reads the usual way
     store.hold("new4", key)
     assert store.session_state("new5") == (None, [], [], [], None)

@@ -235,6 +235,23 @@ def test_a_pending_write_is_made_before_the_next_turn(tmp_path):
         store.close()
 
 
+def test_a_first_pass_lets_its_decoded_items_go_after_its_request(tmp_path):
+    """(#11) The structs a conversation's first pass decoded its items into (for its tags) are freed
+    after the request, with the turn's other work that waits for it, not while the request waits."""
+    store = Store(str(tmp_path))
+    try:
+        eng = engine(store, True)
+        case = bench_overhead.Case("anthropic", 20)
+        eng.process(case.body(case.msgs), LANES["anthropic"], {"x-acp-session": "x"}, render=True)
+        assert eng.pending
+        held = [fn.__self__ for fn in eng._later if getattr(fn, "__self__", None).__class__ is list]
+        assert len(held) == 1 and len(held[0]) == 20 and all(isinstance(o, msgspec.Struct) for o in held[0])
+        eng.write_pending()
+        assert held[0] == [] and eng._later == []
+    finally:
+        store.close()
+
+
 def test_an_unlocked_store_writes_first(tmp_path, monkeypatch):
     """Where no session lock can be had (no fcntl, a file system without locks), a turn writes
     before its request goes, as it always did."""

@@ -64,6 +64,9 @@ MAX_RECORDS = 256
 # learned facts a child takes as they are, and per-ref ones it takes for the refs it inherits
 INHERITED_FLAGS = ("strict_reasoning", "learned_windows", "pending")  # pending: held folds (kernel/pending.py)
 OWN = "own_history"  # the session's fork check found it nobody's fork (never checked again)
+# the flags of a new session found nobody's fork: that flag alone (as flags_json writes them, made once:
+# the JSON encoder's call was ~30 us of a first turn, cold)
+_OWN_ONLY = flags_json({OWN: True})
 INHERITED_REF_FLAGS = ("nudges", "truncated")
 
 
@@ -140,7 +143,7 @@ class Lineage:
                     # a rewound or edited request after a restart does not go on from it, and the
                     # session was taken for a fork of a copy of itself, its live refs given again)
                     s.flags[OWN] = True
-                    s.row.flags = flags_json(s.flags)
+                    s.row.flags = _OWN_ONLY if len(s.flags) == 1 else flags_json(s.flags)
         if family is not None:
             s.row.next_ref = max(s.row.next_ref, family[3])
         return note

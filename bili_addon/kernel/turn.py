@@ -237,6 +237,9 @@ class Engine(ProxyTools, Epochs, Deferred):
                 k = 0
         shares = memo if k else None  # (its first k items are these: whatever becomes of ``memo`` below)
         objs: list = [None] * k  # the items parsed in this pass, as decoded (render_items patches them)
+        # (freed after the request: a first pass's decoded items, a struct per message and per block, took
+        # ~25 us to free when the turn returned, ~1.5% of a first turn of 100 messages)
+        self._later.append(objs.clear)
         infos = (memo.infos[:k] if k else []) + self.items.get_many(
             lane, raws[k:], objs, body.top[lane.conv_key] if not k and raws else None, self._later)
         start = memo.start if k else _system_run(infos)
