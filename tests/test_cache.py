@@ -478,3 +478,17 @@ def test_a_model_switch_reads_nothing_of_the_other_models_cache_and_a_switch_bac
     assert [t.predicted.read > 0 for t in turns] == [False, True, False, True]
     assert turns[2].predicted.write > 1500  # the system written again, for the other model
     assert clocks.by_session["m"].model == "claude-sonnet-4-5"
+
+
+def test_the_clocks_keep_no_more_sessions_unanswered_requests_than_sessions():
+    """A request whose answer never came (an agent closed mid-answer) kept its whole body until its
+    session was seen again: with sessions that never were, without bound."""
+    from bili_addon.kernel.cache import Clocks
+
+    clocks = Clocks(max_sessions=16)
+    body = json.dumps({"model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
+    for i in range(100):
+        clocks.sent(f"s{i}", "anthropic", body, 1000.0 + i)
+    assert len(clocks.pending) == 16 and list(clocks.pending) == [f"s{i}" for i in range(84, 100)]
+    clocks.sent("s99", "anthropic", body, 1200.0)  # (its own requests stay, up to MAX_PENDING)
+    assert len(clocks.pending["s99"]) == 2 and len(clocks.pending) == 16

@@ -1038,6 +1038,13 @@ class Clocks:
         self.last[sid] = now
         if len(queue) > self.MAX_PENDING:  # answers that never came: bill them now
             self._flush(sid)
+        # the requests of more sessions than the clocks keep, whose answers never came (an agent closed
+        # mid-answer): forgotten, the oldest first, as a clock beyond them is (each held its whole body)
+        while len(self.pending) > self.max_sessions:
+            old = next(iter(self.pending))
+            if old == sid:
+                break
+            del self.pending[old]
 
     def _flush(self, sid: str) -> Clock | None:
         for lane, body, now, host, model in self.pending.pop(sid, ()):
