@@ -236,3 +236,67 @@ def test_a_truncation_and_clearing_in_one_request_is_a_truncation(tmp_path):
         verdicts.append(res.drift)
         assert "tu_A12" not in _sent_results(sent) and not s.copy.latched, (k, res.drift)
     assert verdicts[0] == "truncated" and not any(b.retired for b in s.blocks)
+
+
+def test_claude_codes_rewind_into_a_fold_over_cleared_results_is_a_rewind(tmp_path):
+    """A rewind (the history up to an earlier prompt and a new prompt) into a fold's range, the copy's old
+    results cleared: its one-part head matched a cleared result of the copy and the rewind was read as a
+    truncation; the fold cut by it was then kept whole at the branch's adoption and its summary went out
+    for turns the branch never had."""
+    agent = Agent(tmp_path)
+    b1 = "B1SUM: read A0 through A9; A7 defines the retry policy (3 tries)."
+    head = [{"role": "user", "content": "Task: read the A modules."}]
+    msgs = head + reads("A", 5) + said("A0-A4 read.", "go on") + reads("A", 10)[10:] + said("A5-A9 read.", "go on") \
+        + reads("B", 8) + said("B read.", "ok")
+    _, s, _ = agent.send(msgs)
+    agent.eng.plugin_tool(s.row.id, "compress", {"content": [{"startId": first_ref(s, 1), "endId": last_ref(s, 22),
+                                                             "summary": b1}]})
+    msgs = clear(msgs + said("Folded.", "fine"), keep=5)
+    sent, s, res = agent.send(msgs)
+    assert b1.encode() in sent
+    branch = msgs[:12] + [{"role": "user", "content": "Actually, read the C modules instead."}]
+    verdicts = []
+    for t in range(coverage.ADOPT_AFTER + 3):
+        sent, s, res = agent.send(branch)
+        verdicts.append(res.drift)
+        assert b1.encode() not in sent, (t, res.drift)
+        branch = branch + reads(f"C{t}_", 1)
+    assert verdicts[:coverage.ADOPT_AFTER - 1] == ["rewound"] * (coverage.ADOPT_AFTER - 1)
+    assert "adopted" in verdicts and "truncated" not in verdicts
+
+
+def test_a_subagent_between_does_not_take_the_parents_cleared_results_for_its_head(tmp_path):
+    """The parent's copy holds one fan-out of parallel reads, cleared: any head of a subagent that opens
+    as the parent does (its turns under the parent's id) matched it and was read as a truncation; the
+    parent's folded refs went into the copy's truncated ones and its fold never stood again."""
+    agent = Agent(tmp_path)
+    b1 = "B1SUM: read A0 through A9, one at a time; A7 defines the retry policy (3 tries)."
+    first = {"role": "user", "content": "Task: read the modules."}
+
+    def fanout(n: int) -> list[dict]:
+        calls = [{"type": "tool_use", "id": f"tu_F{i}", "name": "Read", "input": {"f": f"F{i}"}} for i in range(n)]
+        return [{"role": "assistant", "content": calls},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"tu_F{i}",
+                                              "content": f"FILE F{i}\n" + f"row of F{i}\n" * 300} for i in range(n)]}]
+
+    def clear_ids(msgs: list[dict], ids: set[str]) -> list[dict]:
+        def blocks(m: dict) -> list[dict]:
+            return [{**b, "content": CLEARED} if b.get("type") == "tool_result" and b["tool_use_id"] in ids else b
+                    for b in m["content"]]
+        return [{**m, "content": blocks(m)} if m["role"] == "user" and isinstance(m["content"], list) else m
+                for m in msgs]
+
+    parent = [first] + fanout(8) + said("Surveyed.", "now read A") + reads("A", 10) + said("A read.", "ok") \
+        + reads("B", 6) + said("B read.", "ok")
+    _, s, _ = agent.send(parent)
+    assert "b1" in agent.eng.plugin_tool(s.row.id, "compress", {"content": [
+        {"startId": first_ref(s, 5), "endId": last_ref(s, 24), "summary": b1}]})[1]
+    parent = clear_ids(parent + said("Folded.", "fine"), {f"tu_F{i}" for i in range(8)})
+    agent.send(parent)
+    _, s, res = agent.send([first] + reads("S", 6))  # the subagent
+    assert res.drift != "truncated" and not s.copy.truncated
+    parent = clear_ids(parent + said("Back.", "go on"), {f"tu_A{i}" for i in range(10)})
+    for t in range(4):
+        sent, s, res = agent.send(parent)
+        assert b1.encode() in sent and b'"tu_A3"' not in sent, (t, res.drift)
+        parent = parent + said(f"step {t}", f"go {t}")

@@ -92,6 +92,8 @@ def check(store: Store, sessions: Sessions, s: Session, view: View, resolved: li
     s.copy.branched = s.copy.branched + 1 if out.verdict == "rewound" else 0
     if s.copy.branched >= ADOPT_AFTER:
         out = _start_over(sessions, s, view, out.missing, adopt=True)
+    if s.copy.truncated and out.verdict in ("restarted", "adopted"):  # (the blocks a truncation cut not at their start)
+        out.snoozed |= reconcile.not_a_tail(s.blocks, view.pos, set(s.copy.truncated))
     if out.verdict == "collapse" and not was_latched:
         log.error("[bili] session=%s: the re-sent history no longer matches any fold (%d covered parts "
                   "missing, none verifiable); folding is paused and requests pass through unchanged "

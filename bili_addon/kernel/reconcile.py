@@ -508,9 +508,9 @@ def verdict(out: Outcome, view: View, blocks: list[Block], copy: Copy, originals
         # the request is on this branch, its messages here on the wire as they are
         out.verdict = "rewound"
         copy.latched = False  # (the history is the copy's up to a point: verified, as a truncation's head is)
-        for r in out.unmatched:
-            b = cov.get(r)
-            if b is not None:
+        gone_now = set(out.unmatched)
+        for b in blocks:  # (every block over a ref the branch lacks: two may cover one message)
+            if b.active and not gone_now.isdisjoint(b.covered):
                 out.snoozed.add(b.id)
         copy.streak = 0
         return
@@ -578,6 +578,10 @@ def _heads_inbound(old_fps: list[str], new_fps: list[str], need: int = 8) -> boo
         return False
     n = len(head)
     for j in range(a + 1, len(old_fps) - n + 1):
-        if all(map(_alike, old_fps[j : j + n], head)):
+        win = old_fps[j : j + n]
+        # (a cleared result matches whatever stood at its place, but the place is told by the parts both sides
+        # hold in the same words: at least half of the head, else a window of the copy's cleared results, or a
+        # shift by one of two cleared stretches, would take any history for a truncation of it)
+        if all(map(_alike, win, head)) and sum(1 for o, h in zip(win, head) if o == h and h not in _WILD) * 2 >= n:
             return True
     return False
