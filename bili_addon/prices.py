@@ -64,12 +64,17 @@ class Price:
     def write(self, ttl: str) -> float:
         return self.cache_write_1h if ttl == "1h" else self.cache_write_5m
 
+    @property
+    def long_rate(self) -> float:
+        """What a request over the line pays per prompt token, as a multiple of the price under it (1.0: no tier)."""
+        return self.long_input / self.input if self.long_input and self.input else 1.0
+
     def at(self, prompt: int, long: bool | None = None) -> "Price":
         """The price a request of ``prompt`` prompt tokens pays (``long``: whether it is over the line,
         when the caller knows it: sums of turns)."""
         if not self.long_input or not (prompt > LONG_PROMPT if long is None else long):
             return self
-        f = self.long_input / self.input if self.input else 1.0
+        f = self.long_rate
         return Price(self.provider, self.long_input, self.cache_write_5m * f, self.cache_write_1h * f,
                      round(self.cache_read * f, 6), self.long_output or self.output)
 
@@ -265,8 +270,7 @@ def long_factor(model: str, table: Table | None = None) -> float:
     """What a request of ``model`` over :data:`LONG_PROMPT` pays per prompt token, as a multiple of its
     price under it (Sonnet 4.5: 2.0); 1.0 for a model without a long-context price or without a price."""
     hit = (table or default()).find(model)
-    p = hit[1] if hit is not None else None
-    return p.long_input / p.input if p is not None and p.long_input and p.input else 1.0
+    return hit[1].long_rate if hit is not None else 1.0
 
 
 def may_go_long(model: str, table: Table | None = None) -> bool:

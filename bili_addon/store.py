@@ -32,8 +32,8 @@ from typing import Mapping
 import msgspec
 
 from bili_addon import private
-from bili_addon.prices import LONG_PROMPT
 from bili_addon.locks import open_locks
+from bili_addon.prices import LONG_PROMPT
 
 SCHEMA_VERSION = 13  # 3: the wire table; 4: the calibration table; 5: the chains table; 6: PostgreSQL's one-statement
 # turn commit and session hold (functions, nothing in SQLite); 7: the ledger and the refs as one row per session write

@@ -573,8 +573,7 @@ def _heads_inbound(old_fps: list[str], new_fps: list[str], need: int = 8) -> boo
     while a < min(len(old_fps), len(new_fps)) and _alike(old_fps[a], new_fps[a]):
         a += 1
     head = new_fps[a:a + need]
-    # (a head of cleared results matches anywhere: it tells nothing of where the history starts)
-    if not head or sum(1 for f in head if f not in _WILD) * 2 < len(head):
+    if not head:
         return False
     n = len(head)
     for j in range(a + 1, len(old_fps) - n + 1):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import re
 
+from bili_addon.prices import ONE_MILLION
+
 DEFAULT_WINDOW = 200_000
 
 # (pattern on the lower-cased model id, window); first match wins
@@ -45,8 +47,8 @@ _LIMIT = (
 
 
 # a request's own word on its window beside its model's name: Anthropic's 1M-token window is asked for
-# with a beta header (Claude Code's Opus and Sonnet), the model's name the same
-ONE_MILLION = "[1m]"
+# with a beta header (Claude Code's Opus and Sonnet), the model's name the same (prices.ONE_MILLION: the
+# money reads it after the model's name too)
 # the model of a request whose body does not name it (Gemini: in the URL's path), as the proxy read it
 # there: put in the headers the engine is given (a copy, never forwarded)
 PATH_MODEL = "x-bili-path-model"
