@@ -330,7 +330,7 @@ class TripClock:
     target, which is 2x the floor *plus the round trips* (issue #11).  A store without round trips
     (SQLite) is left as it is: its commit is the turn's own work."""
 
-    CALLS = ("hold", "commit_turn", "release")
+    CALLS = ("hold_soon", "hold", "commit_turn", "release")
 
     def __init__(self, store):
         self.store, self.spent = store, 0.0

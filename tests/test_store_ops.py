@@ -240,6 +240,7 @@ def test_a_follow_up_turn_on_postgresql_takes_two_round_trips(pg_url, tmp_path, 
     the turn is stored after the answer, in one statement more."""
     import psycopg
 
+    from bili_addon import store_pg
     from bili_addon.kernel.turn import Engine
     from bili_addon.store_pg import PgStore
     from bili_addon.wire import LANES
@@ -258,6 +259,13 @@ def test_a_follow_up_turn_on_postgresql_takes_two_round_trips(pg_url, tmp_path, 
     monkeypatch.setattr(psycopg.Connection, "execute", lambda self, q, *a, **k: sent.append(str(q)) or execute(self, q, *a, **k))
     call = PgStore._call  # the turn's two statements, sent through libpq as they are
     monkeypatch.setattr(PgStore, "_call", lambda self, c, q, p: sent.append(q.decode()) or call(self, c, q, p))
+    soon = PgStore.hold_soon  # (the hold's: sent before the turn reads the request, its answer read after)
+
+    def hold_soon(self, sid, candidates=None):
+        soon(self, sid, candidates)
+        if self._soon is not None:
+            sent.append(store_pg._HOLD.decode())
+    monkeypatch.setattr(PgStore, "hold_soon", hold_soon)
     try:
         turn()
         eng.lineage.flush()

@@ -156,6 +156,16 @@ class Lineage:
         first = _opening(conv)
         return (self._first_fingerprint(first.core), lane) if first is not None else None
 
+    def head_of(self, sid: str, head: tuple[Core | None, bool] | None, lane: str) -> tuple[str, str] | None | bool:
+        """:meth:`head` from what the conversation's first items say (``state.head_cores``), before
+        the pass reads them all; False when they do not say it."""
+        if sid in self.checked:
+            return None
+        if head is None:
+            return False
+        first, answered = head
+        return (fingerprint(first), lane) if answered and first is not None else None
+
     def _first_fingerprint(self, core: Core) -> str:
         """The fingerprint of a conversation's first part: computed once for :meth:`head` and the
         fork check that follows it (the same core object)."""

@@ -104,6 +104,31 @@ class ItemInfo(msgspec.Struct, gc=False):
         return decode_any(self.raw)
 
 
+def head_cores(lane: Lane, raws, limit: int = 8) -> tuple[Core | None, bool] | None:
+    """What a conversation's first items say before the pass reads them all (a store's lock sent
+    early with its fork key: Engine._hold_soon): ``(the first part's core after the leading system
+    items, or None, whether a part of the assistant's is among them)``, each core as the item cache
+    reads it (assistant prose cleaned of replayed markers); None when ``limit`` items hold no
+    assistant's part and more follow (unknown: the pass reads on)."""
+    first = None
+    system = True  # (the leading system run: not the conversation's)
+    for raw in islice(raws, limit):
+        obj = decode_any(raw)
+        if system and lane.is_system_item(obj):
+            continue
+        system = False
+        for core in lane.item_cores(obj):
+            if first is None:
+                if core.role == "assistant" and core.ctype == TEXT:
+                    clean = clean_replayed_prose(core.text)
+                    if clean != core.text:
+                        core = msgspec.structs.replace(core, text=clean)
+                first = core
+            if core.role == "assistant":
+                return first, True
+    return (first, False) if len(raws) <= limit else None
+
+
 class ItemCache:
     """Parsed items by their exact bytes: a follow-up turn never re-parses or re-hashes old history."""
 

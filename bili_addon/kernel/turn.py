@@ -58,6 +58,7 @@ from bili_addon.kernel.state import (
     TurnResult,
     clean_replayed_prose,
     hash_parts,
+    head_cores,
 )
 from bili_addon.kernel.native import NativeCalls
 from bili_addon.kernel.tools import ProxyTools, shown_blocks
@@ -225,6 +226,8 @@ class Engine(ProxyTools, Epochs, Deferred):
             sub = claude_subagent(agent_id, body.get("system"))
             if sub is not None:
                 ident = (ident[0] + sub, "claude-subagent")
+        if ident is not None:
+            self._soon(ident[0], lane, raws)
         memo = self._memo_for(ident[0] if ident else None, lane, raws)
         shared = body.shared  # (the items the body was read from and how many it shares: no compare again)
         k = ((shared[1] if shared is not None and shared[0].items is memo.raws else coverage.common_prefix(memo.raws, raws))
@@ -443,6 +446,23 @@ class Engine(ProxyTools, Epochs, Deferred):
         return result
 
     # -- identity ------------------------------------------------------------------------------
+    def _soon(self, sid: str, lane: Lane, raws: list) -> None:
+        """The session's lock asked of the store now, with what :meth:`session` will ask it to read
+        with it (a new session's fork key, from its first items: ``state.head_cores``), its answer
+        taken when the turn holds the session (a store whose lock is a round trip: PostgreSQL's
+        ``hold_soon``): the round trip goes on while the turn reads the request.  Nothing is asked
+        when the first items do not tell the fork key (the turn asks as it would)."""
+        hold_soon = getattr(self.store, "hold_soon", None)
+        if hold_soon is None:
+            return
+        if self.sessions.get(sid) is None:
+            candidates = self.lineage.head_of(sid, head_cores(lane, raws), lane.name)
+            if candidates is False:
+                return
+        else:
+            candidates = None
+        hold_soon(sid, candidates)
+
     def _memo_for(self, sid: str | None, lane: Lane, raws: list) -> Memo | None:
         if sid is not None:
             memo = self.sessions.memos.get(sid)
