@@ -1066,17 +1066,23 @@ class PgStore:
         :meth:`_call` would refuse; a failure to send leaves it to :meth:`hold`."""
         if self._held or self._soon is not None or self._answer:
             return
+        fp, lane = candidates if candidates is not None else (None, None)
+        params = (session_id, fp, lane)
+        if any("\0" in p for p in params if type(p) is str):
+            return  # (hold refuses it, as it does)
         try:
-            conn = self._lock_conn
-            if conn is None or self._unlocking or conn.pgconn.status == _BAD:  # (BAD: psycopg's ``closed``)
-                self._lock_connection()
+            args = [p if p is None else p.encode(self._lock_enc) for p in params]
+        except UnicodeError:
+            return  # (hold says so, as it does: nothing was sent)
+        conn = self._lock_conn
+        if conn is None or conn.closed or conn.pgconn.status == _BAD:  # (BAD: psycopg's ``closed``)
+            return  # a connection to open: hold opens it (its failure said once, after one wait)
+        try:
+            if self._unlocking:
+                self._unlocked()  # (release's unlock answered first; a failure drops the connection)
                 conn = self._lock_conn
-            fp, lane = candidates if candidates is not None else (None, None)
-            params = (session_id, fp, lane)
-            if any("\0" in p for p in params if type(p) is str):
-                return  # (hold refuses it, as it does)
-            enc = self._lock_enc
-            args = [p if p is None else p.encode(enc) for p in params]
+                if conn is None:
+                    return
             pgconn = conn.pgconn
             if self._lock_prep:
                 pgconn.send_query_prepared(_PREPARED_NAMES[_HOLD], args)
@@ -1084,7 +1090,7 @@ class PgStore:
                 pgconn.send_query_params(_HOLD, args)
             self._soon = (session_id, candidates)
             self.round_trips += 1
-        except (psycopg.Error, UnicodeError):
+        except psycopg.Error:
             self._drop_lock_conn()  # (nothing is held: hold opens another and sends it as it does)
 
     def hold(self, session_id: str, candidates: tuple[str, str] | None = None) -> None:
@@ -1098,12 +1104,17 @@ class PgStore:
         (:meth:`lineage_candidates`) are read in the same round trip, right after the lock.  The
         answer of a hold :meth:`hold_soon` sent is read first (the session it named is then held,
         with what it read)."""
-        soon, self._soon = self._soon, None
-        if soon is not None:
-            self._take(soon[0], soon[1], sent=True)
+        self._settle_soon()
         if session_id in self._held:
             return
         self._take(session_id, candidates)
+
+    def _settle_soon(self) -> None:
+        """The answer of the hold :meth:`hold_soon` sent, read (its session then held), before anything
+        else is sent on the lock connection."""
+        soon, self._soon = self._soon, None
+        if soon is not None:
+            self._take(soon[0], soon[1], sent=True)
 
     def _take(self, session_id: str, candidates: tuple[str, str] | None, sent: bool = False) -> None:
         """:meth:`hold`'s statement sent and answered (``sent``: its answer read, :meth:`hold_soon`
@@ -1186,8 +1197,7 @@ class PgStore:
         if self._answer:
             self._send_answer()
         if conn is self._lock_conn and self._soon is not None:  # (its answer first: the hold it sent is held)
-            soon, self._soon = self._soon, None
-            self._take(soon[0], soon[1], sent=True)
+            self._settle_soon()
         if conn is self._lock_conn:
             enc = self._lock_enc
             name = _PREPARED_NAMES.get(sql) if self._lock_prep else None
@@ -1235,12 +1245,24 @@ class PgStore:
         (the server lets the locks go when it reads it; the answer is read before this connection's
         next statement), so another connection's *try* of the lock may still find it held for a
         moment: ``wait`` reads the answer now, for a caller that needs the lock free on return."""
-        if self._soon is not None:  # a hold sent for a turn that ended before it asked for it: taken, let go below
+        if self._soon is not None:
+            # a hold sent for a turn that ended before it asked for it: taken when its answer is in, and
+            # let go below; else (the session is held elsewhere: it waits for the lock) its connection
+            # goes, and the statement with it (nothing else is held: hold_soon sends only then)
             soon, self._soon = self._soon, None
             try:
-                self._take(soon[0], None, sent=True)
-            except StoreError:
-                pass  # (not held: its connection went, or the lock was not granted and let go)
+                pgconn = self._lock_conn.pgconn
+                pgconn.consume_input()
+                busy = pgconn.is_busy()
+            except (psycopg.Error, AttributeError):
+                busy = True
+            if busy:
+                self._drop_lock_conn()
+            else:
+                try:
+                    self._take(soon[0], None, sent=True)
+                except StoreError:
+                    pass  # (not held: its connection went, or the lock was not granted and let go)
         self._state.clear()
         self._absent.clear()
         self._cands.clear()
@@ -1910,6 +1932,8 @@ class PgStore:
     def save_lineage_parts(self, session_id: str, keep: int, rows: list[tuple[str, str, str]]) -> None:
         """Parts from ``keep`` on replaced by ``rows``, in one statement (its own transaction)."""
         end = keep + len(rows)
+        if self._soon is not None and self._answer is None and self._conn is None:
+            self._settle_soon()  # (a hold sent on the lock connection, where this goes: its answer first)
         self._cands.clear()  # what hold read of the candidates may miss these
         doc = _json.encode(rows)  # (see _SAVE_PARTS: UTF-8)
         if self._answer is not None:  # an answer's lineage: with its records (see answer)

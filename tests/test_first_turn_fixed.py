@@ -227,6 +227,7 @@ def test_the_first_part_is_fingerprinted_once_for_the_fork_check(tmp_path, monke
     eng.lineage.defer = True  # (its record fingerprinted after the answer, not counted here)
     res = eng.process(case.body(case.msgs), ANTHROPIC, {"x-acp-session": "child"}, render=True)
     assert any("a fork of parent" in n for n in res.notes)
-    first = calls[0]
-    assert calls == [first]  # once (the identical history compares by content hash)
+    # at most once (the identical history compares by content hash; the parent's opening is an equal
+    # core: its fingerprint is known already)
+    assert len(calls) <= 1
     assert eng.sessions["child"].refs.keys() >= eng.sessions["parent"].refs.keys()

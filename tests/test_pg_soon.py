@@ -7,6 +7,7 @@ session held elsewhere busy, and a turn that ends before it holds its session le
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -223,5 +224,125 @@ def test_an_early_hold_on_a_lost_connection_is_a_store_error_then_a_new_one(pg_u
         assert res.refs_new > 0
         eng.write_pending()
         assert store.session_state("lost-1")[0] is not None
+    finally:
+        store.close()
+
+
+# -- what review found (session 24) ----------------------------------------------------------------------
+def _connects(monkeypatch) -> list:
+    import psycopg
+
+    opened: list = []
+    real = psycopg.connect
+    monkeypatch.setattr(psycopg, "connect", lambda *a, **k: (opened.append(1), real(*a, **k))[1])
+    return opened
+
+
+def test_a_lock_connection_to_open_is_opened_by_the_hold_once(pg_url, tmp_path, monkeypatch):
+    """A turn whose lock connection went (its unlock could not be sent) while the database does not
+    answer tries it once, as before (each try is a connect timeout on the worker)."""
+    import socket
+
+    store = pg(pg_url, tmp_path)
+    eng = _engine(store)
+    case = bench_overhead.Case("anthropic", 12, seed=3)
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))  # (bound, not listening: the connection is refused at once)
+        try:
+            eng.process(case.unique_body(), case.lane, {"x-acp-session": "c0"}, render=True)
+            eng.write_pending()
+            store.release(wait=True)
+            store._drop_lock_conn()
+            store.url = f"postgresql://u@127.0.0.1:{hole.getsockname()[1]}/db"
+            opened = _connects(monkeypatch)
+            with pytest.raises(StoreError):
+                eng.process(case.unique_body(), case.lane, {"x-acp-session": "c1"}, render=True)
+            assert len(opened) == 1
+        finally:
+            store.close()
+
+
+def test_a_big_opening_is_left_to_the_pass_and_the_fork_key_is_computed_once(pg_url, tmp_path, monkeypatch):
+    from bili_addon.kernel import lineage
+    from bili_addon.kernel.state import HEAD_BYTES
+    from bili_addon.store_pg import PgStore
+
+    store = pg(pg_url, tmp_path)
+    eng = _engine(store)
+    asked: list = []
+    soon = PgStore.hold_soon
+    monkeypatch.setattr(PgStore, "hold_soon", lambda self, sid, c=None: (asked.append(sid), soon(self, sid, c))[1])
+    prints: list = []
+    fingerprint = lineage.fingerprint
+    monkeypatch.setattr(lineage, "fingerprint", lambda core: (prints.append(1), fingerprint(core))[1])
+    answer = {"role": "assistant", "content": "Read."}
+    try:
+        big = [{"role": "user", "content": "x" * (HEAD_BYTES + 1)}, answer, {"role": "user", "content": "Next?"}]
+        res = eng.process(json.dumps({"model": "m", "messages": big}).encode(), LANES["anthropic"],
+                          {"x-acp-session": "big"}, render=True)
+        assert res.refs_new == 3 and asked == []  # (the hold asked when the pass needs it, as before)
+        eng.write_pending()
+        eng.lineage.flush()  # (its record stored: no other conversation's opening read below)
+        small = [{"role": "user", "content": "Look at the parser, please."}, answer, {"role": "user", "content": "Next?"}]
+        prints.clear()
+        eng.process(json.dumps({"model": "m", "messages": small}).encode(), LANES["anthropic"],
+                    {"x-acp-session": "small"}, render=True)
+        assert asked == ["small"] and len(prints) == 1  # (early, and its fingerprint not computed again)
+    finally:
+        store.close()
+
+
+def test_the_lineage_on_the_lock_connection_reads_the_early_holds_answer_first(pg_url, tmp_path):
+    store = pg(pg_url, tmp_path)
+    try:
+        store.hold("warm")
+        store.release(wait=True)
+        store.hold_soon("S")
+        store.save_lineage_parts("T", 0, [("m00001", "c" * 64, "f" * 32)])
+        store.hold("S")  # (its answer was read when the lineage went: the session is held)
+        assert "S" in store._held and store._soon is None
+        assert store.lineage_parts("T") == [("m00001", "c" * 64, "f" * 32)]
+        store.release(wait=True)
+    finally:
+        store.close()
+
+
+def test_a_turn_ended_before_its_session_was_granted_does_not_wait_for_it(pg_url, tmp_path, monkeypatch):
+    """The early hold of a session another instance holds is still waiting when the turn's release
+    comes: its connection goes (the statement with it) instead of waiting out ``lock_wait``."""
+    from bili_addon.store_pg import PgStore
+
+    store = pg(pg_url, tmp_path, lock_wait=30)
+    try:
+        store.hold("warm")
+        store.release(wait=True)
+        with other(pg_url) as c:
+            c.execute("SELECT pg_advisory_lock(%s)", (PgStore.lock_key("taken"),))
+            store.hold_soon("taken")
+            monkeypatch.setattr(PgStore, "_answer_of", lambda self, conn: pytest.fail("waited for the lock"))
+            store.release()
+            assert store._soon is None and store._lock_conn is None and not store._held
+            monkeypatch.undo()
+            c.execute("SELECT pg_advisory_unlock_all()")
+        store.hold("taken")  # (a new lock connection)
+        assert "taken" in store._held
+        store.release(wait=True)
+    finally:
+        store.close()
+
+
+def test_a_session_id_the_connection_cannot_carry_does_not_reopen_it(pg_url, tmp_path, monkeypatch):
+    store = pg(pg_url, tmp_path)
+    eng = _engine(store)
+    case = bench_overhead.Case("anthropic", 12, seed=3)
+    sid = b"sess-\xff".decode("utf-8", "surrogateescape")  # (a header's byte that is not UTF-8)
+    try:
+        eng.process(case.unique_body(), case.lane, {"x-acp-session": "ok"}, render=True)
+        eng.write_pending()
+        opened = _connects(monkeypatch)
+        for _ in range(3):
+            with pytest.raises(UnicodeError):
+                eng.process(case.unique_body(), case.lane, {"x-acp-session": sid}, render=True)
+        assert opened == []
     finally:
         store.close()

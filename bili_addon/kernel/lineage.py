@@ -164,13 +164,14 @@ class Lineage:
         if head is None:
             return False
         first, answered = head
-        return (fingerprint(first), lane) if answered and first is not None else None
+        return (self._first_fingerprint(first), lane) if answered and first is not None else None
 
     def _first_fingerprint(self, core: Core) -> str:
         """The fingerprint of a conversation's first part: computed once for :meth:`head` and the
-        fork check that follows it (the same core object)."""
+        fork check that follows it (the same core object), and for :meth:`head_of` before them (the
+        same core read early: an equal one)."""
         known = self._first
-        if known is not None and known[0] is core:
+        if known is not None and (known[0] is core or known[0] == core):
             return known[1]
         fp = fingerprint(core)
         self._first = (core, fp)

@@ -104,15 +104,22 @@ class ItemInfo(msgspec.Struct, gc=False):
         return decode_any(self.raw)
 
 
+HEAD_BYTES = 64 << 10  # what head_cores reads at most (a first message with a screenshot: left to the pass)
+
+
 def head_cores(lane: Lane, raws, limit: int = 8) -> tuple[Core | None, bool] | None:
     """What a conversation's first items say before the pass reads them all (a store's lock sent
-    early with its fork key: Engine._hold_soon): ``(the first part's core after the leading system
+    early with its fork key: Engine._soon): ``(the first part's core after the leading system
     items, or None, whether a part of the assistant's is among them)``, each core as the item cache
-    reads it (assistant prose cleaned of replayed markers); None when ``limit`` items hold no
-    assistant's part and more follow (unknown: the pass reads on)."""
+    reads it (assistant prose cleaned of replayed markers); None when ``limit`` items, or the items
+    in :data:`HEAD_BYTES`, hold no assistant's part and more follow (unknown: the pass reads on)."""
     first = None
     system = True  # (the leading system run: not the conversation's)
+    size = 0
     for raw in islice(raws, limit):
+        size += len(raw)
+        if size > HEAD_BYTES:
+            return None
         obj = decode_any(raw)
         if system and lane.is_system_item(obj):
             continue
