@@ -17,6 +17,7 @@ import functools
 import hashlib
 import json
 import re
+import select
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -759,6 +760,9 @@ _HOLD_ARCHIVED = ("CASE WHEN $2::text IS NULL THEN NULL ELSE ARRAY(SELECT ARRAY[
 _HOLD = (b"SELECT json_build_array(o_version, o_family, o_last, o_cands, " + _HOLD_ARCHIVED.encode()
          + b")::text FROM bili_hold(" + _KEY_SQL.format("$1").encode() + b", $1, $2, $3)")
 _UNLOCK_ONE = b"SELECT pg_advisory_unlock(" + _KEY_SQL.format("$1").encode() + b")"  # (false, a warning: not held)
+# how long a turn that ended before it asked for its early hold (PgStore.hold_soon) waits for the hold's
+# answer before it cancels it (an answer comes within ~2 ms, unless the session is held elsewhere)
+SOON_GRACE = 0.02
 # what bili_hold answers for a session the store has no row, lineage nor usage of (a new conversation)
 _NEW_HOLD = b"[null, null, null, null, null]"
 # libpq reads a text parameter up to its first NUL byte: such a text (PostgreSQL cannot store it) is
@@ -1109,6 +1113,31 @@ class PgStore:
             return
         self._take(session_id, candidates)
 
+    def _let_soon_go(self) -> None:
+        """The hold :meth:`hold_soon` sent for a turn that ended before it asked for it: its answer read
+        (mostly in within a millisecond), else the statement cancelled (the session is held elsewhere:
+        it waits for the lock; not waited out), and a lock it was granted let go with the others.
+        Nothing else is held (hold_soon sends only then); the connection stays, but for a failure."""
+        soon, self._soon = self._soon, None
+        conn = self._lock_conn
+        try:
+            pgconn = conn.pgconn
+            end = time.monotonic() + SOON_GRACE
+            pgconn.consume_input()
+            while pgconn.is_busy():
+                left = end - time.monotonic()
+                if left <= 0:
+                    pgconn.get_cancel().cancel()
+                    break
+                select.select([pgconn.socket], [], [], left)
+                pgconn.consume_input()
+            self._answer_of(conn)
+            self._held.add(soon[0])  # (granted: the release's unlock lets it go)
+        except (pg_errors.QueryCanceled, pg_errors.LockNotAvailable):
+            self._unlock_after(conn, soon[0])  # (granted right before it was cancelled, maybe)
+        except (psycopg.Error, AttributeError, OSError):
+            self._drop_lock_conn()  # (whatever it may hold goes with it)
+
     def _settle_soon(self) -> None:
         """The answer of the hold :meth:`hold_soon` sent, read (its session then held), before anything
         else is sent on the lock connection."""
@@ -1246,23 +1275,7 @@ class PgStore:
         next statement), so another connection's *try* of the lock may still find it held for a
         moment: ``wait`` reads the answer now, for a caller that needs the lock free on return."""
         if self._soon is not None:
-            # a hold sent for a turn that ended before it asked for it: taken when its answer is in, and
-            # let go below; else (the session is held elsewhere: it waits for the lock) its connection
-            # goes, and the statement with it (nothing else is held: hold_soon sends only then)
-            soon, self._soon = self._soon, None
-            try:
-                pgconn = self._lock_conn.pgconn
-                pgconn.consume_input()
-                busy = pgconn.is_busy()
-            except (psycopg.Error, AttributeError):
-                busy = True
-            if busy:
-                self._drop_lock_conn()
-            else:
-                try:
-                    self._take(soon[0], None, sent=True)
-                except StoreError:
-                    pass  # (not held: its connection went, or the lock was not granted and let go)
+            self._let_soon_go()
         self._state.clear()
         self._absent.clear()
         self._cands.clear()

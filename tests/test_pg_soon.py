@@ -85,7 +85,7 @@ def test_the_fork_key_of_odd_openings(tmp_path):
 # -- on PostgreSQL ------------------------------------------------------------------------------------
 pytest.importorskip("psycopg")
 
-from test_pg_release import soon_free  # noqa: E402
+from test_pg_release import free, soon_free  # noqa: E402
 from test_pg_trips import _engine, _stored, other, pg  # noqa: E402
 
 
@@ -188,12 +188,17 @@ def test_a_turn_that_ends_before_it_holds_its_session_lets_the_early_hold_go(pg_
     def broken(*a, **k):
         raise RuntimeError("read failed")
     try:
+        eng.process(bench_overhead.Case("anthropic", 8, seed=1).unique_body(), case.lane, {"x-acp-session": "w"},
+                    render=True)
+        eng.write_pending()
+        pid = store._lock_conn.info.backend_pid
         with other(pg_url) as c:
             with monkeypatch.context() as m:
                 m.setattr(eng.items, "get_many", broken)
                 with pytest.raises(RuntimeError):
                     eng.process(raw, case.lane, {"x-acp-session": "ends"}, render=True)
             assert store._soon is None and not store._held
+            assert store._lock_conn.info.backend_pid == pid  # (the connection goes on: nothing to open again)
             assert soon_free(c, PgStore.lock_key("ends"))  # (asked, granted, then let go)
             assert store.session_state("ends")[0] is None  # nothing of it written
             res = eng.process(raw, case.lane, {"x-acp-session": "ends"}, render=True)  # the connection goes on
@@ -307,25 +312,29 @@ def test_the_lineage_on_the_lock_connection_reads_the_early_holds_answer_first(p
         store.close()
 
 
-def test_a_turn_ended_before_its_session_was_granted_does_not_wait_for_it(pg_url, tmp_path, monkeypatch):
+def test_a_turn_ended_before_its_session_was_granted_does_not_wait_for_it(pg_url, tmp_path):
     """The early hold of a session another instance holds is still waiting when the turn's release
-    comes: its connection goes (the statement with it) instead of waiting out ``lock_wait``."""
+    comes: the statement is cancelled (not waited out for ``lock_wait``), the connection stays, and
+    nothing of it is left in the lock's queue (the other instance's unlock frees the lock)."""
     from bili_addon.store_pg import PgStore
 
     store = pg(pg_url, tmp_path, lock_wait=30)
     try:
         store.hold("warm")
         store.release(wait=True)
+        pid = store._lock_conn.info.backend_pid
+        key = PgStore.lock_key("taken")
         with other(pg_url) as c:
-            c.execute("SELECT pg_advisory_lock(%s)", (PgStore.lock_key("taken"),))
+            c.execute("SELECT pg_advisory_lock(%s)", (key,))
             store.hold_soon("taken")
-            monkeypatch.setattr(PgStore, "_answer_of", lambda self, conn: pytest.fail("waited for the lock"))
-            store.release()
-            assert store._soon is None and store._lock_conn is None and not store._held
-            monkeypatch.undo()
+            store.release(wait=True)
+            assert store._soon is None and not store._held and store._lock_conn.info.backend_pid == pid
+            waiting = c.execute("SELECT count(*) FROM pg_locks WHERE locktype='advisory' AND NOT granted").fetchone()[0]
+            assert waiting == 0
             c.execute("SELECT pg_advisory_unlock_all()")
-        store.hold("taken")  # (a new lock connection)
-        assert "taken" in store._held
+            assert free(c, key)  # (no backend of ours queued for it: the lock is free)
+        store.hold("taken")
+        assert "taken" in store._held and store._lock_conn.info.backend_pid == pid
         store.release(wait=True)
     finally:
         store.close()
