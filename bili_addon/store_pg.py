@@ -733,6 +733,28 @@ def _failed(pgconn, result, enc: str):
     raise pg_errors.error_from_result(result, encoding=enc)
 
 
+def _results_of(conn) -> list:
+    """The results of the statement sent on ``conn`` without waiting for them: read with libpq's calls
+    while they are in, the rest waited for (psycopg's wait: the GIL let go)."""
+    pgconn = conn.pgconn
+    pgconn.consume_input()  # what came
+    results = []
+    while not pgconn.is_busy():
+        r = pgconn.get_result()
+        if r is None:
+            return results
+        results.append(r)
+    return results + conn.wait(pg_generators.fetch_many(pgconn))
+
+
+def _text_params(params, enc: str) -> list:
+    """A statement's parameters as libpq takes them (:meth:`PgStore._call`): text in ``enc`` (bytes: bili's
+    own JSON, which escapes a NUL), None as NULL; a text holding a NUL refused (libpq would cut it there)."""
+    if any("\0" in p for p in params if type(p) is str):
+        raise ValueError(_NUL)
+    return [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in params]
+
+
 def _reads(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kw):
@@ -1071,13 +1093,10 @@ class PgStore:
         if self._held or self._soon is not None or self._answer:
             return
         fp, lane = candidates if candidates is not None else (None, None)
-        params = (session_id, fp, lane)
-        if any("\0" in p for p in params if type(p) is str):
-            return  # (hold refuses it, as it does)
         try:
-            args = [p if p is None else p.encode(self._lock_enc) for p in params]
-        except UnicodeError:
-            return  # (hold says so, as it does: nothing was sent)
+            args = _text_params((session_id, fp, lane), self._lock_enc)
+        except (ValueError, UnicodeError):
+            return  # (hold refuses it, as it does: nothing was sent)
         conn = self._lock_conn
         if conn is None or conn.closed or conn.pgconn.status == _BAD:  # (BAD: psycopg's ``closed``)
             return  # a connection to open: hold opens it (its failure said once, after one wait)
@@ -1192,15 +1211,7 @@ class PgStore:
         """The one result of the statement :meth:`hold_soon` sent on ``conn`` (waited for, the GIL let
         go, when it is not in yet), raised as :meth:`_call` raises a failure."""
         pgconn = conn.pgconn
-        pgconn.consume_input()  # what came (mostly all of it: the turn read its request meanwhile)
-        results = []
-        while not pgconn.is_busy():
-            r = pgconn.get_result()
-            if r is None:
-                break
-            results.append(r)
-        else:
-            results += conn.wait(pg_generators.fetch_many(pgconn))
+        results = _results_of(conn)  # (mostly in already: the turn read its request meanwhile)
         if len(results) != 1:
             raise psycopg.OperationalError(f"the hold sent before was answered with {len(results)} results")
         if results[0].status != _TUPLES_OK:
@@ -1234,9 +1245,7 @@ class PgStore:
             enc = conn.info.encoding
             name = None
         pgconn = conn.pgconn
-        if any("\0" in p for p in params if type(p) is str):  # (bytes: bili's own JSON, which escapes it)
-            raise ValueError(_NUL)
-        params = [p if p is None or isinstance(p, bytes) else str(p).encode(enc) for p in params]
+        params = _text_params(params, enc)
         result = pgconn.exec_params(sql, params) if name is None else pgconn.exec_prepared(name, params)
         if result.status != _TUPLES_OK:
             _failed(pgconn, result, enc)
@@ -1306,20 +1315,8 @@ class PgStore:
         self._unlocking = False
         try:
             conn = self._lock_conn
-            pgconn = conn.pgconn
-            pgconn.consume_input()  # what came (it came long ago, as a rule)
-            n = bad = 0
-            while not pgconn.is_busy():  # libpq's calls while the answer is in
-                r = pgconn.get_result()
-                if r is None:
-                    break
-                n += 1
-                bad += r.status != _TUPLES_OK
-            else:  # the rest of it is still on its way: wait for it
-                results = conn.wait(pg_generators.fetch_many(pgconn))
-                n += len(results)
-                bad += sum(r.status != _TUPLES_OK for r in results)
-            ok = n > 0 and not bad
+            results = _results_of(conn)  # (it came long ago, as a rule)
+            ok = bool(results) and all(r.status == _TUPLES_OK for r in results)
         except (psycopg.Error, AttributeError):
             ok = False
         if not ok:

@@ -34,7 +34,8 @@ def _key_both_ways(tmp_path, lane_name: str, raws: list[bytes], sid: str = "s"):
     store = Store(str(tmp_path / "k"))
     try:
         lineage = Lineage(store)
-        early = lineage.head_of(sid, head_cores(lane, raws), lane.name)
+        head = head_cores(lane, raws)  # (None: the first items do not say; False below)
+        early = False if head is None else lineage.head_of(sid, *head, lane.name)
         # (as a first pass reads them: the array in one decode, the lane's typed structs where they hold it)
         infos = ItemCache().get_many(lane, [msgspec.Raw(r) for r in raws], [], b"[" + b",".join(raws) + b"]")
         return early, lineage.head(sid, infos[_system_run(infos):], lane.name)
@@ -87,6 +88,12 @@ pytest.importorskip("psycopg")
 
 from test_pg_release import free, soon_free  # noqa: E402
 from test_pg_trips import _engine, _stored, other, pg  # noqa: E402
+
+
+def _turns(pg_url, tmp_path, n: int, seed: int, **kw):
+    """A PostgreSQL store, an engine on it, and the bench's conversation of ``n`` messages."""
+    store = pg(pg_url, tmp_path, **kw)
+    return store, _engine(store), bench_overhead.Case("anthropic", n, seed=seed)
 
 
 def _no_early(store):
@@ -157,9 +164,7 @@ def test_early_holds_give_what_holds_gave(pg_url, pg_server, tmp_path):
 def test_a_session_held_elsewhere_is_busy_and_its_early_hold_keeps_nothing(pg_url, tmp_path):
     from bili_addon.store_pg import PgStore
 
-    store = pg(pg_url, tmp_path, lock_wait=0.2)
-    eng = _engine(store)
-    case = bench_overhead.Case("anthropic", 20, seed=4)
+    store, eng, case = _turns(pg_url, tmp_path, 20, 4, lock_wait=0.2)
     raw = case.unique_body()
     try:
         with other(pg_url) as c:
@@ -180,9 +185,7 @@ def test_a_session_held_elsewhere_is_busy_and_its_early_hold_keeps_nothing(pg_ur
 def test_a_turn_that_ends_before_it_holds_its_session_lets_the_early_hold_go(pg_url, tmp_path, monkeypatch):
     from bili_addon.store_pg import PgStore
 
-    store = pg(pg_url, tmp_path)
-    eng = _engine(store)
-    case = bench_overhead.Case("anthropic", 20, seed=6)
+    store, eng, case = _turns(pg_url, tmp_path, 20, 6)
     raw = case.unique_body()
 
     def broken(*a, **k):
@@ -210,9 +213,7 @@ def test_a_turn_that_ends_before_it_holds_its_session_lets_the_early_hold_go(pg_
 
 
 def test_an_early_hold_on_a_lost_connection_is_a_store_error_then_a_new_one(pg_url, tmp_path):
-    store = pg(pg_url, tmp_path)
-    eng = _engine(store)
-    case = bench_overhead.Case("anthropic", 20, seed=8)
+    store, eng, case = _turns(pg_url, tmp_path, 20, 8)
     try:
         eng.process(case.unique_body(), case.lane, {"x-acp-session": "lost-0"}, render=True)
         eng.write_pending()
@@ -248,9 +249,7 @@ def test_a_lock_connection_to_open_is_opened_by_the_hold_once(pg_url, tmp_path, 
     answer tries it once, as before (each try is a connect timeout on the worker)."""
     import socket
 
-    store = pg(pg_url, tmp_path)
-    eng = _engine(store)
-    case = bench_overhead.Case("anthropic", 12, seed=3)
+    store, eng, case = _turns(pg_url, tmp_path, 12, 3)
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))  # (bound, not listening: the connection is refused at once)
         try:
@@ -341,9 +340,7 @@ def test_a_turn_ended_before_its_session_was_granted_does_not_wait_for_it(pg_url
 
 
 def test_a_session_id_the_connection_cannot_carry_does_not_reopen_it(pg_url, tmp_path, monkeypatch):
-    store = pg(pg_url, tmp_path)
-    eng = _engine(store)
-    case = bench_overhead.Case("anthropic", 12, seed=3)
+    store, eng, case = _turns(pg_url, tmp_path, 12, 3)
     sid = b"sess-\xff".decode("utf-8", "surrogateescape")  # (a header's byte that is not UTF-8)
     try:
         eng.process(case.unique_body(), case.lane, {"x-acp-session": "ok"}, render=True)

@@ -156,15 +156,12 @@ class Lineage:
         first = _opening(conv)
         return (self._first_fingerprint(first.core), lane) if first is not None else None
 
-    def head_of(self, sid: str, head: tuple[Core | None, bool] | None, lane: str) -> tuple[str, str] | None | bool:
-        """:meth:`head` from what the conversation's first items say (``state.head_cores``), before
-        the pass reads them all; False when they do not say it."""
-        if sid in self.checked:
+    def head_of(self, sid: str, first: Core | None, answered: bool, lane: str) -> tuple[str, str] | None:
+        """:meth:`head` from what the conversation's first items say (``state.head_cores``: its first
+        part, whether it has an answer), before the pass reads them all."""
+        if sid in self.checked or not answered or first is None:
             return None
-        if head is None:
-            return False
-        first, answered = head
-        return (self._first_fingerprint(first), lane) if answered and first is not None else None
+        return self._first_fingerprint(first), lane
 
     def _first_fingerprint(self, core: Core) -> str:
         """The fingerprint of a conversation's first part: computed once for :meth:`head` and the

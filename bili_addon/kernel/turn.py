@@ -455,12 +455,12 @@ class Engine(ProxyTools, Epochs, Deferred):
         hold_soon = getattr(self.store, "hold_soon", None)
         if hold_soon is None:
             return
+        candidates = None
         if self.sessions.get(sid) is None:
-            candidates = self.lineage.head_of(sid, head_cores(lane, raws), lane.name)
-            if candidates is False:
+            head = head_cores(lane, raws)
+            if head is None:
                 return
-        else:
-            candidates = None
+            candidates = self.lineage.head_of(sid, *head, lane.name)
         hold_soon(sid, candidates)
 
     def _memo_for(self, sid: str | None, lane: Lane, raws: list) -> Memo | None:
