@@ -129,14 +129,18 @@ def test_a_turns_lock_is_asked_before_its_request_is_read_and_taken_after(pg_url
         store.close()
 
 
+def _both(pg_url, pg_server, tmp_path):
+    """Two engines on stores of their own: one asks for its lock early, the other when it needs it."""
+    return (_engine(pg(pg_url, tmp_path / "a")), _engine(_no_early(pg(pg_server.fresh(), tmp_path / "b"))))
+
+
 def test_early_holds_give_what_holds_gave(pg_url, pg_server, tmp_path):
-    """The bench's conversations, a fork of one of them (its candidates read with the early hold),
-    and the captures: the same outgoing bytes, results, stored rows and round trips as turns that ask
-    for the lock when they need it."""
+    """The bench's conversations and a fork of one of them (its candidates read with the early hold):
+    the same outgoing bytes, results, stored rows and round trips as turns that ask for the lock when
+    they need it."""
     from test_pg_trips import _same
 
-    a = _engine(pg(pg_url, tmp_path / "a"))
-    b = _engine(_no_early(pg(pg_server.fresh(), tmp_path / "b")))
+    a, b = _both(pg_url, pg_server, tmp_path)
     try:
         for lane, n in (("anthropic", 60), ("chat", 40), ("responses", 40)):
             case = bench_overhead.Case(lane, n, seed=9)
@@ -154,7 +158,18 @@ def test_early_holds_give_what_holds_gave(pg_url, pg_server, tmp_path):
                 e.lineage.flush()
             assert _stored(a.store, f"fork-{lane}") == _stored(b.store, f"fork-{lane}")
             assert a.store.round_trips - trips[0] == b.store.round_trips - trips[1]
-        for lane, headers, body in capture_turns():
+    finally:
+        a.store.close()
+        b.store.close()
+
+
+def test_early_holds_of_the_captures_give_what_holds_gave(pg_url, pg_server, tmp_path):
+    from test_pg_trips import _same
+
+    turns = capture_turns()  # (skipped where there are none: the bench's conversations above run anyway)
+    a, b = _both(pg_url, pg_server, tmp_path)
+    try:
+        for lane, headers, body in turns:
             _same(a, b, body, LANES[lane], headers)
     finally:
         a.store.close()
